@@ -1,0 +1,65 @@
+# The README's two commands are the contract: `make demo` and `make test`, each on a fresh machine.
+# Builds of the real parts (Kubernetes control plane, llama.cpp) are cached outside the clone
+# under $(CONTINUUM_CACHE), so a warm `make test` only re-runs the tests.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export CONTINUUM_CACHE ?= $(HOME)/.cache/continuum
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+PHASE := tools/phase
+export CONTINUUM_PHASE_LOG ?= /tmp/continuum-phases-$(shell date +%s%N)
+
+.PHONY: test demo venv install toolchain lint unit e2e crds crds-check bench clean
+
+test:
+	@$(PHASE) toolchain $(MAKE) --no-print-directory toolchain
+	@$(PHASE) install $(MAKE) --no-print-directory install
+	@$(PHASE) lint $(MAKE) --no-print-directory lint
+	@$(PHASE) unit $(MAKE) --no-print-directory unit
+	@$(PHASE) e2e $(MAKE) --no-print-directory e2e
+	@tools/phase --summary
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+# The llama-cpp-python wheel comes from tools/llama's cache (built once per machine).
+install: venv
+	tools/llama install $(PY)
+
+toolchain:
+	tools/cluster build
+	tools/llama build
+
+lint: venv
+	$(VENV)/bin/ruff check operator tests bench tools
+	$(VENV)/bin/ruff format --check operator tests bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+unit: venv
+	$(VENV)/bin/pytest -q -m 'not e2e' tests
+
+e2e: venv
+	$(VENV)/bin/pytest -q -m e2e tests
+
+crds: venv
+	$(PY) -m continuum_operator.model.crdgen crds
+
+crds-check: venv
+	$(PY) -m continuum_operator.model.crdgen --check crds
+
+bench: venv
+	$(PY) bench/plan.py
+
+demo: toolchain install
+	tools/demo
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,91 @@
+"""Shared pieces of every resource: camelCase fields, strict input, object metadata.
+
+Fields are snake_case in Python and camelCase on the wire, as Kubernetes users write them.
+Unknown fields are refused (`extra="forbid"`) so a typo in a spec is an error, not a silent
+default; the CRD schemas generated from these models prune unknown fields the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "continuum.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Bytes are int64 on the wire; pydantic and the CRD schema both refuse negatives.
+Bytes = Annotated[int, Field(ge=0, le=2**62)]
+PositiveInt = Annotated[int, Field(gt=0, le=2**31 - 1)]
+Name = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
+
+
+class Spec(BaseModel):
+    """Base of every spec and status part: camelCase aliases, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+
+class OpenStatus(BaseModel):
+    """A status part whose fields a later writer owns; kept open so writers can evolve it."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="allow",
+        frozen=True,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes object metadata the core reads; the rest passes through."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="allow", frozen=True)
+
+    name: Name
+    namespace: str | None = None
+    generation: int | None = None
+    resource_version: str | None = Field(default=None, alias="resourceVersion")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Condition(Spec):
+    """A Kubernetes condition, keyed by type and written whole by its one writer."""
+
+    type: str
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class Resource(BaseModel):
+    """A whole object as kubectl writes it: apiVersion, kind, metadata, spec, status."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
+
+    # CRD facts read by crdgen; each subclass sets them.
+    KIND: ClassVar[str]
+    PLURAL: ClassVar[str]
+    SHORT_NAMES: ClassVar[tuple[str, ...]] = ()
+    NAMESPACED: ClassVar[bool] = True
+    CATEGORIES: ClassVar[tuple[str, ...]] = ("continuum",)
+    PRINTER_COLUMNS: ClassVar[tuple[dict[str, Any], ...]] = ()
+
+    api_version: str = Field(default=API_VERSION, alias="apiVersion", pattern=f"^{API_VERSION}$")
+    kind: str
+    metadata: ObjectMeta
+
+    @classmethod
+    def spec_model(cls) -> type[BaseModel] | None:
+        field = cls.model_fields.get("spec")
+        return field.annotation if field is not None else None  # type: ignore[return-value]

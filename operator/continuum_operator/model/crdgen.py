@@ -1,0 +1,180 @@
+"""CRD YAML generated from the pydantic resources: the models are the single source of schemas.
+
+Pydantic writes JSON Schema; the API server wants a structural OpenAPI v3 schema. The
+translation inlines `$ref`s, turns optional (`anyOf [X, null]`) into X, drops titles and
+`additionalProperties: false` (structural schemas prune unknown fields instead), and keeps the
+`x-kubernetes-*` extensions the models declare (CEL rules, int-or-string, open parts).
+
+    python -m continuum_operator.model.crdgen crds            # write crds/*.yaml
+    python -m continuum_operator.model.crdgen --check crds    # exit 1 when they drift
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from continuum_operator.model.base import GROUP, VERSION, Resource
+from continuum_operator.model.board import NodeBoard
+from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.engine import Engine
+from continuum_operator.model.mind import Mind
+from continuum_operator.model.mindclass import MindClass
+
+RESOURCES: tuple[type[Resource], ...] = (Engine, Mind, EmbedLane, NodeBoard, MindClass)
+
+_DROPPED_KEYS = {"title", "$defs"}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _inline(merged, defs)
+    any_of = node.get("anyOf")
+    if any_of is not None:
+        non_null = [branch for branch in any_of if branch != {"type": "null"}]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if rest.get("default", "absent") is None:
+            del rest["default"]
+        if rest.get("x-kubernetes-preserve-unknown-fields") and not rest.get(
+            "x-kubernetes-int-or-string"
+        ):
+            # An open field (integer or list) keeps only its CEL rules.
+            return _inline(rest, defs)
+        if rest.get("x-kubernetes-int-or-string"):
+            return _inline(rest, defs)
+        if len(non_null) == 1:
+            return _inline({**non_null[0], **rest}, defs)
+        return _inline({**rest, "anyOf": non_null}, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROPPED_KEYS:
+            continue
+        if key == "additionalProperties" and value is False:
+            continue
+        if key == "additionalProperties" and value is True:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+            continue
+        if key == "properties":
+            out[key] = {name: _inline(sub, defs) for name, sub in value.items()}
+            continue
+        out[key] = _inline(value, defs)
+    if out.get("default", "absent") is None:
+        del out["default"]
+    if "exclusiveMinimum" in out:
+        # OpenAPI v3.0 takes a boolean here; integers carry the bound as a minimum instead.
+        out["minimum"] = out.pop("exclusiveMinimum") + 1
+    if "description" in out:
+        out["description"] = " ".join(out["description"].split("\n\n")[0].split())
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    if "const" in out:
+        out["enum"] = [out.pop("const")]
+    return out
+
+
+def openapi_schema(model: type[Any]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one pydantic model."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    schema: dict[str, Any] = _inline(raw, raw.get("$defs", {}))
+    return schema
+
+
+def crd(resource: type[Resource]) -> dict[str, Any]:
+    properties: dict[str, Any] = {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+    }
+    fields = resource.model_fields
+    required = []
+    for part in ("spec", "status"):
+        if part in fields:
+            properties[part] = openapi_schema(fields[part].annotation)  # type: ignore[arg-type]
+            properties[part].pop("description", None)
+            if fields[part].is_required():
+                required.append(part)
+    root: dict[str, Any] = {"type": "object", "properties": properties}
+    if resource.__doc__:
+        root["description"] = resource.__doc__.strip().splitlines()[0]
+    if required:
+        root["required"] = required
+    version: dict[str, Any] = {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": root},
+    }
+    if "status" in fields:
+        version["subresources"] = {"status": {}}
+    if resource.PRINTER_COLUMNS:
+        version["additionalPrinterColumns"] = [dict(c) for c in resource.PRINTER_COLUMNS]
+    names: dict[str, Any] = {
+        "kind": resource.KIND,
+        "listKind": f"{resource.KIND}List",
+        "plural": resource.PLURAL,
+        "singular": resource.KIND.lower(),
+    }
+    if resource.SHORT_NAMES:
+        names["shortNames"] = list(resource.SHORT_NAMES)
+    if resource.CATEGORIES:
+        names["categories"] = list(resource.CATEGORIES)
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{resource.PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": names,
+            "scope": "Namespaced" if resource.NAMESPACED else "Cluster",
+            "versions": [version],
+        },
+    }
+
+
+_HEADER = "# Generated by `make crds` from continuum_operator.model; do not edit by hand.\n"
+
+
+def rendered() -> dict[str, str]:
+    """File name to YAML text, for every resource."""
+    return {
+        f"{GROUP}_{r.PLURAL}.yaml": _HEADER + yaml.safe_dump(crd(r), sort_keys=False, width=100)
+        for r in RESOURCES
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--check", action="store_true", help="exit 1 when the files drift")
+    args = parser.parse_args(argv)
+    directory: Path = args.directory
+    drifted = []
+    for name, text in rendered().items():
+        path = directory / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                drifted.append(str(path))
+        else:
+            directory.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if drifted:
+        print(
+            "CRDs drifted from the models (run `make crds` and commit): " + ", ".join(drifted),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

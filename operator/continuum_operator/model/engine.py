@@ -1,0 +1,254 @@
+"""Engine: a llama.cpp server whose KV-cache pool is shared out to minds as grants.
+
+The spec says what to serve and how much of it (context per mind, minds min..max, offload,
+KV type, reserve, placement); the plan (`core.plan`) turns it into layers on the device and a
+pool size against one node's board. Status parts are written by their one writer each
+(DESIGN.md "One writer per status field"): `plan`, `placement`, `grants`, `enforcement` and
+`conditions` by the operator, `runtime` by the engine runtime.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import Field, field_validator, model_validator
+
+from continuum_operator.model.base import (
+    Bytes,
+    Condition,
+    ObjectMeta,
+    OpenStatus,
+    PositiveInt,
+    Resource,
+    Spec,
+)
+
+GiB = 1024**3
+
+# A per-layer quantity may be one number for every layer or a list, one per layer. The CRD
+# cannot type a union of integer and array, so the field is left open in the schema and checked
+# by a CEL rule there, and by pydantic here.
+PerLayerBytes = Annotated[
+    int | list[int],
+    Field(
+        json_schema_extra={
+            "x-kubernetes-preserve-unknown-fields": True,
+            "x-kubernetes-validations": [
+                {
+                    "rule": "type(self) == int ? self >= 0 : "
+                    "(type(self) == list && self.all(x, type(x) == int && x >= 0))",
+                    "message": "must be a non-negative integer or a list of them, one per layer",
+                }
+            ],
+        }
+    ),
+]
+
+
+class KvCacheType(StrEnum):
+    F32 = "f32"
+    F16 = "f16"
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+
+    @property
+    def bytes_ratio_to_f16(self) -> tuple[int, int]:
+        """Bytes of this type per bytes of f16, as a fraction (llama.cpp block sizes)."""
+        return {
+            KvCacheType.F32: (2, 1),
+            KvCacheType.F16: (1, 1),
+            # q8_0: 34 bytes per block of 32 values, f16: 64 bytes for the same 32.
+            KvCacheType.Q8_0: (34, 64),
+            # q4_0: 18 bytes per block of 32 values.
+            KvCacheType.Q4_0: (18, 64),
+        }[self]
+
+
+class ModelFacts(Spec):
+    """Facts of a model's file that the plan needs: per-layer bytes and KV rates.
+
+    Inline facts serve when no reader can see the GGUF file; later the GGUF reader fills the
+    same shape. Every size is bytes of the file's own quantisation.
+    """
+
+    layers: PositiveInt = Field(le=4096, description="Repeating (transformer) layers.")
+    layer_bytes: PerLayerBytes = Field(description="Weights of each repeating layer.")
+    input_bytes: Bytes = Field(
+        description="Token embeddings; always on the host, as llama.cpp keeps them."
+    )
+    output_bytes: Bytes = Field(
+        default=0, description="Output head; on the device only when every repeating layer is."
+    )
+    kv_bytes_per_token_per_layer: PerLayerBytes = Field(
+        description="K plus V bytes per token per layer at f16; scaled by spec.kvCacheType."
+    )
+    compute_bytes: Bytes | None = Field(
+        default=None,
+        description="Compute buffer at the planned context, if known; otherwise estimated.",
+    )
+    embedding_length: PositiveInt | None = None
+    head_count: PositiveInt | None = None
+    vocab_size: PositiveInt | None = None
+    architecture: str | None = Field(default=None, max_length=64)
+
+    @field_validator("layer_bytes", "kv_bytes_per_token_per_layer")
+    @classmethod
+    def _non_negative(cls, value: int | list[int]) -> int | list[int]:
+        values = value if isinstance(value, list) else [value]
+        if any(v < 0 or v > 2**62 for v in values):
+            raise ValueError("sizes must be between 0 and 2^62 bytes")
+        return value
+
+    @model_validator(mode="after")
+    def _lists_have_one_entry_per_layer(self) -> Self:
+        for name in ("layer_bytes", "kv_bytes_per_token_per_layer"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != self.layers:
+                raise ValueError(
+                    f"{_camel(name)} lists {len(value)} layers but layers is {self.layers}; "
+                    "give one number for all layers or one per layer"
+                )
+        return self
+
+    def layer_bytes_list(self) -> list[int]:
+        return _per_layer(self.layer_bytes, self.layers)
+
+    def kv_f16_list(self) -> list[int]:
+        return _per_layer(self.kv_bytes_per_token_per_layer, self.layers)
+
+
+def _per_layer(value: int | list[int], layers: int) -> list[int]:
+    return list(value) if isinstance(value, list) else [value] * layers
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+class ModelSourceKind(StrEnum):
+    PVC = "pvc"
+    HOST_PATH = "hostPath"
+    IMAGE = "image"
+
+
+class ModelSource(Spec):
+    kind: ModelSourceKind
+    claim_name: str | None = Field(default=None, max_length=253)
+    path: str = Field(min_length=1, max_length=4096, description="Path of the GGUF file in the source.")
+    image: str | None = Field(default=None, max_length=1024)
+
+
+class ModelRef(Spec):
+    source: ModelSource | None = None
+    sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")
+    facts: ModelFacts | None = None
+
+    @model_validator(mode="after")
+    def _facts_or_source(self) -> Self:
+        if self.facts is None and self.source is None:
+            raise ValueError("give the model's `facts` inline, or a `source` to read them from")
+        return self
+
+
+class Minds(Spec):
+    model_config = Spec.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": "self.min <= self.max", "message": "minds.min must not exceed minds.max"}
+            ]
+        }
+    }
+
+    min: int = Field(default=1, ge=1, le=4096)
+    max: int = Field(default=1, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> Self:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+OffloadWord = Literal["auto", "all", "none"]
+
+
+class Placement(Spec):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_pool: str | None = Field(default=None, max_length=253)
+    gpus: int = Field(default=1, ge=1, le=64, description="GPUs for one engine, split evenly.")
+    device_budget_bytes: Bytes | None = Field(
+        default=None,
+        description="Declared device budget, used only where the node's memory mode is unknown.",
+    )
+
+
+class EngineSpec(Spec):
+    model: ModelRef
+    context_tokens_per_mind: int = Field(ge=16, le=16_777_216)
+    minds: Minds = Field(default_factory=Minds)
+    offload: OffloadWord | Annotated[int, Field(ge=0, le=4097)] = Field(
+        default="auto",
+        json_schema_extra={
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [
+                {
+                    "rule": "type(self) == int ? self >= 0 : self in ['auto', 'all', 'none']",
+                    "message": "offload is auto, all, none or a number of layers",
+                }
+            ],
+        },
+    )
+    kv_cache_type: KvCacheType = KvCacheType.F16
+    reserve_bytes: Bytes = Field(default=GiB, description="Kept free in each pool the engine uses.")
+    placement: Placement = Field(default_factory=Placement)
+    allowed_namespaces: list[str] = Field(default_factory=list, max_length=1024)
+
+
+class EnginePoolBytes(Spec):
+    pool: str = Field(pattern=r"^(unified|host|device/[0-9]+)$")
+    bytes: Bytes
+
+
+class EnginePlacement(Spec):
+    """The assumed lease: node and bytes per pool, written before the pod exists."""
+
+    node: str = Field(min_length=1, max_length=253)
+    gpus: list[int] = Field(default_factory=list)
+    pools: list[EnginePoolBytes] = Field(default_factory=list)
+    assumed: bool = True
+
+
+class EngineStatus(Spec):
+    model_config = Spec.model_config | {"extra": "allow"}
+
+    plan: OpenStatus | None = None
+    placement: EnginePlacement | None = None
+    grants: list[dict[str, Any]] | None = Field(
+        default=None, json_schema_extra={"items": {"x-kubernetes-preserve-unknown-fields": True}}
+    )
+    enforcement: OpenStatus | None = None
+    runtime: OpenStatus | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+
+
+class Engine(Resource):
+    KIND = "Engine"
+    PLURAL = "engines"
+    SHORT_NAMES = ("eng",)
+    PRINTER_COLUMNS = (
+        {"name": "Node", "type": "string", "jsonPath": ".status.placement.node"},
+        {"name": "Layers", "type": "integer", "jsonPath": ".status.plan.layersOnDevice"},
+        {"name": "Minds", "type": "integer", "jsonPath": ".status.plan.mindsGrantable"},
+        {"name": "Pool-Tokens", "type": "integer", "jsonPath": ".status.plan.poolTokens"},
+        {"name": "Mode", "type": "string", "jsonPath": ".status.plan.memoryMode", "priority": 1},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type=='Ready')].status"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    )
+
+    kind: Literal["Engine"] = "Engine"
+    metadata: ObjectMeta
+    spec: EngineSpec
+    status: EngineStatus = Field(default_factory=EngineStatus)

@@ -1,0 +1,35 @@
+"""MindClass: the priority and the most tokens a mind of the class may hold (cluster-scoped)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from continuum_operator.model.base import ObjectMeta, Resource, Spec
+
+
+class MindClassSpec(Spec):
+    priority: int = Field(ge=-1_000_000, le=1_000_000, description="Higher may preempt lower.")
+    max_tokens: int | None = Field(default=None, ge=1, le=2**40)
+    protection_window_seconds: int = Field(
+        default=300, ge=0, le=86_400, description="A new grant is not reclaimed within it."
+    )
+    default: bool = Field(default=False, description="The class of Minds that name none.")
+
+
+class MindClass(Resource):
+    KIND = "MindClass"
+    PLURAL = "mindclasses"
+    SHORT_NAMES = ("mc",)
+    NAMESPACED = False
+    PRINTER_COLUMNS = (
+        {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority"},
+        {"name": "Max-Tokens", "type": "integer", "jsonPath": ".spec.maxTokens"},
+        {"name": "Default", "type": "boolean", "jsonPath": ".spec.default"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    )
+
+    kind: Literal["MindClass"] = "MindClass"
+    metadata: ObjectMeta
+    spec: MindClassSpec
