@@ -1,0 +1,223 @@
+"""Fixtures for end-to-end tests against a real local control plane started by `tools/cluster`.
+
+- `cluster` (session): etcd, kube-apiserver, kube-controller-manager, kube-scheduler and KWOK
+  in a state directory under pytest's tmp; torn down at the end of the session. Needs the
+  binaries of `tools/cluster build` (run by `make toolchain`).
+- `namespace` (function): a fresh namespace per test, deleted afterwards.
+- `gpu_node` (function): a KWOK fake node with `nvidia.com/gpu` capacity, deleted afterwards.
+
+When a test that uses the cluster fails, the tail of every component's log is attached to its
+report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import uuid
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_SCRIPT = ROOT / "tools" / "cluster"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+
+
+def read_versions() -> dict[str, str]:
+    """The pinned versions in tools/versions (KEY=value lines)."""
+    versions: dict[str, str] = {}
+    for line in (ROOT / "tools" / "versions").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            versions[key.strip()] = value.strip()
+    return versions
+
+
+class KubectlError(subprocess.CalledProcessError):
+    """A failed kubectl call whose message carries its stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstdout: {self.stdout}\nstderr: {self.stderr}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    state_dir: Path
+    kubeconfig: Path
+    bin_dir: Path  # kube-apiserver, kubectl, kwok, ...
+    path: str  # PATH with the toolchain (k8s binaries, helm) in front
+
+    @property
+    def env(self) -> dict[str, str]:
+        """An environment for subprocesses (an operator, helm) that talk to this cluster."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": self.path}
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
+        proc = subprocess.run(
+            cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if check and proc.returncode != 0:
+            raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
+
+    def get_json(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", "-o", "json", *args).stdout)
+
+    def apply(
+        self, manifest: str | Mapping[str, Any] | Sequence[Mapping[str, Any]], *args: str
+    ) -> str:
+        """`kubectl apply -f -` of YAML text, one object or a list of objects."""
+        if not isinstance(manifest, str):
+            docs = [manifest] if isinstance(manifest, Mapping) else list(manifest)
+            manifest = yaml.safe_dump_all([dict(d) for d in docs])
+        return self.kubectl("apply", "-f", "-", *args, input=manifest).stdout
+
+    def create_fake_node(
+        self,
+        name: str,
+        capacity: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        """A Node that KWOK manages (it reports Ready and runs the pods bound to it)."""
+        cap = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"}
+        cap.update(capacity or {})
+        self.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "annotations": {FAKE_NODE_ANNOTATION: "fake"},
+                    "labels": {
+                        "type": "kwok",
+                        "kubernetes.io/hostname": name,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                        **(labels or {}),
+                    },
+                },
+                "spec": {},
+                "status": {"capacity": cap, "allocatable": cap},
+            }
+        )
+
+    def log_tails(self, lines: int = 40) -> dict[str, str]:
+        tails = {}
+        for name in COMPONENTS:
+            log = self.state_dir / "logs" / f"{name}.log"
+            if log.exists():
+                tails[name] = "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        return tails
+
+
+def _run_cluster_script(command: str, state_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state_dir)}
+    return subprocess.run(
+        [str(CLUSTER_SCRIPT), command],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=600,
+    )
+
+
+def _exports(text: str) -> dict[str, str]:
+    found = {}
+    for line in text.splitlines():
+        m = re.match(r"export (\w+)=(.*)$", line.strip())
+        if m:
+            found[m.group(1)] = m.group(2)
+    return found
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    state_dir = tmp_path_factory.mktemp("cluster")
+    up = _run_cluster_script("up", state_dir)
+    if up.returncode != 0:
+        logs = ""
+        for log in sorted((state_dir / "logs").glob("*.log")):
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            logs += f"\n--- {log.name} ---\n{tail}"
+        _run_cluster_script("down", state_dir)
+        pytest.fail(f"tools/cluster up failed:\n{up.stdout}\n{up.stderr}{logs}", pytrace=False)
+    exports = _exports(_run_cluster_script("env", state_dir).stdout)
+    path = exports["PATH"].replace("$PATH", os.environ.get("PATH", ""))
+    bin_dir = Path(path.split(":")[0])
+    try:
+        yield Cluster(
+            state_dir=state_dir,
+            kubeconfig=Path(exports["KUBECONFIG"]),
+            bin_dir=bin_dir,
+            path=path,
+        )
+    finally:
+        _run_cluster_script("down", state_dir)
+
+
+def _dns_name(prefix: str, node_name: str) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", node_name.lower()).strip("-")[:40].strip("-")
+    return f"{prefix}-{base}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = _dns_name("e2e", request.node.name)
+    cluster.kubectl("create", "namespace", name)
+    # Pods are admitted only once the namespace's default ServiceAccount exists.
+    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    try:
+        yield name
+    finally:
+        cluster.kubectl(
+            "delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False
+        )
+
+
+@pytest.fixture
+def gpu_node(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = _dns_name("gpu", request.node.name)
+    cluster.create_fake_node(name)
+    cluster.kubectl("wait", "--for=condition=Ready", f"node/{name}", "--timeout=60s")
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "node", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed:
+        funcargs = getattr(item, "funcargs", {})
+        found = funcargs.get("cluster")
+        if isinstance(found, Cluster):
+            for name, tail in found.log_tails().items():
+                report.sections.append((f"{name} log (tail)", tail))
+            report.sections.append(("cluster state dir", str(found.state_dir)))
+    return report
+
+
+# Hook for the llama.cpp fixtures (tools/llama's side): they live in tests/e2e/llama_fixtures.py and
+# are re-exported here so that every e2e test can request them.
+if (Path(__file__).parent / "llama_fixtures.py").exists():
+    from tests.e2e.llama_fixtures import *  # noqa: F403
