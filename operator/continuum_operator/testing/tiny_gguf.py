@@ -88,12 +88,17 @@ class TinyModelShape:
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.n_head % self.n_head_kv:
-            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})")
+            raise ValueError(
+                f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})"
+            )
         if not MIN_VOCAB <= self.vocab_size <= MAX_VOCAB:
-            raise ValueError(f"vocab_size must be in [{MIN_VOCAB}, {MAX_VOCAB}], got {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size must be in [{MIN_VOCAB}, {MAX_VOCAB}], got {self.vocab_size}"
+            )
         if self.key_length is None and self.value_length is None and self.n_embd % self.n_head:
             raise ValueError(
-                f"n_embd ({self.n_embd}) is not a multiple of n_head ({self.n_head}); set key_length"
+                f"n_embd ({self.n_embd}) is not a multiple of n_head ({self.n_head}); "
+                "set key_length"
             )
         if self.head_dim_k != self.head_dim_v:
             raise ValueError(
@@ -200,10 +205,6 @@ def _weights(
     return values
 
 
-def _norm(n: int) -> npt.NDArray[np.float32]:
-    return np.ones(n, dtype=np.float32)
-
-
 def write_tiny_gguf(path: str | Path, shape: TinyModelShape, seed: int = 0) -> Path:
     """Write a random-weight llama GGUF of ``shape`` to ``path`` and return the path.
 
@@ -218,9 +219,9 @@ def write_tiny_gguf(path: str | Path, shape: TinyModelShape, seed: int = 0) -> P
     try:
         name = "tiny-embed" if shape.embedding else "tiny"
         writer.add_name(f"continuum {name} L{shape.n_layer} E{shape.n_embd} seed{seed}")
-        writer.add_file_type(
-            int(gguf.LlamaFileType.MOSTLY_F16 if shape.dtype == "f16" else gguf.LlamaFileType.ALL_F32)
-        )
+        f16 = shape.dtype == "f16"
+        file_type = gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32
+        writer.add_file_type(int(file_type))
         writer.add_vocab_size(shape.vocab_size)
         writer.add_context_length(shape.context_length)
         writer.add_embedding_length(shape.n_embd)
@@ -247,26 +248,29 @@ def write_tiny_gguf(path: str | Path, shape: TinyModelShape, seed: int = 0) -> P
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
 
-        dt = shape.dtype
-        n_q = shape.n_head * shape.head_dim_k
-        writer.add_tensor("token_embd.weight", _weights(rng, shape.vocab_size, shape.n_embd, dt))
+        def matrix(name: str, rows: int, cols: int) -> None:
+            # numpy (rows, cols) is ggml {cols, rows}: cols is the input width.
+            writer.add_tensor(name, _weights(rng, rows, cols, shape.dtype))
+
+        def norm(name: str) -> None:
+            writer.add_tensor(name, np.ones(shape.n_embd, dtype=np.float32))
+
+        e, ff = shape.n_embd, shape.n_ff
+        matrix("token_embd.weight", shape.vocab_size, e)
         for i in range(shape.n_layer):
             blk = f"blk.{i}"
-            writer.add_tensor(f"{blk}.attn_norm.weight", _norm(shape.n_embd))
-            writer.add_tensor(f"{blk}.attn_q.weight", _weights(rng, n_q, shape.n_embd, dt))
-            writer.add_tensor(f"{blk}.attn_k.weight", _weights(rng, shape.n_embd_k_gqa, shape.n_embd, dt))
-            writer.add_tensor(f"{blk}.attn_v.weight", _weights(rng, shape.n_embd_v_gqa, shape.n_embd, dt))
-            writer.add_tensor(
-                f"{blk}.attn_output.weight",
-                _weights(rng, shape.n_embd, shape.n_head * shape.head_dim_v, dt),
-            )
-            writer.add_tensor(f"{blk}.ffn_norm.weight", _norm(shape.n_embd))
-            writer.add_tensor(f"{blk}.ffn_gate.weight", _weights(rng, shape.n_ff, shape.n_embd, dt))
-            writer.add_tensor(f"{blk}.ffn_up.weight", _weights(rng, shape.n_ff, shape.n_embd, dt))
-            writer.add_tensor(f"{blk}.ffn_down.weight", _weights(rng, shape.n_embd, shape.n_ff, dt))
-        writer.add_tensor("output_norm.weight", _norm(shape.n_embd))
+            norm(f"{blk}.attn_norm.weight")
+            matrix(f"{blk}.attn_q.weight", shape.n_head * shape.head_dim_k, e)
+            matrix(f"{blk}.attn_k.weight", shape.n_embd_k_gqa, e)
+            matrix(f"{blk}.attn_v.weight", shape.n_embd_v_gqa, e)
+            matrix(f"{blk}.attn_output.weight", e, shape.n_head * shape.head_dim_v)
+            norm(f"{blk}.ffn_norm.weight")
+            matrix(f"{blk}.ffn_gate.weight", ff, e)
+            matrix(f"{blk}.ffn_up.weight", ff, e)
+            matrix(f"{blk}.ffn_down.weight", e, ff)
+        norm("output_norm.weight")
         if not (shape.tied_output or shape.embedding):
-            writer.add_tensor("output.weight", _weights(rng, shape.vocab_size, shape.n_embd, dt))
+            matrix("output.weight", shape.vocab_size, e)
 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
