@@ -1,0 +1,41 @@
+"""The node's ledger derived from consumers' placements, never stored as a second copy.
+
+Each Engine's `status.placement` (written by the operator as an assumed lease before its pod
+exists) is the only record of the bytes it holds; the leases of a node are read off them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from continuum_operator.core.plan import ServingPlan
+from continuum_operator.core.pools import ConsumerKind, Lease
+from continuum_operator.model.engine import Engine, EnginePlacement, EnginePoolBytes
+
+
+def consumer_name(kind: ConsumerKind, namespace: str | None, name: str) -> str:
+    return f"{kind}/{namespace}/{name}" if namespace else f"{kind}/{name}"
+
+
+def engine_leases(engines: Iterable[Engine]) -> list[Lease]:
+    leases = []
+    for engine in engines:
+        placement = engine.status.placement
+        if placement is None:
+            continue
+        consumer = consumer_name(ConsumerKind.ENGINE, engine.metadata.namespace, engine.metadata.name)
+        leases.extend(
+            Lease(consumer, ConsumerKind.ENGINE, placement.node, part.pool, part.bytes)
+            for part in placement.pools
+        )
+    return leases
+
+
+def placement_of(plan: ServingPlan) -> EnginePlacement:
+    """The assumed lease a plan makes: what the operator writes before creating the pod."""
+    return EnginePlacement(
+        node=plan.node,
+        gpus=list(plan.gpus),
+        pools=[EnginePoolBytes(pool=pool, bytes=n) for pool, n in plan.charges],
+        assumed=True,
+    )

@@ -1,0 +1,139 @@
+"""Pools and the ledger of leases that charges bytes to them.
+
+A pool is what the hardware shares (DESIGN.md rule 1). On a unified board the device view and
+the host view resolve to the same pool, so a byte charged through one is gone from the other
+without any bookkeeping of its own. Available is capacity minus the larger of what is leased
+and what is measured: leases not yet resident still count, and memory used outside every lease
+("external") still counts. A pool that has not been sampled reports its availability as
+unknown, never as full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from continuum_operator.model.board import MemoryMode, NodeBoard, PoolKind
+
+
+class ConsumerKind(StrEnum):
+    ENGINE = "Engine"
+    EMBED_LANE = "EmbedLane"
+
+
+def pool_key(kind: PoolKind, device: int | None = None) -> str:
+    """The name of a pool inside a node: `unified`, `host` or `device/<gpu index>`."""
+    return f"device/{device}" if kind is PoolKind.DEVICE else str(kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    key: str
+    kind: PoolKind
+    capacity_bytes: int
+    used_bytes: int | None
+    device: int | None = None
+    coherent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Board:
+    """A node's board reduced to what planning reads."""
+
+    node: str
+    memory_mode: MemoryMode
+    pools: Mapping[str, Pool]
+    per_process_cap_bytes: int | None = None
+
+    @classmethod
+    def from_resource(cls, board: NodeBoard) -> Board:
+        pools = {
+            pool_key(p.kind, p.device): Pool(
+                key=pool_key(p.kind, p.device),
+                kind=p.kind,
+                capacity_bytes=p.capacity_bytes,
+                used_bytes=p.used_bytes,
+                device=p.device,
+                coherent=bool(p.coherent),
+            )
+            for p in board.status.pools
+        }
+        return cls(
+            node=board.metadata.name,
+            memory_mode=board.status.memory_mode,
+            pools=pools,
+            per_process_cap_bytes=board.status.per_process_cap_bytes,
+        )
+
+    def host_view(self) -> Pool | None:
+        """The pool host allocations draw from: the unified pool on a unified board."""
+        return self.pools.get("unified") or self.pools.get("host")
+
+    def device_view(self, gpu: int) -> Pool | None:
+        """The pool a GPU's allocations draw from; on a unified board, the one shared pool."""
+        if self.memory_mode is MemoryMode.UNIFIED:
+            return self.pools.get("unified")
+        return self.pools.get(pool_key(PoolKind.DEVICE, gpu))
+
+    def gpu_indices(self) -> list[int]:
+        if self.memory_mode is MemoryMode.UNIFIED:
+            return [0]
+        return sorted(p.device for p in self.pools.values() if p.device is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Bytes one consumer holds (or is assumed to hold) in one pool of one node."""
+
+    consumer: str
+    kind: ConsumerKind
+    node: str
+    pool: str
+    bytes: int
+    floor_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ledger:
+    """Leases against one board; every figure is derived, none stored twice."""
+
+    board: Board
+    leases: tuple[Lease, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def of(cls, board: Board, leases: Iterable[Lease]) -> Ledger:
+        return cls(board, tuple(lease for lease in leases if lease.node == board.node))
+
+    def leased_bytes(self, pool: str, *, excluding: str | None = None) -> int:
+        return sum(
+            lease.bytes for lease in self.leases if lease.pool == pool and lease.consumer != excluding
+        )
+
+    def external_bytes(self, pool: str) -> int | None:
+        """Measured use outside every lease, shown as such; unknown before the first sample."""
+        used = self.board.pools[pool].used_bytes
+        return None if used is None else max(0, used - self.leased_bytes(pool))
+
+    def available_bytes(self, pool: str, *, crediting: str | None = None) -> int | None:
+        """capacity - max(leased, used); None while the pool is unsampled.
+
+        `crediting` names a consumer whose own lease is handed back, as when planning the
+        successor of a running engine: the relaunch frees what it holds. Its measured residency
+        is taken off `used` up to the size of its lease.
+        """
+        p = self.board.pools[pool]
+        if p.used_bytes is None:
+            return None
+        credit = self.leased_bytes(pool) - self.leased_bytes(pool, excluding=crediting)
+        used = max(0, p.used_bytes - credit)
+        leased = self.leased_bytes(pool, excluding=crediting)
+        return max(0, p.capacity_bytes - max(leased, used))
+
+    def lease(self, lease: Lease) -> Ledger:
+        """A new ledger with one more lease; the pool must exist on the board."""
+        if lease.node != self.board.node:
+            raise ValueError(f"lease for node {lease.node} charged to the board of {self.board.node}")
+        if lease.pool not in self.board.pools:
+            raise KeyError(f"node {self.board.node} has no pool {lease.pool}")
+        return Ledger(self.board, (*self.leases, lease))
