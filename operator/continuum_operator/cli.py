@@ -46,7 +46,9 @@ def plan_table(p: ServingPlan) -> str:
     ]  # fmt: skip
     out = [f"{k + ':':<18} {v}" for k, v in rows]
     out.append("")
-    out.append(f"{'BYTES':<8} {'WEIGHTS':>12} {'KV':>12} {'COMPUTE':>12} {'RESERVE':>12} {'TOTAL':>12}")
+    out.append(
+        f"{'BYTES':<8} {'WEIGHTS':>12} {'KV':>12} {'COMPUTE':>12} {'RESERVE':>12} {'TOTAL':>12}"
+    )
     for side, part in (("device", p.device), ("host", p.host)):
         cells = (part.weights, part.kv, part.compute, part.reserve, part.total)
         out.append(f"{side:<8} " + " ".join(f"{_mib(c):>12}" for c in cells))

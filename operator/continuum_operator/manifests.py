@@ -6,12 +6,14 @@ what is wrong, so `continuum plan` can exit 2 with one readable message.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
 
 ResourceT = TypeVar("ResourceT", bound=BaseModel)
 
@@ -27,16 +29,85 @@ class ManifestError(Exception):
         super().__init__(where + problem)
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
+# Names pydantic gives union branches and wrapped validators in an error's location; they are
+# not fields. Fields on the wire are camelCase and never look like these.
+_BRANCH_NAMES = frozenset({"int", "str", "bool", "float", "bytes", "list", "dict", "none"})
+
+
+def _is_branch(part: str) -> bool:
+    return "[" in part or "-" in part or part[:1].isupper() or part in _BRANCH_NAMES
+
+
+def _field_path(loc: tuple[int | str, ...], obj: Any) -> tuple[str, int, bool]:
+    """The field path of an error's location as kubectl users write it (`spec.minds.min`).
+
+    The location is walked against the input itself, so a union branch's name (`int`,
+    `list[int]`, `constrained-int`) or a validator's never reads as a field. Returns the path and
+    where the last skipped branch name sat (-1 if none), to tell union branches apart, and
+    whether the field is in the input at all.
+    """
     out = ""
-    for part in loc:
+    node = obj
+    branch_at = -1
+    present = True
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("function-after", "function-before") or "[" in part:
-            continue  # pydantic's names for validator and union branches, not fields
-        else:
+            node = node[part] if isinstance(node, list) and -len(node) <= part < len(node) else None
+        elif isinstance(node, dict) and part in node:
             out += ("." if out else "") + part
-    return out
+            node = node[part]
+        elif i == len(loc) - 1 and not _is_branch(part):
+            out += ("." if out else "") + part  # an absent field: missing, or its default refused
+            present = False
+        else:
+            branch_at = i
+    return out, branch_at, present
+
+
+def _shown(value: Any) -> str:
+    """A scalar input as the user wrote it, for `(got ...)`; empty for objects and lists."""
+    if isinstance(value, dict | list) or value is PydanticUndefined:
+        return ""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _message(err: ValidationError, obj: dict[str, Any]) -> tuple[str, str]:
+    """The field path and problem of a validation error, as one readable line.
+
+    The first problem is reported. Where it is one branch of a union (an int or a list, a word
+    or a number), the branch that got furthest is reported, and branches that failed at the same
+    depth are joined with "or".
+    """
+    errors = err.errors(include_url=False)
+    located = [(*_field_path(e["loc"], obj), e) for e in errors]
+    path, branch_at, present, first = located[0]
+    chosen = [first]
+    if branch_at >= 0:
+        stem = first["loc"][:branch_at]
+        siblings = [(p, e) for p, b, _, e in located if b >= 0 and e["loc"][:branch_at] == stem]
+        path = max((p for p, _ in siblings), key=len)
+        chosen = [e for p, e in siblings if p == path]
+    problems: list[str] = []
+    for e in chosen:
+        if e["type"] == "extra_forbidden":
+            text = "unknown field (check its spelling against `kubectl explain`)"
+        elif e["type"] == "missing":
+            text = "required field is missing"
+        else:
+            text = str(e["msg"]).removeprefix("Value error, ")
+        if text not in problems:
+            problems.append(text)
+    message = problems[0] + "".join(", or " + t[:1].lower() + t[1:] for t in problems[1:])
+    if present and chosen[0]["type"] != "extra_forbidden":
+        got = _shown(chosen[0].get("input", PydanticUndefined))
+        if got and got not in message:
+            message += f" (got {got})"
+    others = {p for p, _, _, _ in located} - {path}
+    if others:
+        message += f" (and {len(others)} more problem{'s' if len(others) > 1 else ''})"
+    return path, message
 
 
 def documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -54,7 +125,9 @@ def documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if doc is None:
             continue
         if not isinstance(doc, dict):
-            raise ManifestError(path, "", f"expected a mapping (a Kubernetes object), got {type(doc).__name__}")
+            raise ManifestError(
+                path, "", f"expected a mapping (a Kubernetes object), got {type(doc).__name__}"
+            )
         items = doc.get("items") if doc.get("kind") == "List" else [doc]
         if not isinstance(items, list):
             raise ManifestError(path, "items", "a List's items must be a list of objects")
@@ -65,24 +138,24 @@ def documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             index += 1
 
 
-def parse(model: type[ResourceT], obj: dict[str, Any], path: Path | str, prefix: str = "") -> ResourceT:
+def parse(
+    model: type[ResourceT], obj: dict[str, Any], path: Path | str, prefix: str = ""
+) -> ResourceT:
     """Validate one object as `model`; the first error becomes a ManifestError."""
     kind = getattr(model, "KIND", model.__name__)
     if obj.get("kind") != kind:
         raise ManifestError(path, prefix + "kind", f"expected kind {kind}, got {obj.get('kind')!r}")
     try:
-        return model.model_validate(obj)
+        # Validated as the API server sees it: JSON, typed strictly, so `"6144"` or `true` is not
+        # an integer here either and a file that plans offline also applies.
+        text = json.dumps(obj, default=str)
+    except (TypeError, ValueError) as err:
+        raise ManifestError(path, prefix, f"cannot be read as JSON: {err}") from err
+    try:
+        return model.model_validate_json(text, strict=True)
     except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        message = str(first["msg"]).removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = "unknown field (check its spelling against `kubectl explain`)"
-        elif first["type"] == "missing":
-            message = "required field is missing"
-        more = len(err.errors()) - 1
-        if more:
-            message += f" (and {more} more problem{'s' if more > 1 else ''})"
-        raise ManifestError(path, prefix + _field_path(first["loc"]), message) from err
+        field, message = _message(err, obj)
+        raise ManifestError(path, prefix + field, message) from err
 
 
 def load_one(model: type[ResourceT], path: Path) -> ResourceT:

@@ -36,7 +36,9 @@ class ComputeEstimate:
 
     @property
     def source(self) -> ComputeSource:
-        return ComputeSource.FACTS if self.facts.compute_bytes is not None else ComputeSource.ESTIMATE
+        return (
+            ComputeSource.FACTS if self.facts.compute_bytes is not None else ComputeSource.ESTIMATE
+        )
 
     @property
     def assumed(self) -> list[str]:

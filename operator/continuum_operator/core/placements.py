@@ -18,12 +18,14 @@ def consumer_name(kind: ConsumerKind, namespace: str | None, name: str) -> str:
 
 
 def engine_leases(engines: Iterable[Engine]) -> list[Lease]:
-    leases = []
+    leases: list[Lease] = []
     for engine in engines:
         placement = engine.status.placement
         if placement is None:
             continue
-        consumer = consumer_name(ConsumerKind.ENGINE, engine.metadata.namespace, engine.metadata.name)
+        consumer = consumer_name(
+            ConsumerKind.ENGINE, engine.metadata.namespace, engine.metadata.name
+        )
         leases.extend(
             Lease(consumer, ConsumerKind.ENGINE, placement.node, part.pool, part.bytes)
             for part in placement.pools

@@ -271,7 +271,11 @@ def plan(
     n_gpus = engine.placement.gpus
     total_layers = facts.layers + 1
 
+    seen: dict[str, int] = {}
+
     def available(pool_key: str) -> int:
+        if pool_key in seen:
+            return seen[pool_key]
         value = ledger.available_bytes(pool_key, crediting=crediting)
         if value is None:
             pool = board.pools[pool_key]
@@ -283,9 +287,12 @@ def plan(
                     f"less leases ({_mib(value)})",
                 )
             )
+        seen[pool_key] = value
         return value
 
-    def unschedulable(code: ReasonCode, message: str, gpus: tuple[int, ...] = ()) -> ServingPlan:
+    def unschedulable(
+        code: ReasonCode, message: str, gpus: tuple[int, ...] = (), budget: Budget | None = None
+    ) -> ServingPlan:
         reasons.append(Reason(code, message))
         return ServingPlan(
             node=board.node,
@@ -300,7 +307,7 @@ def plan(
             context_tokens_per_mind=engine.context_tokens_per_mind,
             kv_cache_type=engine.kv_cache_type,
             gpus=gpus,
-            budget=Budget(None, None, cap),
+            budget=budget or Budget(None, None, cap),
             device=PartBytes(),
             host=PartBytes(),
             charges=(),
@@ -392,9 +399,7 @@ def plan(
     elif isinstance(offload, int):
         candidates = [min(offload, total_layers)]
     else:
-        top = _last_true(
-            0, total_layers, lambda j: fit.device_fits(sizer.parts(j, lo_minds)[0])
-        )
+        top = _last_true(0, total_layers, lambda j: fit.device_fits(sizer.parts(j, lo_minds)[0]))
         candidates = [0] if top is None else [top, 0] if mode is not MemoryMode.DISCRETE else [top]
 
     level = next((j for j in candidates if fit.fits(sizer.parts(j, lo_minds))), None)
@@ -416,6 +421,7 @@ def plan(
             f"(reserve {_mib(reserve)} per pool kept free). Lower spec.minds.min, "
             "spec.contextTokensPerMind or spec.offload, or use a quantised spec.kvCacheType",
             gpus,
+            budget,
         )
 
     minds = _last_true(lo_minds, hi_minds, lambda m: fit.fits(sizer.parts(level, m)))
@@ -488,7 +494,9 @@ def _explain_layers(
     else:
         needed = sizer.parts(level + 1, minds)[0].in_use
         capped = budget.per_process_cap is not None and budget.per_process_cap == budget.device
-        code = ReasonCode.LIMITED_BY_PER_PROCESS_CAP if capped else ReasonCode.LAYERS_LIMITED_BY_DEVICE
+        code = (
+            ReasonCode.LIMITED_BY_PER_PROCESS_CAP if capped else ReasonCode.LAYERS_LIMITED_BY_DEVICE
+        )
         reasons.append(
             Reason(
                 code,

@@ -57,7 +57,7 @@ class Board:
                 device=p.device,
                 coherent=bool(p.coherent),
             )
-            for p in board.status.pools
+            for p in sorted(board.status.pools, key=lambda p: (p.kind, p.device or 0))
         }
         return cls(
             node=board.metadata.name,
@@ -107,7 +107,9 @@ class Ledger:
 
     def leased_bytes(self, pool: str, *, excluding: str | None = None) -> int:
         return sum(
-            lease.bytes for lease in self.leases if lease.pool == pool and lease.consumer != excluding
+            lease.bytes
+            for lease in self.leases
+            if lease.pool == pool and lease.consumer != excluding
         )
 
     def external_bytes(self, pool: str) -> int | None:
@@ -133,7 +135,9 @@ class Ledger:
     def lease(self, lease: Lease) -> Ledger:
         """A new ledger with one more lease; the pool must exist on the board."""
         if lease.node != self.board.node:
-            raise ValueError(f"lease for node {lease.node} charged to the board of {self.board.node}")
+            raise ValueError(
+                f"lease for node {lease.node} charged to the board of {self.board.node}"
+            )
         if lease.pool not in self.board.pools:
             raise KeyError(f"node {self.board.node} has no pool {lease.pool}")
         return Ledger(self.board, (*self.leases, lease))

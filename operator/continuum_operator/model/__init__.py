@@ -5,7 +5,7 @@ them by `crdgen`, and the same models validate files given to `continuum plan`. 
 Kubernetes client is imported here.
 """
 
-from continuum_operator.model.base import GROUP, VERSION, API_VERSION
+from continuum_operator.model.base import API_VERSION, GROUP, VERSION
 from continuum_operator.model.board import MemoryMode, NodeBoard, PoolKind, PoolReading
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine, KvCacheType, ModelFacts

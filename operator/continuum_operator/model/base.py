@@ -19,7 +19,9 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # Bytes are int64 on the wire; pydantic and the CRD schema both refuse negatives.
 Bytes = Annotated[int, Field(ge=0, le=2**62)]
 PositiveInt = Annotated[int, Field(gt=0, le=2**31 - 1)]
-Name = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
+Name = Annotated[
+    str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+]
 
 
 class Spec(BaseModel):

@@ -9,9 +9,9 @@ pool per GPU, and an unknown board governs only its `host` pool.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal, Self
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from continuum_operator.model.base import Bytes, Condition, ObjectMeta, Resource, Spec
 
@@ -31,31 +31,58 @@ class PoolKind(StrEnum):
 class PoolReading(Spec):
     """One pool as measured: capacity is a fixed fact, pressure shows up only as usage."""
 
+    # Fields are checked in declaration order; each check names its own field, so an error
+    # points at `status.pools[1].device` rather than at the pool as a whole.
     kind: PoolKind
-    device: int | None = Field(default=None, ge=0, le=1023, description="GPU index (device pools only).")
+    device: int | None = Field(
+        default=None,
+        ge=0,
+        le=1023,
+        validate_default=True,
+        description="GPU index (device pools only).",
+    )
     capacity_bytes: Bytes = Field(description="Capacity net of the OS's own reserve.")
     used_bytes: Bytes | None = Field(
         default=None,
-        description="Measured usage; absent when the agent has not sampled yet (unknown, never full).",
+        description="Measured usage; absent when the agent has not sampled yet "
+        "(unknown, never full).",
     )
     coherent: bool | None = Field(
         default=None,
-        description="Device pools only: the GPU can address system memory (HMM/ATS). Still its own pool.",
+        description="Device pools only: the GPU can address system memory (HMM/ATS). "
+        "Still its own pool.",
     )
 
-    @model_validator(mode="after")
-    def _device_fields_only_on_device_pools(self) -> Self:
-        if self.kind is PoolKind.DEVICE:
-            if self.device is None:
-                raise ValueError("a device pool needs `device`, the GPU index it belongs to")
-        elif self.device is not None or self.coherent is not None:
-            raise ValueError(f"`device` and `coherent` belong to device pools only, not a {self.kind} pool")
-        if self.used_bytes is not None and self.used_bytes > self.capacity_bytes:
+    @field_validator("device")
+    @classmethod
+    def _device_only_on_device_pools(cls, value: int | None, info: ValidationInfo) -> int | None:
+        kind = info.data.get("kind")
+        if kind is PoolKind.DEVICE and value is None:
+            raise ValueError("a device pool needs `device`, the GPU index it belongs to")
+        if kind is not None and kind is not PoolKind.DEVICE and value is not None:
+            raise ValueError(f"`device` belongs to device pools only, not a {kind} pool")
+        return value
+
+    @field_validator("used_bytes")
+    @classmethod
+    def _used_within_capacity(cls, value: int | None, info: ValidationInfo) -> int | None:
+        capacity = info.data.get("capacity_bytes")
+        if value is not None and capacity is not None and value > capacity:
             raise ValueError(
-                f"usedBytes {self.used_bytes} exceeds capacityBytes {self.capacity_bytes}; "
+                f"usedBytes {value} exceeds capacityBytes {capacity}; "
                 "capacity is the fixed size of the pool, report pressure as usage within it"
             )
-        return self
+        return value
+
+    @field_validator("coherent")
+    @classmethod
+    def _coherent_only_on_device_pools(
+        cls, value: bool | None, info: ValidationInfo
+    ) -> bool | None:
+        kind = info.data.get("kind")
+        if kind is not None and kind is not PoolKind.DEVICE and value is not None:
+            raise ValueError(f"`coherent` belongs to device pools only, not a {kind} pool")
+        return value
 
 
 class GpuInfo(Spec):
@@ -72,35 +99,45 @@ class NodeBoardStatus(Spec):
     memory_mode: MemoryMode = MemoryMode.UNKNOWN
     memory_mode_reason: str = ""
     per_process_cap_bytes: Bytes | None = Field(
-        default=None, description="A cap on one process's GPU memory (Metal working set, HAMi, MPS)."
+        default=None,
+        description="A cap on one process's GPU memory (Metal working set, HAMi, MPS).",
     )
-    pools: list[PoolReading] = Field(default_factory=list, max_length=1025)
+    pools: list[PoolReading] = Field(default_factory=list, max_length=1025, validate_default=True)
     gpus: list[GpuInfo] = Field(default_factory=list, max_length=1024)
     conditions: list[Condition] = Field(default_factory=list)
 
-    @model_validator(mode="after")
-    def _pools_match_memory_mode(self) -> Self:
-        kinds = [p.kind for p in self.pools]
-        if self.memory_mode is MemoryMode.UNIFIED:
+    @field_validator("pools")
+    @classmethod
+    def _pools_match_memory_mode(
+        cls, pools: list[PoolReading], info: ValidationInfo
+    ) -> list[PoolReading]:
+        mode = info.data.get("memory_mode")
+        kinds = [p.kind for p in pools]
+        if mode is MemoryMode.UNIFIED:
             if kinds != [PoolKind.UNIFIED]:
                 raise ValueError(
                     "a unified board has exactly one pool of kind `unified` "
                     "(device and host memory are one pool); got " + _kinds(kinds)
                 )
-        elif self.memory_mode is MemoryMode.DISCRETE:
-            if kinds.count(PoolKind.HOST) != 1 or PoolKind.UNIFIED in kinds or PoolKind.DEVICE not in kinds:
+        elif mode is MemoryMode.DISCRETE:
+            if (
+                kinds.count(PoolKind.HOST) != 1
+                or PoolKind.UNIFIED in kinds
+                or PoolKind.DEVICE not in kinds
+            ):
                 raise ValueError(
-                    "a discrete board has one `host` pool and one `device` pool per GPU; got " + _kinds(kinds)
+                    "a discrete board has one `host` pool and one `device` pool per GPU; got "
+                    + _kinds(kinds)
                 )
-            devices = [p.device for p in self.pools if p.kind is PoolKind.DEVICE]
+            devices = [p.device for p in pools if p.kind is PoolKind.DEVICE]
             if len(set(devices)) != len(devices):
                 raise ValueError(f"device pools repeat a GPU index: {devices}")
-        elif kinds not in ([], [PoolKind.HOST]):
+        elif mode is MemoryMode.UNKNOWN and kinds not in ([], [PoolKind.HOST]):
             raise ValueError(
-                "an unknown-mode board governs only a `host` pool (device memory is unmeasured); got "
-                + _kinds(kinds)
+                "an unknown-mode board governs only a `host` pool "
+                "(device memory is unmeasured); got " + _kinds(kinds)
             )
-        return self
+        return pools
 
 
 def _kinds(kinds: list[PoolKind]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from continuum_operator.model.base import (
     Bytes,
@@ -94,22 +94,22 @@ class ModelFacts(Spec):
 
     @field_validator("layer_bytes", "kv_bytes_per_token_per_layer")
     @classmethod
-    def _non_negative(cls, value: int | list[int]) -> int | list[int]:
-        values = value if isinstance(value, list) else [value]
-        if any(v < 0 or v > 2**62 for v in values):
+    def _one_size_or_one_per_layer(
+        cls, value: int | list[int], info: ValidationInfo
+    ) -> int | list[int]:
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                if v < 0 or v > 2**62:
+                    raise ValueError(f"entry [{i}] is {v}; sizes must be between 0 and 2^62 bytes")
+        elif value < 0 or value > 2**62:
             raise ValueError("sizes must be between 0 and 2^62 bytes")
+        layers = info.data.get("layers")
+        if isinstance(value, list) and layers is not None and len(value) != layers:
+            raise ValueError(
+                f"lists {len(value)} layers but layers is {layers}; "
+                "give one number for all layers or one per layer"
+            )
         return value
-
-    @model_validator(mode="after")
-    def _lists_have_one_entry_per_layer(self) -> Self:
-        for name in ("layer_bytes", "kv_bytes_per_token_per_layer"):
-            value = getattr(self, name)
-            if isinstance(value, list) and len(value) != self.layers:
-                raise ValueError(
-                    f"{_camel(name)} lists {len(value)} layers but layers is {self.layers}; "
-                    "give one number for all layers or one per layer"
-                )
-        return self
 
     def layer_bytes_list(self) -> list[int]:
         return _per_layer(self.layer_bytes, self.layers)
@@ -122,11 +122,6 @@ def _per_layer(value: int | list[int], layers: int) -> list[int]:
     return list(value) if isinstance(value, list) else [value] * layers
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
 class ModelSourceKind(StrEnum):
     PVC = "pvc"
     HOST_PATH = "hostPath"
@@ -136,7 +131,9 @@ class ModelSourceKind(StrEnum):
 class ModelSource(Spec):
     kind: ModelSourceKind
     claim_name: str | None = Field(default=None, max_length=253)
-    path: str = Field(min_length=1, max_length=4096, description="Path of the GGUF file in the source.")
+    path: str = Field(
+        min_length=1, max_length=4096, description="Path of the GGUF file in the source."
+    )
     image: str | None = Field(default=None, max_length=1024)
 
 
@@ -244,7 +241,11 @@ class Engine(Resource):
         {"name": "Minds", "type": "integer", "jsonPath": ".status.plan.mindsGrantable"},
         {"name": "Pool-Tokens", "type": "integer", "jsonPath": ".status.plan.poolTokens"},
         {"name": "Mode", "type": "string", "jsonPath": ".status.plan.memoryMode", "priority": 1},
-        {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type=='Ready')].status"},
+        {
+            "name": "Ready",
+            "type": "string",
+            "jsonPath": ".status.conditions[?(@.type=='Ready')].status",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 

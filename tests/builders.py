@@ -1,0 +1,65 @@
+"""Builders for resource bodies and core inputs, shared by the unit tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from continuum_operator.core.pools import Board
+from continuum_operator.model.board import NodeBoard
+from continuum_operator.model.engine import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MiB = 2**20
+GB = 10**9
+GiB = 2**30
+
+
+def example(kind: str, name: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((EXAMPLES / kind / f"{name}.yaml").read_text())
+    return data
+
+
+def board_body(
+    mode: str,
+    pools: list[dict[str, Any]],
+    *,
+    name: str = "node-a",
+    cap: int | None = None,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"memoryMode": mode, "pools": pools}
+    if cap is not None:
+        status["perProcessCapBytes"] = cap
+    return {"apiVersion": "continuum.dev/v1alpha1", "kind": "NodeBoard",
+            "metadata": {"name": name}, "status": status}  # fmt: skip
+
+
+def engine_body(**spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {
+            "facts": {
+                "layers": 32,
+                "layerBytes": 200 * MiB,
+                "inputBytes": 300 * MiB,
+                "outputBytes": 300 * MiB,
+                "kvBytesPerTokenPerLayer": 4096,
+                "computeBytes": 256 * MiB,
+            }
+        },
+        "contextTokensPerMind": 8192,
+        "minds": {"min": 1, "max": 4},
+    }
+    base.update(spec)
+    return {"apiVersion": "continuum.dev/v1alpha1", "kind": "Engine",
+            "metadata": {"name": "eng", "namespace": "ns"}, "spec": base}  # fmt: skip
+
+
+def board(body: dict[str, Any]) -> Board:
+    return Board.from_resource(NodeBoard.model_validate(body))
+
+
+def engine(body: dict[str, Any]) -> Engine:
+    return Engine.model_validate(body)
