@@ -25,7 +25,6 @@ from continuum_operator.core.simulate import (
     Scenario,
     simulate,
 )
-from continuum_operator.manifests import _field_path
 
 
 class _Model(BaseModel):
@@ -148,6 +147,16 @@ class ScenarioFile(_Model):
         )
 
 
+def _where(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith("function-"):
+            out += ("." if out else "") + part
+    return out
+
+
 def load(path: Path) -> Scenario:
     """Read a scenario file; ValueError with the file and field path when it is wrong."""
     try:
@@ -158,7 +167,7 @@ def load(path: Path) -> Scenario:
         return ScenarioFile.model_validate(raw).to_scenario()
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        where = _field_path(first["loc"])
+        where = _where(first["loc"])
         msg = str(first["msg"]).removeprefix("Value error, ")
         raise ValueError(f"{path}: {where + ': ' if where else ''}{msg}") from err
 

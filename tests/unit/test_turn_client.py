@@ -1,0 +1,163 @@
+"""The turn client against a gateway that answers as docs/gateway.md says.
+
+The gateway here is a scripted stand-in served by aiohttp on loopback: it plays the contract's
+answers in order so each client behaviour can be shown alone. The real gateway is tested
+against the same contract with llama-server in the engine runtime's tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from continuum_operator.engine.turn import (
+    MIND_HEADER,
+    TURN_HEADER,
+    ContextTooLarge,
+    TurnCut,
+    TurnDeadline,
+    TurnRefused,
+    turn,
+)
+
+Answer = tuple[int, dict[str, Any], dict[str, str]]
+GRANTED: Answer = (201, {"turn": "t-1", "slot": 1, "tokens": 4096, "reason": "SlotFree"}, {})
+
+
+def queued(reason: str = "PoolFull") -> Answer:
+    return (429, {"error": "queued", "reason": reason, "position": 1}, {"Retry-After": "1"})
+
+
+RELAUNCHING: Answer = (503, {"error": "relaunching", "reason": "EngineRelaunching"}, {})
+RECLAIMING: Answer = (409, {"error": "reclaiming", "reason": "Preempted", "by": "minds/vip"}, {})
+
+
+async def with_gateway(
+    answers: list[Answer],
+    body: Callable[[str, dict[str, Any]], Awaitable[None]],
+    completion: Answer = (200, {"content": "hi"}, {}),
+) -> dict[str, Any]:
+    seen: dict[str, Any] = {"opens": 0, "deleted": [], "completions": []}
+
+    async def open_turn(request: web.Request) -> web.Response:
+        assert request.headers[MIND_HEADER] == "minds/mira"
+        seen["opens"] += 1
+        status, payload, headers = answers.pop(0) if len(answers) > 1 else answers[0]
+        return web.json_response(payload, status=status, headers=headers)
+
+    async def complete(request: web.Request) -> web.Response:
+        seen["completions"].append((request.headers.get(TURN_HEADER), await request.json()))
+        status, payload, headers = completion
+        return web.json_response(payload, status=status, headers=headers)
+
+    async def end_turn(request: web.Request) -> web.Response:
+        seen["deleted"].append(request.match_info["turn"])
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/v1/turns", open_turn)
+    app.router.add_delete("/v1/turns/{turn}", end_turn)
+    app.router.add_post("/completion", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        await body(f"http://127.0.0.1:{port}", seen)
+    finally:
+        await runner.cleanup()
+    return seen
+
+
+def test_a_granted_turn_runs_completions_under_its_turn_and_ends_it() -> None:
+    async def body(url: str, seen: dict[str, Any]) -> None:
+        async with turn(url, "minds/mira") as t:
+            assert (t.slot, t.tokens, t.waits) == (1, 4096, [])
+            assert await t.complete({"prompt": "hello"}) == {"content": "hi"}
+
+    seen = asyncio.run(with_gateway([GRANTED], body))
+    assert seen["completions"] == [("t-1", {"prompt": "hello"})]
+    assert seen["deleted"] == ["t-1"]
+
+
+def test_a_queued_mind_waits_with_its_reasons_then_takes_her_turn() -> None:
+    async def body(url: str, seen: dict[str, Any]) -> None:
+        async with turn(url, "minds/mira", poll_seconds=0.01) as t:
+            assert [w.reason for w in t.waits] == ["PoolFull", "EngineRelaunching"]
+            assert all(w.seconds >= 0 for w in t.waits)
+
+    answers = [queued(), queued(), RELAUNCHING, GRANTED]
+    seen = asyncio.run(with_gateway(answers, body))
+    assert seen["opens"] == 4
+
+
+def test_a_reclaiming_grant_ends_the_turn_at_once_without_waiting() -> None:
+    async def body(url: str, seen: dict[str, Any]) -> None:
+        started = time.monotonic()
+        with pytest.raises(TurnCut) as cut:
+            async with turn(url, "minds/mira", deadline_seconds=1500, poll_seconds=0.01):
+                pytest.fail("a reclaiming grant must not open a turn")
+        assert time.monotonic() - started < 5  # not the 1,500 s deadline
+        assert cut.value.reason == "Preempted"
+        assert "minds/vip" in str(cut.value)
+
+    seen = asyncio.run(with_gateway([RECLAIMING], body))
+    assert seen["opens"] == 1
+
+
+def test_a_turn_cut_mid_completion_raises_and_still_ends_the_turn() -> None:
+    cut: Answer = (409, {"error": "turn_cut", "reason": "EngineShrunk"}, {})
+
+    async def body(url: str, seen: dict[str, Any]) -> None:
+        with pytest.raises(TurnCut) as err:
+            async with turn(url, "minds/mira") as t:
+                await t.complete({"prompt": "long"})
+        assert err.value.reason == "EngineShrunk"
+
+    seen = asyncio.run(with_gateway([GRANTED], body, completion=cut))
+    assert seen["deleted"] == ["t-1"]
+
+
+def test_waiting_stops_at_the_turn_deadline_and_says_what_it_waited_for() -> None:
+    async def body(url: str, seen: dict[str, Any]) -> None:
+        with pytest.raises(TurnDeadline) as err:
+            async with turn(url, "minds/mira", deadline_seconds=0.2, poll_seconds=0.02):
+                pass
+        assert err.value.reason == "WaitingForReclaim"
+        assert "0 s" in str(err.value) or "deadline" in str(err.value)
+
+    seen = asyncio.run(with_gateway([queued("WaitingForReclaim")], body))
+    assert seen["opens"] >= 2
+
+
+def test_a_context_too_large_fails_at_once_with_what_to_change() -> None:
+    too_large: Answer = (
+        413,
+        {"error": "context_too_large", "slotTokens": 4096, "askedTokens": 9000},
+        {},
+    )
+
+    async def body(url: str, seen: dict[str, Any]) -> None:
+        with pytest.raises(ContextTooLarge, match="contextTokensPerMind"):
+            async with turn(url, "minds/mira", poll_seconds=0.01):
+                pass
+
+    seen = asyncio.run(with_gateway([too_large], body))
+    assert seen["opens"] == 1
+
+
+def test_a_mind_the_engine_does_not_serve_is_refused() -> None:
+    forbidden: Answer = (403, {"error": "forbidden", "message": "not a mind of this engine"}, {})
+
+    async def body(url: str, seen: dict[str, Any]) -> None:
+        with pytest.raises(TurnRefused):
+            async with turn(url, "minds/mira"):
+                pass
+
+    asyncio.run(with_gateway([forbidden], body))
