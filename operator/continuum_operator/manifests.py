@@ -38,10 +38,18 @@ def _is_branch(part: str) -> bool:
     return "[" in part or "-" in part or part[:1].isupper() or part in _BRANCH_NAMES
 
 
-def _field_path(loc: tuple[int | str, ...], obj: Any) -> tuple[str, int, bool]:
-    """The field path of an error's location as kubectl users write it (`spec.minds.min`).
+_UNSEEN: Any = object()  # the input is not at hand: every non-branch name is a field
 
-    The location is walked against the input itself, so a union branch's name (`int`,
+
+def _field_path(loc: tuple[int | str, ...], obj: Any = _UNSEEN) -> str:
+    """The field path of an error's location as kubectl users write it (`spec.minds.min`)."""
+    return _locate(loc, obj)[0]
+
+
+def _locate(loc: tuple[int | str, ...], obj: Any) -> tuple[str, int, bool]:
+    """The field path of an error's location, walked against the input.
+
+    Walking the input itself tells fields from names pydantic adds: a union branch's (`int`,
     `list[int]`, `constrained-int`) or a validator's never reads as a field. Returns the path and
     where the last skipped branch name sat (-1 if none), to tell union branches apart, and
     whether the field is in the input at all.
@@ -53,10 +61,14 @@ def _field_path(loc: tuple[int | str, ...], obj: Any) -> tuple[str, int, bool]:
     for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-            node = node[part] if isinstance(node, list) and -len(node) <= part < len(node) else None
+            if node is not _UNSEEN:
+                ok = isinstance(node, list) and -len(node) <= part < len(node)
+                node = node[part] if ok else None
         elif isinstance(node, dict) and part in node:
             out += ("." if out else "") + part
             node = node[part]
+        elif node is _UNSEEN and not _is_branch(part):
+            out += ("." if out else "") + part
         elif i == len(loc) - 1 and not _is_branch(part):
             out += ("." if out else "") + part  # an absent field: missing, or its default refused
             present = False
@@ -81,7 +93,7 @@ def _message(err: ValidationError, obj: dict[str, Any]) -> tuple[str, str]:
     depth are joined with "or".
     """
     errors = err.errors(include_url=False)
-    located = [(*_field_path(e["loc"], obj), e) for e in errors]
+    located = [(*_locate(e["loc"], obj), e) for e in errors]
     path, branch_at, present, first = located[0]
     chosen = [first]
     if branch_at >= 0:
