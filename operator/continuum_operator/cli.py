@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from continuum_operator import checklog
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, Ledger
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
     p.set_defaults(func=cmd_plan)
+    checklog.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,571 @@
+"""`continuum check-log`: the grant invariants of DESIGN.md rule 7, checked over a transition log.
+
+The allocator (core/grants.py) and the simulator (core/simulate.py) write every change to an
+engine's grant ledger as a JSON line (docs/transition-log.md). This module reads such a log back
+and checks the seven invariants listed there. It exists so that the allocator is judged from
+outside: it imports nothing from `continuum_operator.core` or `continuum_operator.model`, only
+the standard library, and rebuilds the ledger from the log alone. A bug shared with the code
+under test cannot hide here, and a broken policy (the old reclaim order, no protection window,
+preemption that ignores minds already reclaiming) shows up as a named violation.
+
+Lines with the same `t` and `engine` form one step. Checks that concern one line (the state a
+transition starts from, a reclaim or a wait outliving its deadline, thrash) run as each line is
+read; checks that concern the ledger as a whole (pool, queue order, needless preemption) run
+once every line of the step has been applied, when the log's time moves on or ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_VIOLATIONS = 1
+EXIT_INVALID = 2
+
+INVARIANTS: Mapping[int, str] = {
+    1: "granted-within-pool",
+    2: "one-state-per-mind",
+    3: "reclaim-within-grace",
+    4: "no-wait-past-deadline",
+    5: "no-thrash",
+    6: "no-priority-inversion",
+    7: "no-needless-reclaim",
+}
+
+QUEUED, GRANTED, RECLAIMING, RELEASED = "Queued", "Granted", "Reclaiming", "Released"
+STATES = frozenset({QUEUED, GRANTED, RECLAIMING, RELEASED})
+HOLDING = frozenset({GRANTED, RECLAIMING})
+PHASES = frozenset({"Serving", "Draining", "Relaunching"})
+WAIT_OUTCOMES = frozenset({"granted", "deadline", "left"})
+TURN_PHASES = frozenset({"start", "end", "cut"})
+EVENTS = frozenset({"capacity", "transition", "wait", "waitEnd", "turn"})
+
+# The table of docs/transition-log.md: (from, to) -> the reasons allowed.
+ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
+    (None, QUEUED): frozenset({"Arrived"}),
+    (QUEUED, QUEUED): frozenset({"PoolFull", "WaitingForReclaim", "EngineRelaunching"}),
+    (QUEUED, GRANTED): frozenset({"SlotFree"}),
+    (GRANTED, GRANTED): frozenset({"SlotMoved"}),
+    (GRANTED, RECLAIMING): frozenset(
+        {"Preempted", "EngineShrunk", "EngineRelaunching", "MindDeleted", "ContextTooLarge"}
+    ),
+    (RECLAIMING, RELEASED): frozenset({"SlotReleased", "GraceExpired"}),
+    (RELEASED, QUEUED): frozenset({"Requeued", "Arrived"}),
+    (QUEUED, RELEASED): frozenset({"MindDeleted", "ContextTooLarge"}),
+    (None, RELEASED): frozenset({"MindDeleted", "ContextTooLarge"}),
+}
+# A second reclaim inside one protection window is allowed for these reasons (invariant 5).
+FORCED_RECLAIMS = frozenset({"EngineShrunk", "EngineRelaunching", "MindDeleted", "ContextTooLarge"})
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant: where (time, engine, mind) and what, in words."""
+
+    invariant: int
+    name: str
+    t: float
+    engine: str
+    mind: str | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        who = self.mind if self.mind is not None else "-"
+        return (
+            f"t={self.t:g} {self.engine} {who}: invariant {self.invariant} ({self.name}): "
+            f"{self.message}"
+        )
+
+
+class LogFormatError(ValueError):
+    """The log cannot be read as the contract says: names the line (1-based) and the fault."""
+
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.message = message
+
+
+@dataclass(slots=True)
+class _Mind:
+    state: str
+    tokens: int = 0
+    slot: int | None = None
+    priority: float = 0.0
+    window: float = 0.0
+    deadline: float | None = None
+    granted_at: float | None = None
+    reclaimed_at: float | None = None
+    queued_since: float = 0.0
+    late: bool = False  # a reclaim past its deadline, already reported
+    seq: int = 0  # numbers the reclaim, for the deadline queue
+
+
+@dataclass(slots=True)
+class _Wait:
+    deadline: float
+    seq: int
+    late: bool = False
+
+
+@dataclass(slots=True)
+class _Engine:
+    name: str
+    phase: str | None = None
+    slots: int = 0
+    tokens_per_slot: int = 0
+    minds: dict[str, _Mind] = field(default_factory=dict)
+    holders: dict[str, _Mind] = field(default_factory=dict)  # Granted or Reclaiming
+    queued: dict[str, _Mind] = field(default_factory=dict)
+    waits: dict[str, _Wait] = field(default_factory=dict)
+    preemptions: list[tuple[str, str | None]] = field(default_factory=list)  # (victim, by)
+
+
+# --- reading the lines -----------------------------------------------------------------------
+
+
+def _number(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) -> float | None:
+    if key not in line:
+        if null:
+            return None
+        raise LogFormatError(n, f"missing field `{key}`")
+    v = line[key]
+    if v is None and null:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise LogFormatError(n, f"`{key}` must be a finite number, not {json.dumps(v)}")
+    return float(v)
+
+
+def _req_number(line: Mapping[str, Any], key: str, n: int) -> float:
+    v = _number(line, key, n)
+    assert v is not None
+    return v
+
+
+def _count(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) -> int | None:
+    if key not in line:
+        if null:
+            return None
+        raise LogFormatError(n, f"missing field `{key}`")
+    v = line[key]
+    if v is None and null:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise LogFormatError(n, f"`{key}` must be a whole number >= 0, not {json.dumps(v)}")
+    return v
+
+
+def _text(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) -> str | None:
+    if key not in line:
+        if null:
+            return None
+        raise LogFormatError(n, f"missing field `{key}`")
+    v = line[key]
+    if v is None and null:
+        return None
+    if not isinstance(v, str) or not v:
+        raise LogFormatError(n, f"`{key}` must be a non-empty string, not {json.dumps(v)}")
+    return v
+
+
+def _req_text(line: Mapping[str, Any], key: str, n: int) -> str:
+    v = _text(line, key, n)
+    assert v is not None
+    return v
+
+
+def _choice(line: Mapping[str, Any], key: str, n: int, choices: frozenset[str]) -> str:
+    v = _req_text(line, key, n)
+    if v not in choices:
+        raise LogFormatError(n, f"`{key}` must be one of {', '.join(sorted(choices))}, not {v!r}")
+    return v
+
+
+# --- the checker -----------------------------------------------------------------------------
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.engines: dict[str, _Engine] = {}
+        self.violations: list[Violation] = []
+        self.now: float | None = None
+        self.stepped: dict[str, _Engine] = {}  # engines with lines at `now`
+        # Deadlines of open reclaims and waits: (deadline, seq, engine, mind); stale entries
+        # (the reclaim or wait ended, or the wait's deadline moved earlier) are skipped.
+        self.reclaims_due: list[tuple[float, int, str, str]] = []
+        self.waits_due: list[tuple[float, int, str, str]] = []
+        self.seq = 0
+
+    def flag(
+        self, inv: int, e: _Engine, mind: str | None, msg: str, t: float | None = None
+    ) -> None:
+        when = self.now if t is None else t
+        assert when is not None
+        self.violations.append(Violation(inv, INVARIANTS[inv], when, e.name, mind, msg))
+
+    # time
+
+    def line(self, n: int, raw: object) -> None:
+        if not isinstance(raw, dict | Mapping):
+            raise LogFormatError(n, f"a line must be a JSON object, not {type(raw).__name__}")
+        t = _req_number(raw, "t", n)
+        name = _req_text(raw, "engine", n)
+        event = _choice(raw, "event", n, EVENTS)
+        if self.now is not None and t < self.now:
+            raise LogFormatError(n, f"`t` goes backwards: {t:g} after {self.now:g}")
+        if self.now is None or t > self.now:
+            self.end_steps()
+            self.now = t
+            self.overdue(t)
+        e = self.engines.get(name)
+        if e is None:
+            e = self.engines[name] = _Engine(name)
+        self.stepped[name] = e
+        _EVENTS[event](self, e, raw, n)
+
+    def overdue(self, t: float) -> None:
+        """Invariants 3 and 4 for reclaims and waits that time has passed by without an end."""
+        while self.reclaims_due and self.reclaims_due[0][0] < t:
+            deadline, seq, engine, name = heapq.heappop(self.reclaims_due)
+            e = self.engines[engine]
+            m = e.minds[name]
+            if m.state == RECLAIMING and m.seq == seq and not m.late:
+                m.late = True
+                self.flag(3, e, name, f"still Reclaiming at t={t:g}, past its grace "
+                          f"deadline {deadline:g}")  # fmt: skip
+        while self.waits_due and self.waits_due[0][0] < t:
+            deadline, seq, engine, name = heapq.heappop(self.waits_due)
+            e = self.engines[engine]
+            w = e.waits.get(name)
+            if w is not None and w.seq == seq and w.deadline == deadline and not w.late:
+                w.late = True
+                self.flag(4, e, name, f"still waiting at t={t:g}, past its deadline "
+                          f"{deadline:g}")  # fmt: skip
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def end_steps(self) -> None:
+        for e in self.stepped.values():
+            self.pool(e)
+            self.queue(e)
+            self.needless(e)
+            e.preemptions.clear()
+        self.stepped = {}
+
+    # events
+
+    def capacity(self, e: _Engine, line: Mapping[str, Any], n: int) -> None:
+        e.phase = _choice(line, "phase", n, PHASES)
+        e.slots = _count(line, "slots", n) or 0
+        e.tokens_per_slot = _count(line, "tokensPerSlot", n) or 0
+
+    def transition(self, e: _Engine, line: Mapping[str, Any], n: int) -> None:
+        t = self.now
+        assert t is not None
+        name = _req_text(line, "mind", n)
+        if "from" not in line:
+            raise LogFormatError(n, "missing field `from`")
+        src = line["from"]
+        if src is not None and src not in STATES:
+            raise LogFormatError(n, f"`from` must be null or one of {', '.join(sorted(STATES))}, "
+                                 f"not {json.dumps(src)}")  # fmt: skip
+        dst = _choice(line, "to", n, STATES)
+        reason = _req_text(line, "reason", n)
+        tokens = _count(line, "tokens", n) or 0
+        slot = _count(line, "slot", n, null=True)
+        priority = _req_number(line, "priority", n)
+        window = _req_number(line, "protectionWindow", n)
+        deadline = _number(line, "deadline", n, null=True)
+        by = _text(line, "by", n, null=True)
+
+        m = e.minds.get(name)
+        cur = m.state if m is not None else None
+        # Invariant 2: the state the line starts from is the mind's; the move is in the table.
+        if src != cur and not (src is None and cur == RELEASED):
+            self.flag(2, e, name, f"transition from {src} but the mind is "
+                      f"{cur if cur is not None else 'not in the ledger'}")  # fmt: skip
+        allowed = ALLOWED.get((src, dst))
+        if allowed is None:
+            self.flag(2, e, name, f"{src} -> {dst} is not a transition of the grant states")
+        elif reason not in allowed:
+            self.flag(2, e, name, f"{src} -> {dst} with reason {reason!r}; allowed: "
+                      f"{', '.join(sorted(allowed))}")  # fmt: skip
+        if reason == "Preempted" and by is None:
+            self.flag(2, e, name, "Preempted without `by` naming the preemptor")
+
+        # Invariant 1 (per line): what each state holds.
+        if dst in HOLDING and slot is None:
+            self.flag(1, e, name, f"{dst} but holds no slot")
+        if dst not in HOLDING and (tokens != 0 or slot is not None):
+            self.flag(1, e, name, f"{dst} but holds {tokens} tokens and slot {slot}")
+
+        if m is None:
+            m = e.minds[name] = _Mind(state=dst, queued_since=t)
+
+        # Invariant 3: a reclaim leaves by its deadline; a reclaim has a deadline.
+        left = cur == RECLAIMING and dst != RECLAIMING
+        if left and m.deadline is not None and t > m.deadline and not m.late:
+            m.late = True
+            self.flag(3, e, name, f"left Reclaiming at t={t:g}, after its grace deadline "
+                      f"{m.deadline:g}")  # fmt: skip
+        if dst == RECLAIMING and cur != RECLAIMING:
+            m.late = False
+            m.seq = self.next_seq()
+            if deadline is None:
+                self.flag(3, e, name, "Reclaiming without a grace deadline")
+            else:
+                heapq.heappush(self.reclaims_due, (deadline, m.seq, e.name, name))
+
+        # Invariant 5: thrash, and preempting a young grant.
+        if dst == RECLAIMING and cur == GRANTED:
+            self.thrash(e, name, m, reason, window, by)
+
+        if dst == QUEUED and cur != QUEUED:
+            m.queued_since = t
+        if dst == GRANTED and cur != GRANTED:
+            m.granted_at = t
+        if dst == RECLAIMING and cur != RECLAIMING:
+            m.reclaimed_at = t
+        m.state, m.tokens, m.slot = dst, tokens, slot
+        e.holders.pop(name, None)
+        e.queued.pop(name, None)
+        if dst in HOLDING:
+            e.holders[name] = m
+        elif dst == QUEUED:
+            e.queued[name] = m
+        m.priority, m.window = priority, window
+        m.deadline = deadline if dst == RECLAIMING else None
+
+    def thrash(
+        self, e: _Engine, name: str, m: _Mind, reason: str, window: float, by: str | None
+    ) -> None:
+        t = self.now
+        assert t is not None
+        if reason == "Preempted":
+            e.preemptions.append((name, by))
+        if m.granted_at is not None and reason == "Preempted" and t - m.granted_at < window:
+            self.flag(5, e, name, f"Preempted {t - m.granted_at:g} s after its grant, inside "
+                      f"its protection window of {window:g} s")  # fmt: skip
+            return
+        if (
+            m.reclaimed_at is not None
+            and reason not in FORCED_RECLAIMS
+            and t - m.reclaimed_at < window
+        ):
+            since = t - m.reclaimed_at
+            self.flag(5, e, name, f"reclaimed ({reason}) {since:g} s after its previous "
+                      f"reclaim, inside its protection window of {window:g} s")  # fmt: skip
+
+    def wait(self, e: _Engine, line: Mapping[str, Any], n: int) -> None:
+        name = _req_text(line, "mind", n)
+        _req_text(line, "reason", n)
+        deadline = _req_number(line, "deadline", n)
+        w = e.waits.get(name)
+        if w is None:
+            w = e.waits[name] = _Wait(deadline, self.next_seq())
+        elif deadline < w.deadline:
+            w.deadline = deadline
+        else:
+            # The wait restated (its reason changed): the turn's deadline does not move later.
+            return
+        heapq.heappush(self.waits_due, (deadline, w.seq, e.name, name))
+
+    def wait_end(self, e: _Engine, line: Mapping[str, Any], n: int) -> None:
+        t = self.now
+        assert t is not None
+        name = _req_text(line, "mind", n)
+        _choice(line, "outcome", n, WAIT_OUTCOMES)
+        w = e.waits.pop(name, None)
+        if w is None:
+            self.flag(4, e, name, "waitEnd without a wait")
+        elif t > w.deadline and not w.late:
+            self.flag(4, e, name, f"wait ended at t={t:g}, after its deadline {w.deadline:g}")
+
+    def turn(self, e: _Engine, line: Mapping[str, Any], n: int) -> None:
+        _req_text(line, "mind", n)
+        _choice(line, "phase", n, TURN_PHASES)
+
+    # step-level invariants
+
+    def pool(self, e: _Engine) -> None:
+        holders = sorted(e.holders.items())
+        if not holders:
+            return
+        limit = e.slots * e.tokens_per_slot
+        held = sum(m.tokens for _, m in holders)
+        if e.phase is None:
+            self.flag(1, e, None, f"{held} tokens granted before any capacity line")
+        elif held > limit:
+            self.flag(1, e, None, f"{held} tokens granted or reclaiming, over the pool of "
+                      f"{e.slots} x {e.tokens_per_slot} = {limit}")  # fmt: skip
+        by_slot: dict[int, list[str]] = {}
+        for name, m in holders:
+            if m.slot is not None:
+                by_slot.setdefault(m.slot, []).append(name)
+                if e.phase is not None and m.slot >= e.slots:
+                    self.flag(1, e, name, f"holds slot {m.slot}, outside the engine's "
+                              f"{e.slots} slots (0 to {e.slots - 1})")  # fmt: skip
+        for slot, names in sorted(by_slot.items()):
+            if len(names) > 1:
+                self.flag(1, e, names[1], f"slot {slot} held by {', '.join(sorted(names))}")
+
+    def _counts(self, e: _Engine) -> tuple[int, int, list[tuple[str, _Mind]]]:
+        reclaiming = sum(1 for m in e.holders.values() if m.state == RECLAIMING)
+        return max(0, e.slots - len(e.holders)), reclaiming, list(e.queued.items())
+
+    def queue(self, e: _Engine) -> None:
+        if e.phase != "Serving":
+            return
+        free, reclaiming, queued = self._counts(e)
+        if not queued:
+            return
+        t = self.now
+        assert t is not None
+
+        # Queued minds ranked: priority (highest first), then arrival. Ties do not change the
+        # verdict, since only a strictly lower grant can be preempted.
+        def rank(q: tuple[str, _Mind]) -> tuple[float, float, str]:
+            return (-q[1].priority, q[1].queued_since, q[0])
+
+        if free:
+            self.flag(6, e, min(queued, key=rank)[0], f"queued while {free} slot(s) stay free")
+            return
+        covered = free + reclaiming
+        if covered >= len(queued):
+            return
+        first_uncovered, q = heapq.nsmallest(covered + 1, queued, key=rank)[-1]
+        victims = [
+            (m.priority, name)
+            for name, m in e.holders.items()
+            if m.state == GRANTED
+            and m.priority < q.priority
+            and m.granted_at is not None
+            and t - m.granted_at >= m.window
+            and (m.reclaimed_at is None or t - m.reclaimed_at >= m.window)
+        ]
+        if victims:
+            prio, victim = heapq.nsmallest(1, victims)[0]
+            self.flag(6, e, first_uncovered, f"queued at priority {q.priority:g} behind "
+                      f"{victim} (priority {prio:g}, unprotected), with {covered} slot(s) free "
+                      f"or reclaiming for {len(queued)} queued")  # fmt: skip
+
+    def needless(self, e: _Engine) -> None:
+        if not e.preemptions:
+            return
+        free, reclaiming, queued = self._counts(e)
+        victims = ", ".join(v for v, _ in e.preemptions)
+        if free + reclaiming > len(queued):
+            self.flag(7, e, e.preemptions[0][0], f"preempted ({victims}) with {free} slot(s) "
+                      f"free and {reclaiming} reclaiming for {len(queued)} queued")  # fmt: skip
+        for victim, by in e.preemptions:
+            if by is None:
+                continue
+            vm, pm = e.minds[victim], e.minds.get(by)
+            if pm is None:
+                self.flag(7, e, victim, f"preempted by {by}, who is not on this engine")
+            elif pm.priority <= vm.priority:
+                self.flag(7, e, victim, f"preempted (priority {vm.priority:g}) by {by}, whose "
+                          f"priority {pm.priority:g} is not higher")  # fmt: skip
+
+    def finish(self) -> list[Violation]:
+        self.end_steps()
+        return self.violations
+
+
+_EVENTS = {
+    "capacity": _Checker.capacity,
+    "transition": _Checker.transition,
+    "wait": _Checker.wait,
+    "waitEnd": _Checker.wait_end,
+    "turn": _Checker.turn,
+}
+
+
+def check(lines: Iterable[Mapping[str, Any]]) -> list[Violation]:
+    """The violations of the log's lines, in the order found.
+
+    Raises `LogFormatError` (numbering the lines from 1) for a line that breaks the format.
+    """
+    c = _Checker()
+    for n, raw in enumerate(lines, start=1):
+        c.line(n, raw)
+    return c.finish()
+
+
+def _read(path: Path) -> Iterator[tuple[int, object]]:
+    with path.open(encoding="utf-8") as f:
+        for n, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                yield n, json.loads(text)
+            except json.JSONDecodeError as err:
+                raise LogFormatError(n, f"not JSON: {err.msg} at column {err.colno}") from None
+
+
+def check_file(path: Path | str) -> list[Violation]:
+    """`check` over a JSON-lines file; blank lines are skipped but still counted.
+
+    Raises `LogFormatError` for a malformed line and `OSError` for an unreadable file.
+    """
+    c = _Checker()
+    try:
+        for n, raw in _read(Path(path)):
+            c.line(n, raw)
+    except UnicodeDecodeError as err:
+        raise LogFormatError(0, f"not UTF-8 text: {err.reason}") from None
+    return c.finish()
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def cmd_check_log(args: argparse.Namespace) -> int:
+    path: Path = args.file
+    try:
+        violations = check_file(path)
+    except LogFormatError as err:
+        where = f"{path}:{err.line}" if err.line else str(path)
+        print(f"error: {where}: {err.message}", file=sys.stderr)
+        return EXIT_INVALID
+    except OSError as err:
+        print(f"error: {path}: {err.strerror or err}", file=sys.stderr)
+        return EXIT_INVALID
+    if args.output == "json":
+        doc = {"ok": not violations, "violations": [v.to_dict() for v in violations]}
+        print(json.dumps(doc, indent=2))
+    elif violations:
+        for v in violations:
+            print(v)
+        print(f"{len(violations)} violation(s) in {path}")
+    else:
+        print(f"ok: {path}: invariants 1-7 hold")
+    return EXIT_VIOLATIONS if violations else EXIT_OK
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `continuum check-log FILE [-o text|json]` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "check-log",
+        help="check the grant invariants over a transition log",
+        description="Check a grant transition log (JSON lines, docs/transition-log.md) against "
+        "the invariants of DESIGN.md rule 7. Exits 0 when they hold, 1 with violations, 2 for "
+        "an unreadable or malformed log.",
+    )
+    p.add_argument("file", type=Path, metavar="FILE", help="a transition log, JSON lines")
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_check_log)
