@@ -288,12 +288,14 @@ def import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError as err:
-        pytest.fail(
-            f"llama-cpp-python is not installed ({err}): run `make install` "
-            "(or `tools/llama install .venv/bin/python`)",
-            pytrace=False,
-        )
-    return llama_cpp
+        missing = str(err)
+    else:
+        return llama_cpp
+    pytest.fail(
+        f"llama-cpp-python is not installed ({missing}): run `make install` "
+        "(or `tools/llama install .venv/bin/python`)",
+        pytrace=False,
+    )
 
 
 @pytest.fixture
