@@ -125,18 +125,37 @@ def test_repo_crds_install(cluster: Cluster) -> None:
 
 
 def test_engine_examples_are_stored(cluster: Cluster, namespace: str) -> None:
+    """The example Engines apply as written (into their own namespace, else a fresh one) and read
+    back with the same spec."""
     install_repo_crds(cluster)
     examples = sorted(ENGINE_EXAMPLES.glob("*.yaml"))
     assert examples, f"no examples in {ENGINE_EXAMPLES}"
-    cluster.kubectl("apply", "-n", namespace, "-f", str(ENGINE_EXAMPLES))
-    for path in examples:
-        for doc in yaml_docs(path):
-            kind = doc["kind"]
-            group = doc["apiVersion"].split("/")[0]
-            stored = cluster.get_json(
-                "-n", namespace, f"{kind.lower()}.{group}", doc["metadata"]["name"]
+    applied: list[tuple[str, str, str]] = []
+    try:
+        for path in examples:
+            for doc in yaml_docs(path):
+                ns = doc["metadata"].get("namespace") or namespace
+                if ns != namespace:
+                    cluster.apply(
+                        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+                    )
+                cluster.apply(doc, "-n", ns)
+                resource = f"{doc['kind'].lower()}.{doc['apiVersion'].split('/')[0]}"
+                applied.append((ns, resource, doc["metadata"]["name"]))
+                stored = cluster.get_json("-n", ns, resource, doc["metadata"]["name"])
+                assert is_subset(doc.get("spec", {}), stored.get("spec", {})), (path, stored)
+    finally:
+        for ns, resource, name in applied:
+            cluster.kubectl(
+                "delete",
+                "-n",
+                ns,
+                resource,
+                name,
+                "--wait=false",
+                "--ignore-not-found",
+                check=False,
             )
-            assert is_subset(doc.get("spec", {}), stored.get("spec", {})), (path, stored)
 
 
 def test_deployment_runs_on_fake_gpu_node(cluster: Cluster, namespace: str, gpu_node: str) -> None:
