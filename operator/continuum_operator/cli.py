@@ -16,10 +16,11 @@ from typing import Any
 
 import yaml
 
-from continuum_operator import checklog
+from continuum_operator import checklog, cli_facts
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
 from continuum_operator.manifests import ManifestError, load_all, load_one
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import Engine
@@ -76,7 +77,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         board = load_one(NodeBoard, args.board)
         engine = load_one(Engine, args.engine)
         others = [e for path in args.lease for e in load_all(Engine, path)]
-    except ManifestError as err:
+        receipts = load_receipts(args.receipt)
+    except (ManifestError, ReceiptFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INVALID
     facts = engine.spec.model.facts
@@ -91,7 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     me = (engine.metadata.namespace, engine.metadata.name)
     leases = engine_leases(e for e in others if (e.metadata.namespace, e.metadata.name) != me)
     core_board = Board.from_resource(board)
-    result = plan(core_board, engine.spec, facts, Ledger.of(core_board, leases))
+    result = plan(core_board, engine.spec, facts, Ledger.of(core_board, leases), receipts=receipts)
     _print_plan(result, args.output)
     if not result.schedulable:
         for reason in result.reasons:
@@ -120,8 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Engines already placed (with status.placement); repeatable",
     )
     p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    p.add_argument("--receipt", type=Path, action="append", default=[],
+                   help="llama.cpp receipts (YAML/JSON, docs/receipts.md); repeatable")
     p.set_defaults(func=cmd_plan)
     checklog.add_parser(sub)
+    cli_facts.add_parser(sub)
     return parser
 
 

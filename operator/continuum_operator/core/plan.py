@@ -6,6 +6,12 @@
 counts `--n-gpu-layers`: the repeating layers plus the output layer, which goes to the device
 only after every repeating layer; token embeddings stay on the host.
 
+Bytes are what llama.cpp allocates for the engine's arguments: KV cells per sequence padded to
+256 as llama.cpp pads them (one stream per mind: `--parallel` without `--kv-unified`), window
+layers at their window's cells, and the compute and output buffers of `core.compute`. Where a
+receipt (`core.receipts`) exists for the same model digest, context, KV type, placement and
+build, its measured buffers replace the estimate, and the reasons say so (DESIGN.md rule 5).
+
 Budgets (rules 1-3):
 - discrete: each GPU's device pool after reserve and others' leases, bounded by the per-process
   cap; the host pool after reserve. Several GPUs split the device part evenly.
@@ -23,8 +29,20 @@ from enum import StrEnum
 from itertools import accumulate
 from typing import Any
 
-from continuum_operator.core.compute import ComputeEstimate
+from continuum_operator.core.compute import (
+    MICRO_BATCH_TOKENS,
+    ComputeEstimate,
+    kv_cells_per_sequence,
+    window_cells_per_sequence,
+)
 from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.core.receipts import (
+    LOG_RESOLUTION_BYTES,
+    BufferKind,
+    Receipt,
+    ReceiptBook,
+    is_host_buffer,
+)
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts
 
@@ -48,6 +66,9 @@ class ReasonCode(StrEnum):
     NOT_ENOUGH_GPUS = "NotEnoughGpus"
     OFFLOAD_DOES_NOT_FIT = "OffloadDoesNotFit"
     INSUFFICIENT_MEMORY = "InsufficientMemory"
+    RECEIPT_USED = "ReceiptUsed"
+    EXPERT_OFFLOAD_NOT_PLANNED = "ExpertOffloadNotPlanned"
+    SLIDING_WINDOW_KV = "SlidingWindowKv"
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,28 +176,44 @@ class _Shape:
     layers: int
     input_bytes: int
     output_bytes: int
+    output_host_bytes: int
     # Prefix sums from the last layer backwards: llama.cpp offloads the last layers first.
     tail_weights: tuple[int, ...]
-    tail_kv: tuple[int, ...]  # per token, at the engine's KV type
+    tail_kv: tuple[int, ...]  # per KV cell, at the engine's KV type: full-context layers
+    tail_kv_window: tuple[int, ...]  # the same for sliding-window layers
     total_weights: int
-    total_kv: int
+    window: int | None
 
     @classmethod
     def of(cls, facts: ModelFacts, kv_type: KvCacheType) -> _Shape:
         num, den = kv_type.bytes_ratio_to_f16
         weights = facts.layer_bytes_list()
+        # Each layer's K and V rows are whole blocks of the type (q8_0: 34 bytes per 32).
         kv = [-(-k * num // den) for k in facts.kv_f16_list()]
+        window = set(facts.sliding_window_layers)
+        full = [0 if i in window else k for i, k in enumerate(kv)]
+        swa = [k if i in window else 0 for i, k in enumerate(kv)]
         tail_w = (0, *accumulate(reversed(weights)))
-        tail_kv = (0, *accumulate(reversed(kv)))
         return cls(
             layers=facts.layers,
             input_bytes=facts.input_bytes,
             output_bytes=facts.output_bytes,
+            output_host_bytes=facts.output_host,
             tail_weights=tail_w,
-            tail_kv=tail_kv,
+            tail_kv=(0, *accumulate(reversed(full))),
+            tail_kv_window=(0, *accumulate(reversed(swa))),
             total_weights=tail_w[-1],
-            total_kv=tail_kv[-1],
+            window=facts.sliding_window if window else None,
         )
+
+    def kv_bytes(self, first_layers: int, last_layers: int, context: int, minds: int) -> int:
+        """KV bytes of the layers [layers - last_layers, layers - first_layers) at `context`
+        tokens per mind, one stream per mind."""
+        cells = kv_cells_per_sequence(context)
+        full = self.tail_kv[last_layers] - self.tail_kv[first_layers]
+        swa = self.tail_kv_window[last_layers] - self.tail_kv_window[first_layers]
+        window = window_cells_per_sequence(context, self.window) if self.window else 0
+        return (full * cells + swa * window) * minds
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,32 +226,78 @@ class _Sizer:
     reserve: int
     gpus: int
     unified: bool
+    kv_type: KvCacheType = KvCacheType.F16
+    receipts: ReceiptBook = field(default_factory=ReceiptBook)
+    model_sha256: str | None = None
+
+    def receipt(self, j: int, minds: int) -> Receipt | None:
+        return self.receipts.find(
+            model_sha256=self.model_sha256,
+            context_tokens=minds * self.context_per_mind,
+            kv_cache_type=self.kv_type,
+            layers_on_device=j,
+            gpus=self.gpus,
+            parallel=minds,
+            micro_batch_tokens=MICRO_BATCH_TOKENS,
+            flash_attention=True,
+        )
 
     def parts(self, j: int, minds: int) -> tuple[PartBytes, PartBytes]:
         s = self.shape
         on_device = min(j, s.layers)
         output_on_device = j > s.layers
-        tokens = minds * self.context_per_mind
-        compute = self.compute.bytes_at(tokens)
-        dev_w = s.tail_weights[on_device] + (s.output_bytes if output_on_device else 0)
-        host_w = s.input_bytes + s.total_weights - s.tail_weights[on_device]
-        if not output_on_device:
-            host_w += s.output_bytes
-        dev_kv = s.tail_kv[on_device] * tokens
-        host_kv = (s.total_kv - s.tail_kv[on_device]) * tokens
         uses_device = j > 0
-        # Each backend that runs layers reserves its own graph; several GPUs each hold one.
-        dev_c = compute * self.gpus if uses_device else 0
-        host_c = compute if on_device < s.layers else 0
         if self.unified:
             # One pool, one reserve: shown on the host side, where the pool is also counted.
             dev_r, host_r = 0, self.reserve
         else:
             dev_r = self.reserve * self.gpus if uses_device else 0
             host_r = self.reserve
+        receipt = self.receipt(j, minds)
+        if receipt is not None:
+            return _measured(receipt, dev_r, host_r)
+        ctx = self.context_per_mind
+        graph = self.compute.graph_bytes(ctx, minds)
+        dev_w = s.tail_weights[on_device] + (s.output_bytes if output_on_device else 0)
+        host_w = s.input_bytes + s.total_weights - s.tail_weights[on_device]
+        if not output_on_device:
+            host_w += s.output_host_bytes
+        dev_kv = s.kv_bytes(0, on_device, ctx, minds)
+        host_kv = s.kv_bytes(on_device, s.layers, ctx, minds)
+        # Each backend that runs layers reserves its own graph; several GPUs each hold one. The
+        # host always holds the logits (output buffer) and, with every layer offloaded, the
+        # graph's inputs (token embeddings are looked up on the host).
+        dev_c = graph * self.gpus if uses_device else 0
+        host_graph = graph if on_device < s.layers else self.compute.host_input_bytes()
+        host_c = host_graph + self.compute.output_bytes(minds)
         device = PartBytes(weights=dev_w, kv=dev_kv, compute=dev_c, reserve=dev_r)
         host = PartBytes(weights=host_w, kv=host_kv, compute=host_c, reserve=host_r)
         return device, host
+
+
+def _measured(receipt: Receipt, dev_r: int, host_r: int) -> tuple[PartBytes, PartBytes]:
+    """Bytes per side from a receipt, each buffer rounded up by the log's resolution."""
+
+    def side(kinds: tuple[BufferKind, ...], host: bool) -> int:
+        buffers = [
+            b for b in receipt.buffers if b.kind in kinds and is_host_buffer(b.device) == host
+        ]
+        return sum(b.bytes + LOG_RESOLUTION_BYTES for b in buffers)
+
+    compute = (BufferKind.COMPUTE, BufferKind.OUTPUT)
+    device = PartBytes(
+        weights=side((BufferKind.MODEL,), False),
+        kv=side((BufferKind.KV,), False),
+        compute=side(compute, False),
+        reserve=dev_r,
+    )
+    host = PartBytes(
+        weights=side((BufferKind.MODEL,), True),
+        kv=side((BufferKind.KV,), True),
+        compute=side(compute, True),
+        reserve=host_r,
+    )
+    return device, host
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,10 +341,15 @@ def plan(
     ledger: Ledger | None = None,
     *,
     crediting: str | None = None,
+    receipts: Sequence[Receipt] = (),
+    llama_build: str | None = None,
 ) -> ServingPlan:
     """The serving plan of `engine` on `board`, given the leases already on it.
 
     `crediting` names the engine's own lease when sizing the successor of a running engine.
+    `receipts` are llama.cpp's measured buffers; one filed under the engine's model digest
+    (`spec.model.sha256`), context, KV type, placement and `llama_build` (any build when None)
+    replaces the estimate for that placement.
     """
     ledger = ledger if ledger is not None else Ledger(board)
     reasons: list[Reason] = []
@@ -385,6 +473,9 @@ def plan(
         reserve=reserve,
         gpus=n_gpus,
         unified=mode is MemoryMode.UNIFIED,
+        kv_type=engine.kv_cache_type,
+        receipts=ReceiptBook(tuple(receipts), llama_build),
+        model_sha256=engine.model.sha256,
     )
     fit = _Fit(budget, check_device)
     lo_minds, hi_minds = engine.minds.min, engine.minds.max
@@ -441,7 +532,8 @@ def plan(
         )
     if mode is MemoryMode.UNKNOWN:
         _explain_unknown(reasons, engine, level, check_device)
-    if sizer.compute.assumed:
+    _explain_estimates(reasons, sizer, facts, level, minds)
+    if sizer.compute.assumed and sizer.receipt(level, minds) is None:
         reasons.append(
             Reason(
                 ReasonCode.COMPUTE_ESTIMATED,
@@ -502,6 +594,41 @@ def _explain_layers(
                 code,
                 f"{level}/{total} layers on the device: {level + 1} would need "
                 f"{_mib(needed)} against a device budget of {_mib(budget.device)}",
+            )
+        )
+
+
+def _explain_estimates(
+    reasons: list[Reason], sizer: _Sizer, facts: ModelFacts, level: int, minds: int
+) -> None:
+    receipt = sizer.receipt(level, minds)
+    if receipt is not None:
+        source = f" ({receipt.source})" if receipt.source else ""
+        reasons.append(
+            Reason(
+                ReasonCode.RECEIPT_USED,
+                f"bytes measured by {receipt.llama_build} at {receipt.context_tokens} tokens, "
+                f"{receipt.placement.layers_on_device} layers on {receipt.placement.gpus} GPU(s), "
+                f"{receipt.kv_cache_type} KV{source} used instead of the estimate",
+            )
+        )
+    if facts.is_moe:
+        used = f", {facts.expert_used_count} used per token" if facts.expert_used_count else ""
+        reasons.append(
+            Reason(
+                ReasonCode.EXPERT_OFFLOAD_NOT_PLANNED,
+                f"a mixture of {facts.expert_count} experts{used}: expert weights are planned "
+                "with their layers; keeping experts on the host (llama.cpp --n-cpu-moe) is not "
+                "planned yet",
+            )
+        )
+    if facts.sliding_window and facts.sliding_window_layers and receipt is None:
+        cells = window_cells_per_sequence(sizer.context_per_mind, facts.sliding_window)
+        reasons.append(
+            Reason(
+                ReasonCode.SLIDING_WINDOW_KV,
+                f"{len(facts.sliding_window_layers)} of {facts.layers} layers attend over a "
+                f"window of {facts.sliding_window} tokens: their KV holds {cells} cells per mind",
             )
         )
 

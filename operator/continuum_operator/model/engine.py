@@ -68,8 +68,11 @@ class KvCacheType(StrEnum):
 class ModelFacts(Spec):
     """Facts of a model's file that the plan needs: per-layer bytes and KV rates.
 
-    Inline facts serve when no reader can see the GGUF file; later the GGUF reader fills the
-    same shape. Every size is bytes of the file's own quantisation.
+    Inline facts serve when no reader can see the GGUF file; `continuum facts MODEL.gguf`
+    (`gguf.facts`) fills the same shape from the file's header and tensor index. Every size is
+    bytes of the file's own quantisation. Only `layers`, `layerBytes`, `inputBytes` and
+    `kvBytesPerTokenPerLayer` are required; the rest sharpen the compute-buffer estimate
+    (`core.compute`) or let the plan explain what it does not plan (experts).
     """
 
     layers: PositiveInt = Field(le=4096, description="Repeating (transformer) layers.")
@@ -78,10 +81,20 @@ class ModelFacts(Spec):
         description="Token embeddings; always on the host, as llama.cpp keeps them."
     )
     output_bytes: Bytes = Field(
-        default=0, description="Output head; on the device only when every repeating layer is."
+        default=0,
+        description="Output head and its norm; on the device only when every repeating layer "
+        "is. For a tied head (no output.weight) llama.cpp copies the token embeddings to the "
+        "output layer's device, so this counts them.",
+    )
+    output_host_bytes: Bytes | None = Field(
+        default=None,
+        description="What the output layer adds on the host when it is not offloaded; defaults "
+        "to outputBytes. Smaller for a tied head: the mapped file already holds the token "
+        "embeddings (inputBytes), so only the output norm is added.",
     )
     kv_bytes_per_token_per_layer: PerLayerBytes = Field(
-        description="K plus V bytes per token per layer at f16; scaled by spec.kvCacheType."
+        description="K plus V bytes per KV cell per layer at f16; scaled by spec.kvCacheType. "
+        "Layers in slidingWindowLayers hold only the window's cells (see slidingWindow)."
     )
     compute_bytes: Bytes | None = Field(
         default=None,
@@ -89,14 +102,50 @@ class ModelFacts(Spec):
     )
     embedding_length: PositiveInt | None = None
     head_count: PositiveInt | None = None
+    head_count_kv: PerLayerBytes | None = Field(
+        default=None, description="KV heads, one number or one per layer."
+    )
+    key_length: PositiveInt | None = Field(
+        default=None, description="Head size of K (attention.key_length, else n_embd/n_head)."
+    )
+    value_length: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**31 - 1,
+        description="Head size of V (attention.value_length, else key length; 0 where only K "
+        "is cached, as in MLA models).",
+    )
+    feed_forward_length: PositiveInt | None = Field(
+        default=None, description="Widest feed-forward layer (the largest where it varies)."
+    )
     vocab_size: PositiveInt | None = None
+    context_length: PositiveInt | None = Field(
+        default=None, description="The context the model was trained for."
+    )
+    sliding_window: PositiveInt | None = Field(
+        default=None,
+        description="Sliding-window size in tokens. llama.cpp sizes the KV of those layers at "
+        "the window, not the context: min(context, window x sequences + micro-batch), padded "
+        "to 256 cells.",
+    )
+    sliding_window_layers: list[Annotated[int, Field(ge=0, le=4095)]] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Indices of the layers that attend over the sliding window only.",
+    )
+    expert_count: int | None = Field(
+        default=None, ge=0, le=65_536, description="Experts per MoE layer (0 or absent: dense)."
+    )
+    expert_used_count: int | None = Field(default=None, ge=0, le=65_536)
     architecture: str | None = Field(default=None, max_length=64)
 
-    @field_validator("layer_bytes", "kv_bytes_per_token_per_layer")
+    @field_validator("layer_bytes", "kv_bytes_per_token_per_layer", "head_count_kv")
     @classmethod
     def _one_size_or_one_per_layer(
-        cls, value: int | list[int], info: ValidationInfo
-    ) -> int | list[int]:
+        cls, value: int | list[int] | None, info: ValidationInfo
+    ) -> int | list[int] | None:
+        if value is None:
+            return None
         if isinstance(value, list):
             for i, v in enumerate(value):
                 if v < 0 or v > 2**62:
@@ -110,6 +159,26 @@ class ModelFacts(Spec):
                 "give one number for all layers or one per layer"
             )
         return value
+
+    @model_validator(mode="after")
+    def _window_layers_exist(self) -> Self:
+        outside = [i for i in self.sliding_window_layers if i >= self.layers]
+        if outside:
+            raise ValueError(
+                f"slidingWindowLayers lists layer {outside[0]} but the model has {self.layers}"
+            )
+        if self.sliding_window_layers and self.sliding_window is None:
+            raise ValueError("slidingWindowLayers is set but slidingWindow is not")
+        return self
+
+    @property
+    def output_host(self) -> int:
+        """Bytes the output layer adds on the host when it stays there."""
+        return self.output_bytes if self.output_host_bytes is None else self.output_host_bytes
+
+    @property
+    def is_moe(self) -> bool:
+        return (self.expert_count or 0) > 1
 
     def layer_bytes_list(self) -> list[int]:
         return _per_layer(self.layer_bytes, self.layers)

@@ -1,0 +1,58 @@
+"""`continuum facts MODEL.gguf`: the facts an Engine's `spec.model.facts` would hold.
+
+Reads the GGUF header and tensor index only (`gguf.read_facts`); with `--sha256` it also
+hashes the whole file and prints the `spec.model` fragment (`sha256` and `facts`), the digest
+that receipts are filed under. Exit codes as in `cli`: 0 done, 2 a file that cannot be read
+or planned from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from continuum_operator.gguf import FactsError, GgufReadError, file_sha256, read_facts
+
+__all__ = ["add_parser", "cmd_facts"]
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+
+
+def cmd_facts(args: argparse.Namespace) -> int:
+    try:
+        facts = read_facts(args.model)
+    except (GgufReadError, FactsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    doc: dict[str, Any] = facts.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    if args.sha256:
+        doc = {"sha256": file_sha256(args.model), "facts": doc}
+    if args.output == "json":
+        print(json.dumps(doc, indent=2))
+    else:
+        print(yaml.safe_dump(doc, sort_keys=False), end="")
+    return EXIT_OK
+
+
+def add_parser(sub: Any) -> None:
+    """Register `facts` on the `continuum` command's subparsers."""
+    p = sub.add_parser(
+        "facts",
+        help="print a GGUF model's facts for spec.model.facts",
+        description="Read a GGUF file's header and tensor index (never its weights) and print "
+        "the facts an Engine's spec.model.facts holds.",
+    )
+    p.add_argument("model", type=Path, help="a GGUF model file")
+    p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
+    p.add_argument(
+        "--sha256",
+        action="store_true",
+        help="also hash the file and print the spec.model fragment {sha256, facts}",
+    )
+    p.set_defaults(func=cmd_facts)
