@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from continuum_operator import checklog, cli_facts
+from continuum_operator.agent import cli as agent_cli
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, Ledger
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     checklog.add_parser(sub)
     cli_facts.add_parser(sub)
+    agent_cli.add_parser(sub)
     return parser
 
 

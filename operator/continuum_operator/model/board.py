@@ -3,7 +3,10 @@
 The board is written only by the node agent; its freshness is the node's coordination Lease,
 not the board itself (a quiet board is not a stale one). The shape encodes DESIGN.md rule 1: a
 unified board has exactly one `unified` pool, a discrete board one `host` pool and one `device`
-pool per GPU, and an unknown board governs only its `host` pool.
+pool per GPU, and an unknown board governs only its `host` pool. `consumers` tells the memory
+of the engines and lanes the operator placed apart from the rest of each pool's usage (the
+external part), and `capMechanisms` says which per-process caps the node offers; the operator
+decides which to apply (it writes the Engine's `status.enforcement`, the agent does not).
 """
 
 from __future__ import annotations
@@ -85,6 +88,29 @@ class PoolReading(Spec):
         return value
 
 
+class CapMechanism(StrEnum):
+    """A per-process GPU memory cap the node can enforce on a pod (DESIGN.md rule 2)."""
+
+    HAMI = "hami"  # HAMi's device plugin and libvgpu: `nvidia.com/gpumem` on the pod
+    MPS = "mps"  # an NVIDIA MPS control daemon: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT
+
+
+class CapMechanismReading(Spec):
+    mechanism: CapMechanism
+    evidence: str = Field(default="", description="What the agent saw that shows it.")
+
+
+class ConsumerUsage(Spec):
+    """Measured memory of one engine or lane the operator placed, in one pool."""
+
+    kind: Literal["Engine", "EmbedLane"]
+    namespace: str
+    name: str
+    pool: PoolKind
+    device: int | None = Field(default=None, ge=0, le=1023, description="Device pools only.")
+    used_bytes: Bytes
+
+
 class GpuInfo(Spec):
     index: int = Field(ge=0, le=1023)
     name: str = ""
@@ -104,6 +130,13 @@ class NodeBoardStatus(Spec):
     )
     pools: list[PoolReading] = Field(default_factory=list, max_length=1025, validate_default=True)
     gpus: list[GpuInfo] = Field(default_factory=list, max_length=1024)
+    consumers: list[ConsumerUsage] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Usage of the engines and lanes the operator placed (matched by pod or "
+        "process); the rest of each pool's usedBytes is external.",
+    )
+    cap_mechanisms: list[CapMechanismReading] = Field(default_factory=list, max_length=8)
     conditions: list[Condition] = Field(default_factory=list)
 
     @field_validator("pools")
@@ -138,6 +171,30 @@ class NodeBoardStatus(Spec):
                 "(device memory is unmeasured); got " + _kinds(kinds)
             )
         return pools
+
+    @field_validator("consumers")
+    @classmethod
+    def _consumers_within_their_pools(
+        cls, consumers: list[ConsumerUsage], info: ValidationInfo
+    ) -> list[ConsumerUsage]:
+        pools = {(p.kind, p.device): p for p in info.data.get("pools") or []}
+        charged: dict[tuple[PoolKind, int | None], int] = {}
+        for c in consumers:
+            key = (c.pool, c.device)
+            if key not in pools:
+                raise ValueError(
+                    f"consumer {c.kind} {c.namespace}/{c.name} is charged to pool "
+                    f"{c.pool}{'' if c.device is None else f'/{c.device}'}, which the board lacks"
+                )
+            charged[key] = charged.get(key, 0) + c.used_bytes
+        for key, total in charged.items():
+            used = pools[key].used_bytes
+            if used is None or total > used:
+                raise ValueError(
+                    f"consumers hold {total} bytes of pool {key[0]}, more than its "
+                    f"usedBytes {used}; attributed usage is a part of measured usage"
+                )
+        return consumers
 
 
 def _kinds(kinds: list[PoolKind]) -> str:

@@ -1,0 +1,166 @@
+"""`continuum agent`: the node agent, as a DaemonSet (in-cluster) or on a bare machine.
+
+    continuum agent --print                       # probe once, print the board; no cluster
+    continuum agent --node-name n1 --once         # one cycle against the kubeconfig's cluster
+    continuum agent --in-cluster                  # the DaemonSet: NODE_NAME from the downward API
+
+Exit codes: 0 done, 1 the API server refused or could not be reached (with --once), 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from continuum_operator.agent import probe
+from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
+from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
+from continuum_operator.core.board_change import Thresholds
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE
+
+__all__ = ["add_parser", "cmd_agent"]
+
+EXIT_OK = 0
+EXIT_API = 1
+EXIT_INVALID = 2
+MiB = 2**20
+
+
+def _settings(args: argparse.Namespace) -> AgentSettings:
+    return AgentSettings(
+        node_name=args.node_name,
+        interval_seconds=args.interval,
+        thresholds=Thresholds(
+            used_fraction=args.threshold_fraction, used_min_bytes=args.threshold_mib * MiB
+        ),
+        probe=probe.ProbeSettings(
+            cgroup_dir=args.cgroup_dir,
+            cgroup_root=args.cgroup_root,
+            scan_environ=not args.in_cluster if args.scan_environ is None else args.scan_environ,
+            configured_cap_bytes=args.per_process_cap_bytes,
+        ),
+    )
+
+
+def _print_board(agent: Agent, output: str) -> None:
+    status, timings = agent.probe()
+    doc: dict[str, Any] = board_resource(agent.settings.node_name, status).model_dump(
+        mode="json", by_alias=True, exclude_none=True
+    )
+    if output == "json":
+        print(json.dumps(doc, indent=2))
+    else:
+        print(yaml.safe_dump(doc, sort_keys=False), end="")
+    spent = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in timings.items())
+    print(f"# probe: {spent}", file=sys.stderr)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.interval <= 0 or args.lease_seconds <= args.interval:
+        print(
+            f"error: --lease-seconds ({args.lease_seconds}) must exceed --interval "
+            f"({args.interval}) > 0, or the Lease lapses between renewals",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    settings = _settings(args)
+    if args.print:
+        _print_board(Agent(settings), args.output)
+        return EXIT_OK
+    try:
+        api_client = connect(args.kubeconfig, in_cluster=args.in_cluster)
+    except Exception as err:  # the config loaders raise several unrelated types
+        print(f"error: no cluster configuration: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    api = AgentApi(
+        api_client,
+        args.node_name,
+        identity=os.environ.get("POD_NAME") or f"continuum-agent@{socket.gethostname()}",
+        lease_namespace=args.lease_namespace,
+        lease_seconds=args.lease_seconds,
+    )
+    agent = Agent(settings, api)
+    if args.once:
+        try:
+            cycle = agent.cycle()
+        except AgentApiError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_API
+        print(
+            f"node {args.node_name}: {cycle.status.memory_mode}, board "
+            + ("written" if cycle.wrote else "unchanged")
+            + f" ({cycle.change.reason}), lease renewed"
+        )
+        return EXIT_OK
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    run_forever(agent, stop)
+    return EXIT_OK
+
+
+def add_parser(sub: Any) -> None:
+    """Register `agent` on the `continuum` command's subparsers."""
+    p = sub.add_parser(
+        "agent",
+        help="run the node agent: probe memory, write the NodeBoard, renew the node's Lease",
+        description="Probe this node's GPUs (NVML, Metal) and host memory (psutil, cgroups), "
+        "write its NodeBoard when it changed past a threshold, and renew its Lease.",
+    )
+    p.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="the Node measured (default: $NODE_NAME, else the host name)",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="one cycle, then exit")
+    mode.add_argument(
+        "--print", action="store_true", help="probe once and print the board; no cluster needed"
+    )
+    p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="for --print")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between cycles")
+    p.add_argument(
+        "--lease-seconds", type=int, default=40, help="the Lease's duration (> --interval)"
+    )
+    p.add_argument("--lease-namespace", default=LEASE_NAMESPACE)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG or ~/.kube/config")
+    where.add_argument("--in-cluster", action="store_true", help="the pod's service account")
+    p.add_argument(
+        "--cgroup-dir",
+        type=Path,
+        default=None,
+        help="cgroup whose memory limit bounds the host pool (a DaemonSet: the host's kubepods "
+        "cgroup); default: the agent's own, up to the root",
+    )
+    p.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"))
+    p.add_argument(
+        "--scan-environ",
+        dest="scan_environ",
+        action="store_true",
+        default=None,
+        help="match bare-machine engines by CONTINUUM_CONSUMER (default: on unless --in-cluster)",
+    )
+    p.add_argument("--no-scan-environ", dest="scan_environ", action="store_false")
+    p.add_argument(
+        "--per-process-cap-bytes",
+        type=int,
+        default=None,
+        help="an operator-configured per-process GPU cap, where the platform reports none",
+    )
+    p.add_argument("--threshold-fraction", type=float, default=Thresholds().used_fraction)
+    p.add_argument("--threshold-mib", type=int, default=Thresholds().used_min_bytes // MiB)
+    p.set_defaults(func=cmd_agent)

@@ -1,0 +1,131 @@
+"""The node agent against a real API server: its NodeBoard status and its node's Lease written.
+
+Runs `continuum agent --once` as a process for a KWOK node (this machine's own readings, no
+NVIDIA here: an unknown board with a governed host pool), then a recorded 8-GPU machine through
+the agent's own code in-process, so that a rich board (device pools, consumers, cap mechanisms)
+is checked against the generated CRD schema by the API server itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from continuum_operator.agent import nvml
+from continuum_operator.agent.run import Agent, AgentSettings
+from continuum_operator.agent.writer import AgentApi, connect
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
+from continuum_operator.model.board import NodeBoard
+from continuum_operator.testing.fake_nvml import FakeNvml
+from tests.e2e.conftest import ROOT, Cluster
+
+pytestmark = pytest.mark.e2e
+
+FIXTURES = ROOT / "tests" / "fixtures" / "probes"
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/nodeboards.continuum.dev"
+    )
+
+
+def run_agent(cluster: Cluster, node: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "continuum_operator.cli", "agent", "--once",
+         "--node-name", node, "--kubeconfig", str(cluster.kubeconfig), *extra],
+        capture_output=True, text=True, timeout=120, check=False, env=cluster.env,
+    )  # fmt: skip
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def test_one_cycle_writes_the_board_status_and_the_nodes_lease(
+    cluster: Cluster, crds: None, gpu_node: str
+) -> None:
+    before = datetime.now(UTC) - timedelta(seconds=5)
+    first = run_agent(cluster, gpu_node)
+    assert first.returncode == 0, first.stderr
+    assert "board written" in first.stdout
+
+    board = cluster.get_json("nodeboard", gpu_node)
+    status = NodeBoard.model_validate(board).status
+    assert status.memory_mode == "unknown"  # no NVIDIA on this machine, never a guess
+    assert status.memory_mode_reason.startswith("no NVIDIA: ")
+    (host,) = status.pools
+    assert host.kind == "host" and host.capacity_bytes > 0 and host.used_bytes is not None
+    node_uid = cluster.get_json("node", gpu_node)["metadata"]["uid"]
+    assert board["metadata"]["ownerReferences"][0]["uid"] == node_uid
+
+    lease = cluster.get_json("lease", "-n", LEASE_NAMESPACE, lease_name(gpu_node))
+    assert lease["spec"]["leaseDurationSeconds"] == 40
+    assert lease["spec"]["holderIdentity"].startswith("continuum-agent")
+    renewed = parse_time(lease["spec"]["renewTime"])
+    assert renewed >= before
+    assert lease["metadata"]["ownerReferences"][0]["uid"] == node_uid
+    # the kubelet's (here KWOK's) own Lease is left alone
+    assert lease_name(gpu_node) != gpu_node
+
+    # A second cycle on a quiet node renews the Lease and leaves the board as it was.
+    version = board["metadata"]["resourceVersion"]
+    second = run_agent(cluster, gpu_node)
+    assert second.returncode == 0, second.stderr
+    assert "board unchanged" in second.stdout
+    assert cluster.get_json("nodeboard", gpu_node)["metadata"]["resourceVersion"] == version
+    lease2 = cluster.get_json("lease", "-n", LEASE_NAMESPACE, lease_name(gpu_node))
+    assert parse_time(lease2["spec"]["renewTime"]) > renewed
+
+
+def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
+    cluster: Cluster, crds: None, gpu_node: str, namespace: str
+) -> None:
+    doc: dict[str, Any] = json.loads((FIXTURES / "a100x8.json").read_text())
+    # An engine pod the operator placed on this node: the agent must find it by its label.
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "llama-70b-0",
+                "namespace": namespace,
+                "labels": {"continuum.dev/engine": "llama-70b"},
+            },
+            "spec": {
+                "nodeName": gpu_node,
+                "containers": [{"name": "engine", "image": "example.invalid/engine:0"}],
+            },
+        }
+    )
+    pod_uid = cluster.get_json("pod", "-n", namespace, "llama-70b-0")["metadata"]["uid"]
+    api = AgentApi(connect(str(cluster.kubeconfig), in_cluster=False), gpu_node, identity="e2e")
+    assert api.placed_pods() == [
+        {"uid": pod_uid, "kind": "Engine", "namespace": namespace, "name": "llama-70b"}
+    ]
+
+    # The recorded machine's GPU process lives in that pod's cgroup.
+    attribution = doc["attribution"]
+    attribution["processes"]["7000"]["cgroup"] = f"0::/kubepods.slice/kubepods-pod{pod_uid}.slice"
+    attribution["pods"] = [{"uid": pod_uid, "kind": "Engine", "namespace": namespace,
+                            "name": "llama-70b", "working_set": 7 * 2**30}]  # fmt: skip
+
+    def capture(*_: Any, **__: Any) -> tuple[dict[str, Any], dict[str, float]]:
+        return {**doc, "nvml": nvml.read_raw(FakeNvml(doc["nvml"]))}, {}
+
+    cycle = Agent(AgentSettings(node_name=gpu_node), api, capture=capture).cycle()
+    assert cycle.wrote and cycle.renewed
+
+    stored = NodeBoard.model_validate(cluster.get_json("nodeboard", gpu_node)).status
+    assert stored == cycle.status
+    assert stored.memory_mode == "discrete"
+    assert [p.device for p in stored.pools if p.kind == "device"] == list(range(8))
+    assert {(c.namespace, c.name) for c in stored.consumers} == {(namespace, "llama-70b")}
+    assert [m.mechanism for m in stored.cap_mechanisms] == ["mps"]
