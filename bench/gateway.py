@@ -1,0 +1,232 @@
+"""What the grant gateway costs: added latency per request and throughput with every slot busy.
+
+One run, one llama-server (the real one, `tools/llama build`) on a generated model, measured
+twice with the same client: straight to llama-server (pinned to a slot with `id_slot`, as the
+gateway would pin it) and through the gateway (`engine.gateway`, in its own process, with a
+grant table that grants every slot). Both are measured in alternating rounds so that load from
+elsewhere on the machine falls on both alike.
+
+- Latency: one request at a time, `n_predict` 1 on a short prompt, on one slot: p50 and p90 of
+  each, the gateway's added p50, and the ratio.
+- Throughput: one client per slot, all slots busy, `n_predict` 32 per request, for a fixed
+  time: generated tokens per second of each, and the ratio.
+
+Run: `.venv/bin/python bench/gateway.py` (add `--slots 4 --seconds 10` to change the load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from continuum_operator.core.grants import EnginePhase
+from continuum_operator.engine.admission import GrantTable, TableEntry
+from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
+from continuum_operator.model.mind import GrantState
+from continuum_operator.testing import TinyModelShape, write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = TinyModelShape(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, vocab_size=512)
+SLOT_TOKENS = 1024
+PROMPT = "Once upon a time"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def minds(slots: int) -> list[str]:
+    return [f"bench/mind-{i}" for i in range(slots)]
+
+
+async def serve_gateway(upstream: str, port: int, slots: int) -> None:
+    """The gateway process: every bench mind granted its own slot."""
+    from aiohttp import web
+
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings
+
+    gateway = Gateway(GatewaySettings(upstream=upstream))
+    await gateway.start()
+    entries = {
+        m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=SLOT_TOKENS)
+        for i, m in enumerate(minds(slots))
+    }
+    gateway.set_table(GrantTable(SLOT_TOKENS, EnginePhase.SERVING, entries))
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+async def wait_http(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while True:
+            try:
+                async with http.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} did not answer in {timeout:.0f} s")
+            await asyncio.sleep(0.1)
+
+
+class Client:
+    """Requests to one slot, straight or through the gateway as one mind in one turn."""
+
+    def __init__(self, http: aiohttp.ClientSession, base: str, slot: int, mind: str | None):
+        self.http, self.base, self.slot, self.mind = http, base, slot, mind
+        self.headers: dict[str, str] = {}
+
+    async def open(self) -> None:
+        if self.mind is None:
+            return
+        async with self.http.post(
+            f"{self.base}/v1/turns", json={}, headers={MIND_HEADER: self.mind}
+        ) as resp:
+            turn = await resp.json()
+            assert resp.status == 201, turn
+        self.headers = {MIND_HEADER: self.mind, TURN_HEADER: turn["turn"]}
+
+    async def complete(self, n_predict: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0.0}
+        body["ignore_eos"] = True
+        if self.mind is None:
+            body["id_slot"] = self.slot
+        async with self.http.post(f"{self.base}/completion", json=body, headers=self.headers) as r:
+            reply: dict[str, Any] = await r.json()
+            assert r.status == 200, reply
+            return reply
+
+
+async def latency(client: Client, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await client.complete(1)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def throughput(clients: list[Client], seconds: float) -> float:
+    tokens = 0
+    end = time.perf_counter() + seconds
+
+    async def one(c: Client) -> None:
+        nonlocal tokens
+        while time.perf_counter() < end:
+            tokens += int((await c.complete(32))["tokens_predicted"])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(c) for c in clients))
+    return tokens / (time.perf_counter() - t0)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def measure(
+    direct: str, gated: str, slots: int, requests: int, seconds: float, rounds: int
+) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        straight = [Client(http, direct, i, None) for i in range(slots)]
+        through = [Client(http, gated, i, m) for i, m in enumerate(minds(slots))]
+        for c in through:
+            await c.open()
+        await latency(straight[0], 5)  # warm both paths
+        await latency(through[0], 5)
+        lat: dict[str, list[float]] = {"llama-server": [], "gateway": []}
+        tput: dict[str, list[float]] = {"llama-server": [], "gateway": []}
+        for _ in range(rounds):
+            lat["llama-server"] += await latency(straight[0], requests)
+            lat["gateway"] += await latency(through[0], requests)
+            tput["llama-server"].append(await throughput(straight, seconds))
+            tput["gateway"].append(await throughput(through, seconds))
+
+    ms = 1000.0
+    print(f"slots {slots}; latency: {rounds} x {requests} requests of n_predict 1 on one slot")
+    for name, xs in lat.items():
+        print(f"  {name:<13} p50 {pct(xs, 0.5) * ms:7.2f} ms   p90 {pct(xs, 0.9) * ms:7.2f} ms")
+    added = pct(lat["gateway"], 0.5) - pct(lat["llama-server"], 0.5)
+    ratio = pct(lat["gateway"], 0.5) / pct(lat["llama-server"], 0.5)
+    print(f"  gateway adds {added * ms:.2f} ms per request at p50 (ratio {ratio:.3f})")
+    print(f"throughput: all {slots} slots busy, n_predict 32, {rounds} x {seconds:.0f} s")
+    for name, xs in tput.items():
+        print(f"  {name:<13} {statistics.median(xs):8.1f} tokens/s (median of {len(xs)})")
+    t_ratio = statistics.median(tput["gateway"]) / statistics.median(tput["llama-server"])
+    print(f"  gateway / llama-server throughput ratio {t_ratio:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--requests", type=int, default=50, help="latency requests per round")
+    p.add_argument("--seconds", type=float, default=5.0, help="throughput seconds per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
+    args = p.parse_args(argv)
+    if args.serve_gateway:
+        upstream, port, slots = args.serve_gateway
+        asyncio.run(serve_gateway(upstream, int(port), int(slots)))
+        return 0
+
+    found = subprocess.run([str(ROOT / "tools" / "llama"), "path"], capture_output=True, text=True)
+    if found.returncode != 0:
+        print("llama-server is not built: run `make toolchain`", file=sys.stderr)
+        return 2
+    server = found.stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_gguf(Path(tmp) / "tiny.gguf", SHAPE, seed=0)
+        up_port, gw_port = _free_port(), _free_port()
+        llama = subprocess.Popen(
+            [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(up_port),
+             "-c", str(SLOT_TOKENS * args.slots), "--parallel", str(args.slots),
+             "-t", str(args.threads), "--slots", "--slot-save-path", tmp, "--cache-ram", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        upstream = f"http://127.0.0.1:{up_port}"
+        gateway = subprocess.Popen(
+            [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots)],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            asyncio.run(wait_http(f"{upstream}/health"))
+            asyncio.run(wait_http(f"http://127.0.0.1:{gw_port}/readyz"))
+            asyncio.run(
+                measure(
+                    upstream,
+                    f"http://127.0.0.1:{gw_port}",
+                    args.slots,
+                    args.requests,
+                    args.seconds,
+                    args.rounds,
+                )
+            )
+        finally:
+            for proc in (gateway, llama):
+                proc.terminate()
+                proc.wait(timeout=20)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Where the gateway's grant table comes from: a file (local use) or the Engine (a cluster).
+
+The gateway never grants on its own; it enforces the table the operator wrote. Two sources:
+
+- `watch_file`: a YAML or JSON file of `{slotTokens, phase, grants}` (docs/gateway.md), read
+  again whenever it changes. For running an engine by hand, and for the tests.
+- `watch_engine`: the Engine's `status.grants` (with its slot size and phase), through a watch
+  of that one object with the Kubernetes client. A thin shell: `admission.table_from_engine`
+  reads the object.
+
+Both call `on_table` with every new table and keep the last good one when a document cannot be
+read (logged, never guessed). `EngineStatusWriter` is the other half of the Engine shell: it
+writes `status.runtime`, whose one writer is the engine runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from continuum_operator.engine.admission import (
+    GrantTable,
+    GrantTableError,
+    parse_table,
+    table_from_engine,
+)
+from continuum_operator.model.base import GROUP, VERSION
+
+__all__ = ["EngineStatusWriter", "read_table_file", "watch_engine", "watch_file"]
+
+log = logging.getLogger(__name__)
+
+
+def read_table_file(path: Path) -> GrantTable:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise GrantTableError(f"{path}: cannot read ({err.strerror})") from err
+    try:
+        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise GrantTableError(
+            f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {err}"
+        ) from err
+    return parse_table(doc, where=str(path))
+
+
+async def watch_file(
+    path: Path, on_table: Callable[[GrantTable], None], *, poll_seconds: float = 0.2
+) -> None:
+    """Call `on_table` with the file's table now and whenever its content changes."""
+    last: bytes | None = None
+    while True:
+        try:
+            raw = path.read_bytes()
+        except OSError as err:
+            raw = None
+            if last is not None:
+                log.warning("grant table %s unreadable (%s); keeping the last one", path, err)
+                last = b""
+        if raw is not None and raw != last:
+            last = raw
+            try:
+                table = read_table_file(path)
+            except GrantTableError as err:
+                log.error("%s; keeping the last good grant table", err)
+            else:
+                on_table(table)
+        await asyncio.sleep(poll_seconds)
+
+
+def _custom_objects() -> Any:
+    # The Kubernetes client is untyped: its modules are handled as Any here.
+    client: Any = importlib.import_module("kubernetes.client")
+    config: Any = importlib.import_module("kubernetes.config")
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.CustomObjectsApi()
+
+
+async def watch_engine(
+    namespace: str, name: str, on_table: Callable[[GrantTable], None], *, api: Any = None
+) -> None:
+    """Call `on_table` with the Engine's grant table now and on every change (a watch)."""
+    watch: Any = importlib.import_module("kubernetes.watch")
+    objects = api or _custom_objects()
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+
+    def deliver(obj: dict[str, Any]) -> None:
+        try:
+            table = table_from_engine(obj)
+        except GrantTableError as err:
+            log.error("%s; keeping the last good grant table", err)
+            return
+        loop.call_soon_threadsafe(on_table, table)
+
+    def run() -> None:
+        version = ""
+        while not stop.is_set():
+            try:
+                if not version:
+                    obj = objects.get_namespaced_custom_object(
+                        GROUP, VERSION, namespace, "engines", name
+                    )
+                    version = obj["metadata"]["resourceVersion"]
+                    deliver(obj)
+                w = watch.Watch()
+                for event in w.stream(
+                    objects.list_namespaced_custom_object,
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    "engines",
+                    field_selector=f"metadata.name={name}",
+                    resource_version=version,
+                    timeout_seconds=60,
+                ):
+                    if stop.is_set():
+                        w.stop()
+                        break
+                    obj = event["object"]
+                    version = obj.get("metadata", {}).get("resourceVersion", version)
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        deliver(obj)
+            except Exception as err:  # a dropped watch or an expired version: list again
+                log.warning("watch of Engine %s/%s: %s; starting again", namespace, name, err)
+                version = ""
+                stop.wait(1.0)
+
+    try:
+        await asyncio.to_thread(run)
+    finally:
+        stop.set()
+
+
+class EngineStatusWriter:
+    """Writes the Engine's `status.runtime` (its one writer), only when it changed."""
+
+    def __init__(self, namespace: str, name: str, *, api: Any = None) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.api = api or _custom_objects()
+        self.last: dict[str, Any] | None = None
+
+    async def write(self, runtime: dict[str, Any]) -> None:
+        if runtime == self.last:
+            return
+        # A merge patch of the one field this writer owns; lists in it are replaced whole.
+        body = {"status": {"runtime": runtime}}
+        await asyncio.to_thread(
+            self.api.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            self.namespace,
+            "engines",
+            self.name,
+            body,
+        )
+        self.last = runtime

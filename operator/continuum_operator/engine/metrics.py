@@ -1,0 +1,130 @@
+"""The engine runtime's Prometheus metrics, behind small recorder functions.
+
+Each gateway owns a registry (tests run several in one process); `/metrics` serves it. Names
+carry the `continuum_` prefix; label values are enums (`admission.Refusal`, grant reasons)
+or slot numbers, never free text. The operator's and the agent's metrics live beside theirs;
+docs/gateway.md lists these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from continuum_operator.engine.admission import Refusal
+
+__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
+
+
+@dataclass
+class EngineMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.refusals = Counter(
+            "continuum_gateway_refusals",
+            "Requests the gateway refused, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "continuum_gateway_slot_requests",
+            "Requests forwarded to llama-server, by slot.",
+            ["slot"],
+            registry=r,
+        )
+        self.busy = Gauge(
+            "continuum_gateway_slot_busy",
+            "Requests in flight on each slot (0 or 1 when minds keep to one at a time).",
+            ["slot"],
+            registry=r,
+        )
+        self.busy_seconds = Counter(
+            "continuum_gateway_slot_busy_seconds",
+            "Seconds each slot spent serving requests.",
+            ["slot"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "continuum_gateway_slot_tokens",
+            "Tokens each slot evaluated (prompt) and generated (predicted).",
+            ["slot", "kind"],
+            registry=r,
+        )
+        self.capped = Counter(
+            "continuum_gateway_capped_requests",
+            "Requests whose n_predict was cut to fit the grant.",
+            ["slot"],
+            registry=r,
+        )
+        self.turns_cut = Counter(
+            "continuum_gateway_turns_cut",
+            "Turns the gateway cut because the grant was no longer held, by grant reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.releases = Counter(
+            "continuum_gateway_slot_releases",
+            "Reclaimed slots erased and reported released, by grant reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.ready = Gauge(
+            "continuum_engine_ready", "1 while llama-server answers /health.", registry=r
+        )
+        self.restarts = Counter(
+            "continuum_engine_restarts", "Times llama-server was started again.", registry=r
+        )
+        self.layers_offloaded = Gauge(
+            "continuum_engine_layers_offloaded",
+            "Layers llama.cpp reports offloaded to the device.",
+            registry=r,
+        )
+        self.estimate_error = Gauge(
+            "continuum_engine_estimate_error_ratio",
+            "(planned - allocated) / allocated bytes, per pool side, from the load's receipt.",
+            ["pool"],
+            registry=r,
+        )
+        for reason in Refusal:
+            self.refusals.labels(reason.value)
+
+    def refused(self, reason: Refusal) -> None:
+        self.refusals.labels(reason.value).inc()
+
+    def forwarded(self, slot: int, *, capped: bool) -> None:
+        self.requests.labels(str(slot)).inc()
+        if capped:
+            self.capped.labels(str(slot)).inc()
+
+    def slot_busy(self, slot: int, delta: int) -> None:
+        self.busy.labels(str(slot)).inc(delta)
+
+    def slot_served(self, slot: int, seconds: float, prompt: int, predicted: int) -> None:
+        self.busy_seconds.labels(str(slot)).inc(max(0.0, seconds))
+        self.tokens.labels(str(slot), "prompt").inc(max(0, prompt))
+        self.tokens.labels(str(slot), "predicted").inc(max(0, predicted))
+
+    def turn_cut(self, reason: str) -> None:
+        self.turns_cut.labels(reason).inc()
+
+    def slot_released(self, reason: str) -> None:
+        self.releases.labels(reason).inc()
+
+    def engine_ready(self, ready: bool) -> None:
+        self.ready.set(1 if ready else 0)
+
+    def engine_restarted(self) -> None:
+        self.restarts.inc()
+
+    def load_reported(self, layers_offloaded: int | None, errors: dict[str, float]) -> None:
+        if layers_offloaded is not None:
+            self.layers_offloaded.set(layers_offloaded)
+        for pool, ratio in errors.items():
+            self.estimate_error.labels(pool).set(ratio)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

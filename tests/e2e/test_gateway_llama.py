@@ -1,0 +1,400 @@
+"""The grant gateway and the engine runtime with the real llama-server, on a generated model.
+
+Each test runs `EngineRuntime` (llama-server started and watched, its load turned into a
+receipt) with the gateway in front, serves a grant table as the operator would, and talks to
+the gateway over HTTP as minds do: granted minds get completions on their slots; others get
+the protocol's refusals; a reclaim cuts a long generation, erases the slot and reports the
+release without the mind's help; and the seed deadlock, replayed through the real allocator,
+the turn client and llama-server relaunches, does not hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from continuum_operator.core.grants import (
+    Capacity,
+    EnginePhase,
+    Grant,
+    MindDemand,
+    allocate,
+)
+from continuum_operator.engine.admission import GrantTable, TableEntry
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
+from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
+from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER, TurnCut, turn
+from continuum_operator.gguf import file_sha256
+from continuum_operator.model.mind import GrantState
+from tests.e2e.llama_fixtures import TinyModel, free_port
+
+pytestmark = pytest.mark.e2e
+
+MIRA, ANN, VIP = "minds/mira", "minds/ann", "minds/vip"
+SLOTS = 2
+CTX = 16384  # 8,192 tokens per slot: room for generations long enough to interrupt
+SLOT_TOKENS = CTX // SLOTS
+# Never stop at an end-of-sequence token: a generation runs as long as it is allowed.
+LONG = {"n_predict": 6000, "ignore_eos": True, "temperature": 0.0}
+
+
+def granted(mind: str, slot: int, tokens: int = SLOT_TOKENS) -> TableEntry:
+    return TableEntry(mind, GrantState.GRANTED, "SlotFree", slot=slot, tokens=tokens, since="g")
+
+
+def reclaiming(mind: str, slot: int, grace: float = 10.0, reason: str = "Preempted") -> TableEntry:
+    return TableEntry(
+        mind,
+        GrantState.RECLAIMING,
+        reason,
+        slot=slot,
+        tokens=SLOT_TOKENS,
+        by=VIP if reason == "Preempted" else None,
+        deadline=time.time() + grace,
+        since=f"r{time.time()}",
+    )
+
+
+def queued(mind: str, reason: str = "PoolFull") -> TableEntry:
+    return TableEntry(mind, GrantState.QUEUED, reason)
+
+
+def table(*entries: TableEntry, phase: EnginePhase = EnginePhase.SERVING) -> GrantTable:
+    return GrantTable(SLOT_TOKENS, phase, {e.mind: e for e in entries})
+
+
+@dataclass
+class Engine:
+    url: str
+    upstream: Callable[[], str]
+    gateway: Gateway
+    runtime: EngineRuntime
+    http: aiohttp.ClientSession
+
+    async def open(self, mind: str) -> tuple[int, dict[str, Any]]:
+        async with self.http.post(
+            f"{self.url}/v1/turns", json={}, headers={MIND_HEADER: mind}
+        ) as resp:
+            return resp.status, await resp.json()
+
+    async def complete(self, mind: str, turn_id: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async with self.http.post(
+            f"{self.url}/completion",
+            json=body,
+            headers={MIND_HEADER: mind, TURN_HEADER: turn_id},
+        ) as resp:
+            return resp.status, await resp.json()
+
+    async def slots(self) -> list[dict[str, Any]]:
+        async with self.http.get(f"{self.upstream()}/slots") as resp:
+            data: list[dict[str, Any]] = await resp.json()
+            return data
+
+    async def processing(self, slot: int) -> bool:
+        return bool((await self.slots())[slot]["is_processing"])
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def run_engine(
+    llama_server_bin: Path,
+    model: TinyModel,
+    tmp_path: Path,
+    initial: GrantTable,
+    body: Callable[[Engine], Awaitable[None]],
+) -> dict[str, Any]:
+    """Run the runtime and gateway around `body`; the last status.runtime published."""
+    launch = LaunchSettings(
+        llama_server=str(llama_server_bin),
+        model=model.path,
+        args=("-c", str(CTX), "--parallel", str(SLOTS), "-t", "2"),
+        model_sha256=file_sha256(model.path),
+        port=0,
+        restart_backoff=(0.2,),
+    )
+    published: list[dict[str, Any]] = []
+    log = (tmp_path / "llama-server.log").open("w")
+
+    async def publish(doc: dict[str, Any]) -> None:
+        published.append(doc)
+
+    async def main() -> None:
+        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.2))
+        await gateway.start()
+        runtime = EngineRuntime(launch, gateway, publish=publish, echo_log=False)
+        running = asyncio.create_task(runtime.run())
+        app_runner = web.AppRunner(gateway.app(), handler_cancellation=True)
+        await app_runner.setup()
+        port = free_port()
+        await web.TCPSite(app_runner, "127.0.0.1", port).start()
+        try:
+            deadline = time.monotonic() + 120
+            while runtime.phase != "Serving":
+                assert time.monotonic() < deadline, "\n".join(runtime.load_log[-40:])
+                await asyncio.sleep(0.1)
+            gateway.set_table(initial)
+            async with aiohttp.ClientSession() as http:
+                await body(
+                    Engine(
+                        f"http://127.0.0.1:{port}",
+                        lambda: gateway.settings.upstream,
+                        gateway,
+                        runtime,
+                        http,
+                    )
+                )
+        finally:
+            log.write("\n".join(runtime.load_log))
+            log.close()
+            await app_runner.cleanup()
+            await runtime.stop()
+            await asyncio.wait_for(running, 30)
+            await gateway.close()
+
+    asyncio.run(main())
+    return published[-1] if published else {}
+
+
+def test_a_granted_mind_gets_completions_on_her_slot_and_the_load_is_receipted(
+    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+) -> None:
+    async def body(e: Engine) -> None:
+        status, opened = await e.open(MIRA)
+        assert (status, opened["slot"], opened["tokens"]) == (201, 1, SLOT_TOKENS)
+        prompt = {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0.0, "id_slot": 0}
+        status, reply = await e.complete(MIRA, opened["turn"], prompt)
+        assert status == 200, reply
+        assert reply["id_slot"] == 1  # her slot, whatever she asked for
+        assert 1 <= reply["tokens_predicted"] <= 4
+        slots = await e.slots()
+        assert slots[1]["id_task"] >= 0 and slots[1]["n_prompt_tokens"] > 0
+        assert "id_task" not in slots[0]  # nobody used slot 0
+        # the same prompt again reuses her slot's cache: the cache is per slot, and hers
+        status, again = await e.complete(MIRA, opened["turn"], prompt)
+        assert again["timings"]["cache_n"] > 0
+
+    doc = run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 1)), body)
+    assert doc["ready"] is True and (doc["slots"], doc["slotTokens"]) == (SLOTS, SLOT_TOKENS)
+    [receipt] = doc["receipts"]
+    assert receipt["contextTokens"] == CTX and receipt["parallel"] == SLOTS
+    kv = [b for b in receipt["buffers"] if b["kind"] == "kv"]
+    # 2 (K and V) x 4 layers x 2 KV heads x 32 head size x 2 bytes per cell
+    assert sum(b["bytes"] for b in kv) == 2 * 4 * 2 * 32 * 2 * CTX
+    assert doc["layersOffloaded"] == 0 and doc["gpuOffload"] in (False, None)
+
+
+def test_minds_without_a_grant_are_told_why_and_never_reach_llama_server(
+    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+) -> None:
+    async def body(e: Engine) -> None:
+        status, answer = await e.open(ANN)
+        assert (status, answer["error"], answer["reason"], answer["position"]) == (
+            429,
+            "queued",
+            "PoolFull",
+            1,
+        )
+        status, answer = await e.open("elsewhere/stranger")
+        assert (status, answer["error"]) == (403, "forbidden")
+        status, answer = await e.complete(ANN, "t-guessed", {"prompt": "let me in"})
+        assert (status, answer["error"]) == (429, "queued")
+        assert all("id_task" not in s for s in await e.slots())
+
+    run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0), queued(ANN)), body)
+
+
+def test_a_mind_over_her_tokens_is_cut_off_with_a_clear_answer(
+    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+) -> None:
+    async def body(e: Engine) -> None:
+        _, opened = await e.open(MIRA)
+        status, reply = await e.complete(
+            MIRA, opened["turn"], {"prompt": "Once upon a time", **LONG}
+        )
+        assert status == 200, reply
+        note = reply["continuum"]
+        assert note["capped"] is True and note["cutOff"] == "GrantTokens"
+        assert note["nPredictAsked"] == LONG["n_predict"]
+        assert reply["tokens_evaluated"] + reply["tokens_predicted"] == 64
+        assert "64" in note["message"]
+        status, reply = await e.complete(MIRA, opened["turn"], {"prompt": "word " * 80})
+        assert (status, reply["error"], reply["grantTokens"]) == (413, "over_grant", 64)
+
+    run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0, tokens=64)), body)
+
+
+def test_a_reclaim_ends_a_long_generation_erases_the_slot_and_reports_the_release(
+    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+) -> None:
+    async def body(e: Engine) -> None:
+        _, opened = await e.open(MIRA)
+        prompt = {"prompt": "The engine holds a pool of memory", **LONG}
+        call = asyncio.create_task(e.complete(MIRA, opened["turn"], prompt))
+        await until(lambda: e.processing(0))
+        await asyncio.sleep(0.3)  # well into the generation
+        reclaimed = time.monotonic()
+        e.gateway.set_table(
+            table(reclaiming(MIRA, 0, grace=10.0), queued(VIP, "WaitingForReclaim"))
+        )
+        status, reply = await call
+        assert (status, reply["error"], reply["reason"], reply["by"]) == (
+            409,
+            "turn_cut",
+            "Preempted",
+            VIP,
+        )
+        assert time.monotonic() - reclaimed < 2.0
+        await until(lambda: _async(bool(e.gateway.releases())), timeout=10)
+        assert time.monotonic() - reclaimed < 10.0  # within the grace deadline
+        [release] = e.gateway.releases()
+        assert (release.mind, release.slot) == (MIRA, 0) and release.erased_tokens > 8
+        assert not await e.processing(0)  # llama-server dropped the generation
+        # the operator hands the slot to the next mind: she starts with an empty cache
+        e.gateway.set_table(table(queued(MIRA, "Requeued"), granted(VIP, 0)))
+        _, vip = await e.open(VIP)
+        status, reply = await e.complete(
+            VIP, vip["turn"], {"prompt": prompt["prompt"], "n_predict": 2}
+        )
+        assert status == 200 and reply["timings"]["cache_n"] == 0
+        assert reply["id_slot"] == 0
+
+    doc = run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0)), body)
+    assert doc["slotReleases"] == []  # recorded by the operator: it left the report
+
+
+def test_a_mind_that_ignores_her_reclaim_is_cut_off_without_her(
+    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+) -> None:
+    """She holds her stream open, reads nothing and keeps asking; the gateway ends it, erases
+    her slot and reports it released before the grace deadline, whatever she does."""
+
+    async def body(e: Engine) -> None:
+        _, opened = await e.open(MIRA)
+        resp = await e.http.post(
+            f"{e.url}/completion",
+            json={"prompt": "Never stop", **LONG, "stream": True},
+            headers={MIND_HEADER: MIRA, TURN_HEADER: opened["turn"]},
+        )
+        try:
+            assert resp.status == 200
+            await until(lambda: e.processing(0))
+            grace = 5.0
+            e.gateway.set_table(table(reclaiming(MIRA, 0, grace=grace, reason="EngineShrunk")))
+            started = time.monotonic()
+            # she keeps asking, and is refused each time
+            for _ in range(3):
+                status, answer = await e.complete(MIRA, opened["turn"], {"prompt": "more"})
+                assert (status, answer["error"]) == (409, "turn_cut")
+                status, answer = await e.open(MIRA)
+                assert (status, answer["error"]) == (409, "reclaiming")
+            await until(lambda: _async(bool(e.gateway.releases())), timeout=grace)
+            assert time.monotonic() - started < grace
+            assert not await e.processing(0)
+            # what she finds when she finally reads: her stream, ended with the cut
+            raw = await asyncio.wait_for(resp.content.read(), 5)
+        finally:
+            resp.release()
+        events = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith(b"data: ")]
+        assert events[-1] == {"error": {"type": "turn_cut", "reason": "EngineShrunk"}}
+
+    run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0)), body)
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
+    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+) -> None:
+    """DESIGN.md's seed failure: one mind, one slot, the engine relaunched during her turns.
+
+    The operator is played by the real allocator (`core.grants.allocate`) fed with the
+    releases the gateway reports; the relaunch really restarts llama-server; the mind uses the
+    turn client with the seed's 1,500 s turn deadline. Her turns are cut at once, the reclaims
+    proceed without her, and she is regranted after each relaunch: no wait reaches a deadline.
+    """
+    mira = MindDemand(MIRA, priority=0, arrival=0.0, context_tokens=SLOT_TOKENS)
+
+    async def body(e: Engine) -> None:
+        grants: dict[str, Grant] = {}
+        phase = EnginePhase.SERVING
+        relaunches_left = 2
+        stop = asyncio.Event()
+        cuts: list[float] = []
+        turns_done = 0
+
+        def publish() -> None:
+            entries = {
+                g.mind: TableEntry(
+                    g.mind, g.state, str(g.reason), g.slot, g.tokens, g.by, g.deadline, str(g.since)
+                )
+                for g in grants.values()
+            }
+            e.gateway.set_table(GrantTable(SLOT_TOKENS, phase, entries))
+
+        async def operator() -> None:
+            nonlocal grants, phase, relaunches_left
+            while not stop.is_set():
+                released = {r.mind for r in e.gateway.releases()}
+                capacity = Capacity(phase, 1, SLOT_TOKENS)
+                result = allocate(grants, [mira], capacity, time.time(), released=released)
+                grants = result.grants
+                holders = result.holders()
+                if phase is EnginePhase.SERVING and relaunches_left and await e.processing(0):
+                    await asyncio.sleep(0.3)  # mid-generation: the engine must relaunch
+                    phase, relaunches_left = EnginePhase.DRAINING, relaunches_left - 1
+                elif phase is EnginePhase.DRAINING and not holders:
+                    phase = EnginePhase.RELAUNCHING
+                    assert e.runtime.process is not None
+                    e.runtime.process.kill()  # the relaunch
+                    await until(lambda: _async(not e.gateway.engine_ready), timeout=10)
+                elif (
+                    phase is EnginePhase.RELAUNCHING
+                    and e.runtime.phase == "Serving"
+                    and e.gateway.engine_ready
+                ):
+                    phase = EnginePhase.SERVING
+                publish()
+                await asyncio.sleep(0.05)
+
+        async def mind() -> None:
+            nonlocal turns_done
+            while turns_done < 3:
+                try:
+                    async with turn(
+                        e.url, MIRA, deadline_seconds=1500, poll_seconds=0.1, session=e.http
+                    ) as t:
+                        await t.complete({"prompt": "Think about the next step", **LONG})
+                        turns_done += 1
+                except TurnCut:
+                    cuts.append(time.monotonic())
+
+        op = asyncio.create_task(operator())
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(mind(), 120)
+        finally:
+            stop.set()
+            await op
+        assert len(cuts) >= 2, "the relaunches should have cut her turns"
+        assert relaunches_left == 0 and e.runtime.restarts == 2
+        assert time.monotonic() - started < 120  # nowhere near the 1,500 s deadline
+
+    run_engine(
+        llama_server_bin, tiny_model, tmp_path, GrantTable(SLOT_TOKENS, EnginePhase.SERVING), body
+    )

@@ -1,0 +1,229 @@
+"""`continuum engine`'s runtime: llama-server kept running, its receipt and status.runtime.
+
+llama-server is played by tests/unit/fake_llama.py run as a program (it prints a load log and
+serves the API); tests/e2e/test_gateway_llama.py runs the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from continuum_operator.core.receipts import parse_llama_log
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
+from continuum_operator.engine.receipts import receipt_from_log
+from continuum_operator.engine.runtime import (
+    EngineRuntime,
+    LaunchSettings,
+    estimate_errors,
+    runtime_status,
+)
+from tests.unit import fake_llama
+
+SHA = "ab" * 32
+MiB = 1 << 20
+
+
+def fake_server(tmp_path: Path) -> str:
+    script = tmp_path / "llama-server"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake_llama.__file__}" "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+async def until(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def with_runtime(
+    tmp_path: Path, body: Callable[[EngineRuntime, list[dict[str, Any]]], Awaitable[None]]
+) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    plan = {"bytes": {"host": {"weights": 1 * MiB, "kv": 2 * MiB, "compute": 5 * MiB}}}
+    launch = LaunchSettings(
+        llama_server=fake_server(tmp_path),
+        model=model,
+        args=("--ctx-size", "1024", "--parallel", "2"),
+        model_sha256=SHA,
+        plan=plan,
+        restart_backoff=(0.1,),
+    )
+    published: list[dict[str, Any]] = []
+
+    async def publish(doc: dict[str, Any]) -> None:
+        published.append(doc)
+
+    async def main() -> None:
+        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
+        await gateway.start()
+        runtime = EngineRuntime(launch, gateway, publish=publish, echo_log=False)
+        running = asyncio.create_task(runtime.run())
+        try:
+            await body(runtime, published)
+        finally:
+            await runtime.stop()
+            await asyncio.wait_for(running, 20)
+            await gateway.close()
+
+    asyncio.run(main())
+
+
+def test_the_runtime_starts_llama_server_and_reports_its_load(tmp_path: Path) -> None:
+    async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
+        await until(lambda: bool(published) and published[-1]["phase"] == "Serving")
+        doc = published[-1]
+        assert doc["ready"] is True
+        assert (doc["slots"], doc["slotTokens"]) == (2, 512)
+        assert (doc["layersOffloaded"], doc["layersTotal"], doc["gpuOffload"]) == (0, 5, False)
+        [receipt] = doc["receipts"]
+        assert receipt["modelSha256"] == SHA and receipt["llamaBuild"] == "6869 (1a2b3c4d)"
+        assert (receipt["contextTokens"], receipt["parallel"]) == (1024, 2)
+        [err] = doc["estimateError"]
+        # planned 8 MiB on the host; llama.cpp allocated 1.38 + 2 + 4.26 MiB
+        assert err["pool"] == "host" and err["plannedBytes"] == 8 * MiB
+        assert err["ratio"] == round((8 * MiB - err["allocatedBytes"]) / err["allocatedBytes"], 6)
+        assert (
+            'continuum_engine_estimate_error_ratio{pool="host"}'
+            in runtime.gateway.metrics.exposition().decode()
+        )
+
+    with_runtime(tmp_path, body)
+
+
+def test_a_llama_server_that_dies_is_started_again_and_counted(tmp_path: Path) -> None:
+    async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
+        await until(lambda: runtime.phase == "Serving")
+        first = runtime.process
+        assert first is not None
+        first.kill()
+        await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving")
+        assert runtime.process is not first
+        assert published[-1]["restarts"] == 1 and published[-1]["ready"] is True
+
+    with_runtime(tmp_path, body)
+
+
+def test_estimate_errors_compare_each_side_that_allocated_something() -> None:
+    log = fake_llama.LOAD_LOG.format(ctx=1024, parallel=2, host="h", port=1)
+    receipt = receipt_from_log(log, model_sha256=SHA, context_tokens=1024)
+    plan = {
+        "bytes": {
+            "device": {"weights": 0, "kv": 0, "compute": 0},
+            "host": {"weights": 2 * MiB, "kv": 2 * MiB, "compute": 4 * MiB},
+        }
+    }
+    [host] = estimate_errors(plan, receipt)
+    assert host["pool"] == "host" and host["allocatedBytes"] == receipt.total(host=True)
+    assert estimate_errors({}, receipt) == []
+
+
+def test_the_status_document_carries_the_releases_and_the_load() -> None:
+    log = fake_llama.LOAD_LOG.format(ctx=1024, parallel=2, host="h", port=1)
+    receipt = receipt_from_log(log, model_sha256=SHA, context_tokens=1024)
+    release = {"mind": "minds/mira", "slot": 0, "reason": "Preempted"}
+    doc = runtime_status(
+        phase="Serving",
+        ready=True,
+        restarts=0,
+        receipt=receipt,
+        log_text=log,
+        plan={},
+        slots=2,
+        slot_tokens=512,
+        releases=[release],
+    )
+    assert doc["slotReleases"] == [release]
+    assert doc["llamaBuild"] == parse_llama_log(log).build
+    json.dumps(doc)  # it goes to the API server as it is
+
+
+def test_continuum_engine_serves_the_grant_file_and_writes_the_releases(tmp_path: Path) -> None:
+    """The command as an engine pod runs it: grants from a file, status.runtime to a file."""
+    import socket
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    grants = tmp_path / "grants.yaml"
+    grants.write_text(
+        "slotTokens: 512\ngrants:\n- {mind: minds/mira, state: Granted, slot: 1, tokens: 512}\n"
+    )
+    status = tmp_path / "runtime.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable, "-m", "continuum_operator.cli", "engine",
+        "--model", str(model), "--model-sha256", SHA, "--grants", str(grants),
+        "--listen", f"127.0.0.1:{port}", "--llama-server", fake_server(tmp_path),
+        "--status-file", str(status), "--", "--ctx-size", "1024", "--parallel", "2",
+    ]  # fmt: skip
+    log = (tmp_path / "engine.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+
+    def call(method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            with err:
+                return err.code, json.loads(err.read() or b"null")
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if call("GET", "/readyz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()
+            assert time.monotonic() < deadline, "continuum engine never became ready"
+            time.sleep(0.1)
+        mind = {"X-Continuum-Mind": "minds/mira", "Content-Type": "application/json"}
+        code, opened = call("POST", "/v1/turns", {}, **mind)
+        assert (code, opened["slot"]) == (201, 1)
+        code, reply = call(
+            "POST", "/completion", {"prompt": "hi", "n_predict": 2},
+            **mind, **{"X-Continuum-Turn": opened["turn"]},
+        )  # fmt: skip
+        assert (code, reply["id_slot"]) == (200, 1)
+        grants.write_text(
+            "slotTokens: 512\ngrants:\n- {mind: minds/mira, state: Reclaiming, slot: 1, "
+            "tokens: 512, reason: EngineShrunk, since: '2026-12-03T06:00:00Z'}\n"
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            doc = json.loads(status.read_text()) if status.exists() else {}
+            if doc.get("slotReleases"):
+                break
+            assert time.monotonic() < deadline, f"no release reported: {doc}"
+            time.sleep(0.05)
+        [release] = doc["slotReleases"]
+        assert (release["mind"], release["slot"], release["reason"]) == (
+            "minds/mira",
+            1,
+            "EngineShrunk",
+        )
+        assert release["grantSince"] == "2026-12-03T06:00:00Z" and release["erasedTokens"] == 4
+        assert doc["phase"] == "Serving" and doc["receipts"][0]["modelSha256"] == SHA
+        assert call("POST", "/v1/turns", {}, **mind)[0] == 409
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+    assert proc.returncode == 0
