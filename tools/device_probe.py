@@ -11,6 +11,8 @@ NodeBoard the agent would write, (3) the probe's timings per backend (median and
 Without an NVIDIA GPU (no library, no driver, or no GPU) it says "no NVIDIA: <why>" and exits 1
 without saving anything: a capture is only worth keeping from a GPU machine. `--expect MODE`
 exits 3 when the board's memory mode is not MODE (an H200 must read discrete).
+`--replay-nvml FIXTURE` answers NVML from a recorded fixture instead of the driver, to check the
+tool itself on a machine without a GPU; it never saves (what it would save was not captured).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import statistics
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -44,9 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-save", action="store_true", help="print only")
     parser.add_argument("--repeat", type=int, default=10, help="probe cycles to time (>= 1)")
     parser.add_argument("--expect", choices=("discrete", "unified", "unknown"), default=None)
+    parser.add_argument("--replay-nvml", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    doc, first = probe.capture()
+    nv = None
+    if args.replay_nvml is not None:
+        from continuum_operator.testing.fake_nvml import FakeNvml
+
+        recorded = json.loads(args.replay_nvml.read_text())["nvml"]
+        nv = FakeNvml(recorded)
+        args.no_save = True
+
+    def capture() -> tuple[dict[str, Any], dict[str, float]]:
+        return probe.capture(nv=nv)
+
+    doc, first = capture()
     reading = nvml.parse(doc["nvml"])
     if not reading.available or not reading.gpus:
         why = reading.reason if not reading.available else "NVML reported no GPUs"
@@ -57,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timings = [first]
     for _ in range(max(0, args.repeat - 1)):
-        timings.append(probe.capture()[1])
+        timings.append(capture()[1])
     status = board_status(probe.readings(doc))
 
     print("## raw readings")

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from continuum_operator.agent import nvml, probe
 from continuum_operator.core.nodeboard import board_status
 from continuum_operator.core.pools import Board, Ledger
 from continuum_operator.core.readings import (
+    Addressing,
+    CgroupLimit,
     ConsumerRef,
     GpuMemoryStatus,
     GpuProcess,
     GpuReading,
     HostReading,
+    MetalReading,
     NodeReadings,
     NumaNode,
     NvmlReading,
@@ -340,3 +346,101 @@ def test_numa_nodes_without_memory_are_ignored() -> None:
     )
     status = board_status(NodeReadings(host=host, nvml=NvmlReading(True, gpus=(gpu,))))
     assert pool(status, PoolKind.HOST).capacity_bytes == 100 * GiB
+
+
+# --- properties over any readings -----------------------------------------------------------
+
+gpu_readings = st.builds(
+    lambda index, memory, capacity, used_fraction, addressing, numa: GpuReading(
+        index=index,
+        name="g",
+        uuid=f"GPU-{index}",
+        memory=memory,
+        capacity_bytes=capacity if memory is GpuMemoryStatus.MEASURED else None,
+        used_bytes=int(capacity * used_fraction) if memory is GpuMemoryStatus.MEASURED else None,
+        memory_error="" if memory is GpuMemoryStatus.MEASURED else "NVML_ERROR_X",
+        addressing=addressing,
+        numa_node=numa,
+    ),
+    st.just(0),
+    st.sampled_from(GpuMemoryStatus),
+    st.integers(min_value=GiB, max_value=192 * GiB),
+    st.floats(min_value=0, max_value=1),
+    st.sampled_from(Addressing),
+    st.none() | st.integers(min_value=0, max_value=3),
+)
+
+
+@st.composite
+def node_readings(draw: st.DrawFn) -> NodeReadings:
+    total = draw(st.integers(min_value=GiB, max_value=4096 * GiB))
+    available = draw(st.integers(min_value=0, max_value=total))
+    numa = tuple(
+        NumaNode(i, t, min(t, f), c)
+        for i, (t, f, c) in enumerate(
+            draw(
+                st.lists(
+                    st.tuples(
+                        st.integers(min_value=0, max_value=total // 4),
+                        st.integers(min_value=0, max_value=total // 4),
+                        st.sampled_from([0, 8]),
+                    ),
+                    max_size=4,
+                )
+            )
+        )
+    )
+    cgroup = draw(
+        st.none()
+        | st.builds(
+            lambda limit, ws: CgroupLimit("/cg", limit, ws),
+            st.integers(min_value=GiB, max_value=8192 * GiB),
+            st.integers(min_value=0, max_value=64 * GiB),
+        )
+    )
+    gpus = draw(st.lists(gpu_readings, max_size=8))
+    gpus = [replace(g, index=i) for i, g in enumerate(gpus)]
+    available_nvml = draw(st.booleans())
+    metal = draw(st.none() | st.builds(MetalReading, st.booleans(), chip=st.just("Apple M")))
+    return NodeReadings(
+        host=HostReading(total, available, cgroup, numa),
+        nvml=NvmlReading(available_nvml, "" if available_nvml else "absent", gpus=tuple(gpus)),
+        metal=metal,
+    )
+
+
+class TestAnyReadings:
+    @given(node_readings())
+    def test_make_a_valid_board_whose_mode_follows_the_definitions(self, r: NodeReadings) -> None:
+        status = board_status(r)  # the model's own validators run here
+        NodeBoardStatus.model_validate(status.model_dump())
+        statuses = {g.memory for g in r.nvml.gpus}
+        metal = r.metal is not None and r.metal.available
+        if status.memory_mode is MemoryMode.UNIFIED:
+            assert metal or (
+                r.nvml.available
+                and GpuMemoryStatus.NOT_SUPPORTED in statuses
+                and GpuMemoryStatus.MEASURED not in statuses
+            )
+        elif status.memory_mode is MemoryMode.DISCRETE:
+            assert not metal and r.nvml.available
+            assert GpuMemoryStatus.NOT_SUPPORTED not in statuses
+            measured = [g.index for g in r.nvml.gpus if g.memory is GpuMemoryStatus.MEASURED]
+            assert [p.device for p in status.pools if p.kind is PoolKind.DEVICE] == measured
+        else:
+            assert status.memory_mode_reason
+            assert [p.kind for p in status.pools] == [PoolKind.HOST]
+        host = status.pools[0]
+        assert host.capacity_bytes <= r.host.total_bytes
+
+    @given(node_readings(), st.sampled_from(Addressing))
+    def test_the_addressing_mode_never_changes_the_memory_mode(
+        self, r: NodeReadings, addressing: Addressing
+    ) -> None:
+        other = replace(
+            r,
+            nvml=replace(
+                r.nvml, gpus=tuple(replace(g, addressing=addressing) for g in r.nvml.gpus)
+            ),
+        )
+        assert board_status(other).memory_mode is board_status(r).memory_mode

@@ -93,125 +93,117 @@ def _coherent(addressing: Addressing) -> bool | None:
     return addressing in (Addressing.HMM, Addressing.ATS)
 
 
-def _sentence(parts: list[str]) -> str:
-    return "; ".join(p for p in parts if p)
+def _one_pool(host: HostPool, kind: PoolKind) -> PoolReading:
+    return PoolReading(kind=kind, capacity_bytes=host.capacity_bytes, used_bytes=host.used_bytes)
+
+
+def _board(
+    readings: NodeReadings,
+    mode: MemoryMode,
+    reasons: list[str],
+    pools: list[PoolReading],
+    gpus: list[GpuInfo],
+    cap: int | None,
+) -> NodeBoardStatus:
+    return NodeBoardStatus(
+        memory_mode=mode,
+        memory_mode_reason="; ".join(r for r in reasons if r),
+        per_process_cap_bytes=cap,
+        pools=pools,
+        gpus=gpus,
+        consumers=_consumers(readings, pools),
+        cap_mechanisms=[
+            CapMechanismReading(mechanism=m.mechanism, evidence=m.evidence)
+            for m in sorted(readings.mechanisms, key=lambda m: m.mechanism)
+        ],
+    )
 
 
 def board_status(readings: NodeReadings) -> NodeBoardStatus:
     """The NodeBoard status these readings support; unknown (with the reason) where none does."""
-    nvml = readings.nvml
-    metal = readings.metal
-    mechanisms = [
-        CapMechanismReading(mechanism=m.mechanism, evidence=m.evidence)
-        for m in sorted(readings.mechanisms, key=lambda m: m.mechanism)
-    ]
-    cap = readings.configured_cap_bytes
+    nvml, metal, cap = readings.nvml, readings.metal, readings.configured_cap_bytes
 
     if metal is not None and metal.available:
         host = host_pool(readings.host)
         if metal.wired_limit_bytes is not None:
             cap = metal.wired_limit_bytes if cap is None else min(cap, metal.wired_limit_bytes)
-        pools = [
-            PoolReading(
-                kind=PoolKind.UNIFIED,
-                capacity_bytes=host.capacity_bytes,
-                used_bytes=host.used_bytes,
-            )
-        ]
-        return NodeBoardStatus(
-            memory_mode=MemoryMode.UNIFIED,
-            memory_mode_reason=_sentence(
-                [f"Apple silicon ({metal.chip or 'Metal'}): device and host memory are one pool"]
-                + host.notes
-                + (
-                    []
-                    if metal.wired_limit_bytes is not None
-                    else ["Metal working-set limit left at its default (iogpu.wired_limit_mb 0)"]
-                )
-            ),
-            per_process_cap_bytes=cap,
-            pools=pools,
-            gpus=[GpuInfo(index=0, name=metal.chip)],
-            consumers=_consumers(readings, pools),
-            cap_mechanisms=mechanisms,
+        default_limit = (
+            "Metal working-set limit left at its default (iogpu.wired_limit_mb 0)"
+            if metal.wired_limit_bytes is None
+            else ""
+        )
+        return _board(
+            readings,
+            MemoryMode.UNIFIED,
+            [
+                f"Apple silicon ({metal.chip or 'Metal'}): device and host memory are one pool",
+                *host.notes,
+                default_limit,
+            ],
+            [_one_pool(host, PoolKind.UNIFIED)],
+            [GpuInfo(index=0, name=metal.chip)],
+            cap,
         )
 
     measured = [g for g in nvml.gpus if g.memory is GpuMemoryStatus.MEASURED]
     shared = [g for g in nvml.gpus if g.memory is GpuMemoryStatus.NOT_SUPPORTED]
-    failed = [g for g in nvml.gpus if g.memory is GpuMemoryStatus.FAILED]
-    failures = [f"GPU {g.index} unmeasured ({g.memory_error})" for g in failed]
+    failures = [
+        f"GPU {g.index} unmeasured ({g.memory_error})"
+        for g in nvml.gpus
+        if g.memory is GpuMemoryStatus.FAILED
+    ]
     gpus = [GpuInfo(index=g.index, name=g.name, uuid=g.uuid) for g in nvml.gpus]
 
     if nvml.available and shared and not measured:
         host = host_pool(readings.host)
-        pools = [
-            PoolReading(
-                kind=PoolKind.UNIFIED,
-                capacity_bytes=host.capacity_bytes,
-                used_bytes=host.used_bytes,
-            )
-        ]
         names = ", ".join(f"GPU {g.index} ({g.name})" for g in shared)
-        return NodeBoardStatus(
-            memory_mode=MemoryMode.UNIFIED,
-            memory_mode_reason=_sentence(
-                [
-                    f"NVML memory info Not Supported on {names}: "
-                    "GPU allocations draw from host memory",
-                    *host.notes,
-                    *failures,
-                ]
-            ),
-            per_process_cap_bytes=cap,
-            pools=pools,
-            gpus=gpus,
-            consumers=_consumers(readings, pools),
-            cap_mechanisms=mechanisms,
+        return _board(
+            readings,
+            MemoryMode.UNIFIED,
+            [
+                f"NVML memory info Not Supported on {names}: GPU allocations draw from host memory",
+                *host.notes,
+                *failures,
+            ],
+            [_one_pool(host, PoolKind.UNIFIED)],
+            gpus,
+            cap,
         )
 
     if nvml.available and measured and not shared:
         host = host_pool(readings.host, measured)
-        pools = [
-            PoolReading(
-                kind=PoolKind.HOST, capacity_bytes=host.capacity_bytes, used_bytes=host.used_bytes
-            )
-        ]
+        pools = [_one_pool(host, PoolKind.HOST)]
         for g in measured:
-            assert g.capacity_bytes is not None
+            assert g.capacity_bytes is not None  # MEASURED carries it
+            used = None if g.used_bytes is None else min(g.used_bytes, g.capacity_bytes)
             pools.append(
                 PoolReading(
                     kind=PoolKind.DEVICE,
                     device=g.index,
                     capacity_bytes=g.capacity_bytes,
-                    used_bytes=None
-                    if g.used_bytes is None
-                    else min(g.used_bytes, g.capacity_bytes),
+                    used_bytes=used,
                     coherent=_coherent(g.addressing),
                 )
             )
         coherent = [g for g in measured if _coherent(g.addressing)]
-        return NodeBoardStatus(
-            memory_mode=MemoryMode.DISCRETE,
-            memory_mode_reason=_sentence(
-                ["NVML reports a framebuffer of its own on every measured GPU"]
-                + (
-                    [
-                        "GPU "
-                        + ", ".join(str(g.index) for g in coherent)
-                        + f" can address system memory ({coherent[0].addressing.upper()}): "
-                        "coherent, still its own pool"
-                    ]
-                    if coherent
-                    else []
-                )
-                + host.notes
-                + failures
-            ),
-            per_process_cap_bytes=cap,
-            pools=pools,
-            gpus=gpus,
-            consumers=_consumers(readings, pools),
-            cap_mechanisms=mechanisms,
+        coherence = (
+            f"GPU {', '.join(str(g.index) for g in coherent)} can address system memory "
+            f"({coherent[0].addressing.upper()}): coherent, still its own pool"
+            if coherent
+            else ""
+        )
+        return _board(
+            readings,
+            MemoryMode.DISCRETE,
+            [
+                "NVML reports a framebuffer of its own on every measured GPU",
+                coherence,
+                *host.notes,
+                *failures,
+            ],
+            pools,
+            gpus,
+            cap,
         )
 
     # No backend reported a memory mode, or the GPUs contradict each other: unknown.
@@ -221,30 +213,21 @@ def board_status(readings: NodeReadings) -> NodeBoardStatus:
             reasons.append(f"no Metal: {metal.reason}")
     elif shared and measured:
         reasons = [
-            "GPUs disagree: "
-            + ", ".join(str(g.index) for g in shared)
-            + " report no memory of their own, "
-            + ", ".join(str(g.index) for g in measured)
-            + " report framebuffers"
+            f"GPUs disagree: {', '.join(str(g.index) for g in shared)} report no memory of "
+            f"their own, {', '.join(str(g.index) for g in measured)} report framebuffers"
         ]
     elif not nvml.gpus:
         reasons = ["NVML reported no GPUs"]
     else:
         reasons = ["no GPU's memory could be read"]
     host = host_pool(readings.host)
-    pools = [
-        PoolReading(
-            kind=PoolKind.HOST, capacity_bytes=host.capacity_bytes, used_bytes=host.used_bytes
-        )
-    ]
-    return NodeBoardStatus(
-        memory_mode=MemoryMode.UNKNOWN,
-        memory_mode_reason=_sentence([*reasons, *host.notes, *failures]),
-        per_process_cap_bytes=cap,
-        pools=pools,
-        gpus=gpus,
-        consumers=_consumers(readings, pools),
-        cap_mechanisms=mechanisms,
+    return _board(
+        readings,
+        MemoryMode.UNKNOWN,
+        [*reasons, *host.notes, *failures],
+        [_one_pool(host, PoolKind.HOST)],
+        gpus,
+        cap,
     )
 
 
