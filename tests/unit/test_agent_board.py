@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from continuum_operator.agent import nvml, probe
 from continuum_operator.core.nodeboard import board_status
+from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, Ledger
 from continuum_operator.core.readings import (
     Addressing,
@@ -33,6 +34,7 @@ from continuum_operator.core.readings import (
     NumaNode,
     NvmlReading,
 )
+from continuum_operator.model import Engine
 from continuum_operator.model.board import (
     CapMechanism,
     MemoryMode,
@@ -41,7 +43,7 @@ from continuum_operator.model.board import (
     PoolKind,
 )
 from continuum_operator.testing.fake_nvml import FakeNvml
-from tests.builders import ROOT
+from tests.builders import ROOT, example
 
 FIXTURES = ROOT / "tests" / "fixtures" / "probes"
 GiB = 2**30
@@ -196,6 +198,19 @@ class TestUnified:
         # and the per-process cap bounds one process, not the pool (rule 2)
         assert status.per_process_cap_bytes is not None
         assert free is not None and free > status.per_process_cap_bytes
+
+    def test_the_m5_board_plans_the_32b_engine_under_metals_cap_with_every_layer_on_the_gpu(
+        self,
+    ) -> None:
+        """The seed settled on a 2.0 GB budget, half the layers on the CPU and 2 minds."""
+        status = board_of(fixture("apple-m5-unified"))
+        board = Board.from_resource(NodeBoard(metadata={"name": "m5"}, status=status))
+        engine = Engine.model_validate(example("engines", "agent-32b"))
+        assert engine.spec.model.facts is not None
+        result = plan(board, engine.spec, engine.spec.model.facts, Ledger.of(board, []))
+        assert result.budget.device == status.per_process_cap_bytes
+        assert result.layers_on_device == result.total_layers
+        assert result.minds_grantable == engine.spec.minds.max
 
     def test_a_configured_cap_tighter_than_metals_wins(self) -> None:
         status = board_of(fixture("apple-m5-unified"), cap=8 * GiB)
