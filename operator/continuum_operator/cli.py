@@ -23,6 +23,7 @@ from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, Ledger
 from continuum_operator.engine import runtime as engine_runtime
 from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
+from continuum_operator.kube import run as operator_cli
 from continuum_operator.manifests import ManifestError, load_all, load_one
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import Engine
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_facts.add_parser(sub)
     engine_runtime.add_parser(sub)
     agent_cli.add_parser(sub)
+    operator_cli.add_parser(sub)
     return parser
 
 

@@ -284,6 +284,18 @@ class EnginePlacement(Spec):
     gpus: list[int] = Field(default_factory=list)
     pools: list[EnginePoolBytes] = Field(default_factory=list)
     assumed: bool = True
+    assumed_at: str | None = Field(
+        default=None,
+        description="When the lease was assumed; released if the pod is not ready in time.",
+    )
+
+
+class EngineRelaunches(Spec):
+    """Relaunches of the engine's pod the operator decided (damped: DESIGN.md's lessons)."""
+
+    count: int = Field(default=0, ge=0)
+    last_time: str | None = None
+    last_reason: str = ""
 
 
 class EngineStatus(Spec):
@@ -296,6 +308,7 @@ class EngineStatus(Spec):
     )
     enforcement: OpenStatus | None = None
     runtime: OpenStatus | None = None
+    relaunches: EngineRelaunches | None = None
     conditions: list[Condition] = Field(default_factory=list)
     observed_generation: int | None = None
 
@@ -304,16 +317,31 @@ class Engine(Resource):
     KIND = "Engine"
     PLURAL = "engines"
     SHORT_NAMES = ("eng",)
+    # `kubectl get engines` tells the story: where it runs, what the plan buys, whether it is
+    # ready, and if not, why (the Ready condition's reason: PodPending, Relaunching,
+    # NoFreshBoard, InsufficientMemory, InvalidSpec...).
     PRINTER_COLUMNS = (
         {"name": "Node", "type": "string", "jsonPath": ".status.placement.node"},
+        {"name": "Mode", "type": "string", "jsonPath": ".status.plan.memoryMode"},
         {"name": "Layers", "type": "integer", "jsonPath": ".status.plan.layersOnDevice"},
+        {"name": "Of", "type": "integer", "jsonPath": ".status.plan.totalLayers", "priority": 1},
         {"name": "Minds", "type": "integer", "jsonPath": ".status.plan.mindsGrantable"},
         {"name": "Pool-Tokens", "type": "integer", "jsonPath": ".status.plan.poolTokens"},
-        {"name": "Mode", "type": "string", "jsonPath": ".status.plan.memoryMode", "priority": 1},
         {
             "name": "Ready",
             "type": "string",
             "jsonPath": ".status.conditions[?(@.type=='Ready')].status",
+        },
+        {
+            "name": "Reason",
+            "type": "string",
+            "jsonPath": ".status.conditions[?(@.type=='Ready')].reason",
+        },
+        {
+            "name": "Relaunches",
+            "type": "integer",
+            "jsonPath": ".status.relaunches.count",
+            "priority": 1,
         },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )

@@ -1,0 +1,234 @@
+"""An Engine's conditions, made from what the operator knows about it in one pass.
+
+Conditions are a list keyed by type and written whole by their one writer, the operator
+(DESIGN.md "One writer per status field"). This module decides them from plain values: the
+operator's shell gathers an `EngineFacts`, `engine_conditions` turns it into conditions, and
+`merge` keeps each condition's `lastTransitionTime` while its status holds. Types and reasons are
+enums, never scattered strings. Pure: the time is passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from continuum_operator.core.damping import Outcome
+from continuum_operator.model.base import Condition
+
+
+class ConditionType(StrEnum):
+    PLANNED = "Planned"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    MEMORY_MODE_UNKNOWN = "MemoryModeUnknown"
+    BOARD_STALE = "BoardStale"
+    UNSCHEDULABLE = "Unschedulable"
+
+
+class Reason(StrEnum):
+    # Planned
+    PLANNED = "Planned"
+    INVALID_SPEC = "InvalidSpec"
+    FACTS_MISSING = "FactsMissing"
+    NOT_PLACED = "NotPlaced"
+    # Unschedulable
+    PLACED = "Placed"
+    NO_BOARDS = "NoBoards"
+    NO_MATCHING_NODE = "NoMatchingNode"
+    NO_FRESH_BOARD = "NoFreshBoard"
+    INSUFFICIENT_MEMORY = "InsufficientMemory"
+    POD_NEVER_STARTED = "PodNeverStarted"
+    # Ready
+    POD_READY = "PodReady"
+    POD_PENDING = "PodPending"
+    RELAUNCHING = "Relaunching"
+    # Degraded
+    AS_PLANNED = "AsPlanned"
+    MINDS_LIMITED = "MindsLimited"
+    LAYERS_LIMITED = "LayersLimited"
+    RELAUNCH_DEFERRED = "RelaunchDeferred"
+    # MemoryModeUnknown / BoardStale
+    MODE_REPORTED = "MemoryModeReported"
+    MODE_UNKNOWN = "NoMemoryModeReported"
+    BOARD_FRESH = "LeaseRenewed"
+    LEASE_EXPIRED = "LeaseExpired"
+
+
+class PodPhase(StrEnum):
+    NONE = "None"
+    PENDING = "Pending"
+    READY = "Ready"
+    RELAUNCHING = "Relaunching"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    reason: Reason
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedEngine:
+    """The plan in force, as far as the conditions read it."""
+
+    node: str
+    memory_mode: str
+    layers_on_device: int
+    total_layers: int
+    minds_grantable: int
+    minds_max: int
+    gpu_servable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    generation: int | None
+    problem: Problem | None = None
+    """The spec cannot be planned at all (invalid, or no model facts)."""
+    unschedulable: Problem | None = None
+    """No node takes it; the message says why, node by node."""
+    planned: PlannedEngine | None = None
+    board_fresh: bool = True
+    pod: PodPhase = PodPhase.NONE
+    damping: Outcome | None = None
+    damping_message: str = ""
+
+
+def _c(t: ConditionType, status: bool, reason: Reason, message: str, gen: int | None) -> Condition:
+    return Condition(
+        type=str(t),
+        status="True" if status else "False",
+        reason=str(reason),
+        message=message,
+        observed_generation=gen,
+    )
+
+
+def engine_conditions(f: EngineFacts) -> list[Condition]:
+    """Every condition type, always present, in a fixed order."""
+    gen = f.generation
+    T = ConditionType
+    p = f.planned
+    out: list[Condition] = []
+    if f.problem is not None:
+        out.append(_c(T.PLANNED, False, f.problem.reason, f.problem.message, gen))
+    elif p is None:
+        out.append(_c(T.PLANNED, False, Reason.NOT_PLACED, "no node takes this engine yet", gen))
+    else:
+        out.append(
+            _c(
+                T.PLANNED,
+                True,
+                Reason.PLANNED,
+                f"{p.layers_on_device}/{p.total_layers} layers on the device of {p.node}, "
+                f"{p.minds_grantable} minds",
+                gen,
+            )
+        )
+
+    if f.pod is PodPhase.READY:
+        ready = _c(T.READY, True, Reason.POD_READY, "the engine pod is ready", gen)
+    elif f.pod is PodPhase.RELAUNCHING:
+        ready = _c(T.READY, False, Reason.RELAUNCHING, "the engine is relaunching", gen)
+    elif f.pod is PodPhase.PENDING:
+        ready = _c(T.READY, False, Reason.POD_PENDING, "the engine pod has not started yet", gen)
+    else:
+        why = f.problem or f.unschedulable
+        ready = _c(
+            T.READY,
+            False,
+            why.reason if why else Reason.NOT_PLACED,
+            why.message if why else "not placed yet",
+            gen,
+        )
+    out.append(ready)
+
+    degraded: Condition
+    if p is not None and not f.board_fresh:
+        degraded = _c(
+            T.DEGRADED,
+            True,
+            Reason.LEASE_EXPIRED,
+            f"the board of {p.node} is stale: the engine keeps its plan, nothing re-plans there",
+            gen,
+        )
+    elif p is not None and f.damping in (
+        Outcome.GATHERING_EVIDENCE,
+        Outcome.COOLING_DOWN,
+    ):
+        degraded = _c(T.DEGRADED, True, Reason.RELAUNCH_DEFERRED, f.damping_message, gen)
+    elif p is not None and p.minds_grantable < p.minds_max:
+        degraded = _c(
+            T.DEGRADED,
+            True,
+            Reason.MINDS_LIMITED,
+            f"{p.minds_grantable} of {p.minds_max} minds fit on {p.node}",
+            gen,
+        )
+    elif p is not None and p.layers_on_device < p.total_layers and p.memory_mode != "unknown":
+        degraded = _c(
+            T.DEGRADED,
+            True,
+            Reason.LAYERS_LIMITED,
+            f"{p.layers_on_device}/{p.total_layers} layers fit on the device of {p.node}",
+            gen,
+        )
+    else:
+        degraded = _c(T.DEGRADED, False, Reason.AS_PLANNED, "", gen)
+    out.append(degraded)
+
+    if p is not None and p.memory_mode == "unknown":
+        out.append(
+            _c(
+                T.MEMORY_MODE_UNKNOWN,
+                True,
+                Reason.MODE_UNKNOWN,
+                f"node {p.node} reports no memory mode: host memory is governed, device memory "
+                "is not; declare spec.placement.deviceBudgetBytes or run the agent with a GPU "
+                "backend",
+                gen,
+            )
+        )
+    else:
+        out.append(_c(T.MEMORY_MODE_UNKNOWN, False, Reason.MODE_REPORTED, "", gen))
+
+    if p is not None and not f.board_fresh:
+        out.append(
+            _c(
+                T.BOARD_STALE,
+                True,
+                Reason.LEASE_EXPIRED,
+                f"node {p.node}'s Lease has expired: no new plans or relaunches there",
+                gen,
+            )
+        )
+    else:
+        out.append(_c(T.BOARD_STALE, False, Reason.BOARD_FRESH, "", gen))
+
+    if f.unschedulable is not None and p is None:
+        out.append(_c(T.UNSCHEDULABLE, True, f.unschedulable.reason, f.unschedulable.message, gen))
+    else:
+        out.append(_c(T.UNSCHEDULABLE, False, Reason.PLACED if p else Reason.NOT_PLACED, "", gen))
+    return out
+
+
+def merge(old: Sequence[Condition], new: Sequence[Condition], now: str) -> list[Condition]:
+    """New conditions with `lastTransitionTime` kept where the status did not change."""
+    before = {c.type: c for c in old}
+    merged: list[Condition] = []
+    for c in new:
+        prior = before.get(c.type)
+        since = (
+            prior.last_transition_time
+            if prior is not None and prior.status == c.status and prior.last_transition_time
+            else now
+        )
+        merged.append(c.model_copy(update={"last_transition_time": since}))
+    return merged
+
+
+def transitions(old: Sequence[Condition], new: Sequence[Condition]) -> list[Condition]:
+    """Conditions whose status or reason changed: what deserves an event."""
+    before = {c.type: (c.status, c.reason) for c in old}
+    return [c for c in new if before.get(c.type) != (c.status, c.reason)]

@@ -1,0 +1,114 @@
+"""The one adapter that talks to the API server for the operator's writes (kopf watches).
+
+Raw paths and plain dicts, on the `kubernetes` client's transport (its configuration, TLS and
+credentials from the kubeconfig), so objects built by `kube.objects` go out as they are: no
+generated model classes in between. Calls are blocking; the loop runs them in a thread.
+
+Errors: `ApiError` carries the HTTP status and the server's message; 404 and 409 are told apart
+by `status` where a caller cares.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes import client, config
+
+__all__ = ["ApiError", "KubeApi", "crd_path"]
+
+FIELD_MANAGER = "continuum-operator"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(f"{status} {reason}: {message}")
+
+
+def crd_path(plural: str, namespace: str | None, name: str | None = None, sub: str = "") -> str:
+    base = "/apis/continuum.dev/v1alpha1"
+    path = f"{base}/namespaces/{quote(namespace)}/{plural}" if namespace else f"{base}/{plural}"
+    if name:
+        path += f"/{quote(name)}"
+    return path + (f"/{sub}" if sub else "")
+
+
+def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
+    """The REST path of a built object (core, grouped, namespaced or cluster-scoped)."""
+    api_version = str(obj["apiVersion"])
+    prefix = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    plural = {
+        "Deployment": "deployments",
+        "Service": "services",
+        "PriorityClass": "priorityclasses",
+        "Event": "events",
+        "Lease": "leases",
+        "Node": "nodes",
+    }[str(obj["kind"])]
+    ns = obj["metadata"].get("namespace")
+    path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"
+    return path if collection else f"{path}/{quote(obj['metadata']['name'])}"
+
+
+class KubeApi:
+    def __init__(self, kubeconfig: str | None = None) -> None:
+        configuration = client.Configuration()
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, client_configuration=configuration
+        )
+        self._client = client.ApiClient(configuration)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Sequence[tuple[str, str]] = (),
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        request = self._client.param_serialize(
+            method,
+            path,
+            query_params=list(query),
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._client.call_api(*request, _request_timeout=30)
+        response.read()  # type: ignore[no-untyped-call]
+        text = response.data.decode() if response.data else ""
+        if not 200 <= response.status <= 299:
+            try:
+                doc = json.loads(text)
+                raise ApiError(response.status, str(doc.get("reason")), str(doc.get("message")))
+            except ValueError:
+                raise ApiError(response.status, "Error", text) from None
+        return json.loads(text) if text else {}
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply, forced: fields this operator dropped are removed."""
+        return self.request(
+            "PATCH",
+            path_of(obj),
+            dict(obj),
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            content_type="application/apply-patch+yaml",
+        )
+
+    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self.request("PATCH", path, dict(patch), content_type="application/merge-patch+json")
+
+    def delete(self, path: str) -> None:
+        try:
+            self.request("DELETE", path, query=[("propagationPolicy", "Background")])
+        except ApiError as err:
+            if err.status != 404:
+                raise
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        return self.request("POST", path_of(obj, collection=True), dict(obj))

@@ -1,0 +1,193 @@
+"""What the operator has seen of the cluster, fed by watch events; decisions read only this.
+
+As in Kueue, controllers feed a cache and the decision never reads the API: kopf's watch
+handlers (`kube.handlers`) call `Cache.observe_*`, the reconcile loop takes a `snapshot()`.
+After the operator writes an Engine's status it records the answer here at once ("assume"), so
+the next engine's placement sees the bytes just leased before the watch event arrives.
+Neighbours: `kube.reconcile` (decides from a Snapshot), `kube.handlers` (feeds this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from continuum_operator.core.pools import Board
+from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
+from continuum_operator.model.board import NodeBoard
+
+EngineKey = tuple[str, str]  # (namespace, name)
+
+
+def parse_time(text: str | None) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time as the API server writes it."""
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def format_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class BoardEntry:
+    board: Board | None  # None: the board's status does not validate
+    resource_version: str
+    problem: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEntry:
+    renew_time: float | None
+    duration_seconds: float | None
+    resource_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEntry:
+    labels: Mapping[str, str]
+    gpus_allocatable: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentEntry:
+    launch: str | None
+    generation: int
+    observed_generation: int
+    ready_replicas: int
+    updated_replicas: int
+    replicas: int
+
+    def running(self, launch: str) -> bool:
+        """The pod of this launch is ready, and no older or newer launch is rolling."""
+        return (
+            self.launch == launch
+            and self.observed_generation >= self.generation
+            and self.updated_replicas >= 1
+            and self.ready_replicas >= 1
+            and self.replicas <= 1
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    boards: Mapping[str, BoardEntry]
+    leases: Mapping[str, LeaseEntry]
+    nodes: Mapping[str, NodeEntry]
+    engines: Mapping[EngineKey, Mapping[str, Any]]
+    deployments: Mapping[EngineKey, DeploymentEntry]
+
+
+@dataclass
+class Cache:
+    lease_namespace: str = "kube-node-lease"
+    boards: dict[str, BoardEntry] = field(default_factory=dict)
+    leases: dict[str, LeaseEntry] = field(default_factory=dict)
+    nodes: dict[str, NodeEntry] = field(default_factory=dict)
+    engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            boards=dict(self.boards),
+            leases=dict(self.leases),
+            nodes=dict(self.nodes),
+            engines=dict(self.engines),  # bodies are replaced, never changed in place
+            deployments=dict(self.deployments),
+        )
+
+    def _nudge(self) -> None:
+        self.changed.set()
+
+    def observe_board(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        name = obj["metadata"]["name"]
+        if deleted:
+            self.boards.pop(name, None)
+        else:
+            rv = str(obj["metadata"].get("resourceVersion", ""))
+            try:
+                board = Board.from_resource(NodeBoard.model_validate(dict(obj)))
+                self.boards[name] = BoardEntry(board, rv)
+            except ValidationError as err:
+                self.boards[name] = BoardEntry(None, rv, str(err.errors()[0]["msg"]))
+        self._nudge()
+
+    def observe_lease(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        meta = obj["metadata"]
+        if meta.get("namespace") != self.lease_namespace:
+            return
+        if deleted:
+            self.leases.pop(meta["name"], None)
+        else:
+            spec = obj.get("spec") or {}
+            duration = spec.get("leaseDurationSeconds")
+            self.leases[meta["name"]] = LeaseEntry(
+                renew_time=parse_time(spec.get("renewTime") or spec.get("acquireTime")),
+                duration_seconds=float(duration) if duration is not None else None,
+                resource_version=str(meta.get("resourceVersion", "")),
+            )
+        self._nudge()
+
+    def observe_node(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        name = obj["metadata"]["name"]
+        if deleted:
+            self.nodes.pop(name, None)
+        else:
+            allocatable = (obj.get("status") or {}).get("allocatable") or {}
+            try:
+                gpus = int(allocatable.get(GPU_RESOURCE, 0))
+            except ValueError:
+                gpus = 0
+            self.nodes[name] = NodeEntry(dict(obj["metadata"].get("labels") or {}), gpus)
+        self._nudge()
+
+    def observe_engine(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if deleted:
+            self.engines.pop(key, None)
+        else:
+            known = self.engines.get(key)
+            # A watch event older than the answer of our own write must not undo it.
+            if known is None or _rv(meta) >= _rv(known["metadata"]):
+                self.engines[key] = copy.deepcopy(dict(obj))
+        if nudge:
+            self._nudge()
+
+    def observe_deployment(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if deleted:
+            self.deployments.pop(key, None)
+        else:
+            spec = obj.get("spec") or {}
+            status = obj.get("status") or {}
+            template = (spec.get("template") or {}).get("metadata") or {}
+            self.deployments[key] = DeploymentEntry(
+                launch=(template.get("annotations") or {}).get(LAUNCH_ANNOTATION),
+                generation=int(meta.get("generation", 0)),
+                observed_generation=int(status.get("observedGeneration", 0)),
+                ready_replicas=int(status.get("readyReplicas", 0)),
+                updated_replicas=int(status.get("updatedReplicas", 0)),
+                replicas=int(status.get("replicas", 0)),
+            )
+        if nudge:
+            self._nudge()
+
+
+def _rv(meta: Mapping[str, Any]) -> int:
+    try:
+        return int(meta.get("resourceVersion", 0))
+    except (TypeError, ValueError):
+        return 0

@@ -1,0 +1,76 @@
+"""kopf watch handlers: each one only records what it saw in the cache and wakes the loop.
+
+The operator watches Engines, NodeBoards, node Leases, Nodes and the Deployments it owns. No
+handler decides or writes anything (the loop does, `kube.loop`), so kopf keeps no state on the
+objects: no finalizers, no progress annotations. Handlers are coroutines, so the cache is only
+touched from the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import kopf
+
+from continuum_operator.kube.cache import Cache
+from continuum_operator.kube.objects import MANAGED_BY
+from continuum_operator.model.base import GROUP, VERSION
+
+__all__ = ["registry_for"]
+
+
+def _deleted(event: kopf.RawEvent) -> bool:
+    return event.get("type") == "DELETED"
+
+
+def _obj(event: kopf.RawEvent) -> dict[str, Any]:
+    return cast(dict[str, Any], event["object"])
+
+
+def registry_for(cache: Cache) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        return kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.peering.standalone = True  # leadership is a coordination Lease (part 2)
+        settings.posting.enabled = False  # events are posted by the loop, on transitions only
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+
+    @kopf.on.event(group=GROUP, version=VERSION, plural="engines", registry=registry)
+    async def engine(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_engine(_obj(event), _deleted(event))
+
+    @kopf.on.event(group=GROUP, version=VERSION, plural="nodeboards", registry=registry)
+    async def board(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_board(_obj(event), _deleted(event))
+
+    @kopf.on.event(
+        group="coordination.k8s.io",
+        version="v1",
+        plural="leases",
+        registry=registry,
+        when=lambda namespace, **_: namespace == cache.lease_namespace,
+    )
+    async def lease(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_lease(_obj(event), _deleted(event))
+
+    @kopf.on.event(group="", version="v1", plural="nodes", registry=registry)
+    async def node(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_node(_obj(event), _deleted(event))
+
+    @kopf.on.event(
+        group="apps",
+        version="v1",
+        plural="deployments",
+        registry=registry,
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+    )
+    async def deployment(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_deployment(_obj(event), _deleted(event))
+
+    return registry

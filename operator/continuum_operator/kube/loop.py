@@ -1,0 +1,169 @@
+"""The operator's one decision loop: every engine, one at a time, from the cache to the API.
+
+Watch events (`kube.handlers`) only feed the cache and wake this loop; the loop reconciles each
+engine against a fresh snapshot (`kube.reconcile`, no API calls), then applies the writes: one
+status patch per pass when something changed, the Deployment and Service when their launch
+changed, and the events. Engines are decided one after another, so two engines never lease the
+same bytes: each write is recorded in the cache before the next engine is decided.
+Neighbours: `kube.api` (the adapter), `kube.cache`, `kube.reconcile`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from continuum_operator.kube import objects
+from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
+from continuum_operator.kube.cache import Cache, EngineKey, format_time
+from continuum_operator.kube.reconcile import Event, Memory, Writes, reconcile
+from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.model.base import API_VERSION
+
+log = logging.getLogger("continuum.operator")
+
+
+class Loop:
+    def __init__(
+        self,
+        api: KubeApi,
+        settings: OperatorSettings,
+        cache: Cache,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api = api
+        self.settings = settings
+        self.cache = cache
+        self.clock = clock
+        self.memory: dict[str, Memory] = {}
+        self.services: dict[EngineKey, str] = {}
+        self.instance = socket.gethostname()
+
+    def install_priority_classes(self) -> None:
+        for pc in objects.priority_classes(self.settings.pods):
+            self.api.apply(pc)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.to_thread(self.install_priority_classes)
+                break
+            except (ApiError, OSError) as err:
+                log.warning("installing the priority classes failed, retrying: %s", err)
+                await asyncio.sleep(2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cache.changed.wait(), self.settings.loop.resync_seconds)
+            await asyncio.sleep(self.settings.loop.debounce_seconds)
+            self.cache.changed.clear()
+            try:
+                await self.pass_once()
+            except Exception:  # one bad pass must not stop the operator; the next retries
+                log.exception("reconcile pass failed")
+
+    def _order(self) -> list[EngineKey]:
+        def key(item: tuple[EngineKey, dict[str, Any]]) -> tuple[int, str, EngineKey]:
+            body = item[1]
+            placed = bool((body.get("status") or {}).get("placement"))
+            created = str(body["metadata"].get("creationTimestamp", ""))
+            return (0 if placed else 1, created, item[0])
+
+        return [k for k, _ in sorted(self.cache.engines.items(), key=key)]
+
+    async def pass_once(self) -> None:
+        for key in self._order():
+            body = self.cache.engines.get(key)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                continue
+            uid = str(body["metadata"].get("uid", ""))
+            snap = self.cache.snapshot()
+            writes = reconcile(
+                body, snap, self.memory.get(uid, Memory()), self.clock(), self.settings
+            )
+            self.memory[uid] = writes.memory
+            engine, deployment = await asyncio.to_thread(self.apply, key, body, writes)
+            # Recorded at once ("assume"), and no news: our own writes do not wake the loop.
+            if engine is not None:
+                self.cache.observe_engine(engine, deleted=False, nudge=False)
+            if deployment is not None:
+                self.cache.observe_deployment(deployment, deleted=False, nudge=False)
+        live = {str(b["metadata"].get("uid", "")) for b in self.cache.engines.values()}
+        for uid in set(self.memory) - live:
+            del self.memory[uid]
+
+    def apply(
+        self, key: EngineKey, body: dict[str, Any], writes: Writes
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Runs in a thread: API calls only; returns the engine and Deployment as written."""
+        ns, name = key
+        engine = deployment = None
+        try:
+            if writes.status_patch is not None:
+                engine = self.api.merge_patch(
+                    crd_path("engines", ns, name, "status"), writes.status_patch
+                )
+            if writes.deployment is not None:
+                desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
+                current = self.cache.deployments.get(key)
+                if current is None or current.launch != desired:
+                    deployment = self.api.apply(writes.deployment)
+            if writes.service is not None:
+                digest = repr(writes.service)
+                if self.services.get(key) != digest:
+                    self.api.apply(writes.service)
+                    self.services[key] = digest
+            if writes.delete_workload and key in self.cache.deployments:
+                self.api.delete(path_of({**_stub("apps/v1", "Deployment", ns, name)}))
+                self.api.delete(path_of({**_stub("v1", "Service", ns, name)}))
+                self.services.pop(key, None)
+            for event in writes.events:
+                self.post_event(body, event)
+        except ApiError as err:
+            if err.status != 404:  # 404: the engine was deleted meanwhile
+                log.warning("writing Engine %s/%s failed: %s", ns, name, err)
+        return engine, deployment
+
+    def post_event(self, body: dict[str, Any], event: Event) -> None:
+        meta = body["metadata"]
+        log.info(
+            "Engine %s/%s: %s: %s", meta["namespace"], meta["name"], event.reason, event.message
+        )
+        now = format_time(self.clock())
+        try:
+            self.api.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Event",
+                    "metadata": {
+                        "generateName": f"{meta['name']}.",
+                        "namespace": meta["namespace"],
+                    },
+                    "involvedObject": {
+                        "apiVersion": API_VERSION,
+                        "kind": "Engine",
+                        "name": meta["name"],
+                        "namespace": meta["namespace"],
+                        "uid": meta.get("uid"),
+                    },
+                    "reason": event.reason,
+                    "message": event.message[:1024],
+                    "type": event.type,
+                    "source": {"component": "continuum-operator"},
+                    "reportingComponent": "continuum-operator",
+                    "reportingInstance": self.instance,
+                    "firstTimestamp": now,
+                    "lastTimestamp": now,
+                    "count": 1,
+                }
+            )
+        except ApiError as err:
+            log.warning("posting an event on Engine %s failed: %s", meta["name"], err)
+
+
+def _stub(api_version: str, kind: str, ns: str, name: str) -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": kind, "metadata": {"name": name, "namespace": ns}}

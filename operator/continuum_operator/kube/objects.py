@@ -1,0 +1,261 @@
+"""Kubernetes objects built from an Engine and its plan: plain dicts, no API calls.
+
+The engine runs as a Deployment of one pod (strategy `Recreate`: a rolling update would load the
+successor beside the old engine and run out of memory), in the Guaranteed QoS class (requests
+equal limits, sized from the plan's host bytes), on the node of its placement, at the engine
+priority class. Its container runs `continuum engine`, the grant gateway in front of
+`llama-server`, with the plan's arguments after `--`. A Service serves the gateway.
+
+The contract of the container's command line (docs/operator.md):
+
+    continuum engine --engine NAMESPACE/NAME --port PORT [--model PATH [--sha256 HEX]]
+                     -- LLAMA_SERVER_ARGS...
+
+`--sha256` is checked by the engine before it serves (the file it reads is the one it was
+promised). Built from the plan as written in `status.plan`, so what runs is what status says.
+Neighbours: `kube.settings` (image, CPU, GPU sharing), `kube.writer` (applies these objects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+from continuum_operator.kube.settings import GpuSharing, PodSettings
+from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.engine import Engine, ModelSourceKind
+
+MiB = 2**20
+MODEL_MOUNT = "/models"
+GPU_RESOURCE = "nvidia.com/gpu"
+HAMI_GPUMEM_RESOURCE = "nvidia.com/gpumem"
+MPS_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+LAUNCH_ANNOTATION = "continuum.dev/launch"
+ENGINE_LABEL = "continuum.dev/engine"
+MANAGED_BY = "continuum-operator"
+
+Obj = dict[str, Any]
+
+
+def labels(engine: Engine) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "continuum-engine",
+        "app.kubernetes.io/instance": engine.metadata.name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        ENGINE_LABEL: engine.metadata.name,
+    }
+
+
+def selector(engine: Engine) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "continuum-engine", ENGINE_LABEL: engine.metadata.name}
+
+
+def owner_reference(engine: Engine, uid: str) -> Obj:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Engine",
+        "name": engine.metadata.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _ceil_mib(n: int) -> int:
+    return -(-n // MiB)
+
+
+def _part_in_use(plan: Mapping[str, Any], side: str) -> int:
+    part = plan.get("bytes", {}).get(side, {})
+    return int(part.get("weights", 0)) + int(part.get("kv", 0)) + int(part.get("compute", 0))
+
+
+def memory_limit_bytes(plan: Mapping[str, Any], pods: PodSettings) -> int:
+    """Host bytes the engine allocates, plus the processes' overhead, in whole MiB."""
+    return _ceil_mib(_part_in_use(plan, "host") + pods.memory_overhead_bytes) * MiB
+
+
+def enforcement(plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bool) -> Obj:
+    """Which per-process caps apply to this engine, and their numbers (`status.enforcement`)."""
+    gpus = list(plan.get("gpus", []))
+    per_gpu = _ceil_mib(_part_in_use(plan, "device") // max(len(gpus), 1)) if gpus else 0
+    out: Obj = {
+        "engineArgs": True,
+        "memoryLimitBytes": memory_limit_bytes(plan, pods),
+        "qosClass": "Guaranteed",
+        "gpuSharing": str(pods.gpu_sharing),
+        "gpus": len(gpus) if node_has_gpus else 0,
+    }
+    if gpus and pods.gpu_sharing is GpuSharing.HAMI:
+        out["hamiGpumemMiB"] = per_gpu
+    if gpus and pods.gpu_sharing is GpuSharing.MPS:
+        out["mpsPinnedDeviceMemLimit"] = ",".join(f"{i}={per_gpu}M" for i in range(len(gpus)))
+    return out
+
+
+def _model_volume(engine: Engine) -> tuple[Obj, str] | None:
+    """The model's volume and the file's path inside the container; None with inline facts only."""
+    source = engine.spec.model.source
+    if source is None:
+        return None
+    rel = source.path.lstrip("/")
+    if source.kind is ModelSourceKind.PVC:
+        volume: Obj = {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True},
+        }
+        return volume, posixpath.join(MODEL_MOUNT, rel)
+    if source.kind is ModelSourceKind.HOST_PATH:
+        directory = posixpath.dirname(source.path) or "/"
+        volume = {"name": "model", "hostPath": {"path": directory, "type": "Directory"}}
+        return volume, posixpath.join(MODEL_MOUNT, posixpath.basename(source.path))
+    volume = {"name": "model", "image": {"reference": source.image, "pullPolicy": "IfNotPresent"}}
+    return volume, posixpath.join(MODEL_MOUNT, rel)
+
+
+def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[str]:
+    cmd = [
+        "continuum",
+        "engine",
+        "--engine",
+        f"{engine.metadata.namespace}/{engine.metadata.name}",
+        "--port",
+        str(pods.port),
+    ]
+    model = _model_volume(engine)
+    if model is not None:
+        cmd += ["--model", model[1]]
+        if engine.spec.model.sha256:
+            cmd += ["--sha256", engine.spec.model.sha256]
+    return [*cmd, "--", *[str(a) for a in plan.get("engineArgs", [])]]
+
+
+def launch_hash(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> str:
+    """Identity of one launch: a new value means the pod must be replaced (a relaunch)."""
+    key = {"cmd": command(engine, plan, pods), "node": plan.get("node")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def deployment(
+    engine: Engine, uid: str, plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bool
+) -> Obj:
+    gpus = len(plan.get("gpus", [])) if node_has_gpus else 0
+    memory = str(memory_limit_bytes(plan, pods))
+    resources: dict[str, str] = {"cpu": pods.cpu, "memory": memory}
+    env: list[Obj] = []
+    rules = enforcement(plan, pods, node_has_gpus=node_has_gpus)
+    if gpus:
+        resources[GPU_RESOURCE] = str(gpus)
+        if "hamiGpumemMiB" in rules:
+            resources[HAMI_GPUMEM_RESOURCE] = str(rules["hamiGpumemMiB"])
+        if "mpsPinnedDeviceMemLimit" in rules:
+            env.append({"name": MPS_LIMIT_ENV, "value": rules["mpsPinnedDeviceMemLimit"]})
+    container: Obj = {
+        "name": "engine",
+        "image": pods.image,
+        "imagePullPolicy": pods.image_pull_policy,
+        "command": command(engine, plan, pods),
+        "ports": [{"name": "http", "containerPort": pods.port}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
+    }
+    if env:
+        container["env"] = env
+    volumes: list[Obj] = []
+    model = _model_volume(engine)
+    if model is not None:
+        volumes.append(model[0])
+        container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+    launch = launch_hash(engine, plan, pods)
+    pod_spec: Obj = {
+        "priorityClassName": pods.engine_priority_class,
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [plan["node"]]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [container],
+        "terminationGracePeriodSeconds": 30,
+    }
+    if volumes:
+        pod_spec["volumes"] = volumes
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": engine.metadata.name,
+            "namespace": engine.metadata.namespace,
+            "labels": labels(engine),
+            "annotations": {LAUNCH_ANNOTATION: launch},
+            "ownerReferences": [owner_reference(engine, uid)],
+        },
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector(engine)},
+            "template": {
+                "metadata": {"labels": labels(engine), "annotations": {LAUNCH_ANNOTATION: launch}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": engine.metadata.name,
+            "namespace": engine.metadata.namespace,
+            "labels": labels(engine),
+            "ownerReferences": [owner_reference(engine, uid)],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(engine),
+            "ports": [{"name": "http", "port": pods.port, "targetPort": "http"}],
+        },
+    }
+
+
+def priority_classes(pods: PodSettings) -> list[Obj]:
+    """The engine's class and the minds' class, installed by the operator at startup."""
+    return [
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {
+                "name": pods.engine_priority_class,
+                "labels": {"app.kubernetes.io/managed-by": MANAGED_BY},
+            },
+            "value": pods.engine_priority,
+            "globalDefault": False,
+            "preemptionPolicy": "PreemptLowerPriority",
+            "description": "continuum engines: above the minds they serve and ordinary pods.",
+        },
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {
+                "name": pods.mind_priority_class,
+                "labels": {"app.kubernetes.io/managed-by": MANAGED_BY},
+            },
+            "value": pods.mind_priority,
+            "globalDefault": False,
+            "preemptionPolicy": "Never",
+            "description": "continuum minds: below the engines that serve them; never preempt.",
+        },
+    ]

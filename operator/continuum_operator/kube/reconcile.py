@@ -1,0 +1,397 @@
+"""One reconcile pass of one Engine: from a snapshot to the writes it needs. No API calls.
+
+Kueue's cycle, for one engine: read the snapshot (`kube.cache`), decide with the pure core
+(`core.bestfit` to place, `core.plan` to re-plan, `core.damping` to weigh a relaunch,
+`core.conditions` for what status says), and return the writes: a status patch (only the parts
+that changed, None when nothing did), the Deployment and Service wanted (or none), and events.
+`kube.loop` applies them. The clock and the operator's memory of each engine (its damper, nodes
+it backs off from) are passed in.
+
+The rules kept here (DESIGN.md "Placement", "One writer per status field"):
+- a placement is assumed (`status.placement.assumed`) when written, before the pod exists, and
+  confirmed once the pod is ready; one whose pod is not ready within the start timeout is
+  released, the node backed off, and the engine placed again;
+- a placed engine is re-planned on its own node crediting its own lease, and relaunched only when
+  the damper says so; nothing is planned on a stale board;
+- the Deployment is built from `status.plan`, so what runs is what status says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from continuum_operator.core import conditions as cond
+from continuum_operator.core.bestfit import Decision, Exclusion, NodeView, choose
+from continuum_operator.core.damping import Damper, Observation, Outcome, PlanShape, step
+from continuum_operator.core.placements import consumer_name, placement_of
+from continuum_operator.core.plan import ServingPlan, plan
+from continuum_operator.core.pools import ConsumerKind, Lease, Ledger
+from continuum_operator.kube import objects
+from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time
+from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.manifests import ManifestError, parse
+from continuum_operator.model.base import Condition
+from continuum_operator.model.engine import Engine, EnginePlacement
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What the operator remembers of one engine between passes (lost on restart, safely)."""
+
+    damper: Damper = field(default_factory=Damper)
+    backoff_until: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Writes:
+    status_patch: dict[str, Any] | None
+    deployment: dict[str, Any] | None
+    service: dict[str, Any] | None
+    delete_workload: bool
+    events: tuple[Event, ...]
+    memory: Memory
+
+
+def is_fresh(snap: Snapshot, node: str, now: float, default_ttl: float) -> bool:
+    lease = snap.leases.get(node)
+    if lease is None or lease.renew_time is None:
+        return False
+    ttl = lease.duration_seconds if lease.duration_seconds is not None else default_ttl
+    return now - lease.renew_time <= ttl
+
+
+def reading_of(snap: Snapshot, node: str) -> str:
+    board = snap.boards.get(node)
+    lease = snap.leases.get(node)
+    return f"{board.resource_version if board else '-'}/{lease.resource_version if lease else '-'}"
+
+
+def other_leases(snap: Snapshot, me: EngineKey) -> list[Lease]:
+    leases: list[Lease] = []
+    for key, body in snap.engines.items():
+        if key == me:
+            continue
+        raw = (body.get("status") or {}).get("placement")
+        if not raw:
+            continue
+        try:
+            p = EnginePlacement.model_validate(raw)
+        except ValueError:
+            continue
+        who = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
+        leases.extend(Lease(who, ConsumerKind.ENGINE, p.node, x.pool, x.bytes) for x in p.pools)
+    return leases
+
+
+def _unschedulable(decision: Decision) -> cond.Problem:
+    kinds = {v.excluded for v in decision.verdicts}
+    if not decision.verdicts:
+        reason = cond.Reason.NO_BOARDS
+        message = "no node has a NodeBoard yet (is the node agent running?)"
+    elif kinds <= {Exclusion.SELECTOR_MISMATCH, Exclusion.NODE_POOL_MISMATCH, Exclusion.NO_NODE}:
+        reason = cond.Reason.NO_MATCHING_NODE
+        message = "no node with a board matches spec.placement: " + decision.summary()
+    elif Exclusion.UNSCHEDULABLE in kinds:
+        reason = cond.Reason.INSUFFICIENT_MEMORY
+        message = "no node has room: " + decision.summary()
+    elif Exclusion.BACKING_OFF in kinds:
+        reason = cond.Reason.POD_NEVER_STARTED
+        message = "engine pods did not start: " + decision.summary()
+    else:
+        reason = cond.Reason.NO_FRESH_BOARD
+        message = "no matching node has a fresh board: " + decision.summary()
+    return cond.Problem(reason, message)
+
+
+def _planned(plan_doc: Mapping[str, Any], engine: Engine) -> cond.PlannedEngine:
+    return cond.PlannedEngine(
+        node=str(plan_doc.get("node", "")),
+        memory_mode=str(plan_doc.get("memoryMode", "unknown")),
+        layers_on_device=int(plan_doc.get("layersOnDevice", 0)),
+        total_layers=int(plan_doc.get("totalLayers", 0)),
+        minds_grantable=int(plan_doc.get("mindsGrantable", 0)),
+        minds_max=engine.spec.minds.max,
+        gpu_servable=bool(plan_doc.get("gpuServable", False)),
+    )
+
+
+def _shape(plan_doc: Mapping[str, Any]) -> PlanShape:
+    return PlanShape(
+        args=tuple(str(a) for a in plan_doc.get("engineArgs", [])),
+        layers_on_device=int(plan_doc.get("layersOnDevice", 0)),
+        total_layers=int(plan_doc.get("totalLayers", 0)),
+        pool_tokens=int(plan_doc.get("poolTokens", 0)),
+    )
+
+
+_QUIET_REASONS = frozenset(
+    {cond.Reason.POD_PENDING, cond.Reason.RELAUNCHING, cond.Reason.NOT_PLACED}
+)
+
+
+def _event_type(c: Condition) -> str:
+    """Warning for what a person should look at; Normal for progress."""
+    t = cond.ConditionType
+    if c.type in (t.PLANNED, t.READY):
+        bad = c.status == "False" and c.reason not in _QUIET_REASONS
+    else:
+        bad = c.status == "True"
+    return "Warning" if bad else "Normal"
+
+
+def _placement_doc(p: ServingPlan, now: float) -> dict[str, Any]:
+    placed = placement_of(p).model_copy(update={"assumed_at": format_time(now)})
+    return placed.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+def _damping_message(outcome: Outcome, damper: Damper, settings: OperatorSettings) -> str:
+    if outcome is Outcome.GATHERING_EVIDENCE:
+        return (
+            f"a new plan has held for {damper.readings} of "
+            f"{settings.damping.readings_required} board readings; relaunching when it holds"
+        )
+    if outcome is Outcome.COOLING_DOWN:
+        return f"a new plan waits out the {settings.damping.cooldown_seconds:.0f} s cooldown"
+    return ""
+
+
+def reconcile(
+    body: Mapping[str, Any],
+    snap: Snapshot,
+    memory: Memory,
+    now: float,
+    settings: OperatorSettings,
+) -> Writes:
+    meta = body["metadata"]
+    key: EngineKey = (meta["namespace"], meta["name"])
+    uid = str(meta.get("uid", ""))
+    generation = meta.get("generation")
+    status: dict[str, Any] = dict(body.get("status") or {})
+    old_conditions = [Condition.model_validate(c) for c in status.get("conditions") or []]
+    events: list[Event] = []
+    new: dict[str, Any] = {}  # status parts this pass writes (None removes one)
+    facts_in = cond.EngineFacts(generation=generation)
+
+    def finish(
+        f: cond.EngineFacts,
+        engine: Engine | None,
+        plan_doc: Mapping[str, Any] | None,
+        mem: Memory,
+        node_has_gpus: bool = False,
+    ) -> Writes:
+        conditions = cond.merge(old_conditions, cond.engine_conditions(f), format_time(now))
+        for c in cond.transitions(old_conditions, conditions):
+            if c.reason in _QUIET_REASONS:
+                continue  # progress the next transition reports (PodReady, Placed)
+            event = Event(_event_type(c), c.reason, c.message or f"{c.type}")
+            if (c.message or c.status == "True") and event not in events:
+                events.append(event)
+        new["conditions"] = [c.model_dump(by_alias=True, exclude_none=True) for c in conditions]
+        new["observedGeneration"] = generation
+        deployment = service = None
+        if engine is not None and plan_doc is not None:
+            deployment = objects.deployment(
+                engine, uid, plan_doc, settings.pods, node_has_gpus=node_has_gpus
+            )
+            service = objects.service(engine, uid, settings.pods)
+            new["enforcement"] = objects.enforcement(
+                plan_doc, settings.pods, node_has_gpus=node_has_gpus
+            )
+        patch = {k: v for k, v in new.items() if status.get(k) != v}
+        return Writes(
+            status_patch={"status": patch} if patch else None,
+            deployment=deployment,
+            service=service,
+            delete_workload=plan_doc is None,
+            events=tuple(events),
+            memory=mem,
+        )
+
+    try:
+        engine = parse(Engine, dict(body), f"Engine {key[0]}/{key[1]}")
+    except ManifestError as err:
+        problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
+        return finish(replace(facts_in, problem=problem), None, None, memory)
+    facts = engine.spec.model.facts
+    if facts is None:
+        problem = cond.Problem(
+            cond.Reason.FACTS_MISSING,
+            "spec.model.facts: this Engine names a model source but no facts; run "
+            "`continuum facts MODEL.gguf` and put its output in spec.model.facts (reading the "
+            "GGUF header on the node is not done by the operator yet)",
+        )
+        return finish(replace(facts_in, problem=problem), None, None, memory)
+
+    me = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
+    others = other_leases(snap, key)
+    damper = memory.damper
+    if damper.relaunches == 0 and status.get("relaunches"):
+        # After a restart: the count and the cooldown come back from status; evidence does not.
+        r = status["relaunches"]
+        damper = replace(
+            damper,
+            relaunches=int(r.get("count", 0)),
+            last_relaunch_at=parse_time(r.get("lastTime")),
+        )
+    backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
+    plan_doc: dict[str, Any] | None = status.get("plan")
+    placement: dict[str, Any] | None = status.get("placement")
+    ttl = settings.freshness.default_ttl_seconds
+
+    if placement and plan_doc:
+        node = str(placement["node"])
+        node_entry = snap.nodes.get(node)
+        has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
+        launch = objects.launch_hash(engine, plan_doc, settings.pods)
+        dep = snap.deployments.get(key)
+        running = dep is not None and dep.running(launch)
+        assumed_at = parse_time(placement.get("assumedAt"))
+        timed_out = (
+            placement.get("assumed", True)
+            and not running
+            and assumed_at is not None
+            and now - assumed_at > settings.placement.pod_start_timeout_seconds
+        )
+        if timed_out:
+            backoff[node] = now + settings.placement.backoff_seconds
+            events.append(
+                Event(
+                    "Warning",
+                    str(cond.Reason.POD_NEVER_STARTED),
+                    f"the engine pod on {node} was not ready within "
+                    f"{settings.placement.pod_start_timeout_seconds:.0f} s; lease released, "
+                    f"{node} skipped for {settings.placement.backoff_seconds:.0f} s",
+                )
+            )
+            new["placement"] = None
+            new["plan"] = None
+            plan_doc = placement = None
+            damper = replace(damper, candidate=None, readings=0, last_reading=None)
+        else:
+            if running and placement.get("assumed", True):
+                placement = {**placement, "assumed": False}
+                new["placement"] = placement
+            fresh = is_fresh(snap, node, now, ttl)
+            board = snap.boards.get(node)
+            outcome: Outcome | None = None
+            if fresh and board is not None and board.board is not None:
+                # The successor is sized crediting back what the running engine holds. The
+                # agent measures the engine's bytes, not the reserve kept free beside them, so
+                # only the lease less its reserve is taken off the measured usage; crediting the
+                # whole lease would count the reserve as free, and every relaunch would find
+                # one reserve more room than the last (a ratchet to out-of-memory).
+                reserve = engine.spec.reserve_bytes
+                mine = [
+                    Lease(me, ConsumerKind.ENGINE, node, x["pool"], max(0, x["bytes"] - reserve))
+                    for x in placement.get("pools", [])
+                ]
+                ledger = Ledger.of(board.board, [*others, *mine])
+                candidate = plan(board.board, engine.spec, facts, ledger, crediting=me)
+                if candidate.schedulable:
+                    damper, outcome = step(
+                        damper,
+                        Observation(
+                            now=now,
+                            reading=reading_of(snap, node),
+                            running=_shape(plan_doc),
+                            candidate=PlanShape.of(candidate),
+                            in_flight=not running,
+                        ),
+                        settings.damping,
+                    )
+                    if outcome is Outcome.RELAUNCH:
+                        old_args = " ".join(_shape(plan_doc).args)
+                        reason = (
+                            f"plan changed on {node}: {candidate.layers_on_device}/"
+                            f"{candidate.total_layers} layers, {candidate.minds_grantable} minds, "
+                            f"{candidate.pool_tokens} pool tokens (was "
+                            f"{plan_doc.get('layersOnDevice')}/{plan_doc.get('totalLayers')} "
+                            f"layers, {plan_doc.get('mindsGrantable')} minds; args {old_args})"
+                        )
+                        plan_doc = candidate.to_dict()
+                        placement = _placement_doc(candidate, now)
+                        new["plan"] = plan_doc
+                        new["placement"] = placement
+                        new["relaunches"] = {
+                            "count": damper.relaunches,
+                            "lastTime": format_time(now),
+                            "lastReason": reason,
+                        }
+                        events.append(Event("Normal", "Relaunching", reason))
+                        running = False
+            f = cond.EngineFacts(
+                generation=generation,
+                planned=_planned(plan_doc, engine),
+                board_fresh=fresh,
+                pod=(
+                    cond.PodPhase.READY
+                    if running
+                    else cond.PodPhase.RELAUNCHING
+                    if (dep is not None and dep.launch not in (None, launch))
+                    or outcome is Outcome.RELAUNCH
+                    else cond.PodPhase.PENDING
+                ),
+                damping=outcome,
+                damping_message=_damping_message(outcome, damper, settings)
+                if outcome is not None
+                else "",
+            )
+            return finish(f, engine, plan_doc, Memory(damper, backoff), has_gpus)
+
+    # Not placed: best fit among the nodes with fresh boards.
+    views = [
+        NodeView(
+            board=entry.board,
+            fresh=is_fresh(snap, name, now, ttl),
+            labels=snap.nodes[name].labels if name in snap.nodes else {},
+            node_exists=name in snap.nodes,
+            backing_off=name in backoff,
+        )
+        for name, entry in snap.boards.items()
+        if entry.board is not None
+    ]
+    decision = choose(views, engine.spec, facts, others)
+    if decision.chosen is None:
+        f = cond.EngineFacts(generation=generation, unschedulable=_unschedulable(decision))
+        if status.get("plan") is not None:
+            new["plan"] = None
+        if status.get("placement") is not None:
+            new["placement"] = None
+        return finish(f, engine, None, Memory(damper, backoff))
+    chosen = decision.chosen
+    plan_doc = chosen.to_dict()
+    new["plan"] = plan_doc
+    new["placement"] = _placement_doc(chosen, now)
+    events.append(
+        Event(
+            "Normal",
+            "Placed",
+            f"assumed a lease on {chosen.node}: "
+            + ", ".join(f"{pool} {n / 2**30:.2f} GiB" for pool, n in chosen.charges)
+            + f"; {chosen.layers_on_device}/{chosen.total_layers} layers on device, "
+            f"{chosen.minds_grantable} minds",
+        )
+    )
+    node_entry = snap.nodes.get(chosen.node)
+    f = cond.EngineFacts(
+        generation=generation,
+        planned=_planned(plan_doc, engine),
+        pod=cond.PodPhase.PENDING,
+    )
+    damper = replace(damper, candidate=None, readings=0, last_reading=None)
+    return finish(
+        f,
+        engine,
+        plan_doc,
+        Memory(damper, backoff),
+        bool(node_entry and node_entry.gpus_allocatable > 0),
+    )

@@ -1,0 +1,146 @@
+"""`continuum operator`: kopf's watches and the decision loop, together, until stopped.
+
+Runs standalone (no kopf peering: DESIGN.md chooses a coordination Lease for leadership, which
+comes with part 2), cluster-wide. Every setting of `kube.settings` that an operator of a cluster
+would tune has a flag; tests use short timings. kopf and the Kubernetes client are imported
+only when the operator starts, so the other subcommands stay quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+from continuum_operator.core.damping import DampingSettings
+from continuum_operator.kube.settings import (
+    FreshnessSettings,
+    GpuSharing,
+    LoopSettings,
+    OperatorSettings,
+    PlacementSettings,
+    PodSettings,
+)
+
+__all__ = ["add_parser", "serve"]
+
+
+def add_parser(sub: Any) -> None:
+    d = OperatorSettings()
+    p = sub.add_parser(
+        "operator",
+        help="run the operator against a cluster",
+        description="Place, plan and run Engines from NodeBoards (DESIGN.md); runs until stopped.",
+    )
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--engine-image", default=d.pods.image, help="image of `continuum engine`")
+    p.add_argument("--engine-cpu", default=d.pods.cpu, help="CPU of an engine pod (request=limit)")
+    p.add_argument(
+        "--gpu-sharing",
+        choices=[str(g) for g in GpuSharing],
+        default=str(d.pods.gpu_sharing),
+        help="per-process GPU memory caps to apply besides the engine's arguments",
+    )
+    p.add_argument(
+        "--board-ttl",
+        type=float,
+        default=d.freshness.default_ttl_seconds,
+        help="seconds a node Lease without leaseDurationSeconds stays fresh",
+    )
+    p.add_argument(
+        "--pod-start-timeout",
+        type=float,
+        default=d.placement.pod_start_timeout_seconds,
+        help="seconds before an assumed lease whose pod is not ready is released",
+    )
+    p.add_argument(
+        "--backoff",
+        type=float,
+        default=d.placement.backoff_seconds,
+        help="seconds a node where a pod never started is skipped for that engine",
+    )
+    p.add_argument(
+        "--damping-readings",
+        type=int,
+        default=d.damping.readings_required,
+        help="consecutive board readings a new plan must hold before a relaunch",
+    )
+    p.add_argument(
+        "--damping-min-gain",
+        type=float,
+        default=d.damping.min_gain,
+        help="least relative gain (tokens or layers) worth a relaunch",
+    )
+    p.add_argument(
+        "--relaunch-cooldown",
+        type=float,
+        default=d.damping.cooldown_seconds,
+        help="seconds after a relaunch before the next",
+    )
+    p.add_argument(
+        "--resync",
+        type=float,
+        default=d.loop.resync_seconds,
+        help="seconds between passes when nothing changes",
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_operator)  # fmt: skip
+
+
+def settings_from(args: argparse.Namespace) -> OperatorSettings:
+    return OperatorSettings(
+        freshness=FreshnessSettings(default_ttl_seconds=args.board_ttl),
+        placement=PlacementSettings(
+            pod_start_timeout_seconds=args.pod_start_timeout, backoff_seconds=args.backoff
+        ),
+        pods=PodSettings(
+            image=args.engine_image, cpu=args.engine_cpu, gpu_sharing=GpuSharing(args.gpu_sharing)
+        ),
+        damping=DampingSettings(
+            readings_required=args.damping_readings,
+            min_gain=args.damping_min_gain,
+            cooldown_seconds=args.relaunch_cooldown,
+        ),
+        loop=LoopSettings(resync_seconds=args.resync),
+    )
+
+
+async def serve(settings: OperatorSettings, kubeconfig: str | None) -> None:
+    # Imported here: `continuum plan` and friends need not load kopf and the Kubernetes client.
+    import kopf
+
+    from continuum_operator.kube.api import KubeApi
+    from continuum_operator.kube.cache import Cache
+    from continuum_operator.kube.handlers import registry_for
+    from continuum_operator.kube.loop import Loop
+
+    cache = Cache(lease_namespace=settings.freshness.lease_namespace)
+    loop = Loop(KubeApi(kubeconfig), settings, cache)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    decisions = asyncio.create_task(loop.run(stop))
+    try:
+        await kopf.operator(
+            registry=registry_for(cache), standalone=True, clusterwide=True, stop_flag=stop
+        )
+    finally:
+        stop.set()
+        await decisions
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.verbose:
+        # kopf logs every watch event it hands over; the loop logs what it decides.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's login reads it too
+    asyncio.run(serve(settings_from(args), args.kubeconfig))
+    return 0

@@ -1,0 +1,74 @@
+"""The operator's settings: one object of documented topic sections (STYLE.md habit 6).
+
+Every field says its unit, its default and why. `continuum operator` fills them from flags;
+tests build them directly with short timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from continuum_operator.core.damping import DampingSettings
+
+
+class GpuSharing(StrEnum):
+    """How the plan's device bytes are enforced beyond the engine's own arguments."""
+
+    NONE = "none"
+    HAMI = "hami"
+    """HAMi's device plugin: the pod asks for `nvidia.com/gpumem` (MiB per GPU)."""
+    MPS = "mps"
+    """NVIDIA MPS: `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` per device in the engine's environment."""
+
+
+@dataclass(frozen=True, slots=True)
+class FreshnessSettings:
+    lease_namespace: str = "kube-node-lease"
+    """Namespace of the node Leases whose renewal makes a board fresh (DESIGN.md)."""
+    default_ttl_seconds: float = 40.0
+    """TTL of a Lease that states no `leaseDurationSeconds` (seconds; the kubelet's default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementSettings:
+    pod_start_timeout_seconds: float = 300.0
+    """An assumed lease whose pod is not ready by then is released and re-planned (seconds)."""
+    backoff_seconds: float = 600.0
+    """A node where an engine pod never started is skipped this long for that engine (seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PodSettings:
+    image: str = "ghcr.io/continuum-dev/continuum-engine:0.1.0"
+    """The image with `continuum` and `llama-server` (the engine's gateway and server)."""
+    image_pull_policy: str = "IfNotPresent"
+    cpu: str = "2"
+    """CPU requested and limited (equal: Guaranteed QoS)."""
+    memory_overhead_bytes: int = 512 * 2**20
+    """Added to the plan's host bytes for the gateway and llama-server's own heap (bytes)."""
+    port: int = 8080
+    """The gateway's port, served by the engine's Service."""
+    engine_priority_class: str = "continuum-engine"
+    engine_priority: int = 1_000_000
+    """Engines outrank the minds they serve and every ordinary pod (scheduling, eviction)."""
+    mind_priority_class: str = "continuum-mind"
+    mind_priority: int = 1_000
+    gpu_sharing: GpuSharing = GpuSharing.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    resync_seconds: float = 5.0
+    """Every engine is reconciled at least this often, besides on each watch event (seconds)."""
+    debounce_seconds: float = 0.2
+    """Watch events within this window are handled in one pass (seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSettings:
+    freshness: FreshnessSettings = field(default_factory=FreshnessSettings)
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    pods: PodSettings = field(default_factory=PodSettings)
+    damping: DampingSettings = field(default_factory=DampingSettings)
+    loop: LoopSettings = field(default_factory=LoopSettings)

@@ -1,0 +1,268 @@
+"""One engine's reconcile passes against snapshots, with a fake clock: placement, the assumed
+lease and its release, stale boards, damped relaunches and what status and events say."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+from continuum_operator.core.damping import DampingSettings
+from continuum_operator.kube.cache import (
+    BoardEntry,
+    DeploymentEntry,
+    LeaseEntry,
+    NodeEntry,
+    Snapshot,
+)
+from continuum_operator.kube.objects import LAUNCH_ANNOTATION
+from continuum_operator.kube.reconcile import Memory, Writes, reconcile
+from continuum_operator.kube.settings import OperatorSettings, PlacementSettings
+from tests.builders import GiB, board, board_body, engine_body, example
+
+NOW = 1_800_000_000.0
+SETTINGS = OperatorSettings(
+    placement=PlacementSettings(pod_start_timeout_seconds=60, backoff_seconds=300),
+    damping=DampingSettings(readings_required=3, min_gain=0.10, cooldown_seconds=120),
+)
+
+
+def discrete(
+    name: str, device_gib: int, used_gib: int = 0, host_gib: int = 256, own: int = 0
+) -> BoardEntry:
+    """A one-GPU board; `own` adds the measured bytes of an engine already running there."""
+    body = board_body(
+        "discrete",
+        [
+            {"kind": "host", "capacityBytes": host_gib * GiB, "usedBytes": 4 * GiB},
+            {"kind": "device", "device": 0, "capacityBytes": device_gib * GiB,
+             "usedBytes": used_gib * GiB + own},
+        ],
+        name=name,
+    )  # fmt: skip
+    return BoardEntry(board(body), resource_version=f"rv-{name}-{used_gib}-{own}")
+
+
+def own_device_bytes(body: dict[str, Any]) -> int:
+    """What the agent measures of a running engine on its GPU: its bytes, not its reserve."""
+    device = body["status"]["plan"]["bytes"]["device"]
+    return int(device["weights"] + device["kv"] + device["compute"])
+
+
+def snapshot(
+    boards: list[BoardEntry],
+    *,
+    stale: set[str] = frozenset(),  # type: ignore[assignment]
+    engines: dict[tuple[str, str], Any] | None = None,
+    deployments: dict[tuple[str, str], DeploymentEntry] | None = None,
+    lease_rv: str = "1",
+) -> Snapshot:
+    nodes = {b.board.node: NodeEntry({}, 8) for b in boards if b.board}
+    leases = {
+        b.board.node: LeaseEntry(
+            renew_time=NOW - (7200 if b.board.node in stale else 1),
+            duration_seconds=3600,
+            resource_version=lease_rv,
+        )
+        for b in boards
+        if b.board
+    }
+    return Snapshot(
+        boards={b.board.node: b for b in boards if b.board},
+        leases=leases,
+        nodes=nodes,
+        engines=engines or {},
+        deployments=deployments or {},
+    )
+
+
+def engine_obj(name: str = "coder", **spec: Any) -> dict[str, Any]:
+    body = engine_body(**spec)
+    body["metadata"] = {"name": name, "namespace": "ns", "uid": f"uid-{name}", "generation": 1,
+                        "resourceVersion": "10"}  # fmt: skip
+    return body
+
+
+def after(body: dict[str, Any], writes: Writes) -> dict[str, Any]:
+    """The engine as the API server would hold it after the status patch (merge patch)."""
+    out = copy.deepcopy(body)
+    status = out.setdefault("status", {})
+    for k, v in ((writes.status_patch or {}).get("status") or {}).items():
+        if v is None:
+            status.pop(k, None)
+        else:
+            status[k] = v
+    return out
+
+
+def conditions(body: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in body["status"]["conditions"]}
+
+
+def ready(writes: Writes) -> DeploymentEntry:
+    assert writes.deployment is not None
+    launch = writes.deployment["metadata"]["annotations"][LAUNCH_ANNOTATION]
+    return DeploymentEntry(launch, 1, 1, 1, 1, 1)
+
+
+def test_an_engine_is_placed_on_the_tightest_fresh_board_with_an_assumed_lease() -> None:
+    snap = snapshot([discrete("big", 141), discrete("small", 80), discrete("tiny", 8)])
+    w = reconcile(engine_obj(), snap, Memory(), NOW, SETTINGS)
+    body = after(engine_obj(), w)
+    assert body["status"]["placement"]["node"] == "small"
+    assert body["status"]["placement"]["assumed"] is True
+    assert body["status"]["plan"]["node"] == "small"
+    assert conditions(body)["Planned"] == ("True", "Planned")
+    assert conditions(body)["Ready"] == ("False", "PodPending")
+    assert conditions(body)["Unschedulable"][0] == "False"
+    assert w.deployment is not None and w.service is not None
+    assert [e.reason for e in w.events if e.reason == "Placed"] == ["Placed"]
+
+
+def test_a_second_engine_sees_the_first_ones_assumed_bytes() -> None:
+    snap = snapshot([discrete("a", 16), discrete("b", 16)])  # one engine per GPU
+    first = after(engine_obj("one", minds={"min": 4, "max": 4}),
+                  reconcile(engine_obj("one", minds={"min": 4, "max": 4}), snap, Memory(),
+                            NOW, SETTINGS))  # fmt: skip
+    snap2 = replace(snap, engines={("ns", "one"): first})
+    w = reconcile(engine_obj("two", minds={"min": 4, "max": 4}), snap2, Memory(), NOW, SETTINGS)
+    second = after(engine_obj("two"), w)
+    assert first["status"]["placement"]["node"] != second["status"]["placement"]["node"]
+
+
+def test_a_stale_board_takes_no_new_plans_and_the_engine_says_why() -> None:
+    snap = snapshot([discrete("only", 80)], stale={"only"})
+    w = reconcile(engine_obj(), snap, Memory(), NOW, SETTINGS)
+    body = after(engine_obj(), w)
+    assert "placement" not in body["status"]
+    assert conditions(body)["Unschedulable"] == ("True", "NoFreshBoard")
+    msg = next(c["message"] for c in body["status"]["conditions"] if c["type"] == "Unschedulable")
+    assert "only: board is stale" in msg
+    assert w.deployment is None and w.delete_workload
+    assert any(e.type == "Warning" and e.reason == "NoFreshBoard" for e in w.events)
+
+
+def test_an_engine_too_big_for_every_node_is_unschedulable_with_each_nodes_reason() -> None:
+    snap = snapshot([discrete("a", 8, host_gib=8), discrete("b", 8, host_gib=8)])
+    huge = engine_obj(minds={"min": 64, "max": 64}, contextTokensPerMind=131072)
+    body = after(huge, reconcile(huge, snap, Memory(), NOW, SETTINGS))
+    assert conditions(body)["Unschedulable"] == ("True", "InsufficientMemory")
+    assert conditions(body)["Planned"] == ("False", "NotPlaced")
+    msg = next(c["message"] for c in body["status"]["conditions"] if c["type"] == "Unschedulable")
+    assert "a: " in msg and "b: " in msg and "need" in msg
+
+
+def test_a_node_selector_that_matches_nothing_is_reported_as_such() -> None:
+    snap = snapshot([discrete("a", 80)])
+    e = engine_obj(placement={"nodeSelector": {"gpu": "h200"}})
+    body = after(e, reconcile(e, snap, Memory(), NOW, SETTINGS))
+    assert conditions(body)["Unschedulable"] == ("True", "NoMatchingNode")
+
+
+def test_an_invalid_spec_that_passes_the_schema_becomes_a_condition_with_its_field_path() -> None:
+    e = engine_obj()
+    e["spec"]["model"]["facts"]["layerBytes"] = [1, 2, 3]  # 32 layers
+    w = reconcile(e, snapshot([discrete("a", 80)]), Memory(), NOW, SETTINGS)
+    body = after(e, w)
+    assert conditions(body)["Planned"] == ("False", "InvalidSpec")
+    msg = next(c["message"] for c in body["status"]["conditions"] if c["type"] == "Planned")
+    assert msg.startswith("spec.model.facts.layerBytes:")
+    assert w.deployment is None
+
+
+def test_the_pod_ready_confirms_the_assumed_lease_and_nothing_else_changes() -> None:
+    snap = snapshot([discrete("a", 80)])
+    w1 = reconcile(engine_obj(), snap, Memory(), NOW, SETTINGS)
+    body = after(engine_obj(), w1)
+    snap2 = replace(snap, deployments={("ns", "coder"): ready(w1)})
+    w2 = reconcile(body, snap2, w1.memory, NOW + 5, SETTINGS)
+    body2 = after(body, w2)
+    assert body2["status"]["placement"]["assumed"] is False
+    assert conditions(body2)["Ready"] == ("True", "PodReady")
+    w3 = reconcile(body2, snap2, w2.memory, NOW + 10, SETTINGS)
+    assert w3.status_patch is None  # nothing changed: nothing written
+    assert w3.events == ()
+
+
+def test_an_assumed_lease_whose_pod_never_starts_is_released_and_the_node_backed_off() -> None:
+    snap = snapshot([discrete("a", 80), discrete("b", 141)])
+    w1 = reconcile(engine_obj(), snap, Memory(), NOW, SETTINGS)
+    body = after(engine_obj(), w1)
+    assert body["status"]["placement"]["node"] == "a"
+    pending = DeploymentEntry(ready(w1).launch, 1, 1, 0, 1, 1)
+    snap2 = replace(snap, deployments={("ns", "coder"): pending})
+    w2 = reconcile(body, snap2, w1.memory, NOW + 30, SETTINGS)
+    assert after(body, w2)["status"]["placement"]["node"] == "a"  # still within the timeout
+    w3 = reconcile(body, snap2, w2.memory, NOW + 61, SETTINGS)
+    body3 = after(body, w3)
+    assert body3["status"]["placement"]["node"] == "b"  # released from a, placed on b
+    assert any(e.reason == "PodNeverStarted" for e in w3.events)
+    assert "a" in w3.memory.backoff_until
+
+
+def _running(
+    snap: Snapshot, body: dict[str, Any], memory: Memory, at: float
+) -> tuple[dict[str, Any], Memory, Writes]:
+    w = reconcile(body, snap, memory, at, SETTINGS)
+    return after(body, w), w.memory, w
+
+
+def test_a_board_change_relaunches_once_after_three_readings_then_cools_down() -> None:
+    body, mem, w = _running(snapshot([discrete("a", 24, used_gib=15)]), engine_obj(), Memory(), NOW)
+    # Running: the board measures the other tenant's 15 GiB and the engine's own bytes.
+    own = own_device_bytes(body)
+    snap = replace(snapshot([discrete("a", 24, used_gib=15, own=own)]),
+                   deployments={("ns", "coder"): ready(w)})  # fmt: skip
+    for i in range(5):  # Lease renewals of an unchanged board: the successor is the same plan
+        s = replace(snap, leases={"a": replace(snap.leases["a"], resource_version=f"q{i}")})
+        body, mem, w = _running(s, body, mem, NOW + 1 + i)
+        assert mem.damper.candidate is None
+        assert all(e.reason != "Relaunching" for e in w.events)
+    minds_before = body["status"]["plan"]["mindsGrantable"]
+    assert minds_before < 4
+    # The other tenant leaves: room for every mind. Three readings (Lease renewals) later, one
+    # relaunch; not before.
+    roomy = replace(snapshot([discrete("a", 24, own=own)]), deployments=snap.deployments)
+    outcomes = []
+    for i in range(1, 6):
+        s = replace(roomy, leases={"a": replace(roomy.leases["a"], resource_version=f"r{i}")})
+        body, mem, w = _running(s, body, mem, NOW + 10 + i)
+        outcomes.append(any(e.reason == "Relaunching" for e in w.events))
+        if w.deployment is not None and i == 3:
+            s = replace(s, deployments={("ns", "coder"): ready(w)})
+            roomy = s
+    assert outcomes == [False, False, True, False, False]
+    assert body["status"]["relaunches"]["count"] == 1
+    assert body["status"]["plan"]["mindsGrantable"] == 4
+
+
+def test_the_same_reading_seen_again_is_not_more_evidence() -> None:
+    body, mem, w = _running(snapshot([discrete("a", 24, used_gib=15)]), engine_obj(), Memory(), NOW)
+    own = own_device_bytes(body)
+    roomy = replace(snapshot([discrete("a", 24, own=own)]), deployments={("ns", "coder"): ready(w)})
+    for i in range(10):
+        body, mem, w = _running(roomy, body, mem, NOW + 10 + i)
+        assert not any(e.reason == "Relaunching" for e in w.events)
+    assert "relaunches" not in body["status"]
+    assert conditions(body)["Degraded"] == ("True", "RelaunchDeferred")
+
+
+def test_a_placed_engine_on_a_stale_board_keeps_its_plan_and_says_so() -> None:
+    snap = snapshot([discrete("a", 80)])
+    body, mem, w = _running(snap, engine_obj(), Memory(), NOW)
+    stale = replace(snapshot([discrete("a", 80, used_gib=40)], stale={"a"}),
+                    deployments={("ns", "coder"): ready(w)})  # fmt: skip
+    plan_before = body["status"]["plan"]
+    for i in range(5):
+        body, mem, w = _running(stale, body, mem, NOW + 1 + i)
+    assert body["status"]["plan"] == plan_before
+    assert conditions(body)["BoardStale"] == ("True", "LeaseExpired")
+    assert w.deployment is not None  # the engine keeps running
+
+
+def test_an_unknown_mode_board_sets_memory_mode_unknown() -> None:
+    unknown = BoardEntry(board(example("boards", "unknown")), "1")
+    snap = snapshot([unknown])
+    body = after(engine_obj(), reconcile(engine_obj(), snap, Memory(), NOW, SETTINGS))
+    assert conditions(body)["MemoryModeUnknown"] == ("True", "NoMemoryModeReported")
+    assert body["status"]["plan"]["governed"] is False
