@@ -162,3 +162,11 @@ def test_the_running_agent_keeps_renewing_the_lease_and_stops_on_sigterm(
         agent.send_signal(signal.SIGTERM)
         out, _ = agent.communicate(timeout=30)
     assert agent.returncode == 0, out
+
+
+def test_a_lease_namespace_that_does_not_exist_is_a_clear_error(
+    cluster: Cluster, crds: None, gpu_node: str
+) -> None:
+    proc = run_agent(cluster, gpu_node, "--lease-namespace", "no-such-namespace")
+    assert proc.returncode == 1
+    assert "does namespace no-such-namespace exist?" in proc.stderr

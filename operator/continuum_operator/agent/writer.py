@@ -190,6 +190,12 @@ class AgentApi:
                 _request_timeout=_TIMEOUT,
             )
         except client.ApiException as err:
+            if err.status == 404:
+                raise _fail(
+                    f"creating NodeBoard {self.node} (is the NodeBoard CRD installed? "
+                    "kubectl apply -f crds/)",
+                    err,
+                ) from err
             if err.status != 409:  # created meanwhile: fine
                 raise _fail(f"creating NodeBoard {self.node}", err) from err
 
@@ -237,5 +243,11 @@ class AgentApi:
                 _request_timeout=_TIMEOUT,
             )
         except client.ApiException as err:
+            if err.status == 404:
+                raise _fail(
+                    f"creating Lease {self.lease_namespace}/{name} (does namespace "
+                    f"{self.lease_namespace} exist? see --lease-namespace)",
+                    err,
+                ) from err
             if err.status != 409:
                 raise _fail(f"creating Lease {self.lease_namespace}/{name}", err) from err
