@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -214,6 +215,12 @@ class TestHeartbeat:
         assert not lease_fresh(None, 40, t)
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    agent_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
 class TestCommand:
     def test_print_shows_this_machines_board_as_a_nodeboard_without_a_cluster(self) -> None:
         proc = subprocess.run(
@@ -227,25 +234,38 @@ class TestCommand:
         assert board.status.pools and board.status.pools[-1].capacity_bytes > 0
         assert "# probe: nvml" in proc.stderr
 
+    def test_print_from_a_capture_shows_the_recorded_machines_board(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        args = parse(["agent", "--print", "--from-capture", str(FIXTURES / "gb10-unified.json")])
+        assert args.func(args) == 0
+        board = NodeBoard.model_validate(yaml.safe_load(capsys.readouterr().out))
+        assert board.status.memory_mode is MemoryMode.UNIFIED
+
+    def test_a_file_that_is_not_a_capture_is_refused_by_name(
+        self, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        bad = tmp_path / "board.json"
+        bad.write_text('{"status": {}}')
+        args = parse(["agent", "--print", "--from-capture", str(bad)])
+        assert args.func(args) == 2
+        assert f"{bad}: not a probe capture" in capsys.readouterr().err
+
+    def test_from_capture_without_print_is_refused(self) -> None:
+        args = parse(["agent", "--once", "--from-capture", str(FIXTURES / "gb10-unified.json")])
+        assert args.func(args) == 2
+
     def test_a_lease_shorter_than_the_interval_is_refused(
         self, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        import argparse
-
-        parser = argparse.ArgumentParser()
-        agent_cli.add_parser(parser.add_subparsers())
-        args = parser.parse_args(["agent", "--print", "--interval", "30", "--lease-seconds", "20"])
+        args = parse(["agent", "--print", "--interval", "30", "--lease-seconds", "20"])
         assert args.func(args) == 2
         assert "--lease-seconds" in capsys.readouterr().err
 
     def test_once_without_a_cluster_configuration_says_so(
         self, tmp_path: Any, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        import argparse
-
-        parser = argparse.ArgumentParser()
-        agent_cli.add_parser(parser.add_subparsers())
         missing = str(tmp_path / "no-kubeconfig")
-        args = parser.parse_args(["agent", "--once", "--kubeconfig", missing])
+        args = parse(["agent", "--once", "--kubeconfig", missing])
         assert args.func(args) == 2
         assert "no cluster configuration" in capsys.readouterr().err

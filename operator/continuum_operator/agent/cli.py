@@ -1,6 +1,7 @@
 """`continuum agent`: the node agent, as a DaemonSet (in-cluster) or on a bare machine.
 
     continuum agent --print                       # probe once, print the board; no cluster
+    continuum agent --print --from-capture F.json # the board of a recorded machine
     continuum agent --node-name n1 --once         # one cycle against the kubeconfig's cluster
     continuum agent --in-cluster                  # the DaemonSet: NODE_NAME from the downward API
 
@@ -27,6 +28,7 @@ from continuum_operator.agent.run import Agent, AgentSettings, board_resource, r
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
 from continuum_operator.core.board_change import Thresholds
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
+from continuum_operator.core.nodeboard import board_status
 
 __all__ = ["add_parser", "cmd_agent"]
 
@@ -52,8 +54,20 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
     )
 
 
-def _print_board(agent: Agent, output: str) -> None:
-    status, timings = agent.probe()
+def _print_board(agent: Agent, output: str, capture: Path | None) -> int:
+    if capture is not None:
+        try:
+            recorded = json.loads(capture.read_text())
+            status = board_status(
+                probe.readings(recorded, agent.settings.probe.configured_cap_bytes)
+            )
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"error: {capture}: not a probe capture ({type(err).__name__}: {err})",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_INVALID
+        timings: dict[str, float] = {}
+    else:
+        status, timings = agent.probe()
     doc: dict[str, Any] = board_resource(agent.settings.node_name, status).model_dump(
         mode="json", by_alias=True, exclude_none=True
     )
@@ -61,8 +75,10 @@ def _print_board(agent: Agent, output: str) -> None:
         print(json.dumps(doc, indent=2))
     else:
         print(yaml.safe_dump(doc, sort_keys=False), end="")
-    spent = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in timings.items())
-    print(f"# probe: {spent}", file=sys.stderr)
+    if timings:
+        spent = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in timings.items())
+        print(f"# probe: {spent}", file=sys.stderr)
+    return EXIT_OK
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -77,9 +93,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
         )
         return EXIT_INVALID
     settings = _settings(args)
+    if args.from_capture is not None and not args.print:
+        print("error: --from-capture goes with --print", file=sys.stderr)
+        return EXIT_INVALID
     if args.print:
-        _print_board(Agent(settings), args.output)
-        return EXIT_OK
+        return _print_board(Agent(settings), args.output, args.from_capture)
     try:
         api_client = connect(args.kubeconfig, in_cluster=args.in_cluster)
     except Exception as err:  # the config loaders raise several unrelated types
@@ -131,6 +149,13 @@ def add_parser(sub: Any) -> None:
         "--print", action="store_true", help="probe once and print the board; no cluster needed"
     )
     p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="for --print")
+    p.add_argument(
+        "--from-capture",
+        type=Path,
+        default=None,
+        help="with --print: the board of a recorded machine (tests/fixtures/probes/*.json, "
+        "tools/device_probe.py's captures) instead of this one",
+    )
     p.add_argument("--interval", type=float, default=10.0, help="seconds between cycles")
     p.add_argument(
         "--lease-seconds", type=int, default=40, help="the Lease's duration (> --interval)"
