@@ -21,7 +21,7 @@ import pytest
 from continuum_operator.agent import nvml
 from continuum_operator.agent.run import Agent, AgentSettings
 from continuum_operator.agent.writer import AgentApi, connect
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name, node_of_lease
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.testing.fake_nvml import FakeNvml
 from tests.e2e.conftest import ROOT, Cluster
@@ -74,6 +74,8 @@ def test_one_cycle_writes_the_board_status_and_the_nodes_lease(
     renewed = parse_time(lease["spec"]["renewTime"])
     assert renewed >= before
     assert lease["metadata"]["ownerReferences"][0]["uid"] == node_uid
+    meta = lease["metadata"]
+    assert node_of_lease(meta["name"], meta.get("annotations")) == gpu_node
     # the kubelet's (here KWOK's) own Lease is left alone
     assert lease_name(gpu_node) != gpu_node
 

@@ -19,7 +19,12 @@ from continuum_operator.agent import nvml
 from continuum_operator.agent.run import Agent, AgentSettings
 from continuum_operator.agent.writer import AgentApiError, NodeFacts
 from continuum_operator.core.board_change import Thresholds, board_change
-from continuum_operator.core.heartbeat import lease_fresh, lease_name
+from continuum_operator.core.heartbeat import (
+    NODE_ANNOTATION,
+    lease_fresh,
+    lease_name,
+    node_of_lease,
+)
 from continuum_operator.model.board import (
     CapMechanism,
     CapMechanismReading,
@@ -207,6 +212,17 @@ class TestHeartbeat:
         name = lease_name("n" * 253)
         assert len(name) <= 253 and name.startswith("continuum-agent-")
         assert lease_name("n" * 253) != lease_name("n" * 252 + "m")
+
+    def test_a_watcher_maps_the_agents_lease_back_to_its_node_and_ignores_the_kubelets(
+        self,
+    ) -> None:
+        assert node_of_lease(lease_name("node-1")) == "node-1"
+        assert node_of_lease("node-1") is None  # the kubelet's own Lease
+        long = "n" * 253
+        assert node_of_lease(lease_name(long), {NODE_ANNOTATION: long}) == long
+        assert node_of_lease(lease_name(long)) != long  # shortened: only the annotation says
+        # an annotation naming another node does not redirect a Lease
+        assert node_of_lease(lease_name("a"), {NODE_ANNOTATION: "b"}) == "a"
 
     def test_a_lease_is_fresh_for_its_duration(self) -> None:
         t = datetime(2026, 12, 3, tzinfo=UTC)

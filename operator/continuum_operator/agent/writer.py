@@ -22,7 +22,7 @@ from typing import Any
 from kubernetes import client, config
 
 from continuum_operator.agent.attribution import EMBEDLANE_LABEL, ENGINE_LABEL
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from continuum_operator.model.base import API_VERSION, GROUP, VERSION
 from continuum_operator.model.board import NodeBoard, NodeBoardStatus
 
@@ -230,6 +230,7 @@ class AgentApi:
                 "namespace": self.lease_namespace,
                 "ownerReferences": self._owner(facts),
                 "labels": {"app.kubernetes.io/managed-by": FIELD_MANAGER},
+                "annotations": {NODE_ANNOTATION: self.node},
             },
             "spec": {**spec, "acquireTime": _micro_time(now)},
         }
