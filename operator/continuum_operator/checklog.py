@@ -62,6 +62,11 @@ ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
     (QUEUED, RELEASED): frozenset({"MindDeleted", "ContextTooLarge"}),
     (None, RELEASED): frozenset({"MindDeleted", "ContextTooLarge"}),
 }
+# Times are floats written by another program: a preemption this close to the end of the
+# victim's window counts as after it, so an allocator that computes `granted + window` rather
+# than `now - granted` is not flagged as thrashing over one rounding step.
+CLOCK_SLACK = 1e-6
+
 # A second reclaim inside one protection window is allowed for these reasons (invariant 5).
 FORCED_RECLAIMS = frozenset({"EngineShrunk", "EngineRelaunching", "MindDeleted", "ContextTooLarge"})
 
@@ -129,7 +134,6 @@ class _Engine:
     holders: dict[str, _Mind] = field(default_factory=dict)  # Granted or Reclaiming
     queued: dict[str, _Mind] = field(default_factory=dict)
     waits: dict[str, _Wait] = field(default_factory=dict)
-    preemptions: list[tuple[str, str | None]] = field(default_factory=list)  # (victim, by)
 
 
 # --- reading the lines -----------------------------------------------------------------------
@@ -262,8 +266,6 @@ class _Checker:
         for e in self.stepped.values():
             self.pool(e)
             self.queue(e)
-            self.needless(e)
-            e.preemptions.clear()
         self.stepped = {}
 
     # events
@@ -349,22 +351,26 @@ class _Checker:
             e.queued[name] = m
         m.priority, m.window = priority, window
         m.deadline = deadline if dst == RECLAIMING else None
+        # Invariant 7, judged on the ledger as it stands when the preemption is made: a mind
+        # that arrives and leaves within one instant still justified it when it was made.
+        if dst == RECLAIMING and cur == GRANTED and reason == "Preempted":
+            self.needless(e, name, by)
 
     def thrash(
         self, e: _Engine, name: str, m: _Mind, reason: str, window: float, by: str | None
     ) -> None:
         t = self.now
         assert t is not None
-        if reason == "Preempted":
-            e.preemptions.append((name, by))
-        if m.granted_at is not None and reason == "Preempted" and t - m.granted_at < window:
+        young = m.granted_at is not None and t - m.granted_at < window - CLOCK_SLACK
+        if young and reason == "Preempted":
+            assert m.granted_at is not None
             self.flag(5, e, name, f"Preempted {t - m.granted_at:g} s after its grant, inside "
                       f"its protection window of {window:g} s")  # fmt: skip
             return
         if (
             m.reclaimed_at is not None
             and reason not in FORCED_RECLAIMS
-            and t - m.reclaimed_at < window
+            and t - m.reclaimed_at < window - CLOCK_SLACK
         ):
             since = t - m.reclaimed_at
             self.flag(5, e, name, f"reclaimed ({reason}) {since:g} s after its previous "
@@ -463,23 +469,24 @@ class _Checker:
                       f"{victim} (priority {prio:g}, unprotected), with {covered} slot(s) free "
                       f"or reclaiming for {len(queued)} queued")  # fmt: skip
 
-    def needless(self, e: _Engine) -> None:
-        if not e.preemptions:
-            return
+    def needless(self, e: _Engine, victim: str, by: str | None) -> None:
         free, reclaiming, queued = self._counts(e)
-        victims = ", ".join(v for v, _ in e.preemptions)
-        if free + reclaiming > len(queued):
-            self.flag(7, e, e.preemptions[0][0], f"preempted ({victims}) with {free} slot(s) "
-                      f"free and {reclaiming} reclaiming for {len(queued)} queued")  # fmt: skip
-        for victim, by in e.preemptions:
-            if by is None:
-                continue
-            vm, pm = e.minds[victim], e.minds.get(by)
-            if pm is None:
-                self.flag(7, e, victim, f"preempted by {by}, who is not on this engine")
-            elif pm.priority <= vm.priority:
-                self.flag(7, e, victim, f"preempted (priority {vm.priority:g}) by {by}, whose "
-                          f"priority {pm.priority:g} is not higher")  # fmt: skip
+        vm = e.minds[victim]
+        # Only queued minds above the victim can be what the preemption was for; a slot free
+        # or already reclaiming for each of them makes this reclaim needless.
+        above = sum(1 for _, m in queued if m.priority > vm.priority)
+        if free + reclaiming > above:
+            self.flag(7, e, victim, f"preempted with {free} slot(s) free and {reclaiming} "
+                      f"reclaiming (this one included) for {above} queued above priority "
+                      f"{vm.priority:g}")  # fmt: skip
+        if by is None:
+            return
+        pm = e.minds.get(by)
+        if pm is None:
+            self.flag(7, e, victim, f"preempted by {by}, who is not on this engine")
+        elif pm.priority <= vm.priority:
+            self.flag(7, e, victim, f"preempted (priority {vm.priority:g}) by {by}, whose "
+                      f"priority {pm.priority:g} is not higher")  # fmt: skip
 
     def finish(self) -> list[Violation]:
         self.end_steps()

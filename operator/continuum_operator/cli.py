@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from continuum_operator import checklog, cli_facts
+from continuum_operator import checklog, cli_facts, scenario
 from continuum_operator.agent import cli as agent_cli
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
@@ -125,9 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Engines already placed (with status.placement); repeatable",
     )
     p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
-    p.add_argument("--receipt", type=Path, action="append", default=[],
-                   help="llama.cpp receipts (YAML/JSON, docs/receipts.md); repeatable")
+    p.add_argument(
+        "--receipt",
+        type=Path,
+        action="append",
+        default=[],
+        help="llama.cpp receipts (YAML/JSON, docs/receipts.md); repeatable",
+    )
     p.set_defaults(func=cmd_plan)
+    scenario.add_parser(sub)
     checklog.add_parser(sub)
     cli_facts.add_parser(sub)
     engine_runtime.add_parser(sub)

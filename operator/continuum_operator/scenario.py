@@ -68,7 +68,9 @@ class EventFile(_Model):
     @model_validator(mode="after")
     def _one_kind(self) -> Self:
         if (self.resize is None) == (not self.relaunch):
-            raise ValueError("an event either resizes (`resize: SLOTS`) or relaunches (`relaunch: true`)")
+            raise ValueError(
+                "an event either resizes (`resize: SLOTS`) or relaunches (`relaunch: true`)"
+            )
         return self
 
 
@@ -96,7 +98,9 @@ class ScenarioFile(_Model):
             if m.engine not in engines:
                 raise ValueError(f"minds[{i}] names engine {m.engine!r}, which is not in engines")
             if m.class_name not in classes:
-                raise ValueError(f"minds[{i}] names class {m.class_name!r}, which is not in classes")
+                raise ValueError(
+                    f"minds[{i}] names class {m.class_name!r}, which is not in classes"
+                )
         for i, ev in enumerate(self.events):
             if ev.engine not in engines:
                 raise ValueError(f"events[{i}] names engine {ev.engine!r}, which is not in engines")

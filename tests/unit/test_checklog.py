@@ -451,7 +451,7 @@ def test_a_preemption_ignoring_a_mind_already_reclaiming_breaks_invariant_7() ->
            reclaim(20, "a", "Preempted", 0, 25, by="h")]  # fmt: skip
     found = check(log)
     assert [(v.invariant, v.mind) for v in found] == [(7, "a")]
-    assert "2 reclaiming for 1 queued" in found[0].message
+    assert "2 reclaiming (this one included) for 1 queued above" in found[0].message
 
 
 def test_a_preemption_with_a_slot_free_breaks_invariant_7() -> None:

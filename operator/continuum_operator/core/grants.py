@@ -98,6 +98,9 @@ class Grant:
     deadline: float | None = None  # Reclaiming: the grace deadline
     granted_at: float | None = None
     reclaimed_at: float | None = None  # when its last reclaim began
+    # The mind's class when last seen: a mind that left keeps them in its last transitions.
+    priority: int = 0
+    protection_window: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,10 @@ class Transition:
 class Allocation:
     grants: dict[str, Grant]
     transitions: tuple[Transition, ...]
+    # When the answer changes with no event: a grace deadline falls due, or a protection window
+    # ends under a grant that a queued mind of higher priority could then preempt. The caller
+    # must run `allocate` again by then (a timer in the operator, an event in the simulator).
+    review_at: float | None = None
 
     def holders(self) -> list[Grant]:
         return [g for g in self.grants.values() if g.state in _HOLDING]
@@ -161,6 +168,10 @@ class _Step:
         old = self.grants.get(mind)
         demand = self.minds.get(mind)
         newly_granted = to is GrantState.GRANTED and (old is None or old.state is not to)
+        if demand is not None:
+            priority, window = demand.priority, demand.protection_window
+        else:
+            priority, window = (old.priority, old.protection_window) if old else (0, 0.0)
         new = Grant(
             mind=mind,
             state=to,
@@ -174,6 +185,8 @@ class _Step:
             reclaimed_at=self.now
             if to is GrantState.RECLAIMING
             else (old.reclaimed_at if old else None),
+            priority=priority,
+            protection_window=window,
         )
         self.transitions.append(
             Transition(
@@ -184,8 +197,8 @@ class _Step:
                 reason=reason,
                 tokens=tokens,
                 slot=slot,
-                priority=demand.priority if demand else 0,
-                protection_window=demand.protection_window if demand else 0.0,
+                priority=priority,
+                protection_window=window,
                 by=by,
                 deadline=deadline,
             )
@@ -233,6 +246,8 @@ def allocate(
             continue
         if g.state is GrantState.GRANTED:
             _reclaim(step, g, GrantReason.MIND_DELETED, policy)
+        elif g.state is GrantState.RELEASED:
+            del step.grants[name]  # refused earlier (ContextTooLarge): it holds nothing
         elif g.state is not GrantState.RECLAIMING:
             step.move(name, GrantState.RELEASED, GrantReason.MIND_DELETED)
     for name in sorted(demand, key=lambda n: demand[n].rank()):
@@ -255,7 +270,36 @@ def allocate(
         _serve(step, capacity, policy)
     else:
         _drain(step, capacity, policy)
-    return Allocation(step.grants, tuple(step.transitions))
+    review = _review_at(step, capacity, policy)
+    return Allocation(step.grants, tuple(step.transitions), review)
+
+
+def _review_at(step: _Step, capacity: Capacity, policy: Policy) -> float | None:
+    times = [
+        g.deadline
+        for g in step.grants.values()
+        if g.state is GrantState.RECLAIMING and g.deadline is not None
+    ]
+    queued = [
+        step.minds[g.mind]
+        for g in step.grants.values()
+        if g.state is GrantState.QUEUED and g.mind in step.minds
+    ]
+    if capacity.phase is EnginePhase.SERVING and queued and policy.honour_protection:
+        top = max(m.priority for m in queued)
+        for g in step.grants.values():
+            m = step.minds.get(g.mind)
+            if g.state is not GrantState.GRANTED or m is None or m.priority >= top:
+                continue
+            ends = [
+                t + m.protection_window
+                for t in (g.granted_at, g.reclaimed_at)
+                if t is not None and t + m.protection_window > step.now
+            ]
+            if ends:
+                times.append(max(ends))
+    later = [t for t in times if t > step.now]
+    return min(later) if later else None
 
 
 def _reclaim(
@@ -307,8 +351,9 @@ def _drain(step: _Step, capacity: Capacity, policy: Policy) -> None:
 
 
 def _protected(g: Grant, m: MindDemand, now: float) -> bool:
-    young = g.granted_at is not None and now - g.granted_at < m.protection_window
-    recently_reclaimed = g.reclaimed_at is not None and now - g.reclaimed_at < m.protection_window
+    # Written as `start + window` so the end agrees, to the bit, with `review_at`'s wake-up.
+    young = g.granted_at is not None and now < g.granted_at + m.protection_window
+    recently_reclaimed = g.reclaimed_at is not None and now < g.reclaimed_at + m.protection_window
     return young or recently_reclaimed
 
 

@@ -113,6 +113,8 @@ class _Engine:
     grants: dict[str, Grant] = field(default_factory=dict)
     released: set[str] = field(default_factory=set)
     epoch: int = 0
+    refused: set[str] = field(default_factory=set)  # ContextTooLarge: asking again is futile
+    reviews: set[float] = field(default_factory=set)  # allocator re-runs already scheduled
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +228,10 @@ class _Simulation:
             self.transition_line(e.spec.name, t)
         for t in result.transitions:
             self.effect(e, t)
+        if result.review_at is not None and result.review_at not in e.reviews:
+            # A protection window or a grace deadline lapses: the operator's timer, here.
+            e.reviews.add(result.review_at)
+            self.at(result.review_at, lambda: self.step(e))
         if e.phase is EnginePhase.DRAINING and not result.holders():
             e.phase, e.slots, e.target = EnginePhase.RELAUNCHING, e.target or e.slots, None
             e.epoch += 1
@@ -266,7 +272,7 @@ class _Simulation:
             and m.phase is _MindPhase.WAITING
         ):
             self.end_wait(e, m, "refused")
-            self.think(m)
+            self.refuse(e, m)
 
     def schedule_release(self, e: _Engine, m: _Mind, t: Transition) -> None:
         def report() -> None:
@@ -312,6 +318,11 @@ class _Simulation:
         e.target = None
         self.capacity_line(e)
         self.step(e)
+        for name in sorted(e.refused):
+            m = self.minds[name]
+            if m.phase is _MindPhase.THINKING:
+                self.think(m)
+        e.refused.clear()
 
     # --- minds ------------------------------------------------------------------------------
 
@@ -348,8 +359,7 @@ class _Simulation:
             self.start_turn(e, m)
             return
         if g is not None and g.state is GrantState.RELEASED:
-            self.refused += 1  # ContextTooLarge: refused at once, never parked
-            self.think(m)
+            self.refuse(e, m)
             return
         reason = (
             str(g.reason)
@@ -368,6 +378,15 @@ class _Simulation:
         self.line(e.spec.name, "wait", mind=m.spec.name, reason=reason, deadline=deadline)
         epoch_now = m.epoch
         self.at(deadline, lambda: self.wait_deadline(e, m, epoch_now))
+
+    def refuse(self, e: _Engine, m: _Mind) -> None:
+        """ContextTooLarge: refused at once, never parked. The answer cannot change until the
+        engine relaunches (its slot size is fixed), so the mind stops asking until then rather
+        than asking again at the same virtual instant forever."""
+        self.refused += 1
+        m.phase = _MindPhase.THINKING
+        m.epoch += 1
+        e.refused.add(m.spec.name)
 
     def wait_deadline(self, e: _Engine, m: _Mind, epoch: int) -> None:
         if m.epoch != epoch or m.phase is not _MindPhase.WAITING:

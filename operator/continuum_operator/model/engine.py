@@ -27,22 +27,13 @@ from continuum_operator.model.base import (
 GiB = 1024**3
 
 # A per-layer quantity may be one number for every layer or a list, one per layer. The CRD
-# cannot type a union of integer and array, so the field is left open in the schema and checked
-# by a CEL rule there, and by pydantic here.
+# cannot type a union of integer and array, so the field is left open in the schema. The API
+# server refuses CEL rules on a field without a type ("unable to convert structural schema to CEL
+# declarations"), so the check lives here, in pydantic, and the operator reports a bad value as
+# a condition on the Engine instead of the API server refusing it.
 PerLayerBytes = Annotated[
     int | list[int],
-    Field(
-        json_schema_extra={
-            "x-kubernetes-preserve-unknown-fields": True,
-            "x-kubernetes-validations": [
-                {
-                    "rule": "type(self) == int ? self >= 0 : "
-                    "(type(self) == list && self.all(x, type(x) == int && x >= 0))",
-                    "message": "must be a non-negative integer or a list of them, one per layer",
-                }
-            ],
-        }
-    ),
+    Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}),
 ]
 
 
