@@ -227,3 +227,13 @@ def test_continuum_engine_serves_the_grant_file_and_writes_the_releases(tmp_path
         proc.wait(timeout=20)
         log.close()
     assert proc.returncode == 0
+
+
+def test_continuum_engine_refuses_a_bad_command_line_with_what_to_fix(tmp_path: Path) -> None:
+    from continuum_operator.cli import main
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert main(["engine", "--model", str(model)]) == 2  # neither --grants nor --engine
+    assert main(["engine", "--model", str(model), "--engine", "no-namespace"]) == 2
+    assert main(["engine", "--model", str(tmp_path / "none.gguf"), "--grants", "g.yaml"]) == 2

@@ -49,6 +49,7 @@ from continuum_operator.engine.admission import (
 )
 from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
+from continuum_operator.model.mind import GrantState
 
 __all__ = ["Gateway", "GatewaySettings", "SlotRelease"]
 
@@ -245,9 +246,16 @@ class Gateway:
         )
         try:
             # Her requests were cut; they end as soon as llama-server lets go of them.
-            async with self._flights_done:
-                await self._flights_done.wait_for(lambda: not self.flights.get(rel.mind))
+            try:
+                async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                    async with self._flights_done:
+                        await self._flights_done.wait_for(lambda: not self.flights.get(rel.mind))
+            except TimeoutError:
+                log.warning("%s's requests outlived the reclaim's deadline", rel.mind)
+                return
             while True:
+                if not self._still_reclaiming(rel):
+                    return  # the operator moved on (forced at the deadline): nothing to report
                 try:
                     erased = await self._erase(rel.slot)
                     break
@@ -269,6 +277,15 @@ class Gateway:
             self._changed()
         finally:
             self._releasing.pop(rel.key, None)
+
+    def _still_reclaiming(self, rel: Release) -> bool:
+        e = self.table.entry(rel.mind) if self.table is not None else None
+        return (
+            e is not None
+            and e.state is GrantState.RECLAIMING
+            and e.slot == rel.slot
+            and e.since == rel.since
+        )
 
     def _changed(self) -> None:
         for listener in self._listeners:

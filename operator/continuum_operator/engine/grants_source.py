@@ -16,6 +16,7 @@ writes `status.runtime`, whose one writer is the engine runtime.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
@@ -34,7 +35,13 @@ from continuum_operator.engine.admission import (
 )
 from continuum_operator.model.base import GROUP, VERSION
 
-__all__ = ["EngineStatusWriter", "read_table_file", "watch_engine", "watch_file"]
+__all__ = [
+    "EngineStatusWriter",
+    "read_engine_plan",
+    "read_table_file",
+    "watch_engine",
+    "watch_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +132,7 @@ async def watch_engine(
                     "engines",
                     field_selector=f"metadata.name={name}",
                     resource_version=version,
-                    timeout_seconds=60,
+                    timeout_seconds=30,
                 ):
                     if stop.is_set():
                         w.stop()
@@ -139,10 +146,36 @@ async def watch_engine(
                 version = ""
                 stop.wait(1.0)
 
+    # A daemon thread, not the loop's executor: a watch blocked in a read must not hold up the
+    # loop's shutdown; it ends at its next event or timeout once `stop` is set.
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def thread() -> None:
+        try:
+            run()
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop has already closed
+                loop.call_soon_threadsafe(finish)
+
+    threading.Thread(target=thread, name=f"watch-{namespace}-{name}", daemon=True).start()
     try:
-        await asyncio.to_thread(run)
+        await done
     finally:
         stop.set()
+
+
+async def read_engine_plan(namespace: str, name: str, *, api: Any = None) -> dict[str, Any]:
+    """The Engine's `status.plan` (the estimate its receipt is checked against); {} if none."""
+    objects = api or _custom_objects()
+    obj = await asyncio.to_thread(
+        objects.get_namespaced_custom_object, GROUP, VERSION, namespace, "engines", name
+    )
+    plan = (obj.get("status") or {}).get("plan")
+    return plan if isinstance(plan, dict) else {}
 
 
 class EngineStatusWriter:

@@ -38,6 +38,7 @@ from continuum_operator.engine.admission import GrantTableError
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
+    read_engine_plan,
     watch_engine,
     watch_file,
 )
@@ -389,6 +390,12 @@ def _file_publisher(path: Path) -> Callable[[dict[str, Any]], Awaitable[None]]:
 
 async def serve(args: argparse.Namespace) -> int:
     plan = _load_plan(args.plan)
+    if not plan and args.engine is not None:
+        namespace, _, name = args.engine.partition("/")
+        try:
+            plan = await read_engine_plan(namespace, name)
+        except Exception as err:  # the receipt is still made; only the error is not
+            log.warning("could not read Engine %s's status.plan: %s", args.engine, err)
     engine_args = parse_llama_args(args.llama_args) or tuple(plan.get("engineArgs") or ())
     sha = args.model_sha256
     if sha is None and not args.no_receipt:

@@ -1,0 +1,101 @@
+"""The engine runtime's Kubernetes shell on the real API server: the grant table read from the
+Engine's `status.grants` by a watch, and `status.runtime` written by its one writer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import config
+
+from continuum_operator.engine.admission import GrantTable
+from continuum_operator.engine.grants_source import EngineStatusWriter, watch_engine
+from continuum_operator.model.mind import GrantState
+from tests.e2e.conftest import Cluster
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _engine(namespace: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples/engines/coder-8b.yaml").read_text())
+    doc["metadata"]["namespace"] = namespace
+    return doc
+
+
+def _patch_grants(cluster: Cluster, namespace: str, grants: list[dict[str, Any]]) -> None:
+    cluster.kubectl(
+        "patch", "engine", "coder-8b", "-n", namespace, "--subresource=status",
+        "--type=merge", "-p", json.dumps({"status": {"grants": grants}}),
+    )  # fmt: skip
+
+
+def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
+    cluster: Cluster, namespace: str
+) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/engines.continuum.dev"
+    )
+    cluster.apply(_engine(namespace))
+    granted = {"mind": f"{namespace}/mira", "state": "Granted", "slot": 0, "tokens": 32768}
+    _patch_grants(cluster, namespace, [granted])
+    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    from kubernetes import client
+
+    objects = client.CustomObjectsApi(api_client)
+    tables: list[GrantTable] = []
+
+    async def main() -> None:
+        watcher = asyncio.create_task(
+            watch_engine(namespace, "coder-8b", tables.append, api=objects)
+        )
+        try:
+            await _until(lambda: bool(tables))
+            assert tables[-1].slot_tokens == 32768
+            entry = tables[-1].entry(f"{namespace}/mira")
+            assert entry is not None and entry.state is GrantState.GRANTED
+            reclaim = {
+                **granted,
+                "state": "Reclaiming",
+                "reason": "Preempted",
+                "by": f"{namespace}/vip",
+                "deadline": "2026-12-03T07:00:00Z",
+                "since": "2026-12-03T06:59:30Z",
+            }
+            await asyncio.to_thread(_patch_grants, cluster, namespace, [reclaim])
+            await _until(
+                lambda: (
+                    (e := tables[-1].entry(f"{namespace}/mira")) is not None
+                    and e.state is GrantState.RECLAIMING
+                )
+            )
+            writer = EngineStatusWriter(namespace, "coder-8b", api=objects)
+            runtime = {
+                "phase": "Serving",
+                "slotReleases": [{"mind": f"{namespace}/mira", "slot": 0, "reason": "Preempted"}],
+            }
+            await writer.write(runtime)
+            await writer.write(runtime)  # unchanged: no second write
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    asyncio.run(main())
+    api_client.close()
+    status = cluster.get_json("engine", "coder-8b", "-n", namespace)["status"]
+    assert status["runtime"]["slotReleases"][0]["mind"] == f"{namespace}/mira"
+    assert status["grants"][0]["state"] == "Reclaiming"  # the operator's field, untouched
+
+
+async def _until(check: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
