@@ -1,117 +1,284 @@
 """The demo's main job, run by tools/demo once the control plane and CRDs are up.
 
-Applies the example boards (their status through the status subresource, as the node agent
-writes it) and engines with kubectl, reads them back from the API server, plans every engine on
-every board with the same core `continuum plan` uses, and writes each engine's best plan and
-its assumed placement to the Engine's status. Until the operator lands, this script plays its
-part for one pass.
+`start`: creates a KWOK node for every example board (a discrete 80 GiB A100, an H200, two L4s,
+a unified GB10 and an M5, a CPU node and a GPU node of unknown mode), writes each board's status
+and the agent's Lease (`core.heartbeat`: beside the kubelet's, never it) as the node agent would,
+starts `continuum operator` in the background (its log and pid in the cluster's state
+directory), applies the example engines, waits for the operator to place or refuse each one, and
+prints the plans as a table with how to look further.
+`renew`: renews the agent Leases. `stop`: stops the operator and the control plane.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from continuum_operator.cli import plan_table
-from continuum_operator.core.placements import placement_of
-from continuum_operator.core.plan import ServingPlan, plan
-from continuum_operator.core.pools import Board, Ledger
-from continuum_operator.model import Engine, NodeBoard
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+STATE = Path(
+    os.environ.get(
+        "CONTINUUM_CLUSTER_DIR",
+        Path(os.environ.get("CONTINUUM_CACHE", Path.home() / ".cache/continuum")) / "demo-cluster",
+    )
+)
+PID_FILE = STATE / "operator.pid"
+LOG_FILE = STATE / "operator.log"
+LEASE_SECONDS = 3600  # no agent runs in the demo: one renewal keeps a board fresh for an hour
+GiB = 2**30
+
+# Nodes whose board says nothing of their GPUs: the node that has one but no GPU backend.
+EXTRA_CAPACITY: dict[str, dict[str, str]] = {"cpu-or-unprobed-03": {"nvidia.com/gpu": "1"}}
 
 
-def kubectl(*args: str, stdin: str | None = None) -> str:
+def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
     done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True)
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         sys.exit(f"demo: kubectl {' '.join(args)} failed: {done.stderr.strip()}")
     return done.stdout
 
 
-def apply_boards() -> None:
-    for path in sorted((EXAMPLES / "boards").glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        status = doc.pop("status")
-        kubectl("apply", "-f", "-", stdin=yaml.safe_dump(doc))
-        kubectl(
-            "patch",
-            "nodeboard",
-            doc["metadata"]["name"],
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps({"status": status}),
-        )
-        print(f"nodeboard/{doc['metadata']['name']} applied ({status['memoryMode']})")
+def boards() -> list[dict[str, Any]]:
+    return [yaml.safe_load(p.read_text()) for p in sorted((EXAMPLES / "boards").glob("*.yaml"))]
 
 
-def apply_engines() -> None:
-    namespaces = {
-        yaml.safe_load(p.read_text())["metadata"]["namespace"]
-        for p in (EXAMPLES / "engines").glob("*.yaml")
+def node_of(board: dict[str, Any]) -> dict[str, Any]:
+    status = board["status"]
+    name = board["metadata"]["name"]
+    host = next(p for p in status["pools"] if p["kind"] in ("host", "unified"))
+    nvidia = [g for g in status.get("gpus", []) if str(g.get("name", "")).startswith("NVIDIA")]
+    capacity = {"cpu": "64", "pods": "110", "memory": str(host["capacityBytes"])}
+    if nvidia:
+        capacity["nvidia.com/gpu"] = str(len(nvidia))
+    capacity.update(EXTRA_CAPACITY.get(name, {}))
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake"},
+            "labels": {
+                "type": "kwok",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "continuum.dev/memory-mode": status["memoryMode"],
+            },
+        },
+        "spec": {},
+        "status": {"capacity": capacity, "allocatable": capacity},
     }
-    for ns in sorted(namespaces):
+
+
+def renew_leases() -> None:
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    leases = [
+        {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": lease_name(b["metadata"]["name"]),
+                "namespace": LEASE_NAMESPACE,
+                "annotations": {NODE_ANNOTATION: b["metadata"]["name"]},
+            },
+            "spec": {
+                "holderIdentity": "continuum-demo",
+                "leaseDurationSeconds": LEASE_SECONDS,
+                "renewTime": now,
+            },
+        }
+        for b in boards()
+    ]
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(leases))
+    print(f"demo: renewed {len(leases)} node Leases (fresh for {LEASE_SECONDS // 60} minutes)")
+
+
+def apply_nodes_and_boards() -> None:
+    for board in boards():
+        name = board["metadata"]["name"]
+        kubectl("apply", "-f", "-", stdin=yaml.safe_dump(node_of(board)))
+        status = board["status"]
+        spec_only = {k: v for k, v in board.items() if k != "status"}
+        kubectl("apply", "-f", "-", stdin=yaml.safe_dump(spec_only))
+        kubectl("patch", "nodeboard", name, "--subresource=status", "--type=merge",
+                "-p", json.dumps({"status": status}))  # fmt: skip
+        print(f"demo: node/{name} with its board ({status['memoryMode']})")
+    renew_leases()
+
+
+def operator_pid() -> int | None:
+    try:
+        pid = int(PID_FILE.read_text())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def stop_operator() -> None:
+    pid = operator_pid()
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(100):
+        if operator_pid() is None:
+            break
+        time.sleep(0.1)
+    PID_FILE.unlink(missing_ok=True)
+    print(f"demo: operator (pid {pid}) stopped")
+
+
+def start_operator() -> None:
+    stop_operator()  # a fresh operator for a fresh demo
+    with LOG_FILE.open("a") as log:
+        proc = subprocess.Popen(
+            [str(ROOT / ".venv" / "bin" / "continuum"), "operator",
+             "--kubeconfig", os.environ["KUBECONFIG"], "--engine-image", "continuum-engine:demo"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    PID_FILE.write_text(str(proc.pid))
+    time.sleep(1)
+    if proc.poll() is not None:
+        sys.exit(f"demo: the operator exited at once; see {LOG_FILE}")
+    print(f"demo: operator started (pid {proc.pid}, log {LOG_FILE})")
+
+
+def apply_engines() -> list[tuple[str, str]]:
+    docs = [yaml.safe_load(p.read_text()) for p in sorted((EXAMPLES / "engines").glob("*.yaml"))]
+    for ns in sorted({d["metadata"]["namespace"] for d in docs}):
         manifest = kubectl("create", "namespace", ns, "--dry-run=client", "-o", "yaml")
         kubectl("apply", "-f", "-", stdin=manifest)
     print(kubectl("apply", "-f", str(EXAMPLES / "engines")), end="")
+    return [(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs]
 
 
-def rank(p: ServingPlan) -> tuple[bool, int, int]:
-    return (p.schedulable, p.layers_on_device, p.pool_tokens)
+def condition(body: dict[str, Any], type_: str) -> dict[str, Any]:
+    for c in (body.get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return {}
+
+
+def settled(body: dict[str, Any]) -> bool:
+    return (
+        condition(body, "Ready").get("status") == "True"
+        or condition(body, "Unschedulable").get("status") == "True"
+        or condition(body, "Planned").get("reason") == "InvalidSpec"
+    )
+
+
+def wait_for(engines: list[tuple[str, str]], timeout: float = 90) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        items = json.loads(kubectl("get", "engines", "-A", "-o", "json"))["items"]
+        mine = [i for i in items if (i["metadata"]["namespace"], i["metadata"]["name"]) in engines]
+        if len(mine) == len(engines) and all(settled(i) for i in mine):
+            return mine
+        if time.monotonic() > deadline:
+            print("demo: some engines have not settled yet; showing them as they are")
+            return mine
+        time.sleep(1)
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:,.1f}"
+
+
+def table(items: list[dict[str, Any]]) -> str:
+    head = ("ENGINE", "NODE", "MODE", "LAYERS", "MINDS", "POOL TOKENS", "DEVICE GiB", "HOST GiB",
+            "READY", "WHY")  # fmt: skip
+    rows = [head]
+    for i in sorted(items, key=lambda i: i["metadata"]["name"]):
+        status = i.get("status") or {}
+        plan = status.get("plan") or {}
+        ready = condition(i, "Ready")
+        why = ready.get("reason", "")
+        if ready.get("status") != "True":
+            why += ": " + ready.get("message", "")
+        elif plan.get("mindsGrantable", 0) < i["spec"].get("minds", {}).get("max", 1):
+            why += f" ({condition(i, 'Degraded').get('message', '')})"
+        if not plan:
+            rows.append((i["metadata"]["name"], "-", "-", "-", "-", "-", "-", "-",
+                         ready.get("status", "?"), why))  # fmt: skip
+            continue
+        b = plan["bytes"]
+        rows.append(
+            (
+                i["metadata"]["name"],
+                plan["node"],
+                plan["memoryMode"] + ("" if plan["governed"] else " (ungoverned)"),
+                f"{plan['layersOnDevice']}/{plan['totalLayers']}",
+                str(plan["mindsGrantable"]),
+                f"{plan['poolTokens']:,}",
+                gib(b["device"]["total"]),
+                gib(b["host"]["total"]),
+                ready.get("status", "?"),
+                why,
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
+    lines = []
+    for r in rows:
+        cells = [r[c].ljust(widths[c]) for c in range(len(head) - 1)]
+        why = r[-1] if len(r[-1]) <= 110 else r[-1][:107] + "..."
+        lines.append("  ".join(cells) + "  " + why)
+    return "\n".join(lines)
+
+
+def start() -> int:
+    apply_nodes_and_boards()
+    start_operator()
+    engines = apply_engines()
+    print("demo: waiting for the operator to place or refuse every engine...")
+    items = wait_for(engines)
+    print()
+    print(table(items))
+    print()
+    print(kubectl("get", "nodeboards", "-o", "wide"), end="")
+    print()
+    print(kubectl("get", "engines", "-A", "-o", "wide"), end="")
+    print()
+    print(kubectl("get", "deployments,pods", "-n", "minds", "-o", "wide"), end="")
+    env = f"CONTINUUM_CLUSTER_DIR={STATE}"
+    print(
+        f"""
+Look around (the control plane and the operator keep running):
+
+    eval "$({env} tools/cluster env)"
+    kubectl get nodeboards,engines -A -o wide
+    kubectl describe engine -n minds llama-405b-f16     # why it is unschedulable, node by node
+    kubectl get engine -n minds agent-32b -o yaml       # the full plan, placement, conditions
+    kubectl get deployments,pods -n minds -o wide        # engines run as pods on KWOK nodes
+    kubectl get events -n minds --sort-by=.lastTimestamp
+    tail -f {LOG_FILE}
+
+The demo's boards stay fresh for an hour (no node agent runs here): `tools/demo renew`.
+Stop everything: `tools/demo stop`."""
+    )
+    return 0
 
 
 def main() -> int:
-    apply_boards()
-    apply_engines()
-    boards = [
-        NodeBoard.model_validate(item)
-        for item in json.loads(kubectl("get", "nodeboards", "-o", "json"))["items"]
-    ]
-    engines = [
-        Engine.model_validate(item)
-        for item in json.loads(kubectl("get", "engines", "-A", "-o", "json"))["items"]
-    ]
-    for engine in engines:
-        facts = engine.spec.model.facts
-        assert facts is not None
-        plans = []
-        for board in boards:
-            core_board = Board.from_resource(board)
-            plans.append(plan(core_board, engine.spec, facts, Ledger(core_board)))
-        best = max(plans, key=rank)
-        name = f"{engine.metadata.namespace}/{engine.metadata.name}"
-        print(
-            f"\n=== Engine {name}: "
-            + ", ".join(
-                f"{p.node} {p.layers_on_device}/{p.total_layers} layers x{p.minds_grantable}"
-                if p.schedulable
-                else f"{p.node} unschedulable"
-                for p in plans
-            )
-        )
-        print(f"--- best: {best.node}")
-        print(plan_table(best))
-        status = {"plan": best.to_dict(), "placement": placement_of(best).model_dump(by_alias=True)}
-        kubectl(
-            "patch",
-            "engine",
-            engine.metadata.name,
-            "-n",
-            str(engine.metadata.namespace),
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps({"status": status}),
-        )
-    print()
-    print(kubectl("get", "nodeboards"), end="")
-    print(kubectl("get", "engines", "-A", "-o", "wide"), end="")
-    return 0
+    command = sys.argv[1] if len(sys.argv) > 1 else "start"
+    if command == "stop":
+        stop_operator()
+        subprocess.run([str(ROOT / "tools" / "cluster"), "down"], check=False)
+        return 0
+    if command == "renew":
+        renew_leases()
+        return 0
+    return start()
 
 
 if __name__ == "__main__":

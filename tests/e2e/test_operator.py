@@ -1,7 +1,8 @@
 """The operator on the real control plane: `continuum operator` as a subprocess, KWOK nodes with
-NodeBoards and node Leases written by the test (as the node agent would), Engines applied with
-kubectl. What a user sees: plans and conditions in status, the Deployment that runs the plan,
-relaunches that do not storm, stale boards that take no plans, and clear refusals."""
+NodeBoards and the agent's Leases written by the test as the node agent would (beside the
+kubelet's Lease, never it: `core.heartbeat`), Engines applied with kubectl. What a user sees:
+plans and conditions in status, the Deployment that runs the plan, relaunches that do not storm,
+stale boards that take no plans, and clear refusals."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from tests.e2e.conftest import ROOT, Cluster
 
 pytestmark = pytest.mark.e2e
@@ -94,7 +96,11 @@ def renew(cluster: Cluster, node: str, *, renew_time: str | None = None, ttl: in
         {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": {"name": node, "namespace": "kube-node-lease"},
+            "metadata": {
+                "name": lease_name(node),
+                "namespace": LEASE_NAMESPACE,
+                "annotations": {NODE_ANNOTATION: node},
+            },
             "spec": {
                 "holderIdentity": "continuum-agent-e2e",
                 "leaseDurationSeconds": ttl,
@@ -257,8 +263,13 @@ def test_an_engine_is_planned_placed_and_run_as_its_plan_says(
     assert pods[0]["status"]["qosClass"] == "Guaranteed"
     service = cluster.get_json("service", "coder", "-n", namespace)
     assert service["spec"]["selector"]["continuum.dev/engine"] == "coder"
-    reasons = {e["reason"] for e in events(cluster, namespace, "coder")}
-    assert {"Placed", "PodReady"} <= reasons
+    wait_for(
+        "the Placed and PodReady events",
+        lambda: (
+            {"Placed", "PodReady"} <= {e["reason"] for e in events(cluster, namespace, "coder")}
+        ),
+        log=operator,
+    )
 
     printed = cluster.kubectl("get", "engine", "coder", "-n", namespace).stdout
     assert node in printed and "True" in printed
@@ -377,8 +388,14 @@ def test_an_unschedulable_engine_says_why_node_by_node(
     c = condition(body, "Unschedulable")
     assert c is not None and c["reason"] == "InsufficientMemory"
     assert small in c["message"] and "Lower spec.minds.min" in c["message"]
-    warnings = [e for e in events(cluster, namespace, "huge") if e["type"] == "Warning"]
-    assert any(e["reason"] == "InsufficientMemory" for e in warnings)
+    wait_for(
+        "a Warning event",
+        lambda: any(
+            e["type"] == "Warning" and e["reason"] == "InsufficientMemory"
+            for e in events(cluster, namespace, "huge")
+        ),
+        log=operator,
+    )
     described = cluster.kubectl("describe", "engine", "huge", "-n", namespace).stdout
     assert "InsufficientMemory" in described
 
@@ -401,7 +418,11 @@ def test_an_assumed_lease_whose_pod_never_starts_is_released(
     assert "placement" not in body["status"]
     c = condition(body, "Unschedulable")
     assert c is not None and c["reason"] == "PodNeverStarted" and node in c["message"]
-    assert any(e["reason"] == "PodNeverStarted" for e in events(cluster, namespace, "coder"))
+    wait_for(
+        "the PodNeverStarted event",
+        lambda: any(e["reason"] == "PodNeverStarted" for e in events(cluster, namespace, "coder")),
+        log=operator,
+    )
     wait_for(
         "the Deployment removed",
         lambda: (
@@ -429,7 +450,13 @@ def test_an_engine_on_an_unknown_mode_node_says_its_device_is_ungoverned(
     )
     assert body["status"]["plan"]["governed"] is False
     assert body["status"]["plan"]["layersOnDevice"] == 0
-    assert any(e["reason"] == "NoMemoryModeReported" for e in events(cluster, namespace, "coder"))
+    wait_for(
+        "the MemoryModeUnknown event",
+        lambda: any(
+            e["reason"] == "NoMemoryModeReported" for e in events(cluster, namespace, "coder")
+        ),
+        log=operator,
+    )
 
 
 def test_a_spec_the_schema_admits_but_the_plan_cannot_read_gets_a_condition(

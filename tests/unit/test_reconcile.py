@@ -266,3 +266,18 @@ def test_an_unknown_mode_board_sets_memory_mode_unknown() -> None:
     body = after(engine_obj(), reconcile(engine_obj(), snap, Memory(), NOW, SETTINGS))
     assert conditions(body)["MemoryModeUnknown"] == ("True", "NoMemoryModeReported")
     assert body["status"]["plan"]["governed"] is False
+
+
+def test_memory_already_measured_is_not_handed_to_a_second_engine_before_the_first_loads() -> None:
+    # 24 GiB of 40 measured in use by someone else: room for one engine, not two. The first
+    # engine's lease is assumed (its pod has not started), so its bytes are in no measurement.
+    snap = snapshot([discrete("a", 40, used_gib=24)])
+    first = after(engine_obj("one"), reconcile(engine_obj("one"), snap, Memory(), NOW, SETTINGS))
+    assert first["status"]["placement"]["assumed"] is True
+    snap2 = replace(snap, engines={("ns", "one"): first})
+    second = after(engine_obj("two"), reconcile(engine_obj("two"), snap2, Memory(), NOW, SETTINGS))
+    own = sum(p["bytes"] for p in first["status"]["placement"]["pools"] if p["pool"] == "device/0")
+    two = second["status"].get("plan") or {}
+    device_two = (two.get("bytes") or {}).get("device", {}).get("total", 0)
+    # Whatever the second engine got on the GPU fits beside the first and the measured 24 GiB.
+    assert 24 * GiB + own + device_two <= 40 * GiB

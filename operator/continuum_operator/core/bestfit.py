@@ -16,7 +16,7 @@ Neighbours: `core.plan` (one plan on one board), `core.placements` (leases from 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from continuum_operator.core.plan import ServingPlan, plan
@@ -71,6 +71,32 @@ class Decision:
     def summary(self) -> str:
         """One line per node, for a condition message and `kubectl describe`."""
         return "; ".join(f"{v.node}: {v.message}" for v in self.verdicts) or "no nodes have boards"
+
+
+def with_unmeasured(board: Board, assumed: Iterable[Lease]) -> Board:
+    """The board as if leases not yet resident were already measured.
+
+    The ledger takes available as capacity - max(leased, used): measured usage is read as
+    possibly the leased engines' own. That holds for engines that run, not for an assumed lease
+    whose pod has not started: its bytes are in no measurement yet, so the usage already
+    measured is someone else's. Adding the assumed bytes to the usage keeps a second engine from
+    being placed into memory the first one is about to load.
+    """
+    extra: dict[str, int] = {}
+    for lease in assumed:
+        if lease.node == board.node and lease.pool in board.pools:
+            extra[lease.pool] = extra.get(lease.pool, 0) + lease.bytes
+    if not extra:
+        return board
+    pools = {
+        key: (
+            replace(pool, used_bytes=min(pool.capacity_bytes, pool.used_bytes + extra[key]))
+            if key in extra and pool.used_bytes is not None
+            else pool
+        )
+        for key, pool in board.pools.items()
+    }
+    return replace(board, pools=pools)
 
 
 def matches(spec: EngineSpec, labels: Mapping[str, str]) -> Exclusion | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from continuum_operator.core.heartbeat import node_of_lease
 from continuum_operator.core.pools import Board
 from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
@@ -82,7 +83,7 @@ class DeploymentEntry:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     boards: Mapping[str, BoardEntry]
-    leases: Mapping[str, LeaseEntry]
+    leases: Mapping[str, LeaseEntry]  # by node name
     nodes: Mapping[str, NodeEntry]
     engines: Mapping[EngineKey, Mapping[str, Any]]
     deployments: Mapping[EngineKey, DeploymentEntry]
@@ -124,15 +125,19 @@ class Cache:
         self._nudge()
 
     def observe_lease(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        """The agent's Lease of a node (`core.heartbeat`); the kubelet's own Lease is ignored."""
         meta = obj["metadata"]
         if meta.get("namespace") != self.lease_namespace:
             return
+        node = node_of_lease(meta["name"], meta.get("annotations") or {})
+        if node is None:
+            return
         if deleted:
-            self.leases.pop(meta["name"], None)
+            self.leases.pop(node, None)
         else:
             spec = obj.get("spec") or {}
             duration = spec.get("leaseDurationSeconds")
-            self.leases[meta["name"]] = LeaseEntry(
+            self.leases[node] = LeaseEntry(
                 renew_time=parse_time(spec.get("renewTime") or spec.get("acquireTime")),
                 duration_seconds=float(duration) if duration is not None else None,
                 resource_version=str(meta.get("resourceVersion", "")),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from continuum_operator.core import conditions as cond
-from continuum_operator.core.bestfit import Decision, Exclusion, NodeView, choose
+from continuum_operator.core.bestfit import Decision, Exclusion, NodeView, choose, with_unmeasured
 from continuum_operator.core.damping import Damper, Observation, Outcome, PlanShape, step
 from continuum_operator.core.placements import consumer_name, placement_of
 from continuum_operator.core.plan import ServingPlan, plan
@@ -75,7 +75,8 @@ def reading_of(snap: Snapshot, node: str) -> str:
     return f"{board.resource_version if board else '-'}/{lease.resource_version if lease else '-'}"
 
 
-def other_leases(snap: Snapshot, me: EngineKey) -> list[Lease]:
+def other_leases(snap: Snapshot, me: EngineKey, *, assumed_only: bool = False) -> list[Lease]:
+    """Leases of the other engines' placements (only those whose pods have not started yet)."""
     leases: list[Lease] = []
     for key, body in snap.engines.items():
         if key == me:
@@ -86,6 +87,8 @@ def other_leases(snap: Snapshot, me: EngineKey) -> list[Lease]:
         try:
             p = EnginePlacement.model_validate(raw)
         except ValueError:
+            continue
+        if assumed_only and not p.assumed:
             continue
         who = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
         leases.extend(Lease(who, ConsumerKind.ENGINE, p.node, x.pool, x.bytes) for x in p.pools)
@@ -233,6 +236,7 @@ def reconcile(
 
     me = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
     others = other_leases(snap, key)
+    assumed = other_leases(snap, key, assumed_only=True)
     damper = memory.damper
     if damper.relaunches == 0 and status.get("relaunches"):
         # After a restart: the count and the cooldown come back from status; evidence does not.
@@ -284,6 +288,7 @@ def reconcile(
             board = snap.boards.get(node)
             outcome: Outcome | None = None
             if fresh and board is not None and board.board is not None:
+                measured = with_unmeasured(board.board, assumed)
                 # The successor is sized crediting back what the running engine holds. The
                 # agent measures the engine's bytes, not the reserve kept free beside them, so
                 # only the lease less its reserve is taken off the measured usage; crediting the
@@ -294,8 +299,8 @@ def reconcile(
                     Lease(me, ConsumerKind.ENGINE, node, x["pool"], max(0, x["bytes"] - reserve))
                     for x in placement.get("pools", [])
                 ]
-                ledger = Ledger.of(board.board, [*others, *mine])
-                candidate = plan(board.board, engine.spec, facts, ledger, crediting=me)
+                ledger = Ledger.of(measured, [*others, *mine])
+                candidate = plan(measured, engine.spec, facts, ledger, crediting=me)
                 if candidate.schedulable:
                     damper, outcome = step(
                         damper,
@@ -350,7 +355,7 @@ def reconcile(
     # Not placed: best fit among the nodes with fresh boards.
     views = [
         NodeView(
-            board=entry.board,
+            board=with_unmeasured(entry.board, assumed),
             fresh=is_fresh(snap, name, now, ttl),
             labels=snap.nodes[name].labels if name in snap.nodes else {},
             node_exists=name in snap.nodes,
