@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from tests.e2e.conftest import ROOT, Cluster
@@ -44,12 +48,37 @@ def crds(cluster: Cluster) -> None:
     )
 
 
+@dataclass(frozen=True)
+class Operator:
+    log: Path
+    metrics_url: str
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the operator's /metrics (0 when the series is absent)."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    return float(sample.value)
+        return 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 @pytest.fixture(scope="module")
 def operator(
     cluster: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Path]:
-    """`continuum operator` with short timings; its log path. Stopped (SIGTERM) at teardown."""
+) -> Iterator[Operator]:
+    """`continuum operator` with short timings. Stopped (SIGTERM) at teardown."""
     log = tmp_path_factory.mktemp("operator") / "operator.log"
+    port = free_port()
     cmd = [
         sys.executable, "-m", "continuum_operator.cli", "operator",
         "--kubeconfig", str(cluster.kubeconfig),
@@ -60,6 +89,7 @@ def operator(
         "--damping-min-gain", "0.1",
         "--relaunch-cooldown", str(COOLDOWN),
         "--engine-image", "continuum-engine:e2e",
+        "--metrics-port", str(port),
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
@@ -67,7 +97,7 @@ def operator(
         time.sleep(1)
         if proc.poll() is not None:
             pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
-        yield log
+        yield Operator(log, f"http://127.0.0.1:{port}/metrics")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -180,6 +210,7 @@ def engine(name: str, tag: str, **spec: Any) -> dict[str, Any]:
 def wait_for(
     what: str, probe: Callable[[], Any], timeout: float = 60, log: Path | None = None
 ) -> Any:
+    """Poll until `probe` returns something truthy; fail with the operator's log tail."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -226,7 +257,7 @@ def events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
 
 
 def test_an_engine_is_planned_placed_and_run_as_its_plan_says(
-    cluster: Cluster, operator: Path, namespace: str, tag: str
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
     node = gpu_node(cluster, tag, discrete_status(80, 0.5))
     cluster.apply(engine("coder", tag), "-n", namespace)
@@ -268,7 +299,7 @@ def test_an_engine_is_planned_placed_and_run_as_its_plan_says(
         lambda: (
             {"Placed", "PodReady"} <= {e["reason"] for e in events(cluster, namespace, "coder")}
         ),
-        log=operator,
+        log=operator.log,
     )
 
     printed = cluster.kubectl("get", "engine", "coder", "-n", namespace).stdout
@@ -281,7 +312,7 @@ def own_device_bytes(body: dict[str, Any]) -> int:
 
 
 def test_a_board_update_that_changes_the_plan_relaunches_once_not_in_a_storm(
-    cluster: Cluster, operator: Path, namespace: str, tag: str
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
     # Another tenant holds 17 of 24 GiB of the GPU: few layers and minds fit.
     node = gpu_node(cluster, tag, discrete_status(24, 17))
@@ -317,14 +348,14 @@ def test_a_board_update_that_changes_the_plan_relaunches_once_not_in_a_storm(
     body = wait_for(
         "one relaunch",
         lambda: (b := get_engine(cluster, namespace, "coder"))["status"].get("relaunches") and b,
-        log=operator,
+        log=operator.log,
     )
     after = body["status"]["plan"]
     assert after["mindsGrantable"] > before["mindsGrantable"]
     body = wait_for(
         "Ready after the relaunch",
         is_condition(cluster, namespace, "coder", "Ready", "True"),
-        log=operator,
+        log=operator.log,
     )
     # The relaunched engine's bytes show up on the board, which then moves a little: more
     # readings, no second relaunch.
@@ -344,17 +375,24 @@ def test_a_board_update_that_changes_the_plan_relaunches_once_not_in_a_storm(
     )
     assert len(replica_sets["items"]) == 2  # the first launch and one relaunch
     assert [e["reason"] for e in events(cluster, namespace, "coder")].count("Relaunching") == 1
+    assert (
+        operator.metric("continuum_engine_relaunches_total", namespace=namespace, engine="coder")
+        == 1
+    )
+    assert (
+        operator.metric("continuum_engine_replans_weighed_total", outcome="GatheringEvidence") > 0
+    )
 
 
 def test_a_stale_board_takes_no_new_plans_until_its_lease_is_renewed(
-    cluster: Cluster, operator: Path, namespace: str, tag: str
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
     node = gpu_node(cluster, tag, discrete_status(80, 0.5), fresh=False)
     cluster.apply(engine("coder", tag), "-n", namespace)
     body = wait_for(
         "Unschedulable",
         is_condition(cluster, namespace, "coder", "Unschedulable", "True"),
-        log=operator,
+        log=operator.log,
     )
     c = condition(body, "Unschedulable")
     assert c is not None and c["reason"] == "NoFreshBoard"
@@ -366,13 +404,13 @@ def test_a_stale_board_takes_no_new_plans_until_its_lease_is_renewed(
     body = wait_for(
         "placed once the Lease is renewed",
         is_condition(cluster, namespace, "coder", "Planned", "True"),
-        log=operator,
+        log=operator.log,
     )
     assert body["status"]["placement"]["node"] == node
 
 
 def test_an_unschedulable_engine_says_why_node_by_node(
-    cluster: Cluster, operator: Path, namespace: str, tag: str
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
     small = gpu_node(cluster, tag, discrete_status(8, 0.5, host_gib=16))
     cluster.apply(
@@ -383,7 +421,7 @@ def test_an_unschedulable_engine_says_why_node_by_node(
     body = wait_for(
         "Unschedulable",
         is_condition(cluster, namespace, "huge", "Unschedulable", "True"),
-        log=operator,
+        log=operator.log,
     )
     c = condition(body, "Unschedulable")
     assert c is not None and c["reason"] == "InsufficientMemory"
@@ -394,14 +432,14 @@ def test_an_unschedulable_engine_says_why_node_by_node(
             e["type"] == "Warning" and e["reason"] == "InsufficientMemory"
             for e in events(cluster, namespace, "huge")
         ),
-        log=operator,
+        log=operator.log,
     )
     described = cluster.kubectl("describe", "engine", "huge", "-n", namespace).stdout
     assert "InsufficientMemory" in described
 
 
 def test_an_assumed_lease_whose_pod_never_starts_is_released(
-    cluster: Cluster, operator: Path, namespace: str, tag: str
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
     # The Node has too little memory for the pod's Guaranteed limit: the scheduler never binds it.
     node = gpu_node(cluster, tag, discrete_status(80, 0.5), memory="256Mi")
@@ -413,7 +451,7 @@ def test_an_assumed_lease_whose_pod_never_starts_is_released(
         "the lease released",
         is_condition(cluster, namespace, "coder", "Unschedulable", "True"),
         timeout=POD_START_TIMEOUT + 40,
-        log=operator,
+        log=operator.log,
     )
     assert "placement" not in body["status"]
     c = condition(body, "Unschedulable")
@@ -421,7 +459,7 @@ def test_an_assumed_lease_whose_pod_never_starts_is_released(
     wait_for(
         "the PodNeverStarted event",
         lambda: any(e["reason"] == "PodNeverStarted" for e in events(cluster, namespace, "coder")),
-        log=operator,
+        log=operator.log,
     )
     wait_for(
         "the Deployment removed",
@@ -429,12 +467,12 @@ def test_an_assumed_lease_whose_pod_never_starts_is_released(
             cluster.kubectl("get", "deployment", "coder", "-n", namespace, check=False).returncode
             != 0
         ),
-        log=operator,
+        log=operator.log,
     )
 
 
 def test_an_engine_on_an_unknown_mode_node_says_its_device_is_ungoverned(
-    cluster: Cluster, operator: Path, namespace: str, tag: str
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
     status = {
         "memoryMode": "unknown",
@@ -446,21 +484,25 @@ def test_an_engine_on_an_unknown_mode_node_says_its_device_is_ungoverned(
     body = wait_for(
         "MemoryModeUnknown",
         is_condition(cluster, namespace, "coder", "MemoryModeUnknown", "True"),
-        log=operator,
+        log=operator.log,
     )
     assert body["status"]["plan"]["governed"] is False
+    assert (
+        operator.metric("continuum_engine_memory_mode_unknown", namespace=namespace, engine="coder")
+        == 1
+    )
     assert body["status"]["plan"]["layersOnDevice"] == 0
     wait_for(
         "the MemoryModeUnknown event",
         lambda: any(
             e["reason"] == "NoMemoryModeReported" for e in events(cluster, namespace, "coder")
         ),
-        log=operator,
+        log=operator.log,
     )
 
 
 def test_a_spec_the_schema_admits_but_the_plan_cannot_read_gets_a_condition(
-    cluster: Cluster, operator: Path, namespace: str, tag: str
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
     bad = engine("bad", tag)
     bad["spec"]["model"]["facts"]["layerBytes"] = [1, 2, 3]  # the model has 32 layers

@@ -21,6 +21,7 @@ from typing import Any
 from continuum_operator.kube import objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, format_time
+from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.reconcile import Event, Memory, Writes, reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION
@@ -35,13 +36,16 @@ class Loop:
         settings: OperatorSettings,
         cache: Cache,
         clock: Callable[[], float] = time.time,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.api = api
         self.settings = settings
         self.cache = cache
         self.clock = clock
+        self.metrics = metrics or OperatorMetrics()
         self.memory: dict[str, Memory] = {}
         self.services: dict[EngineKey, str] = {}
+        self.recorded: set[EngineKey] = set()  # engines with metric series
         self.instance = socket.gethostname()
 
     def install_priority_classes(self) -> None:
@@ -75,7 +79,22 @@ class Loop:
 
         return [k for k, _ in sorted(self.cache.engines.items(), key=key)]
 
+    def record(self, key: EngineKey, writes: Writes) -> None:
+        m = self.metrics
+        for event in writes.events:
+            if event.reason == "Relaunching":
+                m.record_relaunch(*key)
+            elif event.reason == "Placed":
+                m.record_placement()
+            elif event.reason == "PodNeverStarted":
+                m.record_pod_start_timeout()
+        if writes.damping is not None:
+            m.record_weighed(writes.damping)
+        m.set_memory_mode_unknown(key[0], key[1], writes.memory_mode_unknown)
+        self.recorded.add(key)
+
     async def pass_once(self) -> None:
+        unschedulable = 0
         for key in self._order():
             body = self.cache.engines.get(key)
             if body is None or body["metadata"].get("deletionTimestamp"):
@@ -86,15 +105,22 @@ class Loop:
                 body, snap, self.memory.get(uid, Memory()), self.clock(), self.settings
             )
             self.memory[uid] = writes.memory
+            self.record(key, writes)
+            unschedulable += writes.unschedulable
             engine, deployment = await asyncio.to_thread(self.apply, key, body, writes)
             # Recorded at once ("assume"), and no news: our own writes do not wake the loop.
             if engine is not None:
                 self.cache.observe_engine(engine, deleted=False, nudge=False)
             if deployment is not None:
                 self.cache.observe_deployment(deployment, deleted=False, nudge=False)
+        self.metrics.unschedulable.set(unschedulable)
         live = {str(b["metadata"].get("uid", "")) for b in self.cache.engines.values()}
         for uid in set(self.memory) - live:
             del self.memory[uid]
+        for key in self.recorded - set(self.cache.engines):
+            self.metrics.forget(*key)
+            self.services.pop(key, None)
+        self.recorded &= set(self.cache.engines)
 
     def apply(
         self, key: EngineKey, body: dict[str, Any], writes: Writes

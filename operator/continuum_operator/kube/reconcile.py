@@ -59,6 +59,9 @@ class Writes:
     delete_workload: bool
     events: tuple[Event, ...]
     memory: Memory
+    damping: Outcome | None = None  # what relaunch damping decided this pass, if it weighed
+    unschedulable: bool = False
+    memory_mode_unknown: bool = False
 
 
 def is_fresh(snap: Snapshot, node: str, now: float, default_ttl: float) -> bool:
@@ -217,6 +220,9 @@ def reconcile(
             delete_workload=plan_doc is None,
             events=tuple(events),
             memory=mem,
+            damping=f.damping,
+            unschedulable=f.unschedulable is not None and f.planned is None,
+            memory_mode_unknown=f.planned is not None and f.planned.memory_mode == "unknown",
         )
 
     try:

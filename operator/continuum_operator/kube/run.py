@@ -86,6 +86,12 @@ def add_parser(sub: Any) -> None:
         default=d.loop.resync_seconds,
         help="seconds between passes when nothing changes",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on this port (0: not served)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_operator)  # fmt: skip
 
@@ -108,7 +114,7 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
     )
 
 
-async def serve(settings: OperatorSettings, kubeconfig: str | None) -> None:
+async def serve(settings: OperatorSettings, kubeconfig: str | None, metrics_port: int = 0) -> None:
     # Imported here: `continuum plan` and friends need not load kopf and the Kubernetes client.
     import kopf
 
@@ -116,9 +122,13 @@ async def serve(settings: OperatorSettings, kubeconfig: str | None) -> None:
     from continuum_operator.kube.cache import Cache
     from continuum_operator.kube.handlers import registry_for
     from continuum_operator.kube.loop import Loop
+    from continuum_operator.kube.metrics import OperatorMetrics
 
     cache = Cache(lease_namespace=settings.freshness.lease_namespace)
-    loop = Loop(KubeApi(kubeconfig), settings, cache)
+    metrics = OperatorMetrics()
+    if metrics_port:
+        metrics.serve(metrics_port)
+    loop = Loop(KubeApi(kubeconfig), settings, cache, metrics=metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -142,5 +152,5 @@ def cmd_operator(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's login reads it too
-    asyncio.run(serve(settings_from(args), args.kubeconfig))
+    asyncio.run(serve(settings_from(args), args.kubeconfig, args.metrics_port))
     return 0

@@ -1,0 +1,83 @@
+"""The operator's Prometheus metrics, behind small recorder functions.
+
+Names carry the `continuum_` prefix; label values are enums (damping outcomes) or the engine's
+own namespace and name. Beside `engine/metrics.py` (the gateway's). DESIGN.md rule 3 asks for a
+metric wherever a node's memory mode is unknown: `continuum_engine_memory_mode_unknown`.
+Served by `continuum operator --metrics-port`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from continuum_operator.core.damping import Outcome
+
+__all__ = ["OperatorMetrics"]
+
+
+@dataclass
+class OperatorMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.relaunches = Counter(
+            "continuum_engine_relaunches",
+            "Relaunches of an engine's pod the operator decided (damped).",
+            ["namespace", "engine"],
+            registry=r,
+        )
+        self.weighed = Counter(
+            "continuum_engine_replans_weighed",
+            "Re-plans weighed by relaunch damping, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "continuum_engine_placements",
+            "Assumed leases written (an engine placed on a node).",
+            registry=r,
+        )
+        self.pod_start_timeouts = Counter(
+            "continuum_engine_pod_start_timeouts",
+            "Assumed leases released because the engine pod was not ready in time.",
+            registry=r,
+        )
+        self.unschedulable = Gauge(
+            "continuum_engines_unschedulable",
+            "Engines no node takes, at the last pass.",
+            registry=r,
+        )
+        self.memory_mode_unknown = Gauge(
+            "continuum_engine_memory_mode_unknown",
+            "1 while an engine runs on a node of unknown memory mode (device ungoverned).",
+            ["namespace", "engine"],
+            registry=r,
+        )
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def record_relaunch(self, namespace: str, engine: str) -> None:
+        self.relaunches.labels(namespace, engine).inc()
+
+    def record_weighed(self, outcome: Outcome) -> None:
+        if outcome is not Outcome.UNCHANGED:
+            self.weighed.labels(str(outcome)).inc()
+
+    def record_placement(self) -> None:
+        self.placements.inc()
+
+    def record_pod_start_timeout(self) -> None:
+        self.pod_start_timeouts.inc()
+
+    def set_memory_mode_unknown(self, namespace: str, engine: str, unknown: bool) -> None:
+        self.memory_mode_unknown.labels(namespace, engine).set(1 if unknown else 0)
+
+    def forget(self, namespace: str, engine: str) -> None:
+        for metric in (self.relaunches, self.memory_mode_unknown):
+            with contextlib.suppress(KeyError):
+                metric.remove(namespace, engine)
