@@ -55,8 +55,13 @@ crds: venv
 crds-check: venv
 	$(PY) -m continuum_operator.model.crdgen --check crds
 
-bench: venv
+# Benchmarks print figures; none is a pass/fail gate. estimate.py and gateway.py need llama.cpp.
+bench: install
 	$(PY) bench/plan.py
+	$(PY) bench/grants.py
+	$(PY) bench/agent.py
+	$(PY) bench/estimate.py
+	$(PY) bench/gateway.py
 
 demo: toolchain install
 	tools/demo
