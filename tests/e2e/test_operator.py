@@ -544,3 +544,40 @@ def test_an_invalid_spec_is_refused_by_the_api_server_and_by_plan_at_the_same_fi
     )  # fmt: skip
     assert offline.returncode == 2
     assert f"{path}: {field}:" in offline.stderr, offline.stderr
+
+
+def test_an_engine_with_only_a_model_source_has_its_facts_read_by_a_job_on_its_nodes(
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
+) -> None:
+    gpu_node(cluster, tag, discrete_status(80, 0.5))
+    body = engine("sourced", tag)
+    del body["spec"]["model"]["facts"]
+    body["spec"]["model"]["source"] = {"kind": "pvc", "claimName": "models", "path": "q4.gguf"}
+    body["spec"]["model"]["sha256"] = "ab" * 32
+    cluster.apply(body, "-n", namespace)
+    engine_now = wait_for(
+        "FactsPending",
+        is_condition(cluster, namespace, "sourced", "Planned", "False"),
+        log=operator.log,
+    )
+    c = condition(engine_now, "Planned")
+    assert c is not None and c["reason"] == "FactsPending"
+    jobs = wait_for(
+        "the facts Job",
+        lambda: cluster.get_json("jobs", "-n", namespace, "-l", "continuum.dev/facts-for=sourced")[
+            "items"
+        ],
+        log=operator.log,
+    )
+    pod = jobs[0]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == [
+        "continuum",
+        "facts",
+        "/models/q4.gguf",
+        "-o",
+        "json",
+    ]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+    assert pod["nodeSelector"] == {"e2e-tag": tag}
+    assert jobs[0]["metadata"]["ownerReferences"][0]["name"] == "sourced"
+    assert "placement" not in engine_now["status"]

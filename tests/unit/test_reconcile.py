@@ -11,13 +11,15 @@ from continuum_operator.core.damping import DampingSettings
 from continuum_operator.kube.cache import (
     BoardEntry,
     DeploymentEntry,
+    JobEntry,
     LeaseEntry,
     NodeEntry,
     Snapshot,
 )
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION
+from continuum_operator.kube.objects import LAUNCH_ANNOTATION, facts_job_name, source_key
 from continuum_operator.kube.reconcile import Memory, Writes, reconcile
 from continuum_operator.kube.settings import OperatorSettings, PlacementSettings
+from continuum_operator.model.engine import Engine
 from tests.builders import GiB, board, board_body, engine_body, example
 
 NOW = 1_800_000_000.0
@@ -281,3 +283,63 @@ def test_memory_already_measured_is_not_handed_to_a_second_engine_before_the_fir
     device_two = (two.get("bytes") or {}).get("device", {}).get("total", 0)
     # Whatever the second engine got on the GPU fits beside the first and the measured 24 GiB.
     assert 24 * GiB + own + device_two <= 40 * GiB
+
+
+def sourced(name: str = "coder") -> dict[str, Any]:
+    body = engine_obj(name)
+    facts = body["spec"]["model"].pop("facts")
+    body["spec"]["model"]["source"] = {"kind": "pvc", "claimName": "models", "path": "m.gguf"}
+    body["spec"]["model"]["sha256"] = "ab" * 32
+    body["_facts"] = facts  # kept aside for the test, not part of the object
+    return body
+
+
+def test_an_engine_with_only_a_model_source_gets_its_facts_read_by_a_job_first() -> None:
+    body = sourced()
+    body.pop("_facts")
+    w = reconcile(body, snapshot([discrete("a", 80)]), Memory(), NOW, SETTINGS)
+    after_body = after(body, w)
+    assert conditions(after_body)["Planned"] == ("False", "FactsPending")
+    assert w.facts_job is not None and w.deployment is None
+    assert w.facts_job["spec"]["template"]["spec"]["containers"][0]["command"][:2] == [
+        "continuum",
+        "facts",
+    ]
+    assert "placement" not in after_body["status"]
+
+
+def test_facts_read_from_the_file_are_planned_like_inline_ones() -> None:
+    body = sourced()
+    facts = body.pop("_facts")
+
+    key = source_key(Engine.model_validate(body))
+    body["status"] = {"modelFacts": {"source": key, "facts": facts}}
+    w = reconcile(body, snapshot([discrete("a", 80)]), Memory(), NOW, SETTINGS)
+    assert conditions(after(body, w))["Planned"] == ("True", "Planned")
+    assert w.facts_job is None and w.deployment is not None
+
+
+def test_facts_of_another_file_are_read_again() -> None:
+    body = sourced()
+    facts = body.pop("_facts")
+    body["status"] = {"modelFacts": {"source": "pvc:models/old.gguf@-", "facts": facts}}
+    w = reconcile(body, snapshot([discrete("a", 80)]), Memory(), NOW, SETTINGS)
+    assert conditions(after(body, w))["Planned"] == ("False", "FactsPending")
+    assert w.facts_job is not None
+
+
+def test_a_facts_job_that_failed_says_so_and_how_to_fix_it() -> None:
+
+    body = sourced()
+    body.pop("_facts")
+    name = facts_job_name(Engine.model_validate(body))
+    snap = replace(
+        snapshot([discrete("a", 80)]),
+        jobs={("ns", "coder"): JobEntry(name, "x", succeeded=False, failed=True)},
+    )
+    w = reconcile(body, snap, Memory(), NOW, SETTINGS)
+    got = after(body, w)
+    assert conditions(got)["Planned"] == ("False", "FactsMissing")
+    msg = next(c["message"] for c in got["status"]["conditions"] if c["type"] == "Planned")
+    assert name in msg and "spec.model.facts" in msg
+    assert w.facts_job is None  # not started again

@@ -31,6 +31,7 @@ class Reason(StrEnum):
     PLANNED = "Planned"
     INVALID_SPEC = "InvalidSpec"
     FACTS_MISSING = "FactsMissing"
+    FACTS_PENDING = "FactsPending"
     NOT_PLACED = "NotPlaced"
     # Unschedulable
     PLACED = "Placed"

@@ -48,6 +48,7 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "Event": "events",
         "Lease": "leases",
         "Node": "nodes",
+        "Job": "jobs",
     }[str(obj["kind"])]
     ns = obj["metadata"].get("namespace")
     path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"
@@ -109,6 +110,19 @@ class KubeApi:
         except ApiError as err:
             if err.status != 404:
                 raise
+
+    def text(self, path: str, query: Sequence[tuple[str, str]] = ()) -> str:
+        """A plain-text answer (a pod's log)."""
+        request = self._client.param_serialize(
+            "GET", path, query_params=list(query), header_params={"Accept": "text/plain"},
+            auth_settings=["BearerToken"],
+        )  # fmt: skip
+        response = self._client.call_api(*request, _request_timeout=30)
+        response.read()  # type: ignore[no-untyped-call]
+        text = response.data.decode() if response.data else ""
+        if not 200 <= response.status <= 299:
+            raise ApiError(response.status, "Error", text[:500])
+        return text
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         return self.request("POST", path_of(obj, collection=True), dict(obj))

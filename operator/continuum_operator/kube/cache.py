@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from continuum_operator.core.heartbeat import node_of_lease
 from continuum_operator.core.pools import Board
-from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
+from continuum_operator.kube.objects import FACTS_FOR_LABEL, GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
 
 EngineKey = tuple[str, str]  # (namespace, name)
@@ -81,12 +81,23 @@ class DeploymentEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class JobEntry:
+    """A facts Job (`kube.objects.facts_job`) and how it ended, if it did."""
+
+    name: str
+    source: str
+    succeeded: bool
+    failed: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     boards: Mapping[str, BoardEntry]
     leases: Mapping[str, LeaseEntry]  # by node name
     nodes: Mapping[str, NodeEntry]
     engines: Mapping[EngineKey, Mapping[str, Any]]
     deployments: Mapping[EngineKey, DeploymentEntry]
+    jobs: Mapping[EngineKey, JobEntry] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +108,7 @@ class Cache:
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
     engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
+    jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def snapshot(self) -> Snapshot:
@@ -106,6 +118,7 @@ class Cache:
             nodes=dict(self.nodes),
             engines=dict(self.engines),  # bodies are replaced, never changed in place
             deployments=dict(self.deployments),
+            jobs=dict(self.jobs),
         )
 
     def _nudge(self) -> None:
@@ -170,6 +183,25 @@ class Cache:
         if nudge:
             self._nudge()
 
+    def observe_job(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        meta = obj["metadata"]
+        engine = (meta.get("labels") or {}).get(FACTS_FOR_LABEL)
+        if not engine:
+            return
+        key = (meta["namespace"], engine)
+        if deleted:
+            if key in self.jobs and self.jobs[key].name == meta["name"]:
+                del self.jobs[key]
+        else:
+            status = obj.get("status") or {}
+            self.jobs[key] = JobEntry(
+                name=meta["name"],
+                source=(meta.get("annotations") or {}).get("continuum.dev/model-source", ""),
+                succeeded=_job_ended(status, "Complete"),
+                failed=_job_ended(status, "Failed"),
+            )
+        self._nudge()
+
     def observe_deployment(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
@@ -189,6 +221,12 @@ class Cache:
             )
         if nudge:
             self._nudge()
+
+
+def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
+    return any(
+        c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []
+    )
 
 
 def _rv(meta: Mapping[str, Any]) -> int:

@@ -1,9 +1,9 @@
 """kopf watch handlers: each one only records what it saw in the cache and wakes the loop.
 
-The operator watches Engines, NodeBoards, node Leases, Nodes and the Deployments it owns. No
-handler decides or writes anything (the loop does, `kube.loop`), so kopf keeps no state on the
-objects: no finalizers, no progress annotations. Handlers are coroutines, so the cache is only
-touched from the event loop.
+The operator watches Engines, NodeBoards, the agents' Leases, Nodes, and the Deployments and
+facts Jobs it owns. No handler decides or writes anything (the loop does, `kube.loop`), so kopf
+keeps no state on the objects: no finalizers, no progress annotations. Handlers are coroutines,
+so the cache is only touched from the event loop.
 """
 
 from __future__ import annotations
@@ -72,5 +72,15 @@ def registry_for(cache: Cache) -> kopf.OperatorRegistry:
     )
     async def deployment(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_deployment(_obj(event), _deleted(event))
+
+    @kopf.on.event(
+        group="batch",
+        version="v1",
+        plural="jobs",
+        registry=registry,
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+    )
+    async def job(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_job(_obj(event), _deleted(event))
 
     return registry

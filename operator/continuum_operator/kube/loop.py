@@ -16,15 +16,17 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from continuum_operator.kube import objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
-from continuum_operator.kube.cache import Cache, EngineKey, format_time
+from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.reconcile import Event, Memory, Writes, reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.engine import ModelFacts
 
 log = logging.getLogger("continuum.operator")
 
@@ -100,6 +102,14 @@ class Loop:
             if body is None or body["metadata"].get("deletionTimestamp"):
                 continue
             uid = str(body["metadata"].get("uid", ""))
+            job = self.cache.jobs.get(key)
+            if job is not None and job.succeeded and not _has_facts(body, job.source):
+                read, error = await asyncio.to_thread(self.read_facts, key, job)
+                if read is not None:
+                    self.cache.observe_engine(read, deleted=False, nudge=False)
+                    body = read
+                memory = self.memory.get(uid, Memory())
+                self.memory[uid] = replace(memory, facts_error=error)
             snap = self.cache.snapshot()
             writes = reconcile(
                 body, snap, self.memory.get(uid, Memory()), self.clock(), self.settings
@@ -138,6 +148,14 @@ class Loop:
                 current = self.cache.deployments.get(key)
                 if current is None or current.launch != desired:
                     deployment = self.api.apply(writes.deployment)
+            if writes.facts_job is not None:
+                known = self.cache.jobs.get(key)
+                if known is None or known.name != writes.facts_job["metadata"]["name"]:
+                    try:
+                        self.api.create(writes.facts_job)
+                    except ApiError as err:
+                        if err.status != 409:  # 409: created by an earlier pass
+                            raise
             if writes.service is not None:
                 digest = repr(writes.service)
                 if self.services.get(key) != digest:
@@ -153,6 +171,43 @@ class Loop:
             if err.status != 404:  # 404: the engine was deleted meanwhile
                 log.warning("writing Engine %s/%s failed: %s", ns, name, err)
         return engine, deployment
+
+    def read_facts(self, key: EngineKey, job: JobEntry) -> tuple[dict[str, Any] | None, str | None]:
+        """Runs in a thread: the facts a succeeded Job printed, into status.modelFacts.
+
+        Returns the Engine as written, or why the Job's answer cannot be used.
+        """
+        ns, name = key
+        try:
+            pods = self.api.request(
+                "GET",
+                f"/api/v1/namespaces/{ns}/pods",
+                query=[("labelSelector", f"job-name={job.name}")],
+            )["items"]
+            if not pods:
+                return None, f"no pod of Job {job.name} is left to read"
+            log = self.api.text(f"/api/v1/namespaces/{ns}/pods/{pods[0]['metadata']['name']}/log")
+            facts = ModelFacts.model_validate_json(log)
+            answer = self.api.merge_patch(
+                crd_path("engines", ns, name, "status"),
+                {
+                    "status": {
+                        "modelFacts": {
+                            "source": job.source,
+                            "facts": facts.model_dump(
+                                mode="json", by_alias=True, exclude_none=True
+                            ),
+                            "readAt": format_time(self.clock()),
+                        }
+                    }
+                },
+            )
+            self.api.delete(f"/apis/batch/v1/namespaces/{ns}/jobs/{job.name}")
+            return answer, None
+        except ApiError as err:
+            return None, f"reading its log failed: {err}"
+        except ValueError as err:
+            return None, f"its output is not model facts: {str(err)[:300]}"
 
     def post_event(self, body: dict[str, Any], event: Event) -> None:
         meta = body["metadata"]
@@ -189,6 +244,11 @@ class Loop:
             )
         except ApiError as err:
             log.warning("posting an event on Engine %s failed: %s", meta["name"], err)
+
+
+def _has_facts(body: dict[str, Any], source: str) -> bool:
+    read = (body.get("status") or {}).get("modelFacts") or {}
+    return bool(read) and read.get("source") == source
 
 
 def _stub(api_version: str, kind: str, ns: str, name: str) -> dict[str, Any]:

@@ -231,6 +231,85 @@ def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:
     }
 
 
+FACTS_FOR_LABEL = "continuum.dev/facts-for"
+
+
+def source_key(engine: Engine) -> str | None:
+    """Identity of the model file: what the facts in status were read from."""
+    source = engine.spec.model.source
+    if source is None:
+        return None
+    where = {
+        ModelSourceKind.PVC: f"pvc:{source.claim_name}",
+        ModelSourceKind.HOST_PATH: "hostPath:",
+        ModelSourceKind.IMAGE: f"image:{source.image}",
+    }[source.kind]
+    return f"{where}/{source.path.lstrip('/')}@{engine.spec.model.sha256 or '-'}"
+
+
+def facts_job_name(engine: Engine) -> str:
+    key = hashlib.sha256((source_key(engine) or "").encode()).hexdigest()[:8]
+    return f"{engine.metadata.name[:45]}-facts-{key}"
+
+
+def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
+    """A short Job that reads the model's GGUF header where the file is and prints its facts.
+
+    It runs on a node the engine may be placed on (its nodeSelector), with the model's volume;
+    `continuum facts` reads the header and tensor index only, never the weights. The operator
+    reads the facts from the pod's log when the Job succeeds.
+    """
+    model = _model_volume(engine)
+    assert model is not None, "a facts Job needs spec.model.source"
+    volume, path = model
+    selector = dict(engine.spec.placement.node_selector)
+    if engine.spec.placement.node_pool:
+        selector["continuum.dev/node-pool"] = engine.spec.placement.node_pool
+    pod_spec: Obj = {
+        "restartPolicy": "Never",
+        "priorityClassName": pods.engine_priority_class,
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [
+            {
+                "name": "facts",
+                "image": pods.image,
+                "imagePullPolicy": pods.image_pull_policy,
+                "command": ["continuum", "facts", path, "-o", "json"],
+                "resources": {
+                    "requests": {"cpu": "100m", "memory": "256Mi"},
+                    "limits": {"cpu": "1", "memory": "256Mi"},
+                },
+                "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}],
+            }
+        ],
+        "volumes": [volume],
+    }
+    if selector:
+        pod_spec["nodeSelector"] = selector
+    job_labels = {
+        "app.kubernetes.io/name": "continuum-facts",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        FACTS_FOR_LABEL: engine.metadata.name,
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": facts_job_name(engine),
+            "namespace": engine.metadata.namespace,
+            "labels": job_labels,
+            "annotations": {"continuum.dev/model-source": source_key(engine)},
+            "ownerReferences": [owner_reference(engine, uid)],
+        },
+        "spec": {
+            "backoffLimit": 1,
+            "activeDeadlineSeconds": 600,
+            "ttlSecondsAfterFinished": 3600,
+            "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+        },
+    }
+
+
 def priority_classes(pods: PodSettings) -> list[Obj]:
     """The engine's class and the minds' class, installed by the operator at startup."""
     return [

@@ -33,7 +33,7 @@ from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, pars
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.base import Condition
-from continuum_operator.model.engine import Engine, EnginePlacement
+from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,7 @@ class Memory:
 
     damper: Damper = field(default_factory=Damper)
     backoff_until: Mapping[str, float] = field(default_factory=dict)
+    facts_error: str | None = None  # why the facts Job's answer could not be used
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class Writes:
     delete_workload: bool
     events: tuple[Event, ...]
     memory: Memory
+    facts_job: dict[str, Any] | None = None  # the Job that reads the model's facts, wanted
     damping: Outcome | None = None  # what relaunch damping decided this pass, if it weighed
     unschedulable: bool = False
     memory_mode_unknown: bool = False
@@ -137,6 +139,42 @@ def _shape(plan_doc: Mapping[str, Any]) -> PlanShape:
         total_layers=int(plan_doc.get("totalLayers", 0)),
         pool_tokens=int(plan_doc.get("poolTokens", 0)),
     )
+
+
+def _facts_from_file(
+    engine: Engine,
+    status: Mapping[str, Any],
+    snap: Snapshot,
+    memory: Memory,
+    key: EngineKey,
+    uid: str,
+    settings: OperatorSettings,
+) -> tuple[ModelFacts | None, cond.Problem | None, dict[str, Any] | None]:
+    """Facts read from the model's file: from status, or a Job to read them (DESIGN.md)."""
+    source = objects.source_key(engine)
+    read = status.get("modelFacts") or {}
+    if read and read.get("source") == source:
+        try:
+            return ModelFacts.model_validate(read["facts"]), None, None
+        except ValueError as err:
+            why = f"status.modelFacts.facts cannot be planned from: {err}"
+            return None, cond.Problem(cond.Reason.FACTS_MISSING, why), None
+    job = snap.jobs.get(key)
+    name = objects.facts_job_name(engine)
+    fix = (
+        "check spec.model.source, or give the facts inline (`continuum facts MODEL.gguf` prints "
+        "them for spec.model.facts)"
+    )
+    if job is not None and job.name == name and (job.failed or memory.facts_error):
+        why = memory.facts_error or "the Job failed"
+        message = f"reading the model's facts in Job {name} failed: {why}; {fix}"
+        return None, cond.Problem(cond.Reason.FACTS_MISSING, message), None
+    message = (
+        f"reading the model's GGUF header in Job {name} (`continuum facts` where the file is); "
+        "the engine is planned once the facts are in status.modelFacts"
+    )
+    wanted = objects.facts_job(engine, uid, settings.pods)
+    return None, cond.Problem(cond.Reason.FACTS_PENDING, message), wanted
 
 
 _QUIET_REASONS = frozenset(
@@ -232,13 +270,10 @@ def reconcile(
         return finish(replace(facts_in, problem=problem), None, None, memory)
     facts = engine.spec.model.facts
     if facts is None:
-        problem = cond.Problem(
-            cond.Reason.FACTS_MISSING,
-            "spec.model.facts: this Engine names a model source but no facts; run "
-            "`continuum facts MODEL.gguf` and put its output in spec.model.facts (reading the "
-            "GGUF header on the node is not done by the operator yet)",
-        )
-        return finish(replace(facts_in, problem=problem), None, None, memory)
+        facts, missing, job = _facts_from_file(engine, status, snap, memory, key, uid, settings)
+        if facts is None:
+            writes = finish(replace(facts_in, problem=missing), None, None, memory)
+            return replace(writes, facts_job=job, delete_workload=False)
 
     me = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
     others = other_leases(snap, key)

@@ -289,6 +289,14 @@ class EngineRelaunches(Spec):
     last_reason: str = ""
 
 
+class ReadFacts(Spec):
+    """Facts the operator's facts Job read from the model file, where spec.model.facts is absent."""
+
+    source: str = Field(max_length=8192, description="The file read: source kind, where, digest.")
+    facts: ModelFacts
+    read_at: str | None = None
+
+
 class EngineStatus(Spec):
     model_config = Spec.model_config | {"extra": "allow"}
 
@@ -300,6 +308,7 @@ class EngineStatus(Spec):
     enforcement: OpenStatus | None = None
     runtime: OpenStatus | None = None
     relaunches: EngineRelaunches | None = None
+    model_facts: ReadFacts | None = None
     conditions: list[Condition] = Field(default_factory=list)
     observed_generation: int | None = None
 
