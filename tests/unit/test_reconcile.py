@@ -18,7 +18,7 @@ from continuum_operator.kube.cache import (
 )
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION, facts_job_name, source_key
 from continuum_operator.kube.reconcile import Memory, Writes, reconcile
-from continuum_operator.kube.settings import OperatorSettings, PlacementSettings
+from continuum_operator.kube.settings import GpuSharing, OperatorSettings, PlacementSettings
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, board, board_body, engine_body, example
 
@@ -343,3 +343,28 @@ def test_a_facts_job_that_failed_says_so_and_how_to_fix_it() -> None:
     msg = next(c["message"] for c in got["status"]["conditions"] if c["type"] == "Planned")
     assert name in msg and "spec.model.facts" in msg
     assert w.facts_job is None  # not started again
+
+
+def test_an_engine_whose_node_no_longer_holds_it_keeps_running_and_says_why() -> None:
+    body, mem, w = _running(snapshot([discrete("a", 24)]), engine_obj(), Memory(), NOW)
+    snap = replace(snapshot([discrete("a", 24)]), deployments={("ns", "coder"): ready(w)})
+    body, mem, w = _running(snap, body, mem, NOW + 1)
+    # Something outside every lease now fills the GPU and most of the host.
+    full = replace(
+        snapshot([discrete("a", 24, used_gib=24, host_gib=4)]), deployments=snap.deployments
+    )
+    body, mem, w = _running(full, body, mem, NOW + 2)
+    assert conditions(body)["Degraded"] == ("True", "PlanNoLongerFits")
+    assert conditions(body)["Ready"] == ("True", "PodReady")
+    assert w.deployment is not None
+    assert any(e.type == "Warning" and e.reason == "PlanNoLongerFits" for e in w.events)
+
+
+def test_auto_gpu_sharing_applies_what_the_node_offers() -> None:
+    offered = replace(discrete("a", 80), cap_mechanisms=("mps",))
+    settings = replace(SETTINGS, pods=replace(SETTINGS.pods, gpu_sharing=GpuSharing.AUTO))
+    w = reconcile(engine_obj(), snapshot([offered]), Memory(), NOW, settings)
+    enforcement = after(engine_obj(), w)["status"]["enforcement"]
+    assert enforcement["gpuSharing"] == "mps" and "mpsPinnedDeviceMemLimit" in enforcement
+    plain = reconcile(engine_obj(), snapshot([discrete("a", 80)]), Memory(), NOW, settings)
+    assert after(engine_obj(), plain)["status"]["enforcement"]["gpuSharing"] == "none"

@@ -49,6 +49,7 @@ class Reason(StrEnum):
     MINDS_LIMITED = "MindsLimited"
     LAYERS_LIMITED = "LayersLimited"
     RELAUNCH_DEFERRED = "RelaunchDeferred"
+    NO_LONGER_FITS = "PlanNoLongerFits"
     # MemoryModeUnknown / BoardStale
     MODE_REPORTED = "MemoryModeReported"
     MODE_UNKNOWN = "NoMemoryModeReported"
@@ -94,6 +95,8 @@ class EngineFacts:
     pod: PodPhase = PodPhase.NONE
     damping: Outcome | None = None
     damping_message: str = ""
+    no_longer_fits: str = ""
+    """Its own node's board, read again, no longer holds even the smallest plan: why."""
 
 
 def _c(t: ConditionType, status: bool, reason: Reason, message: str, gen: int | None) -> Condition:
@@ -152,6 +155,14 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
             True,
             Reason.LEASE_EXPIRED,
             f"the board of {p.node} is stale: the engine keeps its plan, nothing re-plans there",
+            gen,
+        )
+    elif p is not None and f.no_longer_fits:
+        degraded = _c(
+            T.DEGRADED,
+            True,
+            Reason.NO_LONGER_FITS,
+            f"{p.node} no longer holds this engine as planned: {f.no_longer_fits}",
             gen,
         )
     elif p is not None and f.damping in (

@@ -45,6 +45,7 @@ class BoardEntry:
     board: Board | None  # None: the board's status does not validate
     resource_version: str
     problem: str = ""
+    cap_mechanisms: tuple[str, ...] = ()  # per-process GPU caps the node offers (its agent saw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +132,9 @@ class Cache:
         else:
             rv = str(obj["metadata"].get("resourceVersion", ""))
             try:
-                board = Board.from_resource(NodeBoard.model_validate(dict(obj)))
-                self.boards[name] = BoardEntry(board, rv)
+                resource = NodeBoard.model_validate(dict(obj))
+                caps = tuple(str(c.mechanism) for c in resource.status.cap_mechanisms)
+                self.boards[name] = BoardEntry(Board.from_resource(resource), rv, "", caps)
             except ValidationError as err:
                 self.boards[name] = BoardEntry(None, rv, str(err.errors()[0]["msg"]))
         self._nudge()

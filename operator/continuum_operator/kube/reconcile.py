@@ -30,7 +30,7 @@ from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import ConsumerKind, Lease, Ledger
 from continuum_operator.kube import objects
 from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.base import Condition
 from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
@@ -98,6 +98,14 @@ def other_leases(snap: Snapshot, me: EngineKey, *, assumed_only: bool = False) -
         who = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
         leases.extend(Lease(who, ConsumerKind.ENGINE, p.node, x.pool, x.bytes) for x in p.pools)
     return leases
+
+
+def pods_on(snap: Snapshot, node: str, settings: OperatorSettings) -> PodSettings:
+    """The pod settings on one node: GPU sharing resolved against what its board offers."""
+    board = snap.boards.get(node)
+    offered = board.cap_mechanisms if board is not None else ()
+    sharing = resolve_sharing(settings.pods.gpu_sharing, offered)
+    return replace(settings.pods, gpu_sharing=sharing)
 
 
 def _unschedulable(decision: Decision) -> cond.Problem:
@@ -231,6 +239,7 @@ def reconcile(
         plan_doc: Mapping[str, Any] | None,
         mem: Memory,
         node_has_gpus: bool = False,
+        pods: PodSettings = settings.pods,
     ) -> Writes:
         conditions = cond.merge(old_conditions, cond.engine_conditions(f), format_time(now))
         for c in cond.transitions(old_conditions, conditions):
@@ -244,12 +253,10 @@ def reconcile(
         deployment = service = None
         if engine is not None and plan_doc is not None:
             deployment = objects.deployment(
-                engine, uid, plan_doc, settings.pods, node_has_gpus=node_has_gpus
+                engine, uid, plan_doc, pods, node_has_gpus=node_has_gpus
             )
-            service = objects.service(engine, uid, settings.pods)
-            new["enforcement"] = objects.enforcement(
-                plan_doc, settings.pods, node_has_gpus=node_has_gpus
-            )
+            service = objects.service(engine, uid, pods)
+            new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
         patch = {k: v for k, v in new.items() if status.get(k) != v}
         return Writes(
             status_patch={"status": patch} if patch else None,
@@ -296,7 +303,8 @@ def reconcile(
         node = str(placement["node"])
         node_entry = snap.nodes.get(node)
         has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
-        launch = objects.launch_hash(engine, plan_doc, settings.pods)
+        pods = pods_on(snap, node, settings)
+        launch = objects.launch_hash(engine, plan_doc, pods)
         dep = snap.deployments.get(key)
         running = dep is not None and dep.running(launch)
         assumed_at = parse_time(placement.get("assumedAt"))
@@ -328,6 +336,7 @@ def reconcile(
             fresh = is_fresh(snap, node, now, ttl)
             board = snap.boards.get(node)
             outcome: Outcome | None = None
+            no_longer_fits = ""
             if fresh and board is not None and board.board is not None:
                 measured = with_unmeasured(board.board, assumed)
                 # The successor is sized crediting back what the running engine holds. The
@@ -342,6 +351,9 @@ def reconcile(
                 ]
                 ledger = Ledger.of(measured, [*others, *mine])
                 candidate = plan(measured, engine.spec, facts, ledger, crediting=me)
+                if not candidate.schedulable:
+                    # Not moved elsewhere (yet): said, so a person can act.
+                    no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
                 if candidate.schedulable:
                     damper, outcome = step(
                         damper,
@@ -387,11 +399,12 @@ def reconcile(
                     else cond.PodPhase.PENDING
                 ),
                 damping=outcome,
+                no_longer_fits=no_longer_fits,
                 damping_message=_damping_message(outcome, damper, settings)
                 if outcome is not None
                 else "",
             )
-            return finish(f, engine, plan_doc, Memory(damper, backoff), has_gpus)
+            return finish(f, engine, plan_doc, Memory(damper, backoff), has_gpus, pods)
 
     # Not placed: best fit among the nodes with fresh boards.
     views = [
@@ -440,4 +453,5 @@ def reconcile(
         plan_doc,
         Memory(damper, backoff),
         bool(node_entry and node_entry.gpus_allocatable > 0),
+        pods_on(snap, chosen.node, settings),
     )

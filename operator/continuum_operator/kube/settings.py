@@ -20,6 +20,18 @@ class GpuSharing(StrEnum):
     """HAMi's device plugin: the pod asks for `nvidia.com/gpumem` (MiB per GPU)."""
     MPS = "mps"
     """NVIDIA MPS: `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` per device in the engine's environment."""
+    AUTO = "auto"
+    """What the node's board offers (`capMechanisms`, seen by its agent): HAMi first, then MPS."""
+
+
+def resolve_sharing(configured: GpuSharing, offered: tuple[str, ...]) -> GpuSharing:
+    """The caps to apply on one node: the configured ones, or with `auto` the node's own."""
+    if configured is not GpuSharing.AUTO:
+        return configured
+    for choice in (GpuSharing.HAMI, GpuSharing.MPS):
+        if str(choice) in offered:
+            return choice
+    return GpuSharing.NONE
 
 
 @dataclass(frozen=True, slots=True)
