@@ -8,8 +8,8 @@ elsewhere on the machine falls on both alike.
 
 - Latency: one request at a time, `n_predict` 1 on a short prompt, on one slot: p50 and p90 of
   each, the gateway's added p50, and the ratio.
-- Throughput: one client per slot, all slots busy, `n_predict` 32 per request, for a fixed
-  time: generated tokens per second of each, and the ratio.
+- Throughput: one client per slot, all slots busy, `n_predict` 32 per request (`--n-predict`),
+  for a fixed time: generated tokens per second of each, and the ratio.
 
 Run: `.venv/bin/python bench/gateway.py` (add `--slots 4 --seconds 10` to change the load).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -125,14 +126,14 @@ async def latency(client: Client, n: int) -> list[float]:
     return out
 
 
-async def throughput(clients: list[Client], seconds: float) -> float:
+async def throughput(clients: list[Client], seconds: float, n_predict: int) -> float:
     tokens = 0
     end = time.perf_counter() + seconds
 
     async def one(c: Client) -> None:
         nonlocal tokens
         while time.perf_counter() < end:
-            tokens += int((await c.complete(32))["tokens_predicted"])
+            tokens += int((await c.complete(n_predict))["tokens_predicted"])
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(c) for c in clients))
@@ -144,7 +145,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def measure(
-    direct: str, gated: str, slots: int, requests: int, seconds: float, rounds: int
+    direct: str, gated: str, slots: int, requests: int, seconds: float, rounds: int, n_predict: int
 ) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         straight = [Client(http, direct, i, None) for i in range(slots)]
@@ -158,17 +159,20 @@ async def measure(
         for _ in range(rounds):
             lat["llama-server"] += await latency(straight[0], requests)
             lat["gateway"] += await latency(through[0], requests)
-            tput["llama-server"].append(await throughput(straight, seconds))
-            tput["gateway"].append(await throughput(through, seconds))
+            tput["llama-server"].append(await throughput(straight, seconds, n_predict))
+            tput["gateway"].append(await throughput(through, seconds, n_predict))
 
     ms = 1000.0
-    print(f"slots {slots}; latency: {rounds} x {requests} requests of n_predict 1 on one slot")
+    print(
+        f"slots {slots}, {os.cpu_count()} CPUs shared by llama-server, the gateway and the "
+        f"client; latency: {rounds} x {requests} requests of n_predict 1 on one slot"
+    )
     for name, xs in lat.items():
         print(f"  {name:<13} p50 {pct(xs, 0.5) * ms:7.2f} ms   p90 {pct(xs, 0.9) * ms:7.2f} ms")
     added = pct(lat["gateway"], 0.5) - pct(lat["llama-server"], 0.5)
     ratio = pct(lat["gateway"], 0.5) / pct(lat["llama-server"], 0.5)
     print(f"  gateway adds {added * ms:.2f} ms per request at p50 (ratio {ratio:.3f})")
-    print(f"throughput: all {slots} slots busy, n_predict 32, {rounds} x {seconds:.0f} s")
+    print(f"throughput: all {slots} slots busy, n_predict {n_predict}, {rounds} x {seconds:.0f} s")
     for name, xs in tput.items():
         print(f"  {name:<13} {statistics.median(xs):8.1f} tokens/s (median of {len(xs)})")
     t_ratio = statistics.median(tput["gateway"]) / statistics.median(tput["llama-server"])
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=50, help="latency requests per round")
     p.add_argument("--seconds", type=float, default=5.0, help="throughput seconds per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--n-predict", type=int, default=32, help="tokens per throughput request")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
     args = p.parse_args(argv)
@@ -219,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.requests,
                     args.seconds,
                     args.rounds,
+                    args.n_predict,
                 )
             )
         finally:

@@ -35,6 +35,7 @@ from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER, TurnCut, turn
 from continuum_operator.gguf import file_sha256
 from continuum_operator.model.mind import GrantState
+from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 from tests.e2e.llama_fixtures import TinyModel, free_port
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +46,15 @@ CTX = 16384  # 8,192 tokens per slot: room for generations long enough to interr
 SLOT_TOKENS = CTX // SLOTS
 # Never stop at an end-of-sequence token: a generation runs as long as it is allowed.
 LONG = {"n_predict": 6000, "ignore_eos": True, "temperature": 0.0}
+# llama-server caps a slot's context at the model's training context: train it for the slots.
+SHAPE = TinyModelShape(context_length=CTX)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    path = tmp_path_factory.mktemp("models") / "tiny-16k.gguf"
+    write_tiny_gguf(path, SHAPE, seed=0)
+    return TinyModel(path=path, shape=SHAPE)
 
 
 def granted(mind: str, slot: int, tokens: int = SLOT_TOKENS) -> TableEntry:
@@ -170,7 +180,7 @@ def run_engine(
 
 
 def test_a_granted_mind_gets_completions_on_her_slot_and_the_load_is_receipted(
-    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
     async def body(e: Engine) -> None:
         status, opened = await e.open(MIRA)
@@ -187,7 +197,7 @@ def test_a_granted_mind_gets_completions_on_her_slot_and_the_load_is_receipted(
         status, again = await e.complete(MIRA, opened["turn"], prompt)
         assert again["timings"]["cache_n"] > 0
 
-    doc = run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 1)), body)
+    doc = run_engine(llama_server_bin, model, tmp_path, table(granted(MIRA, 1)), body)
     assert doc["ready"] is True and (doc["slots"], doc["slotTokens"]) == (SLOTS, SLOT_TOKENS)
     [receipt] = doc["receipts"]
     assert receipt["contextTokens"] == CTX and receipt["parallel"] == SLOTS
@@ -198,7 +208,7 @@ def test_a_granted_mind_gets_completions_on_her_slot_and_the_load_is_receipted(
 
 
 def test_minds_without_a_grant_are_told_why_and_never_reach_llama_server(
-    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
     async def body(e: Engine) -> None:
         status, answer = await e.open(ANN)
@@ -214,11 +224,11 @@ def test_minds_without_a_grant_are_told_why_and_never_reach_llama_server(
         assert (status, answer["error"]) == (429, "queued")
         assert all("id_task" not in s for s in await e.slots())
 
-    run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0), queued(ANN)), body)
+    run_engine(llama_server_bin, model, tmp_path, table(granted(MIRA, 0), queued(ANN)), body)
 
 
 def test_a_mind_over_her_tokens_is_cut_off_with_a_clear_answer(
-    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
     async def body(e: Engine) -> None:
         _, opened = await e.open(MIRA)
@@ -234,11 +244,11 @@ def test_a_mind_over_her_tokens_is_cut_off_with_a_clear_answer(
         status, reply = await e.complete(MIRA, opened["turn"], {"prompt": "word " * 80})
         assert (status, reply["error"], reply["grantTokens"]) == (413, "over_grant", 64)
 
-    run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0, tokens=64)), body)
+    run_engine(llama_server_bin, model, tmp_path, table(granted(MIRA, 0, tokens=64)), body)
 
 
 def test_a_reclaim_ends_a_long_generation_erases_the_slot_and_reports_the_release(
-    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
     async def body(e: Engine) -> None:
         _, opened = await e.open(MIRA)
@@ -272,12 +282,12 @@ def test_a_reclaim_ends_a_long_generation_erases_the_slot_and_reports_the_releas
         assert status == 200 and reply["timings"]["cache_n"] == 0
         assert reply["id_slot"] == 0
 
-    doc = run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0)), body)
+    doc = run_engine(llama_server_bin, model, tmp_path, table(granted(MIRA, 0)), body)
     assert doc["slotReleases"] == []  # recorded by the operator: it left the report
 
 
 def test_a_mind_that_ignores_her_reclaim_is_cut_off_without_her(
-    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
     """She holds her stream open, reads nothing and keeps asking; the gateway ends it, erases
     her slot and reports it released before the grace deadline, whatever she does."""
@@ -311,7 +321,7 @@ def test_a_mind_that_ignores_her_reclaim_is_cut_off_without_her(
         events = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith(b"data: ")]
         assert events[-1] == {"error": {"type": "turn_cut", "reason": "EngineShrunk"}}
 
-    run_engine(llama_server_bin, tiny_model, tmp_path, table(granted(MIRA, 0)), body)
+    run_engine(llama_server_bin, model, tmp_path, table(granted(MIRA, 0)), body)
 
 
 async def _async(value: bool) -> bool:
@@ -319,7 +329,7 @@ async def _async(value: bool) -> bool:
 
 
 def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
-    llama_server_bin: Path, tiny_model: TinyModel, tmp_path: Path
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
     """DESIGN.md's seed failure: one mind, one slot, the engine relaunched during her turns.
 
@@ -336,6 +346,7 @@ def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
         relaunches_left = 2
         stop = asyncio.Event()
         cuts: list[float] = []
+        drains: list[float] = []
         turns_done = 0
 
         def publish() -> None:
@@ -358,6 +369,7 @@ def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
                 if phase is EnginePhase.SERVING and relaunches_left and await e.processing(0):
                     await asyncio.sleep(0.3)  # mid-generation: the engine must relaunch
                     phase, relaunches_left = EnginePhase.DRAINING, relaunches_left - 1
+                    drains.append(time.monotonic())
                 elif phase is EnginePhase.DRAINING and not holders:
                     phase = EnginePhase.RELAUNCHING
                     assert e.runtime.process is not None
@@ -379,22 +391,31 @@ def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
                     async with turn(
                         e.url, MIRA, deadline_seconds=1500, poll_seconds=0.1, session=e.http
                     ) as t:
-                        await t.complete({"prompt": "Think about the next step", **LONG})
+                        try:
+                            await t.complete({"prompt": "Think about the next step", **LONG})
+                        except TurnCut:
+                            cuts.append(time.monotonic())  # cut mid-generation
+                            raise
                         turns_done += 1
                 except TurnCut:
-                    cuts.append(time.monotonic())
+                    # Her turn is over (cut, or her grant still being reclaimed when she came
+                    # back): she thinks a moment, then asks for her next turn.
+                    await asyncio.sleep(0.2)
 
         op = asyncio.create_task(operator())
+        await until(lambda: _async(bool(e.gateway.table and e.gateway.table.entry(MIRA))))
         started = time.monotonic()
         try:
             await asyncio.wait_for(mind(), 120)
         finally:
             stop.set()
             await op
-        assert len(cuts) >= 2, "the relaunches should have cut her turns"
+        assert len(cuts) == len(drains) == 2, "each relaunch should have cut her turn"
+        # each turn ended at once, not at the end of its generation or of any deadline
+        assert all(0 <= c - d < 2.0 for d, c in zip(drains, cuts, strict=True)), (drains, cuts)
         assert relaunches_left == 0 and e.runtime.restarts == 2
         assert time.monotonic() - started < 120  # nowhere near the 1,500 s deadline
 
     run_engine(
-        llama_server_bin, tiny_model, tmp_path, GrantTable(SLOT_TOKENS, EnginePhase.SERVING), body
+        llama_server_bin, model, tmp_path, GrantTable(SLOT_TOKENS, EnginePhase.SERVING), body
     )

@@ -168,6 +168,20 @@ class TestServingGrantedMinds:
 
         run(table(granted()), body)
 
+    def test_a_mind_that_hangs_up_stops_her_generation_in_llama_server(self) -> None:
+        async def body(rig: Rig) -> None:
+            _, opened = (await rig.open())[:2]
+            call = asyncio.create_task(
+                rig.complete(opened["turn"], {"prompt": "long", "n_predict": 400})
+            )
+            await until(lambda: 0 in rig.fake.busy)
+            call.cancel()  # her connection closes
+            await asyncio.gather(call, return_exceptions=True)
+            await until(lambda: not rig.fake.busy and not rig.gateway.flights)
+
+        fake = run(table(granted()), body, FakeLlama(token_seconds=0.01))
+        assert fake.cancelled == [0]
+
 
 class TestTokens:
     def test_a_mind_asking_past_her_grant_is_capped_and_told_she_was_cut_off(self) -> None:

@@ -619,7 +619,10 @@ class Gateway:
                 await out.write_eof()
             return out
         finally:
-            upstream.release()
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()  # a stream left unfinished: llama-server drops the task
 
 
 def _annotate(note: dict[str, Any], cap: TokenCap, final: dict[str, Any]) -> dict[str, Any]:

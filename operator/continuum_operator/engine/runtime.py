@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -59,7 +60,18 @@ EXIT_OK = 0
 EXIT_INVALID = 2
 #: Lines of llama-server's log kept for the receipt: the load is logged long before this.
 LOAD_LOG_LINES = 4000
-READY_MARKERS = ("server is listening", "main: model loaded")
+VERBOSITY_FLAGS = frozenset(
+    {"-lv", "--verbosity", "--log-verbosity", "-v", "--verbose", "--log-verbose"}
+)
+# llama-server names its build as "... build 6869 (1a2b3c4d) ..." (common_params_print_info);
+# filed as core.receipts does: "6869 (1a2b3c4d)".
+_BUILD = re.compile(r"\bbuild:? (\d+) \(([0-9a-f]+)\)")
+
+
+def llama_build(log_text: str) -> str | None:
+    """The llama.cpp build a llama-server log names, as receipts file it."""
+    m = _BUILD.search(log_text)
+    return f"{m.group(1)} ({m.group(2)})" if m else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +111,7 @@ class LaunchSettings:
 def gateway_args(args: Sequence[str], slot_dir: Path) -> list[str]:
     """llama-server's arguments with what the gateway relies on added where absent.
 
+    - `-lv 4`: llama-server logs the buffers of its load (the receipt) only at this verbosity.
     - `--slots`: the gateway reads the slots' sizes.
     - `--slot-save-path`: llama-server refuses slot actions, erase included, without one.
     - `--cache-ram 0`: llama-server otherwise keeps idle slots' prompts in a host-memory cache
@@ -106,6 +119,8 @@ def gateway_args(args: Sequence[str], slot_dir: Path) -> list[str]:
       into another's slot, and which no plan accounts for.
     """
     out = list(args)
+    if not VERBOSITY_FLAGS.intersection(out):
+        out += ["-lv", "4"]
     if "--slots" not in out and "--no-slots" not in out:
         out.append("--slots")
     if "--slot-save-path" not in out:
@@ -163,16 +178,20 @@ def runtime_status(
 ) -> dict[str, Any]:
     """The Engine's `status.runtime` document (docs/gateway.md, "What the runtime reports")."""
     parsed = parse_llama_log(log_text) if log_text else None
+    offload = gpu_offload(log_text, receipt)
+    layers = parsed.layers_offloaded if parsed else None
+    if layers is None and offload is False:
+        layers = 0  # a llama.cpp that cannot offload logs no count
     return {
         "phase": phase,
         "ready": ready,
         "restarts": restarts,
-        "llamaBuild": receipt.llama_build if receipt else (parsed.build if parsed else None),
+        "llamaBuild": receipt.llama_build if receipt else llama_build(log_text),
         "slots": slots,
         "slotTokens": slot_tokens,
-        "layersOffloaded": parsed.layers_offloaded if parsed else None,
+        "layersOffloaded": layers,
         "layersTotal": parsed.layers_total if parsed else None,
-        "gpuOffload": gpu_offload(log_text, receipt),
+        "gpuOffload": offload,
         "receipts": [receipt.model_dump(mode="json", by_alias=True)] if receipt else [],
         "estimateError": estimate_errors(plan, receipt) if receipt else [],
         "slotReleases": releases,
@@ -312,8 +331,7 @@ class EngineRuntime:
             errors = {
                 e["pool"]: e["ratio"] for e in estimate_errors(self.launch.plan, self.receipt)
             }
-            parsed = parse_llama_log(self.load_log)
-            self.gateway.metrics.load_reported(parsed.layers_offloaded, errors)
+            self.gateway.metrics.load_reported(self.status()["layersOffloaded"], errors)
         self.phase = "Serving"
         self._dirty.set()
 
@@ -333,11 +351,12 @@ class EngineRuntime:
         if sha is None:
             return None
         try:
+            text = "\n".join(self.load_log)
             return receipt_from_log(
-                "\n".join(self.load_log),
+                text,
                 model_sha256=sha,
                 context_tokens=self.launch.context_tokens(),
-                llama_build=self.launch.llama_build,
+                llama_build=self.launch.llama_build or llama_build(text),
                 gpus=self.launch.gpus,
                 source=f"continuum engine: {self.launch.model.name}",
             )
