@@ -292,6 +292,18 @@ def test_an_engine_is_planned_placed_and_run_as_its_plan_says(
     pods = cluster.get_json("pods", "-n", namespace, "-l", "continuum.dev/engine=coder")["items"]
     assert [p["spec"]["nodeName"] for p in pods] == [node]
     assert pods[0]["status"]["qosClass"] == "Guaranteed"
+    # The pod's identity reads its own Engine and writes its status.runtime, nothing more.
+    account = pod_spec["serviceAccountName"]
+    who = f"--as=system:serviceaccount:{namespace}:{account}"
+
+    def can(*args: str) -> str:
+        found = cluster.kubectl("auth", "can-i", *args, "-n", namespace, who, check=False)
+        return found.stdout.strip()
+
+    assert can("watch", "engines/coder") == "yes"
+    assert can("patch", "engines/coder", "--subresource=status") == "yes"
+    assert can("patch", "engines/coder") == "no"
+    assert can("patch", "engines/other", "--subresource=status") == "no"
     service = cluster.get_json("service", "coder", "-n", namespace)
     assert service["spec"]["selector"]["continuum.dev/engine"] == "coder"
     wait_for(

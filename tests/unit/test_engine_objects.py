@@ -154,3 +154,15 @@ def test_engines_outrank_minds_and_minds_never_preempt() -> None:
     engine_class, mind_class = objects.priority_classes(PodSettings())
     assert engine_class["value"] > mind_class["value"]
     assert mind_class["preemptionPolicy"] == "Never"
+
+
+def test_the_engine_pod_may_read_its_own_engine_and_write_its_status_only() -> None:
+    e, p = planned()
+    account, role, binding = objects.engine_rbac(e, "u")
+    assert account["kind"] == "ServiceAccount"
+    assert {tuple(r["resourceNames"]) for r in role["rules"]} == {("eng",)}
+    verbs = {r["resources"][0]: set(r["verbs"]) for r in role["rules"]}
+    assert verbs == {"engines": {"get", "list", "watch"}, "engines/status": {"get", "patch"}}
+    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
+    assert d["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]

@@ -49,6 +49,9 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "Lease": "leases",
         "Node": "nodes",
         "Job": "jobs",
+        "ServiceAccount": "serviceaccounts",
+        "Role": "roles",
+        "RoleBinding": "rolebindings",
     }[str(obj["kind"])]
     ns = obj["metadata"].get("namespace")
     path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"

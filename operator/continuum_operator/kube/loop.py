@@ -143,6 +143,13 @@ class Loop:
                 engine = self.api.merge_patch(
                     crd_path("engines", ns, name, "status"), writes.status_patch
                 )
+            if writes.service is not None:
+                # Before the Deployment: its pods are refused until their ServiceAccount exists.
+                digest = repr((writes.service, writes.identity))
+                if self.services.get(key) != digest:
+                    for obj in (*writes.identity, writes.service):
+                        self.api.apply(obj)
+                    self.services[key] = digest
             if writes.deployment is not None:
                 desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
                 current = self.cache.deployments.get(key)
@@ -156,11 +163,6 @@ class Loop:
                     except ApiError as err:
                         if err.status != 409:  # 409: created by an earlier pass
                             raise
-            if writes.service is not None:
-                digest = repr(writes.service)
-                if self.services.get(key) != digest:
-                    self.api.apply(writes.service)
-                    self.services[key] = digest
             if writes.delete_workload and key in self.cache.deployments:
                 self.api.delete(path_of({**_stub("apps/v1", "Deployment", ns, name)}))
                 self.api.delete(path_of({**_stub("v1", "Service", ns, name)}))

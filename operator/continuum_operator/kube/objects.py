@@ -172,6 +172,7 @@ def deployment(
     launch = launch_hash(engine, plan, pods)
     pod_spec: Obj = {
         "priorityClassName": pods.engine_priority_class,
+        "serviceAccountName": service_account_name(engine),
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -211,6 +212,57 @@ def deployment(
             },
         },
     }
+
+
+def service_account_name(engine: Engine) -> str:
+    return f"continuum-engine-{engine.metadata.name}"[:253]
+
+
+def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
+    """The engine pod's identity: it reads its own Engine (grants) and writes status.runtime.
+
+    A ServiceAccount, a Role limited to this one Engine by name, and their binding, all owned
+    by the Engine. `continuum engine --engine NS/NAME` watches the Engine with a field selector
+    on its name, which RBAC allows for a Role restricted by resourceNames.
+    """
+    name = service_account_name(engine)
+    meta = {
+        "name": name,
+        "namespace": engine.metadata.namespace,
+        "labels": labels(engine),
+        "ownerReferences": [owner_reference(engine, uid)],
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": dict(meta),
+            "rules": [
+                {
+                    "apiGroups": ["continuum.dev"],
+                    "resources": ["engines"],
+                    "resourceNames": [engine.metadata.name],
+                    "verbs": ["get", "list", "watch"],
+                },
+                {
+                    "apiGroups": ["continuum.dev"],
+                    "resources": ["engines/status"],
+                    "resourceNames": [engine.metadata.name],
+                    "verbs": ["get", "patch"],
+                },
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": name, "namespace": engine.metadata.namespace}
+            ],
+        },
+    ]
 
 
 def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:

@@ -56,11 +56,12 @@ class Event:
 class Writes:
     status_patch: dict[str, Any] | None
     deployment: dict[str, Any] | None
-    service: dict[str, Any] | None
+    service: dict[str, Any] | None  # with the engine's ServiceAccount, Role and RoleBinding
     delete_workload: bool
     events: tuple[Event, ...]
     memory: Memory
     facts_job: dict[str, Any] | None = None  # the Job that reads the model's facts, wanted
+    identity: tuple[dict[str, Any], ...] = ()  # the engine pod's ServiceAccount, Role, binding
     damping: Outcome | None = None  # what relaunch damping decided this pass, if it weighed
     unschedulable: bool = False
     memory_mode_unknown: bool = False
@@ -258,7 +259,13 @@ def reconcile(
             service = objects.service(engine, uid, pods)
             new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
         patch = {k: v for k, v in new.items() if status.get(k) != v}
+        identity = (
+            tuple(objects.engine_rbac(engine, uid))
+            if engine is not None and deployment is not None
+            else ()
+        )
         return Writes(
+            identity=identity,
             status_patch={"status": patch} if patch else None,
             deployment=deployment,
             service=service,
