@@ -419,3 +419,56 @@ def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
     run_engine(
         llama_server_bin, model, tmp_path, GrantTable(SLOT_TOKENS, EnginePhase.SERVING), body
     )
+
+
+def test_continuum_engine_runs_the_plans_arguments_and_writes_its_status(
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
+) -> None:
+    """The command an engine pod runs, with the arguments a plan gives (`engineArgs`)."""
+    import subprocess
+    import sys
+
+    from tests.e2e.llama_fixtures import http_json
+
+    grants = tmp_path / "grants.yaml"
+    grants.write_text(
+        f"slotTokens: {SLOT_TOKENS}\ngrants:\n"
+        f"- {{mind: {MIRA}, state: Granted, slot: 1, tokens: {SLOT_TOKENS}}}\n"
+    )
+    status = tmp_path / "runtime.json"
+    port = free_port()
+    plan_args = [
+        "--n-gpu-layers", "0", "--ctx-size", str(CTX), "--parallel", str(SLOTS),
+        "--cache-type-k", "f16", "--cache-type-v", "f16", "--flash-attn", "on", "-t", "2",
+    ]  # fmt: skip
+    argv = [
+        sys.executable, "-m", "continuum_operator.cli", "engine", "--model", str(model.path),
+        "--grants", str(grants), "--port", str(port), "--llama-server", str(llama_server_bin),
+        "--status-file", str(status), "--", *plan_args,
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with (tmp_path / "engine.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    ready = http_json(f"{url}/readyz", timeout=2)[0] == 200
+                except OSError:
+                    ready = False
+                written = json.loads(status.read_text()) if status.exists() else {}
+                if ready and written.get("phase") == "Serving":
+                    break
+                assert proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "continuum engine never became ready"
+                time.sleep(0.2)
+            doc = json.loads(status.read_text())
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert doc["phase"] == "Serving" and (doc["slots"], doc["slotTokens"]) == (SLOTS, SLOT_TOKENS)
+    [receipt] = doc["receipts"]
+    assert receipt["modelSha256"] == file_sha256(model.path)  # hashed from the file
+    assert receipt["flashAttention"] is True and receipt["parallel"] == SLOTS
+    assert receipt["placement"] == {"layersOnDevice": 0, "gpus": 0}

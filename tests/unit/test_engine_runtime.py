@@ -20,6 +20,7 @@ from continuum_operator.engine.receipts import receipt_from_log
 from continuum_operator.engine.runtime import (
     EngineRuntime,
     LaunchSettings,
+    RuntimePhase,
     estimate_errors,
     runtime_status,
 )
@@ -131,7 +132,7 @@ def test_the_status_document_carries_the_releases_and_the_load() -> None:
     receipt = receipt_from_log(log, model_sha256=SHA, context_tokens=1024)
     release = {"mind": "minds/mira", "slot": 0, "reason": "Preempted"}
     doc = runtime_status(
-        phase="Serving",
+        phase=RuntimePhase.SERVING,
         ready=True,
         restarts=0,
         receipt=receipt,

@@ -179,6 +179,8 @@ class Gateway:
             await self._session.close()
 
     def app(self) -> web.Application:
+        """The gateway's routes. Serve them with `handler_cancellation=True` (aiohttp's
+        `AppRunner` option), so that a mind hanging up cancels her request in llama-server."""
         app = web.Application()
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)

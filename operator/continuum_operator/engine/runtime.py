@@ -28,6 +28,7 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from continuum_operator.engine.receipts import receipt_from_log
 __all__ = [
     "EngineRuntime",
     "LaunchSettings",
+    "RuntimePhase",
     "add_parser",
     "estimate_errors",
     "gateway_args",
@@ -72,6 +74,14 @@ def llama_build(log_text: str) -> str | None:
     """The llama.cpp build a llama-server log names, as receipts file it."""
     m = _BUILD.search(log_text)
     return f"{m.group(1)} ({m.group(2)})" if m else None
+
+
+class RuntimePhase(StrEnum):
+    """`status.runtime.phase`: where llama-server is in its life."""
+
+    STARTING = "Starting"  # started, not answering /health yet
+    SERVING = "Serving"  # loaded, receipted, serving
+    RESTARTING = "Restarting"  # exited; started again after a backoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +176,7 @@ def gpu_offload(log_text: str, receipt: Receipt | None) -> bool | None:
 
 def runtime_status(
     *,
-    phase: str,
+    phase: RuntimePhase,
     ready: bool,
     restarts: int,
     receipt: Receipt | None,
@@ -183,7 +193,7 @@ def runtime_status(
     if layers is None and offload is False:
         layers = 0  # a llama.cpp that cannot offload logs no count
     return {
-        "phase": phase,
+        "phase": phase.value,
         "ready": ready,
         "restarts": restarts,
         "llamaBuild": receipt.llama_build if receipt else llama_build(log_text),
@@ -220,7 +230,7 @@ class EngineRuntime:
         self.gateway = gateway
         self.publish_to = publish
         self.echo_log = echo_log
-        self.phase = "Starting"
+        self.phase = RuntimePhase.STARTING
         self.restarts = 0
         self.receipt: Receipt | None = None
         self.load_log: list[str] = []
@@ -235,7 +245,7 @@ class EngineRuntime:
     def status(self) -> dict[str, Any]:
         return runtime_status(
             phase=self.phase,
-            ready=self.gateway.engine_ready and self.phase == "Serving",
+            ready=self.gateway.engine_ready and self.phase is RuntimePhase.SERVING,
             restarts=self.restarts,
             receipt=self.receipt,
             log_text="\n".join(self.load_log),
@@ -258,7 +268,7 @@ class EngineRuntime:
                 self.gateway.metrics.engine_restarted()
                 self.gateway.engine_ready = False
                 self.gateway.engine_restarted()
-                self.phase = "Restarting"
+                self.phase = RuntimePhase.RESTARTING
                 self._dirty.set()
                 delay = self.launch.restart_backoff[
                     min(attempt, len(self.launch.restart_backoff) - 1)
@@ -332,7 +342,7 @@ class EngineRuntime:
                 e["pool"]: e["ratio"] for e in estimate_errors(self.launch.plan, self.receipt)
             }
             self.gateway.metrics.load_reported(self.status()["layersOffloaded"], errors)
-        self.phase = "Serving"
+        self.phase = RuntimePhase.SERVING
         self._dirty.set()
 
     async def _read_slots(self) -> None:
