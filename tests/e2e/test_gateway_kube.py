@@ -99,3 +99,58 @@ async def _until(check: Any, timeout: float = 30.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+def test_a_minds_token_is_reviewed_by_the_api_server_and_speaks_for_her_namespace_only(
+    cluster: Cluster, namespace: str
+) -> None:
+    from aiohttp import ClientSession
+
+    from continuum_operator.core.grants import EnginePhase
+    from continuum_operator.engine.admission import TableEntry
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings
+    from continuum_operator.engine.grants_source import TokenReviewer
+    from continuum_operator.engine.turn import MIND_HEADER
+    from tests.unit.fake_llama import FakeLlama, serve
+
+    cluster.kubectl("create", "serviceaccount", "mira", "-n", namespace)
+    token = cluster.kubectl("create", "token", "mira", "-n", namespace).stdout.strip()
+    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    from kubernetes import client
+
+    reviewer = TokenReviewer(api=client.AuthenticationV1Api(api_client))
+    mira, stranger = f"{namespace}/mira", "elsewhere/mind"
+    entries = {
+        m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=512)
+        for i, m in enumerate((mira, stranger))
+    }
+
+    async def main() -> None:
+        assert await reviewer(token) == namespace
+        assert await reviewer("not-a-token") is None
+        upstream_runner, upstream = await serve(FakeLlama().app())
+        gateway = Gateway(GatewaySettings(upstream=upstream, review_token=reviewer))
+        await gateway.start()
+        gateway.set_table(GrantTable(512, EnginePhase.SERVING, entries))
+        runner, url = await serve(gateway.app())
+        try:
+            async with ClientSession() as http:
+
+                async def open_turn(mind: str, bearer: str | None) -> int:
+                    headers = {MIND_HEADER: mind}
+                    if bearer is not None:
+                        headers["Authorization"] = f"Bearer {bearer}"
+                    async with http.post(f"{url}/v1/turns", json={}, headers=headers) as resp:
+                        return resp.status
+
+                assert await open_turn(mira, token) == 201
+                assert await open_turn(mira, None) == 401
+                assert await open_turn(mira, "forged") == 401
+                assert await open_turn(stranger, token) == 403  # her token, another's name
+        finally:
+            await runner.cleanup()
+            await gateway.close()
+            await upstream_runner.cleanup()
+
+    asyncio.run(main())
+    api_client.close()

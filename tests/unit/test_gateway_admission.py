@@ -20,9 +20,11 @@ from continuum_operator.engine.admission import (
     TokenCap,
     admit_request,
     admit_turn,
+    check_identity,
     parse_table,
     prompt_token_bound,
     reconcile,
+    service_account_namespace,
     still_reported,
     table_from_engine,
     token_cap,
@@ -120,6 +122,21 @@ class TestRequestsInsideATurn:
     def test_a_grant_moved_to_another_slot_ends_the_old_turn(self) -> None:
         adm = admit_request(table(granted(slot=1)), "minds/mira", 0)
         assert (adm.status, adm.body["reason"]) == (409, "SlotMoved")
+
+
+class TestWhoIsAsking:
+    def test_a_service_account_names_its_namespace(self) -> None:
+        assert service_account_namespace("system:serviceaccount:minds:mira") == "minds"
+        assert service_account_namespace("system:serviceaccount:minds") is None
+        assert service_account_namespace("kubernetes-admin") is None
+        assert service_account_namespace(None) is None
+
+    def test_a_token_speaks_only_for_minds_of_its_namespace(self) -> None:
+        assert check_identity("minds/mira", "minds") is None
+        other = check_identity("minds/mira", "elsewhere")
+        assert other is not None and (other.status, other.refusal) == (403, Refusal.FORBIDDEN)
+        none = check_identity("minds/mira", None)
+        assert none is not None and (none.status, none.refusal) == (401, Refusal.UNAUTHENTICATED)
 
 
 class TestTokenCaps:

@@ -40,9 +40,11 @@ __all__ = [
     "TokenCap",
     "admit_request",
     "admit_turn",
+    "check_identity",
     "parse_table",
     "prompt_token_bound",
     "reconcile",
+    "service_account_namespace",
     "still_reported",
     "table_from_engine",
     "token_cap",
@@ -70,6 +72,7 @@ class Refusal(StrEnum):
     TURN_CUT = "turn_cut"
     NO_TURN = "no_turn"
     BAD_REQUEST = "bad_request"
+    UNAUTHENTICATED = "unauthenticated"
 
 
 class Answer(StrEnum):
@@ -383,6 +386,37 @@ def admit_request(
     if not engine_ready:
         return _refuse(Refusal.TURN_CUT, 409, {"reason": GrantReason.ENGINE_RELAUNCHING.value})
     return Admission(Answer.ADMIT, 200, {}, slot=entry.slot, tokens=entry.tokens)
+
+
+# --- who is asking --------------------------------------------------------------------------
+
+SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
+
+
+def service_account_namespace(username: str | None) -> str | None:
+    """The namespace of a service account's user name (`system:serviceaccount:NS:NAME`)."""
+    if not username or not username.startswith(SERVICE_ACCOUNT_PREFIX):
+        return None
+    namespace, _, name = username[len(SERVICE_ACCOUNT_PREFIX) :].partition(":")
+    return namespace if namespace and name else None
+
+
+def check_identity(mind: str, token_namespace: str | None) -> Admission | None:
+    """None if a reviewed token may speak for `mind`: it is a service account of her namespace."""
+    if token_namespace is None:
+        return _refuse(
+            Refusal.UNAUTHENTICATED,
+            401,
+            {"message": "send the mind's service account token as Authorization: Bearer"},
+        )
+    namespace = mind.partition("/")[0]
+    if token_namespace != namespace:
+        return _refuse(
+            Refusal.FORBIDDEN,
+            403,
+            {"message": f"a token of namespace {token_namespace} cannot speak for {mind}"},
+        )
+    return None
 
 
 # --- tokens ----------------------------------------------------------------------------------

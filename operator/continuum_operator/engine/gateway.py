@@ -23,7 +23,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from continuum_operator.engine.admission import (
     TokenCap,
     admit_request,
     admit_turn,
+    check_identity,
     prompt_token_bound,
     reconcile,
     still_reported,
@@ -74,6 +75,9 @@ class GatewaySettings:
     relaunch_retry_after: int = 5
     #: Seconds between probes of llama-server's /health.
     health_seconds: float = 1.0
+    #: Reviews a bearer token: the namespace of the service account it belongs to, or None.
+    #: None here: the X-Continuum-Mind header is trusted (docs/gateway.md, "Who is asking").
+    review_token: Callable[[str], Awaitable[str | None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,8 +406,20 @@ class Gateway:
     async def releases_endpoint(self, request: web.Request) -> web.Response:
         return web.json_response([r.to_status() for r in self.releases()])
 
+    async def _identity(self, request: web.Request, mind: str) -> web.Response | None:
+        """A refusal if the request may not speak for `mind`; None if it may."""
+        review = self.settings.review_token
+        if review is None:
+            return None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        namespace = await review(token) if scheme.lower() == "bearer" and token else None
+        refusal = check_identity(mind, namespace)
+        return self._answer(refusal) if refusal is not None else None
+
     async def open_turn(self, request: web.Request) -> web.Response:
         mind = request.headers.get(MIND_HEADER, "")
+        if (refused := await self._identity(request, mind)) is not None:
+            return refused
         asked: int | None = None
         if request.can_read_body:
             try:
@@ -442,6 +458,8 @@ class Gateway:
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         mind = request.headers.get(MIND_HEADER, "")
+        if (refused := await self._identity(request, mind)) is not None:
+            return refused
         tid = request.headers.get(TURN_HEADER, "")
         turn = self.turns.get(tid)
         cut_turn = self._cut_turns.get(tid)

@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,14 @@ from continuum_operator.engine.admission import (
     GrantTable,
     GrantTableError,
     parse_table,
+    service_account_namespace,
     table_from_engine,
 )
 from continuum_operator.model.base import GROUP, VERSION
 
 __all__ = [
     "EngineStatusWriter",
+    "TokenReviewer",
     "read_engine_plan",
     "read_table_file",
     "watch_engine",
@@ -176,6 +179,43 @@ async def read_engine_plan(namespace: str, name: str, *, api: Any = None) -> dic
     )
     plan = (obj.get("status") or {}).get("plan")
     return plan if isinstance(plan, dict) else {}
+
+
+class TokenReviewer:
+    """Reviews a mind's bearer token with the API server (a TokenReview): its service
+    account's namespace, or None. Answers are cached for `cache_seconds` so a turn's requests
+    do not each cost a review."""
+
+    def __init__(self, *, api: Any = None, cache_seconds: float = 60.0) -> None:
+        self.api = api
+        self.cache_seconds = cache_seconds
+        self._cache: dict[str, tuple[str | None, float]] = {}
+
+    def _review(self, token: str) -> str | None:
+        client: Any = importlib.import_module("kubernetes.client")
+        if self.api is None:
+            _custom_objects()  # loads the configuration
+            self.api = client.AuthenticationV1Api()
+        review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token))
+        status = self.api.create_token_review(review).status
+        if status is None or not status.authenticated or status.user is None:
+            return None
+        return service_account_namespace(status.user.username)
+
+    async def __call__(self, token: str) -> str | None:
+        now = time.monotonic()
+        hit = self._cache.get(token)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        try:
+            namespace = await asyncio.to_thread(self._review, token)
+        except Exception as err:  # the API server unreachable: refuse, do not cache
+            log.warning("token review failed: %s", err)
+            return None
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[token] = (namespace, now + self.cache_seconds)
+        return namespace
 
 
 class EngineStatusWriter:

@@ -40,6 +40,7 @@ from continuum_operator.engine.admission import GrantTableError
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
+    TokenReviewer,
     read_engine_plan,
     watch_engine,
     watch_file,
@@ -441,7 +442,13 @@ async def serve(args: argparse.Namespace) -> int:
         port=args.upstream_port,
         plan=plan,
     )
-    gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:0", grace_seconds=args.grace))
+    gateway = Gateway(
+        GatewaySettings(
+            upstream="http://127.0.0.1:0",
+            grace_seconds=args.grace,
+            review_token=TokenReviewer() if args.review_tokens else None,
+        )
+    )
     sinks: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
     if args.status_file is not None:
         sinks.append(_file_publisher(args.status_file))
@@ -533,6 +540,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--llama-build", help="llama.cpp's build, when its log does not name it")
     p.add_argument("--status-file", type=Path, help="also write status.runtime here (JSON)")
     p.add_argument("--grace", type=float, default=30.0, help="reclaim grace without a deadline")
+    p.add_argument(
+        "--review-tokens",
+        action="store_true",
+        help="require each mind's service account token (Authorization: Bearer), reviewed "
+        "with the API server (a TokenReview), to be of the mind's namespace",
+    )
     p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
     p.set_defaults(func=cmd_engine)
 
