@@ -110,7 +110,7 @@ def test_a_minds_token_is_reviewed_by_the_api_server_and_speaks_for_her_namespac
     from continuum_operator.engine.admission import TableEntry
     from continuum_operator.engine.gateway import Gateway, GatewaySettings
     from continuum_operator.engine.grants_source import TokenReviewer
-    from continuum_operator.engine.turn import MIND_HEADER
+    from continuum_operator.engine.turn import MIND_HEADER, turn
     from tests.unit.fake_llama import FakeLlama, serve
 
     cluster.kubectl("create", "serviceaccount", "mira", "-n", namespace)
@@ -147,6 +147,10 @@ def test_a_minds_token_is_reviewed_by_the_api_server_and_speaks_for_her_namespac
                 assert await open_turn(mira, None) == 401
                 assert await open_turn(mira, "forged") == 401
                 assert await open_turn(stranger, token) == 403  # her token, another's name
+                # the turn client carries the token through the whole turn
+                async with turn(url, mira, token=token, session=http) as t:
+                    reply = await t.complete({"prompt": "hi", "n_predict": 2})
+                    assert reply["tokens_predicted"] == 2
         finally:
             await runner.cleanup()
             await gateway.close()

@@ -64,6 +64,7 @@ class Turn:
     waits: list[Wait] = field(default_factory=list)
     _session: aiohttp.ClientSession | None = None
     _base: str = ""
+    _auth: dict[str, str] = field(default_factory=dict)
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """One llama-server `/completion` inside the turn; TurnCut if the grant is reclaimed."""
@@ -71,7 +72,7 @@ class Turn:
         async with self._session.post(
             f"{self._base}/completion",
             json=body,
-            headers={MIND_HEADER: self.mind, TURN_HEADER: self.turn_id},
+            headers={MIND_HEADER: self.mind, TURN_HEADER: self.turn_id, **self._auth},
         ) as resp:
             payload = await _json(resp)
             if resp.status == 409:
@@ -108,17 +109,26 @@ async def turn(
     session: aiohttp.ClientSession | None = None,
     poll_seconds: float = 1.0,
     clock: Callable[[], float] = time.monotonic,
+    token: str | None = None,
 ) -> AsyncIterator[Turn]:
-    """Open a turn for `mind`, waiting (with reasons) at most `deadline_seconds`."""
+    """Open a turn for `mind`, waiting (with reasons) at most `deadline_seconds`.
+
+    `token`: the mind's service account token, for a gateway that reviews tokens.
+    """
     own = session is None
     http = session or aiohttp.ClientSession()
     base = gateway.rstrip("/")
     try:
-        t = await _open(http, base, mind, deadline_seconds, context_tokens, poll_seconds, clock)
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        t = await _open(
+            http, base, mind, deadline_seconds, context_tokens, poll_seconds, clock, auth
+        )
         try:
             yield t
         finally:
-            async with http.delete(f"{base}/v1/turns/{t.turn_id}", headers={MIND_HEADER: mind}):
+            async with http.delete(
+                f"{base}/v1/turns/{t.turn_id}", headers={MIND_HEADER: mind, **auth}
+            ):
                 pass
     finally:
         if own:
@@ -133,6 +143,7 @@ async def _open(
     context_tokens: int | None,
     poll_seconds: float,
     clock: Callable[[], float],
+    auth: dict[str, str],
 ) -> Turn:
     started = clock()
     deadline = started + deadline_seconds
@@ -140,7 +151,8 @@ async def _open(
     body = {} if context_tokens is None else {"contextTokens": context_tokens}
     reason, since = "", started
     while True:
-        async with http.post(f"{base}/v1/turns", json=body, headers={MIND_HEADER: mind}) as resp:
+        headers = {MIND_HEADER: mind, **auth}
+        async with http.post(f"{base}/v1/turns", json=body, headers=headers) as resp:
             payload = await _json(resp)
             retry_after = resp.headers.get("Retry-After")
             status = resp.status
@@ -157,6 +169,7 @@ async def _open(
                 waits,
                 http,
                 base,
+                auth,
             )
         if status == 409:
             raise TurnCut(mind, str(payload.get("reason", "")), _cut_message(payload))
