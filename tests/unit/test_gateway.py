@@ -252,6 +252,10 @@ class TestReclaims:
             )
             assert release.erased_tokens > 2  # her prompt and what she had generated
             assert rig.fake.n_past.get(0, 0) == 0
+            rig.gateway.set_table(table(reclaiming()))  # the same table again: one cut
+            text = rig.gateway.metrics.exposition().decode()
+            assert 'continuum_gateway_turns_cut_total{reason="Preempted"} 1.0' in text
+            assert 'continuum_gateway_slot_releases_total{reason="Preempted"} 1.0' in text
             # her next request and her next turn are refused; she is not waiting on anything
             status, reply = await rig.complete(opened["turn"], {"prompt": "again"})
             assert (status, reply["error"]) == (409, "turn_cut")

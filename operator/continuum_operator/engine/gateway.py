@@ -234,14 +234,18 @@ class Gateway:
             self._releasing[rel.key] = asyncio.create_task(self._release(rel))
 
     def _cut(self, cut: Cut) -> None:
-        self.metrics.turn_cut(cut.reason)
-        for tid in [t for t, turn in self.turns.items() if turn.mind == cut.mind]:
+        turns = [t for t, turn in self.turns.items() if turn.mind == cut.mind]
+        flights = [f for f in self.flights.get(cut.mind, ()) if not f.cut.is_set()]
+        if not turns and not flights:
+            return  # already cut; her requests are on their way out
+        for tid in turns:
             del self.turns[tid]
             self._cut_turns[tid] = (cut.mind, cut.reason, cut.by)
             while len(self._cut_turns) > CUT_TURNS_KEPT:
                 del self._cut_turns[next(iter(self._cut_turns))]
-        for f in self.flights.get(cut.mind, ()):
+        for f in flights:
             f.end(cut.reason, cut.by)
+        self.metrics.turn_cut(cut.reason)
         log.info("cut the turn of %s (%s)", cut.mind, cut.reason)
 
     async def _release(self, rel: Release) -> None:
