@@ -593,3 +593,27 @@ def test_an_engine_with_only_a_model_source_has_its_facts_read_by_a_job_on_its_n
     assert pod["nodeSelector"] == {"e2e-tag": tag}
     assert jobs[0]["metadata"]["ownerReferences"][0]["name"] == "sourced"
     assert "placement" not in engine_now["status"]
+
+
+def test_a_spec_change_is_applied_at_once_by_one_relaunch(
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
+) -> None:
+    gpu_node(cluster, tag, discrete_status(80, 0.5))
+    cluster.apply(engine("coder", tag), "-n", namespace)
+    wait_for("Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log)
+    cluster.kubectl(
+        "patch", "engine", "coder", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"minds": {"min": 1, "max": 2}}}),
+    )  # fmt: skip
+
+    def relaunched() -> Any:
+        body = get_engine(cluster, namespace, "coder")
+        plan = body["status"]["plan"]
+        return body if plan["mindsGrantable"] == 2 and plan.get("specGeneration") == 2 else None
+
+    body = wait_for("the new spec planned", relaunched, timeout=30, log=operator.log)
+    assert body["status"]["relaunches"]["count"] == 1
+    wait_for("Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log)
+    deployment = cluster.get_json("deployment", "coder", "-n", namespace)
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--parallel") + 1] == "2"

@@ -368,3 +368,42 @@ def test_auto_gpu_sharing_applies_what_the_node_offers() -> None:
     assert enforcement["gpuSharing"] == "mps" and "mpsPinnedDeviceMemLimit" in enforcement
     plain = reconcile(engine_obj(), snapshot([discrete("a", 80)]), Memory(), NOW, settings)
     assert after(engine_obj(), plain)["status"]["enforcement"]["gpuSharing"] == "none"
+
+
+def changed_spec(body: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    out["spec"].update(spec)
+    out["metadata"]["generation"] += 1
+    return out
+
+
+def test_a_spec_change_relaunches_at_once_without_waiting_for_evidence() -> None:
+    snap = snapshot([discrete("a", 80)])
+    body, mem, w = _running(snap, engine_obj(), Memory(), NOW)
+    snap = replace(snap, deployments={("ns", "coder"): ready(w)})
+    body, mem, w = _running(snap, body, mem, NOW + 1)
+    assert body["status"]["plan"]["mindsGrantable"] == 4
+    body = changed_spec(body, minds={"min": 1, "max": 2})
+    body, mem, w = _running(snap, body, mem, NOW + 2)
+    assert body["status"]["plan"]["mindsGrantable"] == 2
+    assert body["status"]["plan"]["specGeneration"] == 2
+    assert body["status"]["relaunches"]["count"] == 1
+    assert [e.reason for e in w.events].count("Relaunching") == 1
+    assert w.deployment is not None
+    cmd = w.deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--parallel") + 1] == "2"
+
+
+def test_a_spec_change_its_node_no_longer_serves_places_the_engine_anew() -> None:
+    snap = snapshot([discrete("a", 80), discrete("b", 141)])
+    snap = replace(
+        snap,
+        nodes={"a": NodeEntry({"zone": "x"}, 8), "b": NodeEntry({"zone": "y"}, 8)},
+    )
+    body, mem, w = _running(snap, engine_obj(), Memory(), NOW)
+    assert body["status"]["placement"]["node"] == "a"
+    snap = replace(snap, deployments={("ns", "coder"): ready(w)})
+    body = changed_spec(body, placement={"nodeSelector": {"zone": "y"}})
+    body, mem, w = _running(snap, body, mem, NOW + 1)
+    assert body["status"]["placement"]["node"] == "b"
+    assert {"Replacing", "Placed"} <= {e.reason for e in w.events}

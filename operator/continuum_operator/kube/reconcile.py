@@ -23,7 +23,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from continuum_operator.core import conditions as cond
-from continuum_operator.core.bestfit import Decision, Exclusion, NodeView, choose, with_unmeasured
+from continuum_operator.core.bestfit import (
+    Decision,
+    Exclusion,
+    NodeView,
+    choose,
+    matches,
+    with_unmeasured,
+)
 from continuum_operator.core.damping import Damper, Observation, Outcome, PlanShape, step
 from continuum_operator.core.placements import consumer_name, placement_of
 from continuum_operator.core.plan import ServingPlan, plan
@@ -201,6 +208,14 @@ def _event_type(c: Condition) -> str:
     return "Warning" if bad else "Normal"
 
 
+def _stamped(p: ServingPlan, generation: int | None) -> dict[str, Any]:
+    """The plan as status holds it, with the spec generation it was made for."""
+    doc = p.to_dict()
+    if generation is not None:
+        doc["specGeneration"] = generation
+    return doc
+
+
 def _placement_doc(p: ServingPlan, now: float) -> dict[str, Any]:
     placed = placement_of(p).model_copy(update={"assumed_at": format_time(now)})
     return placed.model_dump(by_alias=True, mode="json", exclude_none=True)
@@ -344,6 +359,9 @@ def reconcile(
             board = snap.boards.get(node)
             outcome: Outcome | None = None
             no_longer_fits = ""
+            # A plan records the spec generation it was made for; older plans have none.
+            spec_changed = plan_doc.get("specGeneration") not in (None, generation)
+            replacing = False
             if fresh and board is not None and board.board is not None:
                 measured = with_unmeasured(board.board, assumed)
                 # The successor is sized crediting back what the running engine holds. The
@@ -358,10 +376,54 @@ def reconcile(
                 ]
                 ledger = Ledger.of(measured, [*others, *mine])
                 candidate = plan(measured, engine.spec, facts, ledger, crediting=me)
-                if not candidate.schedulable:
+                labels = node_entry.labels if node_entry is not None else {}
+                if spec_changed and (
+                    not candidate.schedulable or matches(engine.spec, labels) is not None
+                ):
+                    # The spec changed and its node no longer serves it: placed anew below.
+                    events.append(
+                        Event(
+                            "Normal",
+                            "Replacing",
+                            f"spec changed (generation {generation}): {node} no longer takes "
+                            "this engine; placing it anew",
+                        )
+                    )
+                    replacing = True
+                elif spec_changed:
+                    # What the user asked for is not damped: relaunch now if the arguments moved.
+                    moved = candidate.engine_args != _shape(plan_doc).args
+                    plan_doc = _stamped(candidate, generation)
+                    new["plan"] = plan_doc
+                    if moved:
+                        reason = (
+                            f"spec changed (generation {generation}): "
+                            f"{candidate.layers_on_device}/{candidate.total_layers} layers, "
+                            f"{candidate.minds_grantable} minds, "
+                            f"{candidate.pool_tokens} pool tokens"
+                        )
+                        placement = _placement_doc(candidate, now)
+                        new["placement"] = placement
+                        damper = replace(
+                            damper,
+                            candidate=None,
+                            readings=0,
+                            last_reading=None,
+                            relaunches=damper.relaunches + 1,
+                            last_relaunch_at=now,
+                        )
+                        new["relaunches"] = {
+                            "count": damper.relaunches,
+                            "lastTime": format_time(now),
+                            "lastReason": reason,
+                        }
+                        events.append(Event("Normal", "Relaunching", reason))
+                        running = False
+                        outcome = Outcome.RELAUNCH
+                elif not candidate.schedulable:
                     # Not moved elsewhere (yet): said, so a person can act.
                     no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
-                if candidate.schedulable:
+                else:
                     damper, outcome = step(
                         damper,
                         Observation(
@@ -382,7 +444,7 @@ def reconcile(
                             f"{plan_doc.get('layersOnDevice')}/{plan_doc.get('totalLayers')} "
                             f"layers, {plan_doc.get('mindsGrantable')} minds; args {old_args})"
                         )
-                        plan_doc = candidate.to_dict()
+                        plan_doc = _stamped(candidate, generation)
                         placement = _placement_doc(candidate, now)
                         new["plan"] = plan_doc
                         new["placement"] = placement
@@ -393,6 +455,11 @@ def reconcile(
                         }
                         events.append(Event("Normal", "Relaunching", reason))
                         running = False
+            if replacing:
+                new["placement"] = None
+                new["plan"] = None
+                plan_doc = placement = None
+        if placement and plan_doc:
             f = cond.EngineFacts(
                 generation=generation,
                 planned=_planned(plan_doc, engine),
@@ -434,7 +501,7 @@ def reconcile(
             new["placement"] = None
         return finish(f, engine, None, Memory(damper, backoff))
     chosen = decision.chosen
-    plan_doc = chosen.to_dict()
+    plan_doc = _stamped(chosen, generation)
     new["plan"] = plan_doc
     new["placement"] = _placement_doc(chosen, now)
     events.append(
