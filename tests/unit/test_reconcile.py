@@ -7,7 +7,7 @@ import copy
 from dataclasses import replace
 from typing import Any
 
-from continuum_operator.core.damping import DampingSettings
+from continuum_operator.core.damping import DampingSettings, Outcome
 from continuum_operator.kube.cache import (
     BoardEntry,
     DeploymentEntry,
@@ -407,3 +407,22 @@ def test_a_spec_change_its_node_no_longer_serves_places_the_engine_anew() -> Non
     body, mem, w = _running(snap, body, mem, NOW + 1)
     assert body["status"]["placement"]["node"] == "b"
     assert {"Replacing", "Placed"} <= {e.reason for e in w.events}
+
+
+def test_after_an_operator_restart_the_cooldown_still_holds() -> None:
+    body, mem, w = _running(snapshot([discrete("a", 24, used_gib=15)]), engine_obj(), Memory(), NOW)
+    own = own_device_bytes(body)
+    roomy = replace(snapshot([discrete("a", 24, own=own)]), deployments={("ns", "coder"): ready(w)})
+    # A relaunch a minute ago, recorded in status; the operator restarted since (empty memory).
+    body["status"]["relaunches"] = {"count": 1, "lastTime": "2027-01-15T07:59:00Z"}
+    mem = Memory()
+    outcomes = []
+    for i in range(5):
+        s = replace(roomy, leases={"a": replace(roomy.leases["a"], resource_version=f"r{i}")})
+        body, mem, w = _running(s, body, mem, NOW + i)
+        outcomes.append(mem.damper.last_outcome)
+    assert outcomes[-1] is Outcome.COOLING_DOWN
+    assert body["status"]["relaunches"]["count"] == 1
+    # Past the cooldown (120 s here) the held evidence relaunches, counted on from status.
+    body, mem, w = _running(roomy, body, mem, NOW + 121)
+    assert body["status"]["relaunches"]["count"] == 2
