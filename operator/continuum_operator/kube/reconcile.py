@@ -34,7 +34,7 @@ from continuum_operator.core.bestfit import (
 from continuum_operator.core.damping import Damper, Observation, Outcome, PlanShape, step
 from continuum_operator.core.placements import consumer_name, placement_of
 from continuum_operator.core.plan import ServingPlan, plan
-from continuum_operator.core.pools import ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.kube import objects
 from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time
 from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
@@ -239,293 +239,326 @@ def reconcile(
     now: float,
     settings: OperatorSettings,
 ) -> Writes:
-    meta = body["metadata"]
-    key: EngineKey = (meta["namespace"], meta["name"])
-    uid = str(meta.get("uid", ""))
-    generation = meta.get("generation")
-    status: dict[str, Any] = dict(body.get("status") or {})
-    old_conditions = [Condition.model_validate(c) for c in status.get("conditions") or []]
-    events: list[Event] = []
-    new: dict[str, Any] = {}  # status parts this pass writes (None removes one)
-    facts_in = cond.EngineFacts(generation=generation)
+    """The writes one pass over one Engine needs (`Writes.status_patch` None: nothing changed)."""
+    p = _Pass(body, snap, memory, now, settings)
+    try:
+        engine = parse(Engine, dict(body), f"Engine {p.key[0]}/{p.key[1]}")
+    except ManifestError as err:
+        problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
+        return p.finish(replace(p.facts_in, problem=problem), None, None)
+    facts = engine.spec.model.facts
+    if facts is None:
+        facts, missing, job = _facts_from_file(
+            engine, p.status, snap, memory, p.key, p.uid, settings
+        )
+        if facts is None:
+            writes = p.finish(replace(p.facts_in, problem=missing), None, None)
+            return replace(writes, facts_job=job, delete_workload=False)
+    p.engine, p.facts = engine, facts
+    placement, plan_doc = p.status.get("placement"), p.status.get("plan")
+    if placement and plan_doc:
+        kept = p.placed(placement, plan_doc)
+        if kept is not None:
+            return kept
+    return p.place()
+
+
+class _Pass:
+    """One pass over one Engine: what it read, and the status parts and events it will write."""
+
+    engine: Engine
+    facts: ModelFacts
+
+    def __init__(
+        self,
+        body: Mapping[str, Any],
+        snap: Snapshot,
+        memory: Memory,
+        now: float,
+        settings: OperatorSettings,
+    ) -> None:
+        meta = body["metadata"]
+        self.snap, self.now, self.settings = snap, now, settings
+        self.key: EngineKey = (meta["namespace"], meta["name"])
+        self.uid = str(meta.get("uid", ""))
+        self.generation: int | None = meta.get("generation")
+        self.status: dict[str, Any] = dict(body.get("status") or {})
+        self.old_conditions = [
+            Condition.model_validate(c) for c in self.status.get("conditions") or []
+        ]
+        self.events: list[Event] = []
+        self.new: dict[str, Any] = {}  # status parts this pass writes (None removes one)
+        self.facts_in = cond.EngineFacts(generation=self.generation)
+        self.me = consumer_name(ConsumerKind.ENGINE, *self.key)
+        self.others = other_leases(snap, self.key)
+        self.assumed = other_leases(snap, self.key, assumed_only=True)
+        self.ttl = settings.freshness.default_ttl_seconds
+        damper = memory.damper
+        relaunches = self.status.get("relaunches")
+        if damper.relaunches == 0 and relaunches:
+            # After a restart: the count and the cooldown come back from status; evidence not.
+            damper = replace(
+                damper,
+                relaunches=int(relaunches.get("count", 0)),
+                last_relaunch_at=parse_time(relaunches.get("lastTime")),
+            )
+        self.damper = damper
+        self.backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
+        self.memory = memory
+
+    # -- the end of every pass ----------------------------------------------------------------
 
     def finish(
+        self,
         f: cond.EngineFacts,
         engine: Engine | None,
         plan_doc: Mapping[str, Any] | None,
-        mem: Memory,
         node_has_gpus: bool = False,
-        pods: PodSettings = settings.pods,
+        pods: PodSettings | None = None,
     ) -> Writes:
-        conditions = cond.merge(old_conditions, cond.engine_conditions(f), format_time(now))
-        for c in cond.transitions(old_conditions, conditions):
+        pods = pods or self.settings.pods
+        old = self.old_conditions
+        conditions = cond.merge(old, cond.engine_conditions(f), format_time(self.now))
+        for c in cond.transitions(old, conditions):
             if c.reason in _QUIET_REASONS:
                 continue  # progress the next transition reports (PodReady, Placed)
             event = Event(_event_type(c), c.reason, c.message or f"{c.type}")
-            if (c.message or c.status == "True") and event not in events:
-                events.append(event)
+            if (c.message or c.status == "True") and event not in self.events:
+                self.events.append(event)
+        new = self.new
         new["conditions"] = [c.model_dump(by_alias=True, exclude_none=True) for c in conditions]
-        new["observedGeneration"] = generation
+        new["observedGeneration"] = self.generation
         deployment = service = None
+        identity: tuple[dict[str, Any], ...] = ()
         if engine is not None and plan_doc is not None:
             deployment = objects.deployment(
-                engine, uid, plan_doc, pods, node_has_gpus=node_has_gpus
+                engine, self.uid, plan_doc, pods, node_has_gpus=node_has_gpus
             )
-            service = objects.service(engine, uid, pods)
+            service = objects.service(engine, self.uid, pods)
+            identity = tuple(objects.engine_rbac(engine, self.uid))
             new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
-        patch = {k: v for k, v in new.items() if status.get(k) != v}
-        identity = (
-            tuple(objects.engine_rbac(engine, uid))
-            if engine is not None and deployment is not None
-            else ()
-        )
+        patch = {k: v for k, v in new.items() if self.status.get(k) != v}
         return Writes(
-            identity=identity,
             status_patch={"status": patch} if patch else None,
             deployment=deployment,
             service=service,
             delete_workload=plan_doc is None,
-            events=tuple(events),
-            memory=mem,
+            events=tuple(self.events),
+            memory=Memory(self.damper, self.backoff, self.memory.facts_error),
             damping=f.damping,
             unschedulable=f.unschedulable is not None and f.planned is None,
             memory_mode_unknown=f.planned is not None and f.planned.memory_mode == "unknown",
+            identity=identity,
         )
 
-    try:
-        engine = parse(Engine, dict(body), f"Engine {key[0]}/{key[1]}")
-    except ManifestError as err:
-        problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
-        return finish(replace(facts_in, problem=problem), None, None, memory)
-    facts = engine.spec.model.facts
-    if facts is None:
-        facts, missing, job = _facts_from_file(engine, status, snap, memory, key, uid, settings)
-        if facts is None:
-            writes = finish(replace(facts_in, problem=missing), None, None, memory)
-            return replace(writes, facts_job=job, delete_workload=False)
+    def relaunch(self, candidate: ServingPlan, reason: str) -> dict[str, Any]:
+        """Record a relaunch with `candidate`; returns its plan as status holds it."""
+        plan_doc = _stamped(candidate, self.generation)
+        self.new["plan"] = plan_doc
+        self.new["placement"] = _placement_doc(candidate, self.now)
+        self.new["relaunches"] = {
+            "count": self.damper.relaunches,
+            "lastTime": format_time(self.now),
+            "lastReason": reason,
+        }
+        self.events.append(Event("Normal", "Relaunching", reason))
+        return plan_doc
 
-    me = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
-    others = other_leases(snap, key)
-    assumed = other_leases(snap, key, assumed_only=True)
-    damper = memory.damper
-    if damper.relaunches == 0 and status.get("relaunches"):
-        # After a restart: the count and the cooldown come back from status; evidence does not.
-        r = status["relaunches"]
-        damper = replace(
-            damper,
-            relaunches=int(r.get("count", 0)),
-            last_relaunch_at=parse_time(r.get("lastTime")),
-        )
-    backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
-    plan_doc: dict[str, Any] | None = status.get("plan")
-    placement: dict[str, Any] | None = status.get("placement")
-    ttl = settings.freshness.default_ttl_seconds
+    # -- an engine already placed ----------------------------------------------------------
 
-    if placement and plan_doc:
+    def placed(self, placement: dict[str, Any], plan_doc: dict[str, Any]) -> Writes | None:
+        """Keep, confirm, re-plan or relaunch a placed engine; None when it must be placed anew."""
+        snap, now, settings, engine = self.snap, self.now, self.settings, self.engine
         node = str(placement["node"])
         node_entry = snap.nodes.get(node)
         has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
         pods = pods_on(snap, node, settings)
         launch = objects.launch_hash(engine, plan_doc, pods)
-        dep = snap.deployments.get(key)
+        dep = snap.deployments.get(self.key)
         running = dep is not None and dep.running(launch)
         assumed_at = parse_time(placement.get("assumedAt"))
-        timed_out = (
+        if (
             placement.get("assumed", True)
             and not running
             and assumed_at is not None
             and now - assumed_at > settings.placement.pod_start_timeout_seconds
-        )
-        if timed_out:
-            backoff[node] = now + settings.placement.backoff_seconds
-            events.append(
-                Event(
-                    "Warning",
-                    str(cond.Reason.POD_NEVER_STARTED),
-                    f"the engine pod on {node} was not ready within "
-                    f"{settings.placement.pod_start_timeout_seconds:.0f} s; lease released, "
-                    f"{node} skipped for {settings.placement.backoff_seconds:.0f} s",
+        ):
+            self.release_never_started(node)
+            return None
+        if running and placement.get("assumed", True):
+            self.new["placement"] = {**placement, "assumed": False}
+        fresh = is_fresh(snap, node, now, self.ttl)
+        board = snap.boards.get(node)
+        outcome: Outcome | None = None
+        no_longer_fits = ""
+        # A plan records the spec generation it was made for; older plans have none.
+        spec_changed = plan_doc.get("specGeneration") not in (None, self.generation)
+        if fresh and board is not None and board.board is not None:
+            candidate = self.replan(node, board.board, placement)
+            labels = node_entry.labels if node_entry is not None else {}
+            if spec_changed and (
+                not candidate.schedulable or matches(engine.spec, labels) is not None
+            ):
+                self.events.append(
+                    Event(
+                        "Normal",
+                        "Replacing",
+                        f"spec changed (generation {self.generation}): {node} no longer takes "
+                        "this engine; placing it anew",
+                    )
                 )
-            )
-            new["placement"] = None
-            new["plan"] = None
-            plan_doc = placement = None
-            damper = replace(damper, candidate=None, readings=0, last_reading=None)
-        else:
-            if running and placement.get("assumed", True):
-                placement = {**placement, "assumed": False}
-                new["placement"] = placement
-            fresh = is_fresh(snap, node, now, ttl)
-            board = snap.boards.get(node)
-            outcome: Outcome | None = None
-            no_longer_fits = ""
-            # A plan records the spec generation it was made for; older plans have none.
-            spec_changed = plan_doc.get("specGeneration") not in (None, generation)
-            replacing = False
-            if fresh and board is not None and board.board is not None:
-                measured = with_unmeasured(board.board, assumed)
-                # The successor is sized crediting back what the running engine holds. The
-                # agent measures the engine's bytes, not the reserve kept free beside them, so
-                # only the lease less its reserve is taken off the measured usage; crediting the
-                # whole lease would count the reserve as free, and every relaunch would find
-                # one reserve more room than the last (a ratchet to out-of-memory).
-                reserve = engine.spec.reserve_bytes
-                mine = [
-                    Lease(me, ConsumerKind.ENGINE, node, x["pool"], max(0, x["bytes"] - reserve))
-                    for x in placement.get("pools", [])
-                ]
-                ledger = Ledger.of(measured, [*others, *mine])
-                candidate = plan(measured, engine.spec, facts, ledger, crediting=me)
-                labels = node_entry.labels if node_entry is not None else {}
-                if spec_changed and (
-                    not candidate.schedulable or matches(engine.spec, labels) is not None
-                ):
-                    # The spec changed and its node no longer serves it: placed anew below.
-                    events.append(
-                        Event(
-                            "Normal",
-                            "Replacing",
-                            f"spec changed (generation {generation}): {node} no longer takes "
-                            "this engine; placing it anew",
-                        )
+                self.new["placement"] = None
+                self.new["plan"] = None
+                return None
+            if spec_changed:
+                # What the user asked for is not damped: relaunch now if the arguments moved.
+                if candidate.engine_args != _shape(plan_doc).args:
+                    self.damper = replace(
+                        self.damper,
+                        candidate=None,
+                        readings=0,
+                        last_reading=None,
+                        relaunches=self.damper.relaunches + 1,
+                        last_relaunch_at=now,
                     )
-                    replacing = True
-                elif spec_changed:
-                    # What the user asked for is not damped: relaunch now if the arguments moved.
-                    moved = candidate.engine_args != _shape(plan_doc).args
-                    plan_doc = _stamped(candidate, generation)
-                    new["plan"] = plan_doc
-                    if moved:
-                        reason = (
-                            f"spec changed (generation {generation}): "
-                            f"{candidate.layers_on_device}/{candidate.total_layers} layers, "
-                            f"{candidate.minds_grantable} minds, "
-                            f"{candidate.pool_tokens} pool tokens"
-                        )
-                        placement = _placement_doc(candidate, now)
-                        new["placement"] = placement
-                        damper = replace(
-                            damper,
-                            candidate=None,
-                            readings=0,
-                            last_reading=None,
-                            relaunches=damper.relaunches + 1,
-                            last_relaunch_at=now,
-                        )
-                        new["relaunches"] = {
-                            "count": damper.relaunches,
-                            "lastTime": format_time(now),
-                            "lastReason": reason,
-                        }
-                        events.append(Event("Normal", "Relaunching", reason))
-                        running = False
-                        outcome = Outcome.RELAUNCH
-                elif not candidate.schedulable:
-                    # Not moved elsewhere (yet): said, so a person can act.
-                    no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
+                    plan_doc = self.relaunch(
+                        candidate,
+                        f"spec changed (generation {self.generation}): "
+                        f"{candidate.layers_on_device}/{candidate.total_layers} layers, "
+                        f"{candidate.minds_grantable} minds, {candidate.pool_tokens} pool tokens",
+                    )
+                    running, outcome = False, Outcome.RELAUNCH
                 else:
-                    damper, outcome = step(
-                        damper,
-                        Observation(
-                            now=now,
-                            reading=reading_of(snap, node),
-                            running=_shape(plan_doc),
-                            candidate=PlanShape.of(candidate),
-                            in_flight=not running,
-                        ),
-                        settings.damping,
-                    )
-                    if outcome is Outcome.RELAUNCH:
-                        old_args = " ".join(_shape(plan_doc).args)
-                        reason = (
-                            f"plan changed on {node}: {candidate.layers_on_device}/"
-                            f"{candidate.total_layers} layers, {candidate.minds_grantable} minds, "
-                            f"{candidate.pool_tokens} pool tokens (was "
-                            f"{plan_doc.get('layersOnDevice')}/{plan_doc.get('totalLayers')} "
-                            f"layers, {plan_doc.get('mindsGrantable')} minds; args {old_args})"
-                        )
-                        plan_doc = _stamped(candidate, generation)
-                        placement = _placement_doc(candidate, now)
-                        new["plan"] = plan_doc
-                        new["placement"] = placement
-                        new["relaunches"] = {
-                            "count": damper.relaunches,
-                            "lastTime": format_time(now),
-                            "lastReason": reason,
-                        }
-                        events.append(Event("Normal", "Relaunching", reason))
-                        running = False
-            if replacing:
-                new["placement"] = None
-                new["plan"] = None
-                plan_doc = placement = None
-        if placement and plan_doc:
-            f = cond.EngineFacts(
-                generation=generation,
-                planned=_planned(plan_doc, engine),
-                board_fresh=fresh,
-                pod=(
-                    cond.PodPhase.READY
-                    if running
-                    else cond.PodPhase.RELAUNCHING
-                    if (dep is not None and dep.launch not in (None, launch))
-                    or outcome is Outcome.RELAUNCH
-                    else cond.PodPhase.PENDING
-                ),
-                damping=outcome,
-                no_longer_fits=no_longer_fits,
-                damping_message=_damping_message(outcome, damper, settings)
-                if outcome is not None
-                else "",
-            )
-            return finish(f, engine, plan_doc, Memory(damper, backoff), has_gpus, pods)
+                    plan_doc = _stamped(candidate, self.generation)
+                    self.new["plan"] = plan_doc
+            elif not candidate.schedulable:
+                # Not moved elsewhere (yet): said, so a person can act.
+                no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
+            else:
+                self.damper, outcome = step(
+                    self.damper,
+                    Observation(
+                        now=now,
+                        reading=reading_of(snap, node),
+                        running=_shape(plan_doc),
+                        candidate=PlanShape.of(candidate),
+                        in_flight=not running,
+                    ),
+                    settings.damping,
+                )
+                if outcome is Outcome.RELAUNCH:
+                    plan_doc = self.relaunch(candidate, _change(node, candidate, plan_doc))
+                    running = False
+        pod = (
+            cond.PodPhase.READY
+            if running
+            else cond.PodPhase.RELAUNCHING
+            if (dep is not None and dep.launch not in (None, launch)) or outcome is Outcome.RELAUNCH
+            else cond.PodPhase.PENDING
+        )
+        f = cond.EngineFacts(
+            generation=self.generation,
+            planned=_planned(plan_doc, engine),
+            board_fresh=fresh,
+            pod=pod,
+            damping=outcome,
+            no_longer_fits=no_longer_fits,
+            damping_message=_damping_message(outcome, self.damper, settings) if outcome else "",
+        )
+        return self.finish(f, engine, plan_doc, has_gpus, pods)
 
-    # Not placed: best fit among the nodes with fresh boards.
-    views = [
-        NodeView(
-            board=with_unmeasured(entry.board, assumed),
-            fresh=is_fresh(snap, name, now, ttl),
-            labels=snap.nodes[name].labels if name in snap.nodes else {},
-            node_exists=name in snap.nodes,
-            backing_off=name in backoff,
+    def replan(self, node: str, board: Board, placement: Mapping[str, Any]) -> ServingPlan:
+        """The plan the engine would get on its own node now, crediting back what it holds.
+
+        The agent measures the engine's bytes, not the reserve kept free beside them, so only the
+        lease less its reserve is taken off the measured usage; crediting the whole lease would
+        count the reserve as free, and every relaunch would find one reserve more room than the
+        last (a ratchet to out-of-memory).
+        """
+        measured = with_unmeasured(board, self.assumed)
+        reserve = self.engine.spec.reserve_bytes
+        mine = [
+            Lease(self.me, ConsumerKind.ENGINE, node, x["pool"], max(0, x["bytes"] - reserve))
+            for x in placement.get("pools", [])
+        ]
+        ledger = Ledger.of(measured, [*self.others, *mine])
+        return plan(measured, self.engine.spec, self.facts, ledger, crediting=self.me)
+
+    def release_never_started(self, node: str) -> None:
+        placement = self.settings.placement
+        self.backoff[node] = self.now + placement.backoff_seconds
+        self.events.append(
+            Event(
+                "Warning",
+                str(cond.Reason.POD_NEVER_STARTED),
+                f"the engine pod on {node} was not ready within "
+                f"{placement.pod_start_timeout_seconds:.0f} s; lease released, "
+                f"{node} skipped for {placement.backoff_seconds:.0f} s",
+            )
         )
-        for name, entry in snap.boards.items()
-        if entry.board is not None
-    ]
-    decision = choose(views, engine.spec, facts, others)
-    if decision.chosen is None:
-        f = cond.EngineFacts(generation=generation, unschedulable=_unschedulable(decision))
-        if status.get("plan") is not None:
-            new["plan"] = None
-        if status.get("placement") is not None:
-            new["placement"] = None
-        return finish(f, engine, None, Memory(damper, backoff))
-    chosen = decision.chosen
-    plan_doc = _stamped(chosen, generation)
-    new["plan"] = plan_doc
-    new["placement"] = _placement_doc(chosen, now)
-    events.append(
-        Event(
-            "Normal",
-            "Placed",
-            f"assumed a lease on {chosen.node}: "
-            + ", ".join(f"{pool} {n / 2**30:.2f} GiB" for pool, n in chosen.charges)
-            + f"; {chosen.layers_on_device}/{chosen.total_layers} layers on device, "
-            f"{chosen.minds_grantable} minds",
+        self.new["placement"] = None
+        self.new["plan"] = None
+        self.damper = replace(self.damper, candidate=None, readings=0, last_reading=None)
+
+    # -- an engine to place ----------------------------------------------------------------
+
+    def place(self) -> Writes:
+        """Best fit among the nodes with fresh boards, as an assumed lease; or why none."""
+        snap, engine = self.snap, self.engine
+        views = [
+            NodeView(
+                board=with_unmeasured(entry.board, self.assumed),
+                fresh=is_fresh(snap, name, self.now, self.ttl),
+                labels=snap.nodes[name].labels if name in snap.nodes else {},
+                node_exists=name in snap.nodes,
+                backing_off=name in self.backoff,
+            )
+            for name, entry in snap.boards.items()
+            if entry.board is not None
+        ]
+        decision = choose(views, engine.spec, self.facts, self.others)
+        if decision.chosen is None:
+            f = cond.EngineFacts(generation=self.generation, unschedulable=_unschedulable(decision))
+            for part in ("plan", "placement"):
+                if self.status.get(part) is not None:
+                    self.new[part] = None
+            return self.finish(f, engine, None)
+        chosen = decision.chosen
+        plan_doc = _stamped(chosen, self.generation)
+        self.new["plan"] = plan_doc
+        self.new["placement"] = _placement_doc(chosen, self.now)
+        self.events.append(
+            Event(
+                "Normal",
+                "Placed",
+                f"assumed a lease on {chosen.node}: "
+                + ", ".join(f"{pool} {n / 2**30:.2f} GiB" for pool, n in chosen.charges)
+                + f"; {chosen.layers_on_device}/{chosen.total_layers} layers on device, "
+                f"{chosen.minds_grantable} minds",
+            )
         )
-    )
-    node_entry = snap.nodes.get(chosen.node)
-    f = cond.EngineFacts(
-        generation=generation,
-        planned=_planned(plan_doc, engine),
-        pod=cond.PodPhase.PENDING,
-    )
-    damper = replace(damper, candidate=None, readings=0, last_reading=None)
-    return finish(
-        f,
-        engine,
-        plan_doc,
-        Memory(damper, backoff),
-        bool(node_entry and node_entry.gpus_allocatable > 0),
-        pods_on(snap, chosen.node, settings),
+        node_entry = snap.nodes.get(chosen.node)
+        f = cond.EngineFacts(
+            generation=self.generation,
+            planned=_planned(plan_doc, engine),
+            pod=cond.PodPhase.PENDING,
+        )
+        self.damper = replace(self.damper, candidate=None, readings=0, last_reading=None)
+        return self.finish(
+            f,
+            engine,
+            plan_doc,
+            bool(node_entry and node_entry.gpus_allocatable > 0),
+            pods_on(snap, chosen.node, self.settings),
+        )
+
+
+def _change(node: str, candidate: ServingPlan, was: Mapping[str, Any]) -> str:
+    old_args = " ".join(_shape(was).args)
+    return (
+        f"plan changed on {node}: {candidate.layers_on_device}/"
+        f"{candidate.total_layers} layers, {candidate.minds_grantable} minds, "
+        f"{candidate.pool_tokens} pool tokens (was "
+        f"{was.get('layersOnDevice')}/{was.get('totalLayers')} "
+        f"layers, {was.get('mindsGrantable')} minds; args {old_args})"
     )
