@@ -267,11 +267,14 @@ def test_a_reclaim_ends_a_long_generation_erases_the_slot_and_reports_the_releas
             "Preempted",
             VIP,
         )
-        assert time.monotonic() - reclaimed < 2.0
+        # Ended at once: seconds on a loaded machine, and well inside the grace deadline.
+        assert time.monotonic() - reclaimed < 5.0
         await until(lambda: _async(bool(e.gateway.releases())), timeout=10)
-        assert time.monotonic() - reclaimed < 10.0  # within the grace deadline
+        assert time.monotonic() - reclaimed < 10.0  # released within the grace deadline
         [release] = e.gateway.releases()
-        assert (release.mind, release.slot) == (MIRA, 0) and release.erased_tokens > 8
+        assert (release.mind, release.slot) == (MIRA, 0)
+        # the slot held her prompt and part of the generation, not all of it: it was cut
+        assert 8 < release.erased_tokens < 6000
         assert not await e.processing(0)  # llama-server dropped the generation
         # the operator hands the slot to the next mind: she starts with an empty cache
         e.gateway.set_table(table(queued(MIRA, "Requeued"), granted(VIP, 0)))
@@ -412,7 +415,8 @@ def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
             await op
         assert len(cuts) == len(drains) == 2, "each relaunch should have cut her turn"
         # each turn ended at once, not at the end of its generation or of any deadline
-        assert all(0 <= c - d < 2.0 for d, c in zip(drains, cuts, strict=True)), (drains, cuts)
+        # (seconds on a loaded machine; the allocator's grace deadline is 30 s)
+        assert all(0 <= c - d < 5.0 for d, c in zip(drains, cuts, strict=True)), (drains, cuts)
         assert relaunches_left == 0 and e.runtime.restarts == 2
         assert time.monotonic() - started < 120  # nowhere near the 1,500 s deadline
 
