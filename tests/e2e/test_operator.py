@@ -617,3 +617,22 @@ def test_a_spec_change_is_applied_at_once_by_one_relaunch(
     deployment = cluster.get_json("deployment", "coder", "-n", namespace)
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--parallel") + 1] == "2"
+
+
+def test_deleting_an_engine_removes_what_the_operator_made_for_it(
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
+) -> None:
+    gpu_node(cluster, tag, discrete_status(80, 0.5))
+    cluster.apply(engine("coder", tag), "-n", namespace)
+    wait_for("Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log)
+    cluster.kubectl("delete", "engine", "coder", "-n", namespace, "--wait=true")
+
+    def gone() -> bool:
+        left = cluster.kubectl(
+            "get", "deployments,services,serviceaccounts,roles,rolebindings", "-n", namespace,
+            "-l", "continuum.dev/engine=coder", "-o", "name",
+        ).stdout.strip()  # fmt: skip
+        return not left
+
+    # The garbage collector of kube-controller-manager does this, once its caches are warm.
+    wait_for("the owned objects garbage-collected", gone, timeout=150, log=operator.log)
