@@ -20,8 +20,11 @@ from continuum_operator.engine.receipts import receipt_from_log
 from continuum_operator.engine.runtime import (
     EngineRuntime,
     LaunchSettings,
+    PlanFileError,
     RuntimePhase,
     estimate_errors,
+    gateway_args,
+    load_plan,
     runtime_status,
 )
 from tests.unit import fake_llama
@@ -238,3 +241,27 @@ def test_continuum_engine_refuses_a_bad_command_line_with_what_to_fix(tmp_path: 
     assert main(["engine", "--model", str(model)]) == 2  # neither --grants nor --engine
     assert main(["engine", "--model", str(model), "--engine", "no-namespace"]) == 2
     assert main(["engine", "--model", str(tmp_path / "none.gguf"), "--grants", "g.yaml"]) == 2
+
+
+def test_a_plan_comes_from_plan_output_or_an_engines_status_and_bad_files_are_named(
+    tmp_path: Path,
+) -> None:
+    import pytest
+
+    plan = {"engineArgs": ["--ctx-size", "1024"], "poolTokens": 1024}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "engine.yaml").write_text(json.dumps({"kind": "Engine", "status": {"plan": plan}}))
+    assert load_plan(tmp_path / "plan.json") == plan
+    assert load_plan(tmp_path / "engine.yaml") == plan
+    assert load_plan(None) == {}
+    (tmp_path / "bad.yaml").write_text("engineArgs: --ctx-size 1024\n")
+    with pytest.raises(PlanFileError, match=r"bad\.yaml: not a plan"):
+        load_plan(tmp_path / "bad.yaml")
+    with pytest.raises(PlanFileError, match=r"none\.yaml: cannot read"):
+        load_plan(tmp_path / "none.yaml")
+    # llama-server's arguments: what the plan says, with what the gateway needs added
+    args = gateway_args(plan["engineArgs"], tmp_path)
+    assert args[:2] == ["--ctx-size", "1024"]
+    for flag in ("-lv", "--slots", "--slot-save-path", "--cache-ram"):
+        assert flag in args
+    assert gateway_args(["-lv", "3", "--cache-ram", "512"], tmp_path).count("-lv") == 1

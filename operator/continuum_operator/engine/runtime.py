@@ -50,10 +50,12 @@ from continuum_operator.engine.receipts import receipt_from_log
 __all__ = [
     "EngineRuntime",
     "LaunchSettings",
+    "PlanFileError",
     "RuntimePhase",
     "add_parser",
     "estimate_errors",
     "gateway_args",
+    "load_plan",
     "runtime_status",
 ]
 
@@ -398,14 +400,24 @@ def _with_upstream(settings: GatewaySettings, upstream: str) -> GatewaySettings:
 # --- the command -----------------------------------------------------------------------------
 
 
-def _load_plan(path: Path | None) -> dict[str, Any]:
+class PlanFileError(ValueError):
+    """A `--plan` file that cannot be read, with the file named."""
+
+
+def load_plan(path: Path | None) -> dict[str, Any]:
+    """A serving plan (`continuum plan -o json|yaml`), or an Engine object's `status.plan`."""
     if path is None:
         return {}
-    doc = yaml.safe_load(path.read_text())
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise PlanFileError(f"{path}: cannot read ({err.strerror})") from err
+    except yaml.YAMLError as err:
+        raise PlanFileError(f"{path}: not valid YAML or JSON: {err}") from err
     if isinstance(doc, dict) and isinstance(doc.get("status"), dict):
         doc = doc["status"].get("plan") or {}  # an Engine object: its status.plan
-    if not isinstance(doc, dict):
-        raise GrantTableError(f"{path}: not a plan (a mapping with engineArgs)")
+    if not isinstance(doc, dict) or not isinstance(doc.get("engineArgs", []), list):
+        raise PlanFileError(f"{path}: not a plan (a mapping with an engineArgs list)")
     return doc
 
 
@@ -419,7 +431,7 @@ def _file_publisher(path: Path) -> Callable[[dict[str, Any]], Awaitable[None]]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    plan = _load_plan(args.plan)
+    plan = load_plan(args.plan)
     if not plan and args.engine is not None:
         namespace, _, name = args.engine.partition("/")
         try:
@@ -508,7 +520,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     try:
         return asyncio.run(serve(args))
-    except GrantTableError as err:
+    except (GrantTableError, PlanFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INVALID
 
