@@ -200,6 +200,19 @@ class TestTokens:
         fake = run(table(granted()), body, FakeLlama(token_seconds=0))
         assert fake.requests[0]["n_predict"] == 508
 
+    def test_a_slot_smaller_than_the_grant_caps_at_the_slot(self) -> None:
+        async def body(rig: Rig) -> None:
+            rig.gateway.slot_ctx = 100  # llama-server capped its slots below the grant
+            _, opened, _ = await rig.open()
+            status, reply = await rig.complete(opened["turn"], {"prompt": "a b c"})
+            assert (status, reply["continuum"]["grantTokens"], reply["tokens_predicted"]) == (
+                200,
+                100,
+                96,
+            )
+
+        run(table(granted()), body, FakeLlama(token_seconds=0))
+
     def test_a_prompt_larger_than_the_grant_is_refused_before_llama_server(self) -> None:
         async def body(rig: Rig) -> None:
             _, opened, _ = await rig.open()

@@ -150,6 +150,10 @@ class Gateway:
         self.clock = clock
         self.table: GrantTable | None = None
         self.engine_ready = False
+        # The context of each llama-server slot, where known (the runtime reads /slots).
+        # llama-server caps it at the model's training context, so it can be less than a
+        # grant's tokens: requests are capped at the smaller of the two.
+        self.slot_ctx: int | None = None
         self.turns: dict[str, _Turn] = {}
         self.flights: dict[str, set[_Flight]] = {}
         # The mind whose context a slot may still hold (not erased since she used it).
@@ -485,7 +489,8 @@ class Gateway:
         self.metrics.slot_busy(adm.slot, 1)
         started = time.monotonic()
         try:
-            return await self._forward(request, flight, adm.tokens)
+            tokens = min(adm.tokens, self.slot_ctx) if self.slot_ctx else adm.tokens
+            return await self._forward(request, flight, tokens)
         except _UpstreamDown as err:
             log.warning("llama-server failed %s's request: %s", mind, err)
             return self._refuse(

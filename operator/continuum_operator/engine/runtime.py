@@ -358,6 +358,7 @@ class EngineRuntime:
         if isinstance(slots, list) and slots:
             self.slots = len(slots)
             self.slot_tokens = int(slots[0].get("n_ctx") or 0) or None
+            self.gateway.slot_ctx = self.slot_tokens
 
     def _make_receipt(self) -> Receipt | None:
         sha = self.launch.model_sha256
