@@ -317,6 +317,16 @@ def test_an_engine_is_planned_placed_and_run_as_its_plan_says(
     printed = cluster.kubectl("get", "engine", "coder", "-n", namespace).stdout
     assert node in printed and "True" in printed
 
+    # What the operator owns, it restores.
+    cluster.kubectl("delete", "service", "coder", "-n", namespace)
+    wait_for(
+        "the Service restored",
+        lambda: (
+            cluster.kubectl("get", "service", "coder", "-n", namespace, check=False).returncode == 0
+        ),
+        log=operator.log,
+    )
+
 
 def own_device_bytes(body: dict[str, Any]) -> int:
     device = body["status"]["plan"]["bytes"]["device"]

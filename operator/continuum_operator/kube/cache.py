@@ -110,6 +110,7 @@ class Cache:
     engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
+    services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def snapshot(self) -> Snapshot:
@@ -184,6 +185,15 @@ class Cache:
                 self.engines[key] = copy.deepcopy(dict(obj))
         if nudge:
             self._nudge()
+
+    def observe_service(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if deleted:
+            self.services.discard(key)
+        else:
+            self.services.add(key)
+        self._nudge()
 
     def observe_job(self, obj: Mapping[str, Any], deleted: bool) -> None:
         meta = obj["metadata"]

@@ -1,9 +1,9 @@
 """kopf watch handlers: each one only records what it saw in the cache and wakes the loop.
 
-The operator watches Engines, NodeBoards, the agents' Leases, Nodes, and the Deployments and
-facts Jobs it owns. No handler decides or writes anything (the loop does, `kube.loop`), so kopf
-keeps no state on the objects: no finalizers, no progress annotations. Handlers are coroutines,
-so the cache is only touched from the event loop.
+The operator watches Engines, NodeBoards, the agents' Leases, Nodes, and the Deployments,
+Services and facts Jobs it owns. No handler decides or writes anything (the loop does,
+`kube.loop`), so kopf keeps no state on the objects: no finalizers, no progress annotations.
+Handlers are coroutines, so the cache is only touched from the event loop.
 """
 
 from __future__ import annotations
@@ -82,5 +82,15 @@ def registry_for(cache: Cache) -> kopf.OperatorRegistry:
     )
     async def job(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_job(_obj(event), _deleted(event))
+
+    @kopf.on.event(
+        group="",
+        version="v1",
+        plural="services",
+        registry=registry,
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+    )
+    async def service(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_service(_obj(event), _deleted(event))
 
     return registry

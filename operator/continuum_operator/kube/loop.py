@@ -117,7 +117,9 @@ class Loop:
             self.memory[uid] = writes.memory
             self.record(key, writes)
             unschedulable += writes.unschedulable
-            engine, deployment = await asyncio.to_thread(self.apply, key, body, writes)
+            engine, deployment, served = await asyncio.to_thread(self.apply, key, body, writes)
+            if served:
+                self.cache.services.add(key)
             # Recorded at once ("assume"), and no news: our own writes do not wake the loop.
             if engine is not None:
                 self.cache.observe_engine(engine, deleted=False, nudge=False)
@@ -134,10 +136,12 @@ class Loop:
 
     def apply(
         self, key: EngineKey, body: dict[str, Any], writes: Writes
-    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """Runs in a thread: API calls only; returns the engine and Deployment as written."""
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, bool]:
+        """Runs in a thread: API calls only. Returns the engine and Deployment as written, and
+        whether the Service was applied."""
         ns, name = key
         engine = deployment = None
+        served = False
         try:
             if writes.status_patch is not None:
                 engine = self.api.merge_patch(
@@ -146,10 +150,11 @@ class Loop:
             if writes.service is not None:
                 # Before the Deployment: its pods are refused until their ServiceAccount exists.
                 digest = repr((writes.service, writes.identity))
-                if self.services.get(key) != digest:
+                if self.services.get(key) != digest or key not in self.cache.services:
                     for obj in (*writes.identity, writes.service):
                         self.api.apply(obj)
                     self.services[key] = digest
+                    served = True
             if writes.deployment is not None:
                 desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
                 current = self.cache.deployments.get(key)
@@ -172,7 +177,7 @@ class Loop:
         except ApiError as err:
             if err.status != 404:  # 404: the engine was deleted meanwhile
                 log.warning("writing Engine %s/%s failed: %s", ns, name, err)
-        return engine, deployment
+        return engine, deployment, served
 
     def read_facts(self, key: EngineKey, job: JobEntry) -> tuple[dict[str, Any] | None, str | None]:
         """Runs in a thread: the facts a succeeded Job printed, into status.modelFacts.
