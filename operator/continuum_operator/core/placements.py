@@ -1,7 +1,9 @@
 """The node's ledger derived from consumers' placements, never stored as a second copy.
 
 Each Engine's `status.placement` (written by the operator as an assumed lease before its pod
-exists) is the only record of the bytes it holds; the leases of a node are read off them.
+exists) is the only record of the bytes it holds; the leases of a node are read off them. An
+EmbedLane's `status.placement` is read the same way: one lease per pool it is charged in, with
+the pool's floor (`core.embed`), so an engine planned on that node sees the lane's bytes.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Iterable
 
 from continuum_operator.core.plan import ServingPlan
 from continuum_operator.core.pools import ConsumerKind, Lease
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine, EnginePlacement, EnginePoolBytes
 
 
@@ -41,3 +44,32 @@ def placement_of(plan: ServingPlan) -> EnginePlacement:
         pools=[EnginePoolBytes(pool=pool, bytes=n) for pool, n in plan.charges],
         assumed=True,
     )
+
+
+def lane_placement_leases(consumer: str, placement: EmbedLanePlacement) -> list[Lease]:
+    """The leases of one lane's placement: its bytes per pool, never below the pool's floor."""
+    return [
+        Lease(
+            consumer,
+            ConsumerKind.EMBED_LANE,
+            placement.node,
+            part.pool,
+            max(part.bytes, part.floor_bytes),
+            part.floor_bytes,
+        )
+        for part in placement.pools
+        if max(part.bytes, part.floor_bytes) > 0
+    ]
+
+
+def embedlane_leases(lanes: Iterable[EmbedLane]) -> list[Lease]:
+    leases: list[Lease] = []
+    for lane in lanes:
+        placement = lane.status.placement
+        if placement is None:
+            continue
+        consumer = consumer_name(
+            ConsumerKind.EMBED_LANE, lane.metadata.namespace, lane.metadata.name
+        )
+        leases.extend(lane_placement_leases(consumer, placement))
+    return leases
