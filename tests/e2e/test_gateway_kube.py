@@ -158,3 +158,94 @@ def test_a_minds_token_is_reviewed_by_the_api_server_and_speaks_for_her_namespac
 
     asyncio.run(main())
     api_client.close()
+
+
+def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status(
+    cluster: Cluster, namespace: str, llama_server_bin: Path, tiny_model: Any, tmp_path: Path
+) -> None:
+    """`continuum engine --engine NS/NAME` with the real llama-server and the real API server:
+    the operator's grants (patched here by hand) decide who is served, and the reclaim's
+    release lands in the Engine's status.runtime, beside the receipt of the load."""
+    import subprocess
+    import sys
+
+    from tests.e2e.llama_fixtures import free_port, http_json
+
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/engines.continuum.dev"
+    )
+    cluster.apply(_engine(namespace))
+    mira = f"{namespace}/mira"
+    granted = {"mind": mira, "state": "Granted", "slot": 0, "tokens": 32768, "since": "t0"}
+    _patch_grants(cluster, namespace, [granted])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable, "-m", "continuum_operator.cli", "engine",
+        "--engine", f"{namespace}/coder-8b", "--model", str(tiny_model.path),
+        "--listen", f"127.0.0.1:{port}", "--llama-server", str(llama_server_bin),
+        "--", "-c", "2048", "--parallel", "2", "-t", "2",
+    ]  # fmt: skip
+
+    def runtime_status() -> dict[str, Any]:
+        engine = cluster.get_json("engine", "coder-8b", "-n", namespace)
+        return dict(engine.get("status", {}).get("runtime") or {})
+
+    def wait(check: Any, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    def post(path: str, body: dict[str, Any], **headers: str) -> tuple[int, Any]:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(
+            url + path, data=json.dumps(body).encode(), method="POST", headers=headers
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            with err:
+                return err.code, json.loads(err.read())
+
+    with (tmp_path / "engine.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=cluster.env)
+        try:
+            wait(lambda: runtime_status().get("phase") == "Serving", "status.runtime never Serving")
+            assert http_json(f"{url}/readyz")[0] == 200
+            mind = {"X-Continuum-Mind": mira, "Content-Type": "application/json"}
+            code, opened = post("/v1/turns", {}, **mind)
+            assert (code, opened["slot"]) == (201, 0)
+            code, reply = post(
+                "/completion",
+                {"prompt": "Once upon a time", "n_predict": 4},
+                **mind,
+                **{"X-Continuum-Turn": opened["turn"]},
+            )
+            assert (code, reply["id_slot"]) == (200, 0)
+            reclaim = {**granted, "state": "Reclaiming", "reason": "Preempted", "since": "t1"}
+            _patch_grants(cluster, namespace, [reclaim])
+            wait(lambda: bool(runtime_status().get("slotReleases")), "no release reported")
+            assert post("/v1/turns", {}, **mind)[0] == 409
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    runtime = runtime_status()
+    [release] = runtime["slotReleases"]
+    assert (release["mind"], release["slot"], release["reason"], release["grantSince"]) == (
+        mira,
+        0,
+        "Preempted",
+        "t1",
+    )
+    assert release["erasedTokens"] > 0
+    [receipt] = runtime["receipts"]
+    assert receipt["contextTokens"] == 2048 and receipt["parallel"] == 2
+    assert runtime["slots"] == 2 and runtime["layersOffloaded"] == 0
+    grants = cluster.get_json("engine", "coder-8b", "-n", namespace)["status"]["grants"]
+    assert grants[0]["state"] == "Reclaiming"  # the operator's field, untouched
