@@ -64,7 +64,7 @@ class TestOpeningATurn:
 
     def test_a_reclaiming_grant_ends_the_turn_at_once_naming_the_preemptor(self) -> None:
         adm = admit_turn(table(reclaiming()), "minds/mira")
-        assert (adm.status, adm.refusal) == (409, Refusal.RECLAIMING)
+        assert (adm.status, adm.refusal, adm.retry_after) == (409, Refusal.RECLAIMING, 1)
         assert adm.body["by"] == "minds/vip"
         assert adm.body["deadline"] == "1970-01-01T00:01:40Z"
 

@@ -261,6 +261,8 @@ def _not_granted(
             refusal,
             409,
             {"reason": entry.reason, "by": entry.by, "deadline": _iso(entry.deadline)},
+            # The turn ends now; a next turn is worth asking for once the release is recorded.
+            None if cut else 1,
         )
     if entry.state is GrantState.RELEASED and entry.reason == GrantReason.CONTEXT_TOO_LARGE:
         return _refuse(
