@@ -21,6 +21,7 @@ from continuum_operator.agent import cli as agent_cli
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.embed import runtime as embed_runtime
 from continuum_operator.engine import runtime as engine_runtime
 from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
 from continuum_operator.kube import run as operator_cli
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     checklog.add_parser(sub)
     cli_facts.add_parser(sub)
     engine_runtime.add_parser(sub)
+    embed_runtime.add_parser(sub)
     agent_cli.add_parser(sub)
     operator_cli.add_parser(sub)
     return parser

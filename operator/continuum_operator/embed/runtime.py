@@ -1,0 +1,445 @@
+"""`continuum embed`: serve embeddings for one EmbedLane, within its lease, and report them.
+
+The process of an embed lane. Before the first request it calibrates: a pass at the largest
+context the lane has embedded (from its `status.runtime` when it ran before; one context step
+for a new lane), so the floor the operator keeps is allocated and measured. Then
+`POST /v1/embeddings` (OpenAI's shape: `input` a string or a list) is admitted against the
+lane's lease (`core.embed.admit`): it fits (served), waits (for up to `waitSeconds` for the
+operator to grow the lease, then 503) or fails (413: larger than spec.maxContextTokens). Its
+context grows only to what the lease holds, so it never over-commits its pool.
+
+It is the one writer of the lane's `status.runtime` (DESIGN.md "One writer per status field"):
+the largest context embedded, the context held, whether llama.cpp can offload to a GPU, the
+receipts of its loads, and counts of requests served, waited and refused; to a file, to the
+EmbedLane, or both, only when it changed. `GET /v1/runtime` answers the same document.
+
+The lease comes from the EmbedLane (`--lane NAMESPACE/NAME`, polled) or a file holding an
+EmbedLane or its `status.placement` (`--lane-file`, re-read when it changes).
+Neighbours: `embed.lane` (llama-cpp-python), `core.embed` (admission), `kube.embedlanes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from continuum_operator.core.embed import Verdict, admit
+from continuum_operator.core.receipts import Receipt
+from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
+from continuum_operator.model.base import GROUP, VERSION
+
+__all__ = ["LaneRuntime", "LaneState", "RuntimePhase", "add_parser", "lane_state_from"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+#: Receipts kept in status: the largest contexts loaded (the operator scales from them).
+RECEIPTS_KEPT = 4
+
+Publish = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class RuntimePhase(StrEnum):
+    CALIBRATING = "Calibrating"
+    SERVING = "Serving"
+
+
+@dataclass(frozen=True, slots=True)
+class LaneState:
+    """What the runtime reads of its EmbedLane: the maximum, the lease, what it embedded."""
+
+    max_context_tokens: int
+    leased_context_tokens: int = 0
+    residence: str | None = None
+    largest_embedded_tokens: int = 0
+
+
+def lane_state_from(doc: dict[str, Any], max_context_tokens: int | None = None) -> LaneState:
+    """From an EmbedLane object, or a bare placement document (with `max_context_tokens`)."""
+    if "spec" in doc or "status" in doc:
+        spec = doc.get("spec") or {}
+        status = doc.get("status") or {}
+        placement = status.get("placement") or {}
+        runtime = status.get("runtime") or {}
+        max_ctx = int(spec.get("maxContextTokens") or max_context_tokens or 0)
+        largest = int(runtime.get("largestContextTokens") or 0)
+    else:
+        placement, max_ctx, largest = doc, int(max_context_tokens or 0), 0
+    if max_ctx <= 0:
+        raise ValueError("no maxContextTokens: give an EmbedLane, or --max-context-tokens")
+    fits = placement.get("verdict") == str(Verdict.FITS)
+    return LaneState(
+        max_context_tokens=max_ctx,
+        leased_context_tokens=int(placement.get("contextTokens") or 0) if fits else 0,
+        residence=placement.get("residence"),
+        largest_embedded_tokens=max(largest, int(placement.get("floorTokens") or 0)),
+    )
+
+
+@dataclass
+class Counts:
+    served: int = 0
+    waited: int = 0
+    refused: int = 0
+    last_refusal: dict[str, Any] | None = None
+
+
+@dataclass
+class LaneRuntime:
+    model: LaneModel
+    state: LaneState
+    publish: Publish | None = None
+    clock: Callable[[], float] = time.monotonic
+    phase: RuntimePhase = RuntimePhase.CALIBRATING
+    largest: int = 0
+    receipts: dict[int, Receipt] = field(default_factory=dict)
+    counts: Counts = field(default_factory=Counts)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _lease_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _last_published: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.largest = self.state.largest_embedded_tokens
+
+    # -- status.runtime ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        kept = sorted(self.receipts.items())[-RECEIPTS_KEPT:]
+        return {
+            "phase": self.phase.value,
+            "ready": self.phase is RuntimePhase.SERVING,
+            "gpuOffload": gpu_offload_supported(),
+            "llamaBuild": llama_build(),
+            "maxContextTokens": self.state.max_context_tokens,
+            "leasedContextTokens": self.state.leased_context_tokens,
+            "contextTokens": self.model.cells,
+            "largestContextTokens": self.largest,
+            "receipts": [r.model_dump(mode="json", by_alias=True) for _, r in kept],
+            "requests": {
+                "served": self.counts.served,
+                "waited": self.counts.waited,
+                "refused": self.counts.refused,
+            },
+            "lastRefusal": self.counts.last_refusal,
+        }
+
+    async def publish_status(self) -> None:
+        doc = self.status()
+        if self.publish is None or doc == self._last_published:
+            return
+        try:
+            await self.publish(doc)
+            self._last_published = doc
+        except Exception as err:  # retried on the next change
+            log.warning("could not write status.runtime: %s", err)
+
+    def set_state(self, state: LaneState) -> None:
+        """A new lease (or maximum) from the EmbedLane; waiting requests look again."""
+        if state != self.state:
+            self.state = state
+            self._lease_changed.set()
+
+    # -- calibration ------------------------------------------------------------------------
+
+    async def calibrate(self) -> None:
+        """The pass at the lane's largest context, before the first request (sets the floor)."""
+        target = min(max(1, self.largest), self.state.max_context_tokens)
+        async with self._lock:
+            loaded = await asyncio.to_thread(self.model.calibrate, target)
+        if loaded is not None and loaded.receipt is not None:
+            self.receipts[loaded.cells] = loaded.receipt
+        self.largest = max(self.largest, target)
+        self.phase = RuntimePhase.SERVING
+        await self.publish_status()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def embed(
+        self, texts: list[str], wait_seconds: float = 0.0
+    ) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of one embedding request."""
+        if self.phase is not RuntimePhase.SERVING:
+            return 503, _error("Calibrating", "the lane is calibrating; try again shortly", 0)
+        async with self._lock:
+            counts = await asyncio.to_thread(self.model.count_tokens, texts)
+        deadline = self.clock() + max(0.0, wait_seconds)
+        waited = False
+        while True:
+            a = admit(
+                counts,
+                max_context_tokens=self.state.max_context_tokens,
+                leased_context_tokens=self.state.leased_context_tokens,
+            )
+            if a.verdict is Verdict.FITS:
+                break
+            left = deadline - self.clock()
+            if a.verdict is Verdict.FAILS or left <= 0:
+                self.counts.refused += 1
+                self.counts.last_refusal = {
+                    "reason": str(a.reason),
+                    "message": a.message,
+                    "tokens": a.tokens,
+                }
+                await self.publish_status()
+                status = 413 if a.verdict is Verdict.FAILS else 503
+                return status, _error(str(a.reason), a.message, a.tokens)
+            if not waited:
+                waited = True
+                self.counts.waited += 1
+            self._lease_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lease_changed.wait(), left)
+        async with self._lock:
+            loaded = await asyncio.to_thread(self.model.ensure, a.tokens)
+            vectors = await asyncio.to_thread(self.model.embed, texts)
+        if loaded is not None and loaded.receipt is not None:
+            self.receipts[loaded.cells] = loaded.receipt
+        self.largest = max(self.largest, a.tokens)
+        self.counts.served += 1
+        await self.publish_status()
+        total = sum(counts)
+        return 200, {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)
+            ],
+            "model": self.model.model.name,
+            "usage": {"prompt_tokens": total, "total_tokens": total},
+        }
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_get("/v1/runtime", self._runtime)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        return app
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return web.json_response(_error("BadRequest", "the body is not JSON", 0), status=400)
+        raw = body.get("input") if isinstance(body, dict) else None
+        texts = [raw] if isinstance(raw, str) else raw
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            message = "`input` must be a string or a non-empty list of strings"
+            return web.json_response(_error("BadRequest", message, 0), status=400)
+        try:
+            wait = float(body.get("waitSeconds", 0.0))
+        except (TypeError, ValueError):
+            return web.json_response(
+                _error("BadRequest", "`waitSeconds` must be a number", 0), status=400
+            )
+        status, doc = await self.embed(texts, wait)
+        return web.json_response(doc, status=status)
+
+    async def _runtime(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ready = self.phase is RuntimePhase.SERVING
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
+def _error(reason: str, message: str, tokens: int) -> dict[str, Any]:
+    return {"error": {"reason": reason, "message": message, "tokens": tokens}}
+
+
+# --- where the lease comes from, where status goes ---------------------------------------------
+
+
+def read_lane_file(path: Path, max_context_tokens: int | None) -> LaneState:
+    doc = yaml.safe_load(path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not an EmbedLane or a placement (a mapping)")
+    return lane_state_from(doc, max_context_tokens)
+
+
+async def watch_lane_file(
+    path: Path,
+    max_context_tokens: int | None,
+    on_state: Callable[[LaneState], None],
+    *,
+    poll_seconds: float = 0.2,
+) -> None:
+    last: bytes | None = None
+    while True:
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            raw = None
+        if raw is not None and raw != last:
+            last = raw
+            try:
+                on_state(read_lane_file(path, max_context_tokens))
+            except (ValueError, yaml.YAMLError) as err:
+                log.error("%s; keeping the last lease", err)
+        await asyncio.sleep(poll_seconds)
+
+
+def _custom_objects() -> Any:
+    client: Any = importlib.import_module("kubernetes.client")
+    config: Any = importlib.import_module("kubernetes.config")
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.CustomObjectsApi()
+
+
+class LaneObject:
+    """The EmbedLane in the API: read for its lease, patched for `status.runtime` only."""
+
+    def __init__(self, namespace: str, name: str, *, api: Any = None) -> None:
+        self.namespace, self.name = namespace, name
+        self.api = api or _custom_objects()
+
+    async def read(self) -> dict[str, Any]:
+        obj: dict[str, Any] = await asyncio.to_thread(
+            self.api.get_namespaced_custom_object,
+            GROUP, VERSION, self.namespace, "embedlanes", self.name,
+        )  # fmt: skip
+        return obj
+
+    async def write(self, runtime: dict[str, Any]) -> None:
+        await asyncio.to_thread(
+            self.api.patch_namespaced_custom_object_status,
+            GROUP, VERSION, self.namespace, "embedlanes", self.name,
+            {"status": {"runtime": runtime}},
+        )  # fmt: skip
+
+    async def watch(self, on_state: Callable[[LaneState], None], poll_seconds: float) -> None:
+        while True:
+            try:
+                on_state(lane_state_from(await self.read()))
+            except Exception as err:  # the last lease holds until the next read
+                log.warning("reading EmbedLane %s/%s failed: %s", self.namespace, self.name, err)
+            await asyncio.sleep(poll_seconds)
+
+
+def _file_publisher(path: Path) -> Publish:
+    async def publish(doc: dict[str, Any]) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+
+    return publish
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace) -> int:
+    lane_obj: LaneObject | None = None
+    if args.lane is not None:
+        ns, _, name = args.lane.partition("/")
+        lane_obj = LaneObject(ns, name)
+        state = lane_state_from(await lane_obj.read(), args.max_context_tokens)
+    else:
+        state = read_lane_file(args.lane_file, args.max_context_tokens)
+    sha = args.model_sha256
+    if sha is None:
+        from continuum_operator.gguf import file_sha256
+
+        sha = await asyncio.to_thread(file_sha256, args.model)
+    gpu_layers = 0 if state.residence in (None, "host") else -1
+    model = LaneModel(args.model, model_sha256=sha, n_gpu_layers=gpu_layers, n_threads=args.threads)
+    sinks: list[Publish] = []
+    if args.status_file is not None:
+        sinks.append(_file_publisher(args.status_file))
+    if lane_obj is not None:
+        sinks.append(lane_obj.write)
+
+    async def publish(doc: dict[str, Any]) -> None:
+        for sink in sinks:
+            await sink(doc)
+
+    runtime = LaneRuntime(model, state, publish=publish)
+    if lane_obj is not None:
+        source = asyncio.create_task(lane_obj.watch(runtime.set_state, args.poll))
+    else:
+        source = asyncio.create_task(
+            watch_lane_file(args.lane_file, args.max_context_tokens, runtime.set_state)
+        )
+    runner = web.AppRunner(runtime.app(), handler_cancellation=True)
+    await runner.setup()
+    host, _, port = args.listen.rpartition(":")
+    await web.TCPSite(runner, host or "0.0.0.0", int(port)).start()
+    log.info("embed lane listening on %s; calibrating", args.listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runtime.calibrate()
+        log.info("calibrated at %d tokens; serving", runtime.largest)
+        await stop.wait()
+    finally:
+        source.cancel()
+        await asyncio.gather(source, return_exceptions=True)
+        await runner.cleanup()
+        model.close()
+    return EXIT_OK
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if (args.lane is None) == (args.lane_file is None):
+        print("error: give --lane NAMESPACE/NAME or --lane-file FILE (one of them)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INVALID
+    if args.lane is not None and "/" not in args.lane:
+        print(f"error: --lane {args.lane}: expected NAMESPACE/NAME", file=sys.stderr)
+        return EXIT_INVALID
+    if not args.model.is_file():
+        print(f"error: --model {args.model}: no such file", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        return asyncio.run(serve(args))
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+def add_parser(sub: Any) -> None:
+    """Register `embed` on the `continuum` command's subparsers."""
+    p = sub.add_parser(
+        "embed",
+        help="serve embeddings for an EmbedLane within its lease (an embed lane's process)",
+        description="llama-cpp-python in embedding mode (mean pooling): calibrates at the "
+        "lane's largest context, admits requests against status.placement, and writes "
+        "status.runtime (docs/embedlanes.md).",
+    )
+    p.add_argument("--model", type=Path, required=True, help="the GGUF model file")
+    p.add_argument("--model-sha256", "--sha256", dest="model_sha256", help="the model's digest")
+    p.add_argument("--lane", help="NAMESPACE/NAME: read its lease, write its status.runtime")
+    p.add_argument("--lane-file", type=Path, help="an EmbedLane or placement file, watched")
+    p.add_argument("--max-context-tokens", type=int, help="when the file is a bare placement")
+    p.add_argument("--listen", default="0.0.0.0:8080", help="address (host:port)")
+    p.add_argument("--status-file", type=Path, help="also write status.runtime here (JSON)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between EmbedLane reads")
+    p.set_defaults(func=cmd_embed)
