@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from continuum_operator import checklog, cli_facts, scenario
+from continuum_operator import checklog, cli_facts, procclass, scenario
 from continuum_operator.agent import cli as agent_cli
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     embed_runtime.add_parser(sub)
     agent_cli.add_parser(sub)
     operator_cli.add_parser(sub)
+    procclass.add_parser(sub)
     return parser
 
 

@@ -151,9 +151,20 @@ def test_the_service_selects_the_engines_pod() -> None:
 
 
 def test_engines_outrank_minds_and_minds_never_preempt() -> None:
-    engine_class, mind_class = objects.priority_classes(PodSettings())
+    engine_class, mind_class, *_ = objects.priority_classes(PodSettings())
     assert engine_class["value"] > mind_class["value"]
     assert mind_class["preemptionPolicy"] == "Never"
+
+
+def test_a_minds_children_rank_below_every_class_and_ordinary_pods_and_never_preempt() -> None:
+    pods = PodSettings(children_priority_class="kids", children_priority=-7)
+    classes = objects.priority_classes(pods)
+    children = next(c for c in classes if c["metadata"]["name"] == "kids")
+    assert children["value"] == -7
+    assert children["value"] < 0  # ordinary pods have priority 0
+    assert all(children["value"] < c["value"] for c in classes if c is not children)
+    assert children["preemptionPolicy"] == "Never"
+    assert children["globalDefault"] is False
 
 
 def test_the_engine_pod_may_read_its_own_engine_and_write_its_status_only() -> None:

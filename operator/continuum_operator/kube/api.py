@@ -52,6 +52,7 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "ServiceAccount": "serviceaccounts",
         "Role": "roles",
         "RoleBinding": "rolebindings",
+        "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
     }[str(obj["kind"])]
     ns = obj["metadata"].get("namespace")
     path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"

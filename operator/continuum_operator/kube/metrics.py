@@ -57,6 +57,25 @@ class OperatorMetrics:
             ["namespace", "engine"],
             registry=r,
         )
+        # A mind's child pods (kube.webhook, docs/children.md).
+        self.children_mutated = Counter(
+            "continuum_mind_children_mutated",
+            "Child pods of minds given the children's class by the webhook.",
+            ["namespace"],
+            registry=r,
+        )
+        self.children_unmutated_seen = Counter(
+            "continuum_mind_children_unmutated",
+            "Child pods of minds seen without the webhook's mark (admitted unmutated).",
+            ["namespace"],
+            registry=r,
+        )
+        self.children_unmutated = Gauge(
+            "continuum_mind_children_unmutated_live",
+            "Child pods of minds present now without the webhook's mark.",
+            ["namespace"],
+            registry=r,
+        )
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
@@ -76,6 +95,15 @@ class OperatorMetrics:
 
     def set_memory_mode_unknown(self, namespace: str, engine: str, unknown: bool) -> None:
         self.memory_mode_unknown.labels(namespace, engine).set(1 if unknown else 0)
+
+    def record_child_mutated(self, namespace: str) -> None:
+        self.children_mutated.labels(namespace).inc()
+
+    def record_child_unmutated(self, namespace: str) -> None:
+        self.children_unmutated_seen.labels(namespace).inc()
+
+    def set_children_unmutated(self, namespace: str, live: int) -> None:
+        self.children_unmutated.labels(namespace).set(live)
 
     def forget(self, namespace: str, engine: str) -> None:
         for metric in (self.relaunches, self.memory_mode_unknown):

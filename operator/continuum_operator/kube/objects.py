@@ -363,7 +363,7 @@ def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
 
 
 def priority_classes(pods: PodSettings) -> list[Obj]:
-    """The engine's class and the minds' class, installed by the operator at startup."""
+    """The engines' class, the minds' and their children's, installed by the operator at startup."""
     return [
         {
             "apiVersion": "scheduling.k8s.io/v1",
@@ -388,5 +388,17 @@ def priority_classes(pods: PodSettings) -> list[Obj]:
             "globalDefault": False,
             "preemptionPolicy": "Never",
             "description": "continuum minds: below the engines that serve them; never preempt.",
+        },
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {
+                "name": pods.children_priority_class,
+                "labels": {"app.kubernetes.io/managed-by": MANAGED_BY},
+            },
+            "value": pods.children_priority,
+            "globalDefault": False,
+            "preemptionPolicy": "Never",
+            "description": "a mind's child pods (builds, test runs): the lowest; never preempt.",
         },
     ]

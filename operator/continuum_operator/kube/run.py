@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 from continuum_operator.core.damping import DampingSettings
+from continuum_operator.kube import webhook
 from continuum_operator.kube.settings import (
     FreshnessSettings,
     GpuSharing,
@@ -92,6 +93,7 @@ def add_parser(sub: Any) -> None:
         default=0,
         help="serve Prometheus metrics on this port (0: not served)",
     )
+    webhook.add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_operator)  # fmt: skip
 
@@ -103,7 +105,10 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
             pod_start_timeout_seconds=args.pod_start_timeout, backoff_seconds=args.backoff
         ),
         pods=PodSettings(
-            image=args.engine_image, cpu=args.engine_cpu, gpu_sharing=GpuSharing(args.gpu_sharing)
+            image=args.engine_image,
+            cpu=args.engine_cpu,
+            gpu_sharing=GpuSharing(args.gpu_sharing),
+            children_priority_class=args.children_priority_class,
         ),
         damping=DampingSettings(
             readings_required=args.damping_readings,
@@ -111,6 +116,7 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
             cooldown_seconds=args.relaunch_cooldown,
         ),
         loop=LoopSettings(resync_seconds=args.resync),
+        children=webhook.settings_from(args),
     )
 
 
@@ -128,14 +134,17 @@ async def serve(settings: OperatorSettings, kubeconfig: str | None, metrics_port
     metrics = OperatorMetrics()
     if metrics_port:
         metrics.serve(metrics_port)
-    loop = Loop(KubeApi(kubeconfig), settings, cache, metrics=metrics)
+    api = KubeApi(kubeconfig)
+    loop = Loop(api, settings, cache, metrics=metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    registry = registry_for(cache)
+    webhook.register(registry, api, settings.pods, settings.children, metrics)
     decisions = asyncio.create_task(loop.run(stop))
     try:
         await kopf.operator(
-            registry=registry_for(cache), standalone=True, clusterwide=True, stop_flag=stop
+            registry=registry, standalone=True, clusterwide=True, stop_flag=stop
         )
     finally:
         stop.set()

@@ -66,7 +66,42 @@ class PodSettings:
     """Engines outrank the minds they serve and every ordinary pod (scheduling, eviction)."""
     mind_priority_class: str = "continuum-mind"
     mind_priority: int = 1_000
+    children_priority_class: str = "continuum-mind-children"
+    children_priority: int = -1_000
+    """A mind's child pods (builds, test runs): below every ordinary pod (0), never preempting
+    (docs/children.md). Set on them by the children's webhook (`kube.webhook`)."""
     gpu_sharing: GpuSharing = GpuSharing.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class ChildrenSettings:
+    """The mutating webhook for a mind's child pods (docs/children.md, `kube.webhook`)."""
+
+    webhook: bool = False
+    """Serve the webhook and install its MutatingWebhookConfiguration (`--webhook`). Off by
+    default: the API server must reach the operator at `webhook_host`."""
+    webhook_name: str = "continuum-mind-children"
+    """Name of the cluster's MutatingWebhookConfiguration the operator installs."""
+    listen: str = "0.0.0.0"
+    """Address the webhook server listens on."""
+    port: int = 9443
+    """Port the webhook server listens on (HTTPS)."""
+    host: str = "127.0.0.1"
+    """Host name or IP the API server calls the webhook at; in the self-signed certificate's
+    names. For an in-cluster operator, its Service's DNS name."""
+    certfile: str | None = None
+    keyfile: str | None = None
+    """A serving certificate and key (cert-manager's Secret, mounted); None: self-signed,
+    made at startup."""
+    cafile: str | None = None
+    """CA bundle the API server verifies the webhook with (cert-manager's `ca.crt`); None: the
+    certificate itself."""
+    timeout_seconds: int = 5
+    """How long the API server waits for the webhook before it admits the pod unmutated
+    (failure policy Ignore). Short: a child is never held up long for a slow operator."""
+    cpu_request: str = "1m"
+    """CPU a child requests: the least, so its cgroup CPU weight is the least (cpu.weight 1). No
+    CPU limit is set: children still use every idle core."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +119,4 @@ class OperatorSettings:
     pods: PodSettings = field(default_factory=PodSettings)
     damping: DampingSettings = field(default_factory=DampingSettings)
     loop: LoopSettings = field(default_factory=LoopSettings)
+    children: ChildrenSettings = field(default_factory=ChildrenSettings)

@@ -1,0 +1,456 @@
+"""A mind's child pods run below the engine that serves her (DESIGN.md rule 8, docs/children.md).
+
+A mutating admission webhook, served by kopf's admission support, gives every pod a mind spawns
+(labelled `continuum.dev/mind: NAME`, or owned by a Mind) the children's priority class, the
+least CPU weight (a minimal CPU request and no CPU limit: they still use every idle core, and
+yield to everything else under contention) and a mark for the runner inside the pod
+(`continuum run`, `continuum_operator.procclass`): the annotation `continuum.dev/process-class`
+and the variable `CONTINUUM_PROCESS_CLASS`, both `background`.
+
+Its failure policy is Ignore: pod creation never blocks on the operator. So a child may arrive
+unmutated (the operator down, slow or not yet started); a watch on children counts each one that
+lacks the mark (a metric, and a Warning event on the pod), so none is silently missed.
+
+What is decided here is pure and tested as such: `mutate` (a pod in, the mutated pod and notes
+out), `webhook_configuration` (the MutatingWebhookConfiguration for a client config) and
+`Unmarked` (which children lack the mark). `register` wires them into kopf. Neighbours:
+`kube.settings` (`ChildrenSettings`, the class in `PodSettings`), `kube.objects` (installs the
+class), `kube.metrics`, `kube.run` (`--webhook`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import ipaddress
+import logging
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from continuum_operator.kube.objects import MANAGED_BY
+from continuum_operator.kube.settings import ChildrenSettings, PodSettings
+from continuum_operator.model.base import GROUP
+
+__all__ = [
+    "BACKGROUND",
+    "CLASS_ANNOTATION",
+    "CLASS_ENV",
+    "HANDLER_ID",
+    "MIND_LABEL",
+    "Mutation",
+    "Unmarked",
+    "add_arguments",
+    "is_marked",
+    "mind_of",
+    "mutate",
+    "register",
+    "settings_from",
+    "webhook_configuration",
+]
+
+log = logging.getLogger("continuum.children")
+
+MIND_LABEL = "continuum.dev/mind"
+"""On a pod a mind spawns, the mind's name: the contract the webhook and the count rely on."""
+CLASS_ANNOTATION = "continuum.dev/process-class"
+CLASS_ENV = "CONTINUUM_PROCESS_CLASS"
+BACKGROUND = "background"
+HANDLER_ID = "mind-children"
+"""kopf's id of the mutating handler: the last part of the webhook's URL path."""
+UNMUTATED_REASON = "ChildNotMutated"
+
+Obj = dict[str, Any]
+
+
+def mind_of(pod: Mapping[str, Any]) -> str | None:
+    """The mind whose child this pod is: its label, else an owner reference to a Mind."""
+    meta = pod.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(MIND_LABEL)
+    if name:
+        return str(name)
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == "Mind" and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            return str(ref.get("name"))
+    return None
+
+
+def is_marked(pod: Mapping[str, Any]) -> bool:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(CLASS_ANNOTATION) == BACKGROUND
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    pod: Obj
+    """The pod as it is admitted."""
+    notes: tuple[str, ...] = ()
+    """What was overridden, returned to the client as admission warnings."""
+
+
+def _without_cpu(resources: Obj, side: str) -> str | None:
+    """Removes `resources[side].cpu`; returns what it was."""
+    values = resources.get(side)
+    if not isinstance(values, dict) or "cpu" not in values:
+        return None
+    removed = str(values.pop("cpu"))
+    if not values:
+        del resources[side]
+    return removed
+
+
+def mutate(
+    pod: Mapping[str, Any], pods: PodSettings, children: ChildrenSettings
+) -> Mutation | None:
+    """A mind's child pod as it must run; None for a pod of no mind (left as it is).
+
+    Idempotent: a mutated pod mutates to itself with no notes, so the webhook may be called
+    again (reinvocation) at no cost.
+    """
+    mind = mind_of(pod)
+    if mind is None:
+        return None
+    new: Obj = copy.deepcopy(dict(pod))
+    notes: list[str] = []
+    meta = new.setdefault("metadata", {})
+    labels = meta.get("labels") or {}
+    labels.setdefault(MIND_LABEL, mind)  # an owned child gets the label: the count watches it
+    meta["labels"] = labels
+    annotations = meta.get("annotations") or {}
+    annotations[CLASS_ANNOTATION] = BACKGROUND
+    meta["annotations"] = annotations
+    spec = new.setdefault("spec", {})
+    asked = spec.get("priorityClassName")
+    if asked and asked != pods.children_priority_class:
+        notes.append(f"priorityClassName {asked} replaced by {pods.children_priority_class}")
+    # The Priority admission plugin resolved the class before webhooks run: the integer and the
+    # preemption policy are set with the name, as that plugin would have set them.
+    spec["priorityClassName"] = pods.children_priority_class
+    spec["priority"] = pods.children_priority
+    spec["preemptionPolicy"] = "Never"
+    pod_resources = spec.get("resources")
+    if isinstance(pod_resources, dict):
+        # Pod-level resources would set the pod's cgroup weight and cap: drop their CPU, so the
+        # containers' minimal requests decide.
+        for side in ("limits", "requests"):
+            if (was := _without_cpu(pod_resources, side)) is not None:
+                notes.append(f"pod-level CPU {side[:-1]} {was} removed")
+        if not pod_resources:
+            del spec["resources"]
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or []:
+            resources = container.get("resources") or {}
+            if (was := _without_cpu(resources, "limits")) is not None:
+                notes.append(f"container {container.get('name')}: CPU limit {was} removed")
+            resources.setdefault("requests", {})["cpu"] = children.cpu_request
+            container["resources"] = resources
+            env = [e for e in container.get("env") or [] if e.get("name") != CLASS_ENV]
+            container["env"] = [*env, {"name": CLASS_ENV, "value": BACKGROUND}]
+    return Mutation(new, tuple(notes))
+
+
+MATCH_CONDITION = (
+    f"(has(object.metadata.labels) && '{MIND_LABEL}' in object.metadata.labels) || "
+    "(has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(r, "
+    f"r.kind == 'Mind' && r.apiVersion.startsWith('{GROUP}/')))"
+)
+"""Evaluated by the API server: only a mind's children are sent to the webhook."""
+
+
+def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSettings) -> Obj:
+    """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator.
+
+    `client_config` is what kopf's server yields (its URL and CA bundle); the handler's id is
+    the URL's last part, as kopf routes it. Kept when the operator stops: pods are then admitted
+    unmutated (Ignore) and counted when it is back.
+    """
+    url = f"{str(client_config['url']).rstrip('/')}/{HANDLER_ID}"
+    client: Obj = {"url": url}
+    if client_config.get("caBundle"):
+        client["caBundle"] = client_config["caBundle"]
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {
+            "name": children.webhook_name,
+            "labels": {"app.kubernetes.io/managed-by": MANAGED_BY},
+        },
+        "webhooks": [
+            {
+                "name": f"children.{GROUP}",
+                "clientConfig": client,
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "resources": ["pods"],
+                        "operations": ["CREATE"],
+                        "scope": "Namespaced",
+                    }
+                ],
+                "matchConditions": [{"name": "a-minds-child", "expression": MATCH_CONDITION}],
+                "failurePolicy": "Ignore",
+                "sideEffects": "None",
+                "timeoutSeconds": children.timeout_seconds,
+                "admissionReviewVersions": ["v1"],
+                "reinvocationPolicy": "IfNeeded",
+                "matchPolicy": "Equivalent",
+            }
+        ],
+    }
+
+
+@dataclass
+class Unmarked:
+    """Which living children of minds lack the webhook's mark (`observe` says when one is new)."""
+
+    live: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """uid -> (namespace, name) of each unmarked child now present."""
+
+    def observe(self, pod: Mapping[str, Any], deleted: bool) -> bool:
+        """Records one watch event; True the first time an unmarked child is seen."""
+        meta = pod.get("metadata") or {}
+        uid = str(meta.get("uid", ""))
+        if deleted or mind_of(pod) is None or is_marked(pod):
+            self.live.pop(uid, None)
+            return False
+        if uid in self.live:
+            return False
+        self.live[uid] = (str(meta.get("namespace")), str(meta.get("name")))
+        return True
+
+    def count(self, namespace: str) -> int:
+        return sum(1 for ns, _ in self.live.values() if ns == namespace)
+
+
+def unmutated_event(pod: Mapping[str, Any], pods: PodSettings, instance: str, now: str) -> Obj:
+    """A Warning on the pod; its name is fixed per pod, so a restarted operator posts no twin."""
+    meta = pod["metadata"]
+    spec = pod.get("spec") or {}
+    message = (
+        f"Pod {meta['namespace']}/{meta['name']} of mind {mind_of(pod)} was admitted without "
+        f"the children's webhook (no {CLASS_ANNOTATION} mark): it runs at priority "
+        f"{spec.get('priority', 0)} ({spec.get('priorityClassName') or 'no class'}) instead of "
+        f"{pods.children_priority_class}, with its own CPU weight, and can slow the engine. "
+        "Is the operator running with --webhook, and its MutatingWebhookConfiguration reachable?"
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{meta['name'][:200]}.unmutated.{str(meta.get('uid', ''))[:8]}",
+            "namespace": meta["namespace"],
+        },
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "reason": UNMUTATED_REASON,
+        "message": message,
+        "type": "Warning",
+        "source": {"component": "continuum-operator"},
+        "reportingComponent": "continuum-operator",
+        "reportingInstance": instance,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# TLS: kopf's self-signed certificate needs `certbuilder`; without it, openssl makes one.
+
+
+def self_signed(hostnames: Collection[str], password: str | None = None) -> tuple[bytes, bytes]:
+    """A self-signed certificate (its own CA) for `hostnames`, and its key, in PEM."""
+    import kopf
+
+    try:
+        return kopf.WebhookServer.build_certificate(hostnames, password)
+    except ImportError:  # kopf's MissingDependencyError: no certbuilder
+        pass
+    sans: list[str] = []
+    names = [h for h in hostnames if h]
+    for name in dict.fromkeys(names):
+        try:
+            ip = ipaddress.ip_address(name)
+        except ValueError:
+            sans.append(f"DNS:{name}")
+        else:
+            if not ip.is_unspecified:
+                sans.append(f"IP:{ip}")
+    common = next((n for n in names if not _is_ip(n)), names[0] if names else "localhost")
+    with tempfile.TemporaryDirectory() as tmp:
+        cert, key = Path(tmp, "tls.crt"), Path(tmp, "tls.key")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365",
+             "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={common}",
+             "-addext", "subjectAltName=" + ",".join(sans or ["DNS:localhost"])],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        return cert.read_bytes(), key.read_bytes()
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# `continuum operator` flags
+
+
+def add_arguments(p: Any) -> None:
+    """The children's flags of `continuum operator` (`kube.run`)."""
+    d, pods = ChildrenSettings(), PodSettings()
+    p.add_argument(
+        "--children-priority-class",
+        default=pods.children_priority_class,
+        help="PriorityClass of a mind's child pods (installed by the operator)",
+    )
+    p.add_argument(
+        "--webhook",
+        action="store_true",
+        help="serve the children's mutating webhook and install its configuration",
+    )
+    p.add_argument("--webhook-name", default=d.webhook_name, help="its configuration's name")
+    p.add_argument("--webhook-listen", default=d.listen, help="address the webhook listens on")
+    p.add_argument("--webhook-port", type=int, default=d.port, help="port the webhook listens on")
+    p.add_argument(
+        "--webhook-host", default=d.host, help="host or IP the API server calls the webhook at"
+    )
+    p.add_argument("--webhook-certfile", help="serving certificate (default: self-signed)")
+    p.add_argument("--webhook-keyfile", help="its private key")
+    p.add_argument("--webhook-cafile", help="CA bundle for the API server (cert-manager ca.crt)")
+    p.add_argument(
+        "--webhook-timeout",
+        type=int,
+        default=d.timeout_seconds,
+        help="seconds the API server waits before admitting a child unmutated (1-30)",
+    )
+
+
+def settings_from(args: Any) -> ChildrenSettings:
+    if not 1 <= args.webhook_timeout <= 30:
+        raise SystemExit("error: --webhook-timeout: the API server takes 1 to 30 seconds")
+    if (args.webhook_certfile is None) != (args.webhook_keyfile is None):
+        raise SystemExit("error: --webhook-certfile and --webhook-keyfile go together")
+    return ChildrenSettings(
+        webhook=args.webhook,
+        webhook_name=args.webhook_name,
+        listen=args.webhook_listen,
+        port=args.webhook_port,
+        host=args.webhook_host,
+        certfile=args.webhook_certfile,
+        keyfile=args.webhook_keyfile,
+        cafile=args.webhook_cafile,
+        timeout_seconds=args.webhook_timeout,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# kopf wiring
+
+
+class _Installing:
+    """kopf's webhook server, installing our configuration each time it (re)starts serving."""
+
+    def __init__(self, server: Any, install: Callable[[Mapping[str, Any]], None]) -> None:
+        self.server = server
+        self.install = install
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        async for client_config in self.server(fn):
+            await asyncio.to_thread(self.install, client_config)
+            yield client_config
+
+
+def _server(children: ChildrenSettings) -> Any:
+    import kopf
+
+    class Server(kopf.WebhookServer):
+        build_certificate = staticmethod(self_signed)
+
+    return Server(
+        addr=children.listen,
+        port=children.port,
+        host=children.host,
+        certfile=children.certfile,
+        pkeyfile=children.keyfile,
+        cafile=children.cafile,
+    )
+
+
+def register(registry: Any, api: Any, pods: PodSettings, children: ChildrenSettings,
+             metrics: Any) -> None:  # fmt: skip
+    """Adds the count of unmarked children and, with `children.webhook`, the webhook itself.
+
+    `api` is a `kube.api.KubeApi`, `metrics` a `kube.metrics.OperatorMetrics`.
+    """
+    import kopf
+
+    from continuum_operator.kube.api import ApiError
+
+    unmarked = Unmarked()
+    instance = socket.gethostname()
+
+    def post(pod: Mapping[str, Any]) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            api.create(unmutated_event(pod, pods, instance, now))
+        except ApiError as err:
+            if err.status != 409:  # 409: posted already, by this operator before a restart
+                log.warning("posting ChildNotMutated on %s failed: %s", pod["metadata"], err)
+
+    @kopf.on.event("", "v1", "pods", labels={MIND_LABEL: kopf.PRESENT}, registry=registry)
+    async def child(event: kopf.RawEvent, **_: Any) -> None:
+        pod: Obj = dict(event["object"])
+        deleted = event.get("type") == "DELETED"
+        meta: Obj = pod.get("metadata") or {}
+        ns = str(meta.get("namespace"))
+        if unmarked.observe(pod, deleted):
+            log.warning("child pod %s/%s of mind %s is unmutated", ns, meta["name"], mind_of(pod))
+            metrics.record_child_unmutated(ns)
+            await asyncio.to_thread(post, pod)
+        metrics.set_children_unmutated(ns, unmarked.count(ns))
+
+    if not children.webhook:
+        return
+
+    def install(client_config: Mapping[str, Any]) -> None:
+        api.apply(webhook_configuration(client_config, children))
+        log.info("MutatingWebhookConfiguration %s installed", children.webhook_name)
+
+    @kopf.on.startup(registry=registry)
+    def admission(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.admission.server = _Installing(_server(children), install)
+        settings.admission.managed = None  # ours: matchConditions and a short timeout
+
+    @kopf.on.mutate("", "v1", "pods", id=HANDLER_ID, operations=["CREATE"],
+                    ignore_failures=True, registry=registry)  # fmt: skip
+    def children_class(
+        body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun: bool, **_: Any
+    ) -> None:
+        mutation = mutate(dict(body), pods, children)
+        if mutation is None:
+            return
+        warnings.extend(mutation.notes)
+
+        def replace(raw: Any) -> None:
+            raw.clear()
+            raw.update(copy.deepcopy(mutation.pod))
+
+        patch.fns.append(replace)
+        if not dryrun:
+            metrics.record_child_mutated(str(mutation.pod["metadata"].get("namespace", "")))

@@ -1,0 +1,176 @@
+"""`continuum run --class background -- CMD...`: a mind's own work, below the engine serving her.
+
+DESIGN.md rule 8: processes a mind spawns inside its pod run at the OS's lowest ordinary
+priority, so they never starve the engine yet still use every idle core: nice 19 on Unix,
+IDLE_PRIORITY_CLASS on Windows, and elsewhere the parent's class (nothing to lower to that
+psutil knows). Mind runtimes run every child through it; the children's webhook
+(`kube.webhook`) marks a mind's child pods with `CONTINUUM_PROCESS_CLASS=background`, which is
+this command's default class when no `--class` is given.
+
+How all descendants are reached: the runner lowers itself before it starts CMD, so CMD and
+everything CMD starts inherit the class (Unix nice values and Windows' idle class are both
+inherited). Then, while CMD runs, it sweeps CMD's descendants every `--sweep` seconds and lowers
+any that runs above the class (a program that raised its own priority with the privilege to do
+so). Signals it receives (TERM, INT, HUP) are passed to CMD; its exit status is CMD's.
+
+Outside the pure core: it uses psutil. Neighbours: `cli` (registers `run`), `kube.webhook`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from enum import StrEnum
+from types import FrameType
+from typing import Any
+
+import psutil
+
+__all__ = ["ENV", "ProcessClass", "add_parser", "lower", "lowest_priority", "run"]
+
+ENV = "CONTINUUM_PROCESS_CLASS"
+UNIX_LOWEST = 19
+EXIT_USAGE = 2
+
+
+class ProcessClass(StrEnum):
+    NORMAL = "normal"
+    """As the parent runs: nothing changed."""
+    BACKGROUND = "background"
+    """The OS's lowest ordinary priority, for CMD and every descendant."""
+
+
+def lowest_priority() -> int | None:
+    """The value for `psutil.Process.nice` that is this OS's lowest ordinary priority.
+
+    None where psutil knows of none: the parent's class is kept.
+    """
+    if psutil.WINDOWS:
+        return int(getattr(psutil, "IDLE_PRIORITY_CLASS"))  # noqa: B009 (Windows only)
+    if psutil.POSIX:
+        return UNIX_LOWEST
+    return None
+
+
+def _above(current: int, lowest: int) -> bool:
+    """Whether a process at `current` runs above `lowest` (Windows classes are not ordered)."""
+    return current != lowest if psutil.WINDOWS else current < lowest
+
+
+def lower(process: psutil.Process, lowest: int) -> bool:
+    """Lowers one process to `lowest` if it runs above it; True if it was changed."""
+    try:
+        if _above(int(process.nice()), lowest):
+            process.nice(lowest)
+            return True
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        pass  # gone, or not ours to change: the next sweep sees it again if it still runs
+    return False
+
+
+def sweep(root: psutil.Process, lowest: int) -> int:
+    """Lowers every descendant of `root` that runs above `lowest`; how many were changed."""
+    try:
+        descendants = root.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return 0
+    return sum(lower(p, lowest) for p in descendants)
+
+
+def run(cmd: Sequence[str], cls: ProcessClass, sweep_seconds: float = 2.0) -> int:
+    """Runs `cmd` in `cls` until it exits; its exit status (128+N when killed by signal N)."""
+    lowest = lowest_priority() if cls is ProcessClass.BACKGROUND else None
+    if cls is ProcessClass.BACKGROUND and lowest is None:
+        print(
+            f"continuum run: {sys.platform} has no lower priority psutil can set; "
+            "running at the parent's class",
+            file=sys.stderr,
+        )
+    me = psutil.Process()
+    if lowest is not None:
+        lower(me, lowest)  # before the child starts: it and its descendants inherit the class
+    env = {**os.environ, ENV: str(cls)}
+    try:
+        child = subprocess.Popen(list(cmd), env=env)
+    except OSError as err:
+        print(f"continuum run: cannot start {cmd[0]}: {err}", file=sys.stderr)
+        return 127
+    forwarded = _forward_signals(child)
+    try:
+        root = psutil.Process(child.pid)
+        while True:
+            if lowest is not None:
+                lower(root, lowest)
+                sweep(root, lowest)
+            try:
+                code = child.wait(timeout=sweep_seconds)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        for sig, previous in forwarded.items():
+            signal.signal(sig, previous)
+    return 128 - code if code < 0 else code
+
+
+def _forward_signals(child: subprocess.Popen[bytes]) -> dict[int, Any]:
+    def forward(sig: int, _frame: FrameType | None) -> None:
+        if child.poll() is None:
+            child.send_signal(sig)
+
+    previous: dict[int, Any] = {}
+    names = ("SIGTERM", "SIGINT", "SIGHUP") if os.name == "posix" else ("SIGTERM", "SIGINT")
+    for name in names:
+        sig = getattr(signal, name)
+        previous[sig] = signal.signal(sig, forward)
+    return previous
+
+
+def _default_class() -> str:
+    value = os.environ.get(ENV, "")
+    return value if value in {str(c) for c in ProcessClass} else str(ProcessClass.NORMAL)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a command (and all it starts) in a process class",
+        description=(
+            "Run CMD and every process it starts at a process class: `background` is the "
+            "OS's lowest ordinary priority (nice 19 on Unix, IDLE_PRIORITY_CLASS on Windows), "
+            "for a mind's own work beside the engine that serves her (DESIGN.md rule 8)."
+        ),
+        usage="continuum run [--class {normal,background}] [--sweep SECONDS] -- CMD [ARGS...]",
+    )
+    p.add_argument(
+        "--class",
+        dest="process_class",
+        choices=[str(c) for c in ProcessClass],
+        default=_default_class(),
+        help=f"process class (default: ${ENV}, else normal)",
+    )
+    p.add_argument(
+        "--sweep",
+        type=float,
+        default=2.0,
+        help="seconds between passes that lower descendants running above the class",
+    )
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("error: continuum run: no command given (continuum run -- CMD ...)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.sweep <= 0:
+        print("error: continuum run: --sweep must be more than 0 seconds", file=sys.stderr)
+        return EXIT_USAGE
+    return run(cmd, ProcessClass(args.process_class), args.sweep)

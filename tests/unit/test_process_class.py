@@ -1,0 +1,117 @@
+"""`continuum run --class background`: a command and everything it starts run at the OS's lowest
+ordinary priority (DESIGN.md rule 8), measured on real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from continuum_operator import procclass
+from continuum_operator.procclass import ProcessClass
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="nice values are Unix's")
+
+# A child that reports its nice value and starts a grandchild that reports its own.
+FAMILY = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    print("child", os.nice(0), flush=True)
+    subprocess.run([sys.executable, "-c", "import os; print('grandchild', os.nice(0))"], check=True)
+    """
+)
+
+
+def continuum_run(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "continuum_operator.cli", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+def reported(stdout: str) -> dict[str, int]:
+    return {who: int(n) for who, n in (line.split() for line in stdout.splitlines())}
+
+
+def test_a_child_and_a_grandchild_under_background_report_nice_19() -> None:
+    done = continuum_run("--class", "background", "--", sys.executable, "-c", FAMILY)
+    assert done.returncode == 0, done.stderr
+    assert reported(done.stdout) == {"child": 19, "grandchild": 19}
+
+
+def test_the_normal_class_leaves_the_family_at_the_parents_priority() -> None:
+    done = continuum_run("--class", "normal", "--", sys.executable, "-c", FAMILY)
+    assert done.returncode == 0, done.stderr
+    mine = os.nice(0)
+    assert reported(done.stdout) == {"child": mine, "grandchild": mine}
+
+
+def test_the_class_defaults_to_the_mark_the_webhook_puts_in_a_childs_environment() -> None:
+    env = {**os.environ, procclass.ENV: "background"}
+    done = continuum_run("--", sys.executable, "-c", FAMILY, env=env)
+    assert reported(done.stdout) == {"child": 19, "grandchild": 19}
+
+
+def test_the_commands_exit_status_is_passed_on() -> None:
+    done = continuum_run("--class", "background", "--", sys.executable, "-c", "raise SystemExit(7)")
+    assert done.returncode == 7
+
+
+def test_a_missing_command_is_a_usage_error_and_an_unknown_program_exits_127() -> None:
+    assert continuum_run("--class", "background").returncode == 2
+    done = continuum_run("--class", "background", "--", "/nonexistent/program")
+    assert done.returncode == 127
+    assert "/nonexistent/program" in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs CAP_SYS_NICE")
+def test_a_descendant_that_raises_its_own_priority_is_lowered_again_by_the_sweep() -> None:
+    # With the privilege to do so, a grandchild raises itself to nice 0; the runner's sweep
+    # finds it among its descendants and lowers it back to 19 while it runs.
+    escapee = textwrap.dedent(
+        """
+        import os, time
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+        print("raised", os.getpriority(os.PRIO_PROCESS, 0), flush=True)
+        deadline = time.monotonic() + 20
+        while os.getpriority(os.PRIO_PROCESS, 0) != 19 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("lowered", os.getpriority(os.PRIO_PROCESS, 0), flush=True)
+        """
+    )
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {escapee!r}])"
+    done = continuum_run("--class", "background", "--sweep", "0.1", "--", sys.executable, "-c",
+                         parent)  # fmt: skip
+    assert reported(done.stdout) == {"raised": 0, "lowered": 19}
+
+
+def test_the_lowest_priority_is_nice_19_on_unix() -> None:
+    assert procclass.lowest_priority() == 19
+
+
+def test_lowering_leaves_a_process_already_at_the_lowest_alone() -> None:
+    code = "import os, time; os.nice(19); print('ready', flush=True); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert procclass.lower(psutil.Process(proc.pid), 19) is False
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_process_classes_are_named_as_the_webhook_marks_them() -> None:
+    from continuum_operator.kube import webhook
+
+    assert str(ProcessClass.BACKGROUND) == webhook.BACKGROUND
+    assert procclass.ENV == webhook.CLASS_ENV
