@@ -99,6 +99,7 @@ class Snapshot:
     engines: Mapping[EngineKey, Mapping[str, Any]]
     deployments: Mapping[EngineKey, DeploymentEntry]
     jobs: Mapping[EngineKey, JobEntry] = field(default_factory=dict)
+    lanes: Mapping[EngineKey, Mapping[str, Any]] = field(default_factory=dict)  # EmbedLanes
 
 
 @dataclass
@@ -111,6 +112,7 @@ class Cache:
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
+    lanes: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)  # EmbedLanes
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def snapshot(self) -> Snapshot:
@@ -121,6 +123,7 @@ class Cache:
             engines=dict(self.engines),  # bodies are replaced, never changed in place
             deployments=dict(self.deployments),
             jobs=dict(self.jobs),
+            lanes=dict(self.lanes),
         )
 
     def _nudge(self) -> None:
@@ -183,6 +186,19 @@ class Cache:
             # A watch event older than the answer of our own write must not undo it.
             if known is None or _rv(meta) >= _rv(known["metadata"]):
                 self.engines[key] = copy.deepcopy(dict(obj))
+        if nudge:
+            self._nudge()
+
+    def observe_lane(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+        """An EmbedLane (`kube.embedlanes`); its placement is in every engine's ledger."""
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if deleted:
+            self.lanes.pop(key, None)
+        else:
+            known = self.lanes.get(key)
+            if known is None or _rv(meta) >= _rv(known["metadata"]):
+                self.lanes[key] = copy.deepcopy(dict(obj))
         if nudge:
             self._nudge()
 

@@ -1,7 +1,7 @@
 """kopf watch handlers: each one only records what it saw in the cache and wakes the loop.
 
-The operator watches Engines, NodeBoards, the agents' Leases, Nodes, and the Deployments,
-Services and facts Jobs it owns. No handler decides or writes anything (the loop does,
+The operator watches Engines, EmbedLanes, NodeBoards, the agents' Leases, Nodes, and the
+Deployments, Services and facts Jobs it owns. No handler decides or writes anything (the loop does,
 `kube.loop`), so kopf keeps no state on the objects: no finalizers, no progress annotations.
 Handlers are coroutines, so the cache is only touched from the event loop.
 """
@@ -44,6 +44,10 @@ def registry_for(cache: Cache) -> kopf.OperatorRegistry:
     @kopf.on.event(group=GROUP, version=VERSION, plural="engines", registry=registry)
     async def engine(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_engine(_obj(event), _deleted(event))
+
+    @kopf.on.event(group=GROUP, version=VERSION, plural="embedlanes", registry=registry)
+    async def embedlane(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_lane(_obj(event), _deleted(event))
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="nodeboards", registry=registry)
     async def board(event: kopf.RawEvent, **_: Any) -> None:

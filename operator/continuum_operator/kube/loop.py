@@ -22,6 +22,7 @@ from typing import Any
 from continuum_operator.kube import objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
+from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.reconcile import Event, Memory, Writes, reconcile
 from continuum_operator.kube.settings import OperatorSettings
@@ -49,6 +50,7 @@ class Loop:
         self.services: dict[EngineKey, str] = {}
         self.recorded: set[EngineKey] = set()  # engines with metric series
         self.instance = socket.gethostname()
+        self.lanes = LaneLoop(api, settings, cache, clock)
 
     def install_priority_classes(self) -> None:
         for pc in objects.priority_classes(self.settings.pods):
@@ -125,6 +127,7 @@ class Loop:
                 self.cache.observe_engine(engine, deleted=False, nudge=False)
             if deployment is not None:
                 self.cache.observe_deployment(deployment, deleted=False, nudge=False)
+        await self.lanes.pass_once()  # EmbedLanes, against the leases just written
         self.metrics.unschedulable.set(unschedulable)
         live = {str(b["metadata"].get("uid", "")) for b in self.cache.engines.values()}
         for uid in set(self.memory) - live:

@@ -37,6 +37,7 @@ from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.kube import objects
 from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time
+from continuum_operator.kube.embedlanes import lane_leases_in
 from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.base import Condition
@@ -89,7 +90,8 @@ def reading_of(snap: Snapshot, node: str) -> str:
 
 
 def other_leases(snap: Snapshot, me: EngineKey, *, assumed_only: bool = False) -> list[Lease]:
-    """Leases of the other engines' placements (only those whose pods have not started yet)."""
+    """Leases of the other engines' placements and of every EmbedLane's (with `assumed_only`,
+    only those whose pods or lane runtimes have not started yet)."""
     leases: list[Lease] = []
     for key, body in snap.engines.items():
         if key == me:
@@ -105,6 +107,8 @@ def other_leases(snap: Snapshot, me: EngineKey, *, assumed_only: bool = False) -
             continue
         who = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
         leases.extend(Lease(who, ConsumerKind.ENGINE, p.node, x.pool, x.bytes) for x in p.pools)
+    # EmbedLanes' bytes, charged where they reside (those not yet measured count as assumed).
+    leases.extend(lane_leases_in(snap.lanes, assumed_only=assumed_only))
     return leases
 
 

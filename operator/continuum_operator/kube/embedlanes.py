@@ -1,0 +1,369 @@
+"""EmbedLanes in the operator: placed beside their engine, charged where they reside.
+
+One pass over one EmbedLane, from the snapshot to a status patch (no API calls; `LaneLoop`
+applies it). A lane beside an engine goes to the engine's node once the engine is placed; its
+residence follows the backend (the lane runtime's `gpuOffload`, else the engine runtime's) and
+the engine's layers on the device (`core.embed.residence`); its bytes come from the lane's
+receipts or the estimate, and its lease is sized against the node's ledger: every engine's
+placement, every other lane's, and the lane's own (credited back). A lane with a model of its
+own (inline facts) goes to the fresh board that holds the largest context, on the host.
+
+The operator writes `status.placement` (residence, bytes per pool, floors) and the `Placed`
+condition; `status.runtime` is the lane runtime's (DESIGN.md "One writer per status field").
+Floors only rise: the placement's floors are carried from one pass to the next. Nothing is
+re-placed on a stale board. The lane's placement is read back into every engine's ledger
+(`core.placements.lane_placement_leases`, through `kube.reconcile.other_leases`), so an engine
+planned on that node accounts for the lane's bytes.
+Neighbours: `core.embed`, `kube.cache` (the snapshot), `kube.loop` (calls `LaneLoop`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ValidationError
+
+from continuum_operator.core import conditions as cond
+from continuum_operator.core.bestfit import with_unmeasured
+from continuum_operator.core.embed import (
+    LaneAsk,
+    LanePlacement,
+    LaneReason,
+    LaneSizer,
+    Residence,
+    Verdict,
+    place_lane,
+    residence,
+)
+from continuum_operator.core.placements import consumer_name, lane_placement_leases
+from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.receipts import Receipt
+from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.cache import Cache, Snapshot, format_time
+from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.model.base import Condition
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
+from continuum_operator.model.engine import ModelFacts
+
+__all__ = ["LaneConditionType", "LaneLoop", "LaneWrites", "lane_leases_in", "reconcile_lane"]
+
+log = logging.getLogger("continuum.operator.embedlanes")
+
+LaneKey = tuple[str, str]  # (namespace, name)
+
+
+class LaneConditionType(StrEnum):
+    PLACED = "Placed"
+
+
+class LaneWaitReason(StrEnum):
+    """Why a lane is not placed yet, besides what `core.embed` says of the pools."""
+
+    INVALID_SPEC = "InvalidSpec"
+    ENGINE_NOT_FOUND = "EngineNotFound"
+    ENGINE_NOT_PLACED = "EngineNotPlaced"
+    FACTS_MISSING = "FactsMissing"
+    NO_FRESH_BOARD = "NoFreshBoard"
+    BOARD_STALE = "BoardStale"
+
+
+@dataclass(frozen=True, slots=True)
+class LaneWrites:
+    status_patch: dict[str, Any] | None
+
+
+def lane_leases_in(
+    lanes: Mapping[LaneKey, Mapping[str, Any]],
+    *,
+    excluding: LaneKey | None = None,
+    assumed_only: bool = False,
+) -> list[Lease]:
+    """The leases every lane's `status.placement` holds (a bad one is skipped, not guessed).
+
+    `assumed_only`: only lanes whose runtime is not serving yet, whose bytes no board has
+    measured (`core.bestfit.with_unmeasured` adds them to the measured usage).
+    """
+    leases: list[Lease] = []
+    for key, body in lanes.items():
+        if key == excluding:
+            continue
+        status = body.get("status") or {}
+        if assumed_only and (status.get("runtime") or {}).get("ready") is True:
+            continue
+        raw = status.get("placement")
+        if not raw:
+            continue
+        try:
+            placement = EmbedLanePlacement.model_validate(raw)
+        except ValidationError:
+            continue
+        who = consumer_name(ConsumerKind.EMBED_LANE, key[0], key[1])
+        leases.extend(lane_placement_leases(who, placement))
+    return leases
+
+
+def _engine_leases(snap: Snapshot) -> tuple[list[Lease], list[Lease]]:
+    """(every engine's and lane's leases, those of engines whose pods have not started yet)."""
+    # Imported here: kube.reconcile reads lanes through this module.
+    from continuum_operator.kube.reconcile import other_leases
+
+    nobody = ("", "")
+    return other_leases(snap, nobody), other_leases(snap, nobody, assumed_only=True)
+
+
+def _fresh(snap: Snapshot, node: str, now: float, settings: OperatorSettings) -> bool:
+    from continuum_operator.kube.reconcile import is_fresh
+
+    return is_fresh(snap, node, now, settings.freshness.default_ttl_seconds)
+
+
+def _facts_of_engine(engine: Mapping[str, Any]) -> ModelFacts | None:
+    inline = ((engine.get("spec") or {}).get("model") or {}).get("facts")
+    read = ((engine.get("status") or {}).get("modelFacts") or {}).get("facts")
+    for raw in (inline, read):
+        if raw:
+            try:
+                return ModelFacts.model_validate(raw)
+            except ValidationError:
+                return None
+    return None
+
+
+def _receipts(status: Mapping[str, Any]) -> tuple[Receipt, ...]:
+    out = []
+    for raw in (status.get("runtime") or {}).get("receipts") or []:
+        try:
+            out.append(Receipt.model_validate(raw))
+        except ValidationError:
+            continue
+    return tuple(out)
+
+
+class _LanePass:
+    def __init__(
+        self, body: Mapping[str, Any], snap: Snapshot, now: float, settings: OperatorSettings
+    ) -> None:
+        meta = body["metadata"]
+        self.body, self.snap, self.now, self.settings = body, snap, now, settings
+        self.key: LaneKey = (meta["namespace"], meta["name"])
+        self.me = consumer_name(ConsumerKind.EMBED_LANE, *self.key)
+        self.generation: int | None = meta.get("generation")
+        self.status: dict[str, Any] = dict(body.get("status") or {})
+        self.runtime: dict[str, Any] = dict(self.status.get("runtime") or {})
+        self.old_conditions = [
+            Condition.model_validate(c) for c in self.status.get("conditions") or []
+        ]
+        self.held: EmbedLanePlacement | None = None
+        try:
+            raw = self.status.get("placement")
+            self.held = EmbedLanePlacement.model_validate(raw) if raw else None
+        except ValidationError:
+            self.held = None
+
+    def finish(
+        self, placement: dict[str, Any] | None, placed: bool, reason: str, message: str
+    ) -> LaneWrites:
+        c = Condition(
+            type=str(LaneConditionType.PLACED),
+            status="True" if placed else "False",
+            reason=reason,
+            message=message[:4096],
+            observed_generation=self.generation,
+        )
+        conditions = cond.merge(self.old_conditions, [c], format_time(self.now))
+        new: dict[str, Any] = {
+            "placement": placement,
+            "conditions": [x.model_dump(by_alias=True, exclude_none=True) for x in conditions],
+            "observedGeneration": self.generation,
+        }
+        patch = {k: v for k, v in new.items() if self.status.get(k) != v}
+        return LaneWrites({"status": patch} if patch else None)
+
+    def keep(self, reason: str, message: str) -> LaneWrites:
+        """Keep what the lane holds (its bytes are still resident), and say why."""
+        held = self.status.get("placement")
+        placed = isinstance(held, dict) and self._fits(held)
+        return self.finish(held, placed, reason, message)
+
+    @staticmethod
+    def _fits(held: Mapping[str, Any]) -> bool:
+        return held.get("verdict") == str(Verdict.FITS)
+
+    def ask(self, lane: EmbedLane, node: str) -> LaneAsk:
+        floors: dict[str, int] = {}
+        if self.held is not None and self.held.node == node:
+            floors = {p.pool: p.floor_bytes for p in self.held.pools if p.floor_bytes > 0}
+        largest = int(self.runtime.get("largestContextTokens") or 0)
+        if self.held is not None and self.held.node == node:
+            largest = max(largest, self.held.floor_tokens)
+        largest = min(largest, lane.spec.max_context_tokens)
+        return LaneAsk(self.me, lane.spec.max_context_tokens, largest, floors)
+
+    def ledger(self, board: Board) -> tuple[Board, Ledger]:
+        """Every engine's and every other lane's leases, and the lane's own (to credit back)."""
+        everyone, assumed = _engine_leases(self.snap)
+        measured = with_unmeasured(board, [x for x in assumed if x.consumer != self.me])
+        mine = lane_placement_leases(self.me, self.held) if self.held is not None else []
+        others = [lease for lease in everyone if lease.consumer != self.me]
+        return measured, Ledger.of(measured, [*others, *mine])
+
+    def place_on(
+        self,
+        lane: EmbedLane,
+        board: Board,
+        facts: ModelFacts,
+        where: Residence,
+        why: LaneReason,
+        gpus: list[int],
+    ) -> LanePlacement:
+        measured, ledger = self.ledger(board)
+        sizer = LaneSizer(facts, _receipts(self.status))
+        return place_lane(
+            measured, ledger, self.ask(lane, board.node), sizer,
+            where=where, residence_reason=why, gpus=gpus,
+        )  # fmt: skip
+
+    def written(self, p: LanePlacement, gpus: list[int]) -> LaneWrites:
+        doc: dict[str, Any] | None = {
+            **p.to_dict(),
+            "gpus": list(gpus) if p.residence is not Residence.HOST else [],
+        }
+        if p.verdict is Verdict.FITS:
+            return self.finish(doc, True, str(p.reason), p.message)
+        # Waiting or failing: what the lane already holds (its floors) stays leased.
+        if p.floors and doc is not None:
+            doc["pools"] = [
+                {"pool": pool, "bytes": n, "floorBytes": n} for pool, n in sorted(p.floors.items())
+            ]
+        else:
+            doc = None
+        return self.finish(doc, False, str(p.reason), p.message)
+
+    # -- a lane beside an engine ----------------------------------------------------------
+
+    def beside(self, lane: EmbedLane, engine_name: str) -> LaneWrites:
+        W = LaneWaitReason
+        engine = self.snap.engines.get((self.key[0], engine_name))
+        if engine is None:
+            return self.keep(W.ENGINE_NOT_FOUND, f"Engine {self.key[0]}/{engine_name} not found")
+        est = engine.get("status") or {}
+        placement, plan_doc = est.get("placement") or {}, est.get("plan") or {}
+        if not placement or not plan_doc:
+            return self.keep(
+                W.ENGINE_NOT_PLACED,
+                f"Engine {engine_name} is not placed yet; the lane goes where the engine goes",
+            )
+        node = str(placement["node"])
+        entry = self.snap.boards.get(node)
+        if entry is None or entry.board is None:
+            return self.keep(W.NO_FRESH_BOARD, f"node {node} has no readable NodeBoard")
+        if not _fresh(self.snap, node, self.now, self.settings):
+            return self.keep(W.BOARD_STALE, f"node {node}'s board is stale; nothing re-placed")
+        facts = _facts_of_engine(engine)
+        if facts is None:
+            return self.keep(W.FACTS_MISSING, f"Engine {engine_name}'s model facts are not known")
+        offloads = self.runtime.get("gpuOffload")
+        if offloads is None:
+            offloads = (est.get("runtime") or {}).get("gpuOffload")
+        where, why = residence(
+            backend_offloads=offloads if isinstance(offloads, bool) else None,
+            layers_on_device=int(plan_doc.get("layersOnDevice") or 0),
+            total_layers=int(plan_doc.get("totalLayers") or facts.layers + 1),
+        )
+        gpus = [int(g) for g in placement.get("gpus") or []]
+        p = self.place_on(lane, entry.board, facts, where, why, gpus)
+        return self.written(p, gpus)
+
+    # -- a lane with a model of its own -----------------------------------------------------
+
+    def own_model(self, lane: EmbedLane) -> LaneWrites:
+        W = LaneWaitReason
+        model = lane.spec.model
+        facts = model.facts if model is not None else None
+        if facts is None:
+            return self.keep(
+                W.FACTS_MISSING,
+                "a lane with its own model needs spec.model.facts (`continuum facts MODEL.gguf`)",
+            )
+        if self.held is not None:
+            entry = self.snap.boards.get(self.held.node)
+            if entry is None or entry.board is None:
+                return self.keep(W.NO_FRESH_BOARD, f"node {self.held.node} has no NodeBoard")
+            if not _fresh(self.snap, self.held.node, self.now, self.settings):
+                return self.keep(W.BOARD_STALE, f"node {self.held.node}'s board is stale")
+            where, why = residence(backend_offloads=None, layers_on_device=0, total_layers=1)
+            return self.written(self.place_on(lane, entry.board, facts, where, why, []), [])
+        best: LanePlacement | None = None
+        for name in sorted(self.snap.boards):
+            entry = self.snap.boards[name]
+            if entry.board is None or not _fresh(self.snap, name, self.now, self.settings):
+                continue
+            where, why = residence(backend_offloads=None, layers_on_device=0, total_layers=1)
+            p = self.place_on(lane, entry.board, facts, where, why, [])
+            rank = (_VERDICT_ORDER[p.verdict], p.context_tokens)
+            if best is None or rank > (_VERDICT_ORDER[best.verdict], best.context_tokens):
+                best = p
+        if best is None:
+            return self.keep(W.NO_FRESH_BOARD, "no node has a fresh NodeBoard")
+        return self.written(best, [])
+
+
+_VERDICT_ORDER = {Verdict.FAILS: 0, Verdict.WAITS: 1, Verdict.FITS: 2}
+
+
+def reconcile_lane(
+    body: Mapping[str, Any], snap: Snapshot, now: float, settings: OperatorSettings
+) -> LaneWrites:
+    """The status patch one pass over one EmbedLane needs (None: nothing changed)."""
+    p = _LanePass(body, snap, now, settings)
+    try:
+        lane = EmbedLane.model_validate(dict(body))
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        return p.keep(
+            LaneWaitReason.INVALID_SPEC,
+            f"EmbedLane {p.key[0]}/{p.key[1]} is malformed: {where}: {first['msg']}",
+        )
+    if lane.spec.engine is not None:
+        return p.beside(lane, lane.spec.engine)
+    return p.own_model(lane)
+
+
+class LaneLoop:
+    """Every lane, one after another, after the engines of each pass (`kube.loop`)."""
+
+    def __init__(
+        self, api: KubeApi, settings: OperatorSettings, cache: Cache, clock: Callable[[], float]
+    ) -> None:
+        self.api, self.settings, self.cache, self.clock = api, settings, cache, clock
+
+    async def pass_once(self) -> None:
+        """Decisions from the cache, one status patch per changed lane (API calls in a thread)."""
+        for key in sorted(self.cache.lanes):
+            body = self.cache.lanes.get(key)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                continue
+            writes = reconcile_lane(body, self.cache.snapshot(), self.clock(), self.settings)
+            if writes.status_patch is None:
+                continue
+            ns, name = key
+            try:
+                answer = await asyncio.to_thread(
+                    self.api.merge_patch,
+                    crd_path("embedlanes", ns, name, "status"),
+                    writes.status_patch,
+                )
+            except ApiError as err:
+                if err.status != 404:
+                    log.warning("writing EmbedLane %s/%s failed: %s", ns, name, err)
+                continue
+            placed = (writes.status_patch["status"].get("placement") or {}).get("verdict")
+            log.info("EmbedLane %s/%s: %s", ns, name, placed or "status written")
+            # Recorded at once, so the next decision (lane or engine) sees these bytes.
+            self.cache.observe_lane(answer, deleted=False, nudge=False)

@@ -1,0 +1,155 @@
+"""EmbedLanes in the operator's passes: placed beside their engine, charged where they reside,
+floors carried from pass to pass, and the engine's plan accounting for the lane's bytes."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+from continuum_operator.kube.cache import Snapshot
+from continuum_operator.kube.embedlanes import LaneWrites, lane_leases_in, reconcile_lane
+from continuum_operator.kube.reconcile import Memory, reconcile
+from tests.builders import GiB
+from tests.unit.test_reconcile import NOW, SETTINGS, after, discrete, engine_obj, snapshot
+
+
+def lane_obj(name: str = "lane", engine: str | None = "coder", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"maxContextTokens": 8192, **spec}
+    if engine is not None:
+        body["engine"] = engine
+    return {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
+            "metadata": {"name": name, "namespace": "ns", "generation": 1,
+                         "resourceVersion": "20"},
+            "spec": body}  # fmt: skip
+
+
+def placed_engine(snap: Snapshot, **spec: Any) -> dict[str, Any]:
+    """The engine `coder` after its first pass on `snap` (placed, assumed lease)."""
+    body = engine_obj("coder", **spec)
+    return after(body, reconcile(body, snap, Memory(), NOW, SETTINGS))
+
+
+def with_objects(
+    snap: Snapshot, engines: list[dict[str, Any]], lanes: list[dict[str, Any]]
+) -> Snapshot:
+    key = lambda b: (b["metadata"]["namespace"], b["metadata"]["name"])  # noqa: E731
+    return replace(snap, engines={key(e): e for e in engines}, lanes={key(x): x for x in lanes})
+
+
+def lane_after(body: dict[str, Any], writes: LaneWrites) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    status = out.setdefault("status", {})
+    for k, v in ((writes.status_patch or {}).get("status") or {}).items():
+        if v is None:
+            status.pop(k, None)
+        else:
+            status[k] = v
+    return out
+
+
+def placed(body: dict[str, Any]) -> tuple[str, str]:
+    c = next(c for c in body["status"]["conditions"] if c["type"] == "Placed")
+    return c["status"], c["reason"]
+
+
+def test_a_lane_beside_an_engine_on_the_host_is_placed_on_its_node_and_charged_to_the_host() -> (
+    None
+):
+    base = snapshot([discrete("gpu-a", 80)])
+    eng = placed_engine(base, offload="none")
+    lane = lane_obj()
+    snap = with_objects(base, [eng], [lane])
+    out = lane_after(lane, reconcile_lane(lane, snap, NOW, SETTINGS))
+    p = out["status"]["placement"]
+    assert p["node"] == "gpu-a" and p["residence"] == "host" and p["verdict"] == "Fits"
+    assert [x["pool"] for x in p["pools"]] == ["host"]
+    assert p["contextTokens"] == 8192 and p["pools"][0]["bytes"] > 0
+    assert placed(out) == ("True", "AtMaxContext")
+
+
+def test_a_lane_beside_a_gpu_engine_resides_on_the_device_once_the_backend_says_it_offloads() -> (
+    None
+):
+    base = snapshot([discrete("gpu-a", 80)])
+    eng = placed_engine(base)
+    assert eng["status"]["plan"]["gpuServable"] is True
+    lane = lane_obj()
+    unreported = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
+                                                 SETTINGS))  # fmt: skip
+    assert unreported["status"]["placement"]["residence"] == "split"
+    assert {x["pool"] for x in unreported["status"]["placement"]["pools"]} == {"host", "device/0"}
+
+    eng["status"]["runtime"] = {"gpuOffload": True}
+    on_gpu = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
+                                             SETTINGS))  # fmt: skip
+    assert on_gpu["status"]["placement"]["residence"] == "device"
+    assert [x["pool"] for x in on_gpu["status"]["placement"]["pools"]] == ["device/0"]
+
+    eng["status"]["runtime"] = {"gpuOffload": False}  # a host-only backend
+    on_host = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
+                                              SETTINGS))  # fmt: skip
+    assert on_host["status"]["placement"]["residence"] == "host"
+    assert [x["pool"] for x in on_host["status"]["placement"]["pools"]] == ["host"]
+
+
+def test_a_lane_waits_for_its_engine_to_be_placed() -> None:
+    base = snapshot([discrete("gpu-a", 80)])
+    lane = lane_obj()
+    missing = lane_after(lane, reconcile_lane(lane, with_objects(base, [], [lane]), NOW, SETTINGS))
+    assert placed(missing) == ("False", "EngineNotFound")
+    assert "placement" not in missing["status"]
+    unplaced = engine_obj("coder")
+    out = lane_after(lane, reconcile_lane(lane, with_objects(base, [unplaced], [lane]), NOW,
+                                          SETTINGS))  # fmt: skip
+    assert placed(out) == ("False", "EngineNotPlaced")
+
+
+def test_floors_are_carried_from_pass_to_pass_and_never_fall() -> None:
+    base = snapshot([discrete("gpu-a", 80)])
+    eng = placed_engine(base, offload="none")
+    lane = lane_obj()
+    lane["status"] = {"runtime": {"largestContextTokens": 3000}}
+    first = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
+                                            SETTINGS))  # fmt: skip
+    floor = first["status"]["placement"]["pools"][0]["floorBytes"]
+    assert floor > 0 and first["status"]["placement"]["floorTokens"] == 3000
+    first["status"]["runtime"] = {"largestContextTokens": 100}  # a restarted runtime
+    second = lane_after(first, reconcile_lane(first, with_objects(base, [eng], [first]), NOW,
+                                              SETTINGS))  # fmt: skip
+    assert second["status"]["placement"]["pools"][0]["floorBytes"] == floor
+    # And nothing changed, so nothing is written.
+    assert reconcile_lane(second, with_objects(base, [eng], [second]), NOW, SETTINGS) == LaneWrites(
+        None
+    )
+
+
+def test_the_lanes_bytes_are_in_the_node_ledger_and_the_engine_plan_accounts_for_them() -> None:
+    base = snapshot([discrete("gpu-a", 80, host_gib=64)])
+    eng = placed_engine(base, offload="none")
+    lane = lane_obj(maxContextTokens=4096)
+    out = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, SETTINGS))
+    lane_bytes = out["status"]["placement"]["pools"][0]["bytes"]
+    leases = lane_leases_in({("ns", "lane"): out})
+    assert [(x.pool, x.bytes) for x in leases] == [("host", lane_bytes)]
+    # A second engine placed on that node is planned beside the lane's bytes.
+    other = engine_obj("second", offload="none")
+    alone = after(other, reconcile(other, with_objects(base, [eng], []), Memory(), NOW, SETTINGS))
+    beside = after(other, reconcile(other, with_objects(base, [eng], [out]), Memory(), NOW,
+                                    SETTINGS))  # fmt: skip
+    host_alone = alone["status"]["plan"]["budget"]["host"]
+    host_beside = beside["status"]["plan"]["budget"]["host"]
+    assert host_alone - host_beside == lane_bytes
+
+
+def test_a_lane_that_the_pool_cannot_hold_is_not_placed_and_over_commits_nothing() -> None:
+    base = snapshot([discrete("gpu-a", 80, host_gib=16)])
+    eng = placed_engine(base, offload="none", reserveBytes=0)
+    held = sum(x["bytes"] for x in eng["status"]["placement"]["pools"] if x["pool"] == "host")
+    assert held > 8 * GiB  # the engine leased most of the host
+    lane = lane_obj(maxContextTokens=1_000_000)
+    out = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, SETTINGS))
+    p = out["status"]["placement"]
+    assert p["verdict"] == "Fits" and p["contextTokens"] < 1_000_000
+    assert placed(out) == ("True", "LimitedByPool")
+    assert held + sum(x["bytes"] for x in p["pools"]) <= 16 * GiB
