@@ -1,0 +1,192 @@
+"""EmbedLanes on the real control plane: `continuum operator` as a subprocess, a KWOK node with
+its NodeBoard and the agent's Lease, an Engine and an EmbedLane applied with kubectl. The lane
+is placed beside the engine and charged where it resides (DESIGN.md rule 6); its bytes are in
+the node's ledger, so an engine planned on that node afterwards accounts for them."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
+from tests.e2e.conftest import ROOT, Cluster
+
+pytestmark = pytest.mark.e2e
+
+GiB = 2**30
+RUN_LABEL = ("continuum.dev/e2e-run", uuid.uuid4().hex[:10])
+HOST_CAPACITY = 256 * GiB
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=established", "--timeout=60s", "-f", str(ROOT / "crds")
+    )
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    cmd = [
+        sys.executable, "-m", "continuum_operator.cli", "operator",
+        "--kubeconfig", str(cluster.kubeconfig), "--resync", "1",
+        "--engine-image", "continuum-engine:e2e",
+    ]  # fmt: skip
+    usage = subprocess.run([*cmd[:4], "--help"], capture_output=True, text=True, check=True)
+    if "--engine-selector" in usage.stdout:
+        # Only this module's engines: other modules' operators may share the cluster.
+        cmd += ["--engine-selector", "=".join(RUN_LABEL)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
+    try:
+        time.sleep(1)
+        if proc.poll() is not None:
+            pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
+        yield log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def node_with_board(cluster: Cluster) -> str:
+    """A KWOK node with one GPU, its NodeBoard (nothing measured in use) and a fresh Lease."""
+    name = f"lane-{uuid.uuid4().hex[:6]}"
+    cluster.create_fake_node(name, capacity={"nvidia.com/gpu": "1", "memory": "256Gi"},
+                             labels={"e2e-lane": name})  # fmt: skip
+    cluster.apply(
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "NodeBoard", "metadata": {"name": name}}
+    )
+    status = {
+        "memoryMode": "discrete",
+        "memoryModeReason": "e2e",
+        "pools": [
+            {"kind": "host", "capacityBytes": HOST_CAPACITY, "usedBytes": 0},
+            {"kind": "device", "device": 0, "capacityBytes": 80 * GiB, "usedBytes": 0},
+        ],
+        "gpus": [{"index": 0, "name": "e2e GPU"}],
+    }
+    cluster.kubectl("patch", "nodeboard", name, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": status}))  # fmt: skip
+    cluster.apply({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": lease_name(name), "namespace": LEASE_NAMESPACE,
+                     "annotations": {NODE_ANNOTATION: name}},
+        "spec": {"holderIdentity": "continuum-agent-e2e", "leaseDurationSeconds": 600,
+                 "renewTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")},
+    })  # fmt: skip
+    return name
+
+
+def engine(name: str, node: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": {"facts": {"layers": 32, "layerBytes": 232783872, "inputBytes": 532676608,
+                            "outputBytes": 532676608, "kvBytesPerTokenPerLayer": 4096,
+                            "computeBytes": 268435456, "vocabSize": 32000,
+                            "embeddingLength": 4096}},
+        "contextTokensPerMind": 8192,
+        "minds": {"min": 1, "max": 2},
+        "offload": "none",
+        "placement": {"nodeSelector": {"e2e-lane": node}},
+        **spec,
+    }  # fmt: skip
+    return {"apiVersion": "continuum.dev/v1alpha1", "kind": "Engine",
+            "metadata": {"name": name, "labels": dict([RUN_LABEL])}, "spec": body}  # fmt: skip
+
+
+def wait_for(what: str, probe: Callable[[], Any], log: Path, timeout: float = 90) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    tail = "\n".join(log.read_text().splitlines()[-40:])
+    pytest.fail(f"timed out waiting for {what}; last: {last!r}\noperator log:\n{tail}")
+
+
+def get(cluster: Cluster, kind: str, ns: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = cluster.get_json(kind, name, "-n", ns)
+    return found
+
+
+def placed(cluster: Cluster, kind: str, ns: str, name: str) -> Callable[[], Any]:
+    def probe() -> Any:
+        body = get(cluster, kind, ns, name)
+        status = body.get("status") or {}
+        if kind == "embedlane":
+            ok = (status.get("placement") or {}).get("verdict") == "Fits"
+        else:
+            ok = bool(status.get("placement")) and bool(status.get("plan"))
+        return body if ok else None
+
+    return probe
+
+
+def pool_bytes(pools: list[dict[str, Any]], pool: str) -> int:
+    return sum(int(p["bytes"]) for p in pools if p["pool"] == pool)
+
+
+def test_an_embed_lane_beside_an_engine_is_placed_and_the_engines_plans_count_its_bytes(
+    cluster: Cluster, operator: Path, namespace: str
+) -> None:
+    node = node_with_board(cluster)
+    cluster.apply(engine("coder", node), "-n", namespace)
+    coder = wait_for("the engine placed", placed(cluster, "engine", namespace, "coder"), operator)
+    assert coder["status"]["placement"]["node"] == node
+    assert coder["status"]["plan"]["layersOnDevice"] == 0  # offload none: the host serves it
+
+    cluster.apply(
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
+         "metadata": {"name": "notes"},
+         "spec": {"engine": "coder", "maxContextTokens": 4096}},
+        "-n", namespace,
+    )  # fmt: skip
+    lane = wait_for("the lane placed", placed(cluster, "embedlane", namespace, "notes"), operator)
+    p = lane["status"]["placement"]
+    assert p["node"] == node and p["residence"] == "host"
+    assert p["residenceReason"] == "EngineOnHost"
+    assert p["contextTokens"] == 4096 and p["bytesSource"] == "estimate"
+    assert [x["pool"] for x in p["pools"]] == ["host"]  # never the device
+    lane_host = pool_bytes(p["pools"], "host")
+    assert lane_host > 0
+    placed_c = next(c for c in lane["status"]["conditions"] if c["type"] == "Placed")
+    assert placed_c["status"] == "True" and placed_c["reason"] == "AtMaxContext"
+    printed = cluster.kubectl("get", "embedlane", "notes", "-n", namespace).stdout
+    assert node in printed and "host" in printed
+
+    # The lane runtime reports a larger context than it was leased for: the floor rises with it.
+    runtime = {"status": {"runtime": {"largestContextTokens": 3000}}}
+    cluster.kubectl("patch", "embedlane", "notes", "-n", namespace, "--subresource=status",
+                    "--type=merge", "-p", json.dumps(runtime))  # fmt: skip
+
+    def floor_set() -> Any:
+        pools = get(cluster, "embedlane", namespace, "notes")["status"]["placement"]["pools"]
+        return pools if pools[0].get("floorBytes", 0) > 0 else None
+
+    pools = wait_for("the lane's floor", floor_set, operator)
+    assert 0 < pools[0]["floorBytes"] <= pools[0]["bytes"] == lane_host
+
+    # An engine placed on that node afterwards is planned beside both leases: its host budget
+    # is the pool less the first engine's lease, the lane's lease and its own reserve.
+    cluster.apply(engine("second", node), "-n", namespace)
+    second = wait_for("the second engine placed", placed(cluster, "engine", namespace, "second"),
+                      operator)  # fmt: skip
+    coder = get(cluster, "engine", namespace, "coder")
+    coder_host = pool_bytes(coder["status"]["placement"]["pools"], "host")
+    reserve = GiB  # spec.reserveBytes' default
+    budget = second["status"]["plan"]["budget"]["host"]
+    assert budget == HOST_CAPACITY - coder_host - lane_host - reserve
+    assert second["status"]["placement"]["node"] == node
