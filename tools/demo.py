@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -138,12 +139,21 @@ def stop_operator() -> None:
     print(f"demo: operator (pid {pid}) stopped")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def start_operator() -> None:
     stop_operator()  # a fresh operator for a fresh demo
     with LOG_FILE.open("a") as log:
         proc = subprocess.Popen(
             [str(ROOT / ".venv" / "bin" / "continuum"), "operator",
-             "--kubeconfig", os.environ["KUBECONFIG"], "--engine-image", "continuum-engine:demo"],
+             "--kubeconfig", os.environ["KUBECONFIG"], "--engine-image", "continuum-engine:demo",
+             # a mind's child pods get the lowest class and CPU weight (docs/children.md)
+             "--webhook", "--webhook-listen", "127.0.0.1", "--webhook-port", str(free_port())],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
@@ -261,6 +271,8 @@ Look around (the control plane and the operator keep running):
     kubectl get engine -n minds agent-32b -o yaml       # the full plan, placement, conditions
     kubectl get deployments,pods -n minds -o wide        # engines run as pods on KWOK nodes
     kubectl get events -n minds --sort-by=.lastTimestamp
+    kubectl run build -n minds --image=busybox -l continuum.dev/mind=mira --dry-run=server \\
+      -o jsonpath='{{.spec.priorityClassName}} {{.spec.containers[0].resources}}{{"\\n"}}'
     tail -f {LOG_FILE}
 
 The demo's boards stay fresh for an hour (no node agent runs here): `tools/demo renew`.

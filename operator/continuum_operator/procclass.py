@@ -11,7 +11,9 @@ How all descendants are reached: the runner lowers itself before it starts CMD, 
 everything CMD starts inherit the class (Unix nice values and Windows' idle class are both
 inherited). Then, while CMD runs, it sweeps CMD's descendants every `--sweep` seconds and lowers
 any that runs above the class (a program that raised its own priority with the privilege to do
-so). Signals it receives (TERM, INT, HUP) are passed to CMD; its exit status is CMD's.
+so), and on Linux any that started a session of its own, whose autogroup it lowers to nice 19
+as well (with autogroups, nice ranks a process only among its own session's). Signals it
+receives (TERM, INT, HUP) are passed to CMD; its exit status is CMD's.
 
 Outside the pure core: it uses psutil. Neighbours: `cli` (registers `run`), `kube.webhook`.
 """
@@ -25,6 +27,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from enum import StrEnum
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -63,13 +66,37 @@ def _above(current: int, lowest: int) -> bool:
 
 def lower(process: psutil.Process, lowest: int) -> bool:
     """Lowers one process to `lowest` if it runs above it; True if it was changed."""
+    changed = False
     try:
         if _above(int(process.nice()), lowest):
             process.nice(lowest)
-            return True
+            changed = True
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         pass  # gone, or not ours to change: the next sweep sees it again if it still runs
-    return False
+    return _lower_autogroup(process.pid, lowest) or changed
+
+
+def _lower_autogroup(pid: int, lowest: int) -> bool:
+    """Linux's autogroups: a descendant that started a session of its own (setsid) runs in a
+    new autogroup, where its nice ranks it only inside that session while the group competes
+    with the engine's at the group's own nice (0). That group's nice is lowered too."""
+    if not sys.platform.startswith("linux") or os.getsid(0) == _sid(pid):
+        return False
+    path = Path(f"/proc/{pid}/autogroup")
+    try:
+        if int(path.read_text().split()[-1]) >= lowest:  # "/autogroup-123 nice 0"
+            return False
+        path.write_text(str(lowest))
+    except (OSError, ValueError, IndexError):
+        return False  # no autogroups here, or the process is gone
+    return True
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def sweep(root: psutil.Process, lowest: int) -> int:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -93,6 +94,36 @@ def test_a_descendant_that_raises_its_own_priority_is_lowered_again_by_the_sweep
     done = continuum_run("--class", "background", "--sweep", "0.1", "--", sys.executable, "-c",
                          parent)  # fmt: skip
     assert reported(done.stdout) == {"raised": 0, "lowered": 19}
+
+
+def _autogroups() -> bool:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _autogroups(), reason="Linux autogroups are off or absent")
+def test_a_descendant_in_a_session_of_its_own_has_its_autogroup_lowered_too() -> None:
+    # With autogroups, a process that calls setsid competes as a new group at the group's nice
+    # (0), whatever its own nice: the sweep lowers that group's nice to 19.
+    escapee = textwrap.dedent(
+        """
+        import os, time
+        os.setsid()
+        def group():
+            return int(open("/proc/self/autogroup").read().split()[-1])
+        print("session", group(), flush=True)
+        deadline = time.monotonic() + 20
+        while group() != 19 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("lowered", group(), flush=True)
+        """
+    )
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {escapee!r}])"
+    done = continuum_run("--class", "background", "--sweep", "0.1", "--", sys.executable, "-c",
+                         parent)  # fmt: skip
+    assert reported(done.stdout) == {"session": 0, "lowered": 19}
 
 
 def test_the_lowest_priority_is_nice_19_on_unix() -> None:
