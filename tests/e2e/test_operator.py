@@ -34,6 +34,9 @@ POD_START_TIMEOUT = 12
 COOLDOWN = 900
 READINGS = 3
 INVALID = ROOT / "examples" / "invalid"
+# This module's operator serves only this module's Engines: Engines other tests leave behind
+# (their namespaces are deleted without waiting) never land on these tests' nodes.
+RUN_LABEL = ("continuum.dev/e2e-run", uuid.uuid4().hex[:10])
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,11 +93,12 @@ def operator(
         "--relaunch-cooldown", str(COOLDOWN),
         "--engine-image", "continuum-engine:e2e",
         "--metrics-port", str(port),
+        "--engine-selector", "=".join(RUN_LABEL),
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
     try:
-        time.sleep(1)
+        time.sleep(3)  # a bad flag exits within the imports' time
         if proc.poll() is not None:
             pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
         yield Operator(log, f"http://127.0.0.1:{port}/metrics")
@@ -204,7 +208,7 @@ def engine(name: str, tag: str, **spec: Any) -> dict[str, Any]:
     }
     body.update(spec)
     return {"apiVersion": "continuum.dev/v1alpha1", "kind": "Engine",
-            "metadata": {"name": name}, "spec": body}  # fmt: skip
+            "metadata": {"name": name, "labels": dict([RUN_LABEL])}, "spec": body}  # fmt: skip
 
 
 def wait_for(

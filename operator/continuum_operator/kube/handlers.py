@@ -8,6 +8,7 @@ Handlers are coroutines, so the cache is only touched from the event loop.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
@@ -27,7 +28,10 @@ def _obj(event: kopf.RawEvent) -> dict[str, Any]:
     return cast(dict[str, Any], event["object"])
 
 
-def registry_for(cache: Cache) -> kopf.OperatorRegistry:
+def registry_for(
+    cache: Cache, engine_labels: Mapping[str, str] | None = None
+) -> kopf.OperatorRegistry:
+    """The watches; `engine_labels` limits the Engines this operator serves (equality only)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -41,7 +45,13 @@ def registry_for(cache: Cache) -> kopf.OperatorRegistry:
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
 
-    @kopf.on.event(group=GROUP, version=VERSION, plural="engines", registry=registry)
+    @kopf.on.event(
+        group=GROUP,
+        version=VERSION,
+        plural="engines",
+        registry=registry,
+        labels=dict(engine_labels) if engine_labels else None,
+    )
     async def engine(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_engine(_obj(event), _deleted(event))
 

@@ -16,7 +16,7 @@ import signal
 from typing import Any
 
 from continuum_operator.core.damping import DampingSettings
-from continuum_operator.kube import webhook
+from continuum_operator.kube import grant_settings, webhook
 from continuum_operator.kube.settings import (
     FreshnessSettings,
     GpuSharing,
@@ -88,12 +88,19 @@ def add_parser(sub: Any) -> None:
         help="seconds between passes when nothing changes",
     )
     p.add_argument(
+        "--engine-selector",
+        default="",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="serve only the Engines with these labels (default: every Engine)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=0,
         help="serve Prometheus metrics on this port (0: not served)",
     )
     webhook.add_arguments(p)
+    grant_settings.add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_operator)  # fmt: skip
 
@@ -120,15 +127,36 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
     )
 
 
-async def serve(settings: OperatorSettings, kubeconfig: str | None, metrics_port: int = 0) -> None:
+def parse_selector(text: str) -> dict[str, str]:
+    """`a=b,c=d` into labels; an equality selector is all kopf's label filters take."""
+    labels: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"error: --engine-selector: {part!r} is not KEY=VALUE")
+        labels[key] = value
+    return labels
+
+
+async def serve(
+    settings: OperatorSettings,
+    kubeconfig: str | None,
+    metrics_port: int = 0,
+    engine_labels: dict[str, str] | None = None,
+    grants: grant_settings.GrantSettings | None = None,
+    leadership: grant_settings.LeaderSettings | None = None,
+) -> int:
     # Imported here: `continuum plan` and friends need not load kopf and the Kubernetes client.
     import kopf
 
     from continuum_operator.kube.api import KubeApi
     from continuum_operator.kube.cache import Cache
     from continuum_operator.kube.handlers import registry_for
+    from continuum_operator.kube.leader import Elector, lead
     from continuum_operator.kube.loop import Loop
     from continuum_operator.kube.metrics import OperatorMetrics
+    from continuum_operator.kube.minds import GrantsLoop, MindCache
+    from continuum_operator.kube.minds import register as register_minds
 
     cache = Cache(lease_namespace=settings.freshness.lease_namespace)
     metrics = OperatorMetrics()
@@ -139,16 +167,34 @@ async def serve(settings: OperatorSettings, kubeconfig: str | None, metrics_port
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    registry = registry_for(cache)
+    registry = registry_for(cache, engine_labels)
     webhook.register(registry, api, settings.pods, settings.children, metrics)
-    decisions = asyncio.create_task(loop.run(stop))
+    # Part 2: Minds through their engine's ledger; only the leader decides and writes.
+    mind_cache = MindCache()
+    register_minds(registry, mind_cache)
+    elector = Elector(api, leadership or grant_settings.LeaderSettings())
+    grants_loop = GrantsLoop(
+        api,
+        grants or grant_settings.GrantSettings(),
+        cache,
+        mind_cache,
+        may_write=elector.is_leader,
+        resync_seconds=settings.loop.resync_seconds,
+        pod_port=settings.pods.port,
+    )
+    decisions = asyncio.create_task(lead(elector, stop, [loop.run, grants_loop.run]))
+    decisions.add_done_callback(lambda _: stop.set())  # a lost Lease stops this replica
     try:
         await kopf.operator(
-            registry=registry, standalone=True, clusterwide=True, stop_flag=stop
+            registry=registry,
+            standalone=True,
+            clusterwide=True,
+            stop_flag=stop,
         )
     finally:
         stop.set()
-        await decisions
+        code = await decisions
+    return code
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
@@ -161,5 +207,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's login reads it too
-    asyncio.run(serve(settings_from(args), args.kubeconfig, args.metrics_port))
-    return 0
+    labels = parse_selector(args.engine_selector)
+    grants = grant_settings.grant_settings(args)
+    leadership = grant_settings.leader_settings(args, labels)
+    return asyncio.run(
+        serve(settings_from(args), args.kubeconfig, args.metrics_port, labels, grants, leadership)
+    )
