@@ -190,3 +190,77 @@ def test_an_embed_lane_beside_an_engine_is_placed_and_the_engines_plans_count_it
     budget = second["status"]["plan"]["budget"]["host"]
     assert budget == HOST_CAPACITY - coder_host - lane_host - reserve
     assert second["status"]["placement"]["node"] == node
+
+
+def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_the_estimate(
+    cluster: Cluster, operator: Path, namespace: str, tmp_path: Path
+) -> None:
+    from continuum_operator.gguf import file_sha256, read_facts
+    from continuum_operator.testing import TinyModelShape, write_tiny_gguf
+    from tests.e2e.llama_fixtures import free_port, http_json, import_llama_cpp
+
+    import_llama_cpp()
+    shape = TinyModelShape(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
+                           vocab_size=512, context_length=4096, embedding=True)  # fmt: skip
+    model = write_tiny_gguf(tmp_path / "tiny-embed.gguf", shape, seed=2)
+    facts = read_facts(model).model_dump(mode="json", by_alias=True, exclude_none=True)
+    node = node_with_board(cluster)
+    cluster.apply(engine("embedder", node, model={"facts": facts}), "-n", namespace)
+    wait_for("the engine placed", placed(cluster, "engine", namespace, "embedder"), operator)
+    cluster.apply(
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
+         "metadata": {"name": "search"},
+         "spec": {"engine": "embedder", "maxContextTokens": 2048}},
+        "-n", namespace,
+    )  # fmt: skip
+    lane = wait_for("the lane placed", placed(cluster, "embedlane", namespace, "search"), operator)
+    estimated = pool_bytes(lane["status"]["placement"]["pools"], "host")
+    assert lane["status"]["placement"]["bytesSource"] == "estimate"
+
+    port = free_port()
+    log = (tmp_path / "embed.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "continuum_operator.cli", "embed", "--model", str(model),
+         "--model-sha256", file_sha256(model), "--lane", f"{namespace}/search",
+         "--listen", f"127.0.0.1:{port}", "--poll", "0.5"],
+        stdout=log, stderr=subprocess.STDOUT, env=cluster.env,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> Any:
+            assert proc.poll() is None, (tmp_path / "embed.log").read_text()
+            try:
+                return http_json(f"{url}/readyz", timeout=2)[0] == 200
+            except OSError:
+                return False
+
+        wait_for("continuum embed ready", ready, operator, timeout=60)
+        code, body = http_json(f"{url}/v1/embeddings",
+                               {"input": " ".join(["memory"] * 1000)})  # fmt: skip
+        assert code == 200, body
+        assert len(body["data"][0]["embedding"]) == shape.n_embd
+
+        def charged_from_receipts() -> Any:
+            status = get(cluster, "embedlane", namespace, "search")["status"]
+            runtime, p = status.get("runtime") or {}, status.get("placement") or {}
+            largest = runtime.get("largestContextTokens", 0)
+            done = largest > 1000 and p.get("floorTokens") == largest
+            return status if done and p.get("bytesSource") == "receipt" else None
+
+        status = wait_for("the lane charged from its receipts", charged_from_receipts, operator)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    runtime, p = status["runtime"], status["placement"]
+    assert runtime["gpuOffload"] is False and runtime["ready"] is True
+    assert runtime["receipts"] and runtime["requests"]["served"] == 1
+    assert p["residence"] == "host" and [x["pool"] for x in p["pools"]] == ["host"]
+    # The floor is what llama.cpp allocated for the largest context embedded (1,000 tokens: a
+    # context of 1,024 cells), read from the runtime's receipt, not the estimate.
+    at_1024 = next(r for r in runtime["receipts"] if r["contextTokens"] == 1024)
+    allocated = sum(b["bytes"] for b in at_1024["buffers"] if b["kind"] != "model")
+    assert p["floorTokens"] > 1000 and p["pools"][0]["floorBytes"] == allocated
+    # Above every receipt the lease is never taken below the estimate.
+    assert pool_bytes(p["pools"], "host") == estimated
