@@ -153,3 +153,27 @@ def test_a_lane_that_the_pool_cannot_hold_is_not_placed_and_over_commits_nothing
     assert p["verdict"] == "Fits" and p["contextTokens"] < 1_000_000
     assert placed(out) == ("True", "LimitedByPool")
     assert held + sum(x["bytes"] for x in p["pools"]) <= 16 * GiB
+
+
+def test_a_lane_with_its_own_model_goes_to_the_fresh_board_that_holds_the_most_context() -> None:
+    facts = engine_obj()["spec"]["model"]["facts"]
+    base = snapshot(
+        [discrete("small", 80, host_gib=8), discrete("big", 80, host_gib=64),
+         discrete("stale", 80, host_gib=512)],
+        stale={"stale"},
+    )  # fmt: skip
+    lane = lane_obj(engine=None, model={"facts": facts}, maxContextTokens=16384)
+    out = lane_after(lane, reconcile_lane(lane, with_objects(base, [], [lane]), NOW, SETTINGS))
+    p = out["status"]["placement"]
+    assert p["node"] == "big" and p["residence"] == "host" and p["contextTokens"] == 16384
+    assert placed(out) == ("True", "AtMaxContext")
+
+
+def test_a_malformed_lane_is_refused_with_the_field_named() -> None:
+    base = snapshot([discrete("gpu-a", 80)])
+    lane = lane_obj(engine=None)  # neither engine nor model
+    out = lane_after(lane, reconcile_lane(lane, with_objects(base, [], [lane]), NOW, SETTINGS))
+    status, reason = placed(out)
+    assert (status, reason) == ("False", "InvalidSpec")
+    message = next(c for c in out["status"]["conditions"] if c["type"] == "Placed")["message"]
+    assert "EmbedLane ns/lane is malformed" in message and "engine" in message

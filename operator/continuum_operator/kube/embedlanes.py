@@ -134,13 +134,16 @@ def _facts_of_engine(engine: Mapping[str, Any]) -> ModelFacts | None:
     return None
 
 
-def _receipts(status: Mapping[str, Any]) -> tuple[Receipt, ...]:
+def _receipts(status: Mapping[str, Any], model_sha256: str | None) -> tuple[Receipt, ...]:
+    """The lane runtime's receipts; where the model's digest is known, only that model's."""
     out = []
     for raw in (status.get("runtime") or {}).get("receipts") or []:
         try:
-            out.append(Receipt.model_validate(raw))
+            r = Receipt.model_validate(raw)
         except ValidationError:
             continue
+        if model_sha256 is None or r.model_sha256 == model_sha256:
+            out.append(r)
     return tuple(out)
 
 
@@ -220,9 +223,10 @@ class _LanePass:
         where: Residence,
         why: LaneReason,
         gpus: list[int],
+        sha256: str | None = None,
     ) -> LanePlacement:
         measured, ledger = self.ledger(board)
-        sizer = LaneSizer(facts, _receipts(self.status))
+        sizer = LaneSizer(facts, _receipts(self.status, sha256))
         return place_lane(
             measured, ledger, self.ask(lane, board.node), sizer,
             where=where, residence_reason=why, gpus=gpus,
@@ -276,7 +280,8 @@ class _LanePass:
             total_layers=int(plan_doc.get("totalLayers") or facts.layers + 1),
         )
         gpus = [int(g) for g in placement.get("gpus") or []]
-        p = self.place_on(lane, entry.board, facts, where, why, gpus)
+        sha = ((engine.get("spec") or {}).get("model") or {}).get("sha256")
+        p = self.place_on(lane, entry.board, facts, where, why, gpus, sha)
         return self.written(p, gpus)
 
     # -- a lane with a model of its own -----------------------------------------------------
@@ -285,7 +290,7 @@ class _LanePass:
         W = LaneWaitReason
         model = lane.spec.model
         facts = model.facts if model is not None else None
-        if facts is None:
+        if model is None or facts is None:
             return self.keep(
                 W.FACTS_MISSING,
                 "a lane with its own model needs spec.model.facts (`continuum facts MODEL.gguf`)",
@@ -297,14 +302,15 @@ class _LanePass:
             if not _fresh(self.snap, self.held.node, self.now, self.settings):
                 return self.keep(W.BOARD_STALE, f"node {self.held.node}'s board is stale")
             where, why = residence(backend_offloads=None, layers_on_device=0, total_layers=1)
-            return self.written(self.place_on(lane, entry.board, facts, where, why, []), [])
+            p = self.place_on(lane, entry.board, facts, where, why, [], model.sha256)
+            return self.written(p, [])
         best: LanePlacement | None = None
         for name in sorted(self.snap.boards):
             entry = self.snap.boards[name]
             if entry.board is None or not _fresh(self.snap, name, self.now, self.settings):
                 continue
             where, why = residence(backend_offloads=None, layers_on_device=0, total_layers=1)
-            p = self.place_on(lane, entry.board, facts, where, why, [])
+            p = self.place_on(lane, entry.board, facts, where, why, [], model.sha256)
             rank = (_VERDICT_ORDER[p.verdict], p.context_tokens)
             if best is None or rank > (_VERDICT_ORDER[best.verdict], best.context_tokens):
                 best = p
