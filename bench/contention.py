@@ -129,9 +129,19 @@ def start_children(condition: str, hogs: int) -> subprocess.Popen[bytes] | None:
     else:
         cmd = [sys.executable, "-m", "continuum_operator.cli", "run", "--class", "background",
                "--", sys.executable, "-c", SPAWN, str(hogs)]  # fmt: skip
-    # A session of its own only for the kill at the end: the same autogroup as llama-server
-    # (setsid would start a new one), so the children compete with the engine as in a pod.
+    # A process group of its own, only for the kill at the end; the same session, so the same
+    # Linux autogroup as llama-server: the children compete with the engine as in one pod.
     proc = subprocess.Popen(cmd, process_group=0)
+    try:
+        check_started(proc, condition, hogs)
+    except BaseException:
+        stop_children(proc)  # never leave busy processes behind
+        raise
+    return proc
+
+
+def check_started(proc: subprocess.Popen[bytes], condition: str, hogs: int) -> None:
+    """Waits until the `hogs` busy processes run, and checks they run at the condition's nice."""
     deadline = time.monotonic() + 30
     while True:
         busy = [
@@ -149,7 +159,6 @@ def start_children(condition: str, hogs: int) -> subprocess.Popen[bytes] | None:
     if nices != {want}:
         raise SystemExit(f"{condition}: busy children at nice {nices}, expected {want}")
     time.sleep(0.5)  # let the scheduler settle with the new load
-    return proc
 
 
 def stop_children(proc: subprocess.Popen[bytes] | None) -> None:
