@@ -327,3 +327,26 @@ def test_a_request_too_large_for_the_pool_is_refused_without_disturbing_the_engi
     assert again.leases() == p.leases()
     assert after == before
     assert before.schedulable and before.minds_grantable == engine_plan.minds_grantable
+
+
+def test_a_lane_not_yet_placed_allocates_nothing_until_its_lease_arrives(embed_model: Path) -> None:
+    model = lane_model(embed_model)
+    rt = LaneRuntime(model, LaneState(max_context_tokens=2048))
+
+    async def scenario() -> tuple[int, int, str]:
+        calibration = asyncio.create_task(rt.calibrate())
+        await asyncio.sleep(0.3)
+        before = model.cells
+        refused, body = await rt.embed(["a node"])
+        rt.set_state(LaneState(max_context_tokens=2048, leased_context_tokens=512))
+        await asyncio.wait_for(calibration, 30)
+        return before, refused, body["error"]["reason"]
+
+    try:
+        before, refused, reason = run(scenario())
+        assert before == 0 and refused == 503 and reason == "Calibrating"
+        assert rt.status()["phase"] == "Serving" and model.cells == 256
+        code, _ = run(rt.embed(["a node"]))
+        assert code == 200
+    finally:
+        model.close()

@@ -172,9 +172,8 @@ class LaneSizer:
                 return _receipt_parts(r)
         top = usable[-1]
         parts = _receipt_parts(top)
-        scale = tokens / top.context_tokens
-        scaled = ContextBytes(-(-int(parts.device * scale * 1000) // 1000),
-                              -(-int(parts.host * scale * 1000) // 1000))  # fmt: skip
+        n = top.context_tokens
+        scaled = ContextBytes(-(-parts.device * tokens // n), -(-parts.host * tokens // n))
         est = self.estimate(tokens).total
         if scaled.total >= est:
             return scaled

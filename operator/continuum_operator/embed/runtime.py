@@ -159,8 +159,17 @@ class LaneRuntime:
     # -- calibration ------------------------------------------------------------------------
 
     async def calibrate(self) -> None:
-        """The pass at the lane's largest context, before the first request (sets the floor)."""
+        """The pass at the lane's largest context, before the first request (sets the floor).
+
+        It waits until the lease holds that context: nothing is allocated before the operator
+        has placed the lane (a new lane is placed on the estimate).
+        """
         target = min(max(1, self.largest), self.state.max_context_tokens)
+        while self.state.leased_context_tokens < target:
+            log.info("waiting for a lease of %d tokens to calibrate", target)
+            self._lease_changed.clear()
+            await self._lease_changed.wait()
+            target = min(max(1, self.largest), self.state.max_context_tokens)
         async with self._lock:
             loaded = await asyncio.to_thread(self.model.calibrate, target)
         if loaded is not None and loaded.receipt is not None:
