@@ -149,12 +149,27 @@ def test_a_minds_child_arrives_with_the_lowest_class_and_cpu_weight_and_others_a
             "apply", "-f", "-", input=json.dumps(pod("build", namespace, {MIND_LABEL: "ada"}))
         )
         cluster.apply(pod("web", namespace, {"app": "web"}))
+        # A pod owned by a Mind, without the label: the API server's match condition sends it too.
+        cluster.apply(
+            {
+                "apiVersion": "continuum.dev/v1alpha1",
+                "kind": "Mind",
+                "metadata": {"name": "bo", "namespace": namespace},
+                "spec": {"engine": "coder", "contextTokens": 256},
+            }
+        )
+        uid = cluster.get_json("mind", "bo", "-n", namespace)["metadata"]["uid"]
+        owned = pod("owned", namespace)
+        owned["metadata"]["ownerReferences"] = [
+            {"apiVersion": "continuum.dev/v1alpha1", "kind": "Mind", "name": "bo", "uid": uid}
+        ]
+        cluster.apply(owned)
         mutated = wait_for(
             lambda: op.metric("continuum_mind_children_mutated_total", namespace=namespace),
             "the mutation metric",
             op,
         )
-        assert mutated == 1  # the child, not the dry-run probes nor the pod of no mind
+        assert mutated == 2  # the two children, not the dry-run probes nor the pod of no mind
         classes = {c["metadata"]["name"]: c for c in cluster.get_json("priorityclasses")["items"]}
     child = get_pod(cluster, namespace, "build")
     spec = child["spec"]
@@ -173,6 +188,10 @@ def test_a_minds_child_arrives_with_the_lowest_class_and_cpu_weight_and_others_a
     assert installed["value"] == PODS.children_priority
     assert installed["preemptionPolicy"] == "Never"
     assert all(installed["value"] <= c["value"] for c in classes.values())
+
+    owned = get_pod(cluster, namespace, "owned")
+    assert owned["spec"]["priorityClassName"] == PODS.children_priority_class
+    assert owned["metadata"]["labels"][MIND_LABEL] == "bo"  # so the count watches it
 
     other = get_pod(cluster, namespace, "web")
     assert "priorityClassName" not in other["spec"]
