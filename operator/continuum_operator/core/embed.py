@@ -395,16 +395,34 @@ def place_lane(
                 return False, pool
         return True, None
 
+    Tried = tuple[bool, str | None, tuple[int, ContextBytes, dict[str, int], LaneReason]]
+    tried: dict[int, Tried] = {}
+
+    def attempt(i: int) -> Tried:
+        if i not in tried:
+            tokens = contexts[i]
+            cb, source = sizer.bytes_at(tokens)
+            charges = lane_charges(board, where, gpus, cb)
+            ok, pool = fits(charges)
+            tried[i] = (ok, pool, (tokens, cb, charges, source))
+        return tried[i]
+
+    # Bytes grow with the context: the largest context that fits is found by bisection.
     best: tuple[int, ContextBytes, dict[str, int], LaneReason] | None = None
     blocked: str | None = None
-    for tokens in contexts:
-        cb, source = sizer.bytes_at(tokens)
-        charges = lane_charges(board, where, gpus, cb)
-        ok, pool = fits(charges)
-        if not ok:
-            blocked = pool
-            break
-        best = (tokens, cb, charges, source)
+    lo, hi = 0, len(contexts) - 1
+    if not attempt(0)[0]:
+        blocked = attempt(0)[1]
+    else:
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if attempt(mid)[0]:
+                lo = mid
+            else:
+                hi = mid - 1
+        best = attempt(lo)[2]
+        if lo + 1 < len(contexts):
+            blocked = attempt(lo + 1)[1]
     if best is not None:
         tokens, cb, charges, source = best
         if tokens >= ask.max_context_tokens:
