@@ -41,6 +41,11 @@ class GrantProjection(Spec):
 
 class MindStatus(Spec):
     grant: GrantProjection | None = None
+    endpoint: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="Where she takes turns: her engine's gateway (docs/gateway.md).",
+    )
     conditions: list[Condition] = Field(default_factory=list)
     observed_generation: int | None = None
 

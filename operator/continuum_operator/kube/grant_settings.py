@@ -1,0 +1,135 @@
+"""Settings of the operator's part 2: grants (`kube.minds`) and leader election (`kube.leader`).
+
+Kept apart from `kube.settings` and free of kopf and the Kubernetes client, so the `continuum`
+command's parser stays quick. Every field says its unit, default and why; `continuum operator`
+fills them from flags (docs/operator.md, "Grants" and "Leader election").
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["GrantSettings", "LeaderSettings", "add_arguments", "grant_settings", "leader_settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrantSettings:
+    """How grants are made, reclaimed and recorded (docs/operator.md, "Grants")."""
+
+    grace_seconds: float = 30.0
+    """A reclaimed slot's grace: the gateway reports it released by then, or the release is
+    forced (seconds). DESIGN.md rule 7."""
+    transition_log: Path | None = None
+    """The JSON-lines transition log (docs/transition-log.md); None: not written."""
+    engine_addresses: Mapping[str, str] = field(default_factory=dict)
+    """`namespace/name` -> the URL minds reach that Engine's gateway at, where its Service
+    cannot serve (an engine runtime run as a local process: the API server refuses loopback
+    addresses in EndpointSlices). Others: `http://NAME.NAMESPACE.svc:PORT`."""
+    conflict_retries: int = 8
+    """Re-reads of an Engine after a 409 before the step is left to the next pass."""
+
+
+def _grant_arguments(p: argparse.ArgumentParser) -> None:
+    d = GrantSettings()
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=d.grace_seconds,
+        help="seconds a reclaimed slot has to be released before the release is forced",
+    )
+    p.add_argument(
+        "--transition-log",
+        type=Path,
+        default=None,
+        help="append every ledger change to this JSON-lines file (docs/transition-log.md)",
+    )
+    p.add_argument(
+        "--engine-address",
+        action="append",
+        default=[],
+        metavar="NS/NAME=URL",
+        help="where minds reach an Engine's gateway instead of its Service (repeatable)",
+    )
+
+
+def grant_settings(args: argparse.Namespace) -> GrantSettings:
+    addresses: dict[str, str] = {}
+    for item in args.engine_address:
+        key, eq, url = str(item).partition("=")
+        if not eq or "/" not in key or not url:
+            raise SystemExit(f"error: --engine-address: {item!r} is not NAMESPACE/NAME=URL")
+        addresses[key] = url.rstrip("/")
+    return GrantSettings(
+        grace_seconds=args.grace,
+        transition_log=args.transition_log,
+        engine_addresses=addresses,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderSettings:
+    enabled: bool = True
+    """Elect a leader with a coordination.k8s.io Lease (off: this replica always leads; only
+    for a single replica)."""
+    namespace: str = "default"
+    """Namespace of the Lease: the operator's own in a cluster ($POD_NAMESPACE)."""
+    name: str = "continuum-operator"
+    """The Lease's name. Operators serving different Engines (`--engine-selector`) are
+    different groups: by default the selector's digest is appended."""
+    duration_seconds: float = 15.0
+    """A Lease not renewed this long may be taken by a standby (seconds; client-go's default).
+    The leader stops writing a little before (`kube.leader`)."""
+    renew_seconds: float = 2.0
+    """How often the leader renews and a standby looks (seconds)."""
+
+
+def _leader_arguments(p: argparse.ArgumentParser) -> None:
+    d = LeaderSettings()
+    p.add_argument(
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=d.enabled,
+        help="elect a leader with a coordination.k8s.io Lease (standby replicas wait)",
+    )
+    p.add_argument(
+        "--leader-namespace",
+        default=os.environ.get("POD_NAMESPACE", d.namespace),
+        help="namespace of the leader Lease (default: $POD_NAMESPACE, else default)",
+    )
+    p.add_argument("--leader-lease", default="", help="name of the leader Lease")
+    p.add_argument(
+        "--leader-lease-duration",
+        type=float,
+        default=d.duration_seconds,
+        help="seconds an unrenewed leader Lease keeps its holder",
+    )
+    p.add_argument(
+        "--leader-renew",
+        type=float,
+        default=d.renew_seconds,
+        help="seconds between renewals (and a standby's looks)",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    _grant_arguments(p)
+    _leader_arguments(p)
+
+
+def leader_settings(args: argparse.Namespace, engine_labels: Mapping[str, str]) -> LeaderSettings:
+    name = args.leader_lease or LeaderSettings().name
+    if not args.leader_lease and engine_labels:
+        text = ",".join(f"{k}={v}" for k, v in sorted(engine_labels.items()))
+        name = f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    return LeaderSettings(
+        enabled=args.leader_election,
+        namespace=args.leader_namespace,
+        name=name,
+        duration_seconds=args.leader_lease_duration,
+        renew_seconds=args.leader_renew,
+    )

@@ -1,0 +1,187 @@
+"""Leader election with a coordination.k8s.io Lease: one replica writes, the others stand by.
+
+DESIGN.md: only the operator's leader writes the grant ledger, and the leader is chosen with a
+Lease (kopf's peering freezes operators of equal priority, so it is not used). The protocol is
+client-go's: the holder renews `renewTime` every `renew_seconds`; a candidate takes the Lease
+when its holder is empty or `renewTime + leaseDurationSeconds` has passed, by a replace
+conditioned on resourceVersion, so of two candidates exactly one wins. A leader that cannot
+renew within its duration stops writing at once (`is_leader` turns False at its own deadline,
+before any standby may take over) and the process exits so that a fresh start stands by.
+
+Neighbours: `kube.run` (starts the work under `lead`), `kube.api` (the adapter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Any
+
+from continuum_operator.kube import crash
+from continuum_operator.kube.api import ApiError, KubeApi
+from continuum_operator.kube.grant_settings import LeaderSettings
+
+__all__ = ["Elector", "lead"]
+
+log = logging.getLogger("continuum.leader")
+
+
+def _micro(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse(text: Any) -> float | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+class Elector:
+    def __init__(
+        self,
+        api: KubeApi,
+        settings: LeaderSettings,
+        identity: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api = api
+        self.settings = settings
+        self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.clock = clock
+        self.valid_until = 0.0  # our own deadline: the last renewal + duration - a margin
+
+    @property
+    def path(self) -> str:
+        s = self.settings
+        return f"/apis/coordination.k8s.io/v1/namespaces/{s.namespace}/leases/{s.name}"
+
+    def is_leader(self) -> bool:
+        return not self.settings.enabled or self.clock() < self.valid_until
+
+    def _spec(self, now: float, acquired: float | None, transitions: int) -> dict[str, Any]:
+        return {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": max(1, round(self.settings.duration_seconds)),
+            "acquireTime": _micro(acquired if acquired is not None else now),
+            "renewTime": _micro(now),
+            "leaseTransitions": transitions,
+        }
+
+    def try_acquire_or_renew(self) -> bool:
+        """One round (blocking): True if this replica holds the Lease afterwards."""
+        now = self.clock()
+        try:
+            lease = self.api.request("GET", self.path)
+        except ApiError as err:
+            if err.status != 404:
+                log.warning("reading the leader Lease failed: %s", err)
+                return False
+            body = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": self.settings.name, "namespace": self.settings.namespace},
+                "spec": self._spec(now, None, 0),
+            }
+            try:
+                self.api.request(
+                    "POST",
+                    self.path.rsplit("/", 1)[0],
+                    body,
+                )
+            except ApiError as err2:
+                log.info("another replica made the leader Lease first: %s", err2)
+                return False
+            self._held(now)
+            return True
+        spec = lease.get("spec") or {}
+        holder = spec.get("holderIdentity") or ""
+        renewed = _parse(spec.get("renewTime")) or 0.0
+        duration = float(spec.get("leaseDurationSeconds") or self.settings.duration_seconds)
+        mine = holder == self.identity
+        if not mine and holder and now < renewed + duration:
+            return False  # held, and fresh: stand by
+        transitions = int(spec.get("leaseTransitions") or 0) + (0 if mine else 1)
+        acquired = _parse(spec.get("acquireTime")) if mine else None
+        lease["spec"] = self._spec(now, acquired, transitions)
+        try:
+            self.api.request("PUT", self.path, lease)  # carries metadata.resourceVersion
+        except ApiError as err:
+            if err.status != 409:
+                log.warning("writing the leader Lease failed: %s", err)
+            return False
+        if not mine:
+            log.info("took the leader Lease %s (was %r)", self.settings.name, holder)
+        self._held(now)
+        return True
+
+    def _held(self, renewed: float) -> None:
+        # Stop writing a little before anyone else may take over.
+        margin = min(2.0, self.settings.duration_seconds / 5)
+        self.valid_until = renewed + self.settings.duration_seconds - margin
+
+    def release(self) -> None:
+        """On a clean stop: hand the Lease over at once (an empty holder)."""
+        if not self.settings.enabled or not self.is_leader():
+            return
+        try:
+            lease = self.api.request("GET", self.path)
+            if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+                return
+            lease["spec"]["holderIdentity"] = ""
+            self.api.request("PUT", self.path, lease)
+        except ApiError as err:
+            log.warning("releasing the leader Lease failed: %s", err)
+        self.valid_until = 0.0
+
+
+async def lead(
+    elector: Elector,
+    stop: asyncio.Event,
+    work: list[Callable[[asyncio.Event], Coroutine[Any, Any, None]]],
+) -> int:
+    """Stand by until this replica leads, then run `work` until `stop` or the Lease is lost.
+
+    Returns 0 on a clean stop, 1 when leadership was lost (the caller exits: a replica that
+    lost the Lease never writes again in this process).
+    """
+    s = elector.settings
+    if s.enabled:
+        while not stop.is_set():
+            if await asyncio.to_thread(elector.try_acquire_or_renew):
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), s.renew_seconds)
+        if stop.is_set():
+            return 0
+        log.info("leading as %s", elector.identity)
+        crash.reached(crash.CrashPoint.LEADER_ACQUIRED)
+    working = asyncio.Event()
+    tasks = [asyncio.create_task(w(working)) for w in work]
+    lost = False
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), s.renew_seconds)
+            if stop.is_set() or not s.enabled:
+                continue
+            renewed = await asyncio.to_thread(elector.try_acquire_or_renew)
+            if not renewed and not elector.is_leader():
+                log.error("lost the leader Lease %s: stopping", s.name)
+                lost = True
+                break
+    finally:
+        working.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not lost:
+            await asyncio.to_thread(elector.release)
+    return 1 if lost else 0

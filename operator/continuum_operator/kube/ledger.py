@@ -1,0 +1,467 @@
+"""An Engine's grant ledger as the API server holds it, read into the allocator and written back.
+
+The ledger's one home is the Engine's `status.grants` (DESIGN.md "The grant ledger has one
+home"). This module is the translation between that list of plain entries and the pure
+allocator (`core.grants`), with no API calls, so each rule is shown in unit tests:
+
+- `read_grants` / `grant_entries`: entries <-> `Grant`s. Entries carry what the gateway reads
+  (docs/gateway.md, "The grant table": mind, state, reason, slot, tokens, by, deadline, since,
+  askedTokens, position) and what the allocator needs back (grantedAt, reclaimedAt, priority,
+  protectionWindow). Times the allocator compares are Unix seconds (floats survive the API
+  server's JSON exactly); `since` is RFC 3339 with microseconds, and names one reclaim.
+- `capacity_of`: the pool to allocate from, from the plan and the Ready condition part 1
+  writes, and `status.grantCapacity` (what the ledger was last made for, written with it). An
+  engine whose launch changed while minds still hold slots of the old one is `Draining`.
+- `demands_of`: the minds that want grants, with their class's priority and window.
+- `projection`: a Mind's `status.grant` and conditions, made from her ledger entry.
+
+Neighbours: `kube.minds` (reads the cache, calls `step`, writes), `core.grants`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from continuum_operator.core.grants import (
+    Capacity,
+    EnginePhase,
+    Grant,
+    GrantReason,
+    MindDemand,
+    Policy,
+    Transition,
+    allocate,
+)
+from continuum_operator.model.mind import GrantState
+
+__all__ = [
+    "CAPACITY_FIELD",
+    "STEP_FIELD",
+    "LedgerStep",
+    "MindConditionType",
+    "capacity_line",
+    "capacity_of",
+    "demands_of",
+    "grant_entries",
+    "iso_micro",
+    "log_lines",
+    "projection",
+    "read_grants",
+    "released_of",
+    "step",
+    "transition_line",
+]
+
+#: Beside `status.grants`, written in the same replace: the pool the ledger was made for.
+CAPACITY_FIELD = "grantCapacity"
+#: Beside `status.grants`, written in the same replace: the last step's log lines, so a leader
+#: that died between the ledger write and the log append has its step logged by the next one.
+STEP_FIELD = "grantStep"
+
+_HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
+
+
+class MindConditionType(StrEnum):
+    GRANTED = "Granted"
+    CONTEXT_TOO_LARGE = "ContextTooLarge"
+
+
+def iso_micro(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse_time(text: Any) -> float | None:
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return float(text)
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+# --- entries <-> grants -----------------------------------------------------------------------
+
+
+def read_grants(entries: Iterable[Mapping[str, Any]] | None) -> dict[str, Grant]:
+    """The allocator's ledger from `status.grants`; entries it cannot read are skipped."""
+    grants: dict[str, Grant] = {}
+    for e in entries or ():
+        mind = e.get("mind")
+        try:
+            state = GrantState(str(e.get("state")))
+            reason = GrantReason(str(e.get("reason")))
+        except ValueError:
+            continue
+        if not isinstance(mind, str):
+            continue
+        slot = e.get("slot")
+        grants[mind] = Grant(
+            mind=mind,
+            state=state,
+            reason=reason,
+            since=_num(e.get("sinceUnix")) or _parse_time(e.get("since")) or 0.0,
+            tokens=int(e.get("tokens") or 0),
+            slot=slot if isinstance(slot, int) and not isinstance(slot, bool) else None,
+            by=e.get("by") if isinstance(e.get("by"), str) else None,
+            deadline=_num(e.get("deadline")),
+            granted_at=_num(e.get("grantedAt")),
+            reclaimed_at=_num(e.get("reclaimedAt")),
+            priority=int(_num(e.get("priority")) or 0),
+            protection_window=_num(e.get("protectionWindow")) or 0.0,
+        )
+    return grants
+
+
+def grant_entries(
+    grants: Mapping[str, Grant],
+    demands: Mapping[str, MindDemand],
+    asked: Mapping[str, int] | None = None,
+) -> list[dict[str, Any]]:
+    """`status.grants` from the allocator's ledger: holders by slot, then the queue in order."""
+    asked = asked or {}
+
+    def rank(g: Grant) -> tuple[int, float, str]:
+        d = demands.get(g.mind)
+        return d.rank() if d is not None else (-g.priority, 0.0, g.mind)
+
+    ordered = sorted(
+        grants.values(),
+        key=lambda g: (
+            0 if g.state in _HOLDING else 1 if g.state is GrantState.QUEUED else 2,
+            g.slot if g.slot is not None else -1,
+            rank(g),
+        ),
+    )
+    out: list[dict[str, Any]] = []
+    position = 0
+    for g in ordered:
+        e: dict[str, Any] = {
+            "mind": g.mind,
+            "state": g.state.value,
+            "reason": g.reason.value,
+            "since": iso_micro(g.since),
+            "sinceUnix": g.since,
+            "tokens": g.tokens,
+            "priority": g.priority,
+            "protectionWindow": g.protection_window,
+        }
+        if g.slot is not None:
+            e["slot"] = g.slot
+        if g.by is not None:
+            e["by"] = g.by
+        if g.deadline is not None:
+            e["deadline"] = g.deadline
+        if g.granted_at is not None:
+            e["grantedAt"] = g.granted_at
+        if g.reclaimed_at is not None:
+            e["reclaimedAt"] = g.reclaimed_at
+        if g.state is GrantState.QUEUED:
+            position += 1
+            e["position"] = position
+        if g.reason is GrantReason.CONTEXT_TOO_LARGE and g.mind in asked:
+            e["askedTokens"] = asked[g.mind]
+        out.append(e)
+    return out
+
+
+# --- the pool ---------------------------------------------------------------------------------
+
+
+def launch_of(plan: Mapping[str, Any]) -> str | None:
+    """Identity of the engine process a plan runs: a new value is a relaunch (new KV buffers)."""
+    if not plan or not plan.get("engineArgs"):
+        return None
+    key = {"node": plan.get("node"), "args": plan.get("engineArgs")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _ready(status: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """The capacity to allocate from, and the launch it belongs to (recorded with the ledger)."""
+
+    capacity: Capacity
+    launch: str | None
+
+    def to_status(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "phase": self.capacity.phase.value,
+            "slots": self.capacity.slots,
+            "tokensPerSlot": self.capacity.tokens_per_slot,
+            "launch": self.launch,
+        }
+        if self.capacity.target_slots is not None:
+            doc["targetSlots"] = self.capacity.target_slots
+        return doc
+
+
+def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
+    """The engine's pool as the allocator must see it now.
+
+    - Serving: the pod of the current plan is ready (part 1's `Ready` condition) and the ledger
+      was made for this launch (or holds no slot).
+    - Draining: the plan's launch changed (a relaunch or a resize: llama.cpp cannot resize its
+      KV buffer in place) while minds still hold slots of the old one; the old size stands
+      until every slot is released, and the new size decides who is `EngineShrunk`.
+    - Relaunching: otherwise (not placed yet, pod starting); queued minds wait, nobody is granted.
+    """
+    spec = engine.get("spec") or {}
+    status = engine.get("status") or {}
+    plan = status.get("plan") or {}
+    tokens = int(plan.get("contextTokensPerMind") or spec.get("contextTokensPerMind") or 0)
+    slots = int(plan.get("mindsGrantable") or 0) if plan.get("schedulable", True) else 0
+    launch = launch_of(plan)
+    recorded = status.get(CAPACITY_FIELD) or {}
+    holding = any(g.state in _HOLDING for g in grants.values())
+    old_launch = recorded.get("launch")
+    if holding and old_launch is not None and old_launch != launch:
+        return Pool(
+            Capacity(
+                EnginePhase.DRAINING,
+                int(recorded.get("slots") or 0),
+                int(recorded.get("tokensPerSlot") or tokens),
+                target_slots=slots,
+            ),
+            old_launch,
+        )
+    if _ready(status) and launch is not None and slots > 0:
+        return Pool(Capacity(EnginePhase.SERVING, slots, tokens), launch)
+    return Pool(Capacity(EnginePhase.RELAUNCHING, slots, tokens), launch)
+
+
+# --- minds ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClassFacts:
+    priority: int = 0
+    protection_window: float = 300.0
+
+
+def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, ClassFacts], str]:
+    """MindClasses by name, and the name of the default class ('' when none is marked)."""
+    out: dict[str, ClassFacts] = {}
+    default = ""
+    for mc in sorted(mindclasses, key=lambda m: str(m["metadata"]["name"])):
+        spec = mc.get("spec") or {}
+        name = str(mc["metadata"]["name"])
+        out[name] = ClassFacts(
+            int(spec.get("priority") or 0), float(spec.get("protectionWindowSeconds", 300))
+        )
+        if spec.get("default") and not default:
+            default = name
+    return out, default
+
+
+def mind_key(mind: Mapping[str, Any]) -> str:
+    return f"{mind['metadata']['namespace']}/{mind['metadata']['name']}"
+
+
+def demands_of(
+    minds: Iterable[Mapping[str, Any]], classes: Mapping[str, ClassFacts], default_class: str
+) -> dict[str, MindDemand]:
+    """Minds that want a grant (not being deleted), with their class; place in line by creation."""
+    out: dict[str, MindDemand] = {}
+    for m in minds:
+        meta = m["metadata"]
+        if meta.get("deletionTimestamp"):
+            continue
+        spec = m.get("spec") or {}
+        cls = classes.get(spec.get("className") or default_class) or ClassFacts()
+        name = mind_key(m)
+        out[name] = MindDemand(
+            name=name,
+            priority=cls.priority,
+            arrival=_parse_time(meta.get("creationTimestamp")) or 0.0,
+            context_tokens=int(spec.get("contextTokens") or 1),
+            protection_window=cls.protection_window,
+        )
+    return out
+
+
+def released_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> set[str]:
+    """Minds whose reclaim the gateway reported released (status.runtime.slotReleases): the
+    report names the reclaim by (mind, slot, grantSince), so an old report frees nothing new."""
+    runtime = (engine.get("status") or {}).get("runtime") or {}
+    out: set[str] = set()
+    for r in runtime.get("slotReleases") or []:
+        g = grants.get(str(r.get("mind")))
+        if (
+            g is not None
+            and g.state is GrantState.RECLAIMING
+            and r.get("slot") == g.slot
+            and r.get("grantSince") == iso_micro(g.since)
+        ):
+            out.add(g.mind)
+    return out
+
+
+# --- one step ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStep:
+    """What one allocation step asks to write: the new ledger, the pools it went through (a
+    drain that ends goes on at once with the successor's pool) and the transitions under each."""
+
+    grants: dict[str, Grant]
+    segments: tuple[tuple[Pool, tuple[Transition, ...]], ...]
+    entries: list[dict[str, Any]]
+    changed: bool
+    review_at: float | None
+
+    @property
+    def pool(self) -> Pool:
+        return self.segments[-1][0]
+
+    def transitions(self) -> list[Transition]:
+        return [t for _, ts in self.segments for t in ts]
+
+
+def step(
+    engine: Mapping[str, Any],
+    demands: Mapping[str, MindDemand],
+    now: float,
+    policy: Policy,
+) -> LedgerStep:
+    """One allocation of an engine's ledger at `now` (no API calls)."""
+    status = engine.get("status") or {}
+    grants = read_grants(status.get("grants"))
+    pool = capacity_of(engine, grants)
+    released = released_of(engine, grants)
+    result = allocate(
+        grants, demands.values(), pool.capacity, now, released=released, policy=policy
+    )
+    segments = [(pool, result.transitions)]
+    if pool.capacity.phase is EnginePhase.DRAINING and not result.holders():
+        # Drained: the successor's pool at once, so no step ends with a free slot unused.
+        pool = capacity_of({**engine, "status": {**status, CAPACITY_FIELD: None}}, result.grants)
+        result = allocate(result.grants, demands.values(), pool.capacity, now, policy=policy)
+        segments.append((pool, result.transitions))
+    asked = {n: d.context_tokens for n, d in demands.items()}
+    entries = grant_entries(result.grants, demands, asked)
+    changed = (status.get(CAPACITY_FIELD) or None) != pool.to_status() or entries != (
+        status.get("grants") or []
+    )
+    return LedgerStep(result.grants, tuple(segments), entries, changed, result.review_at)
+
+
+def log_lines(
+    t: float, engine: str, recorded: Mapping[str, Any] | None, s: LedgerStep
+) -> list[dict[str, Any]]:
+    """The transition log's lines for one step (docs/transition-log.md): a `capacity` line
+    wherever the pool differs from the one before, then the transitions under it."""
+    lines: list[dict[str, Any]] = []
+    before: Mapping[str, Any] | None = recorded
+    for pool, transitions in s.segments:
+        doc = pool.to_status()
+        if before is None or _pool_key(before) != _pool_key(doc):
+            lines.append(capacity_line(t, engine, pool))
+        before = doc
+        lines.extend(transition_line(t, engine, tr) for tr in transitions)
+    return lines
+
+
+def _pool_key(doc: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (doc.get("phase"), doc.get("slots"), doc.get("tokensPerSlot"))
+
+
+def capacity_line(t: float, engine: str, pool: Pool) -> dict[str, Any]:
+    c = pool.capacity
+    return {
+        "t": t,
+        "engine": engine,
+        "event": "capacity",
+        "phase": c.phase.value,
+        "slots": c.slots,
+        "tokensPerSlot": c.tokens_per_slot,
+    }
+
+
+def transition_line(t: float, engine: str, tr: Transition) -> dict[str, Any]:
+    return {
+        "t": t,
+        "engine": engine,
+        "event": "transition",
+        "mind": tr.mind,
+        "from": tr.from_state.value if tr.from_state is not None else None,
+        "to": tr.to_state.value,
+        "reason": tr.reason.value,
+        "by": tr.by,
+        "tokens": tr.tokens,
+        "slot": tr.slot,
+        "priority": tr.priority,
+        "protectionWindow": tr.protection_window,
+        "deadline": tr.deadline,
+    }
+
+
+# --- a mind's projection ----------------------------------------------------------------------
+
+
+def projection(
+    entry: Mapping[str, Any] | None, engine: str, slot_tokens: int, asked: int
+) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
+    """A Mind's `status.grant` from her ledger entry, and her conditions (type -> status,
+    reason, message). None when the ledger does not (or no longer) hold her."""
+    if entry is None:
+        return None, {
+            MindConditionType.GRANTED: (False, "NotInLedger", f"not in Engine {engine}'s ledger"),
+            MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
+        }
+    state = str(entry.get("state"))
+    reason = str(entry.get("reason") or "")
+    if state == GrantState.GRANTED:
+        message = f"slot {entry.get('slot')} of Engine {engine}, {entry.get('tokens')} tokens"
+    elif state == GrantState.RECLAIMING:
+        by = f" by {entry['by']}" if entry.get("by") else ""
+        deadline = entry.get("deadline")
+        when = f", released by {iso_micro(float(deadline))}" if deadline is not None else ""
+        message = f"being reclaimed ({reason}{by}): the turn ends now{when}"
+    elif state == GrantState.QUEUED:
+        message = f"queued at position {entry.get('position')} ({reason})"
+    elif reason == GrantReason.CONTEXT_TOO_LARGE:
+        message = (
+            f"asks {asked} tokens but a slot of Engine {engine} holds {slot_tokens}; "
+            "lower spec.contextTokens or raise the Engine's contextTokensPerMind"
+        )
+    else:
+        message = reason
+    grant: dict[str, Any] = {
+        "state": state,
+        "tokens": int(entry.get("tokens") or 0),
+        "slot": entry.get("slot"),  # None: removed by the merge patch
+        "since": entry.get("since"),
+        "reason": reason,
+        "message": message,
+    }
+    too_large = state == GrantState.RELEASED and reason == GrantReason.CONTEXT_TOO_LARGE
+    conditions: dict[str, tuple[bool, str, str]] = {
+        MindConditionType.GRANTED: (state == GrantState.GRANTED, reason, message),
+        MindConditionType.CONTEXT_TOO_LARGE: (
+            too_large,
+            GrantReason.CONTEXT_TOO_LARGE.value if too_large else "Fits",
+            message if too_large else "",
+        ),
+    }
+    return grant, conditions

@@ -1,0 +1,409 @@
+"""Minds reconciled through their engine's grant ledger: the leader's one writer of grants.
+
+Watches feed `MindCache` (Minds and MindClasses; Engines come from part 1's `kube.cache`). The
+`GrantsLoop` runs only on the leader (`kube.leader`). On every change, on a timer for the next
+grace deadline or protection window (`Allocation.review_at`), and every resync, it takes each
+served Engine in turn:
+
+1. one allocation step (`kube.ledger.step`: pure) from the Engine's `status.grants`, the minds
+   that want a grant, the gateway's slot releases (`status.runtime.slotReleases`) and the time;
+2. if the ledger changed, a replace of the Engine's status subresource conditioned on its
+   resourceVersion (never a blind merge): the ledger, the pool it was made for and the step's
+   journal in one write; on 409 the Engine is read again and the step decided again;
+3. the step's lines appended to the transition log (`kube.transition_log`);
+4. each Mind's `status.grant` and conditions, a projection of her entry, written if changed;
+5. finalizers: a Mind of a served Engine carries `continuum.dev/grant` until her entry has left
+   the ledger (a deleted mind's grant is reclaimed and released first, through the gateway).
+
+Crash points (`kube.crash`) sit between these writes. Neighbours: `kube.ledger` (decides),
+`kube.api` (the adapter), `kube.leader` (who may write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import kopf
+
+from continuum_operator.core.grants import MindDemand, Policy
+from continuum_operator.kube import crash, ledger
+from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.cache import Cache, EngineKey, format_time
+from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.transition_log import TransitionLog
+from continuum_operator.model.base import API_VERSION, GROUP, VERSION
+from continuum_operator.model.mind import GrantState
+
+__all__ = ["FINALIZER", "GrantsLoop", "MindCache", "register"]
+
+log = logging.getLogger("continuum.grants")
+
+FINALIZER = "continuum.dev/grant"
+
+
+# --- watches ----------------------------------------------------------------------------------
+
+
+@dataclass
+class MindCache:
+    """Minds and MindClasses as the watches last saw them."""
+
+    minds: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
+    classes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def observe_mind(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+        key = ledger.mind_key(obj)
+        if deleted:
+            self.minds.pop(key, None)
+        else:
+            known = self.minds.get(key)
+            if known is None or _rv(obj) >= _rv(known):
+                self.minds[key] = copy.deepcopy(dict(obj))
+        if nudge:
+            self.changed.set()
+
+    def observe_class(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        name = str(obj["metadata"]["name"])
+        if deleted:
+            self.classes.pop(name, None)
+        else:
+            self.classes[name] = copy.deepcopy(dict(obj))
+        self.changed.set()
+
+
+def _without_nulls(value: Any) -> Any:
+    """A merge patch's effect: null removes a key, so compare without them."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _rv(obj: Mapping[str, Any]) -> int:
+    try:
+        return int(obj["metadata"].get("resourceVersion", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:
+    """Watch Minds and MindClasses into `minds`."""
+
+    @kopf.on.event(group=GROUP, version=VERSION, plural="minds", registry=registry)
+    async def mind(event: kopf.RawEvent, **_: Any) -> None:
+        minds.observe_mind(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+
+    @kopf.on.event(group=GROUP, version=VERSION, plural="mindclasses", registry=registry)
+    async def mindclass(event: kopf.RawEvent, **_: Any) -> None:
+        minds.observe_class(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+class GrantsLoop:
+    def __init__(
+        self,
+        api: KubeApi,
+        settings: GrantSettings,
+        engines: Cache,
+        minds: MindCache,
+        *,
+        may_write: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = time.time,
+        resync_seconds: float = 5.0,
+        pod_port: int = 8080,
+    ) -> None:
+        self.api = api
+        self.settings = settings
+        self.engines = engines
+        self.minds = minds
+        self.may_write = may_write
+        self.clock = clock
+        self.resync_seconds = resync_seconds
+        self.pod_port = pod_port
+        self.policy = Policy(grace_seconds=settings.grace_seconds)
+        self.log = TransitionLog(settings.transition_log)
+        self.review_at: dict[EngineKey, float] = {}
+        self.engine_seen: dict[EngineKey, str] = {}  # resourceVersion each engine was stepped at
+
+    async def run(self, stop: asyncio.Event) -> None:
+        # A new leader: the log as the last one left it, and any step it wrote but did not log.
+        self.log = TransitionLog(self.settings.transition_log)
+        first = True
+        while not stop.is_set():
+            if not first:
+                timeout = self.resync_seconds
+                if self.review_at:
+                    timeout = max(0.0, min(timeout, min(self.review_at.values()) - self.clock()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed(), timeout)
+                await asyncio.sleep(0.05)  # events within this window are one pass
+            first = False
+            self.minds.changed.clear()
+            try:
+                await asyncio.to_thread(self.pass_once)
+            except Exception:  # one bad pass must not stop the leader; the next retries
+                log.exception("grants pass failed")
+
+    async def _changed(self) -> None:
+        waits = [
+            asyncio.create_task(self.minds.changed.wait()),
+            asyncio.create_task(self.engines.changed.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    # one pass (in a thread: API calls only, the caches are replaced, not mutated in place)
+
+    def pass_once(self) -> None:
+        classes, default = ledger.classes_of(list(self.minds.classes.values()))
+        by_engine: dict[EngineKey, list[dict[str, Any]]] = {}
+        for body in list(self.minds.minds.values()):
+            key = (body["metadata"]["namespace"], str((body.get("spec") or {}).get("engine")))
+            by_engine.setdefault(key, []).append(body)
+        engines = dict(self.engines.engines)
+        for key in sorted(engines, key=lambda k: (self._due(engines[k]) or float("inf"), k)):
+            if not self.may_write():
+                return
+            minds = by_engine.get(key, [])
+            demands = ledger.demands_of(minds, classes, default)
+            stepped = self.step_engine(key, engines[key], demands)
+            if stepped is not None:
+                self.project(key, stepped, minds)
+        # Minds of Engines nobody serves (deleted, or never made): nothing holds their grant.
+        for key, minds in by_engine.items():
+            if key not in engines:
+                for m in minds:
+                    if m["metadata"].get("deletionTimestamp"):
+                        self.drop_finalizer(m)
+
+    def _due(self, body: Mapping[str, Any]) -> float | None:
+        deadlines = [
+            float(e["deadline"])
+            for e in (body.get("status") or {}).get("grants") or []
+            if e.get("state") == GrantState.RECLAIMING
+            and isinstance(e.get("deadline"), int | float)
+        ]
+        return min(deadlines) if deadlines else None
+
+    def step_engine(
+        self, key: EngineKey, body: dict[str, Any], demands: Mapping[str, MindDemand]
+    ) -> dict[str, Any] | None:
+        """Step one engine's ledger until nothing is due; the Engine as last written or read."""
+        name = f"{key[0]}/{key[1]}"
+        status = body.get("status") or {}
+        self.log.recover(name, status.get(ledger.STEP_FIELD))
+        for _ in range(self.settings.conflict_retries + 4):
+            wall = self.clock()
+            due = self._due(body)
+            now = self.log.time(due if due is not None and due <= wall else wall)
+            s = ledger.step(body, demands, now, self.policy)
+            if s.review_at is not None:
+                self.review_at[key] = s.review_at
+            else:
+                self.review_at.pop(key, None)
+            if not s.changed:
+                return body
+            if not self.may_write():
+                return None
+            answer = self.write_ledger(key, body, s, now)
+            if answer is None:
+                return None
+            body = answer
+            due = self._due(body)
+            if due is None or due > self.clock():
+                return body
+        return body
+
+    def write_ledger(
+        self, key: EngineKey, body: dict[str, Any], s: ledger.LedgerStep, now: float
+    ) -> dict[str, Any] | None:
+        """Replace the Engine's status with the new ledger, conditioned on resourceVersion."""
+        ns, name = key
+        engine = f"{ns}/{name}"
+        path = crd_path("engines", ns, name, "status")
+        for _attempt in range(self.settings.conflict_retries):
+            status = dict(body.get("status") or {})
+            seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
+            lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
+            status["grants"] = s.entries
+            status[ledger.CAPACITY_FIELD] = s.pool.to_status()
+            status[ledger.STEP_FIELD] = {"seq": seq, "t": now, "lines": lines}
+            doc = {
+                "apiVersion": API_VERSION,
+                "kind": "Engine",
+                "metadata": {
+                    "name": name,
+                    "namespace": ns,
+                    "resourceVersion": body["metadata"]["resourceVersion"],
+                },
+                "spec": body.get("spec") or {},
+                "status": status,
+            }
+            crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
+            try:
+                answer = self.api.request("PUT", path, doc)
+            except ApiError as err:
+                if err.status == 404:
+                    return None
+                if err.status != 409:
+                    log.warning("writing the ledger of Engine %s failed: %s", engine, err)
+                    return None
+                # Someone wrote the Engine meanwhile (part 1, the runtime): decide again.
+                try:
+                    body = self.api.request("GET", crd_path("engines", ns, name))
+                except ApiError as err2:
+                    log.warning("re-reading Engine %s failed: %s", engine, err2)
+                    return None
+                self.engines.observe_engine(body, deleted=False, nudge=False)
+                demands = ledger.demands_of(
+                    self._minds_of(key), *ledger.classes_of(list(self.minds.classes.values()))
+                )
+                s = ledger.step(body, demands, now, self.policy)
+                if not s.changed:
+                    return body
+                continue
+            crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
+            self.engines.observe_engine(answer, deleted=False, nudge=False)
+            self.log.append(engine, seq, lines)
+            crash.reached(crash.CrashPoint.AFTER_LOG)
+            for tr in s.transitions():
+                log.info(
+                    "Engine %s: %s %s -> %s (%s)%s",
+                    engine,
+                    tr.mind,
+                    tr.from_state.value if tr.from_state else "-",
+                    tr.to_state.value,
+                    tr.reason.value,
+                    f" slot {tr.slot}" if tr.slot is not None else "",
+                )
+            return answer
+        log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
+        return None
+
+    def _minds_of(self, key: EngineKey) -> list[dict[str, Any]]:
+        return [
+            m
+            for m in list(self.minds.minds.values())
+            if m["metadata"]["namespace"] == key[0]
+            and str((m.get("spec") or {}).get("engine")) == key[1]
+        ]
+
+    # projections and finalizers
+
+    def endpoint(self, key: EngineKey) -> str:
+        ns, name = key
+        return self.settings.engine_addresses.get(
+            f"{ns}/{name}", f"http://{name}.{ns}.svc:{self.pod_port}"
+        )
+
+    def project(self, key: EngineKey, engine: dict[str, Any], minds: list[dict[str, Any]]) -> None:
+        status = engine.get("status") or {}
+        entries = {str(e.get("mind")): e for e in status.get("grants") or []}
+        pool = status.get(ledger.CAPACITY_FIELD) or {}
+        slot_tokens = int(pool.get("tokensPerSlot") or 0)
+        name = f"{key[0]}/{key[1]}"
+        written = 0
+        for m in sorted(minds, key=ledger.mind_key):
+            mkey = ledger.mind_key(m)
+            meta = m["metadata"]
+            entry = entries.get(mkey)
+            if meta.get("deletionTimestamp"):
+                if entry is None and FINALIZER in (meta.get("finalizers") or []):
+                    crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
+                    self.drop_finalizer(m)
+                continue
+            asked = int((m.get("spec") or {}).get("contextTokens") or 0)
+            grant, conds = ledger.projection(entry, name, slot_tokens, asked)
+            if self.write_projection(m, grant, conds, self.endpoint(key)):
+                written += 1
+                if written == 1:
+                    crash.reached(crash.CrashPoint.MID_PROJECTIONS)
+            if entry is not None and FINALIZER not in (meta.get("finalizers") or []):
+                self.add_finalizer(m)
+
+    def write_projection(
+        self,
+        mind: dict[str, Any],
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str,
+    ) -> bool:
+        meta = mind["metadata"]
+        old = mind.get("status") or {}
+        old_conds = {c.get("type"): c for c in old.get("conditions") or []}
+        generation = meta.get("generation")
+        now = format_time(self.clock())
+        conditions = []
+        for type_, (ok, reason, message) in conds.items():
+            status = "True" if ok else "False"
+            prev = old_conds.get(str(type_)) or {}
+            since = prev.get("lastTransitionTime") if prev.get("status") == status else None
+            c: dict[str, Any] = {
+                "type": str(type_),
+                "status": status,
+                "reason": reason or "Unknown",
+                "message": message,
+                "lastTransitionTime": since or now,
+            }
+            if generation is not None:
+                c["observedGeneration"] = generation
+            conditions.append(c)
+        new = {"grant": grant, "conditions": conditions, "endpoint": endpoint}
+        if generation is not None:
+            new["observedGeneration"] = generation
+        if _without_nulls({k: old.get(k) for k in new}) == _without_nulls(new):
+            return False
+        patch = {"status": new}
+        path = crd_path("minds", meta["namespace"], meta["name"], "status")
+        try:
+            answer = self.api.merge_patch(path, patch)
+        except ApiError as err:
+            if err.status != 404:
+                log.warning("writing Mind %s's grant failed: %s", ledger.mind_key(mind), err)
+            return False
+        self.minds.observe_mind(answer, deleted=False, nudge=False)
+        return True
+
+    def add_finalizer(self, mind: dict[str, Any]) -> None:
+        meta = mind["metadata"]
+        finalizers = [*(meta.get("finalizers") or []), FINALIZER]
+        self._patch_finalizers(mind, finalizers)
+
+    def drop_finalizer(self, mind: dict[str, Any]) -> None:
+        meta = mind["metadata"]
+        if FINALIZER not in (meta.get("finalizers") or []):
+            return
+        finalizers = [f for f in meta.get("finalizers") or [] if f != FINALIZER]
+        self._patch_finalizers(mind, finalizers)
+
+    def _patch_finalizers(self, mind: dict[str, Any], finalizers: list[str]) -> None:
+        meta = mind["metadata"]
+        patch = {
+            "metadata": {"finalizers": finalizers, "resourceVersion": meta.get("resourceVersion")}
+        }
+        try:
+            answer = self.api.merge_patch(crd_path("minds", meta["namespace"], meta["name"]), patch)
+        except ApiError as err:
+            if err.status not in (404, 409):  # 409: changed meanwhile; the next pass retries
+                log.warning("finalizers of Mind %s: %s", ledger.mind_key(mind), err)
+            if err.status == 409:
+                self.minds.changed.set()
+            return
+        if answer.get("metadata", {}).get("deletionTimestamp") and not finalizers:
+            self.minds.observe_mind(answer, deleted=True, nudge=False)
+        else:
+            self.minds.observe_mind(answer, deleted=False, nudge=False)

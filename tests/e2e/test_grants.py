@@ -1,0 +1,439 @@
+"""Grants on the real control plane: `continuum operator` as a subprocess writes each Engine's
+ledger (`status.grants`, a replace conditioned on resourceVersion), projects it into the Minds,
+and reclaims through the engine gateway: a real `continuum engine` runtime (llama-server behind
+the gateway) run as a local process, reached through `--engine-address`, or, where the test
+plays the gateway, releases written into `status.runtime.slotReleases` as the gateway would.
+Every run's transition log is judged by `continuum check-log`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
+from tests.e2e.conftest import ROOT, Cluster
+
+pytestmark = pytest.mark.e2e
+
+GiB = 2**30
+SLOT_TOKENS = 512
+GRACE = 20
+
+
+# --------------------------------------------------------------------------------------------
+# cluster pieces
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=established", "--timeout=60s", "-f", str(ROOT / "crds")
+    )
+
+
+def now_micro() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def gpu_node(cluster: Cluster, tag: str) -> str:
+    """A KWOK node with a fresh one-GPU board, as the node agent would keep it."""
+    name = f"{tag}-{uuid.uuid4().hex[:4]}"
+    cluster.create_fake_node(name, capacity={"nvidia.com/gpu": "1"}, labels={"e2e-tag": tag})
+    cluster.apply(
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "NodeBoard", "metadata": {"name": name}}
+    )
+    status = {
+        "memoryMode": "discrete",
+        "memoryModeReason": "e2e",
+        "pools": [
+            {"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 8 * GiB},
+            {"kind": "device", "device": 0, "capacityBytes": 80 * GiB, "usedBytes": GiB // 2},
+        ],
+        "gpus": [{"index": 0, "name": "e2e GPU"}],
+    }
+    cluster.kubectl(
+        "patch", "nodeboard", name, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+    cluster.apply(
+        {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": lease_name(name),
+                "namespace": LEASE_NAMESPACE,
+                "annotations": {NODE_ANNOTATION: name},
+            },
+            "spec": {
+                "holderIdentity": "continuum-agent-e2e",
+                "leaseDurationSeconds": 3600,
+                "renewTime": now_micro(),
+            },
+        }
+    )
+    return name
+
+
+def engine(name: str, tag: str, label: tuple[str, str], minds: int = 2) -> dict[str, Any]:
+    return {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Engine",
+        "metadata": {"name": name, "labels": dict([label])},
+        "spec": {
+            "model": {
+                "facts": {
+                    "layers": 4,
+                    "layerBytes": 4 * 2**20,
+                    "inputBytes": 2**20,
+                    "outputBytes": 2**20,
+                    "kvBytesPerTokenPerLayer": 1024,
+                    "computeBytes": 64 * 2**20,
+                }
+            },
+            "contextTokensPerMind": SLOT_TOKENS,
+            "minds": {"min": 1, "max": minds},
+            "placement": {"nodeSelector": {"e2e-tag": tag}},
+        },
+    }
+
+
+def mind_class(name: str, priority: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "MindClass",
+        "metadata": {"name": name},
+        "spec": {"priority": priority, "protectionWindowSeconds": 0},
+    }
+
+
+def mind(name: str, cls: str, tokens: int = 256, engine: str = "coder") -> dict[str, Any]:
+    return {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Mind",
+        "metadata": {"name": name},
+        "spec": {"engine": engine, "className": cls, "contextTokens": tokens},
+    }
+
+
+@pytest.fixture
+def classes(cluster: Cluster, crds: None) -> Iterator[dict[str, str]]:
+    tag = uuid.uuid4().hex[:6]
+    names = {"low": f"low-{tag}", "mid": f"mid-{tag}", "high": f"high-{tag}"}
+    cluster.apply(
+        [mind_class(names["low"], 0), mind_class(names["mid"], 5), mind_class(names["high"], 10)]
+    )
+    yield names
+    cluster.kubectl("delete", "mindclass", *names.values(), "--wait=false", check=False)
+
+
+# --------------------------------------------------------------------------------------------
+# the operator, started and killed as a process
+
+
+@contextmanager
+def operator(
+    cluster: Cluster,
+    workdir: Path,
+    label: tuple[str, str],
+    *extra: str,
+    env: dict[str, str] | None = None,
+    name: str = "operator",
+) -> Iterator[subprocess.Popen[bytes]]:
+    proc = start_operator(cluster, workdir, label, *extra, env=env, name=name)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+def start_operator(
+    cluster: Cluster,
+    workdir: Path,
+    label: tuple[str, str],
+    *extra: str,
+    env: dict[str, str] | None = None,
+    name: str = "operator",
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "continuum_operator.cli", "operator",
+        "--kubeconfig", str(cluster.kubeconfig),
+        "--resync", "1",
+        "--engine-image", "continuum-engine:e2e",
+        "--engine-selector", "=".join(label),
+        "--grace", str(GRACE),
+        "--transition-log", str(workdir / "transitions.jsonl"),
+        "--leader-lease-duration", "6",
+        "--leader-renew", "1",
+        *extra,
+    ]  # fmt: skip
+    with (workdir / f"{name}.log").open("ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**cluster.env, **(env or {})}
+        )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for(
+    what: str, probe: Callable[[], Any], timeout: float = 60, log: Path | None = None
+) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.3)
+    tail = "\n".join(log.read_text().splitlines()[-40:]) if log and log.exists() else ""
+    pytest.fail(f"timed out waiting for {what}; last: {last!r}\nlog:\n{tail}")
+
+
+def check_log(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "continuum_operator.cli", "check-log", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# reading the ledger
+
+
+def ledger(cluster: Cluster, ns: str, name: str = "coder") -> dict[str, dict[str, Any]]:
+    body = cluster.get_json("engine", name, "-n", ns)
+    return {e["mind"].split("/", 1)[1]: e for e in (body.get("status") or {}).get("grants") or []}
+
+
+def states(cluster: Cluster, ns: str, name: str = "coder") -> dict[str, str]:
+    return {m: e["state"] for m, e in ledger(cluster, ns, name).items()}
+
+
+def grant_of(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    body = cluster.get_json("mind", name, "-n", ns)
+    return dict((body.get("status") or {}).get("grant") or {})
+
+
+def serving(cluster: Cluster, ns: str, slots: int, name: str = "coder") -> Callable[[], bool]:
+    def probe() -> bool:
+        status = cluster.get_json("engine", name, "-n", ns).get("status") or {}
+        pool = status.get("grantCapacity") or {}
+        return pool.get("phase") == "Serving" and pool.get("slots") == slots
+
+    return probe
+
+
+def assert_no_grant_doubled(cluster: Cluster, ns: str, name: str = "coder") -> None:
+    """The live ledger: each held slot held once, within the pool; each Mind's projection
+    agrees with her entry."""
+    body = cluster.get_json("engine", name, "-n", ns)
+    status = body["status"]
+    pool = status["grantCapacity"]
+    held = [e for e in status["grants"] if e["state"] in ("Granted", "Reclaiming")]
+    slots = [e["slot"] for e in held]
+    assert len(slots) == len(set(slots)), held
+    assert all(0 <= s < pool["slots"] for s in slots), (pool, held)
+    minds = {m["mind"] for m in status["grants"]}
+    assert len(minds) == len(status["grants"])
+    for e in status["grants"]:
+        projected = grant_of(cluster, ns, e["mind"].split("/", 1)[1])
+        assert (projected.get("state"), projected.get("slot")) == (e["state"], e.get("slot"))
+
+
+# --------------------------------------------------------------------------------------------
+# the engine runtime as a local process, and a mind's turn
+
+
+@contextmanager
+def engine_runtime(
+    cluster: Cluster, ns: str, name: str, model: Path, llama: Path, workdir: Path, port: int
+) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable, "-m", "continuum_operator.cli", "engine",
+        "--engine", f"{ns}/{name}", "--model", str(model), "--no-receipt",
+        "--listen", f"127.0.0.1:{port}", "--llama-server", str(llama),
+        "--", "-c", str(2 * SLOT_TOKENS), "--parallel", "2", "-t", "1",
+    ]  # fmt: skip
+    log = workdir / "engine.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=out, env=cluster.env)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def open_turn(url: str, mind: str) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        f"{url}/v1/turns",
+        data=b"{}",
+        method="POST",
+        headers={"X-Continuum-Mind": mind, "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, json.loads(err.read())
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+
+
+def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_real_gateway(
+    cluster: Cluster,
+    crds: None,
+    namespace: str,
+    classes: dict[str, str],
+    tmp_path: Path,
+    llama_server_bin: Path,
+    tiny_model: Any,
+) -> None:
+    tag = f"g{uuid.uuid4().hex[:8]}"
+    label = ("continuum.dev/e2e-grants", tag)
+    gpu_node(cluster, tag)
+    cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
+    port = free_port()
+    ns = namespace
+    log = tmp_path / "operator.log"
+    address = f"--engine-address={ns}/coder=http://127.0.0.1:{port}"
+    with (
+        engine_runtime(
+            cluster, ns, "coder", tiny_model.path, llama_server_bin, tmp_path, port
+        ) as url,
+        operator(cluster, tmp_path, label, address),
+    ):
+        wait_for("the engine serving 2 slots", serving(cluster, ns, 2), log=log)
+
+        # In priority order up to the slots: the mid mind, then the first low one.
+        cluster.apply(
+            [mind("a", classes["low"]), mind("b", classes["mid"]), mind("c", classes["low"])],
+            "-n",
+            ns,
+        )
+        wait_for(
+            "a and b granted, c queued",
+            lambda: states(cluster, ns) == {"a": "Granted", "b": "Granted", "c": "Queued"},
+            log=log,
+        )
+        assert ledger(cluster, ns)["c"]["reason"] == "PoolFull"
+        wait_for("c's projection", lambda: grant_of(cluster, ns, "c").get("state") == "Queued")
+        mind_c = cluster.get_json("mind", "c", "-n", ns)
+        assert mind_c["status"]["endpoint"] == url  # where she takes turns
+        assert "continuum.dev/grant" in mind_c["metadata"]["finalizers"]
+        wait_for("the gateway serving a", lambda: open_turn(url, f"{ns}/a")[0] == 201)
+        assert open_turn(url, f"{ns}/c")[0] == 429
+
+        # A higher class preempts the lowest grant: Reclaiming, the gateway cuts and erases,
+        # reports the release, and the ledger records Released and requeues her.
+        cluster.apply(mind("vip", classes["high"]), "-n", ns)
+        wait_for(
+            "vip granted after a's release",
+            lambda: (
+                states(cluster, ns)
+                == {"a": "Queued", "b": "Granted", "c": "Queued", "vip": "Granted"}
+            ),  # fmt: skip
+            log=log,
+        )
+        assert open_turn(url, f"{ns}/vip")[0] == 201
+        assert open_turn(url, f"{ns}/a")[0] == 429
+        assert grant_of(cluster, ns, "a")["state"] == "Queued"
+
+        # A mind asking more than a slot holds is refused, never queued.
+        cluster.apply(mind("big", classes["high"], tokens=4 * SLOT_TOKENS), "-n", ns)
+        wait_for(
+            "big refused", lambda: grant_of(cluster, ns, "big").get("reason") == "ContextTooLarge"
+        )
+        body = cluster.get_json("mind", "big", "-n", ns)
+        too_large = [c for c in body["status"]["conditions"] if c["type"] == "ContextTooLarge"]
+        assert too_large[0]["status"] == "True" and str(SLOT_TOKENS) in too_large[0]["message"]
+        wait_for("the gateway refusing big", lambda: open_turn(url, f"{ns}/big")[0] == 413)
+
+        # Deleting a granted mind frees her slot (released through the gateway, then her
+        # finalizer goes): a, first in line, takes it.
+        cluster.kubectl("delete", "mind", "b", "-n", ns, "--wait=false")
+        wait_for("b gone", lambda: cluster.kubectl("get", "mind", "b", "-n", ns,
+                                                    check=False).returncode != 0, log=log)  # fmt: skip
+        wait_for("a regranted", lambda: states(cluster, ns).get("a") == "Granted", log=log)
+
+        # The engine shrinks to one slot: a drain and a relaunch; the lowest is EngineShrunk.
+        cluster.kubectl(
+            "patch", "engine", "coder", "-n", ns, "--type=merge",
+            "-p", json.dumps({"spec": {"minds": {"min": 1, "max": 1}}}),
+        )  # fmt: skip
+        wait_for("the engine serving 1 slot", serving(cluster, ns, 1), timeout=90, log=log)
+        wait_for(
+            "vip alone granted",
+            lambda: (
+                states(cluster, ns)
+                == {"a": "Queued", "c": "Queued", "vip": "Granted", "big": "Released"}
+            ),  # fmt: skip
+            log=log,
+        )
+        assert_no_grant_doubled(cluster, ns)
+
+    lines = [json.loads(x) for x in (tmp_path / "transitions.jsonl").read_text().splitlines()]
+    moves = [(x["mind"].split("/")[1], x["from"], x["to"], x["reason"]) for x in lines
+             if x["event"] == "transition"]  # fmt: skip
+    a_moves = [m[1:] for m in moves if m[0] == "a"]
+    i = a_moves.index(("Granted", "Reclaiming", "Preempted"))
+    assert a_moves[i + 1 : i + 3] == [
+        ("Reclaiming", "Released", "SlotReleased"),  # reported by the real gateway
+        ("Released", "Queued", "Requeued"),
+    ]
+    assert ("b", "Granted", "Reclaiming", "MindDeleted") in moves
+    assert ("b", "Reclaiming", "Released", "SlotReleased") in moves
+    assert ("a", "Granted", "Reclaiming", "EngineShrunk") in moves
+    assert ("big", None, "Released", "ContextTooLarge") in moves
+    assert [x["phase"] for x in lines if x["event"] == "capacity"][-3:] == [
+        "Draining",
+        "Relaunching",
+        "Serving",
+    ] or "Draining" in [x["phase"] for x in lines if x["event"] == "capacity"]
+    checked = check_log(tmp_path / "transitions.jsonl")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# Used by the crash and leader tests below.
+_ = os
