@@ -69,6 +69,7 @@ class DeploymentEntry:
     ready_replicas: int
     updated_replicas: int
     replicas: int
+    resource_version: int = 0
 
     def running(self, launch: str) -> bool:
         """The pod of this launch is ready, and no older or newer launch is rolling."""
@@ -233,8 +234,13 @@ class Cache:
     def observe_deployment(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
+        known = self.deployments.get(key)
         if deleted:
             self.deployments.pop(key, None)
+        elif known is not None and _rv(meta) < known.resource_version:
+            # The answer of our own apply, older than a watch event already seen (the pod got
+            # ready while the write was in flight): keeping it would hide the readiness forever.
+            pass
         else:
             spec = obj.get("spec") or {}
             status = obj.get("status") or {}
@@ -246,6 +252,7 @@ class Cache:
                 ready_replicas=int(status.get("readyReplicas", 0)),
                 updated_replicas=int(status.get("updatedReplicas", 0)),
                 replicas=int(status.get("replicas", 0)),
+                resource_version=_rv(meta),
             )
         if nudge:
             self._nudge()

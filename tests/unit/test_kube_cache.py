@@ -1,0 +1,33 @@
+"""The operator's cache keeps the newest of what it saw, whichever way it arrived."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from continuum_operator.kube.cache import Cache
+
+
+def deployment(rv: int, ready: int) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "minds", "name": "e", "resourceVersion": str(rv),
+                     "generation": 1},
+        "spec": {"template": {"metadata": {"annotations": {}}}},
+        "status": {"observedGeneration": 1, "readyReplicas": ready, "updatedReplicas": 1,
+                   "replicas": 1},
+    }  # fmt: skip
+
+
+def test_the_answer_of_an_apply_does_not_undo_a_newer_watch_event() -> None:
+    cache = Cache()
+    cache.observe_deployment(deployment(rv=12, ready=1), deleted=False)  # the watch: pod ready
+    cache.observe_deployment(deployment(rv=10, ready=0), deleted=False, nudge=False)  # our write
+    assert cache.deployments[("minds", "e")].ready_replicas == 1
+
+
+def test_a_newer_deployment_replaces_an_older_one() -> None:
+    cache = Cache()
+    cache.observe_deployment(deployment(rv=10, ready=0), deleted=False)
+    cache.observe_deployment(deployment(rv=11, ready=1), deleted=False)
+    assert cache.deployments[("minds", "e")].ready_replicas == 1
+    cache.observe_deployment(deployment(rv=11, ready=1), deleted=True)
+    assert ("minds", "e") not in cache.deployments
