@@ -164,6 +164,14 @@ def test_an_embed_lane_beside_an_engine_is_placed_and_the_engines_plans_count_it
     assert lane_host > 0
     placed_c = next(c for c in lane["status"]["conditions"] if c["type"] == "Placed")
     assert placed_c["status"] == "True" and placed_c["reason"] == "AtMaxContext"
+    wait_for(
+        "the lane's Placed event",
+        lambda: "AtMaxContext" in cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector",
+            "involvedObject.kind=EmbedLane,involvedObject.name=notes",
+        ).stdout,
+        operator,
+    )  # fmt: skip
     printed = cluster.kubectl("get", "embedlane", "notes", "-n", namespace).stdout
     assert node in printed and "host" in printed
 

@@ -60,7 +60,10 @@ def test_a_lane_beside_an_engine_on_the_host_is_placed_on_its_node_and_charged_t
     eng = placed_engine(base, offload="none")
     lane = lane_obj()
     snap = with_objects(base, [eng], [lane])
-    out = lane_after(lane, reconcile_lane(lane, snap, NOW, SETTINGS))
+    writes = reconcile_lane(lane, snap, NOW, SETTINGS)
+    assert [(e.type, e.reason) for e in writes.events] == [("Normal", "AtMaxContext")]
+    out = lane_after(lane, writes)
+    assert reconcile_lane(out, with_objects(base, [eng], [out]), NOW, SETTINGS).events == ()
     p = out["status"]["placement"]
     assert p["node"] == "gpu-a" and p["residence"] == "host" and p["verdict"] == "Fits"
     assert [x["pool"] for x in p["pools"]] == ["host"]
@@ -96,7 +99,9 @@ def test_a_lane_beside_a_gpu_engine_resides_on_the_device_once_the_backend_says_
 def test_a_lane_waits_for_its_engine_to_be_placed() -> None:
     base = snapshot([discrete("gpu-a", 80)])
     lane = lane_obj()
-    missing = lane_after(lane, reconcile_lane(lane, with_objects(base, [], [lane]), NOW, SETTINGS))
+    writes = reconcile_lane(lane, with_objects(base, [], [lane]), NOW, SETTINGS)
+    assert [(e.type, e.reason) for e in writes.events] == [("Warning", "EngineNotFound")]
+    missing = lane_after(lane, writes)
     assert placed(missing) == ("False", "EngineNotFound")
     assert "placement" not in missing["status"]
     unplaced = engine_obj("coder")

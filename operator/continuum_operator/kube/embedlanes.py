@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -46,11 +47,18 @@ from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, Snapshot, format_time
 from continuum_operator.kube.settings import OperatorSettings
-from continuum_operator.model.base import Condition
+from continuum_operator.model.base import API_VERSION, Condition
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import ModelFacts
 
-__all__ = ["LaneConditionType", "LaneLoop", "LaneWrites", "lane_leases_in", "reconcile_lane"]
+__all__ = [
+    "LaneConditionType",
+    "LaneEvent",
+    "LaneLoop",
+    "LaneWrites",
+    "lane_leases_in",
+    "reconcile_lane",
+]
 
 log = logging.getLogger("continuum.operator.embedlanes")
 
@@ -73,8 +81,20 @@ class LaneWaitReason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class LaneEvent:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+#: Reasons a person need not look at: the lane waits for something that is on its way.
+_QUIET = frozenset({LaneWaitReason.ENGINE_NOT_PLACED.value, LaneReason.POOL_UNSAMPLED.value})
+
+
+@dataclass(frozen=True, slots=True)
 class LaneWrites:
     status_patch: dict[str, Any] | None
+    events: tuple[LaneEvent, ...] = ()
 
 
 def lane_leases_in(
@@ -185,7 +205,15 @@ class _LanePass:
             "observedGeneration": self.generation,
         }
         patch = {k: v for k, v in new.items() if self.status.get(k) != v}
-        return LaneWrites({"status": patch} if patch else None)
+        events = tuple(
+            LaneEvent(
+                "Normal" if x.status == "True" or x.reason in _QUIET else "Warning",
+                x.reason,
+                x.message,
+            )
+            for x in cond.transitions(self.old_conditions, conditions)
+        )
+        return LaneWrites({"status": patch} if patch else None, events)
 
     def keep(self, reason: str, message: str) -> LaneWrites:
         """Keep what the lane holds (its bytes are still resident), and say why."""
@@ -369,7 +397,27 @@ class LaneLoop:
                 if err.status != 404:
                     log.warning("writing EmbedLane %s/%s failed: %s", ns, name, err)
                 continue
-            placed = (writes.status_patch["status"].get("placement") or {}).get("verdict")
-            log.info("EmbedLane %s/%s: %s", ns, name, placed or "status written")
             # Recorded at once, so the next decision (lane or engine) sees these bytes.
             self.cache.observe_lane(answer, deleted=False, nudge=False)
+            for event in writes.events:
+                log.info("EmbedLane %s/%s: %s: %s", ns, name, event.reason, event.message)
+                await asyncio.to_thread(self.post_event, answer, event)
+
+    def post_event(self, lane: Mapping[str, Any], event: LaneEvent) -> None:
+        meta = lane["metadata"]
+        now = format_time(self.clock())
+        try:
+            self.api.create({
+                "apiVersion": "v1", "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {"apiVersion": API_VERSION, "kind": "EmbedLane",
+                                   "name": meta["name"], "namespace": meta["namespace"],
+                                   "uid": meta.get("uid")},
+                "reason": event.reason, "message": event.message[:1024], "type": event.type,
+                "source": {"component": "continuum-operator"},
+                "reportingComponent": "continuum-operator",
+                "reportingInstance": socket.gethostname(),
+                "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            })  # fmt: skip
+        except ApiError as err:
+            log.warning("posting an event on EmbedLane %s failed: %s", meta["name"], err)
