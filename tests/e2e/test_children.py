@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,12 +25,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.webhook import BACKGROUND, CLASS_ANNOTATION, CLASS_ENV, MIND_LABEL
 from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.test_operator import free_port
 
 pytestmark = pytest.mark.e2e
 
 PODS = PodSettings()
 WEBHOOK = f"e2e-children-{int(time.time())}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 @pytest.fixture(scope="module")
