@@ -64,6 +64,7 @@ BACKGROUND = "background"
 HANDLER_ID = "mind-children"
 """kopf's id of the mutating handler: the last part of the webhook's URL path."""
 UNMUTATED_REASON = "ChildNotMutated"
+INSTALL_ATTEMPTS = 5
 
 Obj = dict[str, Any]
 
@@ -429,7 +430,17 @@ def register(registry: Any, api: Any, pods: PodSettings, children: ChildrenSetti
         return
 
     def install(client_config: Mapping[str, Any]) -> None:
-        api.apply(webhook_configuration(client_config, children))
+        # A failure here stops the operator (kopf's admission task ends): retried a few times
+        # first, so that one refused call to the API server does not.
+        for attempt in range(INSTALL_ATTEMPTS):
+            try:
+                api.apply(webhook_configuration(client_config, children))
+                break
+            except (ApiError, OSError) as err:
+                if attempt == INSTALL_ATTEMPTS - 1:
+                    raise
+                log.warning("installing the children's webhook failed (%s); retrying", err)
+                time.sleep(2.0 * (attempt + 1))
         log.info("MutatingWebhookConfiguration %s installed", children.webhook_name)
 
     @kopf.on.startup(registry=registry)
