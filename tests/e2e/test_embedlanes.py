@@ -213,7 +213,10 @@ def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_
     model = write_tiny_gguf(tmp_path / "tiny-embed.gguf", shape, seed=2)
     facts = read_facts(model).model_dump(mode="json", by_alias=True, exclude_none=True)
     node = node_with_board(cluster)
-    cluster.apply(engine("embedder", node, model={"facts": facts}), "-n", namespace)
+    sha = file_sha256(model)
+    source = {"kind": "hostPath", "path": str(model)}
+    cluster.apply(engine("embedder", node, model={"facts": facts, "source": source, "sha256": sha}),
+                  "-n", namespace)  # fmt: skip
     wait_for("the engine placed", placed(cluster, "engine", namespace, "embedder"), operator)
     cluster.apply(
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
@@ -225,11 +228,35 @@ def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_
     estimated = pool_bytes(lane["status"]["placement"]["pools"], "host")
     assert lane["status"]["placement"]["bytesSource"] == "estimate"
 
+    # The operator runs the lane in a pod on its node, with an identity that may read the lane
+    # and write its status.runtime, nothing more.
+    dep = wait_for(
+        "the lane's Deployment",
+        lambda: cluster.get_json(
+            "deployments", "-n", namespace, "-l", "continuum.dev/embedlane=search"
+        )["items"],
+        operator,
+    )[0]
+    assert dep["metadata"]["name"] == "embedlane-search"
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"][:4] == ["continuum", "embed", "--lane",
+                                                   f"{namespace}/search"]  # fmt: skip
+    who = f"--as=system:serviceaccount:{namespace}:{pod['serviceAccountName']}"
+
+    def can(*args: str) -> str:
+        found = cluster.kubectl("auth", "can-i", *args, "-n", namespace, who, check=False)
+        return found.stdout.strip()
+
+    assert can("get", "embedlanes/search") == "yes"
+    assert can("patch", "embedlanes/search", "--subresource=status") == "yes"
+    assert can("patch", "embedlanes/search") == "no"
+    assert can("patch", "embedlanes/other", "--subresource=status") == "no"
+
     port = free_port()
     log = (tmp_path / "embed.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "continuum_operator.cli", "embed", "--model", str(model),
-         "--model-sha256", file_sha256(model), "--lane", f"{namespace}/search",
+         "--model-sha256", sha, "--lane", f"{namespace}/search",
          "--listen", f"127.0.0.1:{port}", "--poll", "0.5"],
         stdout=log, stderr=subprocess.STDOUT, env=cluster.env,
     )  # fmt: skip

@@ -124,9 +124,8 @@ def test_floors_are_carried_from_pass_to_pass_and_never_fall() -> None:
                                               SETTINGS))  # fmt: skip
     assert second["status"]["placement"]["pools"][0]["floorBytes"] == floor
     # And nothing changed, so nothing is written.
-    assert reconcile_lane(second, with_objects(base, [eng], [second]), NOW, SETTINGS) == LaneWrites(
-        None
-    )
+    again = reconcile_lane(second, with_objects(base, [eng], [second]), NOW, SETTINGS)
+    assert again.status_patch is None and again.events == ()
 
 
 def test_the_lanes_bytes_are_in_the_node_ledger_and_the_engine_plan_accounts_for_them() -> None:
@@ -182,3 +181,52 @@ def test_a_malformed_lane_is_refused_with_the_field_named() -> None:
     assert (status, reason) == ("False", "InvalidSpec")
     message = next(c for c in out["status"]["conditions"] if c["type"] == "Placed")["message"]
     assert "EmbedLane ns/lane is malformed" in message and "engine" in message
+
+
+SOURCE = {"kind": "hostPath", "path": "/srv/models/embed.gguf"}
+SHA = "b" * 64
+
+
+def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_runtime() -> None:
+    base = snapshot([discrete("gpu-a", 80)])
+    facts = engine_obj()["spec"]["model"]["facts"]
+    eng = placed_engine(base, offload="none", model={"source": SOURCE, "sha256": SHA,
+                                                     "facts": facts})  # fmt: skip
+    lane = lane_obj()
+    lane["metadata"]["uid"] = "uid-lane"
+    writes = reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, SETTINGS)
+    assert writes.no_pod is None and writes.deployment is not None
+    dep = writes.deployment
+    assert dep["metadata"]["name"] == "embedlane-lane"
+    assert dep["metadata"]["ownerReferences"][0]["kind"] == "EmbedLane"
+    pod = dep["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["gpu-a"]
+    container = pod["containers"][0]
+    assert container["command"][:4] == ["continuum", "embed", "--lane", "ns/lane"]
+    assert container["command"][container["command"].index("--model") + 1] == ("/models/embed.gguf")
+    assert container["command"][-2:] == ["--sha256", SHA]
+    host = lane_after(lane, writes)["status"]["placement"]["pools"][0]["bytes"]
+    memory = int(container["resources"]["limits"]["memory"])
+    assert memory > host and container["resources"]["requests"] == container["resources"]["limits"]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    sa, role, binding = writes.identity
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] == "embedlane-lane"
+    assert {tuple(r["resources"]) for r in role["rules"]} == {("embedlanes",),
+                                                               ("embedlanes/status",)}  # fmt: skip
+    assert all(r["resourceNames"] == ["lane"] for r in role["rules"])
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_a_lane_on_the_device_or_known_only_by_facts_gets_no_pod_and_says_why() -> None:
+    base = snapshot([discrete("gpu-a", 80)])
+    facts = engine_obj()["spec"]["model"]["facts"]
+    eng = placed_engine(base, model={"source": SOURCE, "facts": facts})
+    eng["status"]["runtime"] = {"gpuOffload": True}
+    lane = lane_obj()
+    on_device = reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, SETTINGS)
+    assert on_device.deployment is None and on_device.no_pod is not None
+    assert "GPU" in on_device.no_pod
+    inline = placed_engine(base, offload="none")
+    only_facts = reconcile_lane(lane, with_objects(base, [inline], [lane]), NOW, SETTINGS)
+    assert only_facts.deployment is None and "inline facts" in (only_facts.no_pod or "")

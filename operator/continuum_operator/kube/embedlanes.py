@@ -23,7 +23,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -44,12 +44,13 @@ from continuum_operator.core.embed import (
 from continuum_operator.core.placements import consumer_name, lane_placement_leases
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.core.receipts import Receipt
+from continuum_operator.kube import lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, Snapshot, format_time
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION, Condition
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
-from continuum_operator.model.engine import ModelFacts
+from continuum_operator.model.engine import Engine, ModelFacts
 
 __all__ = [
     "LaneConditionType",
@@ -95,6 +96,9 @@ _QUIET = frozenset({LaneWaitReason.ENGINE_NOT_PLACED.value, LaneReason.POOL_UNSA
 class LaneWrites:
     status_patch: dict[str, Any] | None
     events: tuple[LaneEvent, ...] = ()
+    deployment: dict[str, Any] | None = None  # the lane's pod (`kube.lane_objects`), wanted
+    identity: tuple[dict[str, Any], ...] = ()  # its ServiceAccount, Role and RoleBinding
+    no_pod: str | None = None  # why the lane gets no pod, when it does not
 
 
 def lane_leases_in(
@@ -364,9 +368,33 @@ def reconcile_lane(
             LaneWaitReason.INVALID_SPEC,
             f"EmbedLane {p.key[0]}/{p.key[1]} is malformed: {where}: {first['msg']}",
         )
+    engine = lane.spec.engine
+    writes = p.beside(lane, engine) if engine is not None else p.own_model(lane)
+    return _with_workload(writes, lane, p, settings)
+
+
+def _with_workload(
+    writes: LaneWrites, lane: EmbedLane, p: _LanePass, settings: OperatorSettings
+) -> LaneWrites:
+    """The pod the lane's placement calls for, after this pass's status patch."""
+    patch = (writes.status_patch or {}).get("status") or {}
+    placement = patch["placement"] if "placement" in patch else p.status.get("placement")
+    engine: Engine | None = None
     if lane.spec.engine is not None:
-        return p.beside(lane, lane.spec.engine)
-    return p.own_model(lane)
+        body = p.snap.engines.get((p.key[0], lane.spec.engine))
+        try:
+            engine = Engine.model_validate(dict(body)) if body is not None else None
+        except ValidationError:
+            engine = None
+    why = lane_objects.why_no_pod(lane, placement or {}, engine)
+    if why is not None or placement is None:
+        return replace(writes, no_pod=why)
+    uid = str(p.body["metadata"].get("uid", ""))
+    return replace(
+        writes,
+        deployment=lane_objects.lane_deployment(lane, uid, placement, engine, settings.pods),
+        identity=tuple(lane_objects.lane_identity(lane, uid)),
+    )
 
 
 class LaneLoop:
@@ -376,6 +404,7 @@ class LaneLoop:
         self, api: KubeApi, settings: OperatorSettings, cache: Cache, clock: Callable[[], float]
     ) -> None:
         self.api, self.settings, self.cache, self.clock = api, settings, cache, clock
+        self.applied: dict[LaneKey, str] = {}  # what was last applied of each lane's pod
 
     async def pass_once(self) -> None:
         """Decisions from the cache, one status patch per changed lane (API calls in a thread)."""
@@ -384,6 +413,7 @@ class LaneLoop:
             if body is None or body["metadata"].get("deletionTimestamp"):
                 continue
             writes = reconcile_lane(body, self.cache.snapshot(), self.clock(), self.settings)
+            await asyncio.to_thread(self.apply_workload, key, writes)
             if writes.status_patch is None:
                 continue
             ns, name = key
@@ -402,6 +432,29 @@ class LaneLoop:
             for event in writes.events:
                 log.info("EmbedLane %s/%s: %s: %s", ns, name, event.reason, event.message)
                 await asyncio.to_thread(self.post_event, answer, event)
+
+    def apply_workload(self, key: LaneKey, writes: LaneWrites) -> None:
+        """Runs in a thread: the lane's identity, then its Deployment, when they changed."""
+        if writes.deployment is None:
+            if key in self.applied:
+                log.info("EmbedLane %s/%s: no pod: %s", *key, writes.no_pod)
+                self.applied.pop(key)
+                name = lane_objects.name_for(key[1])
+                try:
+                    self.api.delete(f"/apis/apps/v1/namespaces/{key[0]}/deployments/{name}")
+                except ApiError as err:
+                    if err.status != 404:
+                        log.warning("deleting Deployment %s/%s failed: %s", key[0], name, err)
+            return
+        digest = repr((writes.identity, writes.deployment))
+        if self.applied.get(key) == digest:
+            return
+        try:
+            for obj in (*writes.identity, writes.deployment):
+                self.api.apply(obj)
+            self.applied[key] = digest
+        except ApiError as err:
+            log.warning("applying EmbedLane %s/%s's pod failed: %s", *key, err)
 
     def post_event(self, lane: Mapping[str, Any], event: LaneEvent) -> None:
         meta = lane["metadata"]

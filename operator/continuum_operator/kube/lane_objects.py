@@ -1,0 +1,246 @@
+"""The Kubernetes objects that run an EmbedLane: `continuum embed` in a pod on the lane's node.
+
+Built from the lane's `status.placement`, so what runs is what status says (as the engine's
+Deployment is built from its plan, `kube.objects`). The pod runs `continuum embed --lane
+NS/NAME`, which reads its lease from the lane and writes the lane's `status.runtime`; its
+identity (a ServiceAccount, a Role limited to this one EmbedLane, their binding) allows exactly
+that. Everything is owned by the EmbedLane, so deleting the lane removes them.
+
+Only host-resident lanes get a pod: a lane on the device would need a share of the engine's
+GPU (HAMi, MPS), which the device plugin does not give a second pod; such a lane is placed and
+charged, and its `Placed` condition says that its pod is not created. A lane whose model is
+known only by inline facts has no file to load and gets no pod either.
+Neighbours: `kube.embedlanes` (decides and applies), `kube.objects` (the engine's objects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from continuum_operator.kube import objects
+from continuum_operator.kube.settings import PodSettings
+from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.engine import Engine, ModelFacts, ModelRef
+
+__all__ = [
+    "LANE_LABEL",
+    "deployment_name",
+    "lane_deployment",
+    "lane_identity",
+    "name_for",
+    "why_no_pod",
+]
+
+Obj = dict[str, Any]
+LANE_LABEL = "continuum.dev/embedlane"
+#: The process's own heap beside its context and the mapped weights (bytes).
+RUNTIME_OVERHEAD_BYTES = 256 * 2**20
+
+
+def name_for(lane_name: str) -> str:
+    """The name of the lane's Deployment and identity (prefixed: an Engine may share its name)."""
+    return f"embedlane-{lane_name}"
+
+
+def deployment_name(lane: EmbedLane) -> str:
+    return name_for(lane.metadata.name)
+
+
+def _labels(lane: EmbedLane) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "continuum-embedlane",
+        "app.kubernetes.io/instance": lane.metadata.name,
+        "app.kubernetes.io/managed-by": objects.MANAGED_BY,
+        LANE_LABEL: lane.metadata.name,
+    }
+
+
+def _owner(lane: EmbedLane, uid: str) -> Obj:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "EmbedLane",
+        "name": lane.metadata.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _model(lane: EmbedLane, engine: Engine | None) -> ModelRef | None:
+    if lane.spec.model is not None:
+        return lane.spec.model
+    return engine.spec.model if engine is not None else None
+
+
+def why_no_pod(lane: EmbedLane, placement: Mapping[str, Any], engine: Engine | None) -> str | None:
+    """Why the lane gets no pod (None: it gets one)."""
+    if placement.get("verdict") != "Fits":
+        return "the lane is not placed"
+    if placement.get("residence") != "host":
+        return (
+            f"a lane residing on the {placement.get('residence')} needs a share of the engine's "
+            "GPU (HAMi or MPS); its pod is not created yet: run `continuum embed --lane` there"
+        )
+    model = _model(lane, engine)
+    if model is None or model.source is None:
+        return "the model is known only by inline facts: there is no file for a pod to load"
+    return None
+
+
+def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
+    """The pod's identity: it reads its own EmbedLane and patches its status.runtime."""
+    name = deployment_name(lane)
+    ns = lane.metadata.namespace
+    meta = {
+        "name": name,
+        "namespace": ns,
+        "labels": _labels(lane),
+        "ownerReferences": [_owner(lane, uid)],
+    }
+    only = [lane.metadata.name]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": dict(meta),
+            "rules": [
+                {
+                    "apiGroups": ["continuum.dev"],
+                    "resources": ["embedlanes"],
+                    "resourceNames": only,
+                    "verbs": ["get"],
+                },
+                {
+                    "apiGroups": ["continuum.dev"],
+                    "resources": ["embedlanes/status"],
+                    "resourceNames": only,
+                    "verbs": ["get", "patch"],
+                },
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+        },
+    ]
+
+
+def _weights(facts: ModelFacts | None) -> int:
+    if facts is None:
+        return 0
+    return sum(facts.layer_bytes_list()) + facts.input_bytes + facts.output_bytes
+
+
+def lane_deployment(
+    lane: EmbedLane,
+    uid: str,
+    placement: Mapping[str, Any],
+    engine: Engine | None,
+    pods: PodSettings,
+) -> Obj:
+    """The lane's Deployment on its node (call only when `why_no_pod` is None).
+
+    Memory is requested and limited at the lane's host bytes, the mapped weights (their pages
+    are charged to the pod's cgroup) and the process's overhead: the Guaranteed QoS class, as
+    engines have, so the kernel never swaps the lane out first.
+    """
+    model = _model(lane, engine)
+    assert model is not None and model.source is not None
+    probe = Engine.model_validate(
+        {
+            "apiVersion": API_VERSION,
+            "kind": "Engine",
+            "metadata": {"name": lane.metadata.name, "namespace": lane.metadata.namespace},
+            "spec": {
+                "model": model.model_dump(by_alias=True, exclude_none=True),
+                "contextTokensPerMind": 16,
+            },
+        }
+    )
+    volume = objects._model_volume(probe)  # the same volume the engine mounts
+    assert volume is not None
+    host = sum(int(p.get("bytes") or 0) for p in placement.get("pools") or [])
+    memory = str(host + _weights(model.facts) + RUNTIME_OVERHEAD_BYTES)
+    ns, name = lane.metadata.namespace, lane.metadata.name
+    command = [
+        "continuum",
+        "embed",
+        "--lane",
+        f"{ns}/{name}",
+        "--model",
+        volume[1],
+        "--listen",
+        f"0.0.0.0:{pods.port}",
+    ]
+    if model.sha256:
+        command += ["--sha256", model.sha256]
+    node = str(placement["node"])
+    launch = hashlib.sha256(
+        json.dumps({"cmd": command, "node": node, "memory": memory}, sort_keys=True).encode()
+    ).hexdigest()[:16]
+    resources = {"cpu": pods.cpu, "memory": memory}
+    container: Obj = {
+        "name": "embed",
+        "image": pods.image,
+        "imagePullPolicy": pods.image_pull_policy,
+        "command": command,
+        "ports": [{"name": "http", "containerPort": pods.port}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
+        "volumeMounts": [{"name": "model", "mountPath": objects.MODEL_MOUNT, "readOnly": True}],
+    }
+    labels = _labels(lane)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": deployment_name(lane),
+            "namespace": ns,
+            "labels": labels,
+            "annotations": {objects.LAUNCH_ANNOTATION: launch},
+            "ownerReferences": [_owner(lane, uid)],
+        },
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {LANE_LABEL: name}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {objects.LAUNCH_ANNOTATION: launch}},
+                "spec": {
+                    "priorityClassName": pods.engine_priority_class,
+                    "serviceAccountName": deployment_name(lane),
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchFields": [
+                                            {
+                                                "key": "metadata.name",
+                                                "operator": "In",
+                                                "values": [node],
+                                            }
+                                        ]
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                    "tolerations": [
+                        {"key": objects.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+                    ],
+                    "containers": [container],
+                    "volumes": [volume[0]],
+                    "terminationGracePeriodSeconds": 30,
+                },
+            },
+        },
+    }
