@@ -8,7 +8,6 @@ Every run's transition log is judged by `continuum check-log`."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -364,7 +363,7 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
             lambda: (
                 states(cluster, ns)
                 == {"a": "Queued", "b": "Granted", "c": "Queued", "vip": "Granted"}
-            ),  # fmt: skip
+            ),
             log=log,
         )
         assert open_turn(url, f"{ns}/vip")[0] == 201
@@ -384,8 +383,11 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
         # Deleting a granted mind frees her slot (released through the gateway, then her
         # finalizer goes): a, first in line, takes it.
         cluster.kubectl("delete", "mind", "b", "-n", ns, "--wait=false")
-        wait_for("b gone", lambda: cluster.kubectl("get", "mind", "b", "-n", ns,
-                                                    check=False).returncode != 0, log=log)  # fmt: skip
+        wait_for(
+            "b gone",
+            lambda: cluster.kubectl("get", "mind", "b", "-n", ns, check=False).returncode != 0,
+            log=log,
+        )
         wait_for("a regranted", lambda: states(cluster, ns).get("a") == "Granted", log=log)
 
         # The engine shrinks to one slot: a drain and a relaunch; the lowest is EngineShrunk.
@@ -399,14 +401,17 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
             lambda: (
                 states(cluster, ns)
                 == {"a": "Queued", "c": "Queued", "vip": "Granted", "big": "Released"}
-            ),  # fmt: skip
+            ),
             log=log,
         )
         assert_no_grant_doubled(cluster, ns)
 
     lines = [json.loads(x) for x in (tmp_path / "transitions.jsonl").read_text().splitlines()]
-    moves = [(x["mind"].split("/")[1], x["from"], x["to"], x["reason"]) for x in lines
-             if x["event"] == "transition"]  # fmt: skip
+    moves = [
+        (x["mind"].split("/")[1], x["from"], x["to"], x["reason"])
+        for x in lines
+        if x["event"] == "transition"
+    ]
     a_moves = [m[1:] for m in moves if m[0] == "a"]
     i = a_moves.index(("Granted", "Reclaiming", "Preempted"))
     assert a_moves[i + 1 : i + 3] == [
@@ -435,5 +440,151 @@ def free_port() -> int:
         return port
 
 
-# Used by the crash and leader tests below.
-_ = os
+# --------------------------------------------------------------------------------------------
+# crashes and leaders: no gateway here, so reclaims end at the grace deadline (GraceExpired)
+
+SHORT_GRACE = ("--grace", "3")
+CRASH_POINTS = [
+    "leader-acquired",
+    "before-ledger-write",
+    "after-ledger-write",
+    "after-log",
+    "mid-projections",
+    "before-finalizer-removal",
+]
+
+
+def crash_points_documented() -> set[str]:
+    text = (ROOT / "docs" / "crash-points.md").read_text()
+    return {p for p in CRASH_POINTS if f"`{p}`" in text}
+
+
+def test_every_crash_point_is_documented() -> None:
+    from continuum_operator.kube.crash import CrashPoint
+
+    assert {p.value for p in CrashPoint} == set(CRASH_POINTS)
+    assert crash_points_documented() == set(CRASH_POINTS)
+
+
+def scenario(cluster: Cluster, ns: str, classes: dict[str, str]) -> None:
+    """Three low minds on two slots, a high one preempting, a granted one deleted."""
+    low, high = classes["low"], classes["high"]
+    cluster.apply([mind("a", low), mind("b", low), mind("c", low)], "-n", ns)
+    time.sleep(2)
+    cluster.apply(mind("vip", high), "-n", ns)
+    time.sleep(2)
+    cluster.kubectl("delete", "mind", "a", "-n", ns, "--wait=false")
+
+
+def settled(cluster: Cluster, ns: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        gone = cluster.kubectl("get", "mind", "a", "-n", ns, check=False).returncode != 0
+        want = {"b": "Granted", "c": "Queued", "vip": "Granted"}
+        if not gone or states(cluster, ns) != want:
+            return False
+        return all(grant_of(cluster, ns, m).get("state") == s for m, s in want.items())
+
+    return probe
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_the_operator_killed_at_a_crash_point_and_restarted_loses_or_doubles_no_grant(
+    cluster: Cluster,
+    crds: None,
+    namespace: str,
+    classes: dict[str, str],
+    tmp_path: Path,
+    point: str,
+) -> None:
+    tag = f"k{uuid.uuid4().hex[:8]}"
+    label = ("continuum.dev/e2e-grants", tag)
+    gpu_node(cluster, tag)
+    cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
+    # The engine placed and serving first, so the crash falls on a step of the minds' ledger.
+    with operator(cluster, tmp_path, label, *SHORT_GRACE, name="zero"):
+        wait_for("the engine serving", serving(cluster, namespace, 2), log=tmp_path / "zero.log")
+    first = start_operator(
+        cluster, tmp_path, label, *SHORT_GRACE, env={"CONTINUUM_CRASH_AT": point}, name="first"
+    )
+    try:
+        scenario(cluster, namespace, classes)
+        code = wait_for("the crash", first.poll, timeout=60, log=tmp_path / "first.log")
+        assert code == 137
+        assert f"crash point {point} reached" in (tmp_path / "first.log").read_text()
+    finally:
+        stop(first)
+    # Restarted: it waits out the dead leader's Lease, then finishes what was left.
+    with operator(cluster, tmp_path, label, *SHORT_GRACE, name="second"):
+        wait_for(
+            "the ledger settled",
+            settled(cluster, namespace),
+            timeout=90,
+            log=tmp_path / "second.log",
+        )
+        assert_no_grant_doubled(cluster, namespace)
+    checked = check_log(tmp_path / "transitions.jsonl")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    lines = [json.loads(x) for x in (tmp_path / "transitions.jsonl").read_text().splitlines()]
+    last = {}
+    for x in lines:
+        if x["event"] == "transition":
+            last[x["mind"].split("/")[1]] = x["to"]
+    # The log ends where the live ledger is: nothing granted that the log does not show.
+    assert {m: s for m, s in last.items() if m != "a"} == {
+        "b": "Granted", "c": "Queued", "vip": "Granted"
+    }  # fmt: skip
+    assert last["a"] == "Released"
+    # Every ledger write is in the log once: its steps' seq run without a gap or a repeat, up
+    # to the one the Engine's journal holds now.
+    seqs = [x["seq"] for x in lines]
+    blocks = [q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q]
+    journal = cluster.get_json("engine", "coder", "-n", namespace)["status"]["grantStep"]
+    assert blocks == list(range(blocks[0], journal["seq"] + 1)), blocks
+
+
+def test_a_standby_replica_takes_over_when_the_leader_dies(
+    cluster: Cluster, crds: None, namespace: str, classes: dict[str, str], tmp_path: Path
+) -> None:
+    tag = f"l{uuid.uuid4().hex[:8]}"
+    label = ("continuum.dev/e2e-grants", tag)
+    gpu_node(cluster, tag)
+    cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
+    one = start_operator(cluster, tmp_path, label, *SHORT_GRACE, name="one")
+    time.sleep(2)  # one leads; two stands by
+    two = start_operator(cluster, tmp_path, label, *SHORT_GRACE, name="two")
+    try:
+        wait_for("the engine serving", serving(cluster, namespace, 2), log=tmp_path / "one.log")
+        low = classes["low"]
+        cluster.apply([mind("a", low), mind("b", low)], "-n", namespace)
+        wait_for(
+            "a and b granted",
+            lambda: states(cluster, namespace) == {"a": "Granted", "b": "Granted"},
+        )
+        lease_name = (
+            "continuum-operator-"
+            + __import__("hashlib").sha256("=".join(label).encode()).hexdigest()[:10]
+        )
+        holder = cluster.get_json("lease", lease_name, "-n", "default")["spec"]["holderIdentity"]
+        assert f"-{one.pid}-" in holder
+        assert "continuum.grants" not in (tmp_path / "two.log").read_text()  # it only watched
+        one.send_signal(signal.SIGKILL)
+        one.wait()
+        # The standby takes the Lease once it lapses, and serves what arrives after.
+        cluster.apply([mind("c", low), mind("vip", classes["high"])], "-n", namespace)
+        wait_for(
+            "vip granted by the standby",
+            lambda: (
+                states(cluster, namespace)
+                == {"a": "Queued", "b": "Granted", "c": "Queued", "vip": "Granted"}
+            ),
+            timeout=60,
+            log=tmp_path / "two.log",
+        )
+        holder = cluster.get_json("lease", lease_name, "-n", "default")["spec"]["holderIdentity"]
+        assert f"-{two.pid}-" in holder
+        assert_no_grant_doubled(cluster, namespace)
+    finally:
+        stop(one)
+        stop(two)
+    checked = check_log(tmp_path / "transitions.jsonl")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
