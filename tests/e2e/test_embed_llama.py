@@ -350,3 +350,28 @@ def test_a_lane_not_yet_placed_allocates_nothing_until_its_lease_arrives(embed_m
         assert code == 200
     finally:
         model.close()
+
+
+def test_request_counts_alone_are_written_at_most_once_an_interval(embed_model: Path) -> None:
+    model = lane_model(embed_model)
+    written: list[dict[str, Any]] = []
+    now = [0.0]
+
+    async def publish(doc: dict[str, Any]) -> None:
+        written.append(doc)
+
+    rt = LaneRuntime(model, LaneState(max_context_tokens=1024, leased_context_tokens=1024),
+                     publish=publish, clock=lambda: now[0])  # fmt: skip
+    try:
+        run(rt.calibrate())
+        assert len(written) == 1 and written[-1]["phase"] == "Serving"
+        run(rt.embed(["a node and a pool of tokens"]))  # a larger context: written at once
+        assert len(written) == 2 and written[-1]["largestContextTokens"] > 1
+        for _ in range(3):
+            run(rt.embed(["a node"]))  # counts only
+        assert len(written) == 2
+        now[0] += rt.counts_interval
+        run(rt.publish_status(flush=True))
+        assert len(written) == 3 and written[-1]["requests"]["served"] == 4
+    finally:
+        model.close()

@@ -114,6 +114,10 @@ class LaneRuntime:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _lease_changed: asyncio.Event = field(default_factory=asyncio.Event)
     _last_published: dict[str, Any] | None = None
+    _published_at: float = float("-inf")
+    #: Request counts alone are written at most this often (seconds): every write is a watch
+    #: event for the operator. What the lease depends on (context, receipts) is written at once.
+    counts_interval: float = 10.0
 
     def __post_init__(self) -> None:
         self.largest = self.state.largest_embedded_tokens
@@ -140,15 +144,28 @@ class LaneRuntime:
             "lastRefusal": self.counts.last_refusal,
         }
 
-    async def publish_status(self) -> None:
+    async def publish_status(self, *, flush: bool = False) -> None:
+        """Write status.runtime if it changed: at once when more than the counts changed, else
+        at most every `counts_interval` (or on `flush`)."""
         doc = self.status()
-        if self.publish is None or doc == self._last_published:
+        last = self._last_published
+        if self.publish is None or doc == last:
+            return
+        counts_only = last is not None and _without_counts(doc) == _without_counts(last)
+        if counts_only and not flush and self.clock() - self._published_at < self.counts_interval:
             return
         try:
             await self.publish(doc)
             self._last_published = doc
+            self._published_at = self.clock()
         except Exception as err:  # retried on the next change
             log.warning("could not write status.runtime: %s", err)
+
+    async def flush_loop(self) -> None:
+        """Writes counts that changed since the last write, every `counts_interval`."""
+        while True:
+            await asyncio.sleep(self.counts_interval)
+            await self.publish_status(flush=True)
 
     def set_state(self, state: LaneState) -> None:
         """A new lease (or maximum) from the EmbedLane; waiting requests look again."""
@@ -273,6 +290,10 @@ class LaneRuntime:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
+def _without_counts(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k not in ("requests", "lastRefusal")}
+
+
 def _error(reason: str, message: str, tokens: int) -> dict[str, Any]:
     return {"error": {"reason": reason, "message": message, "tokens": tokens}}
 
@@ -387,6 +408,7 @@ async def serve(args: argparse.Namespace) -> int:
             await sink(doc)
 
     runtime = LaneRuntime(model, state, publish=publish)
+    flusher = asyncio.create_task(runtime.flush_loop())
     if lane_obj is not None:
         source = asyncio.create_task(lane_obj.watch(runtime.set_state, args.poll))
     else:
@@ -408,7 +430,8 @@ async def serve(args: argparse.Namespace) -> int:
         await stop.wait()
     finally:
         source.cancel()
-        await asyncio.gather(source, return_exceptions=True)
+        flusher.cancel()
+        await asyncio.gather(source, flusher, return_exceptions=True)
         await runner.cleanup()
         model.close()
     return EXIT_OK
