@@ -11,9 +11,10 @@ conditions, in alternating rounds so that load from elsewhere on the machine fal
   (one runner whose command starts the N busy processes: they are its grandchildren, and each is
   checked to run at nice 19 before the round is measured).
 
-It prints tokens/s of each (median over rounds) and the ratios to rest (median of per-round
-ratios, with their range). The run counts only if the normal-priority ratio is 60% or below in
-the same run (the contention is real); the target with the class applied is 90% or more.
+It prints tokens/s of each (median over rounds) and the ratios to rest, two ways: the median of
+per-round ratios (with their range) and the ratio of the medians. The run counts only if the
+normal-priority ratio is 60% or below in the same run, both ways (the contention is real); the
+target with the class applied is 90% or more, both ways.
 DESIGN.md rule 8; the seed system's failure kept 6%.
 
 Run: `.venv/bin/python bench/contention.py` (`--rounds 3 --seconds 6` to change the length;
@@ -212,20 +213,24 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds x {args.seconds:.0f} s per condition; "
         f"load average at the end {load[0]:.2f}"
     )
+    rest = statistics.median(rates["rest"])
+    paired: dict[str, float] = {}
+    of_medians: dict[str, float] = {}
     for condition in CONDITIONS:
         xs = rates[condition]
         line = f"  {condition:<11} {statistics.median(xs):8.1f} tokens/s (median of {len(xs)})"
         if condition != "rest":
             ratios = sorted(x / r for x, r in zip(xs, rates["rest"], strict=True))
+            paired[condition] = statistics.median(ratios)
+            of_medians[condition] = statistics.median(xs) / rest
             line += (
-                f"   ratio to rest {statistics.median(ratios):6.1%} "
-                f"(per round {ratios[0]:.1%}..{ratios[-1]:.1%})"
+                f"   to rest: {paired[condition]:6.1%} median of per-round ratios "
+                f"({ratios[0]:.1%}..{ratios[-1]:.1%}), {of_medians[condition]:6.1%} of medians"
             )
         print(line)
-    normal = statistics.median(x / r for x, r in zip(rates["normal"], rates["rest"], strict=True))
-    background = statistics.median(
-        x / r for x, r in zip(rates["background"], rates["rest"], strict=True)
-    )
+    # Both ratios must agree for a verdict: load from elsewhere that comes and goes can move one.
+    normal = max(paired["normal"], of_medians["normal"])
+    background = min(paired["background"], of_medians["background"])
     if normal > THRESHOLD_REAL:
         print(
             f"does not count: normal-priority children kept {normal:.1%} of the rest rate "
@@ -235,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "meets" if background >= TARGET else "misses"
     print(
         f"counts: normal priority {normal:.1%} (<= {THRESHOLD_REAL:.0%}); "
-        f"--class background {background:.1%}, {verdict} the {TARGET:.0%} target"
+        f"--class background {background:.1%} (the lower of the two), {verdict} the "
+        f"{TARGET:.0%} target"
     )
     return 0 if background >= TARGET else 2
 

@@ -31,11 +31,17 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from continuum_operator.kube.objects import MANAGED_BY
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.model.base import GROUP
+
+if TYPE_CHECKING:  # imported when the operator starts: `continuum plan` loads neither
+    import kopf
+
+    from continuum_operator.kube.api import KubeApi
+    from continuum_operator.kube.metrics import OperatorMetrics
 
 __all__ = [
     "BACKGROUND",
@@ -393,12 +399,14 @@ def _server(children: ChildrenSettings) -> Any:
     )
 
 
-def register(registry: Any, api: Any, pods: PodSettings, children: ChildrenSettings,
-             metrics: Any) -> None:  # fmt: skip
-    """Adds the count of unmarked children and, with `children.webhook`, the webhook itself.
-
-    `api` is a `kube.api.KubeApi`, `metrics` a `kube.metrics.OperatorMetrics`.
-    """
+def register(
+    registry: kopf.OperatorRegistry,
+    api: KubeApi,
+    pods: PodSettings,
+    children: ChildrenSettings,
+    metrics: OperatorMetrics,
+) -> None:
+    """Adds the count of unmarked children and, with `children.webhook`, the webhook itself."""
     import kopf
 
     from continuum_operator.kube.api import ApiError
