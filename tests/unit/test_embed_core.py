@@ -365,3 +365,12 @@ def test_a_request_fits_only_within_the_lease_and_the_maximum(
         assert biggest > max_ctx
     else:
         assert biggest > leased or leased == 0
+
+
+def test_a_lane_with_a_model_of_its_own_is_charged_its_weights_with_its_context() -> None:
+    ask = LaneAsk(LANE, max_context_tokens=2048, largest_embedded_tokens=2048)
+    without = place(discrete(), [], ask)
+    weights = 600 * MiB
+    own = place(discrete(), [], LaneAsk(LANE, 2048, 2048, weights_bytes=weights))
+    assert own.charges["host"] == without.charges["host"] + weights
+    assert own.floors["host"] == without.floors["host"] + weights

@@ -7,10 +7,12 @@ import copy
 from dataclasses import replace
 from typing import Any
 
+import yaml
+
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.embedlanes import LaneWrites, lane_leases_in, reconcile_lane
 from continuum_operator.kube.reconcile import Memory, reconcile
-from tests.builders import GiB
+from tests.builders import GiB, MiB
 from tests.unit.test_reconcile import NOW, SETTINGS, after, discrete, engine_obj, snapshot
 
 
@@ -170,6 +172,8 @@ def test_a_lane_with_its_own_model_goes_to_the_fresh_board_that_holds_the_most_c
     out = lane_after(lane, reconcile_lane(lane, with_objects(base, [], [lane]), NOW, SETTINGS))
     p = out["status"]["placement"]
     assert p["node"] == "big" and p["residence"] == "host" and p["contextTokens"] == 16384
+    weights = 32 * 200 * MiB + 300 * MiB + 300 * MiB  # tests.builders' facts
+    assert p["pools"][0]["bytes"] > weights  # its own model's weights are the lane's too
     assert placed(out) == ("True", "AtMaxContext")
 
 
@@ -230,3 +234,14 @@ def test_a_lane_on_the_device_or_known_only_by_facts_gets_no_pod_and_says_why() 
     inline = placed_engine(base, offload="none")
     only_facts = reconcile_lane(lane, with_objects(base, [inline], [lane]), NOW, SETTINGS)
     assert only_facts.deployment is None and "inline facts" in (only_facts.no_pod or "")
+
+
+def test_the_example_lanes_are_valid_embed_lanes() -> None:
+    from continuum_operator.model.embedlane import EmbedLane
+    from tests.builders import EXAMPLES
+
+    paths = sorted((EXAMPLES / "embedlanes").glob("*.yaml"))
+    assert len(paths) == 2
+    for path in paths:
+        lane = EmbedLane.model_validate(yaml.safe_load(path.read_text()))
+        assert lane.spec.max_context_tokens > 0

@@ -257,6 +257,7 @@ class LaneAsk:
     max_context_tokens: int
     largest_embedded_tokens: int = 0
     floors: Mapping[str, int] = field(default_factory=dict)  # the floors it holds already
+    weights_bytes: int = 0  # a lane with a model of its own holds its weights too
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,9 +354,19 @@ def place_lane(
     """
     floor_tokens = max(1, ask.largest_embedded_tokens)
     floors = dict(ask.floors)
+
+    def sized(tokens: int) -> tuple[ContextBytes, LaneReason]:
+        cb, source = sizer.bytes_at(tokens)
+        if ask.weights_bytes <= 0:
+            return cb, source
+        # Weights sit where the context does: the host part on the host, else the device part.
+        if where is Residence.HOST:
+            return ContextBytes(cb.device, cb.host + ask.weights_bytes), source
+        return ContextBytes(cb.device + ask.weights_bytes, cb.host), source
+
     if ask.largest_embedded_tokens > 0:
         # The lane holds this context already (its calibration pass allocated it).
-        floor_bytes, _ = sizer.bytes_at(floor_tokens)
+        floor_bytes, _ = sized(floor_tokens)
         floors = raise_floors(floors, lane_charges(board, where, gpus, floor_bytes))
     contexts = _candidate_contexts(floor_tokens, ask.max_context_tokens)
 
@@ -401,7 +412,7 @@ def place_lane(
     def attempt(i: int) -> Tried:
         if i not in tried:
             tokens = contexts[i]
-            cb, source = sizer.bytes_at(tokens)
+            cb, source = sized(tokens)
             charges = lane_charges(board, where, gpus, cb)
             ok, pool = fits(charges)
             tried[i] = (ok, pool, (tokens, cb, charges, source))
@@ -438,7 +449,7 @@ def place_lane(
             )
         return done(Verdict.FITS, reason, message, tokens, cb, charges, source)
 
-    cb, source = sizer.bytes_at(contexts[0])
+    cb, source = sized(contexts[0])
     charges = lane_charges(board, where, gpus, cb)
     assert blocked is not None
     blocked_pool = board.pools.get(blocked)

@@ -237,7 +237,11 @@ class _LanePass:
         if self.held is not None and self.held.node == node:
             largest = max(largest, self.held.floor_tokens)
         largest = min(largest, lane.spec.max_context_tokens)
-        return LaneAsk(self.me, lane.spec.max_context_tokens, largest, floors)
+        own = lane.spec.model.facts if lane.spec.model is not None else None
+        weights = 0
+        if own is not None:  # a model of its own: its weights are the lane's too
+            weights = sum(own.layer_bytes_list()) + own.input_bytes + own.output_bytes
+        return LaneAsk(self.me, lane.spec.max_context_tokens, largest, floors, weights)
 
     def ledger(self, board: Board) -> tuple[Board, Ledger]:
         """Every engine's and every other lane's leases, and the lane's own (to credit back)."""

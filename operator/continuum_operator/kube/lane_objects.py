@@ -168,7 +168,10 @@ def lane_deployment(
     volume = objects._model_volume(probe)  # the same volume the engine mounts
     assert volume is not None
     host = sum(int(p.get("bytes") or 0) for p in placement.get("pools") or [])
-    memory = str(host + _weights(model.facts) + RUNTIME_OVERHEAD_BYTES)
+    # A lane with a model of its own has its weights in its charge already; one beside an
+    # engine maps the engine's file, whose pages still count against this pod.
+    weights = _weights(model.facts) if lane.spec.model is None else 0
+    memory = str(host + weights + RUNTIME_OVERHEAD_BYTES)
     ns, name = lane.metadata.namespace, lane.metadata.name
     command = [
         "continuum",
