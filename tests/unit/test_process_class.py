@@ -146,3 +146,45 @@ def test_process_classes_are_named_as_the_webhook_marks_them() -> None:
 
     assert str(ProcessClass.BACKGROUND) == webhook.BACKGROUND
     assert procclass.ENV == webhook.CLASS_ENV
+
+
+class FakeWindowsProcess:
+    """A process as psutil shows one on Windows: `nice` is its priority class."""
+
+    def __init__(self, cls: int) -> None:
+        self.pid = -1  # no such process: the autogroup step has nothing to do
+        self.cls = cls
+
+    def nice(self, value: int | None = None) -> int:
+        if value is not None:
+            self.cls = value
+        return self.cls
+
+
+def test_on_windows_the_lowest_is_the_idle_class_and_every_other_class_is_above_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    idle, below_normal, normal = 0x40, 0x4000, 0x20  # Windows' values: not ordered by rank
+    monkeypatch.setattr(psutil, "WINDOWS", True)
+    monkeypatch.setattr(psutil, "POSIX", False)
+    monkeypatch.setattr(psutil, "IDLE_PRIORITY_CLASS", idle, raising=False)
+    assert procclass.lowest_priority() == idle
+    for cls in (below_normal, normal):
+        p = FakeWindowsProcess(cls)
+        assert procclass.lower(p, idle) is True  # type: ignore[arg-type]
+        assert p.cls == idle
+    assert procclass.lower(FakeWindowsProcess(idle), idle) is False  # type: ignore[arg-type]
+
+
+def test_where_psutil_knows_no_lower_class_the_command_runs_at_the_parents(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(psutil, "WINDOWS", False)
+    monkeypatch.setattr(psutil, "POSIX", False)
+    assert procclass.lowest_priority() is None
+    code = procclass.run([sys.executable, "-c", FAMILY], ProcessClass.BACKGROUND, 0.1)
+    out, err = capfd.readouterr()
+    assert code == 0
+    mine = os.nice(0)
+    assert reported(out) == {"child": mine, "grandchild": mine}
+    assert "parent's class" in err
