@@ -73,6 +73,16 @@ def test_a_pod_owned_by_a_mind_is_her_child_and_gets_her_label() -> None:
     assert mutated(p)["metadata"]["labels"] == {MIND_LABEL: "bo"}
 
 
+def test_an_owned_child_of_a_mind_whose_name_is_no_label_value_is_admitted_without_it() -> None:
+    long = "m" * 64  # a Mind's name may be 253 characters, a label value 63
+    owner = {"apiVersion": "continuum.dev/v1alpha1", "kind": "Mind", "name": long, "uid": "m"}
+    m = mutate(pod(owners=[owner]), PODS, CHILDREN)
+    assert m is not None
+    assert MIND_LABEL not in m.pod["metadata"]["labels"]
+    assert m.pod["spec"]["priorityClassName"] == "kids"
+    assert any("no label value" in n for n in m.notes)
+
+
 def test_a_pod_of_no_mind_is_left_untouched() -> None:
     other_mind = {"apiVersion": "example.com/v1", "kind": "Mind", "name": "x", "uid": "m"}
     for p in (pod(), pod(labels={"app": "web"}), pod(owners=[other_mind])):

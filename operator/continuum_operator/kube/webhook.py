@@ -24,6 +24,7 @@ import asyncio
 import copy
 import ipaddress
 import logging
+import re
 import socket
 import subprocess
 import tempfile
@@ -73,6 +74,7 @@ UNMUTATED_REASON = "ChildNotMutated"
 INSTALL_ATTEMPTS = 5
 
 Obj = dict[str, Any]
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 def mind_of(pod: Mapping[str, Any]) -> str | None:
@@ -126,7 +128,11 @@ def mutate(
     notes: list[str] = []
     meta = new.setdefault("metadata", {})
     labels = meta.get("labels") or {}
-    labels.setdefault(MIND_LABEL, mind)  # an owned child gets the label: the count watches it
+    if MIND_LABEL not in labels:  # an owned child gets the label: the count watches it
+        if LABEL_VALUE.fullmatch(mind):
+            labels[MIND_LABEL] = mind
+        else:  # a label would refuse the pod: it is admitted without, and not counted if missed
+            notes.append(f"mind name {mind} is no label value: {MIND_LABEL} not set")
     meta["labels"] = labels
     annotations = meta.get("annotations") or {}
     annotations[CLASS_ANNOTATION] = BACKGROUND
