@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from continuum_operator.kube.objects import MANAGED_BY
+from continuum_operator.kube.objects import MANAGED_BY, priority_classes
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.model.base import GROUP
 
@@ -448,6 +448,10 @@ def register(
         # first, so that one refused call to the API server does not.
         for attempt in range(INSTALL_ATTEMPTS):
             try:
+                # The class first: a pod naming a class that does not exist is refused, so no
+                # child is sent to the webhook before its class is there.
+                for priority_class in priority_classes(pods):
+                    api.apply(priority_class)
                 api.apply(webhook_configuration(client_config, children))
                 break
             except (ApiError, OSError) as err:
