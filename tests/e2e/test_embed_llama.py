@@ -375,3 +375,35 @@ def test_request_counts_alone_are_written_at_most_once_an_interval(embed_model: 
         assert len(written) == 3 and written[-1]["requests"]["served"] == 4
     finally:
         model.close()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        SHAPE,
+        TinyModelShape(n_layer=2, n_embd=256, n_head=8, n_head_kv=8, n_ff=512, vocab_size=2048,
+                       context_length=4096, embedding=True),
+        TinyModelShape(n_layer=6, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, vocab_size=8192,
+                       context_length=4096, embedding=True),
+        TinyModelShape(n_layer=2, n_embd=512, n_head=8, n_head_kv=2, n_ff=1536, vocab_size=1024,
+                       context_length=4096, embedding=True),
+    ],
+    ids=["l4-e128", "l2-e256-v2k", "l6-e64-v8k", "l2-e512-f1536"],
+)  # fmt: skip
+def test_the_lane_estimate_is_never_under_what_llama_cpp_allocates(
+    shape: TinyModelShape, tmp_path: Path
+) -> None:
+    """Until a receipt exists a lane is leased on the estimate: it must not be too small."""
+    import_llama_cpp()
+    path = write_tiny_gguf(tmp_path / "m.gguf", shape, seed=3)
+    sizer = LaneSizer(read_facts(path))
+    model = lane_model(path)
+    try:
+        for tokens in (256, 1024, 2048):
+            loaded = model.calibrate(tokens)
+            assert loaded is not None and loaded.receipt is not None
+            allocated = LaneSizer(sizer.facts, (loaded.receipt,)).bytes_at(tokens)[0].total
+            estimated = sizer.estimate(tokens).total
+            assert allocated <= estimated <= 1.3 * allocated, (tokens, allocated, estimated)
+    finally:
+        model.close()

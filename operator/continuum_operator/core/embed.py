@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from continuum_operator.core.compute import (
+    F16,
+    FRAGMENTATION,
     KV_CELL_PAD,
-    ComputeEstimate,
     GraphShape,
     kv_cells_per_sequence,
 )
@@ -155,13 +156,10 @@ class LaneSizer:
         cells = context_cells(tokens)
         num, den = self.kv_cache_type.bytes_ratio_to_f16
         kv = sum(-(-k * num // den) for k in self.facts.kv_f16_list()) * cells
-        # facts.computeBytes is the engine's buffer at the engine's context, not the lane's.
-        facts = self.facts.model_copy(update={"compute_bytes": None})
-        compute = ComputeEstimate(facts, micro_batch=cells).graph_bytes(cells, 1)
         shape = GraphShape.of(self.facts)
         sequences = min(cells, MAX_PARALLEL_SEQUENCES)
         output = sequences * (shape.vocab + shape.n_embd) * F32
-        return ContextBytes(device=0, host=kv + compute + output)
+        return ContextBytes(device=0, host=kv + embedding_graph_bytes(shape, cells) + output)
 
     def measured(self, tokens: int) -> ContextBytes | None:
         usable = sorted(self.receipts, key=lambda r: r.context_tokens)
@@ -190,6 +188,34 @@ class LaneSizer:
         if measured is not None:
             return measured, LaneReason.RECEIPT_USED
         return self.estimate(tokens), LaneReason.ESTIMATED
+
+
+#: Rows of slack on the embedding graph: inputs (tokens, positions, KV indices, output ids) and
+#: the allocator's alignment; fitted to receipts of generated embedding models (see below).
+EMBEDDING_SLACK_ROWS = 64
+
+
+def embedding_graph_bytes(shape: GraphShape, cells: int) -> int:
+    """The compute buffer of an embedding pass over `cells` tokens in one micro-batch.
+
+    As `core.compute.graph_bytes` with flash attention, except the output phase: every token
+    is an output in embedding mode, so the logits are `vocab` rows of the whole batch, and mean
+    pooling adds its `tokens x sequences` matrix while the mask is still live. The output phase
+    is the mask, the logits, 5 rows of n_embd (the residual, the norm, the embeddings and their
+    pooled copy) and the pooling matrix. Checked against llama.cpp's receipts of generated
+    embedding models (tests/e2e/test_embed_llama.py): never under, and within 30% of the whole
+    context's bytes.
+    """
+    e, f, v = shape.n_embd, shape.n_ff, shape.vocab
+    q = shape.n_head * shape.head_k
+    kv = shape.n_head_kv * (shape.head_k + shape.head_v)
+    mask = cells * F16 / F32  # in f32 rows of the batch
+    mean = min(cells, MAX_PARALLEL_SEQUENCES)
+    attention = mask + FRAGMENTATION * (4 * e + 2 * q + kv)
+    ffn = mask + FRAGMENTATION * (3 * f + 4 * e)
+    output = mask + v + 5 * e + mean
+    rows = max(attention, ffn, output) + EMBEDDING_SLACK_ROWS
+    return int(rows * cells * F32)
 
 
 def _receipt_parts(r: Receipt) -> ContextBytes:
