@@ -533,7 +533,8 @@ def test_the_operator_killed_at_a_crash_point_and_restarted_loses_or_doubles_no_
     assert {m: s for m, s in last.items() if m != "a"} == {
         "b": "Granted", "c": "Queued", "vip": "Granted"
     }  # fmt: skip
-    assert last["a"] == "Released"
+    # a: released once deleted, or never seen (deleted before any leader got to her).
+    assert last.get("a") in (None, "Released")
     # Every ledger write is in the log once: its steps' seq run without a gap or a repeat, up
     # to the one the Engine's journal holds now.
     seqs = [x["seq"] for x in lines]
@@ -575,7 +576,7 @@ def test_a_standby_replica_takes_over_when_the_leader_dies(
             "vip granted by the standby",
             lambda: (
                 states(cluster, namespace)
-                == {"a": "Queued", "b": "Granted", "c": "Queued", "vip": "Granted"}
+                == {"a": "Granted", "b": "Queued", "c": "Queued", "vip": "Granted"}
             ),
             timeout=60,
             log=tmp_path / "two.log",
