@@ -3,7 +3,7 @@
 One run, one real engine: `llama-server` (`tools/llama build`) on a generated model large
 enough that decoding is CPU-bound, with as many threads as the machine has cores. Its decoding
 rate (tokens/s, from llama-server's own timings of generated tokens) is measured in three
-conditions, in alternating rounds so that load from elsewhere on the machine falls on all alike:
+conditions, in rounds (each in another order) so that load from elsewhere falls on all alike:
 
 - rest: nothing else started by the bench;
 - normal: beside N CPU-bound child processes at normal priority (N = cores by default);
@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             wait_ready(base, server)
             decode_rate(base, 1.0, args.n_predict)  # warm up
-            for _ in range(args.rounds):
-                for condition in CONDITIONS:
+            for i in range(args.rounds):
+                # Each round in another order, so no condition always follows the same one.
+                for condition in CONDITIONS[i % 3 :] + CONDITIONS[: i % 3]:
                     children = start_children(condition, args.hogs)
                     try:
                         rates[condition].append(decode_rate(base, args.seconds, args.n_predict))
