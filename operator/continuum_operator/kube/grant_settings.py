@@ -30,6 +30,9 @@ class GrantSettings:
     """`namespace/name` -> the URL minds reach that Engine's gateway at, where its Service
     cannot serve (an engine runtime run as a local process: the API server refuses loopback
     addresses in EndpointSlices). Others: `http://NAME.NAMESPACE.svc:PORT`."""
+    write_workers: int = 8
+    """Minds' projections and finalizers written side by side by this many threads (each
+    write is one Mind's own; the ledgers themselves are written one engine at a time)."""
     conflict_retries: int = 8
     """Re-reads of an Engine after a 409 before the step is left to the next pass."""
 

@@ -25,9 +25,12 @@ import asyncio
 import contextlib
 import copy
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import kopf
@@ -134,6 +137,9 @@ class GrantsLoop:
         self.policy = Policy(grace_seconds=settings.grace_seconds)
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
+        self.retry_soon = False
+        self._lock = threading.Lock()
+        self._projections_written = 0
         self.engine_seen: dict[EngineKey, str] = {}  # resourceVersion each engine was stepped at
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -142,7 +148,8 @@ class GrantsLoop:
         first = True
         while not stop.is_set():
             if not first:
-                timeout = self.resync_seconds
+                timeout = 0.5 if self.retry_soon else self.resync_seconds
+                self.retry_soon = False
                 if self.review_at:
                     timeout = max(0.0, min(timeout, min(self.review_at.values()) - self.clock()))
                 with contextlib.suppress(TimeoutError):
@@ -175,20 +182,33 @@ class GrantsLoop:
             key = (body["metadata"]["namespace"], str((body.get("spec") or {}).get("engine")))
             by_engine.setdefault(key, []).append(body)
         engines = dict(self.engines.engines)
+        # Ledgers first, one engine after another (each a conditioned write) ...
+        stepped: list[tuple[EngineKey, dict[str, Any]]] = []
         for key in sorted(engines, key=lambda k: (self._due(engines[k]) or float("inf"), k)):
             if not self.may_write():
                 return
             minds = by_engine.get(key, [])
             demands = ledger.demands_of(minds, classes, default)
-            stepped = self.step_engine(key, engines[key], demands)
-            if stepped is not None:
-                self.project(key, stepped, minds)
+            written = self.step_engine(key, engines[key], demands)
+            if written is not None:
+                stepped.append((key, written))
+        # ... then what follows from them, Minds' projections and finalizers, written side by
+        # side: each is one Mind's own, and a projection is rewritten until it agrees.
+        jobs: list[Callable[[], None]] = []
+        for key, engine in stepped:
+            jobs.extend(self.projection_jobs(key, engine, by_engine.get(key, [])))
         # Minds of Engines nobody serves (deleted, or never made): nothing holds their grant.
         for key, minds in by_engine.items():
             if key not in engines:
-                for m in minds:
-                    if m["metadata"].get("deletionTimestamp"):
-                        self.drop_finalizer(m)
+                jobs.extend(
+                    partial(self.drop_finalizer, m)
+                    for m in minds
+                    if m["metadata"].get("deletionTimestamp")
+                )
+        if jobs:
+            with ThreadPoolExecutor(self.settings.write_workers) as pool:
+                for done in [pool.submit(job) for job in jobs]:
+                    done.result()
 
     def _due(self, body: Mapping[str, Any]) -> float | None:
         deadlines = [
@@ -310,38 +330,70 @@ class GrantsLoop:
             f"{ns}/{name}", f"http://{name}.{ns}.svc:{self.pod_port}"
         )
 
-    def project(self, key: EngineKey, engine: dict[str, Any], minds: list[dict[str, Any]]) -> None:
+    def projection_jobs(
+        self, key: EngineKey, engine: dict[str, Any], minds: list[dict[str, Any]]
+    ) -> list[Callable[[], None]]:
+        """The writes that bring this engine's Minds in line with its ledger, one per Mind."""
         status = engine.get("status") or {}
         entries = {str(e.get("mind")): e for e in status.get("grants") or []}
         pool = status.get(ledger.CAPACITY_FIELD) or {}
         slot_tokens = int(pool.get("tokensPerSlot") or 0)
         name = f"{key[0]}/{key[1]}"
-        written = 0
+        jobs: list[Callable[[], None]] = []
         for m in sorted(minds, key=ledger.mind_key):
-            mkey = ledger.mind_key(m)
             meta = m["metadata"]
-            entry = entries.get(mkey)
+            entry = entries.get(ledger.mind_key(m))
             if meta.get("deletionTimestamp"):
                 if entry is None and FINALIZER in (meta.get("finalizers") or []):
-                    crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
-                    self.drop_finalizer(m)
+                    jobs.append(partial(self.finalize, m))
                 continue
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
             grant, conds = ledger.projection(entry, name, slot_tokens, asked)
-            if self.write_projection(m, grant, conds, self.endpoint(key)):
-                written += 1
-                if written == 1:
-                    crash.reached(crash.CrashPoint.MID_PROJECTIONS)
-            if entry is not None and FINALIZER not in (meta.get("finalizers") or []):
-                self.add_finalizer(m)
+            if self.projection_differs(m, grant, conds, self.endpoint(key)):
+                jobs.append(partial(self.project_one, m, grant, conds, self.endpoint(key)))
+            elif entry is not None and FINALIZER not in (meta.get("finalizers") or []):
+                jobs.append(partial(self.add_finalizer, m))
+        return jobs
 
-    def write_projection(
+    def finalize(self, mind: dict[str, Any]) -> None:
+        crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
+        self.drop_finalizer(mind)
+
+    def project_one(
         self,
         mind: dict[str, Any],
         grant: dict[str, Any] | None,
         conds: Mapping[str, tuple[bool, str, str]],
         endpoint: str,
+    ) -> None:
+        answer = self.write_projection(mind, grant, conds, endpoint)
+        if answer is None:
+            return
+        with self._lock:
+            self._projections_written += 1
+            first = self._projections_written == 1
+        if first:
+            crash.reached(crash.CrashPoint.MID_PROJECTIONS)
+        if grant is not None and FINALIZER not in (answer["metadata"].get("finalizers") or []):
+            self.add_finalizer(answer)
+
+    def projection_differs(
+        self,
+        mind: Mapping[str, Any],
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str,
     ) -> bool:
+        return self._projection(mind, grant, conds, endpoint) is not None
+
+    def _projection(
+        self,
+        mind: Mapping[str, Any],
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str,
+    ) -> dict[str, Any] | None:
+        """The Mind's new status part, or None when hers already says it."""
         meta = mind["metadata"]
         old = mind.get("status") or {}
         old_conds = {c.get("type"): c for c in old.get("conditions") or []}
@@ -366,7 +418,21 @@ class GrantsLoop:
         if generation is not None:
             new["observedGeneration"] = generation
         if _without_nulls({k: old.get(k) for k in new}) == _without_nulls(new):
-            return False
+            return None
+        return new
+
+    def write_projection(
+        self,
+        mind: dict[str, Any],
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str,
+    ) -> dict[str, Any] | None:
+        """Write the Mind's projection if it differs; the Mind as written, or None."""
+        new = self._projection(mind, grant, conds, endpoint)
+        if new is None:
+            return None
+        meta = mind["metadata"]
         patch = {"status": new}
         path = crd_path("minds", meta["namespace"], meta["name"], "status")
         try:
@@ -374,9 +440,9 @@ class GrantsLoop:
         except ApiError as err:
             if err.status != 404:
                 log.warning("writing Mind %s's grant failed: %s", ledger.mind_key(mind), err)
-            return False
+            return None
         self.minds.observe_mind(answer, deleted=False, nudge=False)
-        return True
+        return answer
 
     def add_finalizer(self, mind: dict[str, Any]) -> None:
         meta = mind["metadata"]
@@ -401,7 +467,7 @@ class GrantsLoop:
             if err.status not in (404, 409):  # 409: changed meanwhile; the next pass retries
                 log.warning("finalizers of Mind %s: %s", ledger.mind_key(mind), err)
             if err.status == 409:
-                self.minds.changed.set()
+                self.retry_soon = True  # not the Event: this runs in a worker thread
             return
         if answer.get("metadata", {}).get("deletionTimestamp") and not finalizers:
             self.minds.observe_mind(answer, deleted=True, nudge=False)

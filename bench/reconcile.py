@@ -1,0 +1,285 @@
+"""Grants at scale on a real API server: 1,000 minds across 50 engines on KWOK nodes.
+
+    python bench/reconcile.py [--engines 50] [--minds 1000] [--slots 20] [--kubeconfig FILE]
+
+Starts a local control plane (`tools/cluster up`, unless --kubeconfig names one), makes one KWOK
+node per engine with a fresh NodeBoard and agent Lease, applies the Engines and starts
+`continuum operator` (leader election on, a transition log), waits until every engine serves,
+then creates the minds as fast as a pool of clients can and watches them. Prints, for the minds
+granted: apply-to-granted latency (the create request sent, to the watch event whose
+`status.grant.state` is Granted) p50 / p90 / p99 / max, grants per second (granted minds over
+the time from the first create to the last grant), the operator's ledger writes and 409s, and
+`continuum check-log` over the run's log. Figures, not a pass/fail gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT))
+
+from kubernetes import client, config, watch  # noqa: E402
+
+from continuum_operator.core.heartbeat import (  # noqa: E402
+    LEASE_NAMESPACE,
+    NODE_ANNOTATION,
+    lease_name,
+)
+
+GiB = 2**30
+GROUP, VERSION = "continuum.dev", "v1alpha1"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _micro() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def cluster_up(state: Path) -> tuple[str, dict[str, str]]:
+    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state)}
+    subprocess.run([str(ROOT / "tools/cluster"), "up"], env=env, check=True, capture_output=True)
+    out = subprocess.run(
+        [str(ROOT / "tools/cluster"), "env"], env=env, check=True, capture_output=True, text=True
+    ).stdout
+    exports = {}
+    for line in out.splitlines():
+        if line.startswith("export ") and "=" in line:
+            k, _, v = line[len("export ") :].partition("=")
+            exports[k] = v.replace("$PATH", os.environ.get("PATH", ""))
+    return exports["KUBECONFIG"], exports
+
+
+def cluster_down(state: Path) -> None:
+    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state)}
+    subprocess.run([str(ROOT / "tools/cluster"), "down"], env=env, check=False, capture_output=True)
+
+
+def kubectl(kubeconfig: str, path: str, *args: str, stdin: str | None = None) -> str:
+    return subprocess.run(
+        ["kubectl", "--kubeconfig", kubeconfig, *args],
+        input=stdin,
+        text=True,
+        capture_output=True,
+        check=True,
+        env={**os.environ, "PATH": path},
+    ).stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", type=int, default=50)
+    parser.add_argument("--minds", type=int, default=1000)
+    parser.add_argument("--slots", type=int, default=20, help="minds.max of each engine")
+    parser.add_argument("--clients", type=int, default=8, help="threads creating minds")
+    parser.add_argument("--kubeconfig", default=None, help="an existing cluster (with KWOK)")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-reconcile-"))
+    state = work / "cluster"
+    path = os.environ.get("PATH", "")
+    if args.kubeconfig:
+        kubeconfig = args.kubeconfig
+    else:
+        print(f"starting a control plane in {state} ...", flush=True)
+        kubeconfig, exports = cluster_up(state)
+        path = exports.get("PATH", path)
+    operator: subprocess.Popen[bytes] | None = None
+    try:
+        operator = run(args, kubeconfig, path, work)
+    finally:
+        if operator is not None and operator.poll() is None:
+            operator.send_signal(signal.SIGTERM)
+            try:
+                operator.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+        if not args.kubeconfig:
+            cluster_down(state)
+    return 0
+
+
+def run(
+    args: argparse.Namespace, kubeconfig: str, path: str, work: Path
+) -> subprocess.Popen[bytes]:
+    tag = f"b{uuid.uuid4().hex[:6]}"
+    ns = f"bench-{tag}"
+    kc = kubeconfig
+    kubectl(kc, path, "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    kubectl(kc, path, "wait", "--for=condition=established", "--timeout=60s", "-f",
+            str(ROOT / "crds"))  # fmt: skip
+    kubectl(kc, path, "create", "namespace", ns)
+    nodes, boards, leases = [], [], []
+    for i in range(args.engines):
+        name = f"{tag}-n{i:03d}"
+        cap = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "1"}
+        nodes.append({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                         "labels": {"type": "kwok", "bench": tag, "bench-engine": f"e{i:03d}",
+                                    "kubernetes.io/hostname": name}},
+            "spec": {}, "status": {"capacity": cap, "allocatable": cap},
+        })  # fmt: skip
+        boards.append({"apiVersion": f"{GROUP}/{VERSION}", "kind": "NodeBoard",
+                       "metadata": {"name": name}})  # fmt: skip
+        leases.append({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": lease_name(name), "namespace": LEASE_NAMESPACE,
+                         "annotations": {NODE_ANNOTATION: name}},
+            "spec": {"holderIdentity": "bench", "leaseDurationSeconds": 3600,
+                     "renewTime": _micro()},
+        })  # fmt: skip
+    for docs in (nodes, boards, leases):
+        kubectl(kc, path, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1",
+                "kind": "List", "items": docs}))  # fmt: skip
+    board = {
+        "memoryMode": "discrete", "memoryModeReason": "bench",
+        "pools": [{"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 8 * GiB},
+                  {"kind": "device", "device": 0, "capacityBytes": 80 * GiB, "usedBytes": GiB}],
+        "gpus": [{"index": 0, "name": "bench GPU"}],
+    }  # fmt: skip
+    api_client = config.new_client_from_config(config_file=kc)
+    objects = client.CustomObjectsApi(api_client)
+    for n in nodes:
+        objects.patch_cluster_custom_object_status(
+            GROUP, VERSION, "nodeboards", n["metadata"]["name"], {"status": board}
+        )
+    classes = [("low", 0), ("mid", 5), ("high", 10)]
+    kubectl(kc, path, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
+            "items": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "MindClass",
+                       "metadata": {"name": f"{tag}-{c}"},
+                       "spec": {"priority": p, "protectionWindowSeconds": 300}}
+                      for c, p in classes]}))  # fmt: skip
+    engines = [{
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "Engine",
+        "metadata": {"name": f"e{i:03d}", "namespace": ns, "labels": {"bench": tag}},
+        "spec": {"model": {"facts": {"layers": 4, "layerBytes": 64 * 2**20,
+                                     "inputBytes": 2**20, "outputBytes": 2**20,
+                                     "kvBytesPerTokenPerLayer": 1024,
+                                     "computeBytes": 64 * 2**20}},
+                 "contextTokensPerMind": 4096, "minds": {"min": 1, "max": args.slots},
+                 # One node each: the plan does not count a node's GPUs (docs/operator.md).
+                 "placement": {"nodeSelector": {"bench": tag, "bench-engine": f"e{i:03d}"}}},
+    } for i in range(args.engines)]  # fmt: skip
+    kubectl(kc, path, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
+            "items": engines}))  # fmt: skip
+
+    log = work / "transitions.jsonl"
+    out = (work / "operator.log").open("wb")
+    operator = subprocess.Popen(
+        [sys.executable, "-m", "continuum_operator.cli", "operator", "--kubeconfig", kc,
+         "--resync", "5", "--engine-image", "continuum-engine:bench",
+         "--engine-selector", f"bench={tag}", "--transition-log", str(log)],
+        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PATH": path},
+    )  # fmt: skip
+    out.close()
+    t0 = time.monotonic()
+    while True:
+        items = objects.list_namespaced_custom_object(GROUP, VERSION, ns, "engines")["items"]
+        serving = [
+            e for e in items
+            if ((e.get("status") or {}).get("grantCapacity") or {}).get("phase") == "Serving"
+        ]  # fmt: skip
+        if len(serving) == args.engines:
+            break
+        if time.monotonic() - t0 > args.timeout or operator.poll() is not None:
+            raise SystemExit(f"only {len(serving)} of {args.engines} engines serving; "
+                             f"see {work / 'operator.log'}")  # fmt: skip
+        time.sleep(1)
+    slots = sum(e["status"]["grantCapacity"]["slots"] for e in serving)
+    print(f"{args.engines} engines serving ({slots} slots) after "
+          f"{time.monotonic() - t0:.1f} s; creating {args.minds} minds", flush=True)  # fmt: skip
+
+    applied: dict[str, float] = {}
+    granted: dict[str, float] = {}
+    stop = threading.Event()
+    watching = threading.Event()
+
+    def watcher() -> None:
+        w = watch.Watch()
+        rv = objects.list_namespaced_custom_object(GROUP, VERSION, ns, "minds")["metadata"][
+            "resourceVersion"
+        ]
+        watching.set()
+        while not stop.is_set():
+            for ev in w.stream(objects.list_namespaced_custom_object, GROUP, VERSION, ns,
+                               "minds", resource_version=rv, timeout_seconds=5):  # fmt: skip
+                obj = ev["object"]
+                rv = obj["metadata"]["resourceVersion"]
+                state = ((obj.get("status") or {}).get("grant") or {}).get("state")
+                name = obj["metadata"]["name"]
+                if state == "Granted" and name not in granted:
+                    granted[name] = time.time()
+                if stop.is_set():
+                    w.stop()
+                    break
+
+    th = threading.Thread(target=watcher, daemon=True)
+    th.start()
+    watching.wait(30)
+
+    def create(i: int) -> None:
+        name = f"m{i:04d}"
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "Mind", "metadata": {"name": name},
+            "spec": {"engine": f"e{i % args.engines:03d}",
+                     "className": f"{tag}-{classes[i % 3][0]}", "contextTokens": 2048},
+        }  # fmt: skip
+        applied[name] = time.time()
+        objects.create_namespaced_custom_object(GROUP, VERSION, ns, "minds", body)
+
+    start = time.time()
+    with ThreadPoolExecutor(args.clients) as pool:
+        list(pool.map(create, range(args.minds)))
+    created = time.time()
+    expect = min(args.minds, slots)
+    deadline = time.monotonic() + args.timeout
+    while len(granted) < expect and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    lat = [granted[n] - applied[n] for n in granted if n in applied]
+    if not lat:
+        raise SystemExit("no mind was granted")
+    last = max(granted.values())
+    print(f"minds created: {args.minds} in {created - start:.1f} s "
+          f"({args.minds / (created - start):.0f}/s, {args.clients} clients)")  # fmt: skip
+    print(f"granted: {len(granted)} of {expect} expected")
+    print(f"apply-to-granted: p50 {_percentile(lat, 0.5):.2f} s, p90 {_percentile(lat, 0.9):.2f}"
+          f" s, p99 {_percentile(lat, 0.99):.2f} s, max {max(lat):.2f} s")  # fmt: skip
+    print(f"grants/s: {len(granted) / (last - start):.1f} "
+          f"(first create to last grant: {last - start:.1f} s)")  # fmt: skip
+    text = (work / "operator.log").read_text()
+    writes = sum(1 for x in log.read_text().splitlines() if '"event": "capacity"' in x)
+    steps = len({(json.loads(x)["engine"], json.loads(x)["seq"])
+                 for x in log.read_text().splitlines()})  # fmt: skip
+    print(f"ledger steps logged: {steps}; capacity lines: {writes}; "
+          f"conflicts re-decided: {text.count('409')}")  # fmt: skip
+    checked = subprocess.run([sys.executable, "-m", "continuum_operator.cli", "check-log",
+                              str(log)], capture_output=True, text=True)  # fmt: skip
+    print(f"check-log: {checked.stdout.strip() or checked.stderr.strip()}")
+    print(f"work directory: {work}")
+    api_client.close()
+    return operator
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
