@@ -62,6 +62,10 @@ bench: install
 	$(PY) bench/agent.py
 	$(PY) bench/estimate.py
 	$(PY) bench/gateway.py
+	$(PY) bench/reconcile.py
+	@# Exits 1 when the contention was not real in that run, 2 when the target was missed:
+	@# a figure to read, not a gate.
+	-$(PY) bench/contention.py
 
 demo: toolchain install
 	tools/demo
