@@ -266,7 +266,7 @@ def test_an_engine_is_planned_placed_and_run_as_its_plan_says(
     node = gpu_node(cluster, tag, discrete_status(80, 0.5))
     cluster.apply(engine("coder", tag), "-n", namespace)
     body = wait_for(
-        "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator
+        "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log
     )
     status = body["status"]
     plan = status["plan"]
@@ -344,7 +344,7 @@ def test_a_board_update_that_changes_the_plan_relaunches_once_not_in_a_storm(
     node = gpu_node(cluster, tag, discrete_status(24, 17))
     cluster.apply(engine("coder", tag), "-n", namespace)
     body = wait_for(
-        "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator
+        "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log
     )
     before = body["status"]["plan"]
     assert before["mindsGrantable"] < 8
@@ -471,7 +471,7 @@ def test_an_assumed_lease_whose_pod_never_starts_is_released(
     node = gpu_node(cluster, tag, discrete_status(80, 0.5), memory="256Mi")
     cluster.apply(engine("coder", tag), "-n", namespace)
     wait_for(
-        "placement", is_condition(cluster, namespace, "coder", "Planned", "True"), log=operator
+        "placement", is_condition(cluster, namespace, "coder", "Planned", "True"), log=operator.log
     )
     body = wait_for(
         "the lease released",
@@ -534,7 +534,7 @@ def test_a_spec_the_schema_admits_but_the_plan_cannot_read_gets_a_condition(
     bad["spec"]["model"]["facts"]["layerBytes"] = [1, 2, 3]  # the model has 32 layers
     cluster.apply(bad, "-n", namespace)
     body = wait_for(
-        "InvalidSpec", is_condition(cluster, namespace, "bad", "Planned", "False"), log=operator
+        "InvalidSpec", is_condition(cluster, namespace, "bad", "Planned", "False"), log=operator.log
     )
     c = condition(body, "Planned")
     assert c is not None and c["reason"] == "InvalidSpec"

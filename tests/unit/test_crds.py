@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from continuum_operator.model import crdgen
+from continuum_operator.model.engine import Engine
 from tests.builders import ROOT
 
 CRDS = ROOT / "crds"
@@ -69,7 +70,7 @@ def test_every_resource_has_printer_columns_and_a_status_subresource(resource: t
 
 
 def test_minds_min_above_max_is_refused_by_a_cel_rule() -> None:
-    spec = crdgen.crd(crdgen.Engine)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = crdgen.crd(Engine)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     minds = spec["properties"]["spec"]["properties"]["minds"]
     assert {
         "rule": "self.min <= self.max",

@@ -35,7 +35,9 @@ def placed_engine(snap: Snapshot, **spec: Any) -> dict[str, Any]:
 def with_objects(
     snap: Snapshot, engines: list[dict[str, Any]], lanes: list[dict[str, Any]]
 ) -> Snapshot:
-    key = lambda b: (b["metadata"]["namespace"], b["metadata"]["name"])  # noqa: E731
+    def key(b: dict[str, Any]) -> tuple[str, str]:
+        return (b["metadata"]["namespace"], b["metadata"]["name"])
+
     return replace(snap, engines={key(e): e for e in engines}, lanes={key(x): x for x in lanes})
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from continuum_operator.core.receipts import parse_llama_log
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
@@ -260,7 +260,7 @@ def test_a_plan_comes_from_plan_output_or_an_engines_status_and_bad_files_are_na
     with pytest.raises(PlanFileError, match=r"none\.yaml: cannot read"):
         load_plan(tmp_path / "none.yaml")
     # llama-server's arguments: what the plan says, with what the gateway needs added
-    args = gateway_args(plan["engineArgs"], tmp_path)
+    args = gateway_args(cast(list[str], plan["engineArgs"]), tmp_path)
     assert args[:2] == ["--ctx-size", "1024"]
     for flag in ("-lv", "--slots", "--slot-save-path", "--cache-ram"):
         assert flag in args

@@ -81,7 +81,7 @@ def _header(arch: str, meta: dict[str, Any], layers: int = 4) -> GgufHeader:
     tensors += [TensorEntry(f"blk.{i}.attn_q.weight", "F16", 64 * 64, 64 * 64 * F16)
                 for i in range(layers)]  # fmt: skip
     tensors.append(TensorEntry("output.weight", "F16", 1000 * 64, 1000 * 64 * F16))
-    base = {
+    base: dict[str, Any] = {
         "general.architecture": arch,
         f"{arch}.block_count": layers,
         f"{arch}.embedding_length": 64,

@@ -247,7 +247,7 @@ def test_a_malformed_file_exits_2_naming_the_file_and_the_field(
         case.mutate(doc)
         bad.write_text(yaml.safe_dump(doc, sort_keys=False))
     files = {"board": M5, "engine": AGENT, case.target: bad}
-    leases = ["--lease", bad] if case.target == "lease" else []
+    leases: list[str | Path] = ["--lease", bad] if case.target == "lease" else []
 
     code, out, err = _plan(
         capsys, "--board", files["board"], "--engine", files["engine"], *leases, "-o", "json"

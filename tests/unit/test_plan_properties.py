@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -104,8 +105,8 @@ def leases_for(draw: st.DrawFn, b: Board) -> list[Lease]:
 
 
 def plan_of(
-    board_doc: dict[str, Any], engine_doc: dict[str, Any], leases: list[Lease] = ()
-) -> ServingPlan:  # type: ignore[assignment]
+    board_doc: dict[str, Any], engine_doc: dict[str, Any], leases: Sequence[Lease] = ()
+) -> ServingPlan:
     b = board(board_doc)
     spec = engine(engine_doc).spec
     assert spec.model.facts is not None

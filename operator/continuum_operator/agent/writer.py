@@ -45,11 +45,9 @@ class NodeFacts:
 def connect(kubeconfig: str | None, *, in_cluster: bool) -> client.ApiClient:
     configuration = client.Configuration()
     if in_cluster:
-        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        config.load_incluster_config(client_configuration=configuration)
     else:
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=kubeconfig, client_configuration=configuration
-        )
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
     return client.ApiClient(configuration)
 
 

@@ -62,9 +62,7 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
 class KubeApi:
     def __init__(self, kubeconfig: str | None = None) -> None:
         configuration = client.Configuration()
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=kubeconfig, client_configuration=configuration
-        )
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
         self._client = client.ApiClient(configuration)
 
     def request(
@@ -85,7 +83,7 @@ class KubeApi:
             auth_settings=["BearerToken"],
         )
         response = self._client.call_api(*request, _request_timeout=30)
-        response.read()  # type: ignore[no-untyped-call]
+        response.read()
         text = response.data.decode() if response.data else ""
         if not 200 <= response.status <= 299:
             try:
@@ -122,7 +120,7 @@ class KubeApi:
             auth_settings=["BearerToken"],
         )  # fmt: skip
         response = self._client.call_api(*request, _request_timeout=30)
-        response.read()  # type: ignore[no-untyped-call]
+        response.read()
         text = response.data.decode() if response.data else ""
         if not 200 <= response.status <= 299:
             raise ApiError(response.status, "Error", text[:500])
