@@ -1,0 +1,104 @@
+"""Leader election (`kube.leader`) against a stand-in for the API server's Lease semantics:
+create refused when it exists, replace refused (409) on a stale resourceVersion. Time is a fake
+clock: no sleeps."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.grant_settings import LeaderSettings
+from continuum_operator.kube.leader import Elector
+
+
+class FakeLeases:
+    """One Lease store with resourceVersions, as the API server keeps them."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.rv = 0
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
+        if method == "GET":
+            if path not in self.objects:
+                raise ApiError(404, "NotFound", path)
+            return copy.deepcopy(self.objects[path])
+        if method == "POST":
+            key = f"{path}/{body['metadata']['name']}"
+            if key in self.objects:
+                raise ApiError(409, "AlreadyExists", key)
+            return self._store(key, body)
+        if method == "PUT":
+            if (
+                body["metadata"].get("resourceVersion")
+                != self.objects[path]["metadata"]["resourceVersion"]
+            ):
+                raise ApiError(409, "Conflict", path)
+            return self._store(path, body)
+        raise AssertionError(method)
+
+    def _store(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.rv += 1
+        stored = copy.deepcopy(body)
+        stored["metadata"]["resourceVersion"] = str(self.rv)
+        self.objects[key] = stored
+        return copy.deepcopy(stored)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SETTINGS = LeaderSettings(duration_seconds=10.0, renew_seconds=2.0)
+
+
+def electors() -> tuple[FakeLeases, Clock, Elector, Elector]:
+    api, clock = FakeLeases(), Clock()
+    one = Elector(api, SETTINGS, "one", clock)  # type: ignore[arg-type]
+    two = Elector(api, SETTINGS, "two", clock)  # type: ignore[arg-type]
+    return api, clock, one, two
+
+
+def test_of_two_candidates_exactly_one_leads_and_the_other_stands_by() -> None:
+    _, _, one, two = electors()
+    assert one.try_acquire_or_renew() is True
+    assert two.try_acquire_or_renew() is False
+    assert one.is_leader() and not two.is_leader()
+
+
+def test_a_standby_takes_over_only_once_the_leaders_lease_has_lapsed() -> None:
+    _, clock, one, two = electors()
+    one.try_acquire_or_renew()
+    clock.now += 9.0  # the leader died; its Lease has a second left
+    assert two.try_acquire_or_renew() is False
+    # The dead leader would have stopped writing before anyone could take over.
+    assert not one.is_leader()
+    clock.now += 1.5
+    assert two.try_acquire_or_renew() is True
+    assert two.is_leader()
+
+
+def test_a_leader_that_renews_keeps_the_lease() -> None:
+    _, clock, one, two = electors()
+    one.try_acquire_or_renew()
+    for _ in range(10):
+        clock.now += 2.0
+        assert one.try_acquire_or_renew() is True
+        assert two.try_acquire_or_renew() is False
+    assert one.is_leader()
+
+
+def test_a_clean_stop_hands_the_lease_over_at_once() -> None:
+    api, _, one, two = electors()
+    one.try_acquire_or_renew()
+    one.release()
+    assert not one.is_leader()
+    assert two.try_acquire_or_renew() is True
+    lease = next(iter(api.objects.values()))
+    assert lease["spec"]["holderIdentity"] == "two"
+    assert lease["spec"]["leaseTransitions"] == 1
