@@ -28,6 +28,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
@@ -128,7 +129,9 @@ def run(
     kubectl(kc, path, "wait", "--for=condition=established", "--timeout=60s", "-f",
             str(ROOT / "crds"))  # fmt: skip
     kubectl(kc, path, "create", "namespace", ns)
-    nodes, boards, leases = [], [], []
+    nodes: list[dict[str, Any]] = []
+    boards: list[dict[str, Any]] = []
+    leases: list[dict[str, Any]] = []
     for i in range(args.engines):
         name = f"{tag}-n{i:03d}"
         cap = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "1"}
@@ -158,7 +161,7 @@ def run(
         "gpus": [{"index": 0, "name": "bench GPU"}],
     }  # fmt: skip
     api_client = config.new_client_from_config(config_file=kc)
-    objects = client.CustomObjectsApi(api_client)
+    objects: Any = client.CustomObjectsApi(api_client)
     for n in nodes:
         objects.patch_cluster_custom_object_status(
             GROUP, VERSION, "nodeboards", n["metadata"]["name"], {"status": board}

@@ -31,8 +31,8 @@ class GrantSettings:
     cannot serve (an engine runtime run as a local process: the API server refuses loopback
     addresses in EndpointSlices). Others: `http://NAME.NAMESPACE.svc:PORT`."""
     write_workers: int = 8
-    """Minds' projections and finalizers written side by side by this many threads (each
-    write is one Mind's own; the ledgers themselves are written one engine at a time)."""
+    """Threads writing side by side: Engines' ledgers (each Engine's by one thread, all
+    stepped at one time) and Minds' projections and finalizers (each one Mind's own)."""
     conflict_retries: int = 8
     """Re-reads of an Engine after a 409 before the step is left to the next pass."""
 
@@ -50,6 +50,12 @@ def _grant_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="append every ledger change to this JSON-lines file (docs/transition-log.md)",
+    )
+    p.add_argument(
+        "--write-workers",
+        type=int,
+        default=d.write_workers,
+        help="threads writing Engines' ledgers (one engine each) and Minds' projections",
     )
     p.add_argument(
         "--engine-address",
@@ -71,6 +77,7 @@ def grant_settings(args: argparse.Namespace) -> GrantSettings:
         grace_seconds=args.grace,
         transition_log=args.transition_log,
         engine_addresses=addresses,
+        write_workers=max(1, args.write_workers),
     )
 
 

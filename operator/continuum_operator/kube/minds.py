@@ -182,16 +182,37 @@ class GrantsLoop:
             key = (body["metadata"]["namespace"], str((body.get("spec") or {}).get("engine")))
             by_engine.setdefault(key, []).append(body)
         engines = dict(self.engines.engines)
-        # Ledgers first, one engine after another (each a conditioned write) ...
+        for key, body in sorted(engines.items()):  # steps a dead leader wrote but did not log
+            self.log.recover(
+                f"{key[0]}/{key[1]}", (body.get("status") or {}).get(ledger.STEP_FIELD)
+            )
+
+        def demands(key: EngineKey) -> dict[str, MindDemand]:
+            return ledger.demands_of(by_engine.get(key, []), classes, default)
+
+        # Ledgers first. Engines with a grace deadline due, one after another, each stepped at
+        # its deadline (the release is forced then); the rest side by side, all at one time,
+        # so the log's `t` stays in order whatever order their writes end in.
+        wall = self.clock()
+        due = sorted(
+            (d, k) for k in engines if (d := self._due(engines[k])) is not None and d <= wall
+        )
         stepped: list[tuple[EngineKey, dict[str, Any]]] = []
-        for key in sorted(engines, key=lambda k: (self._due(engines[k]) or float("inf"), k)):
+        for _, key in due:
             if not self.may_write():
                 return
-            minds = by_engine.get(key, [])
-            demands = ledger.demands_of(minds, classes, default)
-            written = self.step_engine(key, engines[key], demands)
+            written = self.step_engine(key, engines[key], demands(key))
             if written is not None:
                 stepped.append((key, written))
+        rest = sorted(set(engines) - {k for _, k in due})
+        at = self.log.time(self.clock())
+        with ThreadPoolExecutor(self.settings.write_workers) as pool:
+            results = list(
+                pool.map(lambda k: (k, self.step_engine(k, engines[k], demands(k), at)), rest)
+            )
+        stepped.extend((k, b) for k, b in results if b is not None)
+        if not self.may_write():
+            return
         # ... then what follows from them, Minds' projections and finalizers, written side by
         # side: each is one Mind's own, and a projection is rewritten until it agrees.
         jobs: list[Callable[[], None]] = []
@@ -220,16 +241,21 @@ class GrantsLoop:
         return min(deadlines) if deadlines else None
 
     def step_engine(
-        self, key: EngineKey, body: dict[str, Any], demands: Mapping[str, MindDemand]
+        self,
+        key: EngineKey,
+        body: dict[str, Any],
+        demands: Mapping[str, MindDemand],
+        at: float | None = None,
     ) -> dict[str, Any] | None:
-        """Step one engine's ledger until nothing is due; the Engine as last written or read."""
-        name = f"{key[0]}/{key[1]}"
-        status = body.get("status") or {}
-        self.log.recover(name, status.get(ledger.STEP_FIELD))
+        """Step one engine's ledger until nothing is due (or once, at `at`); the Engine as
+        last written or read."""
         for _ in range(self.settings.conflict_retries + 4):
             wall = self.clock()
             due = self._due(body)
-            now = self.log.time(due if due is not None and due <= wall else wall)
+            if at is not None:
+                now = at
+            else:
+                now = self.log.time(due if due is not None and due <= wall else wall)
             s = ledger.step(body, demands, now, self.policy)
             if s.review_at is not None:
                 self.review_at[key] = s.review_at
@@ -244,7 +270,7 @@ class GrantsLoop:
                 return None
             body = answer
             due = self._due(body)
-            if due is None or due > self.clock():
+            if at is not None or due is None or due > self.clock():
                 return body
         return body
 

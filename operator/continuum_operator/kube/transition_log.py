@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ class TransitionLog:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
+        self.lock = threading.Lock()  # steps of several engines are written side by side
         self.last_t = 0.0
         self.seqs: dict[str, int] = {}  # engine -> last step seq in the file
         if path is not None and path.exists():
@@ -60,6 +62,10 @@ class TransitionLog:
     def append(self, engine: str, seq: int, lines: Sequence[Mapping[str, Any]]) -> None:
         if not lines:
             return
+        with self.lock:
+            self._append(engine, seq, lines)
+
+    def _append(self, engine: str, seq: int, lines: Sequence[Mapping[str, Any]]) -> None:
         t = max(self.last_t, *(float(line["t"]) for line in lines))
         text = "".join(
             json.dumps({**line, "t": max(float(line["t"]), self.last_t), "seq": seq}) + "\n"
