@@ -49,6 +49,7 @@ __all__ = ["FINALIZER", "GrantsLoop", "MindCache", "register"]
 log = logging.getLogger("continuum.grants")
 
 FINALIZER = "continuum.dev/grant"
+_HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
 
 
 # --- watches ----------------------------------------------------------------------------------
@@ -215,9 +216,14 @@ class GrantsLoop:
             return
         # ... then what follows from them, Minds' projections and finalizers, written side by
         # side: each is one Mind's own, and a projection is rewritten until it agrees.
+        # Projections are queued before finalizers: a grant is seen as soon as the API allows.
         jobs: list[Callable[[], None]] = []
+        finalizers: list[Callable[[], None]] = []
         for key, engine in stepped:
-            jobs.extend(self.projection_jobs(key, engine, by_engine.get(key, [])))
+            projections, fins = self.projection_jobs(key, engine, by_engine.get(key, []))
+            jobs.extend(projections)
+            finalizers.extend(fins)
+        jobs.extend(finalizers)
         # Minds of Engines nobody serves (deleted, or never made): nothing holds their grant.
         for key, minds in by_engine.items():
             if key not in engines:
@@ -358,28 +364,41 @@ class GrantsLoop:
 
     def projection_jobs(
         self, key: EngineKey, engine: dict[str, Any], minds: list[dict[str, Any]]
-    ) -> list[Callable[[], None]]:
-        """The writes that bring this engine's Minds in line with its ledger, one per Mind."""
+    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
+        """The writes that bring this engine's Minds in line with its ledger: projections, and
+        finalizers (on a Mind holding a slot, whose deletion must release it first; off a
+        deleted Mind once the ledger no longer holds her)."""
         status = engine.get("status") or {}
         entries = {str(e.get("mind")): e for e in status.get("grants") or []}
         pool = status.get(ledger.CAPACITY_FIELD) or {}
         slot_tokens = int(pool.get("tokensPerSlot") or 0)
         name = f"{key[0]}/{key[1]}"
         jobs: list[Callable[[], None]] = []
+        finalizers: list[Callable[[], None]] = []
         for m in sorted(minds, key=ledger.mind_key):
             meta = m["metadata"]
-            entry = entries.get(ledger.mind_key(m))
+            mkey = ledger.mind_key(m)
+            entry = entries.get(mkey)
             if meta.get("deletionTimestamp"):
                 if entry is None and FINALIZER in (meta.get("finalizers") or []):
-                    jobs.append(partial(self.finalize, m))
+                    finalizers.append(partial(self.finalize, m))
                 continue
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
             grant, conds = ledger.projection(entry, name, slot_tokens, asked)
             if self.projection_differs(m, grant, conds, self.endpoint(key)):
                 jobs.append(partial(self.project_one, m, grant, conds, self.endpoint(key)))
-            elif entry is not None and FINALIZER not in (meta.get("finalizers") or []):
-                jobs.append(partial(self.add_finalizer, m))
-        return jobs
+            holding = entry is not None and entry.get("state") in _HOLDING
+            if holding and FINALIZER not in (meta.get("finalizers") or []):
+                finalizers.append(partial(self.add_finalizer_to, mkey))
+        return jobs, finalizers
+
+    def add_finalizer_to(self, mkey: str) -> None:
+        """Add the finalizer to the Mind as the cache has her now (after her projection)."""
+        mind = self.minds.minds.get(mkey)
+        if mind is None or mind["metadata"].get("deletionTimestamp"):
+            return
+        if FINALIZER not in (mind["metadata"].get("finalizers") or []):
+            self.add_finalizer(mind)
 
     def finalize(self, mind: dict[str, Any]) -> None:
         crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
@@ -400,8 +419,6 @@ class GrantsLoop:
             first = self._projections_written == 1
         if first:
             crash.reached(crash.CrashPoint.MID_PROJECTIONS)
-        if grant is not None and FINALIZER not in (answer["metadata"].get("finalizers") or []):
-            self.add_finalizer(answer)
 
     def projection_differs(
         self,
