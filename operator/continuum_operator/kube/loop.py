@@ -24,7 +24,7 @@ from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.metrics import OperatorMetrics
-from continuum_operator.kube.reconcile import Event, Memory, Writes, reconcile
+from continuum_operator.kube.reconcile import Event, Memory, Writes, is_fresh, reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import ModelFacts
@@ -97,6 +97,12 @@ class Loop:
         m.set_memory_mode_unknown(key[0], key[1], writes.memory_mode_unknown)
         self.recorded.add(key)
 
+    def record_boards(self) -> None:
+        """Each board's freshness (its agent's Lease), as the placement sees it now."""
+        snap = self.cache.snapshot()
+        now, ttl = self.clock(), self.settings.freshness.default_ttl_seconds
+        self.metrics.set_boards_fresh({n: is_fresh(snap, n, now, ttl) for n in snap.boards})
+
     async def pass_once(self) -> None:
         unschedulable = 0
         for key in self._order():
@@ -129,6 +135,7 @@ class Loop:
                 self.cache.observe_deployment(deployment, deleted=False, nudge=False)
         await self.lanes.pass_once()  # EmbedLanes, against the leases just written
         self.metrics.unschedulable.set(unschedulable)
+        self.record_boards()
         live = {str(b["metadata"].get("uid", "")) for b in self.cache.engines.values()}
         for uid in set(self.memory) - live:
             del self.memory[uid]

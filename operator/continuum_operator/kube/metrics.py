@@ -21,6 +21,7 @@ __all__ = ["OperatorMetrics"]
 @dataclass
 class OperatorMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    boards_seen: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -55,6 +56,12 @@ class OperatorMetrics:
             "continuum_engine_memory_mode_unknown",
             "1 while an engine runs on a node of unknown memory mode (device ungoverned).",
             ["namespace", "engine"],
+            registry=r,
+        )
+        self.board_fresh = Gauge(
+            "continuum_node_board_fresh",
+            "1 while a node's board is fresh (its agent's Lease renewed in time), 0 when stale.",
+            ["node"],
             registry=r,
         )
         # A mind's child pods (kube.webhook, docs/children.md).
@@ -95,6 +102,15 @@ class OperatorMetrics:
 
     def set_memory_mode_unknown(self, namespace: str, engine: str, unknown: bool) -> None:
         self.memory_mode_unknown.labels(namespace, engine).set(1 if unknown else 0)
+
+    def set_boards_fresh(self, fresh: dict[str, bool]) -> None:
+        """Every board's freshness; a board that is gone leaves the metric."""
+        for node in self.boards_seen - set(fresh):
+            with contextlib.suppress(KeyError):
+                self.board_fresh.remove(node)
+        for node, ok in fresh.items():
+            self.board_fresh.labels(node).set(1 if ok else 0)
+        self.boards_seen = set(fresh)
 
     def record_child_mutated(self, namespace: str) -> None:
         self.children_mutated.labels(namespace).inc()

@@ -1,0 +1,534 @@
+"""The Helm chart (charts/continuum): `helm lint` and `helm template` with default and non-default
+values, the schema refusing bad values with a message, CRD templates that match crds/, flags the
+operator and the agent really accept, and RBAC that covers what the operator grants its pods.
+
+Needs helm from `tools/cluster build`; fails (never skips) without it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from continuum_operator.cli import build_parser
+from continuum_operator.kube import lane_objects, objects
+from continuum_operator.model.embedlane import EmbedLane
+from tests import builders
+from tests.helm import CHART, ROOT, by_kind, documents, find_helm, helm, one, template
+
+Rule = Mapping[str, Any]
+
+NON_DEFAULT: dict[str, Any] = {
+    "fullnameOverride": "ctm",
+    "images": {
+        "operator": {"repository": "registry.local/op", "tag": "t1"},
+        "agent": {"repository": "registry.local/agent", "tag": "t2"},
+        "engine": {"repository": "registry.local/engine", "tag": "t3"},
+    },
+    "imagePullSecrets": ["pull"],
+    "crds": {"install": True, "keep": False},
+    "operator": {
+        "replicas": 3,
+        "engineSelector": {"team": "a"},
+        "gpuSharing": "auto",
+        "engineCpu": "1500m",
+        "damping": {"readings": 5, "minGain": 0.2, "cooldownSeconds": 600},
+        "extraArgs": ["--board-ttl=60"],
+        "priorityClassName": "system-cluster-critical",
+    },
+    "agent": {
+        "runtimeClassName": "nvidia",
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "intervalSeconds": 5,
+        "leaseSeconds": 20,
+        "kubepodsCgroup": "kubepods",
+    },
+    "priorityClasses": {"childrenName": "mind-kids"},
+    "webhook": {"enabled": True, "timeoutSeconds": 3},
+    "metrics": {
+        "port": 9100,
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "prometheusRule": {"enabled": True},
+    },
+    "dashboards": {"enabled": True},
+}
+
+
+@pytest.fixture(scope="module")
+def helm_bin() -> Path:
+    return find_helm()
+
+
+@pytest.fixture(scope="module")
+def default_docs(helm_bin: Path) -> list[dict[str, Any]]:
+    return documents(template(helm_bin).stdout)
+
+
+@pytest.fixture(scope="module")
+def custom_docs(helm_bin: Path) -> list[dict[str, Any]]:
+    return documents(template(helm_bin, NON_DEFAULT).stdout)
+
+
+def _container(doc: Mapping[str, Any]) -> dict[str, Any]:
+    containers = doc["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return dict(containers[0])
+
+
+def _parse(args: Sequence[str]) -> Any:
+    """The container's arguments through `continuum`'s own parser (exits 2 on a bad flag)."""
+    return build_parser().parse_args(list(args))
+
+
+def allows(rules: Sequence[Rule], group: str, resource: str, verb: str, name: str = "") -> bool:
+    for rule in rules:
+        if group not in rule.get("apiGroups", []) and "*" not in rule.get("apiGroups", []):
+            continue
+        if resource not in rule.get("resources", []) and "*" not in rule.get("resources", []):
+            continue
+        if verb not in rule.get("verbs", []) and "*" not in rule.get("verbs", []):
+            continue
+        names = rule.get("resourceNames")
+        if names and name not in names:
+            continue
+        return True
+    return False
+
+
+def _expand(rules: Sequence[Rule]) -> Iterator[tuple[str, str, str, str]]:
+    for rule in rules:
+        for group in rule.get("apiGroups", []):
+            for resource in rule.get("resources", []):
+                for verb in rule.get("verbs", []):
+                    for name in rule.get("resourceNames") or [""]:
+                        yield group, resource, verb, name
+
+
+# --- lint and render ---------------------------------------------------------------------------
+
+
+def test_helm_lint_passes_with_default_and_non_default_values(
+    helm_bin: Path, tmp_path: Path
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(NON_DEFAULT))
+    for extra in ([], ["-f", str(values)]):
+        proc = helm(helm_bin, "lint", "--strict", str(CHART), *extra)
+        assert "0 chart(s) failed" in proc.stdout
+
+
+def test_the_default_install_has_operator_agent_rbac_crds_classes_and_metrics(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    kinds = sorted({d["kind"] for d in default_docs})
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "DaemonSet",
+        "Deployment",
+        "PriorityClass",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+    ]
+    # Optional parts are off by default: no webhook, no Prometheus-operator objects, no dashboard.
+    assert not by_kind(default_docs, "ServiceMonitor")
+    assert not by_kind(default_docs, "Secret")
+    deployment = one(default_docs, "Deployment", "-operator")
+    assert deployment["spec"]["replicas"] == 2
+    assert one(default_docs, "Service", "-operator-metrics")["spec"]["ports"][0]["port"] == 8000
+
+
+def test_every_object_is_namespaced_in_the_release_or_cluster_scoped(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    cluster_scoped |= {"PriorityClass"}
+    for doc in default_docs:
+        ns = doc["metadata"].get("namespace")
+        if doc["kind"] in cluster_scoped:
+            assert ns is None, doc["metadata"]["name"]
+        elif doc["kind"] in {"Role", "RoleBinding"} and doc["metadata"]["name"].endswith("-agent"):
+            assert ns == "kube-node-lease"  # the agents' node Leases live there
+        else:
+            assert ns == "continuum-system", f"{doc['kind']} {doc['metadata']['name']}"
+
+
+# --- CRDs ---------------------------------------------------------------------------------------
+
+
+def test_the_charts_crd_files_are_the_generated_crds_unchanged() -> None:
+    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    shipped = sorted(p.name for p in (CHART / "files" / "crds").glob("*.yaml"))
+    assert shipped == generated, "run: cp crds/*.yaml charts/continuum/files/crds/"
+    for name in generated:
+        assert (CHART / "files" / "crds" / name).read_text() == (
+            ROOT / "crds" / name
+        ).read_text(), (
+            f"charts/continuum/files/crds/{name} drifted from crds/{name}: "
+            "run `cp crds/*.yaml charts/continuum/files/crds/`"
+        )
+
+
+def test_crds_render_as_templates_kept_on_uninstall_with_their_schemas_intact(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    rendered = {d["metadata"]["name"]: d for d in by_kind(default_docs, "CustomResourceDefinition")}
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        source = yaml.safe_load(path.read_text())
+        crd = rendered[source["metadata"]["name"]]
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert crd["metadata"]["labels"]["app.kubernetes.io/part-of"] == "continuum"
+        assert crd["spec"] == source["spec"]  # the whole schema, unchanged by the templating
+
+
+def test_crds_can_be_left_out_or_not_kept(helm_bin: Path) -> None:
+    without = documents(template(helm_bin, {"crds": {"install": False}}).stdout)
+    assert not by_kind(without, "CustomResourceDefinition")
+    unkept = documents(template(helm_bin, {"crds": {"keep": False}}).stdout)
+    for crd in by_kind(unkept, "CustomResourceDefinition"):
+        assert "helm.sh/resource-policy" not in (crd["metadata"].get("annotations") or {})
+
+
+# --- the operator and the agent: flags their commands accept ----------------------------------
+
+
+def test_the_operators_arguments_are_flags_continuum_operator_accepts(
+    default_docs: list[dict[str, Any]], custom_docs: list[dict[str, Any]]
+) -> None:
+    default = _parse(_container(one(default_docs, "Deployment", "-operator"))["args"])
+    assert default.command == "operator"
+    assert default.leader_election is True
+    assert default.leader_namespace == "continuum-system"
+    assert default.leader_lease == "r1-continuum-leader"
+    assert default.metrics_port == 8000
+    assert default.webhook is False
+    assert default.engine_image == "ghcr.io/continuum-dev/continuum-engine:0.1.0"
+
+    custom = _parse(_container(one(custom_docs, "Deployment", "-operator"))["args"])
+    assert custom.engine_selector == "team=a"
+    assert custom.gpu_sharing == "auto"
+    assert custom.engine_cpu == "1500m"
+    assert (custom.damping_readings, custom.damping_min_gain) == (5, 0.2)
+    assert custom.relaunch_cooldown == 600
+    assert custom.board_ttl == 60  # extraArgs reach the command
+    assert custom.engine_image == "registry.local/engine:t3"
+    assert custom.children_priority_class == "mind-kids"
+    assert custom.webhook is True
+    assert custom.webhook_host == "ctm-webhook.continuum-system.svc"
+    assert custom.webhook_timeout == 3
+    assert custom.webhook_certfile == "/etc/continuum/webhook/tls.crt"
+    assert custom.metrics_port == 9100
+
+
+def test_the_agents_arguments_are_flags_continuum_agent_accepts(
+    default_docs: list[dict[str, Any]], custom_docs: list[dict[str, Any]]
+) -> None:
+    ds = one(default_docs, "DaemonSet", "-agent")
+    args = _parse(_container(ds)["args"])
+    assert args.command == "agent"
+    assert args.in_cluster is True
+    assert str(args.cgroup_dir) == "/host/sys/fs/cgroup/kubepods.slice"
+    assert args.lease_seconds > args.interval
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert "runtimeClassName" not in pod
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    env = {e["name"]: e for e in _container(ds)["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+    custom = one(custom_docs, "DaemonSet", "-agent")
+    cpod = custom["spec"]["template"]["spec"]
+    assert cpod["runtimeClassName"] == "nvidia"
+    assert cpod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    cargs = _parse(_container(custom)["args"])
+    assert (cargs.interval, cargs.lease_seconds) == (5, 20)
+    assert str(cargs.cgroup_dir) == "/host/sys/fs/cgroup/kubepods"
+    assert _container(custom)["image"] == "registry.local/agent:t2"
+
+
+def test_both_pods_run_non_root_on_a_read_only_root_with_no_capabilities(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    for doc in (one(default_docs, "Deployment"), one(default_docs, "DaemonSet")):
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        sc = _container(doc)["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        mounts = {m["mountPath"] for m in _container(doc)["volumeMounts"]}
+        assert "/tmp" in mounts  # the only writable place
+        assert "limits" in _container(doc)["resources"]
+
+
+def test_replicas_spread_over_nodes_and_roll_one_at_a_time(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    deployment = one(default_docs, "Deployment", "-operator")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_one_replica_without_leader_election_runs_with_no_leader_election(
+    helm_bin: Path,
+) -> None:
+    values = {"operator": {"replicas": 1, "leaderElection": {"enabled": False}}}
+    docs = documents(template(helm_bin, values).stdout)
+    args = _parse(_container(one(docs, "Deployment", "-operator"))["args"])
+    assert args.leader_election is False
+    assert not [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader")]
+
+
+# --- priority classes ---------------------------------------------------------------------------
+
+
+def test_priority_classes_are_the_ones_the_operator_applies(
+    custom_docs: list[dict[str, Any]],
+) -> None:
+    from continuum_operator.kube.settings import PodSettings
+
+    expected = objects.priority_classes(PodSettings(children_priority_class="mind-kids"))
+    rendered = {d["metadata"]["name"]: d for d in by_kind(custom_docs, "PriorityClass")}
+    assert set(rendered) == {pc["metadata"]["name"] for pc in expected}
+    for pc in expected:
+        got = rendered[pc["metadata"]["name"]]
+        for key in ("value", "preemptionPolicy", "globalDefault", "description"):
+            assert got[key] == pc[key], f"{pc['metadata']['name']}.{key}"
+        assert got["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+# --- webhook ------------------------------------------------------------------------------------
+
+
+def test_the_webhook_gets_a_service_and_a_certificate_for_its_service_name(
+    custom_docs: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    service = one(custom_docs, "Service", "-webhook")
+    assert service["spec"]["ports"][0]["port"] == 9443
+    secret = one(custom_docs, "Secret", "-webhook-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    files = {}
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        files[key] = tmp_path / key
+        files[key].write_bytes(base64.b64decode(secret["data"][key]))
+    # The serving certificate is signed by the CA and names the Service's DNS name.
+    verify = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(files["ca.crt"]), str(files["tls.crt"])],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert verify.returncode == 0, verify.stderr
+    text = subprocess.run(
+        ["openssl", "x509", "-noout", "-text", "-in", str(files["tls.crt"])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "DNS:ctm-webhook.continuum-system.svc" in text
+    deployment = one(custom_docs, "Deployment", "-operator")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["webhook-tls"]["secret"]["secretName"] == "ctm-webhook-tls"
+
+
+def test_the_operator_may_patch_only_its_own_webhook_configuration(
+    custom_docs: list[dict[str, Any]], default_docs: list[dict[str, Any]]
+) -> None:
+    rules = one(custom_docs, "ClusterRole", "-operator")["rules"]
+    group, kind = "admissionregistration.k8s.io", "mutatingwebhookconfigurations"
+    assert allows(rules, group, kind, "patch", "continuum-mind-children")
+    assert not allows(rules, group, kind, "patch", "someone-elses")
+    assert not allows(rules, group, kind, "delete", "continuum-mind-children")
+    default_rules = one(default_docs, "ClusterRole", "-operator")["rules"]
+    assert not allows(default_rules, group, kind, "create")
+
+
+def test_cert_manager_mode_asks_cert_manager_for_the_certificate(helm_bin: Path) -> None:
+    values = {"webhook": {"enabled": True, "certificates": {"mode": "certManager"}}}
+    docs = documents(template(helm_bin, values).stdout)
+    cert = one(docs, "Certificate")
+    assert cert["spec"]["dnsNames"][0] == "r1-continuum-webhook.continuum-system.svc"
+    assert cert["spec"]["issuerRef"]["name"] == one(docs, "Issuer")["metadata"]["name"]
+    assert not by_kind(docs, "Secret")
+
+
+# --- RBAC ---------------------------------------------------------------------------------------
+
+
+def test_the_operator_holds_every_right_it_grants_engine_and_lane_pods(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    """RBAC lets nobody grant a right it lacks: the Roles it makes for its pods are subsets."""
+    rules = one(default_docs, "ClusterRole", "-operator")["rules"]
+    engine = builders.engine(builders.engine_body())
+    lane_path = ROOT / "examples" / "embedlanes" / "notes.yaml"
+    lane = EmbedLane.model_validate(yaml.safe_load(lane_path.read_text()))
+    granted = [
+        *objects.engine_rbac(engine, "uid-1"),
+        *lane_objects.lane_identity(lane, "uid-2"),
+    ]
+    roles = [o for o in granted if o["kind"] == "Role"]
+    assert len(roles) == 2
+    for role in roles:
+        for group, resource, verb, name in _expand(role["rules"]):
+            assert allows(rules, group, resource, verb, name), (group, resource, verb, name)
+    # ... and it may create the objects of that identity (server-side apply: create + patch).
+    for obj in granted:
+        plural = {
+            "ServiceAccount": "serviceaccounts",
+            "Role": "roles",
+            "RoleBinding": "rolebindings",
+        }
+        group = obj["apiVersion"].rpartition("/")[0]
+        for verb in ("create", "patch"):
+            assert allows(rules, group, plural[obj["kind"]], verb), (obj["kind"], verb)
+
+
+def test_the_operator_has_no_wildcards_no_secrets_and_no_deletes_beyond_its_workloads(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    rules = one(default_docs, "ClusterRole", "-operator")["rules"]
+    for group, resource, verb, _ in _expand(rules):
+        assert "*" not in (group, resource, verb)
+        assert resource != "secrets"
+        if verb == "delete":
+            assert resource in {"deployments", "services", "jobs"}, resource
+        if group == "continuum.dev" and not resource.endswith("/status"):
+            assert verb in {"get", "list", "watch", "patch"}, (resource, verb)  # no create/delete
+    assert not allows(rules, "continuum.dev", "nodeboards", "patch")  # the agent's to write
+    assert not allows(rules, "continuum.dev", "nodeboards/status", "patch")
+
+
+def test_the_agent_writes_only_boards_and_its_leases(default_docs: list[dict[str, Any]]) -> None:
+    cluster = one(default_docs, "ClusterRole", "-agent")["rules"]
+    role = one(default_docs, "Role", "-agent")
+    assert role["metadata"]["namespace"] == "kube-node-lease"
+    writes = [(g, r, v) for g, r, v, _ in _expand(cluster) if v not in {"get", "list", "watch"}]
+    assert sorted(writes) == [
+        ("continuum.dev", "nodeboards", "create"),
+        ("continuum.dev", "nodeboards/status", "patch"),
+    ]
+    assert sorted((r, v) for _, r, v, _ in _expand(role["rules"])) == [
+        ("leases", "create"),
+        ("leases", "patch"),
+    ]
+    assert not allows(cluster, "", "pods", "get")  # list, field-selected to its node
+    assert not allows(cluster, "", "secrets", "list")
+
+
+# --- monitoring ---------------------------------------------------------------------------------
+
+
+def test_monitoring_objects_scrape_the_operator_and_every_engine(
+    custom_docs: list[dict[str, Any]],
+) -> None:
+    monitors = {d["metadata"]["name"]: d for d in by_kind(custom_docs, "ServiceMonitor")}
+    assert set(monitors) == {"ctm-operator", "ctm-engines"}
+    for monitor in monitors.values():
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    engines = monitors["ctm-engines"]["spec"]
+    assert engines["namespaceSelector"] == {"any": True}
+    assert engines["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == objects.MANAGED_BY
+    assert engines["endpoints"][0]["port"] == "http"  # the engine Service's port name
+
+
+def test_the_prometheus_rule_has_the_issues_alerts_on_exported_names(
+    custom_docs: list[dict[str, Any]],
+) -> None:
+    rule = one(custom_docs, "PrometheusRule")
+    alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(alerts) == {
+        "ContinuumMemoryModeUnknown",
+        "ContinuumBoardStale",
+        "ContinuumRelaunchStorm",
+        "ContinuumReclaimCycles",
+        "ContinuumEstimateErrorHigh",
+        "ContinuumUnmutatedChildren",
+    }
+    documented = (ROOT / "docs" / "metrics.md").read_text()
+    for name, alert in alerts.items():
+        assert alert["annotations"]["summary"]
+        assert alert["labels"]["severity"] in {"warning", "critical"}
+        # Each alert's metric is one docs/metrics.md lists.
+        metric = re.findall(r"continuum_[a-z_]+", alert["expr"])[0]
+        assert f"`{metric}`" in documented, f"{name}: {metric} is not in docs/metrics.md"
+
+
+def test_the_dashboard_is_valid_json_in_an_optional_configmap(
+    custom_docs: list[dict[str, Any]], default_docs: list[dict[str, Any]]
+) -> None:
+    assert not [d for d in by_kind(default_docs, "ConfigMap")]
+    cm = one(custom_docs, "ConfigMap", "-dashboards")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["continuum.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "continuum.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    documented = (ROOT / "docs" / "metrics.md").read_text()
+    for expr in exprs:
+        for word in re.findall(r"continuum_[a-z_]+", expr):
+            assert f"`{word}`" in documented, f"dashboard uses {word}, not in docs/metrics.md"
+
+
+# --- bad values ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"replicas": 0}}, "/operator/replicas"),
+        ({"operator": {"gpuSharing": "nvidia"}}, "/operator/gpuSharing"),
+        ({"operator": {"replicsa": 2}}, "replicsa"),
+        ({"operator": {"engineCpu": "two"}}, "/operator/engineCpu"),
+        ({"agent": {"leaseSeconds": "forty"}}, "/agent/leaseSeconds"),
+        ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
+        ({"webhook": {"enabled": True, "certificates": {"mode": "secret"}}}, "secretName"),
+        ({"webhook": {"certificates": {"mode": "vault"}}}, "/webhook/certificates/mode"),
+        ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "interval"),
+        ({"images": {"operator": {"repository": ""}}}, "/images/operator/repository"),
+    ],
+)
+def test_bad_values_are_refused_by_the_schema_with_the_fields_path(
+    helm_bin: Path, values: dict[str, Any], message: str
+) -> None:
+    proc = template(helm_bin, values, check=False)
+    assert proc.returncode != 0
+    assert "schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"operator": {"replicas": 2, "leaderElection": {"enabled": False}}},
+            "operator.replicas > 1 needs operator.leaderElection.enabled",
+        ),
+        (
+            {"agent": {"intervalSeconds": 30, "leaseSeconds": 20}},
+            "must exceed agent.intervalSeconds",
+        ),
+    ],
+)
+def test_values_the_schema_cannot_judge_alone_fail_with_a_sentence(
+    helm_bin: Path, values: dict[str, Any], message: str
+) -> None:
+    proc = template(helm_bin, values, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
