@@ -1,0 +1,380 @@
+"""The Helm chart on the real control plane: `helm install` creates valid objects, its
+ServiceAccounts can do what the operator and the agent need and nothing broader (`kubectl auth
+can-i` as each of them), `continuum operator` run as a local process with the chart's own
+arguments and a token of the chart's ServiceAccount reconciles an Engine, and `helm upgrade`
+changes a CRD. The CRDs other tests applied are adopted (`--take-ownership`) and left as they
+were found: the last upgrade restores the repository's CRDs, and they are kept on uninstall. The
+operator applies its PriorityClasses itself at every start, while the chart is installed: the
+upgrades here show that the two never contend for them.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import Cluster
+from tests.e2e.test_operator import discrete_status, free_port, renew, wait_for, write_board
+from tests.helm import CHART, documents, find_helm, helm
+
+pytestmark = pytest.mark.e2e
+
+RUN = uuid.uuid4().hex[:8]
+SELECTOR = ("continuum.dev/e2e-chart", RUN)
+RELEASE = f"ct{RUN}"
+FULLNAME = f"{RELEASE}-continuum"
+OPERATOR_SA = f"{FULLNAME}-operator"
+AGENT_SA = f"{FULLNAME}-agent"
+VALUES: dict[str, Any] = {
+    "operator": {"engineSelector": {SELECTOR[0]: SELECTOR[1]}},
+    "images": {"engine": {"repository": "continuum-engine", "tag": "e2e"}},
+}
+
+
+@dataclass
+class Release:
+    helm: Path
+    namespace: str
+    values_file: Path
+    env: dict[str, str]
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return helm(self.helm, *args, env=self.env, check=check, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
+    """The chart installed in its own namespace; uninstalled (and the namespace deleted) after."""
+    binary = find_helm()
+    ns = f"continuum-{RUN}"
+    values = tmp_path_factory.mktemp("chart") / "values.yaml"
+    values.write_text(yaml.safe_dump(VALUES))
+    rel = Release(binary, ns, values, cluster.env)
+    rel.run(
+        "install", RELEASE, str(CHART), "--namespace", ns, "--create-namespace",
+        "-f", str(values), "--take-ownership",
+    )  # fmt: skip
+    try:
+        yield rel
+    finally:
+        rel.run("uninstall", RELEASE, "--namespace", ns, "--wait", check=False)
+        cluster.kubectl(
+            "delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False
+        )
+
+
+def can_i(cluster: Cluster, sa: str, ns: str, *args: str) -> bool:
+    proc = cluster.kubectl(
+        "auth", "can-i", *args, f"--as=system:serviceaccount:{ns}:{sa}", check=False
+    )
+    answer = proc.stdout.strip()
+    assert answer in {"yes", "no"}, f"kubectl auth can-i {args}: {proc.stdout} {proc.stderr}"
+    return answer == "yes"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_install_creates_every_object_of_the_manifest(cluster: Cluster, release: Release) -> None:
+    manifest = documents(release.run("get", "manifest", RELEASE, "-n", release.namespace).stdout)
+    assert {d["kind"] for d in manifest} >= {
+        "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+        "ServiceAccount", "Deployment", "DaemonSet", "Service",
+    }  # fmt: skip
+    for doc in manifest:
+        args = [doc["kind"], doc["metadata"]["name"]]
+        ns = doc["metadata"].get("namespace")
+        live = cluster.get_json(*args, *(["-n", ns] if ns else []))
+        assert live["metadata"]["name"] == doc["metadata"]["name"]
+    for crd in (d for d in manifest if d["kind"] == "CustomResourceDefinition"):
+        live = cluster.get_json("crd", crd["metadata"]["name"])
+        assert live["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        established = [c for c in live["status"]["conditions"] if c["type"] == "Established"]
+        assert established and established[0]["status"] == "True"
+    deployment = cluster.get_json("deployment", f"{FULLNAME}-operator", "-n", release.namespace)
+    assert deployment["spec"]["replicas"] == 2
+    sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert sa == OPERATOR_SA
+
+
+def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
+    cluster: Cluster, release: Release
+) -> None:
+    ns = release.namespace
+    yes = [
+        ("list", "engines.continuum.dev", "--all-namespaces"),
+        ("watch", "minds.continuum.dev", "--all-namespaces"),
+        ("patch", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),
+        ("update", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),
+        ("patch", "minds.continuum.dev", "-n", "any-ns"),
+        ("patch", "embedlanes.continuum.dev", "--subresource=status", "-n", "any-ns"),
+        ("list", "nodeboards.continuum.dev"),
+        ("list", "leases.coordination.k8s.io", "--all-namespaces"),
+        ("create", "deployments.apps", "-n", "any-ns"),
+        ("delete", "services", "-n", "any-ns"),
+        ("create", "jobs.batch", "-n", "any-ns"),
+        ("get", "pods", "--subresource=log", "-n", "any-ns"),
+        ("create", "roles.rbac.authorization.k8s.io", "-n", "any-ns"),
+        ("create", "events", "-n", "any-ns"),
+        ("patch", "priorityclasses.scheduling.k8s.io"),
+        ("create", "leases.coordination.k8s.io", "-n", ns),
+        ("update", f"leases.coordination.k8s.io/{FULLNAME}-leader", "-n", ns),
+    ]
+    no = [
+        ("get", "secrets", "-n", ns),
+        ("list", "secrets", "--all-namespaces"),
+        ("create", "engines.continuum.dev", "-n", "any-ns"),
+        ("delete", "minds.continuum.dev", "-n", "any-ns"),
+        ("patch", "nodeboards.continuum.dev", "--subresource=status"),
+        ("delete", "nodes"),
+        ("create", "pods", "-n", "any-ns"),
+        ("create", "clusterroles.rbac.authorization.k8s.io"),
+        ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+        ("update", "leases.coordination.k8s.io/kube-controller-manager", "-n", "kube-system"),
+        ("update", "leases.coordination.k8s.io/someone-else", "-n", ns),
+        ("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io"),
+        ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
+        ("impersonate", "serviceaccounts", "-n", ns),
+    ]
+    for args in yes:
+        assert can_i(cluster, OPERATOR_SA, ns, *args), f"operator should: {args}"
+    for args in no:
+        assert not can_i(cluster, OPERATOR_SA, ns, *args), f"operator should not: {args}"
+
+
+def test_the_agents_service_account_writes_only_boards_and_node_leases(
+    cluster: Cluster, release: Release
+) -> None:
+    ns = release.namespace
+    yes = [
+        ("get", "nodes"),
+        ("list", "pods", "--all-namespaces"),
+        ("get", "nodeboards.continuum.dev"),
+        ("create", "nodeboards.continuum.dev"),
+        ("patch", "nodeboards.continuum.dev", "--subresource=status"),
+        ("create", "leases.coordination.k8s.io", "-n", "kube-node-lease"),
+        ("patch", "leases.coordination.k8s.io", "-n", "kube-node-lease"),
+    ]
+    no = [
+        ("patch", "nodes"),
+        ("delete", "nodeboards.continuum.dev"),
+        ("patch", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),
+        ("create", "leases.coordination.k8s.io", "-n", ns),
+        ("patch", "leases.coordination.k8s.io", "-n", "kube-system"),
+        ("get", "secrets", "-n", ns),
+        ("get", "pods", "--subresource=log", "-n", "any-ns"),
+        ("create", "pods", "-n", ns),
+    ]
+    for args in yes:
+        assert can_i(cluster, AGENT_SA, ns, *args), f"agent should: {args}"
+    for args in no:
+        assert not can_i(cluster, AGENT_SA, ns, *args), f"agent should not: {args}"
+
+
+def _token_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as the chart's ServiceAccount (a bound token)."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    ctx_name = admin["current-context"]
+    ctx = next(c["context"] for c in admin["contexts"] if c["name"] == ctx_name)
+    server = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": server["cluster"]}],
+                "users": [{"name": sa, "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": "c", "user": sa}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    return path
+
+
+def _metric(url: str, name: str, **labels: str) -> float | None:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_an_engine(
+    cluster: Cluster, release: Release, tmp_path: Path
+) -> None:
+    ns = release.namespace
+    deployment = cluster.get_json("deployment", f"{FULLNAME}-operator", "-n", ns)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    port = free_port()
+    args = [
+        f"--metrics-port={port}" if a.startswith("--metrics-port=") else a
+        for a in container["args"]
+    ]
+    assert args[0] == "operator"
+    kubeconfig = _token_kubeconfig(cluster, ns, OPERATOR_SA, tmp_path / "sa.kubeconfig")
+    log = tmp_path / "operator.log"
+    cmd = [sys.executable, "-m", "continuum_operator.cli", *args, "--kubeconfig", str(kubeconfig)]
+    env = {**cluster.env, "POD_NAMESPACE": ns, "KUBECONFIG": str(kubeconfig)}
+
+    node = f"chart-{RUN}"
+    cluster.create_fake_node(node, capacity={"nvidia.com/gpu": "1"}, labels={"e2e-chart": RUN})
+    write_board(cluster, node, discrete_status(80, 1))
+    renew(cluster, node)
+    engine = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Engine",
+        "metadata": {"name": "chart-engine", "namespace": ns, "labels": dict([SELECTOR])},
+        "spec": {
+            "model": {
+                "facts": {
+                    "layers": 32,
+                    "layerBytes": 232783872,
+                    "inputBytes": 532676608,
+                    "outputBytes": 532676608,
+                    "kvBytesPerTokenPerLayer": 4096,
+                    "computeBytes": 268435456,
+                }
+            },
+            "contextTokensPerMind": 16384,
+            "minds": {"min": 1, "max": 4},
+            "placement": {"nodeSelector": {"e2e-chart": RUN}},
+        },
+    }
+    cluster.apply(engine)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        time.sleep(3)
+        if proc.poll() is not None:
+            pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
+
+        def placed() -> Any:
+            body = cluster.get_json("engine", "chart-engine", "-n", ns)
+            status = body.get("status") or {}
+            return body if (status.get("placement") or {}).get("node") == node else None
+
+        body = wait_for("the Engine placed on the chart's test node", placed, 120, log)
+        plan = body["status"]["plan"]
+        assert plan["layersOnDevice"] == plan["totalLayers"]  # 80 GiB holds every layer
+        # Its pod's identity and workload, written with the chart's RBAC (a Role the API server
+        # lets the operator create only because the operator holds every right in it).
+        wait_for(
+            "the engine's Deployment",
+            lambda: cluster.kubectl("get", "deployment", "chart-engine", "-n", ns, check=False)
+            .returncode == 0,
+            120,
+            log,
+        )  # fmt: skip
+        role = cluster.get_json("role", "continuum-engine-chart-engine", "-n", ns)
+        assert role["rules"][0]["resourceNames"] == ["chart-engine"]
+        # The leader Lease the chart's Role allows, held by this process.
+        lease = wait_for(
+            "the leader Lease",
+            lambda: (
+                cluster.kubectl(
+                    "get", "lease", f"{FULLNAME}-leader", "-n", ns, "-o", "json", check=False
+                ).stdout
+            ),
+            60,
+            log,
+        )
+        assert json.loads(lease)["spec"]["holderIdentity"]
+        # Its metrics, on the chart's port setting replaced by a free one.
+        url = f"http://127.0.0.1:{port}/metrics"
+        wait_for(
+            "continuum_node_board_fresh for the node",
+            lambda: _metric(url, "continuum_node_board_fresh", node=node) == 1.0,
+            60,
+            log,
+        )
+        assert (_metric(url, "continuum_engine_placements_total") or 0) >= 1
+        text = log.read_text()
+        assert "403" not in text and "Forbidden" not in text and "forbidden" not in text, text[
+            -3000:
+        ]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        cluster.kubectl("delete", "engine", "chart-engine", "-n", ns, "--wait=false", check=False)
+        cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+
+
+def test_an_upgrade_changes_a_crd_and_the_operator_and_keeps_crds_on_uninstall(
+    cluster: Cluster, release: Release, tmp_path: Path
+) -> None:
+    ns = release.namespace
+    changed = tmp_path / "continuum"
+    subprocess.run(["cp", "-r", str(CHART), str(changed)], check=True)
+    crd_file = changed / "files" / "crds" / "continuum.dev_minds.yaml"
+    text = crd_file.read_text()
+    column = (
+        "    additionalPrinterColumns:\n"
+        "    - name: Upgraded\n"
+        "      type: string\n"
+        "      jsonPath: .metadata.labels.upgraded\n"
+    )
+    marker = "  - name: v1alpha1\n"
+    assert marker in text
+    had_columns = "additionalPrinterColumns:" in text
+    if had_columns:
+        text = text.replace(
+            "    additionalPrinterColumns:\n",
+            "    additionalPrinterColumns:\n"
+            "    - name: Upgraded\n      type: string\n      jsonPath: .metadata.labels.upgraded\n",
+            1,
+        )
+    else:
+        text = text.replace(marker, marker + column, 1)
+    crd_file.write_text(text)
+
+    def columns() -> list[str]:
+        crd = cluster.get_json("crd", "minds.continuum.dev")
+        return [c["name"] for c in crd["spec"]["versions"][0].get("additionalPrinterColumns", [])]
+
+    before = columns()
+    assert "Upgraded" not in before
+    release.run(
+        "upgrade", RELEASE, str(changed), "-n", ns, "-f", str(release.values_file),
+        "--set", "operator.replicas=3",
+    )  # fmt: skip
+    assert "Upgraded" in columns()
+    assert cluster.get_json("deployment", f"{FULLNAME}-operator", "-n", ns)["spec"]["replicas"] == 3
+    history = release.run("history", RELEASE, "-n", ns, "-o", "json").stdout
+    assert [h["revision"] for h in json.loads(history)] == [1, 2]
+
+    # Back to the repository's CRDs (other tests apply them), then uninstall.
+    release.run("upgrade", RELEASE, str(CHART), "-n", ns, "-f", str(release.values_file))
+    assert columns() == before
+    release.run("uninstall", RELEASE, "-n", ns, "--wait")
+    for crd in ("engines", "minds", "embedlanes", "nodeboards", "mindclasses"):
+        cluster.get_json("crd", f"{crd}.continuum.dev")  # kept
+    # The operator's own PriorityClasses (applied by it, not the chart) outlive the release.
+    cluster.get_json("priorityclass", "continuum-mind-children")
+    gone = cluster.kubectl(
+        "get", "clusterrole", f"{FULLNAME}-operator", "--ignore-not-found", "-o", "name"
+    )
+    assert gone.stdout.strip() == ""
+    gone = cluster.kubectl(
+        "get", "deployment", f"{FULLNAME}-operator", "-n", ns, "--ignore-not-found", "-o", "name"
+    )
+    assert gone.stdout.strip() == ""
