@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -114,6 +116,46 @@ def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:
 # --- the loop ---------------------------------------------------------------------------------
 
 
+_PROJECTION, _FINALIZER = 0, 1  # write priorities: a grant is seen before its finalizer lands
+
+
+class _Writer:
+    """Writes of Minds (projections, finalizers), by `workers` daemon threads, projections
+    first. One Mind's writes run one at a time, in order; a write of a Mind not yet started is
+    replaced by a newer one of the same kind (it carries the newer ledger)."""
+
+    def __init__(self, workers: int, may_write: Callable[[], bool]) -> None:
+        self.may_write = may_write
+        self.queue: queue.PriorityQueue[tuple[int, int, str]] = queue.PriorityQueue()
+        self.pending: dict[tuple[int, str], Callable[[], None]] = {}
+        self.lock = threading.Lock()
+        self.key_locks: dict[str, threading.Lock] = {}
+        self.seq = itertools.count()
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"mind-writer-{i}", daemon=True).start()
+
+    def submit(self, priority: int, key: str, job: Callable[[], None]) -> None:
+        with self.lock:
+            queued = (priority, key) in self.pending
+            self.pending[(priority, key)] = job
+        if not queued:
+            self.queue.put((priority, next(self.seq), key))
+
+    def _work(self) -> None:
+        while True:
+            priority, _, key = self.queue.get()
+            with self.lock:
+                job = self.pending.pop((priority, key), None)
+                key_lock = self.key_locks.setdefault(key, threading.Lock())
+            if job is None or not self.may_write():
+                continue
+            with key_lock:
+                try:
+                    job()
+                except Exception:  # one failed write must not stop the writer; a pass redoes it
+                    log.exception("writing Mind %s failed", key)
+
+
 class GrantsLoop:
     def __init__(
         self,
@@ -139,6 +181,7 @@ class GrantsLoop:
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
         self.retry_soon = False
+        self.writer = _Writer(settings.write_workers, lambda: self.may_write())
         self._lock = threading.Lock()
         self._projections_written = 0
         self.engine_seen: dict[EngineKey, str] = {}  # resourceVersion each engine was stepped at
@@ -217,25 +260,20 @@ class GrantsLoop:
         # ... then what follows from them, Minds' projections and finalizers, written side by
         # side: each is one Mind's own, and a projection is rewritten until it agrees.
         # Projections are queued before finalizers: a grant is seen as soon as the API allows.
-        jobs: list[Callable[[], None]] = []
-        finalizers: list[Callable[[], None]] = []
+        jobs: list[tuple[int, str, Callable[[], None]]] = []
         for key, engine in stepped:
-            projections, fins = self.projection_jobs(key, engine, by_engine.get(key, []))
-            jobs.extend(projections)
-            finalizers.extend(fins)
-        jobs.extend(finalizers)
+            jobs.extend(self.projection_jobs(key, engine, by_engine.get(key, [])))
         # Minds of Engines nobody serves (deleted, or never made): nothing holds their grant.
         for key, minds in by_engine.items():
             if key not in engines:
                 jobs.extend(
-                    partial(self.drop_finalizer, m)
+                    (_FINALIZER, ledger.mind_key(m), partial(self.drop_finalizer, m))
                     for m in minds
                     if m["metadata"].get("deletionTimestamp")
                 )
-        if jobs:
-            with ThreadPoolExecutor(self.settings.write_workers) as pool:
-                for done in [pool.submit(job) for job in jobs]:
-                    done.result()
+        # Not waited for: the next pass's ledgers need not queue behind these writes.
+        for priority, mkey, job in jobs:
+            self.writer.submit(priority, mkey, job)
 
     def _due(self, body: Mapping[str, Any]) -> float | None:
         deadlines = [
@@ -364,7 +402,7 @@ class GrantsLoop:
 
     def projection_jobs(
         self, key: EngineKey, engine: dict[str, Any], minds: list[dict[str, Any]]
-    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
+    ) -> list[tuple[int, str, Callable[[], None]]]:
         """The writes that bring this engine's Minds in line with its ledger: projections, and
         finalizers (on a Mind holding a slot, whose deletion must release it first; off a
         deleted Mind once the ledger no longer holds her)."""
@@ -373,24 +411,24 @@ class GrantsLoop:
         pool = status.get(ledger.CAPACITY_FIELD) or {}
         slot_tokens = int(pool.get("tokensPerSlot") or 0)
         name = f"{key[0]}/{key[1]}"
-        jobs: list[Callable[[], None]] = []
-        finalizers: list[Callable[[], None]] = []
+        jobs: list[tuple[int, str, Callable[[], None]]] = []
         for m in sorted(minds, key=ledger.mind_key):
             meta = m["metadata"]
             mkey = ledger.mind_key(m)
             entry = entries.get(mkey)
             if meta.get("deletionTimestamp"):
                 if entry is None and FINALIZER in (meta.get("finalizers") or []):
-                    finalizers.append(partial(self.finalize, m))
+                    jobs.append((_FINALIZER, mkey, partial(self.finalize, m)))
                 continue
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
             grant, conds = ledger.projection(entry, name, slot_tokens, asked)
             if self.projection_differs(m, grant, conds, self.endpoint(key)):
-                jobs.append(partial(self.project_one, m, grant, conds, self.endpoint(key)))
+                job = partial(self.project_one, mkey, grant, conds, self.endpoint(key))
+                jobs.append((_PROJECTION, mkey, job))
             holding = entry is not None and entry.get("state") in _HOLDING
             if holding and FINALIZER not in (meta.get("finalizers") or []):
-                finalizers.append(partial(self.add_finalizer_to, mkey))
-        return jobs, finalizers
+                jobs.append((_FINALIZER, mkey, partial(self.add_finalizer_to, mkey)))
+        return jobs
 
     def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""
@@ -406,11 +444,14 @@ class GrantsLoop:
 
     def project_one(
         self,
-        mind: dict[str, Any],
+        mkey: str,
         grant: dict[str, Any] | None,
         conds: Mapping[str, tuple[bool, str, str]],
         endpoint: str,
     ) -> None:
+        mind = self.minds.minds.get(mkey)  # as the cache has her now
+        if mind is None:
+            return
         answer = self.write_projection(mind, grant, conds, endpoint)
         if answer is None:
             return
