@@ -24,6 +24,7 @@ from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.metrics import OperatorMetrics
+from continuum_operator.kube.pool_metrics import PoolMetrics
 from continuum_operator.kube.reconcile import Event, Memory, Writes, is_fresh, reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION
@@ -46,6 +47,7 @@ class Loop:
         self.cache = cache
         self.clock = clock
         self.metrics = metrics or OperatorMetrics()
+        self.pools = PoolMetrics(self.metrics.registry)
         self.memory: dict[str, Memory] = {}
         self.services: dict[EngineKey, str] = {}
         self.recorded: set[EngineKey] = set()  # engines with metric series
@@ -98,10 +100,12 @@ class Loop:
         self.recorded.add(key)
 
     def record_boards(self) -> None:
-        """Each board's freshness (its agent's Lease), as the placement sees it now."""
+        """Each board's freshness (its agent's Lease), as the placement sees it now, and its
+        pools' figures against the leases just written."""
         snap = self.cache.snapshot()
         now, ttl = self.clock(), self.settings.freshness.default_ttl_seconds
         self.metrics.set_boards_fresh({n: is_fresh(snap, n, now, ttl) for n in snap.boards})
+        self.pools.record(snap)
 
     async def pass_once(self) -> None:
         unschedulable = 0
