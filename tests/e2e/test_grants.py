@@ -328,11 +328,12 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
     ns = namespace
     log = tmp_path / "operator.log"
     address = f"--engine-address={ns}/coder=http://127.0.0.1:{port}"
+    metrics_port = free_port()
     with (
         engine_runtime(
             cluster, ns, "coder", tiny_model.path, llama_server_bin, tmp_path, port
         ) as url,
-        operator(cluster, tmp_path, label, address),
+        operator(cluster, tmp_path, label, address, f"--metrics-port={metrics_port}"),
     ):
         wait_for("the engine serving 2 slots", serving(cluster, ns, 2), log=log)
 
@@ -414,6 +415,13 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
             log=log,
         )
         assert_no_grant_doubled(cluster, ns)
+        scraped = metrics(metrics_port)
+        assert scraped[("continuum_operator_leader", ())] == 1
+        assert scraped[("continuum_grant_reclaims_total", (("reason", "Preempted"),))] >= 1
+        assert scraped[("continuum_grant_reclaims_total", (("reason", "EngineShrunk"),))] >= 1
+        assert scraped[("continuum_grant_reclaims_total", (("reason", "MindDeleted"),))] >= 1
+        held = ("continuum_grants_held", (("engine", "coder"), ("namespace", ns)))
+        assert scraped[held] == 1
 
     lines = [json.loads(x) for x in (tmp_path / "transitions.jsonl").read_text().splitlines()]
     moves = [
@@ -438,6 +446,18 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
     ] or "Draining" in [x["phase"] for x in lines if x["event"] == "capacity"]
     checked = check_log(tmp_path / "transitions.jsonl")
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The operator's /metrics: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def free_port() -> int:

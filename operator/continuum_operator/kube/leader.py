@@ -53,8 +53,10 @@ class Elector:
         settings: LeaderSettings,
         identity: str | None = None,
         clock: Callable[[], float] = time.time,
+        on_change: Callable[[bool], None] = lambda leading: None,
     ) -> None:
         self.api = api
+        self.on_change = on_change
         self.settings = settings
         self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.clock = clock
@@ -125,6 +127,7 @@ class Elector:
         return True
 
     def _held(self, renewed: float) -> None:
+        self.on_change(True)
         # Stop writing a little before anyone else may take over.
         margin = min(2.0, self.settings.duration_seconds / 5)
         self.valid_until = renewed + self.settings.duration_seconds - margin
@@ -142,6 +145,7 @@ class Elector:
         except ApiError as err:
             log.warning("releasing the leader Lease failed: %s", err)
         self.valid_until = 0.0
+        self.on_change(False)
 
 
 async def lead(

@@ -84,6 +84,42 @@ class OperatorMetrics:
             registry=r,
         )
 
+        # Grants (kube.minds, docs/grants.md): DESIGN.md rule 7 counts and exports reclaims.
+        self.grant_transitions = Counter(
+            "continuum_grant_transitions",
+            "Grant ledger transitions the leader wrote, by the state entered and the reason.",
+            ["to", "reason"],
+            registry=r,
+        )
+        self.reclaims = Counter(
+            "continuum_grant_reclaims",
+            "Reclaims begun (Granted -> Reclaiming), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.grants_held = Gauge(
+            "continuum_grants_held",
+            "Slots held (Granted or Reclaiming) in an engine's ledger, at its last step.",
+            ["namespace", "engine"],
+            registry=r,
+        )
+        self.grants_queued = Gauge(
+            "continuum_grants_queued",
+            "Minds queued in an engine's ledger, at its last step.",
+            ["namespace", "engine"],
+            registry=r,
+        )
+        self.ledger_conflicts = Counter(
+            "continuum_grant_ledger_conflicts",
+            "Ledger writes refused for a stale resourceVersion (409), decided again.",
+            registry=r,
+        )
+        self.leader = Gauge(
+            "continuum_operator_leader",
+            "1 while this replica holds the leader Lease.",
+            registry=r,
+        )
+
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
@@ -120,6 +156,23 @@ class OperatorMetrics:
 
     def set_children_unmutated(self, namespace: str, live: int) -> None:
         self.children_unmutated.labels(namespace).set(live)
+
+    def record_grant_step(
+        self, namespace: str, engine: str, moves: list[tuple[str, str, str]], held: int, queued: int
+    ) -> None:
+        """One ledger step written: its (from, to, reason) moves and the ledger after it."""
+        for src, dst, reason in moves:
+            self.grant_transitions.labels(dst, reason).inc()
+            if src == "Granted" and dst == "Reclaiming":
+                self.reclaims.labels(reason).inc()
+        self.grants_held.labels(namespace, engine).set(held)
+        self.grants_queued.labels(namespace, engine).set(queued)
+
+    def record_ledger_conflict(self) -> None:
+        self.ledger_conflicts.inc()
+
+    def set_leader(self, leading: bool) -> None:
+        self.leader.set(1 if leading else 0)
 
     def forget(self, namespace: str, engine: str) -> None:
         for metric in (self.relaunches, self.memory_mode_unknown):

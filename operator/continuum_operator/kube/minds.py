@@ -42,6 +42,7 @@ from continuum_operator.kube import crash, ledger
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey, format_time
 from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.base import API_VERSION, GROUP, VERSION
 from continuum_operator.model.mind import GrantState
@@ -165,6 +166,7 @@ class GrantsLoop:
         minds: MindCache,
         *,
         may_write: Callable[[], bool] = lambda: True,
+        metrics: OperatorMetrics | None = None,
         clock: Callable[[], float] = time.time,
         resync_seconds: float = 5.0,
         pod_port: int = 8080,
@@ -174,6 +176,7 @@ class GrantsLoop:
         self.engines = engines
         self.minds = minds
         self.may_write = may_write
+        self.metrics = metrics or OperatorMetrics()
         self.clock = clock
         self.resync_seconds = resync_seconds
         self.pod_port = pod_port
@@ -353,6 +356,7 @@ class GrantsLoop:
                     log.warning("writing the ledger of Engine %s failed: %s", engine, err)
                     return None
                 # Someone wrote the Engine meanwhile (part 1, the runtime): decide again.
+                self.metrics.record_ledger_conflict()
                 try:
                     body = self.api.request("GET", crd_path("engines", ns, name))
                 except ApiError as err2:
@@ -370,6 +374,18 @@ class GrantsLoop:
             self.engines.observe_engine(answer, deleted=False, nudge=False)
             self.log.append(engine, seq, lines)
             crash.reached(crash.CrashPoint.AFTER_LOG)
+            moves = [
+                (t.from_state.value if t.from_state else "", t.to_state.value, t.reason.value)
+                for t in s.transitions()
+            ]
+            states = [str(e.get("state")) for e in s.entries]
+            self.metrics.record_grant_step(
+                ns,
+                name,
+                moves,
+                sum(1 for x in states if x in _HOLDING),
+                states.count(GrantState.QUEUED.value),
+            )
             for tr in s.transitions():
                 log.info(
                     "Engine %s: %s %s -> %s (%s)%s",

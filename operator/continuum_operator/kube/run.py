@@ -172,13 +172,16 @@ async def serve(
     # Part 2: Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
     register_minds(registry, mind_cache)
-    elector = Elector(api, leadership or grant_settings.LeaderSettings())
+    elector = Elector(
+        api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader
+    )
     grants_loop = GrantsLoop(
         api,
         grants or grant_settings.GrantSettings(),
         cache,
         mind_cache,
         may_write=elector.is_leader,
+        metrics=metrics,
         resync_seconds=settings.loop.resync_seconds,
         pod_port=settings.pods.port,
     )
