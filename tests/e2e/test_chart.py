@@ -32,6 +32,8 @@ from tests.helm import CHART, documents, find_helm, helm
 
 pytestmark = pytest.mark.e2e
 
+GiB = 2**30
+
 RUN = uuid.uuid4().hex[:8]
 SELECTOR = ("continuum.dev/e2e-chart", RUN)
 RELEASE = f"ct{RUN}"
@@ -236,6 +238,10 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
     cluster.create_fake_node(node, capacity={"nvidia.com/gpu": "1"}, labels={"e2e-chart": RUN})
     write_board(cluster, node, discrete_status(80, 1))
     renew(cluster, node)
+    stale = f"chart-stale-{RUN}"
+    cluster.create_fake_node(stale, labels={"e2e-chart-stale": RUN})
+    write_board(cluster, stale, discrete_status(24, 1))
+    renew(cluster, stale, renew_time="2020-01-01T00:00:00.000000Z", ttl=40)
     engine = {
         "apiVersion": "continuum.dev/v1alpha1",
         "kind": "Engine",
@@ -304,6 +310,27 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
             log,
         )
         assert (_metric(url, "continuum_engine_placements_total") or 0) >= 1
+        assert _metric(url, "continuum_node_board_fresh", node=stale) == 0.0
+        # The pools as the board says and the placement leases (docs/metrics.md).
+        device = {"node": node, "pool": "device/0"}
+        assert _metric(url, "continuum_pool_capacity_bytes", **device) == 80 * GiB
+        assert _metric(url, "continuum_pool_used_bytes", **device) == 1 * GiB
+        leased = {p["pool"]: p["bytes"] for p in body["status"]["placement"]["pools"]}
+        assert leased["device/0"] > 0
+        assert (
+            _metric(url, "continuum_pool_leased_bytes", **device, consumer_kind="Engine")
+            == leased["device/0"]
+        )
+        assert _metric(url, "continuum_pool_available_bytes", **device) == 80 * GiB - max(
+            leased["device/0"], 1 * GiB
+        )
+        assert _metric(url, "continuum_node_memory_mode", node=node, mode="discrete") == 1.0
+        assert (
+            _metric(
+                url, "continuum_engine_memory_mode_unknown", namespace=ns, engine="chart-engine"
+            )
+            == 0.0
+        )
         text = log.read_text()
         assert "403" not in text and "Forbidden" not in text and "forbidden" not in text, text[
             -3000:
@@ -316,7 +343,7 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
             proc.kill()
             proc.wait()
         cluster.kubectl("delete", "engine", "chart-engine", "-n", ns, "--wait=false", check=False)
-        cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+        cluster.kubectl("delete", "node", node, stale, "--wait=false", check=False)
 
 
 def test_an_upgrade_changes_a_crd_and_the_operator_and_keeps_crds_on_uninstall(
@@ -378,3 +405,51 @@ def test_an_upgrade_changes_a_crd_and_the_operator_and_keeps_crds_on_uninstall(
         "get", "deployment", f"{FULLNAME}-operator", "-n", ns, "--ignore-not-found", "-o", "name"
     )
     assert gone.stdout.strip() == ""
+
+
+def test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A second release with the webhook on (CRDs and agent off): Helm makes a CA and a serving
+    certificate for the webhook's Service at install (a `lookup` on the live cluster), and an
+    upgrade keeps them, so every replica and the API server go on agreeing on one bundle."""
+    binary = find_helm()
+    ns = f"continuum-wh-{RUN}"
+    name = f"wh{RUN}"
+    rel = Release(binary, ns, tmp_path / "values.yaml", cluster.env)
+    rel.values_file.write_text(
+        yaml.safe_dump(
+            {"crds": {"install": False}, "agent": {"enabled": False}, "webhook": {"enabled": True}}
+        )
+    )
+    rel.run(
+        "install", name, str(CHART), "-n", ns, "--create-namespace", "-f", str(rel.values_file)
+    )  # fmt: skip
+    try:
+        secret = f"{name}-continuum-webhook-tls"
+        first = cluster.get_json("secret", secret, "-n", ns)["data"]
+        assert set(first) == {"ca.crt", "tls.crt", "tls.key"}
+        service = cluster.get_json("service", f"{name}-continuum-webhook", "-n", ns)
+        assert service["spec"]["ports"][0]["port"] == 9443
+        sa = f"{name}-continuum-operator"
+        wh = "mutatingwebhookconfigurations.admissionregistration.k8s.io"
+        assert can_i(cluster, sa, ns, "create", wh)
+        assert can_i(cluster, sa, ns, "patch", f"{wh}/continuum-mind-children")
+        assert not can_i(cluster, sa, ns, "patch", f"{wh}/someone-elses")
+        assert not can_i(cluster, sa, ns, "delete", f"{wh}/continuum-mind-children")
+
+        def generation() -> int:
+            deployment = cluster.get_json("deployment", f"{name}-continuum-operator", "-n", ns)
+            return int(deployment["metadata"]["generation"])
+
+        before = generation()
+        rel.run("upgrade", name, str(CHART), "-n", ns, "-f", str(rel.values_file))
+        assert cluster.get_json("secret", secret, "-n", ns)["data"] == first
+        # Nothing changed, so the operator's pods do not roll (a new certificate would not roll
+        # them either: the operator re-reads the mounted files).
+        assert generation() == before
+    finally:
+        rel.run("uninstall", name, "-n", ns, "--wait", check=False)
+        cluster.kubectl(
+            "delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False
+        )
