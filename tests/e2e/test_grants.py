@@ -572,6 +572,32 @@ def test_the_operator_killed_at_a_crash_point_and_restarted_loses_or_doubles_no_
     assert blocks == list(range(blocks[0], journal["seq"] + 1)), blocks
 
 
+def test_a_restarted_operator_takes_no_mind_it_has_not_listed_yet_for_deleted(
+    cluster: Cluster, crds: None, namespace: str, classes: dict[str, str], tmp_path: Path
+) -> None:
+    """A clean stop hands the Lease over at once, so the next operator leads within moments of
+    starting, before its watches may have every Mind: it lists them first."""
+    tag = f"r{uuid.uuid4().hex[:8]}"
+    label = ("continuum.dev/e2e-grants", tag)
+    gpu_node(cluster, tag)
+    cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
+    low = classes["low"]
+    with operator(cluster, tmp_path, label, name="one"):
+        wait_for("the engine serving", serving(cluster, namespace, 2), log=tmp_path / "one.log")
+        cluster.apply([mind(f"m{i}", low) for i in range(6)], "-n", namespace)
+        wait_for("two granted, four queued", lambda: sorted(states(cluster, namespace).values())
+                 == ["Granted"] * 2 + ["Queued"] * 4)  # fmt: skip
+    before = states(cluster, namespace)
+    with operator(cluster, tmp_path, label, name="two"):
+        wait_for("two leading", lambda: "leading as" in (tmp_path / "two.log").read_text())
+        time.sleep(4)
+        assert states(cluster, namespace) == before
+    text = (tmp_path / "transitions.jsonl").read_text()
+    assert "MindDeleted" not in text
+    checked = check_log(tmp_path / "transitions.jsonl")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
 def test_a_standby_replica_takes_over_when_the_leader_dies(
     cluster: Cluster, crds: None, namespace: str, classes: dict[str, str], tmp_path: Path
 ) -> None:

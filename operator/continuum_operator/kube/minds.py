@@ -192,6 +192,17 @@ class GrantsLoop:
     async def run(self, stop: asyncio.Event) -> None:
         # A new leader: the log as the last one left it, and any step it wrote but did not log.
         self.log = TransitionLog(self.settings.transition_log)
+        # Every Mind and MindClass listed before the first step: a leader that started a moment
+        # ago may not have all of them from its watches yet, and a Mind missing from the cache
+        # would be taken for a deleted one (her grant reclaimed).
+        while not stop.is_set():
+            try:
+                await asyncio.to_thread(self.seed)
+                break
+            except ApiError as err:
+                log.warning("listing Minds failed, retrying: %s", err)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
         first = True
         while not stop.is_set():
             if not first:
@@ -208,6 +219,23 @@ class GrantsLoop:
                 await asyncio.to_thread(self.pass_once)
             except Exception:  # one bad pass must not stop the leader; the next retries
                 log.exception("grants pass failed")
+
+    def seed(self) -> None:
+        """List Minds and MindClasses into the cache (blocking); watch events go on after."""
+        base = f"/apis/{GROUP}/{VERSION}"
+        classes = self.api.request("GET", f"{base}/mindclasses")
+        minds = self.api.request("GET", f"{base}/minds")
+        for obj in classes.get("items") or []:  # (no nudge: this runs in a thread)
+            self.minds.classes[str(obj["metadata"]["name"])] = copy.deepcopy(obj)
+        listed = set()
+        for obj in minds.get("items") or []:
+            self.minds.observe_mind(obj, deleted=False, nudge=False)
+            listed.add(ledger.mind_key(obj))
+        # A Mind the cache has but the list has not was deleted before the list was taken.
+        for key in set(self.minds.minds) - listed:
+            known = self.minds.minds.get(key)
+            if known is not None and _rv(known) <= int(minds["metadata"]["resourceVersion"]):
+                self.minds.minds.pop(key, None)
 
     async def _changed(self) -> None:
         waits = [
