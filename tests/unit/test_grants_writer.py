@@ -1,0 +1,140 @@
+"""The leader's ledger writes (`kube.minds.GrantsLoop`) against a stand-in API server: a replace
+of the Engine's status carrying its resourceVersion, never a blind merge; on 409 the Engine is
+read again and the step decided again on what it now says."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.cache import Cache
+from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.minds import GrantsLoop, MindCache
+
+NS = "minds"
+ENGINE_PATH = f"/apis/continuum.dev/v1alpha1/namespaces/{NS}/engines/coder"
+
+
+class FakeApi:
+    """One Engine with a resourceVersion; `meanwhile` runs once, just before the next PUT
+    lands, as another writer (the engine runtime) would."""
+
+    def __init__(self, engine: dict[str, Any]) -> None:
+        self.engine = engine
+        self.puts: list[dict[str, Any]] = []
+        self.meanwhile: list[Any] = []
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
+        if method == "GET" and path == ENGINE_PATH:
+            return copy.deepcopy(self.engine)
+        if method == "PUT" and path == ENGINE_PATH + "/status":
+            self.puts.append(copy.deepcopy(body))
+            if self.meanwhile:
+                self.meanwhile.pop(0)(self.engine)
+            if body["metadata"]["resourceVersion"] != self.engine["metadata"]["resourceVersion"]:
+                raise ApiError(409, "Conflict", "the object has been modified")
+            self.engine["status"] = copy.deepcopy(body["status"])
+            self.bump()
+            return copy.deepcopy(self.engine)
+        raise AssertionError(f"unexpected {method} {path}")
+
+    def merge_patch(self, path: str, patch: Any) -> dict[str, Any]:
+        raise ApiError(404, "NotFound", path)  # projections are not under test here
+
+    def bump(self) -> None:
+        rv = int(self.engine["metadata"]["resourceVersion"]) + 1
+        self.engine["metadata"]["resourceVersion"] = str(rv)
+
+
+def engine_body() -> dict[str, Any]:
+    return {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Engine",
+        "metadata": {"namespace": NS, "name": "coder", "resourceVersion": "10"},
+        "spec": {"contextTokensPerMind": 512},
+        "status": {
+            "plan": {"node": "n", "engineArgs": ["-np", "1"], "mindsGrantable": 1,
+                     "contextTokensPerMind": 512},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }  # fmt: skip
+
+
+def mind(name: str, cls: str, second: int) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": NS, "name": name, "resourceVersion": "1",
+                     "creationTimestamp": f"2026-12-03T06:00:{second:02d}Z"},
+        "spec": {"engine": "coder", "className": cls, "contextTokens": 256},
+    }  # fmt: skip
+
+
+class Clock:
+    now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(tmp_path: Path, *minds: dict[str, Any]) -> tuple[FakeApi, GrantsLoop, Clock]:
+    api = FakeApi(engine_body())
+    engines, cache = Cache(), MindCache()
+    engines.observe_engine(api.engine, deleted=False, nudge=False)
+    for m in minds:
+        cache.observe_mind(m, deleted=False, nudge=False)
+    for name, priority in (("low", 0), ("high", 10)):
+        spec = {"priority": priority, "protectionWindowSeconds": 0}
+        cache.classes[name] = {"metadata": {"name": name}, "spec": spec}
+    clock = Clock()
+    settings = GrantSettings(transition_log=tmp_path / "log.jsonl", write_workers=1)
+    loop = GrantsLoop(api, settings, engines, cache, clock=clock)  # type: ignore[arg-type]
+    return api, loop, clock
+
+
+def states(api: FakeApi) -> dict[str, tuple[str, str]]:
+    return {e["mind"]: (e["state"], e["reason"]) for e in api.engine["status"]["grants"]}
+
+
+def test_the_ledger_is_written_as_a_replace_carrying_the_resource_version(tmp_path: Path) -> None:
+    api, loop, _ = setup(tmp_path, mind("a", "low", 1))
+    loop.pass_once()
+    [put] = api.puts
+    assert put["metadata"]["resourceVersion"] == "10"
+    assert put["status"]["plan"]["mindsGrantable"] == 1  # the whole status, others' parts kept
+    assert states(api) == {f"{NS}/a": ("Granted", "SlotFree")}
+    assert api.engine["status"]["grantStep"]["seq"] == 1
+
+
+def test_a_conflict_is_read_again_and_decided_again_on_what_the_engine_now_says(
+    tmp_path: Path,
+) -> None:
+    api, loop, clock = setup(tmp_path, mind("a", "low", 1))
+    loop.pass_once()
+    loop.minds.observe_mind(mind("vip", "high", 2), deleted=False, nudge=False)
+    clock.now += 1
+    loop.pass_once()  # a is preempted: Reclaiming
+    assert states(api)[f"{NS}/a"] == ("Reclaiming", "Preempted")
+    since = next(e["since"] for e in api.engine["status"]["grants"] if e["mind"] == f"{NS}/a")
+
+    def gateway_reports_release(engine: dict[str, Any]) -> None:
+        engine["status"]["runtime"] = {
+            "slotReleases": [{"mind": f"{NS}/a", "slot": 0, "grantSince": since}]
+        }
+        api.bump()
+
+    # Another pass while the gateway writes its release report between our read and our write.
+    loop.engines.observe_engine({**api.engine, "metadata": {**api.engine["metadata"]}},
+                                deleted=False, nudge=False)  # fmt: skip
+    loop.minds.observe_mind(mind("b", "low", 3), deleted=False, nudge=False)
+    api.meanwhile.append(gateway_reports_release)
+    clock.now += 1
+    loop.pass_once()
+    first, second = api.puts[-2:]
+    assert (
+        int(second["metadata"]["resourceVersion"]) == int(first["metadata"]["resourceVersion"]) + 1
+    )
+    # Decided again on the re-read Engine: the release is recorded, vip takes the slot.
+    assert states(api)[f"{NS}/a"] == ("Queued", "PoolFull")
+    assert states(api)[f"{NS}/vip"] == ("Granted", "SlotFree")
+    assert api.engine["status"]["runtime"]["slotReleases"]  # the runtime's part, kept
