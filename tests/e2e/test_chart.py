@@ -26,6 +26,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
 from tests.e2e.conftest import Cluster
 from tests.e2e.test_operator import discrete_status, free_port, renew, wait_for, write_board
 from tests.helm import CHART, documents, find_helm, helm
@@ -184,6 +185,40 @@ def test_the_agents_service_account_writes_only_boards_and_node_leases(
         assert can_i(cluster, AGENT_SA, ns, *args), f"agent should: {args}"
     for args in no:
         assert not can_i(cluster, AGENT_SA, ns, *args), f"agent should not: {args}"
+
+
+def test_the_agent_with_the_charts_arguments_and_service_account_writes_a_board_and_lease(
+    cluster: Cluster, release: Release, tmp_path: Path
+) -> None:
+    """One cycle of `continuum agent` as the DaemonSet runs it, less what only a pod has
+    (`--in-cluster`, the host's cgroup mount), authenticated as the chart's agent."""
+    ns = release.namespace
+    ds = cluster.get_json("daemonset", f"{FULLNAME}-agent", "-n", ns)
+    args = [
+        a
+        for a in ds["spec"]["template"]["spec"]["containers"][0]["args"]
+        if a != "--in-cluster" and not a.startswith(("--cgroup-root=", "--cgroup-dir="))
+    ]
+    assert args[0] == "agent"
+    node = f"chart-agent-{RUN}"
+    cluster.create_fake_node(node)
+    kubeconfig = _token_kubeconfig(cluster, ns, AGENT_SA, tmp_path / "agent.kubeconfig")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "continuum_operator.cli", *args,
+             "--once", "--node-name", node, "--kubeconfig", str(kubeconfig)],
+            capture_output=True, text=True, timeout=180, check=False,
+            env={**cluster.env, "KUBECONFIG": str(kubeconfig)},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        board = cluster.get_json("nodeboard", node)
+        assert board["status"]["memoryMode"] in {"unified", "discrete", "unknown"}
+        assert board["status"]["pools"]
+        lease = cluster.get_json("lease", lease_name(node), "-n", LEASE_NAMESPACE)
+        assert lease["spec"]["leaseDurationSeconds"] == 40  # the chart's agent.leaseSeconds
+    finally:
+        cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+        cluster.kubectl("delete", "nodeboard", node, "--wait=false", check=False)
 
 
 def _token_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
