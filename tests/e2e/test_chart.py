@@ -2,8 +2,9 @@
 ServiceAccounts can do what the operator and the agent need and nothing broader (`kubectl auth
 can-i` as each of them), `continuum operator` run as a local process with the chart's own
 arguments and a token of the chart's ServiceAccount reconciles an Engine, and `helm upgrade`
-changes a CRD. The CRDs other tests applied are adopted (`--take-ownership`) and left as they
-were found: the last upgrade restores the repository's CRDs, and they are kept on uninstall. The
+changes a CRD. The CRDs other tests applied are adopted (`--take-ownership --force-conflicts`)
+and left as they were found: the last upgrade restores the repository's CRDs, they are kept on
+uninstall, and handed back to kubectl's server-side apply at the end. The
 operator applies its PriorityClasses itself at every start, while the chart is installed: the
 upgrades here show that the two never contend for them.
 """
@@ -27,7 +28,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
-from tests.e2e.conftest import Cluster
+from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.test_operator import discrete_status, free_port, renew, wait_for, write_board
 from tests.helm import CHART, documents, find_helm, helm
 
@@ -68,7 +69,10 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     rel = Release(binary, ns, values, cluster.env)
     rel.run(
         "install", RELEASE, str(CHART), "--namespace", ns, "--create-namespace",
-        "-f", str(values), "--take-ownership",
+        # CRDs other tests applied with `kubectl apply --server-side` are adopted. Helm's apply of
+        # them conflicts with kubectl's on .spec.versions unless forced, although the rendered
+        # CRDs equal the repository's (kubectl applying the rendered file changes nothing).
+        "-f", str(values), "--take-ownership", "--force-conflicts",
     )  # fmt: skip
     try:
         yield rel
@@ -77,6 +81,8 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
         cluster.kubectl(
             "delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False
         )
+        # Handed back to kubectl as found, for the tests that apply them after this one.
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
 
 
 def can_i(cluster: Cluster, sa: str, ns: str, *args: str) -> bool:
@@ -418,6 +424,9 @@ def test_an_upgrade_changes_a_crd_and_the_operator_and_keeps_crds_on_uninstall(
     release.run(
         "upgrade", RELEASE, str(changed), "-n", ns, "-f", str(release.values_file),
         "--set", "operator.replicas=3",
+        # kubectl (other tests' applies) co-owns the adopted CRDs' .spec.versions: changing it
+        # takes a forced apply. A release whose CRDs only Helm applied needs none.
+        "--force-conflicts",
     )  # fmt: skip
     assert "Upgraded" in columns()
     assert cluster.get_json("deployment", f"{FULLNAME}-operator", "-n", ns)["spec"]["replicas"] == 3
@@ -425,7 +434,10 @@ def test_an_upgrade_changes_a_crd_and_the_operator_and_keeps_crds_on_uninstall(
     assert [h["revision"] for h in json.loads(history)] == [1, 2]
 
     # Back to the repository's CRDs (other tests apply them), then uninstall.
-    release.run("upgrade", RELEASE, str(CHART), "-n", ns, "-f", str(release.values_file))
+    release.run(
+        "upgrade", RELEASE, str(CHART), "-n", ns, "-f", str(release.values_file),
+        "--force-conflicts",
+    )  # fmt: skip
     assert columns() == before
     release.run("uninstall", RELEASE, "-n", ns, "--wait")
     for crd in ("engines", "minds", "embedlanes", "nodeboards", "mindclasses"):
