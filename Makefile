@@ -49,8 +49,10 @@ unit: venv
 e2e: venv
 	$(VENV)/bin/pytest -q -m e2e tests
 
+# The chart carries byte-for-byte copies of crds/ (tests/unit/test_chart.py checks the drift).
 crds: venv
 	$(PY) -m continuum_operator.model.crdgen crds
+	cp crds/*.yaml charts/continuum/files/crds/
 
 crds-check: venv
 	$(PY) -m continuum_operator.model.crdgen --check crds

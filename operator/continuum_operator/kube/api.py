@@ -11,6 +11,7 @@ by `status` where a caller cares.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -62,7 +63,11 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
 class KubeApi:
     def __init__(self, kubeconfig: str | None = None) -> None:
         configuration = client.Configuration()
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        if kubeconfig is None and not os.environ.get("KUBECONFIG") and in_pod:
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
         self._client = client.ApiClient(configuration)
 
     def request(

@@ -8,6 +8,7 @@ Handlers are coroutines, so the cache is only touched from the event loop.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -36,7 +37,11 @@ def registry_for(
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> Any:
-        return kopf.login_with_kubeconfig(**kwargs)
+        # A kubeconfig when one is named (local runs, tests); the pod's ServiceAccount in a
+        # cluster (the chart's Deployment), where no kubeconfig exists.
+        if os.environ.get("KUBECONFIG"):
+            return kopf.login_with_kubeconfig(**kwargs)
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
