@@ -137,6 +137,8 @@ class Loop:
                 self.cache.observe_engine(engine, deleted=False, nudge=False)
             if deployment is not None:
                 self.cache.observe_deployment(deployment, deleted=False, nudge=False)
+            current = self.cache.engines.get(key) or body
+            self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
         await self.lanes.pass_once()  # EmbedLanes, against the leases just written
         self.metrics.unschedulable.set(unschedulable)
         self.record_boards()

@@ -9,7 +9,9 @@ Served by `continuum operator --metrics-port`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -58,6 +60,25 @@ class OperatorMetrics:
             ["namespace", "engine"],
             registry=r,
         )
+        self.plan_layers = Gauge(
+            "continuum_engine_plan_layers_on_device",
+            "Layers the engine's current plan puts on the device (llama.cpp -ngl).",
+            ["namespace", "engine", "node"],
+            registry=r,
+        )
+        self.plan_pool_tokens = Gauge(
+            "continuum_engine_plan_pool_tokens",
+            "KV-cache tokens in the engine's current plan, over all its slots.",
+            ["namespace", "engine", "node"],
+            registry=r,
+        )
+        self.plan_slots = Gauge(
+            "continuum_engine_plan_slots",
+            "Slots (minds grantable at once) in the engine's current plan.",
+            ["namespace", "engine", "node"],
+            registry=r,
+        )
+        self.planned_on: dict[tuple[str, str], str] = {}
         self.board_fresh = Gauge(
             "continuum_node_board_fresh",
             "1 while a node's board is fresh (its agent's Lease renewed in time), 0 when stale.",
@@ -139,6 +160,23 @@ class OperatorMetrics:
     def set_memory_mode_unknown(self, namespace: str, engine: str, unknown: bool) -> None:
         self.memory_mode_unknown.labels(namespace, engine).set(1 if unknown else 0)
 
+    def set_plan(self, namespace: str, engine: str, plan: Mapping[str, Any] | None) -> None:
+        """The engine's plan as its status holds it; no plan (unschedulable), no series."""
+        key = (namespace, engine)
+        node = str(plan.get("node") or "") if plan else ""
+        old = self.planned_on.get(key)
+        if old is not None and old != node:
+            for gauge in (self.plan_layers, self.plan_pool_tokens, self.plan_slots):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(namespace, engine, old)
+            del self.planned_on[key]
+        if not plan or not node:
+            return
+        self.plan_layers.labels(namespace, engine, node).set(int(plan.get("layersOnDevice", 0)))
+        self.plan_pool_tokens.labels(namespace, engine, node).set(int(plan.get("poolTokens", 0)))
+        self.plan_slots.labels(namespace, engine, node).set(int(plan.get("mindsGrantable", 0)))
+        self.planned_on[key] = node
+
     def set_boards_fresh(self, fresh: dict[str, bool]) -> None:
         """Every board's freshness; a board that is gone leaves the metric."""
         for node in self.boards_seen - set(fresh):
@@ -175,6 +213,7 @@ class OperatorMetrics:
         self.leader.set(1 if leading else 0)
 
     def forget(self, namespace: str, engine: str) -> None:
+        self.set_plan(namespace, engine, None)
         for metric in (self.relaunches, self.memory_mode_unknown):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, engine)
