@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,11 +24,17 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
 from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.test_operator import discrete_status, free_port, renew, wait_for, write_board
+from tests.e2e.llama_fixtures import free_port
+from tests.e2e.test_operator import (
+    discrete_status,
+    renew,
+    scrape_metric,
+    wait_for,
+    write_board,
+)
 from tests.helm import CHART, documents, find_helm, helm
 
 pytestmark = pytest.mark.e2e
@@ -249,15 +254,6 @@ def _token_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
     return path
 
 
-def _metric(url: str, name: str, **labels: str) -> float | None:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return None
-
-
 def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_an_engine(
     cluster: Cluster, release: Release, tmp_path: Path
 ) -> None:
@@ -346,28 +342,28 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
         url = f"http://127.0.0.1:{port}/metrics"
         wait_for(
             "continuum_node_board_fresh for the node",
-            lambda: _metric(url, "continuum_node_board_fresh", node=node) == 1.0,
+            lambda: scrape_metric(url, "continuum_node_board_fresh", node=node) == 1.0,
             60,
             log,
         )
-        assert (_metric(url, "continuum_engine_placements_total") or 0) >= 1
-        assert _metric(url, "continuum_node_board_fresh", node=stale) == 0.0
+        assert (scrape_metric(url, "continuum_engine_placements_total") or 0) >= 1
+        assert scrape_metric(url, "continuum_node_board_fresh", node=stale) == 0.0
         # The pools as the board says and the placement leases (docs/metrics.md).
         device = {"node": node, "pool": "device/0"}
-        assert _metric(url, "continuum_pool_capacity_bytes", **device) == 80 * GiB
-        assert _metric(url, "continuum_pool_used_bytes", **device) == 1 * GiB
+        assert scrape_metric(url, "continuum_pool_capacity_bytes", **device) == 80 * GiB
+        assert scrape_metric(url, "continuum_pool_used_bytes", **device) == 1 * GiB
         leased = {p["pool"]: p["bytes"] for p in body["status"]["placement"]["pools"]}
         assert leased["device/0"] > 0
         assert (
-            _metric(url, "continuum_pool_leased_bytes", **device, consumer_kind="Engine")
+            scrape_metric(url, "continuum_pool_leased_bytes", **device, consumer_kind="Engine")
             == leased["device/0"]
         )
-        assert _metric(url, "continuum_pool_available_bytes", **device) == 80 * GiB - max(
+        assert scrape_metric(url, "continuum_pool_available_bytes", **device) == 80 * GiB - max(
             leased["device/0"], 1 * GiB
         )
-        assert _metric(url, "continuum_node_memory_mode", node=node, mode="discrete") == 1.0
+        assert scrape_metric(url, "continuum_node_memory_mode", node=node, mode="discrete") == 1.0
         assert (
-            _metric(
+            scrape_metric(
                 url, "continuum_engine_memory_mode_unknown", namespace=ns, engine="chart-engine"
             )
             == 0.0

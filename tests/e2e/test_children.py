@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,23 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.webhook import BACKGROUND, CLASS_ANNOTATION, CLASS_ENV, MIND_LABEL
 from tests.e2e.conftest import ROOT, Cluster
+from tests.e2e.llama_fixtures import free_port
+from tests.e2e.test_operator import scrape_metric
 
 pytestmark = pytest.mark.e2e
 
 PODS = PodSettings()
 WEBHOOK = f"e2e-children-{int(time.time())}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +49,8 @@ class Operator:
     metrics_url: str
 
     def metric(self, name: str, **labels: str) -> float:
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    return float(sample.value)
-        return 0.0
+        value = scrape_metric(self.metrics_url, name, **labels)
+        return 0.0 if value is None else value
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -25,6 +25,7 @@ import pytest
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from tests.e2e.conftest import ROOT, Cluster
+from tests.e2e.llama_fixtures import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -458,15 +459,6 @@ def metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from tests.e2e.conftest import ROOT, Cluster
+from tests.e2e.llama_fixtures import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -58,21 +58,18 @@ class Operator:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the operator's /metrics (0 when the series is absent)."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    return float(sample.value)
-        return 0.0
+        value = scrape_metric(self.metrics_url, name, **labels)
+        return 0.0 if value is None else value
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def scrape_metric(url: str, name: str, **labels: str) -> float | None:
+    """One sample of a Prometheus endpoint, or None when the series is absent."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
 
 
 @pytest.fixture(scope="module")
