@@ -13,6 +13,7 @@ from continuum_operator.core.receipts import (
     ReceiptBuffer,
     ReceiptPlacement,
     is_host_buffer,
+    llama_build_of,
     parse_llama_log,
 )
 from continuum_operator.engine.receipts import ReceiptFileError, load_receipts, receipt_from_log
@@ -218,3 +219,13 @@ def test_receipt_files_load_from_yaml_and_bad_ones_name_the_field(tmp_path: Path
     bad.write_text('{"modelSha256": "xyz", "contextTokens": 1, "llamaBuild": "b"}')
     with pytest.raises(ReceiptFileError, match=r"bad.json: receipt 0: modelSha256"):
         load_receipts([bad])
+
+
+def test_llama_servers_own_build_line_names_the_build() -> None:
+    # llama-server (at -lv 4) logs its build after two prefixes, not as a line of its own.
+    line = (
+        "0.00.003.862 I cmn  common_param: common_params_print_info: build 1 (0c1e57098) "
+        "with GNU 12.2.0 for Linux x86_64"
+    )
+    assert parse_llama_log(line).build == "1 (0c1e57098)"
+    assert llama_build_of("rebuild 2 (abc)") is None

@@ -232,7 +232,10 @@ _SETTINGS = {
 _FLASH = re.compile(r"^llama_context: flash_attn\s*=\s*(\S+)")
 _KV_TYPES = re.compile(r"^llama_kv_cache: size = .* K \((\w+)\):.* V \((\w+)\):")
 _OFFLOADED = re.compile(r"^load_tensors: offloaded (\d+)/(\d+) layers to GPU")
-_BUILD = re.compile(r"^(?:\S+: )?build(?: info)?:?\s*=?\s*(\d+ \([0-9a-f]+\))")
+# "build: 6869 (1a2b3c4d) with ..." in older logs; llama-server's own line (at -lv 4) reads
+# "cmn  common_param: common_params_print_info: build 1 (0c1e57098) with ...". Searched, not
+# matched, so any prefix before the word serves.
+_BUILD = re.compile(r"(?<![\w-])build(?: info)?:?\s*=?\s*(\d+ \([0-9a-f]+\))")
 
 
 def parse_llama_log(text: str | Iterable[str]) -> LlamaLogBuffers:
@@ -277,8 +280,8 @@ def parse_llama_log(text: str | Iterable[str]) -> LlamaLogBuffers:
                 kv_k, kv_v = m.group(1), m.group(2)
             elif m := _OFFLOADED.match(line):
                 offloaded, total_layers = int(m.group(1)), int(m.group(2))
-            elif build is None and (m := _BUILD.match(line)):
-                build = m.group(1)
+            elif build is None and (found := llama_build_of(line)):
+                build = found
     buffers = tuple(
         ReceiptBuffer(device=device, kind=kind, bytes=summed.get((kind, device), 0)
                       + last.get((kind, device), 0))
@@ -300,6 +303,12 @@ def parse_llama_log(text: str | Iterable[str]) -> LlamaLogBuffers:
 
 
 _PREFIX = re.compile(r"^(?:\d+\.\d+\.\d+\.\d+ )?(?:[DIWE] )?")
+
+
+def llama_build_of(text: str) -> str | None:
+    """The llama.cpp build a log (or a line of it) names, as receipts file it: "6869 (1a2b)"."""
+    m = _BUILD.search(text)
+    return m.group(1) if m else None
 
 
 def _strip_prefix(line: str) -> str:

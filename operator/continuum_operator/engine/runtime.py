@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import shlex
 import signal
 import socket
@@ -35,6 +34,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
+from continuum_operator.core import receipts
 from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
 from continuum_operator.engine.admission import GrantTableError
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
@@ -68,15 +68,11 @@ LOAD_LOG_LINES = 4000
 VERBOSITY_FLAGS = frozenset(
     {"-lv", "--verbosity", "--log-verbosity", "-v", "--verbose", "--log-verbose"}
 )
-# llama-server names its build as "... build 6869 (1a2b3c4d) ..." (common_params_print_info);
-# filed as core.receipts does: "6869 (1a2b3c4d)".
-_BUILD = re.compile(r"\bbuild:? (\d+) \(([0-9a-f]+)\)")
 
 
 def llama_build(log_text: str) -> str | None:
     """The llama.cpp build a llama-server log names, as receipts file it."""
-    m = _BUILD.search(log_text)
-    return f"{m.group(1)} ({m.group(2)})" if m else None
+    return receipts.llama_build_of(log_text)
 
 
 class RuntimePhase(StrEnum):
