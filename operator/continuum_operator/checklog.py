@@ -51,16 +51,25 @@ EVENTS = frozenset({"capacity", "transition", "wait", "waitEnd", "turn"})
 # The table of docs/transition-log.md: (from, to) -> the reasons allowed.
 ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
     (None, QUEUED): frozenset({"Arrived"}),
-    (QUEUED, QUEUED): frozenset({"PoolFull", "WaitingForReclaim", "EngineRelaunching"}),
+    (QUEUED, QUEUED): frozenset(
+        {"PoolFull", "WaitingForReclaim", "EngineRelaunching", "QuotaExceeded"}
+    ),
     (QUEUED, GRANTED): frozenset({"SlotFree"}),
     (GRANTED, GRANTED): frozenset({"SlotMoved"}),
     (GRANTED, RECLAIMING): frozenset(
-        {"Preempted", "EngineShrunk", "EngineRelaunching", "MindDeleted", "ContextTooLarge"}
+        {
+            "Preempted",
+            "EngineShrunk",
+            "EngineRelaunching",
+            "MindDeleted",
+            "ContextTooLarge",
+            "ClassLimit",
+        }
     ),
     (RECLAIMING, RELEASED): frozenset({"SlotReleased", "GraceExpired"}),
     (RELEASED, QUEUED): frozenset({"Requeued", "Arrived"}),
-    (QUEUED, RELEASED): frozenset({"MindDeleted", "ContextTooLarge"}),
-    (None, RELEASED): frozenset({"MindDeleted", "ContextTooLarge"}),
+    (QUEUED, RELEASED): frozenset({"MindDeleted", "ContextTooLarge", "ClassLimit"}),
+    (None, RELEASED): frozenset({"MindDeleted", "ContextTooLarge", "ClassLimit"}),
 }
 # Times are floats written by another program: a preemption this close to the end of the
 # victim's window counts as after it, so an allocator that computes `granted + window` rather
@@ -68,7 +77,12 @@ ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
 CLOCK_SLACK = 1e-6
 
 # A second reclaim inside one protection window is allowed for these reasons (invariant 5).
-FORCED_RECLAIMS = frozenset({"EngineShrunk", "EngineRelaunching", "MindDeleted", "ContextTooLarge"})
+FORCED_RECLAIMS = frozenset(
+    {"EngineShrunk", "EngineRelaunching", "MindDeleted", "ContextTooLarge", "ClassLimit"}
+)
+# A queued mind her namespace's token quota holds back (docs/tenancy.md): the log carries no
+# quota, so she is not counted among those a free or reclaimed slot is owed to.
+QUOTA_HELD = "QuotaExceeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +129,7 @@ class _Mind:
     queued_since: float = 0.0
     late: bool = False  # a reclaim past its deadline, already reported
     seq: int = 0  # numbers the reclaim, for the deadline queue
+    reason: str = ""  # of her last transition
 
 
 @dataclass(slots=True)
@@ -342,7 +357,7 @@ class _Checker:
             m.granted_at = t
         if dst == RECLAIMING and cur != RECLAIMING:
             m.reclaimed_at = t
-        m.state, m.tokens, m.slot = dst, tokens, slot
+        m.state, m.tokens, m.slot, m.reason = dst, tokens, slot, reason
         e.holders.pop(name, None)
         e.queued.pop(name, None)
         if dst in HOLDING:
@@ -431,7 +446,8 @@ class _Checker:
 
     def _counts(self, e: _Engine) -> tuple[int, int, list[tuple[str, _Mind]]]:
         reclaiming = sum(1 for m in e.holders.values() if m.state == RECLAIMING)
-        return max(0, e.slots - len(e.holders)), reclaiming, list(e.queued.items())
+        queued = [(n, m) for n, m in e.queued.items() if m.reason != QUOTA_HELD]
+        return max(0, e.slots - len(e.holders)), reclaiming, queued
 
     def queue(self, e: _Engine) -> None:
         if e.phase != "Serving":

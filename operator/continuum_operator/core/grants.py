@@ -17,7 +17,15 @@ Rule 7 in code:
 - An engine changing size or relaunching drains: every grant is reclaimed (the lowest ranked
   beyond the new size with `EngineShrunk`, the rest `EngineRelaunching`), protection windows
   notwithstanding, because llama.cpp cannot resize a KV buffer in place.
-- A mind asking more than a slot holds is refused with `ContextTooLarge`, never squeezed.
+- A mind asking more than a slot holds is refused with `ContextTooLarge`, never squeezed; one
+  asking more than her class allows (`MindClass.maxTokens`) with `ClassLimit`. A grant holds
+  the slot's tokens, or her class's limit where that is smaller.
+
+Tenancy (docs/tenancy.md): `quota_left` is what each namespace's minds may hold on this engine
+(its TokenQuota less what it holds on other engines). A queued mind whose grant would take her
+namespace past it stays `Queued` with `QuotaExceeded`: she is not granted, preempts nobody and
+blocks nobody behind her. Tokens held are those of `Granted` and `Reclaiming` grants; a quota
+lowered below use reclaims nothing (only new grants are held back).
 """
 
 from __future__ import annotations
@@ -40,10 +48,15 @@ class GrantReason(StrEnum):
     ENGINE_SHRUNK = "EngineShrunk"
     MIND_DELETED = "MindDeleted"
     CONTEXT_TOO_LARGE = "ContextTooLarge"
+    CLASS_LIMIT = "ClassLimit"
+    QUOTA_EXCEEDED = "QuotaExceeded"
     SLOT_RELEASED = "SlotReleased"
     GRACE_EXPIRED = "GraceExpired"
     REQUEUED = "Requeued"
 
+
+# Refusals: the mind holds nothing until her spec (or her class, or the engine) changes.
+REFUSALS = frozenset({GrantReason.CONTEXT_TOO_LARGE, GrantReason.CLASS_LIMIT})
 
 # Reclaims the engine forces on everyone; they ignore protection windows.
 ENGINE_REASONS = frozenset({GrantReason.ENGINE_SHRUNK, GrantReason.ENGINE_RELAUNCHING})
@@ -71,13 +84,33 @@ class Capacity:
 
 @dataclass(frozen=True, slots=True)
 class MindDemand:
-    """A mind that wants a grant: its class's priority and window, and her place in line."""
+    """A mind that wants a grant: its class's priority, window and token limit, and her place
+    in line. `name` is "namespace/name" (her namespace is what a token quota counts)."""
 
     name: str
     priority: int
     arrival: float
     context_tokens: int
     protection_window: float = 300.0
+    max_tokens: int | None = None  # her class's limit; None: the slot's size
+
+    @property
+    def namespace(self) -> str:
+        return self.name.partition("/")[0]
+
+    def grant_tokens(self, tokens_per_slot: int) -> int:
+        """The tokens a grant of hers holds: the slot's, or her class's limit if smaller."""
+        if self.max_tokens is None:
+            return tokens_per_slot
+        return min(tokens_per_slot, self.max_tokens)
+
+    def refusal(self, tokens_per_slot: int) -> GrantReason | None:
+        """Why she can never be granted on this pool as she asks, or None."""
+        if self.max_tokens is not None and self.context_tokens > self.max_tokens:
+            return GrantReason.CLASS_LIMIT
+        if self.context_tokens > tokens_per_slot:
+            return GrantReason.CONTEXT_TOO_LARGE
+        return None
 
     def rank(self) -> tuple[int, float, str]:
         """Sort key: higher priority first, then who came first (then name, for determinism)."""
@@ -147,12 +180,33 @@ class _Step:
     """One allocation pass: a mutable working copy of the ledger and the transitions made."""
 
     def __init__(
-        self, grants: Mapping[str, Grant], minds: Mapping[str, MindDemand], now: float
+        self,
+        grants: Mapping[str, Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
+        quota_left: Mapping[str, int] | None = None,
     ) -> None:
         self.grants = dict(grants)
         self.minds = minds
         self.now = now
+        self.quota_left = quota_left or {}
         self.transitions: list[Transition] = []
+
+    def held(self, namespace: str) -> int:
+        """Tokens the namespace's minds hold on this engine now (Granted and Reclaiming)."""
+        return sum(
+            g.tokens
+            for g in self.grants.values()
+            if g.state in _HOLDING and g.mind.partition("/")[0] == namespace
+        )
+
+    def over_quota(self, m: MindDemand, tokens: int, reserved: Mapping[str, int]) -> bool:
+        """Whether granting her `tokens` would take her namespace past what it may hold here
+        (`reserved`: tokens promised to minds of the namespace waiting for a reclaim)."""
+        left = self.quota_left.get(m.namespace)
+        if left is None:
+            return False
+        return self.held(m.namespace) + reserved.get(m.namespace, 0) + tokens > left
 
     def move(
         self,
@@ -224,10 +278,14 @@ def allocate(
     *,
     released: Collection[str] = (),
     policy: Policy = Policy(),
+    quota_left: Mapping[str, int] | None = None,
 ) -> Allocation:
-    """The ledger that should hold now, and the transitions that get there."""
+    """The ledger that should hold now, and the transitions that get there.
+
+    `quota_left`: by namespace, the most tokens its minds may hold on this engine (absent: no
+    limit)."""
     demand = {m.name: m for m in minds}
-    step = _Step(grants, demand, now)
+    step = _Step(grants, demand, now, quota_left)
 
     # 1. Reclaims that ended: reported by the gateway, or forced at their grace deadline.
     for name in sorted(step.grants):
@@ -247,24 +305,29 @@ def allocate(
         if g.state is GrantState.GRANTED:
             _reclaim(step, g, GrantReason.MIND_DELETED, policy)
         elif g.state is GrantState.RELEASED:
-            del step.grants[name]  # refused earlier (ContextTooLarge): it holds nothing
+            del step.grants[name]  # refused earlier (a refusal): it holds nothing
         elif g.state is not GrantState.RECLAIMING:
             step.move(name, GrantState.RELEASED, GrantReason.MIND_DELETED)
     for name in sorted(demand, key=lambda n: demand[n].rank()):
         entry = step.grants.get(name)
-        too_large = demand[name].context_tokens > capacity.tokens_per_slot
+        refusal = demand[name].refusal(capacity.tokens_per_slot)
         if entry is None:
-            if too_large:
-                step.move(name, GrantState.RELEASED, GrantReason.CONTEXT_TOO_LARGE)
+            if refusal is not None:
+                step.move(name, GrantState.RELEASED, refusal)
             else:
                 step.move(name, GrantState.QUEUED, GrantReason.ARRIVED)
-        elif entry.state is GrantState.RELEASED and entry.reason is GrantReason.CONTEXT_TOO_LARGE:
-            if not too_large:
+        elif entry.state is GrantState.RELEASED and entry.reason in REFUSALS:
+            if refusal is None:
                 step.move(name, GrantState.QUEUED, GrantReason.ARRIVED)
-        elif too_large and entry.state is GrantState.GRANTED:
-            _reclaim(step, entry, GrantReason.CONTEXT_TOO_LARGE, policy)
-        elif too_large and entry.state is GrantState.QUEUED:
-            step.move(name, GrantState.RELEASED, GrantReason.CONTEXT_TOO_LARGE)
+            elif refusal is not entry.reason:
+                # Still refused, now for the other reason (her class or the engine changed):
+                # back in line and out again, two moves of the transition table.
+                step.move(name, GrantState.QUEUED, GrantReason.ARRIVED)
+                step.move(name, GrantState.RELEASED, refusal)
+        elif refusal is not None and entry.state is GrantState.GRANTED:
+            _reclaim(step, entry, refusal, policy)
+        elif refusal is not None and entry.state is GrantState.QUEUED:
+            step.move(name, GrantState.RELEASED, refusal)
 
     if capacity.phase is EnginePhase.SERVING:
         _serve(step, capacity, policy)
@@ -368,24 +431,43 @@ def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
             and (g.slot is None or g.slot >= capacity.slots)
             and free_slots
         ):
+            m = step.minds.get(g.mind)
             step.move(
                 g.mind,
                 GrantState.GRANTED,
                 GrantReason.SLOT_MOVED,
-                tokens=capacity.tokens_per_slot,
+                tokens=m.grant_tokens(capacity.tokens_per_slot) if m else g.tokens,
                 slot=free_slots.pop(0),
             )
 
-    queue = _queued(step)
-    for m in queue[: len(free_slots)]:
+    # Free slots to the queue in order; a mind her namespace's quota holds back is passed
+    # over (the slot goes to whoever is behind her) and preempts nobody.
+    over_quota: list[MindDemand] = []
+    for m in _queued(step):
+        if not free_slots:
+            break
+        tokens = m.grant_tokens(capacity.tokens_per_slot)
+        if step.over_quota(m, tokens, {}):
+            over_quota.append(m)
+            continue
         step.move(
-            m.name,
-            GrantState.GRANTED,
-            GrantReason.SLOT_FREE,
-            tokens=capacity.tokens_per_slot,
-            slot=free_slots.pop(0),
+            m.name, GrantState.GRANTED, GrantReason.SLOT_FREE, tokens=tokens, slot=free_slots.pop(0)
         )
-    queue = _queued(step)
+    # Of the rest, those whose grant the quota would refuse once a slot frees wait for it, not
+    # for a slot; the others keep their order. Tokens promised to minds waiting for a reclaim
+    # count against their namespace, so one free slot is not promised past the quota twice.
+    reserved: dict[str, int] = {}
+    queue: list[MindDemand] = []
+    for m in _queued(step):
+        if m in over_quota:
+            continue
+        tokens = m.grant_tokens(capacity.tokens_per_slot)
+        if step.over_quota(m, tokens, reserved):
+            over_quota.append(m)
+            continue
+        queue.append(m)
+        if m.namespace in step.quota_left:
+            reserved[m.namespace] = reserved.get(m.namespace, 0) + tokens
 
     # Slots already being reclaimed will come free: the first of the queue wait for those.
     reclaiming = sum(1 for g in step.grants.values() if g.state is GrantState.RECLAIMING)
@@ -420,3 +502,4 @@ def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
 
     _set_wait_reason(step, (m.name for m in waiting_for_reclaim), GrantReason.WAITING_FOR_RECLAIM)
     _set_wait_reason(step, (m.name for m in still_waiting), GrantReason.POOL_FULL)
+    _set_wait_reason(step, (m.name for m in over_quota), GrantReason.QUOTA_EXCEEDED)

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 from continuum_operator.core.grants import (
+    REFUSALS,
     Allocation,
     Capacity,
     EnginePhase,
@@ -268,7 +269,7 @@ class _Simulation:
             self.start_turn(e, m)
         elif (
             t.to_state is GrantState.RELEASED
-            and t.reason is GrantReason.CONTEXT_TOO_LARGE
+            and t.reason in REFUSALS
             and m.phase is _MindPhase.WAITING
         ):
             self.end_wait(e, m, "refused")

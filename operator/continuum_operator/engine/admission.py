@@ -270,6 +270,13 @@ def _not_granted(
             413,
             {"slotTokens": table.slot_tokens, "askedTokens": entry.asked_tokens},
         )
+    if entry.state is GrantState.RELEASED and entry.reason == GrantReason.CLASS_LIMIT:
+        # Her class allows fewer tokens than she asks (docs/tenancy.md): not a wait in line.
+        return _refuse(
+            Refusal.CONTEXT_TOO_LARGE,
+            413,
+            {"reason": entry.reason, "askedTokens": entry.asked_tokens},
+        )
     if cut:
         # A request inside a turn whose grant is no longer held: the turn is over.
         return _refuse(Refusal.TURN_CUT, 409, {"reason": entry.reason or entry.state.value})

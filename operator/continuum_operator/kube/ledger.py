@@ -12,7 +12,12 @@ allocator (`core.grants`), with no API calls, so each rule is shown in unit test
 - `capacity_of`: the pool to allocate from, from the plan and the Ready condition part 1
   writes, and `status.grantCapacity` (what the ledger was last made for, written with it). An
   engine whose launch changed while minds still hold slots of the old one is `Draining`.
-- `demands_of`: the minds that want grants, with their class's priority and window.
+- `demands_of`: the minds that want grants, with their class's priority, window and limit.
+- `route_minds`: tenancy (docs/tenancy.md): each Mind to her Engine (`spec.engineNamespace`,
+  else her own), or refused with a reason: her class does not exist, or the Engine does not
+  serve her namespace (`spec.allowedNamespaces`).
+- `quota_limits` / `tokens_held`: TokenQuotas by namespace (the tightest wins) and the tokens
+  each namespace holds in the ledgers.
 - `projection`: a Mind's `status.grant` and conditions, made from her ledger entry.
 
 Neighbours: `kube.minds` (reads the cache, calls `step`, writes), `core.grants`.
@@ -22,13 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from continuum_operator.core.grants import (
+    REFUSALS,
     Capacity,
     EnginePhase,
     Grant,
@@ -45,16 +51,24 @@ __all__ = [
     "STEP_FIELD",
     "LedgerStep",
     "MindConditionType",
+    "QuotaLimit",
+    "Refused",
+    "RouteReason",
     "capacity_line",
     "capacity_of",
     "demands_of",
+    "engine_serves",
     "grant_entries",
     "iso_micro",
     "log_lines",
     "projection",
+    "quota_limits",
     "read_grants",
+    "refused_projection",
     "released_of",
+    "route_minds",
     "step",
+    "tokens_held",
     "transition_line",
 ]
 
@@ -70,6 +84,13 @@ _HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
 class MindConditionType(StrEnum):
     GRANTED = "Granted"
     CONTEXT_TOO_LARGE = "ContextTooLarge"
+
+
+class RouteReason(StrEnum):
+    """Why a Mind is not put to her Engine's allocator at all (docs/tenancy.md)."""
+
+    ENGINE_NOT_ALLOWED = "EngineNotAllowed"
+    CLASS_NOT_FOUND = "ClassNotFound"
 
 
 def iso_micro(t: float) -> str:
@@ -172,7 +193,7 @@ def grant_entries(
         if g.state is GrantState.QUEUED:
             position += 1
             e["position"] = position
-        if g.reason is GrantReason.CONTEXT_TOO_LARGE and g.mind in asked:
+        if g.reason in REFUSALS and g.mind in asked:
             e["askedTokens"] = asked[g.mind]
         out.append(e)
     return out
@@ -256,6 +277,7 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
 class ClassFacts:
     priority: int = 0
     protection_window: float = 300.0
+    max_tokens: int | None = None
 
 
 def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, ClassFacts], str]:
@@ -265,8 +287,11 @@ def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, Clas
     for mc in sorted(mindclasses, key=lambda m: str(m["metadata"]["name"])):
         spec = mc.get("spec") or {}
         name = str(mc["metadata"]["name"])
+        max_tokens = spec.get("maxTokens")
         out[name] = ClassFacts(
-            int(spec.get("priority") or 0), float(spec.get("protectionWindowSeconds", 300))
+            int(spec.get("priority") or 0),
+            float(spec.get("protectionWindowSeconds", 300)),
+            int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
         )
         if spec.get("default") and not default:
             default = name
@@ -277,25 +302,126 @@ def mind_key(mind: Mapping[str, Any]) -> str:
     return f"{mind['metadata']['namespace']}/{mind['metadata']['name']}"
 
 
+def engine_key_of(mind: Mapping[str, Any]) -> tuple[str, str]:
+    """(namespace, name) of the Engine a Mind names: `spec.engineNamespace`, else her own."""
+    spec = mind.get("spec") or {}
+    ns = spec.get("engineNamespace") or mind["metadata"]["namespace"]
+    return str(ns), str(spec.get("engine"))
+
+
+def engine_serves(engine: Mapping[str, Any], namespace: str) -> bool:
+    """Whether an Engine serves Minds of `namespace`: its own always, others it lists in
+    `spec.allowedNamespaces` ('*': every namespace)."""
+    if engine["metadata"].get("namespace") == namespace:
+        return True
+    allowed = (engine.get("spec") or {}).get("allowedNamespaces") or []
+    return "*" in allowed or namespace in allowed
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A Mind kept out of her Engine's allocator, and what to tell her."""
+
+    reason: RouteReason
+    message: str
+
+
+def route_minds(
+    minds: Iterable[Mapping[str, Any]],
+    engines: Mapping[tuple[str, str], Mapping[str, Any]],
+    classes: Mapping[str, ClassFacts],
+    default_class: str,
+) -> tuple[dict[tuple[str, str], list[dict[str, Any]]], dict[str, Refused]]:
+    """Minds by the Engine they name, and those of them refused before the allocator.
+
+    A Mind naming a class that does not exist, or an Engine that does not serve her namespace,
+    is listed under her Engine (her finalizer and projection are written from there) but wants
+    no grant. A Mind of an Engine nobody serves is listed and not refused: nothing holds her.
+    """
+    by_engine: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    refused: dict[str, Refused] = {}
+    for body in minds:
+        key = engine_key_of(body)
+        by_engine.setdefault(key, []).append(dict(body))
+        ns = str(body["metadata"]["namespace"])
+        named = (body.get("spec") or {}).get("className")
+        engine = engines.get(key)
+        if named and named not in classes:
+            refused[mind_key(body)] = Refused(
+                RouteReason.CLASS_NOT_FOUND,
+                f"MindClass {named} does not exist; create it or name an existing class in "
+                "spec.className (kubectl get mindclasses)",
+            )
+        elif engine is not None and not engine_serves(engine, ns):
+            refused[mind_key(body)] = Refused(
+                RouteReason.ENGINE_NOT_ALLOWED,
+                f"Engine {key[0]}/{key[1]} does not serve namespace {ns}; add {ns} to the "
+                "Engine's spec.allowedNamespaces, or name an Engine of your own namespace",
+            )
+    return by_engine, refused
+
+
 def demands_of(
-    minds: Iterable[Mapping[str, Any]], classes: Mapping[str, ClassFacts], default_class: str
+    minds: Iterable[Mapping[str, Any]],
+    classes: Mapping[str, ClassFacts],
+    default_class: str,
+    refused: Collection[str] = (),
 ) -> dict[str, MindDemand]:
-    """Minds that want a grant (not being deleted), with their class; place in line by creation."""
+    """Minds that want a grant (not being deleted, not refused), with their class; place in
+    line by creation."""
     out: dict[str, MindDemand] = {}
     for m in minds:
         meta = m["metadata"]
         if meta.get("deletionTimestamp"):
             continue
+        name = mind_key(m)
+        if name in refused:
+            continue
         spec = m.get("spec") or {}
         cls = classes.get(spec.get("className") or default_class) or ClassFacts()
-        name = mind_key(m)
         out[name] = MindDemand(
             name=name,
             priority=cls.priority,
             arrival=_parse_time(meta.get("creationTimestamp")) or 0.0,
             context_tokens=int(spec.get("contextTokens") or 1),
             protection_window=cls.protection_window,
+            max_tokens=cls.max_tokens,
         )
+    return out
+
+
+# --- token quotas -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaLimit:
+    """The tightest TokenQuota of a namespace: the limit, and the quota that sets it."""
+
+    max_tokens: int
+    quota: str  # "namespace/name"
+
+
+def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> dict[str, QuotaLimit]:
+    """Namespaces' token limits: of several TokenQuotas in a namespace, the smallest applies."""
+    out: dict[str, QuotaLimit] = {}
+    for q in sorted(quotas, key=mind_key):
+        value = (q.get("spec") or {}).get("maxTokens")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            continue
+        ns = str(q["metadata"]["namespace"])
+        if ns not in out or value < out[ns].max_tokens:
+            out[ns] = QuotaLimit(value, mind_key(q))
+    return out
+
+
+def tokens_held(entries: Iterable[Mapping[str, Any]] | None) -> dict[str, int]:
+    """Tokens each namespace holds in one ledger (`status.grants`): Granted and Reclaiming."""
+    out: dict[str, int] = {}
+    for e in entries or ():
+        if e.get("state") not in _HOLDING:
+            continue
+        ns = str(e.get("mind") or "").partition("/")[0]
+        out[ns] = out.get(ns, 0) + int(e.get("tokens") or 0)
     return out
 
 
@@ -343,20 +469,35 @@ def step(
     demands: Mapping[str, MindDemand],
     now: float,
     policy: Policy,
+    quota_left: Mapping[str, int] | None = None,
 ) -> LedgerStep:
-    """One allocation of an engine's ledger at `now` (no API calls)."""
+    """One allocation of an engine's ledger at `now` (no API calls). `quota_left`: by
+    namespace, the tokens its minds may hold on this engine (`core.grants.allocate`)."""
     status = engine.get("status") or {}
     grants = read_grants(status.get("grants"))
     pool = capacity_of(engine, grants)
     released = released_of(engine, grants)
     result = allocate(
-        grants, demands.values(), pool.capacity, now, released=released, policy=policy
+        grants,
+        demands.values(),
+        pool.capacity,
+        now,
+        released=released,
+        policy=policy,
+        quota_left=quota_left,
     )
     segments = [(pool, result.transitions)]
     if pool.capacity.phase is EnginePhase.DRAINING and not result.holders():
         # Drained: the successor's pool at once, so no step ends with a free slot unused.
         pool = capacity_of({**engine, "status": {**status, CAPACITY_FIELD: None}}, result.grants)
-        result = allocate(result.grants, demands.values(), pool.capacity, now, policy=policy)
+        result = allocate(
+            result.grants,
+            demands.values(),
+            pool.capacity,
+            now,
+            policy=policy,
+            quota_left=quota_left,
+        )
         segments.append((pool, result.transitions))
     asked = {n: d.context_tokens for n, d in demands.items()}
     entries = grant_entries(result.grants, demands, asked)
@@ -420,10 +561,18 @@ def transition_line(t: float, engine: str, tr: Transition) -> dict[str, Any]:
 
 
 def projection(
-    entry: Mapping[str, Any] | None, engine: str, slot_tokens: int, asked: int
+    entry: Mapping[str, Any] | None,
+    engine: str,
+    slot_tokens: int,
+    asked: int,
+    *,
+    class_note: str = "",
+    quota_note: str = "",
 ) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
     """A Mind's `status.grant` from her ledger entry, and her conditions (type -> status,
-    reason, message). None when the ledger does not (or no longer) hold her."""
+    reason, message). None when the ledger does not (or no longer) hold her. `class_note`
+    names her class and its limit (for `ClassLimit`); `quota_note` her namespace's quota, its
+    use and limit (for `QuotaExceeded`)."""
     if entry is None:
         return None, {
             MindConditionType.GRANTED: (False, "NotInLedger", f"not in Engine {engine}'s ledger"),
@@ -438,12 +587,23 @@ def projection(
         deadline = entry.get("deadline")
         when = f", released by {iso_micro(float(deadline))}" if deadline is not None else ""
         message = f"being reclaimed ({reason}{by}): the turn ends now{when}"
+    elif state == GrantState.QUEUED and reason == GrantReason.QUOTA_EXCEEDED:
+        message = (
+            f"queued at position {entry.get('position')} (QuotaExceeded): {quota_note}; "
+            "she is granted when the namespace's minds release enough tokens, or raise the "
+            "TokenQuota's spec.maxTokens"
+        )
     elif state == GrantState.QUEUED:
         message = f"queued at position {entry.get('position')} ({reason})"
     elif reason == GrantReason.CONTEXT_TOO_LARGE:
         message = (
             f"asks {asked} tokens but a slot of Engine {engine} holds {slot_tokens}; "
             "lower spec.contextTokens or raise the Engine's contextTokensPerMind"
+        )
+    elif reason == GrantReason.CLASS_LIMIT:
+        message = (
+            f"asks {asked} tokens but {class_note}; lower spec.contextTokens, or name a class "
+            "that allows more in spec.className"
         )
     else:
         message = reason
@@ -455,13 +615,23 @@ def projection(
         "reason": reason,
         "message": message,
     }
-    too_large = state == GrantState.RELEASED and reason == GrantReason.CONTEXT_TOO_LARGE
+    too_large = state == GrantState.RELEASED and reason in REFUSALS
     conditions: dict[str, tuple[bool, str, str]] = {
         MindConditionType.GRANTED: (state == GrantState.GRANTED, reason, message),
         MindConditionType.CONTEXT_TOO_LARGE: (
             too_large,
-            GrantReason.CONTEXT_TOO_LARGE.value if too_large else "Fits",
+            reason if too_large else "Fits",
             message if too_large else "",
         ),
     }
     return grant, conditions
+
+
+def refused_projection(
+    refused: Refused,
+) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
+    """The projection of a Mind kept out of the allocator: no grant, and why."""
+    return None, {
+        MindConditionType.GRANTED: (False, refused.reason.value, refused.message),
+        MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
+    }

@@ -1,6 +1,7 @@
 """Minds reconciled through their engine's grant ledger: the leader's one writer of grants.
 
-Watches feed `MindCache` (Minds and MindClasses; Engines come from part 1's `kube.cache`). The
+Watches feed `MindCache` (Minds, MindClasses and TokenQuotas; Engines come from part 1's
+`kube.cache`). The
 `GrantsLoop` runs only on the leader (`kube.leader`). On every change, on a timer for the next
 grace deadline or protection window (`Allocation.review_at`), and every resync, it takes each
 served Engine in turn:
@@ -13,7 +14,15 @@ served Engine in turn:
 3. the step's lines appended to the transition log (`kube.transition_log`);
 4. each Mind's `status.grant` and conditions, a projection of her entry, written if changed;
 5. finalizers: a Mind of a served Engine carries `continuum.dev/grant` until her entry has left
-   the ledger (a deleted mind's grant is reclaimed and released first, through the gateway).
+   the ledger (a deleted mind's grant is reclaimed and released first, through the gateway);
+6. each TokenQuota's status (tokens its namespace holds, minds it holds back), if changed.
+
+Tenancy (docs/tenancy.md): a Mind goes to the Engine she names in her namespace or in
+`spec.engineNamespace`; one whose class does not exist, or whose Engine does not serve her
+namespace, wants no grant and is told why. A namespace's TokenQuota is what its minds may hold
+over all engines: the tokens held are summed from every ledger at the start of a pass, and the
+engines with queued minds of a quota'd namespace are stepped one after another, each with what
+the others hold by then, so two engines granting at once cannot overshoot a quota.
 
 Crash points (`kube.crash`) sit between these writes. Neighbours: `kube.ledger` (decides),
 `kube.api` (the adapter), `kube.leader` (who may write).
@@ -32,12 +41,13 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import partial
 from typing import Any, cast
 
 import kopf
 
-from continuum_operator.core.grants import MindDemand, Policy
+from continuum_operator.core.grants import GrantReason, MindDemand, Policy
 from continuum_operator.kube import crash, ledger
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey, format_time
@@ -60,10 +70,11 @@ _HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
 
 @dataclass
 class MindCache:
-    """Minds and MindClasses as the watches last saw them."""
+    """Minds, MindClasses and TokenQuotas as the watches last saw them."""
 
     minds: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
     classes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quotas: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def observe_mind(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
@@ -85,6 +96,17 @@ class MindCache:
             self.classes[name] = copy.deepcopy(dict(obj))
         self.changed.set()
 
+    def observe_quota(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+        key = ledger.mind_key(obj)
+        if deleted:
+            self.quotas.pop(key, None)
+        else:
+            known = self.quotas.get(key)
+            if known is None or _rv(obj) >= _rv(known):
+                self.quotas[key] = copy.deepcopy(dict(obj))
+        if nudge:
+            self.changed.set()
+
 
 def _without_nulls(value: Any) -> Any:
     """A merge patch's effect: null removes a key, so compare without them."""
@@ -103,7 +125,7 @@ def _rv(obj: Mapping[str, Any]) -> int:
 
 
 def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:
-    """Watch Minds and MindClasses into `minds`."""
+    """Watch Minds, MindClasses and TokenQuotas into `minds`."""
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="minds", registry=registry)
     async def mind(event: kopf.RawEvent, **_: Any) -> None:
@@ -112,6 +134,10 @@ def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:
     @kopf.on.event(group=GROUP, version=VERSION, plural="mindclasses", registry=registry)
     async def mindclass(event: kopf.RawEvent, **_: Any) -> None:
         minds.observe_class(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+
+    @kopf.on.event(group=GROUP, version=VERSION, plural="tokenquotas", registry=registry)
+    async def tokenquota(event: kopf.RawEvent, **_: Any) -> None:
+        minds.observe_quota(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
 
 
 # --- the loop ---------------------------------------------------------------------------------
@@ -227,6 +253,14 @@ class GrantsLoop:
         minds = self.api.request("GET", f"{base}/minds")
         for obj in classes.get("items") or []:  # (no nudge: this runs in a thread)
             self.minds.classes[str(obj["metadata"]["name"])] = copy.deepcopy(obj)
+        try:
+            quotas = self.api.request("GET", f"{base}/tokenquotas")
+        except ApiError as err:
+            if err.status != 404:  # 404: the TokenQuota CRD is not installed; no quotas
+                raise
+            quotas = {}
+        for obj in quotas.get("items") or []:
+            self.minds.observe_quota(obj, deleted=False, nudge=False)
         listed = set()
         for obj in minds.get("items") or []:
             self.minds.observe_mind(obj, deleted=False, nudge=False)
@@ -252,22 +286,31 @@ class GrantsLoop:
 
     def pass_once(self) -> None:
         classes, default = ledger.classes_of(list(self.minds.classes.values()))
-        by_engine: dict[EngineKey, list[dict[str, Any]]] = {}
-        for body in list(self.minds.minds.values()):
-            key = (body["metadata"]["namespace"], str((body.get("spec") or {}).get("engine")))
-            by_engine.setdefault(key, []).append(body)
         engines = dict(self.engines.engines)
+        by_engine, refused = ledger.route_minds(
+            list(self.minds.minds.values()), engines, classes, default
+        )
         for key, body in sorted(engines.items()):  # steps a dead leader wrote but did not log
             self.log.recover(
                 f"{key[0]}/{key[1]}", (body.get("status") or {}).get(ledger.STEP_FIELD)
             )
 
         def demands(key: EngineKey) -> dict[str, MindDemand]:
-            return ledger.demands_of(by_engine.get(key, []), classes, default)
+            return ledger.demands_of(by_engine.get(key, []), classes, default, refused)
+
+        quotas = _QuotaUse(ledger.quota_limits(list(self.minds.quotas.values())), engines)
+
+        def step(key: EngineKey, at: float | None = None) -> dict[str, Any] | None:
+            written = self.step_engine(key, engines[key], demands(key), at, quotas.left(key))
+            if written is not None:
+                quotas.stepped(key, written)
+            return written
 
         # Ledgers first. Engines with a grace deadline due, one after another, each stepped at
-        # its deadline (the release is forced then); the rest side by side, all at one time,
-        # so the log's `t` stays in order whatever order their writes end in.
+        # its deadline (the release is forced then); then those with minds of a namespace under
+        # a TokenQuota, one after another, each with the tokens the others hold by then; the
+        # rest side by side, all at one time, so the log's `t` stays in order whatever order
+        # their writes end in.
         wall = self.clock()
         due = sorted(
             (d, k) for k in engines if (d := self._due(engines[k])) is not None and d <= wall
@@ -276,24 +319,31 @@ class GrantsLoop:
         for _, key in due:
             if not self.may_write():
                 return
-            written = self.step_engine(key, engines[key], demands(key))
+            written = step(key)
             if written is not None:
                 stepped.append((key, written))
         rest = sorted(set(engines) - {k for _, k in due})
         at = self.log.time(self.clock())
+        bound = [k for k in rest if quotas.binds(demands(k))]
+        for key in bound:
+            if not self.may_write():
+                return
+            written = step(key, at)
+            if written is not None:
+                stepped.append((key, written))
+        free = [k for k in rest if k not in set(bound)]
         with ThreadPoolExecutor(self.settings.write_workers) as pool:
-            results = list(
-                pool.map(lambda k: (k, self.step_engine(k, engines[k], demands(k), at)), rest)
-            )
+            results = list(pool.map(lambda k: (k, step(k, at)), free))
         stepped.extend((k, b) for k, b in results if b is not None)
         if not self.may_write():
             return
         # ... then what follows from them, Minds' projections and finalizers, written side by
         # side: each is one Mind's own, and a projection is rewritten until it agrees.
         # Projections are queued before finalizers: a grant is seen as soon as the API allows.
+        notes = _Notes(classes, default, quotas)
         jobs: list[tuple[int, str, Callable[[], None]]] = []
         for key, engine in stepped:
-            jobs.extend(self.projection_jobs(key, engine, by_engine.get(key, [])))
+            jobs.extend(self.projection_jobs(key, engine, by_engine.get(key, []), refused, notes))
         # Minds of Engines nobody serves (deleted, or never made): nothing holds their grant.
         for key, minds in by_engine.items():
             if key not in engines:
@@ -302,9 +352,28 @@ class GrantsLoop:
                     for m in minds
                     if m["metadata"].get("deletionTimestamp")
                 )
+        for qkey, quota in sorted(self.minds.quotas.items()):
+            new = quota_status(quota, quotas, self.clock())
+            if new is not None:
+                jobs.append(
+                    (_PROJECTION, f"tokenquota:{qkey}", partial(self.write_quota, quota, new))
+                )
         # Not waited for: the next pass's ledgers need not queue behind these writes.
         for priority, mkey, job in jobs:
             self.writer.submit(priority, mkey, job)
+
+    def write_quota(self, quota: Mapping[str, Any], status: dict[str, Any]) -> None:
+        meta = quota["metadata"]
+        path = crd_path("tokenquotas", meta["namespace"], meta["name"], "status")
+        try:
+            answer = self.api.merge_patch(path, {"status": status})
+        except ApiError as err:
+            if err.status != 404:
+                log.warning(
+                    "writing TokenQuota %s's status failed: %s", ledger.mind_key(quota), err
+                )
+            return
+        self.minds.observe_quota(answer, deleted=False, nudge=False)
 
     def _due(self, body: Mapping[str, Any]) -> float | None:
         deadlines = [
@@ -321,9 +390,10 @@ class GrantsLoop:
         body: dict[str, Any],
         demands: Mapping[str, MindDemand],
         at: float | None = None,
+        quota_left: Mapping[str, int] | None = None,
     ) -> dict[str, Any] | None:
         """Step one engine's ledger until nothing is due (or once, at `at`); the Engine as
-        last written or read."""
+        last written or read. `quota_left`: what each quota'd namespace may hold here."""
         for _ in range(self.settings.conflict_retries + 4):
             wall = self.clock()
             due = self._due(body)
@@ -331,7 +401,7 @@ class GrantsLoop:
                 now = at
             else:
                 now = self.log.time(due if due is not None and due <= wall else wall)
-            s = ledger.step(body, demands, now, self.policy)
+            s = ledger.step(body, demands, now, self.policy, quota_left)
             if s.review_at is not None:
                 self.review_at[key] = s.review_at
             else:
@@ -340,7 +410,7 @@ class GrantsLoop:
                 return body
             if not self.may_write():
                 return None
-            answer = self.write_ledger(key, body, s, now)
+            answer = self.write_ledger(key, body, s, now, quota_left)
             if answer is None:
                 return None
             body = answer
@@ -350,7 +420,12 @@ class GrantsLoop:
         return body
 
     def write_ledger(
-        self, key: EngineKey, body: dict[str, Any], s: ledger.LedgerStep, now: float
+        self,
+        key: EngineKey,
+        body: dict[str, Any],
+        s: ledger.LedgerStep,
+        now: float,
+        quota_left: Mapping[str, int] | None = None,
     ) -> dict[str, Any] | None:
         """Replace the Engine's status with the new ledger, conditioned on resourceVersion."""
         ns, name = key
@@ -391,10 +466,7 @@ class GrantsLoop:
                     log.warning("re-reading Engine %s failed: %s", engine, err2)
                     return None
                 self.engines.observe_engine(body, deleted=False, nudge=False)
-                demands = ledger.demands_of(
-                    self._minds_of(key), *ledger.classes_of(list(self.minds.classes.values()))
-                )
-                s = ledger.step(body, demands, now, self.policy)
+                s = ledger.step(body, self._demands_of(key), now, self.policy, quota_left)
                 if not s.changed:
                     return body
                 continue
@@ -428,13 +500,13 @@ class GrantsLoop:
         log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
         return None
 
-    def _minds_of(self, key: EngineKey) -> list[dict[str, Any]]:
-        return [
-            m
-            for m in list(self.minds.minds.values())
-            if m["metadata"]["namespace"] == key[0]
-            and str((m.get("spec") or {}).get("engine")) == key[1]
-        ]
+    def _demands_of(self, key: EngineKey) -> dict[str, MindDemand]:
+        """The minds that want a grant of this Engine, from the caches as they are now."""
+        classes, default = ledger.classes_of(list(self.minds.classes.values()))
+        by_engine, refused = ledger.route_minds(
+            list(self.minds.minds.values()), dict(self.engines.engines), classes, default
+        )
+        return ledger.demands_of(by_engine.get(key, []), classes, default, refused)
 
     # projections and finalizers
 
@@ -445,7 +517,12 @@ class GrantsLoop:
         )
 
     def projection_jobs(
-        self, key: EngineKey, engine: dict[str, Any], minds: list[dict[str, Any]]
+        self,
+        key: EngineKey,
+        engine: dict[str, Any],
+        minds: list[dict[str, Any]],
+        refused: Mapping[str, ledger.Refused] | None = None,
+        notes: _Notes | None = None,
     ) -> list[tuple[int, str, Callable[[], None]]]:
         """The writes that bring this engine's Minds in line with its ledger: projections, and
         finalizers (on a Mind holding a slot, whose deletion must release it first; off a
@@ -465,7 +542,18 @@ class GrantsLoop:
                     jobs.append((_FINALIZER, mkey, partial(self.finalize, m)))
                 continue
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
-            grant, conds = ledger.projection(entry, name, slot_tokens, asked)
+            refusal = (refused or {}).get(mkey)
+            if refusal is not None:
+                grant, conds = ledger.refused_projection(refusal)
+            else:
+                grant, conds = ledger.projection(
+                    entry,
+                    name,
+                    slot_tokens,
+                    asked,
+                    class_note=notes.class_note(m) if notes else "",
+                    quota_note=notes.quota_note(meta["namespace"]) if notes else "",
+                )
             if self.projection_differs(m, grant, conds, self.endpoint(key)):
                 job = partial(self.project_one, mkey, grant, conds, self.endpoint(key))
                 jobs.append((_PROJECTION, mkey, job))
@@ -601,3 +689,136 @@ class GrantsLoop:
             self.minds.observe_mind(answer, deleted=True, nudge=False)
         else:
             self.minds.observe_mind(answer, deleted=False, nudge=False)
+
+
+# --- tenancy ----------------------------------------------------------------------------------
+
+
+class _QuotaUse:
+    """Tokens each namespace under a TokenQuota holds, over every engine's ledger, kept up to
+    date as the pass steps engines (thread-safe: quota-free engines step side by side)."""
+
+    def __init__(
+        self, limits: Mapping[str, ledger.QuotaLimit], engines: Mapping[EngineKey, Any]
+    ) -> None:
+        self.limits = dict(limits)
+        self.lock = threading.Lock()
+        self.by_engine = {
+            k: ledger.tokens_held((b.get("status") or {}).get("grants")) for k, b in engines.items()
+        }
+        self.entries = {k: (b.get("status") or {}).get("grants") or [] for k, b in engines.items()}
+
+    def binds(self, demands: Mapping[str, MindDemand]) -> bool:
+        return any(d.namespace in self.limits for d in demands.values())
+
+    def used(self, namespace: str) -> int:
+        with self.lock:
+            return sum(held.get(namespace, 0) for held in self.by_engine.values())
+
+    def left(self, key: EngineKey) -> dict[str, int] | None:
+        """What each quota'd namespace may hold on this engine: its limit less what it holds on
+        the others (possibly below zero: a quota lowered under use reclaims nothing)."""
+        if not self.limits:
+            return None
+        with self.lock:
+            mine = self.by_engine.get(key, {})
+            return {
+                ns: lim.max_tokens
+                - (sum(h.get(ns, 0) for h in self.by_engine.values()) - mine.get(ns, 0))
+                for ns, lim in self.limits.items()
+            }
+
+    def stepped(self, key: EngineKey, body: Mapping[str, Any]) -> None:
+        entries = (body.get("status") or {}).get("grants") or []
+        with self.lock:
+            self.by_engine[key] = ledger.tokens_held(entries)
+            self.entries[key] = entries
+
+    def minds(self, namespace: str) -> tuple[int, list[str]]:
+        """Minds of the namespace holding a grant, and those the quota holds back (by name)."""
+        held, queued = 0, []
+        with self.lock:
+            for entries in self.entries.values():
+                for e in entries:
+                    ns, _, name = str(e.get("mind") or "").partition("/")
+                    if ns != namespace:
+                        continue
+                    if e.get("state") in _HOLDING:
+                        held += 1
+                    elif e.get("reason") == GrantReason.QUOTA_EXCEEDED.value:
+                        queued.append(name)
+        return held, sorted(queued)
+
+
+@dataclass(frozen=True)
+class _Notes:
+    """What a Mind's message says of her class's limit and her namespace's quota."""
+
+    classes: Mapping[str, ledger.ClassFacts]
+    default: str
+    quotas: _QuotaUse
+
+    def class_note(self, mind: Mapping[str, Any]) -> str:
+        name = (mind.get("spec") or {}).get("className") or self.default
+        facts = self.classes.get(name)
+        if facts is None or facts.max_tokens is None:
+            return "her class allows fewer"
+        return f"MindClass {name} allows at most {facts.max_tokens}"
+
+    def quota_note(self, namespace: str) -> str:
+        limit = self.quotas.limits.get(namespace)
+        if limit is None:
+            return f"namespace {namespace} is at its token quota"
+        return (
+            f"TokenQuota {limit.quota} allows namespace {namespace} {limit.max_tokens} tokens "
+            f"and its minds hold {self.quotas.used(namespace)}"
+        )
+
+
+class QuotaConditionType(StrEnum):
+    LIMITING = "Limiting"
+
+
+def quota_status(quota: Mapping[str, Any], use: _QuotaUse, now: float) -> dict[str, Any] | None:
+    """A TokenQuota's new status, or None when hers already says it. Every TokenQuota of a
+    namespace reports the namespace's use; the one that limits is the tightest."""
+    ns = str(quota["metadata"]["namespace"])
+    held, queued = use.minds(ns)
+    used = use.used(ns)
+    limit = use.limits.get(ns)
+    tightest = limit is not None and limit.quota == ledger.mind_key(quota)
+    limiting = bool(queued) and tightest
+    if limiting and limit is not None:
+        reason = "MindsQueued"
+        message = f"{len(queued)} mind(s) held back: {used} of {limit.max_tokens} tokens held"
+    elif not tightest and limit is not None:
+        reason, message = "Looser", f"TokenQuota {limit.quota} is tighter and applies"
+    else:
+        reason, message = "WithinQuota", f"{used} tokens held"
+    old = quota.get("status") or {}
+    prev = {c.get("type"): c for c in old.get("conditions") or []}.get(QuotaConditionType.LIMITING)
+    status = "True" if limiting else "False"
+    generation = quota["metadata"].get("generation")
+    condition: dict[str, Any] = {
+        "type": QuotaConditionType.LIMITING.value,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": (prev or {}).get("lastTransitionTime")
+        if (prev or {}).get("status") == status
+        else format_time(now),
+    }
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    new: dict[str, Any] = {
+        "usedTokens": used,
+        "mindsHeld": held,
+        "mindsQueued": len(queued),
+        "queued": queued[:64],
+        "conditions": [condition],
+    }
+    if generation is not None:
+        new["observedGeneration"] = generation
+    if {k: old.get(k) for k in new} == new:
+        return None
+    return new

@@ -11,6 +11,7 @@ from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine, KvCacheType, ModelFacts
 from continuum_operator.model.mind import Mind
 from continuum_operator.model.mindclass import MindClass
+from continuum_operator.model.tokenquota import TokenQuota
 
 __all__ = [
     "API_VERSION",
@@ -26,4 +27,5 @@ __all__ = [
     "NodeBoard",
     "PoolKind",
     "PoolReading",
+    "TokenQuota",
 ]

@@ -24,8 +24,16 @@ from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
 from continuum_operator.model.mind import Mind
 from continuum_operator.model.mindclass import MindClass
+from continuum_operator.model.tokenquota import TokenQuota
 
-RESOURCES: tuple[type[Resource], ...] = (Engine, Mind, EmbedLane, NodeBoard, MindClass)
+RESOURCES: tuple[type[Resource], ...] = (
+    Engine,
+    Mind,
+    EmbedLane,
+    NodeBoard,
+    MindClass,
+    TokenQuota,
+)
 
 _DROPPED_KEYS = {"title", "$defs"}
 

@@ -260,7 +260,12 @@ class EngineSpec(Spec):
     kv_cache_type: KvCacheType = KvCacheType.F16
     reserve_bytes: Bytes = Field(default=GiB, description="Kept free in each pool the engine uses.")
     placement: Placement = Field(default_factory=Placement)
-    allowed_namespaces: list[str] = Field(default_factory=list, max_length=1024)
+    allowed_namespaces: list[str] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Namespaces whose Minds may draw on this engine besides its own; '*': "
+        "every namespace. Minds of others get no grant (EngineNotAllowed, docs/tenancy.md).",
+    )
 
 
 class EnginePoolBytes(Spec):

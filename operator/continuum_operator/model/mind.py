@@ -22,7 +22,12 @@ class GrantState(StrEnum):
 
 
 class MindSpec(Spec):
-    engine: Name = Field(description="The Engine (same namespace) whose pool the mind draws on.")
+    engine: Name = Field(description="The Engine whose pool the mind draws on.")
+    engine_namespace: Name | None = Field(
+        default=None,
+        description="The Engine's namespace; the Mind's own when absent. The Engine must list "
+        "the Mind's namespace in spec.allowedNamespaces (docs/tenancy.md).",
+    )
     class_name: Name | None = Field(
         default=None, description="A MindClass; the cluster's default class when absent."
     )

@@ -1,4 +1,5 @@
-"""MindClass: the priority and the most tokens a mind of the class may hold (cluster-scoped)."""
+"""MindClass: the priority and the most tokens a mind of the class may hold (cluster-scoped),
+and which namespaces may use it (docs/tenancy.md)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,28 @@ from typing import Literal
 
 from pydantic import Field
 
-from continuum_operator.model.base import ObjectMeta, Resource, Spec
+from continuum_operator.model.base import Name, ObjectMeta, Resource, Spec
 
 
 class MindClassSpec(Spec):
     priority: int = Field(ge=-1_000_000, le=1_000_000, description="Higher may preempt lower.")
-    max_tokens: int | None = Field(default=None, ge=1, le=2**40)
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**40,
+        description="The most tokens a grant of the class holds; a Mind asking more is refused "
+        "(ClassLimit). Absent: a slot's size.",
+    )
     protection_window_seconds: int = Field(
         default=300, ge=0, le=86_400, description="A new grant is not reclaimed within it."
     )
     default: bool = Field(default=False, description="The class of Minds that name none.")
+    allowed_namespaces: list[Name] | None = Field(
+        default=None,
+        max_length=1024,
+        description="Namespaces whose Minds may use the class, checked at admission by the "
+        "chart's ValidatingAdmissionPolicy (docs/tenancy.md); absent: every namespace.",
+    )
 
 
 class MindClass(Resource):

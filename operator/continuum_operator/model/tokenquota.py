@@ -1,0 +1,52 @@
+"""TokenQuota: the most KV tokens all Minds of a namespace may hold at once (namespaced).
+
+Summed over every engine the namespace's Minds use: a grant's tokens count while it is
+`Granted` or `Reclaiming`. Several TokenQuotas in one namespace all apply (the tightest wins).
+The operator enforces it in the allocator (`core.grants`, `QuotaExceeded`) and writes the
+status; lowering a quota below what is held reclaims nothing (docs/tenancy.md).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from continuum_operator.model.base import Condition, Name, ObjectMeta, Resource, Spec
+
+
+class TokenQuotaSpec(Spec):
+    max_tokens: int = Field(
+        ge=0,
+        le=2**40,
+        description="The most tokens the namespace's Minds may hold at once, over all engines.",
+    )
+
+
+class TokenQuotaStatus(Spec):
+    used_tokens: int = Field(default=0, ge=0, description="Tokens the namespace holds now.")
+    minds_held: int = Field(default=0, ge=0, description="Minds holding a grant.")
+    minds_queued: int = Field(default=0, ge=0, description="Minds the quota holds back.")
+    queued: list[Name] = Field(
+        default_factory=list, max_length=64, description="The first of them, by name."
+    )
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+
+
+class TokenQuota(Resource):
+    KIND = "TokenQuota"
+    PLURAL = "tokenquotas"
+    SHORT_NAMES = ("tq",)
+    PRINTER_COLUMNS = (
+        {"name": "Max-Tokens", "type": "integer", "jsonPath": ".spec.maxTokens"},
+        {"name": "Used", "type": "integer", "jsonPath": ".status.usedTokens"},
+        {"name": "Held", "type": "integer", "jsonPath": ".status.mindsHeld"},
+        {"name": "Queued", "type": "integer", "jsonPath": ".status.mindsQueued"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    )
+
+    kind: Literal["TokenQuota"] = "TokenQuota"
+    metadata: ObjectMeta
+    spec: TokenQuotaSpec
+    status: TokenQuotaStatus = Field(default_factory=TokenQuotaStatus)

@@ -1,0 +1,283 @@
+"""Tenancy in the grants loop (`kube.minds`, `kube.ledger`; docs/tenancy.md): Minds routed to an
+Engine of another namespace, refused where it does not serve hers or her class does not exist,
+and a namespace's TokenQuota held over several engines, its status written only when changed."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from continuum_operator.core.grants import MindDemand
+from continuum_operator.kube import ledger
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.cache import Cache
+from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.minds import GrantsLoop, MindCache
+
+BASE = "/apis/continuum.dev/v1alpha1/namespaces"
+
+
+class FakeApi:
+    """Engines replaced through their status; Minds' and TokenQuotas' status merge-patched."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+
+    def add(self, plural: str, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        self.objects[f"{BASE}/{meta['namespace']}/{plural}/{meta['name']}"] = body
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
+        if method == "PUT" and path.endswith("/status"):
+            obj = self.objects[path.removesuffix("/status")]
+            obj["status"] = copy.deepcopy(body["status"])
+            rv = int(obj["metadata"]["resourceVersion"]) + 1
+            obj["metadata"]["resourceVersion"] = str(rv)
+            return copy.deepcopy(obj)
+        raise AssertionError(f"unexpected {method} {path}")
+
+    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        self.patches.append((path, copy.deepcopy(patch)))
+        obj = self.objects.get(path.removesuffix("/status"))
+        if obj is None:
+            raise ApiError(404, "NotFound", path)
+        obj.setdefault("status", {}).update(copy.deepcopy(patch.get("status") or {}))
+        if "metadata" in patch:
+            obj["metadata"].update(
+                {k: v for k, v in patch["metadata"].items() if k != "resourceVersion"}
+            )
+        return copy.deepcopy(obj)
+
+
+def engine(ns: str, name: str, slots: int = 2, allowed: list[str] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"contextTokensPerMind": 1000}
+    if allowed is not None:
+        spec["allowedNamespaces"] = allowed
+    return {
+        "metadata": {"namespace": ns, "name": name, "resourceVersion": "10"},
+        "spec": spec,
+        "status": {
+            "plan": {"node": "n", "engineArgs": ["-np", str(slots)], "mindsGrantable": slots,
+                     "contextTokensPerMind": 1000},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }  # fmt: skip
+
+
+def mind(ns: str, name: str, engine: str, second: int = 1, **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": ns, "name": name, "resourceVersion": "1",
+                     "creationTimestamp": f"2026-12-03T06:00:{second:02d}Z"},
+        "spec": {"engine": engine, "contextTokens": 256, **spec},
+    }  # fmt: skip
+
+
+def quota(ns: str, name: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": ns, "name": name, "resourceVersion": "1", "generation": 1},
+        "spec": {"maxTokens": max_tokens},
+    }
+
+
+class World:
+    def __init__(self, tmp_path: Path) -> None:
+        self.api = FakeApi()
+        self.engines = Cache()
+        self.cache = MindCache()
+        settings = GrantSettings(transition_log=tmp_path / "log.jsonl", write_workers=2)
+        self.loop = GrantsLoop(
+            self.api,  # type: ignore[arg-type]
+            settings,
+            self.engines,
+            self.cache,
+            clock=lambda: 1_000.0,
+        )
+        # The Mind writes run here, in order, rather than in the writer's threads.
+        self.loop.writer.submit = lambda priority, key, job: job()  # type: ignore[method-assign]
+
+    def engine(self, body: dict[str, Any]) -> None:
+        self.api.add("engines", body)
+        self.engines.observe_engine(body, deleted=False, nudge=False)
+
+    def mind(self, body: dict[str, Any]) -> None:
+        self.api.add("minds", body)
+        self.cache.observe_mind(body, deleted=False, nudge=False)
+
+    def quota(self, body: dict[str, Any]) -> None:
+        self.api.add("tokenquotas", body)
+        self.cache.observe_quota(body, deleted=False, nudge=False)
+
+    def cls(self, name: str, **spec: Any) -> None:
+        self.cache.classes[name] = {"metadata": {"name": name}, "spec": {"priority": 0, **spec}}
+
+    def ledger(self, ns: str, name: str) -> dict[str, tuple[str, str]]:
+        status = self.api.objects[f"{BASE}/{ns}/engines/{name}"].get("status") or {}
+        return {e["mind"]: (e["state"], e["reason"]) for e in status.get("grants") or []}
+
+    def status(self, plural: str, ns: str, name: str) -> dict[str, Any]:
+        return dict(self.api.objects[f"{BASE}/{ns}/{plural}/{name}"].get("status") or {})
+
+    def granted(self, ns: str, name: str) -> dict[str, Any]:
+        conds = self.status("minds", ns, name).get("conditions") or []
+        return next(c for c in conds if c["type"] == "Granted")
+
+
+def test_a_mind_names_an_engine_of_another_namespace_that_serves_hers(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.engine(engine("shared", "coder", allowed=["team-b"]))
+    w.mind(mind("team-b", "ann", "coder", engineNamespace="shared"))
+    w.loop.pass_once()
+    assert w.ledger("shared", "coder") == {"team-b/ann": ("Granted", "SlotFree")}
+    status = w.status("minds", "team-b", "ann")
+    assert status["grant"]["state"] == "Granted"
+    assert status["endpoint"] == "http://coder.shared.svc:8080"
+
+
+def test_a_mind_of_a_namespace_the_engine_does_not_serve_gets_no_grant_and_is_told_why(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.engine(engine("shared", "coder", allowed=["team-b"]))
+    w.mind(mind("team-c", "cid", "coder", engineNamespace="shared"))
+    w.loop.pass_once()
+    assert w.ledger("shared", "coder") == {}
+    cond = w.granted("team-c", "cid")
+    assert (cond["status"], cond["reason"]) == ("False", "EngineNotAllowed")
+    assert "Engine shared/coder does not serve namespace team-c" in cond["message"]
+    assert "spec.allowedNamespaces" in cond["message"]
+    assert w.status("minds", "team-c", "cid").get("grant") is None
+
+
+def test_an_engine_serves_its_own_namespace_and_every_one_with_a_star() -> None:
+    body = engine("shared", "coder", allowed=["*"])
+    assert ledger.engine_serves(body, "anyone") and ledger.engine_serves(body, "shared")
+    plain = engine("shared", "coder")
+    assert ledger.engine_serves(plain, "shared") and not ledger.engine_serves(plain, "other")
+
+
+def test_a_mind_whose_engine_stops_serving_her_namespace_is_reclaimed(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.engine(engine("shared", "coder", allowed=["team-b"]))
+    w.mind(mind("team-b", "ann", "coder", engineNamespace="shared"))
+    w.loop.pass_once()
+    w.engine(
+        {**w.api.objects[f"{BASE}/shared/engines/coder"], "spec": {"contextTokensPerMind": 1000}}
+    )
+    w.loop.pass_once()
+    assert w.ledger("shared", "coder")["team-b/ann"][0] == "Reclaiming"
+    assert w.granted("team-b", "ann")["reason"] == "EngineNotAllowed"
+
+
+def test_a_mind_naming_a_class_that_does_not_exist_gets_a_condition_and_no_grant(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder"))
+    w.mind(mind("team-a", "ann", "coder", className="gold"))
+    w.loop.pass_once()
+    assert w.ledger("team-a", "coder") == {}
+    cond = w.granted("team-a", "ann")
+    assert (cond["status"], cond["reason"]) == ("False", "ClassNotFound")
+    assert "MindClass gold does not exist" in cond["message"]
+
+
+def test_a_mind_over_her_class_limit_is_refused_with_the_class_and_limit_named(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.cls("small", maxTokens=128)
+    w.engine(engine("team-a", "coder"))
+    w.mind(mind("team-a", "ann", "coder", className="small"))
+    w.loop.pass_once()
+    assert w.ledger("team-a", "coder") == {"team-a/ann": ("Released", "ClassLimit")}
+    status = w.status("minds", "team-a", "ann")
+    assert "asks 256 tokens but MindClass small allows at most 128" in status["grant"]["message"]
+    too_large = next(c for c in status["conditions"] if c["type"] == "ContextTooLarge")
+    assert (too_large["status"], too_large["reason"]) == ("True", "ClassLimit")
+
+
+def test_the_default_class_limit_applies_to_minds_that_name_none(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.cls("std", maxTokens=600, default=True)
+    w.engine(engine("team-a", "coder"))
+    w.mind(mind("team-a", "ann", "coder"))
+    w.loop.pass_once()
+    entry = w.api.objects[f"{BASE}/team-a/engines/coder"]["status"]["grants"][0]
+    assert (entry["state"], entry["tokens"]) == ("Granted", 600)
+
+
+def test_a_namespace_quota_holds_over_two_engines_and_its_status_says_so(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.engine(engine("team-a", "one", slots=1))
+    w.engine(engine("team-a", "two", slots=1))
+    w.quota(quota("team-a", "tokens", 1000))
+    w.mind(mind("team-a", "ann", "one", second=1))
+    w.mind(mind("team-a", "bob", "two", second=2))
+    w.loop.pass_once()
+    ledgers = {**w.ledger("team-a", "one"), **w.ledger("team-a", "two")}
+    # One grant of 1000 tokens fills the quota: the other engine grants nothing, though free.
+    assert sorted(ledgers.values()) == [("Granted", "SlotFree"), ("Queued", "QuotaExceeded")]
+    [held_back] = [m for m, (s, _) in ledgers.items() if s == "Queued"]
+    status = w.status("tokenquotas", "team-a", "tokens")
+    assert (status["usedTokens"], status["mindsHeld"], status["mindsQueued"]) == (1000, 1, 1)
+    assert status["queued"] == [held_back.split("/")[1]]
+    limiting = status["conditions"][0]
+    assert (limiting["type"], limiting["status"], limiting["reason"]) == (
+        "Limiting", "True", "MindsQueued"
+    )  # fmt: skip
+    message = w.status("minds", "team-a", held_back.split("/")[1])["grant"]["message"]
+    assert "TokenQuota team-a/tokens allows namespace team-a 1000 tokens" in message
+    assert "its minds hold 1000" in message
+
+
+def test_the_tightest_of_several_quotas_in_a_namespace_applies(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.cls("small", maxTokens=400)
+    w.engine(engine("team-a", "coder", slots=3))
+    w.quota(quota("team-a", "loose", 5000))
+    w.quota(quota("team-a", "tight", 800))
+    for i in range(3):
+        w.mind(mind("team-a", f"m{i}", "coder", second=i, className="small"))
+    w.loop.pass_once()
+    assert sorted(w.ledger("team-a", "coder").values()) == [
+        ("Granted", "SlotFree"), ("Granted", "SlotFree"), ("Queued", "QuotaExceeded")
+    ]  # fmt: skip
+    assert w.status("tokenquotas", "team-a", "tight")["conditions"][0]["status"] == "True"
+    loose = w.status("tokenquotas", "team-a", "loose")["conditions"][0]
+    assert (loose["status"], loose["reason"]) == ("False", "Looser")
+
+
+def test_a_quota_status_is_written_only_when_it_changed(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder"))
+    w.quota(quota("team-a", "tokens", 5000))
+    w.mind(mind("team-a", "ann", "coder"))
+    w.loop.pass_once()
+    quota_writes = [p for p, _ in w.api.patches if "/tokenquotas/" in p]
+    assert len(quota_writes) == 1
+    w.loop.pass_once()
+    assert [p for p, _ in w.api.patches if "/tokenquotas/" in p] == quota_writes
+
+
+def test_quota_limits_and_tokens_held_read_from_the_objects() -> None:
+    limits = ledger.quota_limits([quota("a", "x", 900), quota("a", "y", 300), quota("b", "z", 7)])
+    assert {ns: (q.max_tokens, q.quota) for ns, q in limits.items()} == {
+        "a": (300, "a/y"), "b": (7, "b/z")
+    }  # fmt: skip
+    entries = [
+        {"mind": "a/m", "state": "Granted", "tokens": 100},
+        {"mind": "a/n", "state": "Reclaiming", "tokens": 50},
+        {"mind": "a/o", "state": "Queued", "tokens": 0},
+        {"mind": "b/p", "state": "Granted", "tokens": 9},
+    ]
+    assert ledger.tokens_held(entries) == {"a": 150, "b": 9}
+
+
+def test_demands_carry_the_class_token_limit() -> None:
+    classes, default = ledger.classes_of(
+        [{"metadata": {"name": "s"}, "spec": {"priority": 3, "maxTokens": 64, "default": True}}]
+    )
+    [d] = ledger.demands_of([mind("n", "a", "e")], classes, default).values()
+    assert d == MindDemand("n/a", 3, d.arrival, 256, 300.0, 64)
