@@ -38,6 +38,7 @@ from continuum_operator.model.engine import EngineSpec, ModelFacts
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 from tests.builders import GiB, MiB, board, board_body
 from tests.e2e.llama_fixtures import free_port, http_json, import_llama_cpp
+from tests.e2e.test_operator import scrape_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -167,6 +168,19 @@ def test_continuum_embed_serves_mean_pooled_embeddings_and_reports_its_runtime(
 
     code, refused = http_json(f"{url}/v1/embeddings", {"input": LONG * 3})
     assert code == 413 and refused["error"]["reason"] == "ContextTooLarge"
+
+    # The same counts at /metrics, current at the scrape (docs/metrics.md).
+    metrics = f"{url}/metrics"
+    assert scrape_metric(metrics, "continuum_lane_requests_served_total") == 1
+    assert scrape_metric(metrics, "continuum_lane_inputs_embedded_total") == 3
+    tokens = scrape_metric(metrics, "continuum_lane_tokens_embedded_total")
+    assert tokens == body["usage"]["prompt_tokens"]
+    largest = scrape_metric(metrics, "continuum_lane_largest_context_tokens")
+    assert largest == runtime["largestContextTokens"]
+    assert scrape_metric(metrics, "continuum_lane_leased_context_tokens") == 1024
+    refusals = "continuum_lane_refusals_total"
+    assert scrape_metric(metrics, refusals, reason="ContextTooLarge") == 1
+    assert scrape_metric(metrics, refusals, reason="PoolBusy") == 0
 
 
 def test_a_request_above_the_lease_waits_for_the_lease_to_grow(

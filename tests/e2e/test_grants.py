@@ -423,6 +423,17 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
         assert scraped[("continuum_grant_reclaims_total", (("reason", "MindDeleted"),))] >= 1
         held = ("continuum_grants_held", (("engine", "coder"), ("namespace", ns)))
         assert scraped[held] == 1
+        # Turn waits, by the reason each mind last waited for: vip waited for a's reclaim, a
+        # for b's; with a and b granted at first, at least four waits ended in a grant.
+        waits = {
+            dict(labels)["reason"]: value
+            for (name, labels), value in scraped.items()
+            if name == "continuum_grant_wait_seconds_count"
+            and dict(labels)["namespace"] == ns
+            and dict(labels)["engine"] == "coder"
+        }
+        assert waits.get("WaitingForReclaim", 0) >= 2, waits
+        assert sum(waits.values()) >= 4, waits
 
     lines = [json.loads(x) for x in (tmp_path / "transitions.jsonl").read_text().splitlines()]
     moves = [

@@ -229,6 +229,35 @@ def test_the_operators_arguments_are_flags_continuum_operator_accepts(
     assert custom.metrics_port == 9100
 
 
+def test_the_webhook_configuration_names_the_charts_service_unless_a_url_is_asked_for(
+    helm_bin: Path, custom_docs: list[dict[str, Any]]
+) -> None:
+    """Managed API servers may not resolve cluster DNS: by default the operator installs a
+    clientConfig.service reference to the Service the chart made (its namespace, name, port)."""
+    from continuum_operator.kube import webhook
+    from continuum_operator.kube.run import settings_from
+
+    args = _parse(_container(one(custom_docs, "Deployment", "-operator"))["args"])
+    children = settings_from(args).children
+    service = one(custom_docs, "Service", "-webhook")
+    client = webhook.webhook_configuration({"url": "https://ignored"}, children)["webhooks"][0][
+        "clientConfig"
+    ]
+    assert client["service"] == {
+        "namespace": service["metadata"]["namespace"],
+        "name": service["metadata"]["name"],
+        "port": service["spec"]["ports"][0]["port"],
+        "path": f"/{webhook.HANDLER_ID}",
+    }
+    assert "url" not in client
+
+    values = {**NON_DEFAULT, "webhook": {**NON_DEFAULT["webhook"], "clientConfig": "url"}}
+    docs = documents(template(helm_bin, values).stdout)
+    url_args = _parse(_container(one(docs, "Deployment", "-operator"))["args"])
+    assert url_args.webhook_service is None
+    assert settings_from(url_args).children.host == "ctm-webhook.continuum-system.svc"
+
+
 def test_the_agents_arguments_are_flags_continuum_agent_accepts(
     default_docs: list[dict[str, Any]], custom_docs: list[dict[str, Any]]
 ) -> None:
@@ -246,6 +275,9 @@ def test_the_agents_arguments_are_flags_continuum_agent_accepts(
     ]
     env = {e["name"]: e for e in _container(ds)["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # Its metrics on the port the container names (the PodMonitor scrapes it by that name).
+    assert args.metrics_port == 9102
+    assert _container(ds)["ports"] == [{"name": "metrics", "containerPort": 9102}]
 
     custom = one(custom_docs, "DaemonSet", "-agent")
     cpod = custom["spec"]["template"]["spec"]
@@ -443,6 +475,28 @@ def test_monitoring_objects_scrape_the_operator_and_every_engine(
     assert engines["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == objects.MANAGED_BY
     assert engines["endpoints"][0]["port"] == "http"  # the engine Service's port name
 
+    pods = {d["metadata"]["name"]: d for d in by_kind(custom_docs, "PodMonitor")}
+    assert set(pods) == {"ctm-agents", "ctm-embedlanes"}
+    agents = pods["ctm-agents"]["spec"]
+    ds = one(custom_docs, "DaemonSet", "-agent")
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert agents["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert agents["podMetricsEndpoints"][0]["port"] in {p["name"] for p in _container(ds)["ports"]}
+    # Lanes: selected by the labels the operator puts on lane pods, scraped on their port.
+    lanes = pods["ctm-embedlanes"]["spec"]
+    lane = EmbedLane.model_validate(
+        yaml.safe_load((ROOT / "examples" / "embedlanes" / "notes.yaml").read_text())
+    )
+    lane_labels = lane_objects.lane_identity(lane, "uid")[0]["metadata"]["labels"]
+    assert lanes["selector"]["matchLabels"].items() <= lane_labels.items()
+    assert lanes["podMetricsEndpoints"][0]["path"] == "/metrics"
+    relabel = {
+        r["targetLabel"]: r["sourceLabels"][0]
+        for r in lanes["podMetricsEndpoints"][0]["relabelings"]
+    }
+    label = lane_objects.LANE_LABEL.replace(".", "_").replace("/", "_")
+    assert relabel["lane"] == f"__meta_kubernetes_pod_label_{label}"
+
 
 def test_the_prometheus_rule_has_the_issues_alerts_on_exported_names(
     custom_docs: list[dict[str, Any]],
@@ -494,6 +548,7 @@ def test_the_dashboard_is_valid_json_in_an_optional_configmap(
         ({"operator": {"engineCpu": "two"}}, "/operator/engineCpu"),
         ({"agent": {"leaseSeconds": "forty"}}, "/agent/leaseSeconds"),
         ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
+        ({"webhook": {"clientConfig": "dns"}}, "/webhook/clientConfig"),
         ({"webhook": {"enabled": True, "certificates": {"mode": "secret"}}}, "secretName"),
         ({"webhook": {"certificates": {"mode": "vault"}}}, "/webhook/certificates/mode"),
         ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "interval"),

@@ -193,6 +193,26 @@ def test_the_configuration_ignores_failures_and_sends_only_a_minds_new_pods() ->
     assert MIND_LABEL in expression and "'Mind'" in expression
 
 
+def test_with_a_service_the_configuration_names_it_and_no_url() -> None:
+    """A managed API server may not resolve cluster DNS: a Service reference it resolves itself."""
+    kopf_config = {"url": "https://op.ns.svc:9443", "caBundle": "Q0E="}
+    cfg = webhook.webhook_configuration(
+        kopf_config, ChildrenSettings(port=9443, service=("continuum-system", "ctm-webhook"))
+    )
+    assert cfg["webhooks"][0]["clientConfig"] == {
+        "service": {
+            "namespace": "continuum-system",
+            "name": "ctm-webhook",
+            "port": 9443,
+            "path": f"/{webhook.HANDLER_ID}",
+        },
+        "caBundle": "Q0E=",
+    }
+    other_port = ChildrenSettings(service=("ns", "svc"), service_port=443)
+    client = webhook.webhook_configuration(kopf_config, other_port)["webhooks"][0]["clientConfig"]
+    assert client["service"]["port"] == 443
+
+
 # --------------------------------------------------------------------------------------------
 # children the webhook did not reach
 
@@ -259,7 +279,23 @@ def test_the_webhook_is_off_unless_asked_for_and_its_flags_reach_the_settings() 
     assert s.pods.children_priority_class == "kids"
 
 
+def test_the_webhook_service_flag_reaches_the_settings() -> None:
+    s = settings_from(
+        operator_args("--webhook", "--webhook-service", "continuum-system/ctm-webhook",
+                      "--webhook-service-port", "443")
+    )  # fmt: skip
+    assert s.children.service == ("continuum-system", "ctm-webhook")
+    assert s.children.service_port == 443
+    assert settings_from(operator_args("--webhook")).children.service is None
+
+
 def test_bad_webhook_flags_are_refused_with_the_flag_named() -> None:
+    with pytest.raises(SystemExit, match="'ctm-webhook': expected NAMESPACE/NAME"):
+        settings_from(operator_args("--webhook", "--webhook-service", "ctm-webhook"))
+    with pytest.raises(SystemExit, match="--webhook-service-port"):
+        settings_from(
+            operator_args("--webhook", "--webhook-service", "a/b", "--webhook-service-port", "0")
+        )
     with pytest.raises(SystemExit, match="--webhook-timeout"):
         settings_from(operator_args("--webhook", "--webhook-timeout", "31"))
     with pytest.raises(SystemExit, match="--webhook-keyfile"):

@@ -4,6 +4,7 @@
     continuum agent --print --from-capture F.json # the board of a recorded machine
     continuum agent --node-name n1 --once         # one cycle against the kubeconfig's cluster
     continuum agent --in-cluster                  # the DaemonSet: NODE_NAME from the downward API
+    continuum agent --in-cluster --metrics-port 9102   # and Prometheus metrics at :9102/metrics
 
 Exit codes: 0 done, 1 the API server refused or could not be reached (with --once), 2 bad flags.
 """
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from continuum_operator.agent import probe
+from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
 from continuum_operator.core.board_change import Thresholds
@@ -85,6 +87,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if not 0 <= args.metrics_port <= 65535:
+        print(f"error: --metrics-port {args.metrics_port}: a port is 1-65535 (0: off)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INVALID
     if args.interval <= 0 or args.lease_seconds <= args.interval:
         print(
             f"error: --lease-seconds ({args.lease_seconds}) must exceed --interval "
@@ -110,7 +116,16 @@ def cmd_agent(args: argparse.Namespace) -> int:
         lease_namespace=args.lease_namespace,
         lease_seconds=args.lease_seconds,
     )
-    agent = Agent(settings, api)
+    metrics = None
+    if args.metrics_port and not args.once:
+        metrics = AgentMetrics(args.node_name)
+        try:
+            metrics.serve(args.metrics_port)
+        except OSError as err:
+            print(f"error: --metrics-port {args.metrics_port}: cannot listen: {err}",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_INVALID
+    agent = Agent(settings, api, metrics=metrics)
     if args.once:
         try:
             cycle = agent.cycle()
@@ -185,6 +200,12 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=None,
         help="an operator-configured per-process GPU cap, where the platform reports none",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics at this port's /metrics (0: off; the chart uses 9102)",
     )
     p.add_argument("--threshold-fraction", type=float, default=Thresholds().used_fraction)
     p.add_argument("--threshold-mib", type=int, default=Thresholds().used_min_bytes // MiB)

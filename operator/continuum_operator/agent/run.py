@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from continuum_operator.agent import probe
+from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.writer import AgentApi, AgentApiError
 from continuum_operator.core.board_change import Change, Thresholds, board_change
 from continuum_operator.core.nodeboard import board_status
@@ -64,9 +66,11 @@ class Agent:
         *,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         capture: Capture = probe.capture,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.api = api
+        self.metrics = metrics
         self.clock = clock
         self.capture = capture  # tests replay a recorded machine through this
         self.written: NodeBoardStatus | None = None
@@ -86,6 +90,7 @@ class Agent:
         if api is None:
             status, timings = self.probe()
             return Cycle(status, Change(False, "no cluster"), False, False, timings)
+        start = time.perf_counter()
         if not self._read_written:
             self.written = api.read_board()
             self._read_written = True
@@ -96,8 +101,12 @@ class Agent:
         if change.write:
             api.write_board(status, facts)
             self.written = status
+            if self.metrics is not None:
+                self.metrics.record_write()
             log.info("board %s written: %s", self.settings.node_name, change.reason)
         api.renew_lease(self.clock(), facts)
+        if self.metrics is not None:
+            self.metrics.record_cycle(status, timings, time.perf_counter() - start)
         return Cycle(status, change, change.write, True, timings)
 
 
@@ -108,6 +117,10 @@ def run_forever(agent: Agent, stop: threading.Event) -> None:
             agent.cycle()
         except AgentApiError as err:
             log.warning("agent cycle failed, the Lease is not renewed this time: %s", err)
+            if agent.metrics is not None:
+                agent.metrics.record_failure()
         except Exception:
             log.exception("agent cycle failed, the Lease is not renewed this time")
+            if agent.metrics is not None:
+                agent.metrics.record_failure()
         stop.wait(agent.settings.interval_seconds)

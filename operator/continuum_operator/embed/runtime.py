@@ -11,7 +11,8 @@ context grows only to what the lease holds, so it never over-commits its pool.
 It is the one writer of the lane's `status.runtime` (DESIGN.md "One writer per status field"):
 the largest context embedded, the context held, whether llama.cpp can offload to a GPU, the
 receipts of its loads, and counts of requests served, waited and refused; to a file, to the
-EmbedLane, or both, only when it changed. `GET /v1/runtime` answers the same document.
+EmbedLane, or both, only when it changed. `GET /v1/runtime` answers the same document;
+`GET /metrics` the same counts as Prometheus metrics (`embed.metrics`), current at each scrape.
 
 The lease comes from the EmbedLane (`--lane NAMESPACE/NAME`, polled) or a file holding an
 EmbedLane or its `status.placement` (`--lane-file`, re-read when it changes).
@@ -42,6 +43,7 @@ from aiohttp import web
 from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
+from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
 from continuum_operator.model.base import GROUP, VERSION
 
 __all__ = ["LaneRuntime", "LaneState", "RuntimePhase", "add_parser", "lane_state_from"]
@@ -111,6 +113,7 @@ class LaneRuntime:
     largest: int = 0
     receipts: dict[int, Receipt] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
+    metrics: LaneMetrics = field(default_factory=LaneMetrics)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _lease_changed: asyncio.Event = field(default_factory=asyncio.Event)
     _last_published: dict[str, Any] | None = None
@@ -121,6 +124,8 @@ class LaneRuntime:
 
     def __post_init__(self) -> None:
         self.largest = self.state.largest_embedded_tokens
+        self.metrics.set_context(self.largest, self.model.cells)
+        self.metrics.set_leased(self.state.leased_context_tokens)
 
     # -- status.runtime ---------------------------------------------------------------------
 
@@ -171,6 +176,7 @@ class LaneRuntime:
         """A new lease (or maximum) from the EmbedLane; waiting requests look again."""
         if state != self.state:
             self.state = state
+            self.metrics.set_leased(state.leased_context_tokens)
             self._lease_changed.set()
 
     # -- calibration ------------------------------------------------------------------------
@@ -192,6 +198,7 @@ class LaneRuntime:
         if loaded is not None and loaded.receipt is not None:
             self.receipts[loaded.cells] = loaded.receipt
         self.largest = max(self.largest, target)
+        self.metrics.set_context(self.largest, self.model.cells)
         self.phase = RuntimePhase.SERVING
         await self.publish_status()
 
@@ -202,6 +209,7 @@ class LaneRuntime:
     ) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of one embedding request."""
         if self.phase is not RuntimePhase.SERVING:
+            self.metrics.refused("Calibrating")
             return 503, _error("Calibrating", "the lane is calibrating; try again shortly", 0)
         async with self._lock:
             counts = await asyncio.to_thread(self.model.count_tokens, texts)
@@ -218,6 +226,7 @@ class LaneRuntime:
             left = deadline - self.clock()
             if a.verdict is Verdict.FAILS or left <= 0:
                 self.counts.refused += 1
+                self.metrics.refused(str(a.reason))
                 self.counts.last_refusal = {
                     "reason": str(a.reason),
                     "message": a.message,
@@ -229,6 +238,7 @@ class LaneRuntime:
             if not waited:
                 waited = True
                 self.counts.waited += 1
+                self.metrics.waited_request()
             self._lease_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._lease_changed.wait(), left)
@@ -239,8 +249,9 @@ class LaneRuntime:
             self.receipts[loaded.cells] = loaded.receipt
         self.largest = max(self.largest, a.tokens)
         self.counts.served += 1
-        await self.publish_status()
         total = sum(counts)
+        self.metrics.served_request(len(texts), total, self.largest, self.model.cells)
+        await self.publish_status()
         return 200, {
             "object": "list",
             "data": [
@@ -258,6 +269,7 @@ class LaneRuntime:
         app.router.add_get("/v1/runtime", self._runtime)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics)
         return app
 
     async def _embeddings(self, request: web.Request) -> web.Response:
@@ -281,6 +293,11 @@ class LaneRuntime:
 
     async def _runtime(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})

@@ -139,6 +139,7 @@ class Loop:
                 self.cache.observe_deployment(deployment, deleted=False, nudge=False)
             current = self.cache.engines.get(key) or body
             self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
+            self.metrics.set_estimate_error(*key, current.get("status"))
         await self.lanes.pass_once()  # EmbedLanes, against the leases just written
         self.metrics.unschedulable.set(unschedulable)
         self.record_boards()

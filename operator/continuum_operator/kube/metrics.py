@@ -9,21 +9,40 @@ Served by `continuum operator --metrics-port`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from continuum_operator.core.damping import Outcome
+from continuum_operator.core.grants import Grant, GrantReason, Transition
+from continuum_operator.core.receipts import is_host_buffer
+from continuum_operator.model.mind import GrantState
 
-__all__ = ["OperatorMetrics"]
+__all__ = ["CYCLE_WINDOWS", "WAIT_BUCKETS", "OperatorMetrics", "estimate_errors"]
+
+#: Seconds: a turn wait is anything from none (granted on arrival) to a mind parked for half an
+#: hour behind a relaunch; the top buckets are there to see that happen.
+WAIT_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+
+#: A reclaim cycle: a mind reclaimed again within this many protection windows of the start of
+#: her previous reclaim (docs/metrics.md). The allocator never preempts within one window
+#: (DESIGN.md rule 7), so a Preempted cycle is a mind preempted as soon as her protection ended;
+#: engine reasons ignore protection and count from 0.
+CYCLE_WINDOWS = 2.0
+
+_EngineMind = tuple[str, str, str]
 
 
 @dataclass
 class OperatorMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     boards_seen: set[str] = field(default_factory=set)
+    # Minds queued now, by (namespace, engine, mind): when this leader saw her wait begin, and
+    # the reason she waits for. Only this replica's own steps fill it (see `record_grant_step`).
+    waiting: dict[_EngineMind, tuple[float, str]] = field(default_factory=dict)
+    estimated: dict[tuple[str, str], set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -130,6 +149,26 @@ class OperatorMetrics:
             ["namespace", "engine"],
             registry=r,
         )
+        self.grant_waits = Histogram(
+            "continuum_grant_wait_seconds",
+            "Seconds a mind waited Queued before Granted, by the reason she last waited for.",
+            ["namespace", "engine", "reason"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.reclaim_cycles = Counter(
+            "continuum_grant_reclaim_cycles",
+            "Minds reclaimed again within twice their protection window of their last reclaim.",
+            ["namespace", "engine", "reason"],
+            registry=r,
+        )
+        self.estimate_error = Gauge(
+            "continuum_engine_plan_estimate_error_ratio",
+            "(planned - allocated) / allocated bytes per pool side: the plan against the "
+            "running engine's receipt of the same placement.",
+            ["namespace", "engine", "pool"],
+            registry=r,
+        )
         self.ledger_conflicts = Counter(
             "continuum_grant_ledger_conflicts",
             "Ledger writes refused for a stale resourceVersion (409), decided again.",
@@ -196,24 +235,141 @@ class OperatorMetrics:
         self.children_unmutated.labels(namespace).set(live)
 
     def record_grant_step(
-        self, namespace: str, engine: str, moves: list[tuple[str, str, str]], held: int, queued: int
+        self,
+        namespace: str,
+        engine: str,
+        transitions: Sequence[Transition],
+        before: Mapping[str, Grant],
+        held: int,
+        queued: int,
     ) -> None:
-        """One ledger step written: its (from, to, reason) moves and the ledger after it."""
-        for src, dst, reason in moves:
-            self.grant_transitions.labels(dst, reason).inc()
-            if src == "Granted" and dst == "Reclaiming":
-                self.reclaims.labels(reason).inc()
+        """One ledger step written: its transitions, the ledger it started from (`before`, read
+        from the Engine's status) and the counts of the ledger after it.
+
+        A wait starts when a mind enters Queued and ends when she is Granted; its reason is the
+        last one she was queued with (PoolFull, WaitingForReclaim, EngineRelaunching, ...).
+        A mind granted on arrival waited 0 s for `Arrived`. A wait this replica did not see
+        begin (a mind queued under an earlier leader) is measured from her ledger entry's
+        `since`, the last change of her wait reason: a lower bound.
+        """
+        for t in transitions:
+            self.grant_transitions.labels(t.to_state.value, t.reason.value).inc()
+            key = (namespace, engine, t.mind)
+            if t.from_state is GrantState.GRANTED and t.to_state is GrantState.RECLAIMING:
+                self.reclaims.labels(t.reason.value).inc()
+                if _is_cycle(t, before.get(t.mind)):
+                    self.reclaim_cycles.labels(namespace, engine, t.reason.value).inc()
+            if t.to_state is GrantState.QUEUED:
+                start = t.at
+                if t.from_state is GrantState.QUEUED:
+                    start = self.waiting.get(key, (t.at, ""))[0]
+                    if key not in self.waiting and (old := before.get(t.mind)) is not None:
+                        start = old.since
+                self.waiting[key] = (start, t.reason.value)
+            elif t.from_state is GrantState.QUEUED:
+                seen = self.waiting.pop(key, None)
+                old = before.get(t.mind)
+                if seen is None and old is not None and old.state is GrantState.QUEUED:
+                    seen = (old.since, old.reason.value)
+                if t.to_state is GrantState.GRANTED and seen is not None:
+                    started, reason = seen
+                    self.grant_waits.labels(namespace, engine, reason).observe(
+                        max(0.0, t.at - started)
+                    )
         self.grants_held.labels(namespace, engine).set(held)
         self.grants_queued.labels(namespace, engine).set(queued)
+
+    def set_estimate_error(
+        self, namespace: str, engine: str, status: Mapping[str, Any] | None
+    ) -> None:
+        """The plan in the Engine's status against its runtime's receipt (DESIGN.md rule 5);
+        no receipt of the plan's placement, no series (see `estimate_errors`)."""
+        key = (namespace, engine)
+        errors = estimate_errors(status or {})
+        for pool in self.estimated.get(key, set()) - set(errors):
+            with contextlib.suppress(KeyError):
+                self.estimate_error.remove(namespace, engine, pool)
+        for pool, ratio in errors.items():
+            self.estimate_error.labels(namespace, engine, pool).set(ratio)
+        if errors:
+            self.estimated[key] = set(errors)
+        else:
+            self.estimated.pop(key, None)
 
     def record_ledger_conflict(self) -> None:
         self.ledger_conflicts.inc()
 
     def set_leader(self, leading: bool) -> None:
         self.leader.set(1 if leading else 0)
+        if not leading:
+            # Another leader writes the ledger now: waits we saw begin may end, or begin
+            # again, without us; a later term reads them from the ledger instead.
+            self.waiting.clear()
 
     def forget(self, namespace: str, engine: str) -> None:
         self.set_plan(namespace, engine, None)
+        self.set_estimate_error(namespace, engine, None)
+        for key in [k for k in self.waiting if k[:2] == (namespace, engine)]:
+            del self.waiting[key]
         for metric in (self.relaunches, self.memory_mode_unknown):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, engine)
+
+
+def _is_cycle(t: Transition, before: Grant | None) -> bool:
+    """A reclaim within CYCLE_WINDOWS protection windows of the start of the mind's previous
+    one. A deleted mind's reclaim ends her grants for good: no cycle."""
+    if t.reason is GrantReason.MIND_DELETED or before is None or before.reclaimed_at is None:
+        return False
+    return t.at - before.reclaimed_at < CYCLE_WINDOWS * t.protection_window
+
+
+def estimate_errors(status: Mapping[str, Any]) -> dict[str, float]:
+    """(planned - allocated) / allocated bytes per pool side, for the Engine's `status.plan`
+    against the receipt in its `status.runtime` of the same placement.
+
+    The receipt must be of the plan's launch (layers on device, `--ctx-size`, slots, KV type):
+    after a re-plan the engine still runs (and reports) the old launch until its relaunch, and
+    comparing the new plan with the old allocation would report an error that is none. Sides
+    that allocated nothing, or that the plan has no bytes for, are left out.
+    """
+    plan = status.get("plan")
+    runtime = status.get("runtime")
+    if not isinstance(plan, Mapping) or not isinstance(runtime, Mapping):
+        return {}
+    receipts = runtime.get("receipts")
+    if not isinstance(receipts, list) or not receipts or not isinstance(receipts[-1], Mapping):
+        return {}
+    receipt = receipts[-1]
+    placement = receipt.get("placement")
+    launched = (
+        placement.get("layersOnDevice") if isinstance(placement, Mapping) else None,
+        receipt.get("contextTokens"),  # --ctx-size
+        receipt.get("parallel", 1),
+        receipt.get("kvCacheType", "f16"),
+    )
+    planned_launch = (
+        plan.get("layersOnDevice"),
+        plan.get("poolTokens"),
+        plan.get("mindsGrantable"),
+        plan.get("kvCacheType"),
+    )
+    if launched != planned_launch:
+        return {}
+    sides = plan.get("bytes")
+    if not isinstance(sides, Mapping):
+        return {}
+    allocated = {"device": 0, "host": 0}
+    for buf in receipt.get("buffers") or ():
+        if not isinstance(buf, Mapping):
+            continue
+        side = "host" if is_host_buffer(str(buf.get("device", ""))) else "device"
+        allocated[side] += int(buf.get("bytes") or 0)
+    out: dict[str, float] = {}
+    for side, got in allocated.items():
+        part = sides.get(side)
+        if got <= 0 or not isinstance(part, Mapping) or not part:
+            continue
+        planned = sum(int(part.get(k) or 0) for k in ("weights", "kv", "compute"))
+        out[side] = (planned - got) / got
+    return out

@@ -474,15 +474,13 @@ class GrantsLoop:
             self.engines.observe_engine(answer, deleted=False, nudge=False)
             self.log.append(engine, seq, lines)
             crash.reached(crash.CrashPoint.AFTER_LOG)
-            moves = [
-                (t.from_state.value if t.from_state else "", t.to_state.value, t.reason.value)
-                for t in s.transitions()
-            ]
             states = [str(e.get("state")) for e in s.entries]
             self.metrics.record_grant_step(
                 ns,
                 name,
-                moves,
+                s.transitions(),
+                # The ledger this step started from: when a wait began, when a reclaim did.
+                ledger.read_grants((body.get("status") or {}).get("grants")),
                 sum(1 for x in states if x in _HOLDING),
                 states.count(GrantState.QUEUED.value),
             )

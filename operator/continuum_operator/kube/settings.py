@@ -96,6 +96,12 @@ class ChildrenSettings:
     cafile: str | None = None
     """CA bundle the API server verifies the webhook with (cert-manager's `ca.crt`); None: the
     certificate itself."""
+    service: tuple[str, str] | None = None
+    """(namespace, name) of the Service in front of the webhook: the configuration then names
+    it (`clientConfig.service`) instead of a URL, so the API server needs no cluster DNS to reach
+    it (managed API servers run outside the cluster's DNS). None: the URL form, at `host`."""
+    service_port: int | None = None
+    """The Service's port for the webhook; None: `port`."""
     timeout_seconds: int = 5
     """How long the API server waits for the webhook before it admits the pod unmutated
     (failure policy Ignore). Short: a child is never held up long for a slow operator."""

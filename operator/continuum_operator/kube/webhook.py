@@ -74,6 +74,7 @@ UNMUTATED_REASON = "ChildNotMutated"
 INSTALL_ATTEMPTS = 5
 
 Obj = dict[str, Any]
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
@@ -179,11 +180,25 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
     """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator.
 
     `client_config` is what kopf's server yields (its URL and CA bundle); the handler's id is
-    the URL's last part, as kopf routes it. Kept when the operator stops: pods are then admitted
-    unmutated (Ignore) and counted when it is back.
+    the URL's last part, as kopf routes it (kopf's server has no root path, so a Service
+    reference's path is the id alone). With `children.service` the API server is sent to that
+    Service (`clientConfig.service`), else to the URL. Kept when the operator stops: pods are
+    then admitted unmutated (Ignore) and counted when it is back.
     """
-    url = f"{str(client_config['url']).rstrip('/')}/{HANDLER_ID}"
-    client: Obj = {"url": url}
+    client: Obj
+    if children.service is not None:
+        namespace, name = children.service
+        port = children.service_port if children.service_port is not None else children.port
+        client = {
+            "service": {
+                "namespace": namespace,
+                "name": name,
+                "port": port,
+                "path": f"/{HANDLER_ID}",
+            }
+        }
+    else:
+        client = {"url": f"{str(client_config['url']).rstrip('/')}/{HANDLER_ID}"}
     if client_config.get("caBundle"):
         client["caBundle"] = client_config["caBundle"]
     return {
@@ -343,6 +358,19 @@ def add_arguments(p: Any) -> None:
     p.add_argument(
         "--webhook-host", default=d.host, help="host or IP the API server calls the webhook at"
     )
+    p.add_argument(
+        "--webhook-service",
+        metavar="NAMESPACE/NAME",
+        help="the Service in front of the webhook: the configuration names it instead of a URL "
+        "(the API server then needs no cluster DNS); its certificate must name "
+        "NAME.NAMESPACE.svc (give that as --webhook-host for a self-signed one)",
+    )
+    p.add_argument(
+        "--webhook-service-port",
+        type=int,
+        default=None,
+        help="the Service's port for the webhook (default: --webhook-port)",
+    )
     p.add_argument("--webhook-certfile", help="serving certificate (default: self-signed)")
     p.add_argument("--webhook-keyfile", help="its private key")
     p.add_argument("--webhook-cafile", help="CA bundle for the API server (cert-manager ca.crt)")
@@ -359,8 +387,22 @@ def settings_from(args: Any) -> ChildrenSettings:
         raise SystemExit("error: --webhook-timeout: the API server takes 1 to 30 seconds")
     if (args.webhook_certfile is None) != (args.webhook_keyfile is None):
         raise SystemExit("error: --webhook-certfile and --webhook-keyfile go together")
+    service = None
+    if args.webhook_service is not None:
+        namespace, slash, name = str(args.webhook_service).partition("/")
+        if not slash or not DNS_LABEL.fullmatch(namespace) or not DNS_LABEL.fullmatch(name):
+            raise SystemExit(
+                f"error: --webhook-service {args.webhook_service!r}: expected NAMESPACE/NAME "
+                "of the webhook's Service (lowercase DNS labels), e.g. continuum-system/"
+                "continuum-webhook"
+            )
+        service = (namespace, name)
+    if args.webhook_service_port is not None and not 1 <= args.webhook_service_port <= 65535:
+        raise SystemExit("error: --webhook-service-port: a port is 1 to 65535")
     return ChildrenSettings(
         webhook=args.webhook,
+        service=service,
+        service_port=args.webhook_service_port,
         webhook_name=args.webhook_name,
         listen=args.webhook_listen,
         port=args.webhook_port,
