@@ -139,6 +139,8 @@ def test_the_default_install_has_operator_agent_rbac_crds_classes_and_metrics(
         "RoleBinding",
         "Service",
         "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ]
     # Optional parts are off by default: no webhook, no Prometheus-operator objects, no dashboard.
     assert not by_kind(default_docs, "ServiceMonitor")
@@ -151,7 +153,13 @@ def test_the_default_install_has_operator_agent_rbac_crds_classes_and_metrics(
 def test_every_object_is_namespaced_in_the_release_or_cluster_scoped(
     default_docs: list[dict[str, Any]],
 ) -> None:
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    cluster_scoped = {
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
     for doc in default_docs:
         ns = doc["metadata"].get("namespace")
         if doc["kind"] in cluster_scoped:

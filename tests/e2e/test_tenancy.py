@@ -1,0 +1,348 @@
+"""Tenancy on the real control plane (docs/tenancy.md): the chart's ValidatingAdmissionPolicies,
+rendered by `helm template` and judged by kube-apiserver itself, and `continuum operator` as a
+subprocess keeping a Mind of another namespace off an Engine that does not serve hers and a
+namespace's minds within its TokenQuota.
+
+The policies are cluster-wide objects in a cluster other tests share: each test scopes its
+binding to namespaces carrying its own label, and deletes policy and binding when it ends."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from continuum_operator.kube import objects
+from continuum_operator.kube.settings import PodSettings
+from tests.e2e.conftest import Cluster
+from tests.e2e.test_grants import (  # the grants e2e's own helpers, reused
+    SLOT_TOKENS,
+    crds,
+    engine,
+    gpu_node,
+    grant_of,
+    mind,
+    mind_class,
+    operator,
+    serving,
+    states,
+    wait_for,
+)
+from tests.helm import by_kind, documents, find_helm, template
+
+pytestmark = pytest.mark.e2e
+
+__all__ = ["crds"]  # a fixture, used by name
+
+SCOPE = "continuum.dev/e2e-tenancy"
+
+
+def scoped_namespace(cluster: Cluster, tag: str, **labels: str) -> str:
+    name = f"tn-{uuid.uuid4().hex[:8]}"
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": name, "labels": {SCOPE: tag, **labels}},
+        }
+    )
+    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    return name
+
+
+@pytest.fixture
+def tag(cluster: Cluster) -> Iterator[str]:
+    """This test's label value; its namespaces are deleted when it ends."""
+    value = uuid.uuid4().hex[:8]
+    yield value
+    cluster.kubectl(
+        "delete", "namespace", "-l", f"{SCOPE}={value}", "--wait=false", check=False
+    )  # fmt: skip
+
+
+def policies(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chart's tenancy policies and bindings as `helm template` renders them."""
+    docs = documents(template(find_helm(), values, release="e2e").stdout)
+    kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    return [d for k in kinds for d in by_kind(docs, k)]
+
+
+@pytest.fixture
+def installed(cluster: Cluster) -> Iterator[Callable[[list[dict[str, Any]]], None]]:
+    """Applies policies; deletes them at the end whatever happened."""
+    made: list[dict[str, Any]] = []
+
+    def install(docs: list[dict[str, Any]]) -> None:
+        made.extend(docs)
+        cluster.apply(docs)
+
+    yield install
+    for d in reversed(made):
+        kind = d["kind"].lower() + ".admissionregistration.k8s.io"
+        cluster.kubectl("delete", kind, d["metadata"]["name"], "--ignore-not-found", check=False)
+
+
+def create(
+    cluster: Cluster, body: dict[str, Any], ns: str, dry_run: bool = False
+) -> subprocess.CompletedProcess[str]:
+    args = ["create", "-f", "-", "-n", ns, *(["--dry-run=server"] if dry_run else [])]
+    return cluster.kubectl(*args, input=json.dumps(body), check=False)
+
+
+def refused_once_active(
+    cluster: Cluster, body: dict[str, Any], ns: str
+) -> subprocess.CompletedProcess[str]:
+    """A server-side dry run of `body` in `ns`, repeated until a policy refuses it (a new
+    policy takes a moment to reach the API server's admission chain)."""
+    refused: subprocess.CompletedProcess[str] = wait_for(
+        f"a policy refusing {body['kind']} {body['metadata']['name']} in {ns}",
+        lambda: (p := create(cluster, body, ns, dry_run=True)).returncode != 0 and p,
+        timeout=60,
+    )
+    return refused
+
+
+def type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        body = cluster.get_json("validatingadmissionpolicy", name)
+        status = body.get("status") or {}
+        done = status.get("observedGeneration") == body["metadata"]["generation"]
+        return status if done else None
+
+    return dict(wait_for(f"policy {name} type-checked", probe, timeout=60))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_mind_of_a_namespace_her_class_does_not_allow_is_refused_by_the_api_server(
+    cluster: Cluster,
+    crds: None,
+    tag: str,
+    installed: Callable[[list[dict[str, Any]]], None],
+) -> None:
+    allowed = scoped_namespace(cluster, tag)
+    other = scoped_namespace(cluster, tag)
+    docs = policies(
+        {"tenancy": {"mindClassPolicy": {"namespaceSelector": {"matchLabels": {SCOPE: tag}}}}}
+    )
+    assert [d["kind"] for d in docs] == [
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
+    ]  # fmt: skip
+    installed(docs)
+    # The API server type-checks the CEL against the MindClass and Mind schemas: no warnings.
+    status = type_checked(cluster, docs[0]["metadata"]["name"])
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+
+    gold, open_cls = f"gold-{tag}", f"open-{tag}"
+    restricted = {**mind_class(gold, 5), "spec": {"priority": 5, "allowedNamespaces": [allowed]}}
+    cluster.apply([restricted, mind_class(open_cls, 0)])
+    try:
+        refused = refused_once_active(cluster, mind("ann", gold), other)
+        assert "denied request" in refused.stderr, refused.stderr
+        for words in (
+            f"MindClass {gold} may not be used by Minds of namespace {other}",
+            f"it allows namespaces: {allowed}",
+            "Name a class your namespace may use in spec.className",
+            f"add {other} to the MindClass spec.allowedNamespaces",
+        ):
+            assert words in refused.stderr, refused.stderr
+        # Every class is a parameter: the open class, and the restricted one elsewhere, pass.
+        made = create(cluster, mind("bob", open_cls), other)
+        assert made.returncode == 0, made.stderr
+        made = create(cluster, mind("cid", gold), allowed)
+        assert made.returncode == 0, made.stderr
+        # Updates that keep the class pass (the operator's finalizer patches); a change of class
+        # to one the namespace may not use is refused.
+        cluster.kubectl("label", "mind", "bob", "-n", other, "e2e=touched")
+        moved = cluster.kubectl(
+            "patch", "mind", "bob", "-n", other, "--type=merge",
+            "-p", json.dumps({"spec": {"className": gold}}), check=False,
+        )  # fmt: skip
+        assert moved.returncode != 0 and f"MindClass {gold}" in moved.stderr, moved.stderr
+
+        # A Mind naming no class is checked against the default class.
+        cluster.kubectl(
+            "patch", "mindclass", gold, "--type=merge", "-p", '{"spec": {"default": true}}'
+        )
+        classless = mind("dee", gold)
+        del classless["spec"]["className"]
+        refused = wait_for(
+            "the default class checked",
+            lambda: (p := create(cluster, classless, other, dry_run=True)).returncode != 0 and p,
+        )
+        assert f"MindClass {gold} (the default class) may not be used" in refused.stderr
+    finally:
+        cluster.kubectl("delete", "mindclass", gold, open_cls, "--wait=false", check=False)
+
+
+def ready(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    body = cluster.get_json("mind", name, "-n", ns)
+    conds = (body.get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == "Granted"), {})
+
+
+def test_a_mind_naming_an_engine_that_does_not_serve_her_namespace_gets_a_condition_not_a_grant(
+    cluster: Cluster, crds: None, tag: str, tmp_path: Path
+) -> None:
+    home = scoped_namespace(cluster, tag)
+    guest = scoped_namespace(cluster, tag)
+    label = ("continuum.dev/e2e-grants", f"t{tag}")
+    gpu_node(cluster, f"t{tag}")
+    cls = mind_class(f"std-{tag}", 0)
+    cluster.apply(cls)
+    try:
+        cluster.apply(engine("coder", f"t{tag}", label, minds=2), "-n", home)
+        outsider = {**mind("ann", cls["metadata"]["name"])}
+        outsider["spec"] = {**outsider["spec"], "engineNamespace": home}
+        with operator(cluster, tmp_path, label):
+            log = tmp_path / "operator.log"
+            wait_for("the engine serving", serving(cluster, home, 2), log=log)
+            cluster.apply(outsider, "-n", guest)
+            cond = wait_for(
+                "ann told why", lambda: ready(cluster, guest, "ann").get("reason"), log=log
+            )
+            assert cond == "EngineNotAllowed"
+            message = ready(cluster, guest, "ann")["message"]
+            assert f"Engine {home}/coder does not serve namespace {guest}" in message
+            assert "spec.allowedNamespaces" in message
+            assert states(cluster, home) == {}
+            assert grant_of(cluster, guest, "ann") == {}
+
+            # The Engine's owner lets the namespace in: she is granted, on the Engine's gateway.
+            cluster.kubectl(
+                "patch", "engine", "coder", "-n", home, "--type=merge",
+                "-p", json.dumps({"spec": {"allowedNamespaces": [guest]}}),
+            )  # fmt: skip
+            wait_for(
+                "ann granted",
+                lambda: grant_of(cluster, guest, "ann").get("state") == "Granted",
+                log=log,
+            )
+            ledger = cluster.get_json("engine", "coder", "-n", home)["status"]["grants"]
+            assert [e["mind"] for e in ledger] == [f"{guest}/ann"]
+            endpoint = cluster.get_json("mind", "ann", "-n", guest)["status"]["endpoint"]
+            assert endpoint == f"http://coder.{home}.svc:8080"
+    finally:
+        cluster.kubectl("delete", "mindclass", cls["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_a_namespace_over_its_token_quota_queues_its_minds_with_the_reason(
+    cluster: Cluster, crds: None, tag: str, tmp_path: Path
+) -> None:
+    ns = scoped_namespace(cluster, tag)
+    label = ("continuum.dev/e2e-grants", f"q{tag}")
+    gpu_node(cluster, f"q{tag}")
+    cls = mind_class(f"std-{tag}", 0)
+    cluster.apply(cls)
+    quota = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "TokenQuota",
+        "metadata": {"name": "tokens"},
+        "spec": {"maxTokens": SLOT_TOKENS},
+    }
+    try:
+        cluster.apply([engine("coder", f"q{tag}", label, minds=2), quota], "-n", ns)
+        with operator(cluster, tmp_path, label):
+            log = tmp_path / "operator.log"
+            wait_for("the engine serving", serving(cluster, ns, 2), log=log)
+            name = cls["metadata"]["name"]
+            cluster.apply(mind("first", name), "-n", ns)
+            wait_for("first granted", lambda: states(cluster, ns) == {"first": "Granted"}, log=log)
+            cluster.apply(mind("second", name), "-n", ns)
+
+            def held_back() -> bool:
+                entry = cluster.get_json("engine", "coder", "-n", ns)["status"]["grants"]
+                reasons = {e["mind"].split("/")[1]: (e["state"], e["reason"]) for e in entry}
+                return reasons.get("second") == ("Queued", "QuotaExceeded")
+
+            wait_for("second held back by the quota", held_back, log=log)
+            # A slot stays free: the quota, not the pool, holds her.
+            assert states(cluster, ns) == {"first": "Granted", "second": "Queued"}
+            wait_for(
+                "her projection",
+                lambda: grant_of(cluster, ns, "second").get("reason") == "QuotaExceeded",
+                log=log,
+            )
+            message = grant_of(cluster, ns, "second")["message"]
+            assert f"TokenQuota {ns}/tokens allows namespace {ns} {SLOT_TOKENS} tokens" in message
+            assert f"its minds hold {SLOT_TOKENS}" in message
+
+            def quota_status() -> dict[str, Any] | None:
+                status = cluster.get_json("tokenquota", "tokens", "-n", ns).get("status") or {}
+                return status if status.get("mindsQueued") == 1 else None
+
+            status = wait_for("the quota's status", quota_status, log=log)
+            assert (status["usedTokens"], status["mindsHeld"], status["queued"]) == (
+                SLOT_TOKENS, 1, ["second"]
+            )  # fmt: skip
+            assert status["conditions"][0]["reason"] == "MindsQueued"
+
+            # The quota raised: she is granted the free slot.
+            cluster.kubectl(
+                "patch", "tokenquota", "tokens", "-n", ns, "--type=merge",
+                "-p", json.dumps({"spec": {"maxTokens": 2 * SLOT_TOKENS}}),
+            )  # fmt: skip
+            wait_for(
+                "second granted",
+                lambda: states(cluster, ns) == {"first": "Granted", "second": "Granted"},
+                log=log,
+            )
+    finally:
+        cluster.kubectl("delete", "mindclass", cls["metadata"]["name"], "--wait=false", check=False)
+
+
+def pod(name: str, priority_class: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "priorityClassName": priority_class,
+            "containers": [{"name": "c", "image": "registry.local/none:1"}],
+        },
+    }
+
+
+def test_a_pod_of_an_ordinary_namespace_asking_for_the_engine_priority_class_is_refused(
+    cluster: Cluster, tag: str, installed: Callable[[list[dict[str, Any]]], None]
+) -> None:
+    # The class must exist, or the Priority admission plugin refuses the pod first, for that.
+    engine_class = objects.priority_classes(PodSettings())[0]
+    name = engine_class["metadata"]["name"]
+    exists = cluster.kubectl("get", "priorityclass", name, check=False).returncode == 0
+    if not exists:
+        cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(engine_class), check=False)
+    ordinary = scoped_namespace(cluster, tag)
+    engines_ns = scoped_namespace(cluster, tag, **{"continuum.dev/engines": "allowed"})
+    scope = [{"key": SCOPE, "operator": "In", "values": [tag]}]
+    docs = policies(
+        {"tenancy": {
+            "mindClassPolicy": {"enabled": False},
+            "enginePriorityGuard": {"enabled": True, "extraMatchExpressions": scope},
+        }}
+    )  # fmt: skip
+    assert len(docs) == 2
+    installed(docs)
+    status = type_checked(cluster, docs[0]["metadata"]["name"])
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+
+    refused = refused_once_active(cluster, pod("squatter", name), ordinary)
+    for words in (
+        f"PriorityClass {name} is kept for continuum engines",
+        f"may not be used by pods of namespace {ordinary}",
+        f"kubectl label namespace {ordinary} continuum.dev/engines=allowed",
+    ):
+        assert words in refused.stderr, refused.stderr
+    # In a namespace labelled for engines the same pod is admitted; elsewhere, other classes are.
+    admitted = create(cluster, pod("engine", name), engines_ns, dry_run=True)
+    assert admitted.returncode == 0, admitted.stderr
+    plain = {**pod("plain", name), "spec": {"containers": pod("p", name)["spec"]["containers"]}}
+    admitted = create(cluster, plain, ordinary, dry_run=True)
+    assert admitted.returncode == 0, admitted.stderr
