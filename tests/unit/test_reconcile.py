@@ -17,7 +17,7 @@ from continuum_operator.kube.cache import (
     Snapshot,
 )
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION, facts_job_name, source_key
-from continuum_operator.kube.reconcile import Memory, Writes, reconcile
+from continuum_operator.kube.reconcile import NODE_GONE_HOLD_SECONDS, Memory, Writes, reconcile
 from continuum_operator.kube.settings import GpuSharing, OperatorSettings, PlacementSettings
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, board, board_body, engine_body, example
@@ -260,6 +260,75 @@ def test_a_placed_engine_on_a_stale_board_keeps_its_plan_and_says_so() -> None:
     assert body["status"]["plan"] == plan_before
     assert conditions(body)["BoardStale"] == ("True", "LeaseExpired")
     assert w.deployment is not None  # the engine keeps running
+
+
+def test_a_spec_change_on_a_stale_board_relaunches_nothing_until_the_board_is_fresh() -> None:
+    sourced = engine_obj()
+    sourced["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/models/coder.gguf"}
+    sourced["spec"]["model"]["sha256"] = "ab" * 32
+    snap = snapshot([discrete("a", 80)])
+    body, mem, w = _running(snap, sourced, Memory(), NOW)
+    running = ready(w)
+    stale = replace(snapshot([discrete("a", 80)], stale={"a"}),
+                    deployments={("ns", "coder"): running})  # fmt: skip
+    body, mem, w = _running(stale, body, mem, NOW + 1)
+    plan_before = body["status"]["plan"]
+    # A new model digest: the engine's command line changes with it, a relaunch.
+    body = changed_spec(body, model={**body["spec"]["model"], "sha256": "cd" * 32})
+    for i in range(3):
+        body, mem, w = _running(stale, body, mem, NOW + 2 + i)
+        assert w.deployment is None  # what runs stays as it is
+        assert not any(e.reason == "Relaunching" for e in w.events)
+    assert body["status"]["plan"] == plan_before
+    assert "relaunches" not in body["status"]
+    assert conditions(body)["Ready"] == ("True", "PodReady")
+    assert conditions(body)["BoardStale"] == ("True", "LeaseExpired")
+    # The board fresh again: the new spec is applied, by one relaunch.
+    fresh = replace(snapshot([discrete("a", 80)]), deployments={("ns", "coder"): running})
+    body, mem, w = _running(fresh, body, mem, NOW + 10)
+    assert w.deployment is not None
+    assert "cd" * 32 in w.deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert w.deployment["metadata"]["annotations"][LAUNCH_ANNOTATION] != running.launch
+
+
+def test_an_engine_whose_node_was_deleted_is_placed_anew_once_the_node_stays_gone() -> None:
+    snap = snapshot([discrete("a", 80), discrete("b", 141)])
+    body, mem, w = _running(snap, engine_obj(), Memory(), NOW)
+    assert body["status"]["placement"]["node"] == "a"
+    snap = replace(snap, deployments={("ns", "coder"): ready(w)})
+    body, mem, w = _running(snap, body, mem, NOW + 1)
+    assert body["status"]["placement"]["assumed"] is False  # running: no start timeout applies
+    # Node a deleted; its board and the agent's Lease linger (nobody deletes them).
+    gone = replace(snap, nodes={"b": snap.nodes["b"]})
+    for i in range(3):  # within the hold: a Node not yet seen after a restart looks the same
+        body, mem, w = _running(gone, body, mem, NOW + 2 + i)
+        assert body["status"]["placement"]["node"] == "a"
+    body, mem, w = _running(gone, body, mem, NOW + 2 + NODE_GONE_HOLD_SECONDS)
+    assert body["status"]["placement"]["node"] == "b"
+    assert body["status"]["plan"]["node"] == "b"
+    assert {"NodeGone", "Placed"} <= {e.reason for e in w.events}
+    assert w.deployment is not None
+    # Nowhere left: unschedulable, and the Deployment removed.
+    nowhere = replace(snap, nodes={})
+    for i in range(2):
+        at = NOW + 30 + i * (NODE_GONE_HOLD_SECONDS + 1)
+        body, mem, w = _running(nowhere, body, mem, at)
+    assert "placement" not in body["status"]
+    assert conditions(body)["Unschedulable"] == ("True", "NoMatchingNode")
+    assert w.delete_workload
+
+
+def test_an_engine_seen_before_its_node_keeps_its_placement() -> None:
+    snap = snapshot([discrete("a", 80)])
+    body, mem, w = _running(snap, engine_obj(), Memory(), NOW)
+    snap = replace(snap, deployments={("ns", "coder"): ready(w)})
+    body, mem, w = _running(snap, body, mem, NOW + 1)
+    # A restarted operator (empty memory) whose Node watch has not delivered yet.
+    body, mem, w = _running(replace(snap, nodes={}), body, Memory(), NOW + 2)
+    assert body["status"]["placement"]["node"] == "a"
+    body, mem, w = _running(snap, body, mem, NOW + 2 + NODE_GONE_HOLD_SECONDS)
+    assert body["status"]["placement"]["node"] == "a"
+    assert mem.node_gone_since is None
 
 
 def test_an_unknown_mode_board_sets_memory_mode_unknown() -> None:

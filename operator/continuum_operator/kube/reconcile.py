@@ -51,6 +51,13 @@ class Memory:
     damper: Damper = field(default_factory=Damper)
     backoff_until: Mapping[str, float] = field(default_factory=dict)
     facts_error: str | None = None  # why the facts Job's answer could not be used
+    node_gone_since: float | None = None  # when the placed engine's Node was first seen missing
+
+
+#: Seconds an engine's Node must stay missing from the cache before its placement is released.
+#: Nodes and Engines arrive by separate watches, so right after a start an Engine may be seen
+#: before its Node is: a hold of a few passes keeps a restart from releasing every placement.
+NODE_GONE_HOLD_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +193,8 @@ def _facts_from_file(
         "them for spec.model.facts)"
     )
     if job is not None and job.name == name and (job.failed or memory.facts_error):
-        why = memory.facts_error or "the Job failed"
+        # One line, however the error read (an API error's body is a JSON document).
+        why = " ".join((memory.facts_error or "the Job failed").split())[:500]
         message = f"reading the model's facts in Job {name} failed: {why}; {fix}"
         return None, cond.Problem(cond.Reason.FACTS_MISSING, message), None
     message = (
@@ -309,6 +317,7 @@ class _Pass:
         self.damper = damper
         self.backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
         self.memory = memory
+        self.node_gone_since: float | None = None
 
     # -- the end of every pass ----------------------------------------------------------------
 
@@ -348,7 +357,7 @@ class _Pass:
             service=service,
             delete_workload=plan_doc is None,
             events=tuple(self.events),
-            memory=Memory(self.damper, self.backoff, self.memory.facts_error),
+            memory=Memory(self.damper, self.backoff, self.memory.facts_error, self.node_gone_since),
             damping=f.damping,
             unschedulable=f.unschedulable is not None and f.planned is None,
             memory_mode_unknown=f.planned is not None and f.planned.memory_mode == "unknown",
@@ -375,6 +384,14 @@ class _Pass:
         snap, now, settings, engine = self.snap, self.now, self.settings, self.engine
         node = str(placement["node"])
         node_entry = snap.nodes.get(node)
+        if node_entry is None:
+            # The Node was deleted under the engine: its pod cannot run there again. Once that
+            # has held a while, the lease is released and the engine placed anew.
+            since = self.memory.node_gone_since
+            self.node_gone_since = since = now if since is None else since
+            if now - since >= NODE_GONE_HOLD_SECONDS:
+                self.release_node_gone(node)
+                return None
         has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
         pods = pods_on(snap, node, settings)
         launch = objects.launch_hash(engine, plan_doc, pods)
@@ -397,6 +414,13 @@ class _Pass:
         no_longer_fits = ""
         # A plan records the spec generation it was made for; older plans have none.
         spec_changed = plan_doc.get("specGeneration") not in (None, self.generation)
+        # A spec changed while the board is stale waits for a fresh one (DESIGN.md rule 4: no
+        # relaunch on a stale board). The Deployment stays as it runs: built from the new spec
+        # with the old plan it would carry the new spec's command line (a model digest), which is
+        # a relaunch.
+        held = False
+        if spec_changed and not fresh and dep is not None and dep.launch is not None:
+            held, running = True, dep.running(dep.launch)
         if fresh and board is not None and board.board is not None:
             candidate = self.replan(node, board.board, placement)
             labels = node_entry.labels if node_entry is not None else {}
@@ -469,7 +493,8 @@ class _Pass:
             no_longer_fits=no_longer_fits,
             damping_message=_damping_message(outcome, self.damper, settings) if outcome else "",
         )
-        return self.finish(f, engine, plan_doc, has_gpus, pods)
+        writes = self.finish(f, engine, plan_doc, has_gpus, pods)
+        return replace(writes, deployment=None) if held else writes
 
     def replan(self, node: str, board: Board, placement: Mapping[str, Any]) -> ServingPlan:
         """The plan the engine would get on its own node now, crediting back what it holds.
@@ -502,6 +527,19 @@ class _Pass:
         )
         self.new["placement"] = None
         self.new["plan"] = None
+        self.damper = replace(self.damper, candidate=None, readings=0, last_reading=None)
+
+    def release_node_gone(self, node: str) -> None:
+        self.events.append(
+            Event(
+                "Warning",
+                "NodeGone",
+                f"node {node} was deleted under the engine; lease released, placing it anew",
+            )
+        )
+        self.new["placement"] = None
+        self.new["plan"] = None
+        self.node_gone_since = None
         self.damper = replace(self.damper, candidate=None, readings=0, last_reading=None)
 
     # -- an engine to place ----------------------------------------------------------------
