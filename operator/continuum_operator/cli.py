@@ -24,6 +24,7 @@ from continuum_operator.core.pools import Board, Ledger
 from continuum_operator.embed import runtime as embed_runtime
 from continuum_operator.engine import runtime as engine_runtime
 from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
+from continuum_operator.kube import release as release_cli
 from continuum_operator.kube import run as operator_cli
 from continuum_operator.manifests import ManifestError, load_all, load_one
 from continuum_operator.model.board import NodeBoard
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     embed_runtime.add_parser(sub)
     agent_cli.add_parser(sub)
     operator_cli.add_parser(sub)
+    release_cli.add_parser(sub)
     procclass.add_parser(sub)
     return parser
 

@@ -50,6 +50,10 @@ AGENT_SA = f"{FULLNAME}-agent"
 VALUES: dict[str, Any] = {
     "operator": {"engineSelector": {SELECTOR[0]: SELECTOR[1]}},
     "images": {"engine": {"repository": "continuum-engine", "tag": "e2e"}},
+    # The pre-delete hook's Job never finishes here (KWOK runs no containers), so `helm
+    # uninstall` would wait for it: its objects are applied and its command run as a local
+    # process instead (test_the_uninstall_hooks_account_stops_the_operator_and_frees_minds).
+    "uninstall": {"releaseFinalizers": False},
 }
 
 
@@ -381,6 +385,65 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
             proc.wait()
         cluster.kubectl("delete", "engine", "chart-engine", "-n", ns, "--wait=false", check=False)
         cluster.kubectl("delete", "node", node, stale, "--wait=false", check=False)
+
+
+def test_the_uninstall_hooks_account_stops_the_operator_and_frees_minds(
+    cluster: Cluster, release: Release, namespace: str, tmp_path: Path
+) -> None:
+    """The pre-delete hook's objects as the chart renders them (the Job aside), and its
+    command, `continuum release-finalizers` with the Job's arguments, run as a local process
+    with a token of the hook's ServiceAccount: its rights are enough to stop the chart's
+    operator and take the grant finalizer off a Mind stuck Terminating in another namespace."""
+    ns = release.namespace
+    rendered = release.run(
+        "template", RELEASE, str(CHART), "-n", ns, "-f", str(release.values_file),
+        "--set", "uninstall.releaseFinalizers=true",
+        "--show-only", "templates/uninstall-hook.yaml",
+    ).stdout  # fmt: skip
+    hook = documents(rendered)
+    job = next(d for d in hook if d["kind"] == "Job")
+    rights = [d for d in hook if d["kind"] != "Job"]
+    sa = next(d for d in hook if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    cluster.apply(rights)
+    mind = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Mind",
+        "metadata": {
+            "name": "stuck",
+            "namespace": namespace,
+            "finalizers": ["continuum.dev/grant"],
+        },
+        "spec": {"engine": "coder", "contextTokens": 4096},
+    }
+    try:
+        cluster.apply(mind)
+        cluster.kubectl("delete", "mind", "stuck", "-n", namespace, "--wait=false")
+        kubeconfig = _token_kubeconfig(cluster, ns, sa, tmp_path / "hook.kubeconfig")
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[0] == "release-finalizers"
+        proc = subprocess.run(
+            [sys.executable, "-m", "continuum_operator.cli", *args,
+             "--kubeconfig", str(kubeconfig)],
+            capture_output=True, text=True, timeout=300, check=False,
+            env={**cluster.env, "KUBECONFIG": str(kubeconfig)},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        operator = cluster.get_json("deployment", f"{FULLNAME}-operator", "-n", ns)
+        assert operator["spec"]["replicas"] == 0
+        gone = cluster.kubectl("get", "mind", "stuck", "-n", namespace, check=False)
+        assert gone.returncode != 0 and "NotFound" in gone.stderr
+        # And nothing broader than that: no Mind deletions, no other Deployment.
+        assert not can_i(cluster, sa, namespace, "delete", "minds.continuum.dev")
+        assert not can_i(cluster, sa, ns, "patch", "deployments/other")
+    finally:
+        cluster.kubectl(
+            "patch", "mind", "stuck", "-n", namespace, "--type=merge",
+            "-p", '{"metadata":{"finalizers":[]}}', check=False,
+        )  # fmt: skip
+        for doc in rights:
+            kind, name = doc["kind"].lower(), doc["metadata"]["name"]
+            where = ["-n", ns] if doc["metadata"].get("namespace") else []
+            cluster.kubectl("delete", kind, name, *where, "--ignore-not-found", check=False)
 
 
 def test_an_upgrade_changes_a_crd_and_the_operator_and_keeps_crds_on_uninstall(

@@ -135,6 +135,7 @@ def test_the_default_install_has_operator_agent_rbac_crds_classes_and_metrics(
         "CustomResourceDefinition",
         "DaemonSet",
         "Deployment",
+        "Job",
         "Role",
         "RoleBinding",
         "Service",
@@ -468,6 +469,57 @@ def test_the_agent_writes_only_boards_and_its_leases(default_docs: list[dict[str
     assert not allows(cluster, "", "secrets", "list")
 
 
+def test_uninstall_runs_release_finalizers_as_a_pre_delete_hook_with_its_own_rights(
+    helm_bin: Path, default_docs: list[dict[str, Any]]
+) -> None:
+    """The hook Job stops the operator, then takes the grant finalizer off every Mind: its
+    arguments are flags the command accepts naming the chart's Deployment, and its
+    ServiceAccount's rights cover exactly what `kube.release` calls. All of it is a hook
+    resource, made before the Job and deleted once it succeeded."""
+    from continuum_operator.kube import release
+
+    hooks = [
+        d for d in default_docs if (d["metadata"].get("annotations") or {}).get("helm.sh/hook")
+    ]
+    assert sorted(d["kind"] for d in hooks) == [
+        "ClusterRole", "ClusterRoleBinding", "Job", "Role", "RoleBinding", "ServiceAccount",
+    ]  # fmt: skip
+    for doc in hooks:
+        notes = doc["metadata"]["annotations"]
+        assert notes["helm.sh/hook"] == "pre-delete"
+        assert notes["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        weight = int(notes["helm.sh/hook-weight"])
+        assert weight == 0 if doc["kind"] == "Job" else weight < 0  # rights before the Job
+
+    job = one(default_docs, "Job", "-release-finalizers")
+    pod = job["spec"]["template"]["spec"]
+    args = _parse(_container(job)["args"])
+    assert args.command == "release-finalizers"
+    operator = one(default_docs, "Deployment", "-operator")
+    ns, name = operator["metadata"]["namespace"], operator["metadata"]["name"]
+    assert args.stop_operator == f"{ns}/{name}"
+    assert _container(job)["image"] == _container(operator)["image"]
+    account = one(default_docs, "ServiceAccount", "-release-finalizers")["metadata"]["name"]
+    assert pod["serviceAccountName"] == account
+
+    cluster_rules = one(default_docs, "ClusterRole", "-release-finalizers")["rules"]
+    for plural, _finalizer in release.FINALIZED:
+        for verb in ("list", "get", "patch"):
+            assert allows(cluster_rules, "continuum.dev", plural, verb)
+    assert not allows(cluster_rules, "continuum.dev", "minds", "delete")
+    ns_rules = one(default_docs, "Role", "-release-finalizers")["rules"]
+    assert allows(ns_rules, "apps", "deployments", "patch", name)
+    assert not allows(ns_rules, "apps", "deployments", "patch", "someone-else")
+    assert allows(ns_rules, "", "pods", "list")
+    for binding_kind, role in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        binding = one(default_docs, binding_kind, "-release-finalizers")
+        assert binding["roleRef"]["kind"] == role
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": ns}]
+
+    off = documents(template(helm_bin, {"uninstall": {"releaseFinalizers": False}}).stdout)
+    assert not by_kind(off, "Job")
+
+
 # --- monitoring ---------------------------------------------------------------------------------
 
 
@@ -557,6 +609,7 @@ def test_the_dashboard_is_valid_json_in_an_optional_configmap(
         ({"agent": {"leaseSeconds": "forty"}}, "/agent/leaseSeconds"),
         ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
         ({"webhook": {"clientConfig": "dns"}}, "/webhook/clientConfig"),
+        ({"uninstall": {"timeoutSeconds": 0}}, "/uninstall/timeoutSeconds"),
         ({"webhook": {"enabled": True, "certificates": {"mode": "secret"}}}, "secretName"),
         ({"webhook": {"certificates": {"mode": "vault"}}}, "/webhook/certificates/mode"),
         ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "interval"),
