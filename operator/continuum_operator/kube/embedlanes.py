@@ -290,7 +290,11 @@ class _LanePass:
         W = LaneWaitReason
         engine = self.snap.engines.get((self.key[0], engine_name))
         if engine is None:
-            return self.keep(W.ENGINE_NOT_FOUND, f"Engine {self.key[0]}/{engine_name} not found")
+            return self.keep(
+                W.ENGINE_NOT_FOUND,
+                f"Engine {self.key[0]}/{engine_name} not found (or not served by this operator): "
+                f"create it, or name an Engine of namespace {self.key[0]} in spec.engine",
+            )
         est = engine.get("status") or {}
         placement, plan_doc = est.get("placement") or {}, est.get("plan") or {}
         if not placement or not plan_doc:

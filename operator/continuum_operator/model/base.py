@@ -7,9 +7,10 @@ default; the CRD schemas generated from these models prune unknown fields the sa
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "continuum.dev"
@@ -22,6 +23,8 @@ PositiveInt = Annotated[int, Field(gt=0, le=2**31 - 1)]
 Name = Annotated[
     str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 ]
+# An RFC 1035 label: what a Service's name and a label's value both hold (63 bytes, no dots).
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 
 class Spec(BaseModel):
@@ -57,6 +60,28 @@ class ObjectMeta(BaseModel):
     generation: int | None = None
     resource_version: str | None = Field(default=None, alias="resourceVersion")
     labels: dict[str, str] = Field(default_factory=dict)
+
+
+class LabelNamedMeta(ObjectMeta):
+    """Metadata of a resource whose name the operator gives to a Service or a label value: the
+    API server would refuse those objects for a longer or dotted name, so the resource's own
+    CRD refuses the name first (crdgen copies this constraint into `metadata.name`)."""
+
+    # The pattern is the CRD's (crdgen reads it); the check below says it in words.
+    name: Annotated[
+        str, Field(min_length=1, max_length=63, json_schema_extra={"pattern": DNS_LABEL})
+    ]
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not re.match(DNS_LABEL, value):
+            raise ValueError(
+                "the name is a DNS label (the operator names a Service and labels after it): "
+                "lowercase letters, digits and '-', starting with a letter and ending with a "
+                "letter or digit, no dots"
+            )
+        return value
 
 
 class Condition(Spec):

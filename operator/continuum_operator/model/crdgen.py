@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from continuum_operator.model.base import GROUP, VERSION, Resource
+from continuum_operator.model.base import GROUP, VERSION, ObjectMeta, Resource
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
@@ -97,11 +97,22 @@ def openapi_schema(model: type[Any]) -> dict[str, Any]:
     return schema
 
 
+def _metadata_schema(resource: type[Resource]) -> dict[str, Any]:
+    """`metadata` is opaque to a CRD's schema except for its name's length and pattern, which a
+    resource narrows where the operator names other objects after it (`LabelNamedMeta`)."""
+    meta = resource.model_fields["metadata"].annotation
+    if meta is ObjectMeta or not isinstance(meta, type) or not issubclass(meta, ObjectMeta):
+        return {"type": "object"}
+    name = meta.model_json_schema()["properties"]["name"]
+    kept = {k: name[k] for k in ("maxLength", "pattern") if k in name}
+    return {"type": "object", "properties": {"name": {"type": "string", **kept}}}
+
+
 def crd(resource: type[Resource]) -> dict[str, Any]:
     properties: dict[str, Any] = {
         "apiVersion": {"type": "string"},
         "kind": {"type": "string"},
-        "metadata": {"type": "object"},
+        "metadata": _metadata_schema(resource),
     }
     fields = resource.model_fields
     required = []

@@ -13,8 +13,8 @@ from pydantic import Field, model_validator
 from continuum_operator.model.base import (
     Bytes,
     Condition,
+    LabelNamedMeta,
     Name,
-    ObjectMeta,
     OpenStatus,
     Resource,
     Spec,
@@ -23,6 +23,17 @@ from continuum_operator.model.engine import ModelRef
 
 
 class EmbedLaneSpec(Spec):
+    model_config = Spec.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.engine) != has(self.model)",
+                    "message": "an EmbedLane names exactly one of engine or model",
+                }
+            ]
+        }
+    }
+
     engine: Name | None = Field(default=None, description="Engine whose backend the lane shares.")
     model: ModelRef | None = Field(default=None, description="A model of the lane's own.")
     max_context_tokens: int = Field(ge=1, le=16_777_216)
@@ -93,6 +104,6 @@ class EmbedLane(Resource):
     )
 
     kind: Literal["EmbedLane"] = "EmbedLane"
-    metadata: ObjectMeta
+    metadata: LabelNamedMeta  # its pod's labels carry the name
     spec: EmbedLaneSpec
     status: EmbedLaneStatus = Field(default_factory=EmbedLaneStatus)

@@ -9,6 +9,7 @@ pool size against one node's board. Status parts are written by their one writer
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
@@ -17,7 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from continuum_operator.model.base import (
     Bytes,
     Condition,
-    ObjectMeta,
+    LabelNamedMeta,
     OpenStatus,
     PositiveInt,
     Resource,
@@ -66,7 +67,8 @@ class ModelFacts(Spec):
     (`core.compute`) or let the plan explain what it does not plan (experts).
     """
 
-    layers: PositiveInt = Field(le=4096, description="Repeating (transformer) layers.")
+    # Not PositiveInt: the bounds of an Annotated type win over a Field's, so le=4096 was lost.
+    layers: int = Field(gt=0, le=4096, description="Repeating (transformer) layers.")
     layer_bytes: PerLayerBytes = Field(description="Weights of each repeating layer.")
     input_bytes: Bytes = Field(
         description="Token embeddings; always on the host, as llama.cpp keeps them."
@@ -188,16 +190,68 @@ class ModelSourceKind(StrEnum):
     IMAGE = "image"
 
 
+# A path with a `..` segment climbs out of what a hostPath or image volume names.
+_CLIMBS = r"(^|/)[.][.](/|$)"  # [.], not \.: the pattern is also a CEL string literal
+
+
 class ModelSource(Spec):
+    model_config = Spec.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.kind != 'pvc' || has(self.claimName)",
+                    "message": "a pvc source names its PersistentVolumeClaim in claimName",
+                },
+                {
+                    "rule": "self.kind != 'image' || has(self.image)",
+                    "message": "an image source names its image reference in image",
+                },
+                {
+                    "rule": "self.kind != 'hostPath' || self.path.startsWith('/')",
+                    "message": "a hostPath source's path is absolute (/models/model.gguf)",
+                },
+                {
+                    "rule": f"!self.path.matches('{_CLIMBS}')",
+                    "message": "path has a '..' segment; name the file's own directory",
+                },
+            ]
+        }
+    }
+
     kind: ModelSourceKind
-    claim_name: str | None = Field(default=None, max_length=253)
+    claim_name: str | None = Field(
+        default=None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+    )
     path: str = Field(
         min_length=1, max_length=4096, description="Path of the GGUF file in the source."
     )
-    image: str | None = Field(default=None, max_length=1024)
+    image: str | None = Field(default=None, min_length=1, max_length=1024)
+
+    @model_validator(mode="after")
+    def _source_is_whole(self) -> Self:
+        if self.kind is ModelSourceKind.PVC and self.claim_name is None:
+            raise ValueError("a pvc source names its PersistentVolumeClaim in claimName")
+        if self.kind is ModelSourceKind.IMAGE and self.image is None:
+            raise ValueError("an image source names its image reference in image")
+        if self.kind is ModelSourceKind.HOST_PATH and not self.path.startswith("/"):
+            raise ValueError("a hostPath source's path is absolute (/models/model.gguf)")
+        if re.search(_CLIMBS, self.path):
+            raise ValueError("path has a '..' segment; name the file's own directory")
+        return self
 
 
 class ModelRef(Spec):
+    model_config = Spec.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.facts) || has(self.source)",
+                    "message": "give the model's facts inline, or a source to read them from",
+                }
+            ]
+        }
+    }
+
     source: ModelSource | None = None
     sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")
     facts: ModelFacts | None = None
@@ -231,14 +285,55 @@ class Minds(Spec):
 OffloadWord = Literal["auto", "all", "none"]
 
 
+# Kubernetes label syntax: the engine's pod and its facts Job carry these as a nodeSelector,
+# which the API server would refuse (a 422 on every pass) for anything else.
+LABEL_KEY = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
+
+
 class Placement(Spec):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    node_pool: str | None = Field(default=None, max_length=253)
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Node labels the engine's node must carry (label keys and values).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(k, k.size() <= 317 && k.matches('{LABEL_KEY}'))",
+                    "message": "nodeSelector keys are label keys: [prefix/]name, the name at "
+                    "most 63 letters, digits, '-', '_' or '.', starting and ending with a "
+                    "letter or digit",
+                }
+            ]
+        },
+    )
+    node_pool: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=LABEL_VALUE,
+        description="The node pool: a value of the nodes' continuum.dev/node-pool label.",
+    )
     gpus: int = Field(default=1, ge=1, le=64, description="GPUs for one engine, split evenly.")
     device_budget_bytes: Bytes | None = Field(
         default=None,
         description="Declared device budget, used only where the node's memory mode is unknown.",
     )
+
+    @field_validator("node_selector")
+    @classmethod
+    def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if len(key) > 317 or not re.match(LABEL_KEY, key):
+                raise ValueError(
+                    f"key {key[:60]!r} is not a label key: [prefix/]name, the name at most 63 "
+                    "letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+                )
+        return value
 
 
 class EngineSpec(Spec):
@@ -352,6 +447,6 @@ class Engine(Resource):
     )
 
     kind: Literal["Engine"] = "Engine"
-    metadata: ObjectMeta
+    metadata: LabelNamedMeta  # its Service, ServiceAccount and labels carry the name
     spec: EngineSpec
     status: EngineStatus = Field(default_factory=EngineStatus)
