@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from urllib3.exceptions import MaxRetryError
+
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.grant_settings import LeaderSettings
 from continuum_operator.kube.leader import Elector
@@ -102,3 +104,35 @@ def test_a_clean_stop_hands_the_lease_over_at_once() -> None:
     lease = next(iter(api.objects.values()))
     assert lease["spec"]["holderIdentity"] == "two"
     assert lease["spec"]["leaseTransitions"] == 1
+
+
+class Unreachable(FakeLeases):
+    """The API server restarting: every request refused at the socket, as urllib3 reports it."""
+
+    def __init__(self, leases: FakeLeases) -> None:
+        self.__dict__.update(leases.__dict__)
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
+        raise MaxRetryError(None, path, reason=ConnectionRefusedError(111, "Connection refused"))  # type: ignore[arg-type]
+
+
+def test_a_leader_that_cannot_reach_the_api_server_leads_on_until_its_own_deadline() -> None:
+    api, clock, one, _ = electors()
+    one.try_acquire_or_renew()
+    one.api = Unreachable(api)  # type: ignore[assignment]
+    clock.now += 2.0
+    assert one.try_acquire_or_renew() is False  # no renewal, and no exception
+    assert one.is_leader()  # within the duration less its margin
+    clock.now += 6.5
+    assert not one.is_leader()  # past it: it stops writing before a standby may take over
+    one.api = api  # type: ignore[assignment]
+    assert one.try_acquire_or_renew() is True  # back in time: its own Lease, renewed
+
+
+def test_a_clean_stop_during_an_outage_raises_nothing_and_stops_leading() -> None:
+    api, _, one, two = electors()
+    one.try_acquire_or_renew()
+    one.api = Unreachable(api)  # type: ignore[assignment]
+    one.release()
+    assert not one.is_leader()
+    assert two.try_acquire_or_renew() is False  # the Lease was not handed over: it lapses

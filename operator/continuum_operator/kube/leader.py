@@ -24,6 +24,8 @@ from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
+from urllib3.exceptions import HTTPError as TransportError
+
 from continuum_operator.kube import crash
 from continuum_operator.kube.api import ApiError, KubeApi
 from continuum_operator.kube.grant_settings import LeaderSettings
@@ -81,6 +83,16 @@ class Elector:
 
     def try_acquire_or_renew(self) -> bool:
         """One round (blocking): True if this replica holds the Lease afterwards."""
+        try:
+            return self._round()
+        except (OSError, TransportError) as err:
+            # The API server unreachable (restarting, a network cut) is a round without a
+            # renewal, not a crash: the leader writes on until its own deadline (`is_leader`)
+            # and steps down only if the outage outlasts it.
+            log.warning("the leader Lease cannot be reached: %s", err)
+            return False
+
+    def _round(self) -> bool:
         now = self.clock()
         try:
             lease = self.api.request("GET", self.path)
@@ -142,7 +154,7 @@ class Elector:
                 return
             lease["spec"]["holderIdentity"] = ""
             self.api.request("PUT", self.path, lease)
-        except ApiError as err:
+        except (ApiError, OSError, TransportError) as err:
             log.warning("releasing the leader Lease failed: %s", err)
         self.valid_until = 0.0
         self.on_change(False)
