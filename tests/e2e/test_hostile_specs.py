@@ -122,6 +122,7 @@ class Reported:
     status: str
     reason: str
     says: tuple[str, ...] = field(default=())
+    elsewhere: tuple[dict[str, Any], ...] = ()  # applied first, in the module's other namespace
 
 
 LONG = "x" * 5000
@@ -307,6 +308,31 @@ REFUSED = [
         bad_mind(engine="coder; DROP TABLE minds"),
         ("spec.engine", "should match"),
     ),
+    Refused(
+        "engine-allowed-namespace-injection",
+        bad_engine("spec.allowedNamespaces", ["team-a", "' OR 1=1 --"]),
+        ("spec.allowedNamespaces[1]", "should match"),
+    ),
+    Refused(
+        "mind-engine-namespace-injection",
+        bad_mind(engineNamespace="kube-system; rm -rf /"),
+        ("spec.engineNamespace", "should match"),
+    ),
+    Refused(
+        "mindclass-huge-namespace-list",
+        bad_class(allowedNamespaces=[f"ns-{i}" for i in range(2000)]),
+        ("spec.allowedNamespaces", "must have at most 1024 items"),
+    ),
+    Refused(
+        "tokenquota-negative",
+        {
+            "apiVersion": API,
+            "kind": "TokenQuota",
+            "metadata": {"name": "q"},
+            "spec": {"maxTokens": -1},
+        },
+        ("spec.maxTokens", "greater than or equal to 0"),
+    ),
     # YAML that is not an object, or not a kind the server knows
     Refused("yaml-scalar", "just a sentence\n", ("invalid object to validate",)),
     Refused(
@@ -468,6 +494,28 @@ REPORTED = [
         "ContextTooLarge",
         ("asks 100000 tokens", "holds 512", "lower spec.contextTokens"),
     ),
+    Reported(
+        "mind-naming-a-class-that-does-not-exist",
+        [good_engine("slotted"), bad_mind("classless", engine="slotted", className="no-such")],
+        "mind",
+        "classless",
+        "Granted",
+        "False",
+        "ClassNotFound",
+        ("MindClass no-such does not exist", "spec.className"),
+    ),
+    # Tenancy (docs/tenancy.md): an Engine of another namespace that does not list hers.
+    Reported(
+        "mind-naming-an-engine-she-may-not-use",
+        [bad_mind("trespasser", engine="private", engineNamespace=f"e2e-hostile-{RUN}-other")],
+        "mind",
+        "trespasser",
+        "Granted",
+        "False",
+        "EngineNotAllowed",
+        ("does not serve namespace", "spec.allowedNamespaces"),
+        elsewhere=(bad_engine("spec.placement.nodeSelector", {"e2e-tag": "none"}, "private"),),
+    ),
 ]
 
 
@@ -484,11 +532,16 @@ class Running:
 
 @pytest.fixture(scope="module")
 def ns(cluster: Cluster) -> Iterator[str]:
+    """The cases' namespace, and `<it>-other` beside it (another tenant's)."""
     name = f"e2e-hostile-{RUN}"
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    for each in (name, f"{name}-other"):
+        cluster.kubectl("create", "namespace", each)
+        cluster.kubectl(
+            "wait", "--for=create", "serviceaccount/default", "-n", each, "--timeout=60s"
+        )
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    for each in (name, f"{name}-other"):
+        cluster.kubectl("delete", "namespace", each, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -578,6 +631,8 @@ def _condition_of(cluster: Cluster, ns: str, case: Reported) -> Callable[[], dic
 def test_a_hostile_spec_the_schema_admits_is_reported_in_status_with_what_to_fix(
     cluster: Cluster, running: Running, ns: str, case: Reported
 ) -> None:
+    if case.elsewhere:
+        cluster.apply([labelled(d) for d in case.elsewhere], "-n", f"{ns}-other")
     cluster.apply([labelled(d) for d in case.manifest], "-n", ns)
     c = wait_for(
         f"{case.kind} {case.name}: {case.condition}={case.status} ({case.reason})",

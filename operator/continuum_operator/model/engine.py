@@ -355,7 +355,9 @@ class EngineSpec(Spec):
     kv_cache_type: KvCacheType = KvCacheType.F16
     reserve_bytes: Bytes = Field(default=GiB, description="Kept free in each pool the engine uses.")
     placement: Placement = Field(default_factory=Placement)
-    allowed_namespaces: list[str] = Field(
+    allowed_namespaces: list[
+        Annotated[str, Field(max_length=63, pattern=r"^([*]|[a-z0-9]([-a-z0-9]*[a-z0-9])?)$")]
+    ] = Field(
         default_factory=list,
         max_length=1024,
         description="Namespaces whose Minds may draw on this engine besides its own; '*': "
