@@ -525,7 +525,12 @@ def test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades(
     rel = Release(binary, ns, tmp_path / "values.yaml", cluster.env)
     rel.values_file.write_text(
         yaml.safe_dump(
-            {"crds": {"install": False}, "agent": {"enabled": False}, "webhook": {"enabled": True}}
+            {
+                "crds": {"install": False},
+                "agent": {"enabled": False},
+                "webhook": {"enabled": True},
+                "uninstall": {"releaseFinalizers": False},  # see VALUES
+            }
         )
     )
     rel.run(
@@ -543,6 +548,31 @@ def test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades(
         assert can_i(cluster, sa, ns, "patch", f"{wh}/continuum-mind-children")
         assert not can_i(cluster, sa, ns, "patch", f"{wh}/someone-elses")
         assert not can_i(cluster, sa, ns, "delete", f"{wh}/continuum-mind-children")
+
+        # The configuration the operator installs with the chart's arguments names the Service
+        # (no cluster DNS needed) with the chart's CA: the API server takes it (a server-side
+        # dry run, which validates it as a create would).
+        from continuum_operator.cli import build_parser
+        from continuum_operator.kube import webhook
+        from continuum_operator.kube.run import settings_from
+
+        deployment = cluster.get_json("deployment", f"{name}-continuum-operator", "-n", ns)
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        children = settings_from(build_parser().parse_args(args)).children
+        config = webhook.webhook_configuration(
+            {"url": "https://unused", "caBundle": first["ca.crt"]}, children
+        )
+        config["metadata"]["name"] = f"dry-run-{RUN}"
+        accepted = yaml.safe_load(cluster.apply(config, "--dry-run=server", "-o", "yaml"))[
+            "webhooks"
+        ][0]["clientConfig"]
+        assert accepted["service"] == {
+            "namespace": ns,
+            "name": service["metadata"]["name"],
+            "port": 9443,
+            "path": f"/{webhook.HANDLER_ID}",
+        }
+        assert "url" not in accepted
 
         def generation() -> int:
             deployment = cluster.get_json("deployment", f"{name}-continuum-operator", "-n", ns)
