@@ -79,8 +79,9 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     rel.run(
         "install", RELEASE, str(CHART), "--namespace", ns, "--create-namespace",
         # CRDs other tests applied with `kubectl apply --server-side` are adopted. Helm's apply of
-        # them conflicts with kubectl's on .spec.versions unless forced, although the rendered
-        # CRDs equal the repository's (kubectl applying the rendered file changes nothing).
+        # them conflicts with kubectl's on .spec.versions (an atomic list kubectl owns) unless
+        # forced: the API server drops the CRDs' empty `properties: {}`, so the stored list never
+        # equals the applied one (charts/continuum/README.md, "Adopting CRDs").
         "-f", str(values), "--take-ownership", "--force-conflicts",
     )  # fmt: skip
     try:
