@@ -126,6 +126,10 @@ class Reported:
 
 
 LONG = "x" * 5000
+# Nine to the eighth "lol"s from a few hundred bytes: the parser must refuse, not expand.
+_ALIAS_BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefg", "bcdefgh", strict=True)
+)
 REFUSED = [
     # sizes: negative, zero, beyond any machine
     Refused(
@@ -336,6 +340,16 @@ REFUSED = [
     # YAML that is not an object, or not a kind the server knows
     Refused("yaml-scalar", "just a sentence\n", ("invalid object to validate",)),
     Refused(
+        "yaml-alias-bomb",
+        _ALIAS_BOMB,
+        ("excessive aliasing",),
+    ),
+    Refused(
+        "yaml-name-read-as-a-boolean",
+        f"apiVersion: {API}\nkind: Engine\nmetadata: {{name: off}}\nspec: {{}}\n",
+        ("cannot unmarshal bool", "metadata.name of type string"),
+    ),
+    Refused(
         "json-array-to-the-api-server",
         json.dumps([good_engine()]),
         ("must be of type Engine", "cannot unmarshal array"),
@@ -441,6 +455,26 @@ REPORTED = [
         "True",
         "InsufficientMemory",
         ("no node has room", "Lower spec.minds.min"),
+    ),
+    Reported(
+        "engine-asking-more-gpus-than-any-node-has",
+        [bad_engine("spec.placement.gpus", 64, "greedy-gpus")],
+        "engine",
+        "greedy-gpus",
+        "Unschedulable",
+        "True",
+        "InsufficientMemory",
+        ("spec.placement.gpus asks for 64 GPUs", "has 1"),
+    ),
+    Reported(
+        "engine-reserve-larger-than-any-pool",
+        [bad_engine("spec.reserveBytes", 2**62, "hoarder")],
+        "engine",
+        "hoarder",
+        "Unschedulable",
+        "True",
+        "InsufficientMemory",
+        ("Lower spec.reserveBytes",),
     ),
     Reported(
         "engine-on-no-matching-node",

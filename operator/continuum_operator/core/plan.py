@@ -505,12 +505,18 @@ def plan(
             if offload != "auto" and not fit.device_fits(device)
             else ReasonCode.INSUFFICIENT_MEMORY
         )
+        fix = (
+            "Lower spec.minds.min, spec.contextTokensPerMind or spec.offload, or use a "
+            "quantised spec.kvCacheType"
+        )
+        if any(b is not None and b < 0 <= b + reserve for b in (budget.device, budget.host)):
+            # The reserve alone leaves the pool nothing: no other field can make it fit.
+            fix = "Lower spec.reserveBytes: it leaves the pool nothing to plan in"
         return unschedulable(
             code,
             f"{lo_minds} mind(s) of {engine.context_tokens_per_mind} tokens at offload "
             f"{candidates[0]}/{total_layers} need {need}; node {board.node} has {have} "
-            f"(reserve {_mib(reserve)} per pool kept free). Lower spec.minds.min, "
-            "spec.contextTokensPerMind or spec.offload, or use a quantised spec.kvCacheType",
+            f"(reserve {_mib(reserve)} per pool kept free). {fix}",
             gpus,
             budget,
         )
