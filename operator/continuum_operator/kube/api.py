@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
 from kubernetes import client, config
 
-__all__ = ["ApiError", "KubeApi", "crd_path"]
+__all__ = ["ApiError", "KubeApi", "crd_path", "resource_of"]
 
 FIELD_MANAGER = "continuum-operator"
 
@@ -60,14 +60,39 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
     return path if collection else f"{path}/{quote(obj['metadata']['name'])}"
 
 
+def resource_of(path: str) -> str:
+    """The resource a REST path names, with its subresource: `engines/status`, `pods/log`."""
+    parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    if parts[:1] == ["api"]:
+        parts = parts[2:]
+    elif parts[:1] == ["apis"]:
+        parts = parts[3:]
+    if parts[:1] == ["namespaces"] and len(parts) > 2:
+        parts = parts[2:]
+    if not parts:
+        return "-"
+    return parts[0] + (f"/{parts[2]}" if len(parts) > 2 else "")
+
+
 class KubeApi:
-    def __init__(self, kubeconfig: str | None = None) -> None:
+    """`on_request(verb, resource)` is called before each request (the operator counts them)."""
+
+    def __init__(
+        self,
+        kubeconfig: str | None = None,
+        on_request: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.on_request = on_request
         configuration = client.Configuration()
         in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
         if kubeconfig is None and not os.environ.get("KUBECONFIG") and in_pod:
             config.load_incluster_config(client_configuration=configuration)
         else:
             config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        # The client's default pool is 5 connections a CPU; the loops write from more threads
+        # than that (`--write-workers` for ledgers, as many for Minds, the loop's own), and a
+        # connection past the pool is dropped after one request: a TLS handshake for each.
+        configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize, 64)
         self._client = client.ApiClient(configuration)
 
     def request(
@@ -79,6 +104,8 @@ class KubeApi:
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
     ) -> dict[str, Any]:
+        if self.on_request is not None:
+            self.on_request(method, resource_of(path))
         request = self._client.param_serialize(
             method,
             path,
@@ -120,6 +147,8 @@ class KubeApi:
 
     def text(self, path: str, query: Sequence[tuple[str, str]] = ()) -> str:
         """A plain-text answer (a pod's log)."""
+        if self.on_request is not None:
+            self.on_request("GET", resource_of(path))
         request = self._client.param_serialize(
             "GET", path, query_params=list(query), header_params={"Accept": "text/plain"},
             auth_settings=["BearerToken"],

@@ -46,6 +46,13 @@ class OperatorMetrics:
 
     def __post_init__(self) -> None:
         r = self.registry
+        # Every request of the operator's own adapter (kube.api); kopf's watches are not in it.
+        self.api_requests = Counter(
+            "continuum_operator_api_requests",
+            "API requests the operator made through its adapter, by verb and resource.",
+            ["verb", "resource"],
+            registry=r,
+        )
         self.relaunches = Counter(
             "continuum_engine_relaunches",
             "Relaunches of an engine's pod the operator decided (damped).",
@@ -182,6 +189,9 @@ class OperatorMetrics:
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
+
+    def record_api_request(self, verb: str, resource: str) -> None:
+        self.api_requests.labels(verb, resource).inc()
 
     def record_relaunch(self, namespace: str, engine: str) -> None:
         self.relaunches.labels(namespace, engine).inc()

@@ -162,7 +162,7 @@ async def serve(
     metrics = OperatorMetrics()
     if metrics_port:
         metrics.serve(metrics_port)
-    api = KubeApi(kubeconfig)
+    api = KubeApi(kubeconfig, on_request=metrics.record_api_request)
     loop = Loop(api, settings, cache, metrics=metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
