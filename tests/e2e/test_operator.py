@@ -647,3 +647,64 @@ def test_deleting_an_engine_removes_what_the_operator_made_for_it(
 
     # The garbage collector of kube-controller-manager does this, once its caches are warm.
     wait_for("the owned objects garbage-collected", gone, timeout=150, log=operator.log)
+
+
+def test_the_plans_estimate_error_against_the_runtimes_receipt_is_exported(
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
+) -> None:
+    """DESIGN.md rule 5 in the operator's registry: a receipt in status.runtime (written here as
+    the engine runtime writes it) of the plan's own launch gives (planned - allocated) /
+    allocated per side; a receipt of another launch (the engine not relaunched yet) none."""
+    gpu_node(cluster, tag, discrete_status(80, 0.5))
+    cluster.apply(engine("coder", tag), "-n", namespace)
+    body = wait_for(
+        "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log
+    )
+    plan = body["status"]["plan"]
+    planned = {
+        side: sum(int(plan["bytes"][side][k]) for k in ("weights", "kv", "compute"))
+        for side in ("device", "host")
+    }
+    assert planned["device"] > 0 and planned["host"] > 0
+    allocated = planned["device"] * 4 // 5  # the plan over-reserved the device by a quarter
+
+    def runtime(layers: int) -> str:
+        receipt = {
+            "kind": "Receipt",
+            "modelSha256": "0" * 64,
+            "contextTokens": plan["poolTokens"],
+            "kvCacheType": plan["kvCacheType"],
+            "placement": {"layersOnDevice": layers, "gpus": 1},
+            "llamaBuild": "6869 (e2e)",
+            "parallel": plan["mindsGrantable"],
+            "buffers": [
+                {"device": "CUDA0", "kind": "model", "bytes": allocated},
+                {"device": "CPU_Mapped", "kind": "model", "bytes": planned["host"]},
+            ],
+        }
+        return json.dumps({"status": {"runtime": {"receipts": [receipt]}}})
+
+    labels = {"namespace": namespace, "engine": "coder"}
+    name = "continuum_engine_plan_estimate_error_ratio"
+    cluster.kubectl(
+        "patch", "engine", "coder", "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", runtime(plan["layersOnDevice"]),
+    )  # fmt: skip
+    expected = (planned["device"] - allocated) / allocated
+    wait_for(
+        "the device's estimate error",
+        lambda: scrape_metric(operator.metrics_url, name, pool="device", **labels) == expected,
+        log=operator.log,
+    )
+    assert scrape_metric(operator.metrics_url, name, pool="host", **labels) == 0.0
+
+    # A receipt of another launch says nothing of this plan: the series goes.
+    cluster.kubectl(
+        "patch", "engine", "coder", "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", runtime(plan["layersOnDevice"] - 1),
+    )  # fmt: skip
+    wait_for(
+        "no estimate error for another launch",
+        lambda: scrape_metric(operator.metrics_url, name, pool="device", **labels) is None,
+        log=operator.log,
+    )
