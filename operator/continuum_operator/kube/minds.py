@@ -295,8 +295,13 @@ class GrantsLoop:
                 f"{key[0]}/{key[1]}", (body.get("status") or {}).get(ledger.STEP_FIELD)
             )
 
+        wanted = {
+            key: ledger.demands_of(by_engine.get(key, []), classes, default, refused)
+            for key in engines
+        }
+
         def demands(key: EngineKey) -> dict[str, MindDemand]:
-            return ledger.demands_of(by_engine.get(key, []), classes, default, refused)
+            return wanted[key]
 
         quotas = _QuotaUse(ledger.quota_limits(list(self.minds.quotas.values())), engines)
 
