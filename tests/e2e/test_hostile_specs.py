@@ -621,7 +621,7 @@ def running(
     ns: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Running]:
-    """The node the good engines fit, a default MindClass, and the operator."""
+    """The node the cases' engines fit, the MindClass their Minds name, and the operator."""
     workdir = tmp_path_factory.mktemp("hostile")
     gpu_node(cluster, TAG)
     cluster.apply(mind_class("standard", 0))
