@@ -5,8 +5,12 @@ and a namespace's TokenQuota held over several engines, its status written only 
 from __future__ import annotations
 
 import copy
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from continuum_operator.core.grants import MindDemand
 from continuum_operator.kube import ledger
@@ -281,3 +285,50 @@ def test_demands_carry_the_class_token_limit() -> None:
     )
     [d] = ledger.demands_of([mind("n", "a", "e")], classes, default).values()
     assert d == MindDemand("n/a", 3, d.arrival, 256, 300.0, 64)
+
+
+@st.composite
+def tenants(draw: st.DrawFn) -> tuple[list[tuple[str, str, int, int]], dict[str, int]]:
+    """Minds (namespace, engine, arrival, class limit) over three engines, and quotas."""
+    minds = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["t", "u"]),
+                st.sampled_from(["one", "two", "three"]),
+                st.integers(0, 59),
+                st.sampled_from([300, 600, 1000]),
+            ),
+            max_size=12,
+        )
+    )
+    quotas = draw(st.dictionaries(st.sampled_from(["t", "u"]), st.integers(0, 3000)))
+    return minds, quotas
+
+
+@settings(max_examples=40, deadline=None)
+@given(tenants())
+def test_passes_over_several_engines_never_take_a_namespace_past_its_quota(
+    case: tuple[list[tuple[str, str, int, int]], dict[str, int]],
+) -> None:
+    minds, quotas = case
+    with tempfile.TemporaryDirectory() as tmp:
+        w = World(Path(tmp))
+        for limit in (300, 600, 1000):
+            w.cls(f"c{limit}", maxTokens=limit)
+        for name in ("one", "two", "three"):
+            w.engine(engine("shared", name, slots=2, allowed=["*"]))
+        for ns, limit in quotas.items():
+            w.quota(quota(ns, "q", limit))
+        for i, (ns, eng, second, limit) in enumerate(minds):
+            w.mind(mind(ns, f"m{i}", eng, second, engineNamespace="shared", className=f"c{limit}"))
+        for _ in range(2):
+            w.loop.pass_once()
+        held: dict[str, int] = {}
+        for name in ("one", "two", "three"):
+            status = w.api.objects[f"{BASE}/shared/engines/{name}"].get("status") or {}
+            for ns, tokens in ledger.tokens_held(status.get("grants")).items():
+                held[ns] = held.get(ns, 0) + tokens
+        for ns, limit in quotas.items():
+            assert held.get(ns, 0) <= limit, (ns, held, quotas)
+            reported = w.status("tokenquotas", ns, "q")["usedTokens"]
+            assert reported == held.get(ns, 0)
