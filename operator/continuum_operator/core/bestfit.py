@@ -125,6 +125,16 @@ def rank(p: ServingPlan, leftover: int) -> tuple[int, int, int, str]:
     return (0 if p.gpu_servable else 1, -p.minds_grantable, leftover, p.node)
 
 
+def _shape(board: Board, leases: Sequence[Lease]) -> tuple[object, ...]:
+    """What a plan reads of a node, less its name (`plan` is a function of these)."""
+    return (
+        board.memory_mode,
+        board.per_process_cap_bytes,
+        tuple(sorted(board.pools.items())),
+        tuple(sorted((x.kind, x.pool, x.bytes, x.floor_bytes) for x in leases)),
+    )
+
+
 def choose(
     nodes: Iterable[NodeView],
     spec: EngineSpec,
@@ -136,6 +146,12 @@ def choose(
     """The best-fit node for an Engine not yet placed, and a verdict for every node."""
     verdicts: list[Verdict] = []
     ranked: list[tuple[tuple[int, int, int, str], ServingPlan]] = []
+    on: dict[str, list[Lease]] = {}  # by node once: not every lease read for every node
+    for lease in leases:
+        on.setdefault(lease.node, []).append(lease)
+    # Nodes alike (the same pools, usage and leased bytes) get the same plan but for its node:
+    # planned once. A cluster of many nodes of a few kinds has few distinct ones.
+    alike: dict[tuple[object, ...], ServingPlan] = {}
     for view in sorted(nodes, key=lambda v: v.board.node):
         node = view.board.node
         mismatch = matches(spec, view.labels)
@@ -160,8 +176,15 @@ def choose(
                 Verdict(node, Exclusion.BACKING_OFF, "an engine pod never started here recently")
             )
             continue
-        ledger = Ledger.of(view.board, leases)
-        p = plan(view.board, spec, facts, ledger, receipts=receipts)
+        ledger = Ledger.of(view.board, on.get(node, ()))
+        shape = None if receipts else _shape(view.board, ledger.leases)
+        known = alike.get(shape) if shape is not None else None
+        if known is not None:
+            p = replace(known, node=node)
+        else:
+            p = plan(view.board, spec, facts, ledger, receipts=receipts)
+            if shape is not None and node not in repr(p.reasons):  # no message names the node
+                alike[shape] = p
         if not p.schedulable:
             why = p.reasons[-1].message if p.reasons else "unschedulable"
             verdicts.append(Verdict(node, Exclusion.UNSCHEDULABLE, why, p))

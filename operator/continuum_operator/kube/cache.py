@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -19,9 +20,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from continuum_operator.core.heartbeat import node_of_lease
-from continuum_operator.core.pools import Board
+from continuum_operator.core.placements import consumer_name
+from continuum_operator.core.pools import Board, ConsumerKind, Lease
 from continuum_operator.kube.objects import FACTS_FOR_LABEL, GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
+from continuum_operator.model.engine import EnginePlacement
 
 EngineKey = tuple[str, str]  # (namespace, name)
 
@@ -93,6 +96,28 @@ class JobEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacedLeases:
+    """An engine's `status.placement` as leases, and whether it is still assumed."""
+
+    leases: tuple[Lease, ...]
+    assumed: bool
+
+
+def placed_leases(key: EngineKey, body: Mapping[str, Any]) -> PlacedLeases | None:
+    """None: no placement, or one that does not validate (skipped, not guessed)."""
+    raw = (body.get("status") or {}).get("placement")
+    if not raw:
+        return None
+    try:
+        p = EnginePlacement.model_validate(raw)
+    except ValueError:
+        return None
+    who = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
+    leases = tuple(Lease(who, ConsumerKind.ENGINE, p.node, x.pool, x.bytes) for x in p.pools)
+    return PlacedLeases(leases, p.assumed)
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     boards: Mapping[str, BoardEntry]
     leases: Mapping[str, LeaseEntry]  # by node name
@@ -101,6 +126,10 @@ class Snapshot:
     deployments: Mapping[EngineKey, DeploymentEntry]
     jobs: Mapping[EngineKey, JobEntry] = field(default_factory=dict)
     lanes: Mapping[EngineKey, Mapping[str, Any]] = field(default_factory=dict)  # EmbedLanes
+    # Each engine's placement as leases (parsed once per watch event, not once per decision) and
+    # the engines placed on each node; None: derived from `engines` (a snapshot built by hand).
+    engine_leases: Mapping[EngineKey, PlacedLeases] | None = None
+    engines_on: Mapping[str, frozenset[EngineKey]] | None = None
 
 
 @dataclass
@@ -115,17 +144,45 @@ class Cache:
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
     lanes: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)  # EmbedLanes
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    engine_leases: dict[EngineKey, PlacedLeases] = field(default_factory=dict)
+    engines_on: dict[str, frozenset[EngineKey]] = field(default_factory=dict)
+    # Engines are observed from the loop and from the grants loop's threads: their index with
+    # them, under one lock, so a snapshot's leases are those of its bodies.
+    _engines_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> Snapshot:
+        with self._engines_lock:
+            engines = dict(self.engines)  # bodies are replaced, never changed in place
+            engine_leases = dict(self.engine_leases)
+            engines_on = dict(self.engines_on)
         return Snapshot(
             boards=dict(self.boards),
             leases=dict(self.leases),
             nodes=dict(self.nodes),
-            engines=dict(self.engines),  # bodies are replaced, never changed in place
+            engines=engines,
             deployments=dict(self.deployments),
             jobs=dict(self.jobs),
             lanes=dict(self.lanes),
+            engine_leases=engine_leases,
+            engines_on=engines_on,
         )
+
+    def _index_engine(self, key: EngineKey, body: Mapping[str, Any] | None) -> None:
+        """Keep `engine_leases` and `engines_on` in line with `engines[key]` (under the lock)."""
+        old = self.engine_leases.pop(key, None)
+        new = placed_leases(key, body) if body is not None else None
+        old_nodes = {x.node for x in old.leases} if old else set()
+        new_nodes = {x.node for x in new.leases} if new else set()
+        if new is not None:
+            self.engine_leases[key] = new
+        for node in old_nodes - new_nodes:
+            rest = self.engines_on.get(node, frozenset()) - {key}
+            if rest:
+                self.engines_on[node] = rest
+            else:
+                self.engines_on.pop(node, None)
+        for node in new_nodes - old_nodes:
+            self.engines_on[node] = self.engines_on.get(node, frozenset()) | {key}
 
     def _nudge(self) -> None:
         self.changed.set()
@@ -152,16 +209,22 @@ class Cache:
         node = node_of_lease(meta["name"], meta.get("annotations") or {})
         if node is None:
             return
+        known = self.leases.get(node)
         if deleted:
             self.leases.pop(node, None)
         else:
             spec = obj.get("spec") or {}
             duration = spec.get("leaseDurationSeconds")
-            self.leases[node] = LeaseEntry(
+            entry = LeaseEntry(
                 renew_time=parse_time(spec.get("renewTime") or spec.get("acquireTime")),
                 duration_seconds=float(duration) if duration is not None else None,
                 resource_version=str(meta.get("resourceVersion", "")),
             )
+            self.leases[node] = entry
+            if known is not None and _renewed_in_time(known, entry):
+                # The board stayed fresh throughout: no decision changes, and a pass over every
+                # engine for each node's heartbeat would never rest. The next resync reads it.
+                return
         self._nudge()
 
     def observe_node(self, obj: Mapping[str, Any], deleted: bool) -> None:
@@ -174,19 +237,26 @@ class Cache:
                 gpus = int(allocatable.get(GPU_RESOURCE, 0))
             except ValueError:
                 gpus = 0
-            self.nodes[name] = NodeEntry(dict(obj["metadata"].get("labels") or {}), gpus)
+            entry = NodeEntry(dict(obj["metadata"].get("labels") or {}), gpus)
+            if self.nodes.get(name) == entry:
+                return  # a status heartbeat: nothing the decisions read changed
+            self.nodes[name] = entry
         self._nudge()
 
     def observe_engine(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
-        if deleted:
-            self.engines.pop(key, None)
-        else:
-            known = self.engines.get(key)
-            # A watch event older than the answer of our own write must not undo it.
-            if known is None or _rv(meta) >= _rv(known["metadata"]):
-                self.engines[key] = copy.deepcopy(dict(obj))
+        with self._engines_lock:
+            if deleted:
+                self.engines.pop(key, None)
+                self._index_engine(key, None)
+            else:
+                known = self.engines.get(key)
+                # A watch event older than the answer of our own write must not undo it.
+                if known is None or _rv(meta) >= _rv(known["metadata"]):
+                    body = copy.deepcopy(dict(obj))
+                    self.engines[key] = body
+                    self._index_engine(key, body)
         if nudge:
             self._nudge()
 
@@ -256,6 +326,16 @@ class Cache:
             )
         if nudge:
             self._nudge()
+
+
+def _renewed_in_time(known: LeaseEntry, new: LeaseEntry) -> bool:
+    """The Lease was renewed before it expired, for as long as before: fresh all along."""
+    if known.renew_time is None or new.renew_time is None or known.duration_seconds is None:
+        return False
+    return (
+        new.duration_seconds == known.duration_seconds
+        and known.renew_time <= new.renew_time <= known.renew_time + known.duration_seconds
+    )
 
 
 def _job_ended(status: Mapping[str, Any], kind: str) -> bool:

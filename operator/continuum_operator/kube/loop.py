@@ -32,6 +32,8 @@ from continuum_operator.model.engine import ModelFacts
 
 log = logging.getLogger("continuum.operator")
 
+WORKLOAD_WRITERS = 8  # engines whose workload writes are in flight at once, within a pass
+
 
 class Loop:
     def __init__(
@@ -109,6 +111,11 @@ class Loop:
 
     async def pass_once(self) -> None:
         unschedulable = 0
+        # Only the status patch (the lease) must land before the next engine is decided; the
+        # workload's writes (Service, identity, Deployment, events) go out side by side and are
+        # awaited at the end of the pass: one round trip an engine, not six, on the way.
+        workloads: set[asyncio.Task[None]] = set()
+        room = asyncio.Semaphore(WORKLOAD_WRITERS)
         for key in self._order():
             body = self.cache.engines.get(key)
             if body is None or body["metadata"].get("deletionTimestamp"):
@@ -129,17 +136,20 @@ class Loop:
             self.memory[uid] = writes.memory
             self.record(key, writes)
             unschedulable += writes.unschedulable
-            engine, deployment, served = await asyncio.to_thread(self.apply, key, body, writes)
-            if served:
-                self.cache.services.add(key)
+            written, engine = await asyncio.to_thread(self.apply_status, key, writes)
             # Recorded at once ("assume"), and no news: our own writes do not wake the loop.
             if engine is not None:
                 self.cache.observe_engine(engine, deleted=False, nudge=False)
-            if deployment is not None:
-                self.cache.observe_deployment(deployment, deleted=False, nudge=False)
+            if written:
+                await room.acquire()
+                task = asyncio.create_task(self._workload(key, body, writes, room))
+                workloads.add(task)
+                task.add_done_callback(workloads.discard)
             current = self.cache.engines.get(key) or body
             self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
             self.metrics.set_estimate_error(*key, current.get("status"))
+        if workloads:
+            await asyncio.gather(*workloads)
         await self.lanes.pass_once()  # EmbedLanes, against the leases just written
         self.metrics.unschedulable.set(unschedulable)
         self.record_boards()
@@ -151,19 +161,41 @@ class Loop:
             self.services.pop(key, None)
         self.recorded &= set(self.cache.engines)
 
-    def apply(
-        self, key: EngineKey, body: dict[str, Any], writes: Writes
-    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, bool]:
-        """Runs in a thread: API calls only. Returns the engine and Deployment as written, and
-        whether the Service was applied."""
+    async def _workload(
+        self, key: EngineKey, body: dict[str, Any], writes: Writes, room: asyncio.Semaphore
+    ) -> None:
+        try:
+            deployment, served = await asyncio.to_thread(self.apply_workload, key, body, writes)
+        finally:
+            room.release()
+        if served:
+            self.cache.services.add(key)
+        if deployment is not None:
+            self.cache.observe_deployment(deployment, deleted=False, nudge=False)
+
+    def apply_status(self, key: EngineKey, writes: Writes) -> tuple[bool, dict[str, Any] | None]:
+        """Runs in a thread: the status patch, if any. Returns whether the workload's writes may
+        follow (not after a failed status write), and the engine as written."""
         ns, name = key
-        engine = deployment = None
+        if writes.status_patch is None:
+            return True, None
+        try:
+            path = crd_path("engines", ns, name, "status")
+            return True, self.api.merge_patch(path, writes.status_patch)
+        except ApiError as err:
+            if err.status != 404:  # 404: the engine was deleted meanwhile
+                log.warning("writing Engine %s/%s failed: %s", ns, name, err)
+            return False, None
+
+    def apply_workload(
+        self, key: EngineKey, body: dict[str, Any], writes: Writes
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """Runs in a thread: the workload's writes and the events. Returns the Deployment as
+        written and whether the Service was applied."""
+        ns, name = key
+        deployment = None
         served = False
         try:
-            if writes.status_patch is not None:
-                engine = self.api.merge_patch(
-                    crd_path("engines", ns, name, "status"), writes.status_patch
-                )
             if writes.service is not None:
                 # Before the Deployment: its pods are refused until their ServiceAccount exists.
                 digest = repr((writes.service, writes.identity))
@@ -194,7 +226,7 @@ class Loop:
         except ApiError as err:
             if err.status != 404:  # 404: the engine was deleted meanwhile
                 log.warning("writing Engine %s/%s failed: %s", ns, name, err)
-        return engine, deployment, served
+        return deployment, served
 
     def read_facts(self, key: EngineKey, job: JobEntry) -> tuple[dict[str, Any] | None, str | None]:
         """Runs in a thread: the facts a succeeded Job printed, into status.modelFacts.

@@ -18,7 +18,8 @@ The rules kept here (DESIGN.md "Placement", "One writer per status field"):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,12 +37,18 @@ from continuum_operator.core.placements import consumer_name, placement_of
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.kube import objects
-from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time
+from continuum_operator.kube.cache import (
+    EngineKey,
+    Snapshot,
+    format_time,
+    parse_time,
+    placed_leases,
+)
 from continuum_operator.kube.embedlanes import lane_leases_in
 from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.base import Condition
-from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
+from continuum_operator.model.engine import Engine, ModelFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,26 +103,31 @@ def reading_of(snap: Snapshot, node: str) -> str:
     return f"{board.resource_version if board else '-'}/{lease.resource_version if lease else '-'}"
 
 
-def other_leases(snap: Snapshot, me: EngineKey, *, assumed_only: bool = False) -> list[Lease]:
+def other_leases(
+    snap: Snapshot, me: EngineKey, *, assumed_only: bool = False, node: str | None = None
+) -> list[Lease]:
     """Leases of the other engines' placements and of every EmbedLane's (with `assumed_only`,
-    only those whose pods or lane runtimes have not started yet)."""
+    only those whose pods or lane runtimes have not started yet); with `node`, only there.
+
+    From the snapshot's index when it has one: each engine decided reads the leases of the
+    engines on its own node, not a parse of every engine's placement (quadratic in engines).
+    """
     leases: list[Lease] = []
-    for key, body in snap.engines.items():
-        if key == me:
+    index, on = snap.engine_leases, snap.engines_on
+    keys: Iterable[EngineKey]
+    if index is None or on is None:  # no index: every engine's placement, parsed here
+        index = {k: x for k, b in snap.engines.items() if (x := placed_leases(k, b)) is not None}
+        keys = index.keys()
+    else:
+        keys = index.keys() if node is None else on.get(node, ())
+    for key in keys:
+        placed = index.get(key)
+        if key == me or placed is None or (assumed_only and not placed.assumed):
             continue
-        raw = (body.get("status") or {}).get("placement")
-        if not raw:
-            continue
-        try:
-            p = EnginePlacement.model_validate(raw)
-        except ValueError:
-            continue
-        if assumed_only and not p.assumed:
-            continue
-        who = consumer_name(ConsumerKind.ENGINE, key[0], key[1])
-        leases.extend(Lease(who, ConsumerKind.ENGINE, p.node, x.pool, x.bytes) for x in p.pools)
+        leases.extend(x for x in placed.leases if node is None or x.node == node)
     # EmbedLanes' bytes, charged where they reside (those not yet measured count as assumed).
-    leases.extend(lane_leases_in(snap.lanes, assumed_only=assumed_only))
+    lanes = lane_leases_in(snap.lanes, assumed_only=assumed_only)
+    leases.extend(x for x in lanes if node is None or x.node == node)
     return leases
 
 
@@ -302,8 +314,6 @@ class _Pass:
         self.new: dict[str, Any] = {}  # status parts this pass writes (None removes one)
         self.facts_in = cond.EngineFacts(generation=self.generation)
         self.me = consumer_name(ConsumerKind.ENGINE, *self.key)
-        self.others = other_leases(snap, self.key)
-        self.assumed = other_leases(snap, self.key, assumed_only=True)
         self.ttl = settings.freshness.default_ttl_seconds
         damper = memory.damper
         relaunches = self.status.get("relaunches")
@@ -504,13 +514,16 @@ class _Pass:
         count the reserve as free, and every relaunch would find one reserve more room than the
         last (a ratchet to out-of-memory).
         """
-        measured = with_unmeasured(board, self.assumed)
+        # Only this node's leases count (`with_unmeasured`, `Ledger.of`): only they are read.
+        assumed = other_leases(self.snap, self.key, assumed_only=True, node=node)
+        others = other_leases(self.snap, self.key, node=node)
+        measured = with_unmeasured(board, assumed)
         reserve = self.engine.spec.reserve_bytes
         mine = [
             Lease(self.me, ConsumerKind.ENGINE, node, x["pool"], max(0, x["bytes"] - reserve))
             for x in placement.get("pools", [])
         ]
-        ledger = Ledger.of(measured, [*self.others, *mine])
+        ledger = Ledger.of(measured, [*others, *mine])
         return plan(measured, self.engine.spec, self.facts, ledger, crediting=self.me)
 
     def release_never_started(self, node: str) -> None:
@@ -547,9 +560,12 @@ class _Pass:
     def place(self) -> Writes:
         """Best fit among the nodes with fresh boards, as an assumed lease; or why none."""
         snap, engine = self.snap, self.engine
+        assumed: dict[str, list[Lease]] = defaultdict(list)
+        for lease in other_leases(snap, self.key, assumed_only=True):
+            assumed[lease.node].append(lease)  # by node: each board reads its own
         views = [
             NodeView(
-                board=with_unmeasured(entry.board, self.assumed),
+                board=with_unmeasured(entry.board, assumed.get(name, ())),
                 fresh=is_fresh(snap, name, self.now, self.ttl),
                 labels=snap.nodes[name].labels if name in snap.nodes else {},
                 node_exists=name in snap.nodes,
@@ -558,7 +574,7 @@ class _Pass:
             for name, entry in snap.boards.items()
             if entry.board is not None
         ]
-        decision = choose(views, engine.spec, self.facts, self.others)
+        decision = choose(views, engine.spec, self.facts, other_leases(snap, self.key))
         if decision.chosen is None:
             f = cond.EngineFacts(generation=self.generation, unschedulable=_unschedulable(decision))
             for part in ("plan", "placement"):
