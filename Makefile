@@ -65,6 +65,8 @@ bench: install
 	$(PY) bench/estimate.py
 	$(PY) bench/gateway.py
 	$(PY) bench/reconcile.py
+	@# The operator at scale, small here (about 2 minutes); docs/performance.md has the full size.
+	$(PY) bench/scale.py --nodes 20 --engines 40 --minds 200 --burst 100 --rest 10 --churn 10
 	@# Exits 1 when the contention was not real in that run, 2 when the target was missed:
 	@# a figure to read, not a gate.
 	-$(PY) bench/contention.py

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
@@ -26,63 +25,25 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "operator"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` and `continuum_operator`
 
-from kubernetes import client, config, watch  # noqa: E402
-
-from continuum_operator.core.heartbeat import (  # noqa: E402
-    LEASE_NAMESPACE,
-    NODE_ANNOTATION,
-    lease_name,
+from bench.kube_bench import (
+    GROUP,
+    ROOT,
+    VERSION,
+    GiB,
+    cluster_down,
+    cluster_up,
+    kubectl,
+    micro,
+    percentile,
 )
+from kubernetes import client, config, watch
 
-GiB = 2**30
-GROUP, VERSION = "continuum.dev", "v1alpha1"
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _micro() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def cluster_up(state: Path) -> tuple[str, dict[str, str]]:
-    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state)}
-    subprocess.run([str(ROOT / "tools/cluster"), "up"], env=env, check=True, capture_output=True)
-    out = subprocess.run(
-        [str(ROOT / "tools/cluster"), "env"], env=env, check=True, capture_output=True, text=True
-    ).stdout
-    exports = {}
-    for line in out.splitlines():
-        if line.startswith("export ") and "=" in line:
-            k, _, v = line[len("export ") :].partition("=")
-            exports[k] = v.replace("$PATH", os.environ.get("PATH", ""))
-    return exports["KUBECONFIG"], exports
-
-
-def cluster_down(state: Path) -> None:
-    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state)}
-    subprocess.run([str(ROOT / "tools/cluster"), "down"], env=env, check=False, capture_output=True)
-
-
-def kubectl(kubeconfig: str, path: str, *args: str, stdin: str | None = None) -> str:
-    return subprocess.run(
-        ["kubectl", "--kubeconfig", kubeconfig, *args],
-        input=stdin,
-        text=True,
-        capture_output=True,
-        check=True,
-        env={**os.environ, "PATH": path},
-    ).stdout
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +116,7 @@ def run(
             "metadata": {"name": lease_name(name), "namespace": LEASE_NAMESPACE,
                          "annotations": {NODE_ANNOTATION: name}},
             "spec": {"holderIdentity": "bench", "leaseDurationSeconds": 3600,
-                     "renewTime": _micro()},
+                     "renewTime": micro()},
         })  # fmt: skip
     for docs in (nodes, boards, leases):
         kubectl(kc, path, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1",
@@ -285,8 +246,8 @@ def run(
           f"({args.minds / took:.0f}/s, {args.clients} clients)")  # fmt: skip
     print(f"granted: {len(granted)} of {expect} expected")
     what = "operator-start-to-granted" if args.backlog else "apply-to-granted"
-    print(f"{what}: p50 {_percentile(lat, 0.5):.2f} s, p90 {_percentile(lat, 0.9):.2f}"
-          f" s, p99 {_percentile(lat, 0.99):.2f} s, max {max(lat):.2f} s")  # fmt: skip
+    print(f"{what}: p50 {percentile(lat, 0.5):.2f} s, p90 {percentile(lat, 0.9):.2f}"
+          f" s, p99 {percentile(lat, 0.99):.2f} s, max {max(lat):.2f} s")  # fmt: skip
     since = "operator start" if args.backlog else "first create"
     print(f"grants/s: {len(granted) / (last - start):.1f} "
           f"({since} to last grant: {last - start:.1f} s)")  # fmt: skip

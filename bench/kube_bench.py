@@ -1,0 +1,62 @@
+"""What the benches that run on a real control plane share: the cluster, kubectl, percentiles.
+
+Used by `bench/reconcile.py` and `bench/scale.py`. The cluster is `tools/cluster` (etcd,
+kube-apiserver, controller-manager, scheduler, KWOK) in a directory of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT))
+
+GiB = 2**30
+GROUP, VERSION = "continuum.dev", "v1alpha1"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def micro() -> str:
+    """Now, as a Lease's MicroTime."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def cluster_up(state: Path) -> tuple[str, dict[str, str]]:
+    """Start a control plane in `state`; its kubeconfig and `tools/cluster env`'s exports."""
+    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state)}
+    subprocess.run([str(ROOT / "tools/cluster"), "up"], env=env, check=True, capture_output=True)
+    out = subprocess.run(
+        [str(ROOT / "tools/cluster"), "env"], env=env, check=True, capture_output=True, text=True
+    ).stdout
+    exports = {}
+    for line in out.splitlines():
+        if line.startswith("export ") and "=" in line:
+            k, _, v = line[len("export ") :].partition("=")
+            exports[k] = v.replace("$PATH", os.environ.get("PATH", ""))
+    return exports["KUBECONFIG"], exports
+
+
+def cluster_down(state: Path) -> None:
+    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state)}
+    subprocess.run([str(ROOT / "tools/cluster"), "down"], env=env, check=False, capture_output=True)
+
+
+def kubectl(kubeconfig: str, path: str, *args: str, stdin: str | None = None) -> str:
+    return subprocess.run(
+        ["kubectl", "--kubeconfig", kubeconfig, *args],
+        input=stdin,
+        text=True,
+        capture_output=True,
+        check=True,
+        env={**os.environ, "PATH": path},
+    ).stdout

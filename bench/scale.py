@@ -1,0 +1,637 @@
+"""The operator at scale on a real API server: fake nodes of mixed kinds, engines, minds in bursts.
+
+    python bench/scale.py [--nodes 100] [--engines 200] [--minds 1000] [--burst 250]
+                          [--rest 60] [--churn 60] [--churn-rate 5] [--profile FILE]
+
+Starts a local control plane (`tools/cluster up`, unless --kubeconfig names one) and makes
+`--nodes` KWOK nodes of four kinds (one 80 GiB GPU, two 24 GiB GPUs, unified memory, CPU only),
+each with a NodeBoard and an agent Lease that this bench renews every `--renew` seconds, as the
+node agents would. Starts `continuum operator` (leader election on, metrics served), applies the
+Engines (small and larger models, one in five pinned to a node kind; facts inline, so no Job and
+no llama.cpp: the engine pods are KWOK pods), waits until every engine is planned and serving,
+then creates the Minds in bursts of `--burst` and waits until every mind that has a slot is
+granted. Then it measures the operator at rest for `--rest` seconds (only the Lease renewals go
+on) and under churn for `--churn` seconds (`--churn-rate` minds deleted and as many created per
+second).
+
+Prints: time from the engines' apply to all planned and to all serving, from the first mind's
+create to all granted; apply-to-grant p50 / p99; the operator's CPU (seconds, and share of one
+core) and peak memory (VmHWM); the API requests it made per minute (its adapter's counter,
+`continuum_operator_api_requests_total`, by verb and resource) in each phase. kopf's watches are
+not counted there: one list and one long watch per watched resource, re-opened by kopf every
+few minutes. Figures, not a pass/fail gate; docs/performance.md has the figures and commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` and `continuum_operator`
+
+import psutil
+from bench.kube_bench import (
+    GROUP,
+    ROOT,
+    VERSION,
+    GiB,
+    cluster_down,
+    cluster_up,
+    kubectl,
+    micro,
+    percentile,
+)
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
+
+MiB = 2**20
+
+# kind: (board status, node capacity besides cpu/memory/pods). Each engine pod on a GPU node asks
+# for one `nvidia.com/gpu`; best fit packs many engines on a node, so the fake nodes offer many
+# (as a shared device plugin would): this measures the operator, not the scheduler's GPU count.
+KINDS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "gpu80": (
+        {"memoryMode": "discrete", "memoryModeReason": "bench",
+         "pools": [{"kind": "host", "capacityBytes": 512 * GiB, "usedBytes": 16 * GiB},
+                   {"kind": "device", "device": 0, "capacityBytes": 80 * GiB,
+                    "usedBytes": GiB}],
+         "gpus": [{"index": 0, "name": "bench 80G"}]},
+        {"nvidia.com/gpu": "1000"},
+    ),
+    "gpu24x2": (
+        {"memoryMode": "discrete", "memoryModeReason": "bench",
+         "pools": [{"kind": "host", "capacityBytes": 128 * GiB, "usedBytes": 8 * GiB},
+                   {"kind": "device", "device": 0, "capacityBytes": 24 * GiB,
+                    "usedBytes": GiB},
+                   {"kind": "device", "device": 1, "capacityBytes": 24 * GiB,
+                    "usedBytes": GiB}],
+         "gpus": [{"index": 0, "name": "bench 24G"}, {"index": 1, "name": "bench 24G"}]},
+        {"nvidia.com/gpu": "1000"},
+    ),
+    "unified": (
+        {"memoryMode": "unified", "memoryModeReason": "bench",
+         "pools": [{"kind": "unified", "capacityBytes": 128 * GiB, "usedBytes": 12 * GiB}],
+         "gpus": [{"index": 0, "name": "bench iGPU"}]},
+        {},
+    ),
+    "cpu": (
+        {"memoryMode": "discrete", "memoryModeReason": "bench: no GPU",
+         "pools": [{"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 8 * GiB}]},
+        {},
+    ),
+}  # fmt: skip
+
+# model facts: (layers, layer MiB)
+MODELS = [(4, 64), (8, 128), (16, 96)]
+
+
+class Watched:
+    """One resource's objects as a watch sees them, with the wall time each first met `test`."""
+
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        namespace: str,
+        plural: str,
+        tests: dict[str, Callable[[dict[str, Any]], bool]],
+    ) -> None:
+        self.objects: Any = client.CustomObjectsApi(api_client)
+        self.namespace, self.plural, self.tests = namespace, plural, tests
+        self.first: dict[str, dict[str, float]] = {t: {} for t in tests}
+        self.latest: dict[str, dict[str, Any]] = {}
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(60)
+
+    def _see(self, obj: dict[str, Any], deleted: bool) -> None:
+        name = obj["metadata"]["name"]
+        if deleted:
+            self.latest.pop(name, None)
+            return
+        self.latest[name] = obj
+        now = time.time()
+        for t, test in self.tests.items():
+            if name not in self.first[t] and test(obj):
+                self.first[t][name] = now
+
+    def _run(self) -> None:
+        rv = ""
+        while not self.stop.is_set():
+            try:
+                if not rv:
+                    listed = self.objects.list_namespaced_custom_object(
+                        GROUP, VERSION, self.namespace, self.plural
+                    )
+                    for obj in listed["items"]:
+                        self._see(obj, False)
+                    rv = listed["metadata"]["resourceVersion"]
+                    self.ready.set()
+                w = watch.Watch()
+                for ev in w.stream(self.objects.list_namespaced_custom_object, GROUP, VERSION,
+                                   self.namespace, self.plural, resource_version=rv,
+                                   timeout_seconds=30):  # fmt: skip
+                    obj = ev["object"]
+                    if ev["type"] == "ERROR":
+                        rv = ""  # 410 Gone: list again
+                        break
+                    rv = obj["metadata"]["resourceVersion"]
+                    self._see(obj, ev["type"] == "DELETED")
+                    if self.stop.is_set():
+                        w.stop()
+                        break
+            except ApiException as err:
+                if err.status == 410:
+                    rv = ""
+                else:
+                    time.sleep(1)
+            except Exception:  # a dropped connection: watch again from the last version
+                time.sleep(1)
+
+
+class Operator:
+    """The operator process: its CPU, peak memory and API request counter, phase by phase."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], metrics_port: int) -> None:
+        self.proc = proc
+        self.ps = psutil.Process(proc.pid)
+        self.port = metrics_port
+        self.marks: list[tuple[str, float, float, dict[tuple[str, str], float]]] = []
+
+    def cpu(self) -> float:
+        t = self.ps.cpu_times()
+        return float(t.user + t.system)
+
+    def rss_peak_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def rss_mib(self) -> float:
+        return float(self.ps.memory_info().rss) / MiB
+
+    def requests(self) -> dict[tuple[str, str], float]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        counts: dict[tuple[str, str], float] = {}
+        for line in text.splitlines():
+            if not line.startswith("continuum_operator_api_requests_total{"):
+                continue
+            labels, _, value = line.rpartition(" ")
+            parts = dict(
+                kv.split("=", 1) for kv in labels[labels.index("{") + 1 : -1].split(",") if kv
+            )
+            key = (parts["verb"].strip('"'), parts["resource"].strip('"'))
+            counts[key] = float(value)
+        return counts
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.time(), self.cpu(), self.requests()))
+
+    def phase(self, start: str, end: str) -> tuple[float, float, dict[tuple[str, str], float]]:
+        """Wall seconds, CPU seconds and requests by (verb, resource) between two marks."""
+        a = next(m for m in self.marks if m[0] == start)
+        b = next(m for m in self.marks if m[0] == end)
+        reqs = {k: v - a[3].get(k, 0.0) for k, v in b[3].items() if v - a[3].get(k, 0.0) > 0}
+        return b[1] - a[1], b[2] - a[2], reqs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, default=100)
+    parser.add_argument("--engines", type=int, default=200)
+    parser.add_argument("--minds", type=int, default=1000)
+    parser.add_argument("--burst", type=int, default=250, help="minds created per burst")
+    parser.add_argument("--burst-gap", type=float, default=2.0, help="seconds between bursts")
+    parser.add_argument("--slots", type=int, default=8, help="minds.max of each engine")
+    parser.add_argument("--clients", type=int, default=8, help="threads creating minds")
+    parser.add_argument("--renew", type=float, default=20.0, help="seconds between renewals")
+    parser.add_argument("--rest", type=float, default=60.0, help="seconds measured at rest")
+    parser.add_argument("--churn", type=float, default=60.0, help="seconds measured in churn")
+    parser.add_argument("--churn-rate", type=float, default=5.0, help="minds replaced per second")
+    parser.add_argument("--resync", type=float, default=5.0, help="the operator's --resync")
+    parser.add_argument("--kubeconfig", default=None, help="an existing cluster (with KWOK)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="sample the operator's threads (bench/sampler.py) and write the hot spots here",
+    )
+    parser.add_argument(
+        "--decide-only",
+        action="store_true",
+        help="no cluster: place and re-plan the engines in-process (kube.reconcile on the "
+        "operator's cache), with the cache's lease index and without it (every placement "
+        "parsed per decision, as before): the CPU of the decisions alone",
+    )
+    args = parser.parse_args(argv)
+    if args.decide_only:
+        return decide_only(args)
+    # A stopped bench (SIGTERM) still stops its operator and its control plane.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    state = work / "cluster"
+    path = os.environ.get("PATH", "")
+    started = time.monotonic()
+    if args.kubeconfig:
+        kubeconfig = args.kubeconfig
+    else:
+        print(f"starting a control plane in {state} ...", flush=True)
+        kubeconfig, exports = cluster_up(state)
+        path = exports.get("PATH", path)
+    op: Operator | None = None
+    stop = threading.Event()
+    try:
+        op = run(args, kubeconfig, path, work, stop)
+    finally:
+        stop.set()
+        if op is not None and op.proc.poll() is None:
+            op.proc.send_signal(signal.SIGTERM)
+            try:
+                op.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                op.proc.kill()
+        if not args.kubeconfig:
+            cluster_down(state)
+    print(f"bench wall time: {(time.monotonic() - started) / 60:.1f} min; work directory: {work}")
+    return 0
+
+
+def decide_only(args: argparse.Namespace) -> int:
+    """Every engine placed, then one pass over all of them, as `kube.loop` decides (no API)."""
+    from continuum_operator.kube.cache import Cache
+
+    for indexed in (True, False):
+        cache = Cache()
+        now = time.time()
+        for name, kind in _nodes("d", args.nodes):
+            labels = {"bench": "d", "bench-kind": kind}
+            cap = {"cpu": "1000", **KINDS[kind][1]}
+            cache.observe_node({"metadata": {"name": name, "labels": labels},
+                                "status": {"allocatable": cap}}, deleted=False)  # fmt: skip
+            cache.observe_board({"apiVersion": f"{GROUP}/{VERSION}", "kind": "NodeBoard",
+                                 "metadata": {"name": name, "resourceVersion": "1"},
+                                 "status": KINDS[kind][0]}, deleted=False)  # fmt: skip
+            cache.observe_lease({"metadata": {"namespace": LEASE_NAMESPACE,
+                                              "name": lease_name(name), "resourceVersion": "1",
+                                              "annotations": {NODE_ANNOTATION: name}},
+                                 "spec": {"renewTime": micro(), "leaseDurationSeconds": 3600}},
+                                deleted=False)  # fmt: skip
+        for i in range(args.engines):
+            body = _engine("d", "ns", i, args.slots)
+            created = f"2026-01-01T00:00:{i % 60:02d}Z"
+            body["metadata"].update(
+                uid=f"u{i}", resourceVersion="1", generation=1, creationTimestamp=created
+            )
+            cache.observe_engine(body, deleted=False)
+
+        placing, placed = _decide_pass(cache, indexed, now)
+        steady, changed = _decide_pass(cache, indexed, now)
+        how = "cache's lease index" if indexed else "every placement parsed (before)"
+        print(f"{args.nodes} nodes, {args.engines} engines, {how}: placing all: "
+              f"{placing:.1f} s CPU ({placed} written); a pass after: {steady:.2f} s CPU "
+              f"({changed} written)", flush=True)  # fmt: skip
+    return 0
+
+
+def _decide_pass(cache: Any, indexed: bool, now: float) -> tuple[float, int]:
+    """One pass of `kube.loop` over every engine, its status writes applied to the cache."""
+    from dataclasses import replace
+
+    from continuum_operator.kube.reconcile import Memory, reconcile
+    from continuum_operator.kube.settings import OperatorSettings
+
+    settings = OperatorSettings()
+    t, written = time.process_time(), 0
+    for key in sorted(cache.engines):
+        body = cache.engines[key]
+        snap = cache.snapshot()
+        if not indexed:
+            snap = replace(snap, engine_leases=None, engines_on=None)
+        w = reconcile(body, snap, Memory(), now, settings)
+        if w.status_patch is None:
+            continue
+        status = dict(body.get("status") or {})
+        for k, v in w.status_patch["status"].items():
+            if v is None:
+                status.pop(k, None)
+            else:
+                status[k] = v
+        rv = str(int(body["metadata"]["resourceVersion"]) + 1)
+        new = {**body, "metadata": {**body["metadata"], "resourceVersion": rv},
+               "status": status}  # fmt: skip
+        cache.observe_engine(new, deleted=False, nudge=False)
+        written += 1
+    return time.process_time() - t, written
+
+
+def _nodes(tag: str, count: int) -> list[tuple[str, str]]:
+    kinds = list(KINDS)
+    return [(f"{tag}-n{i:04d}", kinds[i % len(kinds)]) for i in range(count)]
+
+
+def _engine(tag: str, ns: str, i: int, slots: int) -> dict[str, Any]:
+    layers, layer_mib = MODELS[i % len(MODELS)]
+    selector = {"bench": tag}
+    if i % 5 == 4:
+        selector["bench-kind"] = "gpu80"
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "Engine",
+        "metadata": {"name": f"e{i:04d}", "namespace": ns, "labels": {"bench": tag}},
+        "spec": {"model": {"facts": {"layers": layers, "layerBytes": layer_mib * MiB,
+                                     "inputBytes": 16 * MiB, "outputBytes": 16 * MiB,
+                                     "kvBytesPerTokenPerLayer": 1024,
+                                     "computeBytes": 64 * MiB}},
+                 "contextTokensPerMind": 4096, "minds": {"min": 1, "max": slots},
+                 "placement": {"nodeSelector": selector}},
+    }  # fmt: skip
+
+
+def _status(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj.get("status") or {}
+
+
+def _serving(obj: dict[str, Any]) -> bool:
+    return (_status(obj).get("grantCapacity") or {}).get("phase") == "Serving"
+
+
+def _granted(obj: dict[str, Any]) -> bool:
+    return (_status(obj).get("grant") or {}).get("state") == "Granted"
+
+
+def _held(obj: dict[str, Any]) -> bool:
+    """Granted, and the finalizer that holds her slot through a deletion is on."""
+    return _granted(obj) and "continuum.dev/grant" in (obj["metadata"].get("finalizers") or [])
+
+
+def _in_chunks(items: list[dict[str, Any]], size: int = 250) -> list[list[dict[str, Any]]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def run(
+    args: argparse.Namespace, kubeconfig: str, path: str, work: Path, stop: threading.Event
+) -> Operator:
+    tag = f"s{uuid.uuid4().hex[:6]}"
+    ns = f"bench-{tag}"
+    kc = kubeconfig
+    kubectl(kc, path, "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    kubectl(kc, path, "wait", "--for=condition=established", "--timeout=60s", "-f",
+            str(ROOT / "crds"))  # fmt: skip
+    kubectl(kc, path, "create", "namespace", ns)
+    api_client = config.new_client_from_config(config_file=kc)
+    objects: Any = client.CustomObjectsApi(api_client)
+    leases_api: Any = client.CoordinationV1Api(api_client)
+
+    # Nodes, boards and agent Leases.
+    t = time.monotonic()
+    nodes = _nodes(tag, args.nodes)
+    docs: list[dict[str, Any]] = []
+    for name, kind in nodes:
+        cap = {"cpu": "1000", "memory": "2Ti", "pods": "1000", **KINDS[kind][1]}
+        docs.append({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                         "labels": {"type": "kwok", "bench": tag, "bench-kind": kind,
+                                    "kubernetes.io/hostname": name}},
+            "spec": {}, "status": {"capacity": cap, "allocatable": cap},
+        })  # fmt: skip
+    ttl = int(max(120, 6 * args.renew))
+    for name, _ in nodes:
+        docs.append({"apiVersion": f"{GROUP}/{VERSION}", "kind": "NodeBoard",
+                     "metadata": {"name": name}})  # fmt: skip
+        docs.append({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": lease_name(name), "namespace": LEASE_NAMESPACE,
+                         "annotations": {NODE_ANNOTATION: name}},
+            "spec": {"holderIdentity": "bench", "leaseDurationSeconds": ttl,
+                     "renewTime": micro()},
+        })  # fmt: skip
+    for chunk in _in_chunks(docs):
+        kubectl(kc, path, "apply", "-f", "-",
+                stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": chunk}))  # fmt: skip
+
+    def board(node: tuple[str, str]) -> None:
+        objects.patch_cluster_custom_object_status(
+            GROUP, VERSION, "nodeboards", node[0], {"status": KINDS[node[1]][0]}
+        )
+
+    with ThreadPoolExecutor(args.clients) as pool:
+        list(pool.map(board, nodes))
+    print(f"{args.nodes} nodes with boards and Leases in {time.monotonic() - t:.1f} s", flush=True)
+
+    def renewer() -> None:
+        # The agents' heartbeat: every node's Lease, spread over the interval.
+        with ThreadPoolExecutor(4) as pool:
+            while not stop.wait(args.renew):
+                list(pool.map(lambda n: leases_api.patch_namespaced_lease(
+                    lease_name(n[0]), LEASE_NAMESPACE, {"spec": {"renewTime": micro()}}),
+                    nodes))  # fmt: skip
+
+    threading.Thread(target=renewer, daemon=True).start()
+    classes = [("low", 0), ("mid", 5), ("high", 10)]
+    kubectl(kc, path, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
+            "items": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "MindClass",
+                       "metadata": {"name": f"{tag}-{c}"},
+                       "spec": {"priority": p, "protectionWindowSeconds": 300}}
+                      for c, p in classes]}))  # fmt: skip
+
+    # The operator.
+    port = _free_port()
+    runner = [sys.executable]
+    if args.profile:
+        runner += [str(ROOT / "bench/sampler.py"), str(Path(args.profile).resolve())]
+    with (work / "operator.log").open("ab") as out:
+        proc = subprocess.Popen(
+            [*runner, "-m", "continuum_operator.cli", "operator", "--kubeconfig", kc,
+             "--resync", str(args.resync), "--engine-image", "continuum-engine:bench",
+             "--engine-selector", f"bench={tag}", "--metrics-port", str(port),
+             "--transition-log", str(work / "transitions.jsonl")],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PATH": path},
+        )  # fmt: skip
+    op = Operator(proc, port)
+    deadline = time.monotonic() + 60
+    while not op.requests() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    op.mark("start")
+
+    engines = Watched(api_client, ns, "engines",
+                      {"planned": lambda o: bool(_status(o).get("plan")),
+                       "serving": _serving})  # fmt: skip
+    minds = Watched(api_client, ns, "minds", {"granted": _granted, "held": _held})
+
+    def progress(what: str, done: Callable[[], bool], line: Callable[[], str]) -> None:
+        t0 = last = time.monotonic()
+        while not done():
+            now = time.monotonic()
+            if proc.poll() is not None:
+                raise SystemExit(f"the operator exited ({proc.returncode}); see {work}")
+            if now - t0 > args.timeout:
+                raise SystemExit(f"{what}: timed out after {args.timeout:.0f} s: {line()}")
+            if now - last >= 15:
+                print(f"  [{now - t0:5.0f} s] {line()}; operator {op.rss_mib():.0f} MiB",
+                      flush=True)  # fmt: skip
+                last = now
+            time.sleep(0.5)
+
+    # Engines: applied, then all planned, all serving.
+    bodies = [_engine(tag, ns, i, args.slots) for i in range(args.engines)]
+    op.mark("engines")
+    t_engines = time.time()
+    for chunk in _in_chunks(bodies):
+        kubectl(kc, path, "apply", "-f", "-",
+                stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": chunk}))  # fmt: skip
+    print(f"{args.engines} engines applied; waiting for plans", flush=True)
+
+    def engines_line() -> str:
+        return (f"planned {len(engines.first['planned'])}/{args.engines}, "
+                f"serving {len(engines.first['serving'])}/{args.engines}")  # fmt: skip
+
+    progress("plans", lambda: len(engines.first["planned"]) >= args.engines, engines_line)
+    planned_s = max(engines.first["planned"].values()) - t_engines
+    op.mark("planned")
+    progress("serving", lambda: len(engines.first["serving"]) >= args.engines, engines_line)
+    serving_s = max(engines.first["serving"].values()) - t_engines
+    op.mark("serving")
+    slots = sum(
+        int((_status(e).get("grantCapacity") or {}).get("slots") or 0)
+        for e in list(engines.latest.values())
+    )
+    print(f"all planned in {planned_s:.1f} s, all serving in {serving_s:.1f} s "
+          f"({slots} slots)", flush=True)  # fmt: skip
+
+    # Minds, in bursts.
+    applied: dict[str, float] = {}
+    rng = random.Random(7)
+
+    def create(i: int) -> None:
+        name = f"m{i:05d}"
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "Mind", "metadata": {"name": name},
+            "spec": {"engine": f"e{i % args.engines:04d}",
+                     "className": f"{tag}-{classes[i % 3][0]}", "contextTokens": 2048},
+        }  # fmt: skip
+        applied[name] = time.time()
+        objects.create_namespaced_custom_object(GROUP, VERSION, ns, "minds", body)
+
+    op.mark("minds")
+    first_create = time.time()
+    with ThreadPoolExecutor(args.clients) as pool:
+        for b in range(0, args.minds, args.burst):
+            list(pool.map(create, range(b, min(args.minds, b + args.burst))))
+            print(f"  burst: {min(args.minds, b + args.burst)}/{args.minds} minds created; "
+                  f"granted {len(minds.first['granted'])}", flush=True)  # fmt: skip
+            if b + args.burst < args.minds:
+                time.sleep(args.burst_gap)
+    expect = min(args.minds, slots)
+    progress(
+        "grants",
+        lambda: len(minds.first["granted"]) >= expect,
+        lambda: f"granted {len(minds.first['granted'])}/{expect}",
+    )
+    granted = dict(minds.first["granted"])
+    op.mark("granted")
+    # The finalizers follow the grants (written after the projections): at rest after them.
+    progress(
+        "finalizers",
+        lambda: len(minds.first["held"]) >= expect,
+        lambda: f"finalizer on {len(minds.first['held'])}/{expect}",
+    )
+    op.mark("held")
+    held_s = max(minds.first["held"].values()) - first_create
+    lat = [granted[n] - applied[n] for n in granted if n in applied]
+    granted_s = max(granted.values()) - first_create
+
+    # At rest: only the Leases are renewed.
+    print(f"all {expect} granted in {granted_s:.1f} s; at rest for {args.rest:.0f} s", flush=True)
+    time.sleep(args.rest)
+    op.mark("rested")
+
+    # Churn: minds deleted and created, `churn_rate` a second.
+    print(f"churn: {args.churn_rate:g} minds replaced a second for {args.churn:.0f} s", flush=True)
+    live = sorted(applied)
+    next_i = args.minds
+    t_end = time.monotonic() + args.churn
+    with ThreadPoolExecutor(args.clients) as pool:
+        while time.monotonic() < t_end:
+            tick = time.monotonic()
+            n = max(1, round(args.churn_rate))
+            gone = [live.pop(rng.randrange(len(live))) for _ in range(min(n, len(live)))]
+            list(pool.map(lambda m: objects.delete_namespaced_custom_object(
+                GROUP, VERSION, ns, "minds", m), gone))  # fmt: skip
+            list(pool.map(create, range(next_i, next_i + n)))
+            live.extend(f"m{i:05d}" for i in range(next_i, next_i + n))
+            next_i += n
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+    op.mark("churned")
+    peak = op.rss_peak_mib()
+    engines.stop.set()
+    minds.stop.set()
+
+    # Figures.
+    def per_min(phase: tuple[float, float, dict[tuple[str, str], float]]) -> float:
+        return sum(phase[2].values()) / phase[0] * 60
+
+    def cpu_share(phase: tuple[float, float, dict[tuple[str, str], float]]) -> str:
+        return f"{phase[1]:.1f} s ({100 * phase[1] / phase[0]:.0f}% of a core)"
+
+    up = op.phase("engines", "serving")
+    apply_minds = op.phase("minds", "held")
+    rest = op.phase("held", "rested")
+    churn = op.phase("rested", "churned")
+    whole = op.phase("start", "churned")
+    print()
+    print(f"size: {args.nodes} nodes, {args.engines} engines, {args.minds} minds "
+          f"(bursts of {args.burst}), {slots} slots")  # fmt: skip
+    print(f"engines applied -> all planned: {planned_s:.1f} s; -> all serving: {serving_s:.1f} s")
+    print(f"first mind created -> all {expect} granted: {granted_s:.1f} s; "
+          f"-> finalizers on all: {held_s:.1f} s")  # fmt: skip
+    print(f"apply-to-granted: p50 {percentile(lat, 0.5):.2f} s, p99 {percentile(lat, 0.99):.2f} s, "
+          f"max {max(lat):.2f} s")  # fmt: skip
+    print(
+        f"operator CPU: engines up {cpu_share(up)}; minds applied {cpu_share(apply_minds)}; "
+        f"at rest {cpu_share(rest)}; churn {cpu_share(churn)}; whole run {whole[1]:.0f} s"
+    )
+    print(f"operator peak memory (VmHWM): {peak:.0f} MiB")
+    print(f"API requests/min: engines up {per_min(up):.0f}, minds applied "
+          f"{per_min(apply_minds):.0f}, at rest {per_min(rest):.0f}, "
+          f"churn {per_min(churn):.0f}")  # fmt: skip
+    for label, phase in (("at rest", rest), ("churn", churn), ("minds applied", apply_minds)):
+        top = sorted(phase[2].items(), key=lambda kv: -kv[1])[:6]
+        print(f"  {label}: " + ", ".join(f"{v} {r} {n / phase[0] * 60:.0f}/min"
+                                         for (v, r), n in top))  # fmt: skip
+    api_client.close()
+    return op
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
