@@ -66,7 +66,7 @@ crds = test_grants.crds
 classes = test_grants.classes
 
 PRIORITY = {"low": 0, "mid": 5, "high": 10}
-KILL_LOOP_SECONDS = float(os.environ.get("CONTINUUM_FAULT_SECONDS", "100"))
+KILL_LOOP_SECONDS = float(os.environ.get("CONTINUUM_FAULT_SECONDS", "80"))
 # Short leader Leases: a killed leader's successor waits this long before it may lead.
 FAST_LEADER = ("--leader-lease-duration", "3", "--leader-renew", "0.5", "--grace", "2")
 
@@ -515,7 +515,7 @@ def test_a_crash_looping_engine_pod_is_not_relaunched_in_a_storm(
         launched = deployment_of(cluster, ns)["metadata"]["generation"]
         # The pod dies again and again (as a crash-looping container's would), while the board
         # moves between readings that each argue for another plan.
-        for i in range(8):
+        for i in range(6):
             pods = cluster.get_json("pods", "-n", ns, "-l", "continuum.dev/engine=coder")["items"]
             for pod in pods:
                 cluster.kubectl(
