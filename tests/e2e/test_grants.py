@@ -498,13 +498,18 @@ def test_every_crash_point_is_documented() -> None:
     assert crash_points_documented() == set(CRASH_POINTS)
 
 
-def scenario(cluster: Cluster, ns: str, classes: dict[str, str]) -> None:
-    """Three low minds on two slots, a high one preempting, a granted one deleted."""
+def scenario(
+    cluster: Cluster, ns: str, classes: dict[str, str], crashed: Callable[[], bool]
+) -> None:
+    """Three low minds on two slots, a high one preempting, a granted one deleted. Each step
+    waits until the ledger shows the one before (or the operator has crashed): with fixed
+    sleeps a loaded machine started the operator leading after the whole scenario was applied,
+    in fewer steps than the crash point counts on."""
     low, high = classes["low"], classes["high"]
     cluster.apply([mind("a", low), mind("b", low), mind("c", low)], "-n", ns)
-    time.sleep(2)
+    wait_for("a, b and c in the ledger", lambda: crashed() or len(states(cluster, ns)) == 3)
     cluster.apply(mind("vip", high), "-n", ns)
-    time.sleep(2)
+    wait_for("vip in the ledger", lambda: crashed() or "vip" in states(cluster, ns))
     cluster.kubectl("delete", "mind", "a", "-n", ns, "--wait=false")
 
 
@@ -541,7 +546,7 @@ def test_the_operator_killed_at_a_crash_point_and_restarted_loses_or_doubles_no_
         cluster, tmp_path, label, *SHORT_GRACE, env={"CONTINUUM_CRASH_AT": point}, name="first"
     )
     try:
-        scenario(cluster, namespace, classes)
+        scenario(cluster, namespace, classes, lambda: first.poll() is not None)
         code = wait_for("the crash", first.poll, timeout=60, log=tmp_path / "first.log")
         assert code == 137
         name = point.partition("@")[0]
