@@ -574,6 +574,16 @@ REPORTED = [
         "ClassNotFound",
         ("MindClass no-such does not exist", "spec.className"),
     ),
+    Reported(
+        "mind-naming-an-engine-that-does-not-exist",
+        [bad_mind("orphan", engine="no-such-engine")],
+        "mind",
+        "orphan",
+        "Granted",
+        "False",
+        "EngineNotFound",
+        ("no-such-engine does not exist", "spec.engine"),
+    ),
     # Tenancy (docs/tenancy.md): an Engine of another namespace that does not list hers.
     Reported(
         "mind-naming-an-engine-she-may-not-use",

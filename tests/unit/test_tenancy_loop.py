@@ -28,12 +28,18 @@ class FakeApi:
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
         self.patches: list[tuple[str, dict[str, Any]]] = []
+        self.gets: list[str] = []
 
     def add(self, plural: str, body: dict[str, Any]) -> None:
         meta = body["metadata"]
         self.objects[f"{BASE}/{meta['namespace']}/{plural}/{meta['name']}"] = body
 
     def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
+        if method == "GET":
+            self.gets.append(path)
+            if path not in self.objects:
+                raise ApiError(404, "NotFound", path)
+            return copy.deepcopy(self.objects[path])
         if method == "PUT" and path.endswith("/status"):
             obj = self.objects[path.removesuffix("/status")]
             obj["status"] = copy.deepcopy(body["status"])
@@ -152,6 +158,30 @@ def test_a_mind_of_a_namespace_the_engine_does_not_serve_gets_no_grant_and_is_to
     assert "Engine shared/coder does not serve namespace team-c" in cond["message"]
     assert "spec.allowedNamespaces" in cond["message"]
     assert w.status("minds", "team-c", "cid").get("grant") is None
+
+
+def test_a_mind_naming_an_engine_that_does_not_exist_is_told_so_once(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.mind(mind("team-b", "ann", "codr"))
+    w.loop.pass_once()
+    cond = w.granted("team-b", "ann")
+    assert (cond["status"], cond["reason"]) == ("False", "EngineNotFound")
+    assert "Engine team-b/codr does not exist" in cond["message"]
+    assert "spec.engine" in cond["message"]
+    assert w.api.gets == [f"{BASE}/team-b/engines/codr"]
+    # Her status says it now: later passes neither ask the API again nor write.
+    patches = len(w.api.patches)
+    w.loop.pass_once()
+    assert w.api.gets == [f"{BASE}/team-b/engines/codr"] and len(w.api.patches) == patches
+
+
+def test_a_mind_of_an_engine_another_operator_serves_is_left_alone(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    # In the API, not in this operator's cache (its engine selector does not match it).
+    w.api.add("engines", engine("team-b", "other"))
+    w.mind(mind("team-b", "ann", "other"))
+    w.loop.pass_once()
+    assert w.status("minds", "team-b", "ann") == {}
 
 
 def test_an_engine_serves_its_own_namespace_and_every_one_with_a_star() -> None:

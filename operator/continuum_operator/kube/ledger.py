@@ -91,6 +91,7 @@ class RouteReason(StrEnum):
 
     ENGINE_NOT_ALLOWED = "EngineNotAllowed"
     CLASS_NOT_FOUND = "ClassNotFound"
+    ENGINE_NOT_FOUND = "EngineNotFound"
 
 
 def iso_micro(t: float) -> str:
@@ -625,6 +626,16 @@ def projection(
         ),
     }
     return grant, conditions
+
+
+def engine_not_found(key: tuple[str, str]) -> Refused:
+    """Why a Mind naming an Engine that does not exist holds nothing."""
+    ns, name = key
+    return Refused(
+        RouteReason.ENGINE_NOT_FOUND,
+        f"Engine {ns}/{name} does not exist; create it, or name an existing Engine in "
+        "spec.engine (and spec.engineNamespace for another namespace's; kubectl get engines -A)",
+    )
 
 
 def refused_projection(

@@ -350,6 +350,8 @@ class GrantsLoop:
         for key, engine in stepped:
             jobs.extend(self.projection_jobs(key, engine, by_engine.get(key, []), refused, notes))
         # Minds of Engines nobody serves (deleted, or never made): nothing holds their grant.
+        # One that names an Engine that does not exist is told so; an Engine this operator
+        # does not see may still exist (another operator's selector), so the API is asked.
         for key, minds in by_engine.items():
             if key not in engines:
                 jobs.extend(
@@ -357,6 +359,7 @@ class GrantsLoop:
                     for m in minds
                     if m["metadata"].get("deletionTimestamp")
                 )
+                jobs.extend(self.missing_engine_jobs(key, minds))
         for qkey, quota in sorted(self.minds.quotas.items()):
             new = quota_status(quota, quotas, self.clock())
             if new is not None:
@@ -565,6 +568,34 @@ class GrantsLoop:
                 jobs.append((_FINALIZER, mkey, partial(self.add_finalizer_to, mkey)))
         return jobs
 
+    def missing_engine_jobs(
+        self, key: EngineKey, minds: list[dict[str, Any]]
+    ) -> list[tuple[int, str, Callable[[], None]]]:
+        """Projections saying EngineNotFound, for Minds of an Engine the cache lacks whose
+        status does not say so yet (the Engine is read once per job, only then)."""
+        grant, conds = ledger.refused_projection(ledger.engine_not_found(key))
+        stale = [
+            m
+            for m in sorted(minds, key=ledger.mind_key)
+            if not m["metadata"].get("deletionTimestamp")
+            and self.projection_differs(m, grant, conds, None)
+        ]
+        if not stale:
+            return []
+        return [(_PROJECTION, f"engine:{key[0]}/{key[1]}", partial(self.tell_missing, key, stale))]
+
+    def tell_missing(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
+        ns, name = key
+        try:
+            self.api.request("GET", crd_path("engines", ns, name))
+            return  # it exists: not this operator's (its selector), so not for it to say
+        except ApiError as err:
+            if err.status != 404:
+                raise
+        grant, conds = ledger.refused_projection(ledger.engine_not_found(key))
+        for m in minds:
+            self.project_one(ledger.mind_key(m), grant, conds, None)
+
     def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""
         mind = self.minds.minds.get(mkey)
@@ -582,7 +613,7 @@ class GrantsLoop:
         mkey: str,
         grant: dict[str, Any] | None,
         conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str,
+        endpoint: str | None,
     ) -> None:
         mind = self.minds.minds.get(mkey)  # as the cache has her now
         if mind is None:
@@ -601,7 +632,7 @@ class GrantsLoop:
         mind: Mapping[str, Any],
         grant: dict[str, Any] | None,
         conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str,
+        endpoint: str | None,
     ) -> bool:
         return self._projection(mind, grant, conds, endpoint) is not None
 
@@ -610,7 +641,7 @@ class GrantsLoop:
         mind: Mapping[str, Any],
         grant: dict[str, Any] | None,
         conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str,
+        endpoint: str | None,
     ) -> dict[str, Any] | None:
         """The Mind's new status part, or None when hers already says it."""
         meta = mind["metadata"]
@@ -645,7 +676,7 @@ class GrantsLoop:
         mind: dict[str, Any],
         grant: dict[str, Any] | None,
         conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str,
+        endpoint: str | None,
     ) -> dict[str, Any] | None:
         """Write the Mind's projection if it differs; the Mind as written, or None."""
         new = self._projection(mind, grant, conds, endpoint)
