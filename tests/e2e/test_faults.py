@@ -65,7 +65,6 @@ pytestmark = pytest.mark.e2e
 crds = test_grants.crds
 classes = test_grants.classes
 
-PRIORITY = {"low": 0, "mid": 5, "high": 10}
 KILL_LOOP_SECONDS = float(os.environ.get("CONTINUUM_FAULT_SECONDS", "80"))
 # Short leader Leases: a killed leader's successor waits this long before it may lead.
 FAST_LEADER = ("--leader-lease-duration", "3", "--leader-renew", "0.5", "--grace", "2")
