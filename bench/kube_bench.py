@@ -31,9 +31,10 @@ def micro() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def cluster_up(state: Path) -> tuple[str, dict[str, str]]:
-    """Start a control plane in `state`; its kubeconfig and `tools/cluster env`'s exports."""
-    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state)}
+def cluster_up(state: Path, **extra: str) -> tuple[str, dict[str, str]]:
+    """Start a control plane in `state` (`extra`: more environment for `tools/cluster`); its
+    kubeconfig and `tools/cluster env`'s exports."""
+    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state), **extra}
     subprocess.run([str(ROOT / "tools/cluster"), "up"], env=env, check=True, capture_output=True)
     out = subprocess.run(
         [str(ROOT / "tools/cluster"), "env"], env=env, check=True, capture_output=True, text=True

@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         kubeconfig = args.kubeconfig
     else:
         print(f"starting a control plane in {state} ...", flush=True)
-        kubeconfig, exports = cluster_up(state)
+        # A Service an engine: more than the default 254 ClusterIPs.
+        kubeconfig, exports = cluster_up(state, CONTINUUM_SERVICE_CIDR="10.0.0.0/16")
         path = exports.get("PATH", path)
     op: Operator | None = None
     stop = threading.Event()
