@@ -73,7 +73,11 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
             out["x-kubernetes-preserve-unknown-fields"] = True
             continue
         if key == "properties":
-            out[key] = {name: _inline(sub, defs) for name, sub in value.items()}
+            # An empty one is dropped: the API server drops it on storage, so a CRD applied with
+            # it never equals the stored one, and a second server-side applier (Helm adopting
+            # kubectl's CRDs) conflicts on the whole of .spec.versions.
+            if value:
+                out[key] = {name: _inline(sub, defs) for name, sub in value.items()}
             continue
         out[key] = _inline(value, defs)
     if out.get("default", "absent") is None:
