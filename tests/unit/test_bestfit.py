@@ -70,6 +70,16 @@ def test_a_stale_board_a_mismatched_selector_and_a_backoff_are_each_reported() -
     assert "stale: board is stale" in d.summary()
 
 
+def test_a_board_whose_node_is_gone_is_reported_as_such_not_as_a_selector_mismatch() -> None:
+    e = eng(placement={"nodeSelector": {"zone": "a"}})
+    assert e.spec.model.facts is not None
+    # The Node deleted: no labels are known, and the selector must not be blamed for it.
+    ghost = NodeView(gpu("ghost", 80).board, fresh=True, labels={}, node_exists=False)
+    d = choose([ghost], e.spec, e.spec.model.facts, [])
+    assert [(v.node, v.excluded) for v in d.verdicts] == [("ghost", Exclusion.NO_NODE)]
+    assert "no Node object" in d.summary()
+
+
 def test_a_node_pool_is_matched_by_its_label() -> None:
     e = eng(placement={"nodePool": "inference"})
     nodes = [

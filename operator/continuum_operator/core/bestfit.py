@@ -154,6 +154,10 @@ def choose(
     alike: dict[tuple[object, ...], ServingPlan] = {}
     for view in sorted(nodes, key=lambda v: v.board.node):
         node = view.board.node
+        # Whether the Node exists first: a missing one has no labels to match.
+        if not view.node_exists:
+            verdicts.append(Verdict(node, Exclusion.NO_NODE, "has a board but no Node object"))
+            continue
         mismatch = matches(spec, view.labels)
         if mismatch is not None:
             what = (
@@ -162,9 +166,6 @@ def choose(
                 else (f"spec.placement.nodePool (label {NODE_POOL_LABEL})")
             )
             verdicts.append(Verdict(node, mismatch, f"does not match {what}"))
-            continue
-        if not view.node_exists:
-            verdicts.append(Verdict(node, Exclusion.NO_NODE, "has a board but no Node object"))
             continue
         if not view.fresh:
             verdicts.append(
