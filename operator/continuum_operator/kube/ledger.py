@@ -211,6 +211,16 @@ def launch_of(plan: Mapping[str, Any]) -> str | None:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def holds_another_launch(status: Mapping[str, Any]) -> bool:
+    """Whether the ledger still holds grants made on another launch than the plan's: the engine
+    process they live in must run until its gateway reports them released (or their grace
+    deadline forces them), so the successor's Deployment waits (kube.loop)."""
+    recorded = (status.get(CAPACITY_FIELD) or {}).get("launch")
+    if recorded is None or recorded == launch_of(status.get("plan") or {}):
+        return False
+    return any(e.get("state") in _HOLDING for e in status.get("grants") or [])
+
+
 def _ready(status: Mapping[str, Any]) -> bool:
     return any(
         c.get("type") == "Ready" and c.get("status") == "True"

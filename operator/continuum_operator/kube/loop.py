@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from continuum_operator.kube import objects
+from continuum_operator.kube import ledger, objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
@@ -33,6 +33,9 @@ from continuum_operator.model.engine import ModelFacts
 log = logging.getLogger("continuum.operator")
 
 WORKLOAD_WRITERS = 8  # engines whose workload writes are in flight at once, within a pass
+# The longest a relaunch's Deployment waits for the old engine's grants to drain: well past the
+# grace deadline (30 s by default) that ends every drain.
+DRAIN_HOLD_SECONDS = 180.0
 
 
 class Loop:
@@ -52,6 +55,7 @@ class Loop:
         self.pools = PoolMetrics(self.metrics.registry)
         self.memory: dict[str, Memory] = {}
         self.services: dict[EngineKey, str] = {}
+        self.drain_held: dict[EngineKey, float] = {}  # since when a relaunch waits for a drain
         self.recorded: set[EngineKey] = set()  # engines with metric series
         self.instance = socket.gethostname()
         self.lanes = LaneLoop(api, settings, cache, clock)
@@ -208,7 +212,11 @@ class Loop:
                 desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
                 current = self.cache.deployments.get(key)
                 if current is None or current.launch != desired:
-                    deployment = self.api.apply(writes.deployment)
+                    if current is not None and self.held_for_drain(key, body):
+                        pass  # a pass after the drain applies it
+                    else:
+                        self.drain_held.pop(key, None)
+                        deployment = self.api.apply(writes.deployment)
             if writes.facts_job is not None:
                 known = self.cache.jobs.get(key)
                 if known is None or known.name != writes.facts_job["metadata"]["name"]:
@@ -227,6 +235,24 @@ class Loop:
             if err.status != 404:  # 404: the engine was deleted meanwhile
                 log.warning("writing Engine %s/%s failed: %s", ns, name, err)
         return deployment, served
+
+    def held_for_drain(self, key: EngineKey, body: dict[str, Any]) -> bool:
+        """Whether a relaunch's Deployment must wait: the running engine still holds grants of
+        its own launch (Recreate would stop its pod before the gateway reports their release).
+        The grants loop ends every drain by the grace deadline; past DRAIN_HOLD_SECONDS the
+        Deployment goes out anyway, so a stuck ledger never pins an engine to its old plan."""
+        engine = self.cache.engines.get(key) or body  # with this pass's status patch
+        if not ledger.holds_another_launch(engine.get("status") or {}):
+            return False
+        now = self.clock()
+        if key not in self.drain_held:
+            self.drain_held[key] = now
+            log.info("Engine %s/%s: relaunch waits for the drain of its grants", *key)
+        if now - self.drain_held[key] < DRAIN_HOLD_SECONDS:
+            return True
+        log.warning("Engine %s/%s: drain not over after %d s; relaunching", *key,
+                    DRAIN_HOLD_SECONDS)  # fmt: skip
+        return False
 
     def read_facts(self, key: EngineKey, job: JobEntry) -> tuple[dict[str, Any] | None, str | None]:
         """Runs in a thread: the facts a succeeded Job printed, into status.modelFacts.
