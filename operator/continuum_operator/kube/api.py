@@ -10,6 +10,7 @@ by `status` where a caller cares.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -149,15 +150,23 @@ class KubeApi:
         """A plain-text answer (a pod's log)."""
         if self.on_request is not None:
             self.on_request("GET", resource_of(path))
+        # JSON accepted too: the API server answers an error as a Status object, and with
+        # text/plain alone it says only "406 Not Acceptable", hiding the error itself.
         request = self._client.param_serialize(
-            "GET", path, query_params=list(query), header_params={"Accept": "text/plain"},
+            "GET", path, query_params=list(query),
+            header_params={"Accept": "text/plain, application/json"},
             auth_settings=["BearerToken"],
         )  # fmt: skip
         response = self._client.call_api(*request, _request_timeout=30)
         response.read()
         text = response.data.decode() if response.data else ""
         if not 200 <= response.status <= 299:
-            raise ApiError(response.status, "Error", text[:500])
+            reason, message = "Error", text[:500]
+            with contextlib.suppress(ValueError, AttributeError):
+                status = json.loads(text)
+                reason = str(status.get("reason") or reason)
+                message = str(status.get("message") or message)
+            raise ApiError(response.status, reason, message)
         return text
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
