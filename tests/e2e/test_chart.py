@@ -2,7 +2,7 @@
 ServiceAccounts can do what the operator and the agent need and nothing broader (`kubectl auth
 can-i` as each of them), `continuum operator` run as a local process with the chart's own
 arguments and a token of the chart's ServiceAccount reconciles an Engine, and `helm upgrade`
-changes a CRD. The CRDs other tests applied are adopted (`--take-ownership`)
+changes a CRD. The CRDs other tests applied are adopted (`--take-ownership --force-conflicts`)
 and left as they were found: the last upgrade restores the repository's CRDs, they are kept on
 uninstall, and handed back to kubectl's server-side apply at the end. The
 operator applies its PriorityClasses itself at every start, while the chart is installed: the
@@ -78,10 +78,11 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     rel = Release(binary, ns, values, cluster.env)
     rel.run(
         "install", RELEASE, str(CHART), "--namespace", ns, "--create-namespace",
-        # CRDs other tests applied with `kubectl apply --server-side` are adopted, unforced: the
-        # applied CRDs equal the stored ones (make crds leaves out the empty `properties: {}`
-        # the API server drops; charts/continuum/README.md, "Adopting CRDs").
-        "-f", str(values), "--take-ownership",
+        # CRDs other tests applied with `kubectl apply --server-side` are adopted. Helm's apply of
+        # them conflicts with kubectl's on .spec.versions (an atomic list kubectl owns) unless
+        # forced: the API server drops the CRDs' empty `properties: {}`, so the stored list never
+        # equals the applied one (charts/continuum/README.md, "Adopting CRDs").
+        "-f", str(values), "--take-ownership", "--force-conflicts",
     )  # fmt: skip
     try:
         yield rel
