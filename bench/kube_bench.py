@@ -12,6 +12,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
@@ -61,3 +62,13 @@ def kubectl(kubeconfig: str, path: str, *args: str, stdin: str | None = None) ->
         check=True,
         env={**os.environ, "PATH": path},
     ).stdout
+
+
+def mind_body(name: str, engine: str, class_name: str, context_tokens: int = 2048) -> Any:
+    """A Mind as the benches create them."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Mind",
+        "metadata": {"name": name},
+        "spec": {"engine": engine, "className": class_name, "contextTokens": context_tokens},
+    }

@@ -54,6 +54,7 @@ from bench.kube_bench import (
     cluster_up,
     kubectl,
     micro,
+    mind_body,
     percentile,
 )
 from kubernetes import client, config, watch
@@ -536,11 +537,7 @@ def run(
 
     def create(i: int) -> None:
         name = f"m{i:05d}"
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "Mind", "metadata": {"name": name},
-            "spec": {"engine": f"e{i % args.engines:04d}",
-                     "className": f"{tag}-{classes[i % 3][0]}", "contextTokens": 2048},
-        }  # fmt: skip
+        body = mind_body(name, f"e{i % args.engines:04d}", f"{tag}-{classes[i % 3][0]}")
         applied[name] = time.time()
         objects.create_namespaced_custom_object(GROUP, VERSION, ns, "minds", body)
 
