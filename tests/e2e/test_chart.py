@@ -35,6 +35,7 @@ from tests.e2e.test_operator import (
     wait_for,
     write_board,
 )
+from tests.e2e.test_operator import engine as operator_e2e_engine
 from tests.helm import CHART, documents, find_helm, helm
 
 pytestmark = pytest.mark.e2e
@@ -288,26 +289,14 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
     cluster.create_fake_node(stale, labels={"e2e-chart-stale": RUN})
     write_board(cluster, stale, discrete_status(24, 1))
     renew(cluster, stale, renew_time="2020-01-01T00:00:00.000000Z", ttl=40)
-    engine = {
-        "apiVersion": "continuum.dev/v1alpha1",
-        "kind": "Engine",
-        "metadata": {"name": "chart-engine", "namespace": ns, "labels": dict([SELECTOR])},
-        "spec": {
-            "model": {
-                "facts": {
-                    "layers": 32,
-                    "layerBytes": 232783872,
-                    "inputBytes": 532676608,
-                    "outputBytes": 532676608,
-                    "kvBytesPerTokenPerLayer": 4096,
-                    "computeBytes": 268435456,
-                }
-            },
-            "contextTokensPerMind": 16384,
-            "minds": {"min": 1, "max": 4},
-            "placement": {"nodeSelector": {"e2e-chart": RUN}},
-        },
-    }
+    engine = operator_e2e_engine(
+        "chart-engine",
+        RUN,
+        minds={"min": 1, "max": 4},
+        placement={"nodeSelector": {"e2e-chart": RUN}},
+    )
+    # The chart's operator serves Engines of its selector, in the release's namespace.
+    engine["metadata"] = {"name": "chart-engine", "namespace": ns, "labels": dict([SELECTOR])}
     cluster.apply(engine)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -12,14 +12,13 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from tests.e2e.conftest import ROOT, Cluster
+from tests.e2e.test_operator import renew, write_board
 
 pytestmark = pytest.mark.e2e
 
@@ -65,9 +64,6 @@ def node_with_board(cluster: Cluster) -> str:
     name = f"lane-{uuid.uuid4().hex[:6]}"
     cluster.create_fake_node(name, capacity={"nvidia.com/gpu": "1", "memory": "256Gi"},
                              labels={"e2e-lane": name})  # fmt: skip
-    cluster.apply(
-        {"apiVersion": "continuum.dev/v1alpha1", "kind": "NodeBoard", "metadata": {"name": name}}
-    )
     status = {
         "memoryMode": "discrete",
         "memoryModeReason": "e2e",
@@ -77,15 +73,8 @@ def node_with_board(cluster: Cluster) -> str:
         ],
         "gpus": [{"index": 0, "name": "e2e GPU"}],
     }
-    cluster.kubectl("patch", "nodeboard", name, "--subresource=status", "--type=merge",
-                    "-p", json.dumps({"status": status}))  # fmt: skip
-    cluster.apply({
-        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-        "metadata": {"name": lease_name(name), "namespace": LEASE_NAMESPACE,
-                     "annotations": {NODE_ANNOTATION: name}},
-        "spec": {"holderIdentity": "continuum-agent-e2e", "leaseDurationSeconds": 600,
-                 "renewTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")},
-    })  # fmt: skip
+    write_board(cluster, name, status)
+    renew(cluster, name)
     return name
 
 

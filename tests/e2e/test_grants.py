@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.llama_fixtures import free_port
+from tests.e2e.test_operator import discrete_status, renew, wait_for, write_board
 
 pytestmark = pytest.mark.e2e
 
@@ -54,38 +54,8 @@ def gpu_node(cluster: Cluster, tag: str) -> str:
     """A KWOK node with a fresh one-GPU board, as the node agent would keep it."""
     name = f"{tag}-{uuid.uuid4().hex[:4]}"
     cluster.create_fake_node(name, capacity={"nvidia.com/gpu": "1"}, labels={"e2e-tag": tag})
-    cluster.apply(
-        {"apiVersion": "continuum.dev/v1alpha1", "kind": "NodeBoard", "metadata": {"name": name}}
-    )
-    status = {
-        "memoryMode": "discrete",
-        "memoryModeReason": "e2e",
-        "pools": [
-            {"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 8 * GiB},
-            {"kind": "device", "device": 0, "capacityBytes": 80 * GiB, "usedBytes": GiB // 2},
-        ],
-        "gpus": [{"index": 0, "name": "e2e GPU"}],
-    }
-    cluster.kubectl(
-        "patch", "nodeboard", name, "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": status}),
-    )  # fmt: skip
-    cluster.apply(
-        {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": lease_name(name),
-                "namespace": LEASE_NAMESPACE,
-                "annotations": {NODE_ANNOTATION: name},
-            },
-            "spec": {
-                "holderIdentity": "continuum-agent-e2e",
-                "leaseDurationSeconds": 3600,
-                "renewTime": now_micro(),
-            },
-        }
-    )
+    write_board(cluster, name, discrete_status(80, 0.5))
+    renew(cluster, name, ttl=3600)
     return name
 
 
@@ -195,20 +165,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def wait_for(
-    what: str, probe: Callable[[], Any], timeout: float = 60, log: Path | None = None
-) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.3)
-    tail = "\n".join(log.read_text().splitlines()[-40:]) if log and log.exists() else ""
-    pytest.fail(f"timed out waiting for {what}; last: {last!r}\nlog:\n{tail}")
 
 
 def check_log(path: Path) -> subprocess.CompletedProcess[str]:

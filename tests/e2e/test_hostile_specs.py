@@ -37,9 +37,8 @@ from tests.e2e.test_grants import (
     mind_class,
     start_operator,
     stop,
-    wait_for,
 )
-from tests.e2e.test_operator import condition
+from tests.e2e.test_operator import condition, wait_for
 
 pytestmark = pytest.mark.e2e
 

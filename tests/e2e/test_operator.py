@@ -219,7 +219,7 @@ def wait_for(
         if last:
             return last
         time.sleep(0.5)
-    tail = "\n".join(log.read_text().splitlines()[-40:]) if log else ""
+    tail = "\n".join(log.read_text().splitlines()[-40:]) if log and log.exists() else ""
     pytest.fail(f"timed out waiting for {what}; last: {last!r}\noperator log:\n{tail}")
 
 
