@@ -5,13 +5,18 @@ and the append) recovered from the Engine's journal exactly once."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from continuum_operator import checklog
 from continuum_operator.kube.transition_log import TransitionLog
+from tests.unit.test_tenancy_loop import World, engine, mind
 
 
 def capacity(t: float) -> dict[str, Any]:
@@ -71,3 +76,63 @@ def test_a_crash_point_exits_at_once_with_the_status_of_a_kill() -> None:
     env["CONTINUUM_CRASH_AT"] = "after-log@2"  # the second passage: the first goes on
     ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert ran.returncode == 0 and "on" in ran.stdout
+
+
+def test_steps_written_side_by_side_never_interleave_and_are_synced_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "log.jsonl"
+    log = TransitionLog(path)
+
+    def steps_of(i: int) -> None:
+        for seq in range(1, 21):
+            t = 10.0 + seq
+            name = f"ns/e{i}"
+            step = [{**capacity(t), "engine": name}, {**queued(t, f"ns/m{i}"), "engine": name}]
+            log.append(name, seq, step)
+
+    threads = [threading.Thread(target=steps_of, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert synced == []  # group commit: written, not yet flushed
+    log.sync()
+    log.sync()  # nothing written since: no second fsync
+    assert len(synced) == 1
+    lines = read(path)
+    assert len(lines) == 8 * 20 * 2
+    # Each step's two lines together, and `t` never going backwards.
+    for first, second in zip(lines[::2], lines[1::2], strict=True):
+        assert (first["engine"], first["seq"], first["event"]) == (
+            second["engine"],
+            second["seq"],
+            "capacity",
+        )
+    assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+
+
+def test_a_grants_pass_syncs_the_log_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(tmp_path)
+    for e in range(3):
+        w.engine(engine("team-a", f"e{e}"))
+        w.mind(mind("team-a", f"m{e}", f"e{e}"))
+    synced: list[int] = []
+    real = w.loop.log.sync
+
+    def sync() -> None:
+        synced.append(1)
+        real()
+
+    monkeypatch.setattr(w.loop.log, "sync", sync)
+    w.loop.pass_once()
+    assert synced == [1]
+    assert {x["engine"] for x in read(tmp_path / "log.jsonl")} == {f"team-a/e{e}" for e in range(3)}

@@ -4,7 +4,7 @@ Watches feed `MindCache` (Minds, MindClasses and TokenQuotas; Engines come from 
 `kube.cache`). The
 `GrantsLoop` runs only on the leader (`kube.leader`). On every change, on a timer for the next
 grace deadline or protection window (`Allocation.review_at`), and every resync, it takes each
-served Engine in turn:
+served Engine something changed for (below), in turn:
 
 1. one allocation step (`kube.ledger.step`: pure) from the Engine's `status.grants`, the minds
    that want a grant, the gateway's slot releases (`status.runtime.slotReleases`) and the time;
@@ -24,6 +24,15 @@ over all engines: the tokens held are summed from every ledger at the start of a
 engines with queued minds of a quota'd namespace are stepped one after another, each with what
 the others hold by then, so two engines granting at once cannot overshoot a quota.
 
+A pass takes only the engines something changed for ("dirty"): the engine a Mind created,
+changed or deleted names, and the one she named before (`MindCache` keeps Minds grouped by
+engine); an Engine whose body is not the one last stepped (another writer, or it is gone: its
+minds are told); one whose review time or grace deadline has come; one whose write failed.
+Every engine at a leader's first pass (it also recovers every journal), when the MindClasses or
+TokenQuotas change, and every `full_pass_seconds` (60 s), a safety net. What a pass reads of
+every ledger (grace deadlines, tokens held under a quota) is kept per Engine body
+(`_EngineFacts`). The transition log is synced once a pass (group commit).
+
 Crash points (`kube.crash`) sit between these writes. Neighbours: `kube.ledger` (decides),
 `kube.api` (the adapter), `kube.leader` (who may write).
 """
@@ -38,7 +47,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -70,25 +79,102 @@ _HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
 
 @dataclass
 class MindCache:
-    """Minds, MindClasses and TokenQuotas as the watches last saw them."""
+    """Minds, MindClasses and TokenQuotas as the watches last saw them; Minds also grouped by
+    the Engine they name, and the engines whose minds changed since the grants loop last took
+    them (`take_dirty`), so a pass steps only those.
+
+    Minds are observed from the event loop (watches) and from the writer threads (the answers
+    of our own writes): the groups and the dirty set under one lock. `minds` itself is read
+    without it (a dict's get is atomic; bodies are replaced, never changed in place)."""
 
     minds: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
     classes: dict[str, dict[str, Any]] = field(default_factory=dict)
     quotas: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    groups: dict[EngineKey, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    dirty: set[EngineKey] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe_mind(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+        """`nudge` False: the answer of our own write (or the leader's list): her engine is
+        marked only if what the ledger reads of her changed; a watch event of a newer version
+        marks it whatever changed (her status may need writing again)."""
         key = ledger.mind_key(obj)
-        if deleted:
-            self.minds.pop(key, None)
-        else:
+        body = None if deleted else copy.deepcopy(dict(obj))  # (outside the lock)
+        with self.lock:
             known = self.minds.get(key)
-            if known is None or _rv(obj) >= _rv(known):
-                self.minds[key] = copy.deepcopy(dict(obj))
+            if body is None:
+                if known is not None:
+                    self._put(key, known, None)
+            elif known is None or _rv(body) >= _rv(known):
+                if (
+                    known is None
+                    or _demand_facts(known) != _demand_facts(body)
+                    or (nudge and _rv(body) != _rv(known))
+                ):
+                    self._put(key, known, body)
+                else:  # the same engine, nothing it reads changed
+                    self.minds[key] = body
+                    self.groups.setdefault(ledger.engine_key_of(body), {})[key] = body
         if nudge:
             self.changed.set()
 
+    def _put(self, key: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        """Replace a Mind (under the lock), marking the engine she named and the one she names."""
+        if old is not None:
+            was = ledger.engine_key_of(old)
+            self.dirty.add(was)
+            group = self.groups.get(was)
+            if group is not None:
+                group.pop(key, None)
+                if not group:
+                    del self.groups[was]
+        if new is None:
+            self.minds.pop(key, None)
+            return
+        now = ledger.engine_key_of(new)
+        self.dirty.add(now)
+        self.minds[key] = new
+        self.groups.setdefault(now, {})[key] = new
+
+    def forget(self, key: str) -> None:
+        """Drop a Mind the API no longer has (deleted while no watch was looking)."""
+        with self.lock:
+            known = self.minds.get(key)
+            if known is not None:
+                self._put(key, known, None)
+
+    def mark(self, keys: Iterable[EngineKey]) -> None:
+        """Mark engines to be stepped at the next pass (a write that failed, a pass cut short)."""
+        with self.lock:
+            self.dirty.update(keys)
+
+    def mark_mind(self, key: str) -> None:
+        """Mark the engine a Mind names (a write of hers failed: the next pass redoes it)."""
+        with self.lock:
+            known = self.minds.get(key)
+            if known is not None:
+                self.dirty.add(ledger.engine_key_of(known))
+
+    def take_dirty(self) -> set[EngineKey]:
+        """The engines marked since the last call; the mark is cleared."""
+        with self.lock:
+            dirty, self.dirty = self.dirty, set()
+        return dirty
+
+    def minds_of(self, keys: Iterable[EngineKey]) -> dict[EngineKey, list[dict[str, Any]]]:
+        """The Minds naming each of these engines (those with any)."""
+        with self.lock:
+            return {k: list(g.values()) for k in keys if (g := self.groups.get(k))}
+
+    def engine_keys(self) -> set[EngineKey]:
+        """Every engine some Mind names."""
+        with self.lock:
+            return set(self.groups)
+
     def observe_class(self, obj: Mapping[str, Any], deleted: bool) -> None:
+        # (A class changes what every engine's minds demand: the loop compares the classes
+        # it last stepped with and steps every engine when they differ.)
         name = str(obj["metadata"]["name"])
         if deleted:
             self.classes.pop(name, None)
@@ -106,6 +192,21 @@ class MindCache:
                 self.quotas[key] = copy.deepcopy(dict(obj))
         if nudge:
             self.changed.set()
+
+
+def _demand_facts(mind: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What the ledger reads of a Mind (`ledger.route_minds`, `ledger.demands_of`) and what
+    her projection and finalizer follow from: her engine, her deletion, class and size."""
+    meta = mind["metadata"]
+    spec = mind.get("spec") or {}
+    return (
+        ledger.engine_key_of(mind),
+        bool(meta.get("deletionTimestamp")),
+        spec.get("className"),
+        spec.get("contextTokens"),
+        meta.get("creationTimestamp"),
+        meta.get("generation"),
+    )
 
 
 def _without_nulls(value: Any) -> Any:
@@ -151,8 +252,14 @@ class _Writer:
     first. One Mind's writes run one at a time, in order; a write of a Mind not yet started is
     replaced by a newer one of the same kind (it carries the newer ledger)."""
 
-    def __init__(self, workers: int, may_write: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        workers: int,
+        may_write: Callable[[], bool],
+        failed: Callable[[str], None] = lambda key: None,
+    ) -> None:
         self.may_write = may_write
+        self.failed = failed  # told the key of a write that raised: the next pass redoes it
         self.queue: queue.PriorityQueue[tuple[int, int, str]] = queue.PriorityQueue()
         self.pending: dict[tuple[int, str], Callable[[], None]] = {}
         self.lock = threading.Lock()
@@ -181,6 +288,7 @@ class _Writer:
                     job()
                 except Exception:  # one failed write must not stop the writer; a pass redoes it
                     log.exception("writing Mind %s failed", key)
+                    self.failed(key)
 
 
 class GrantsLoop:
@@ -195,6 +303,7 @@ class GrantsLoop:
         metrics: OperatorMetrics | None = None,
         clock: Callable[[], float] = time.time,
         resync_seconds: float = 5.0,
+        full_pass_seconds: float = 60.0,
         pod_port: int = 8080,
     ) -> None:
         self.api = api
@@ -205,19 +314,29 @@ class GrantsLoop:
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
         self.resync_seconds = resync_seconds
+        self.full_pass_seconds = full_pass_seconds
         self.pod_port = pod_port
         self.policy = Policy(grace_seconds=settings.grace_seconds)
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
         self.retry_soon = False
-        self.writer = _Writer(settings.write_workers, lambda: self.may_write())
+        self.writer = _Writer(settings.write_workers, lambda: self.may_write(), self._failed)
         self._lock = threading.Lock()
         self._projections_written = 0
-        self.engine_seen: dict[EngineKey, str] = {}  # resourceVersion each engine was stepped at
+        # What the last pass stepped with: each engine's body (stepped again once its body is
+        # another), the classes and quota limits (every engine stepped again when they change),
+        # and when the next pass over every engine is due (0: the next pass).
+        self.engine_seen: dict[EngineKey, Mapping[str, Any]] = {}
+        self.rules_seen: tuple[Any, ...] | None = None
+        self.full_at = 0.0
+        self.facts: dict[EngineKey, _EngineFacts] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        # A new leader: the log as the last one left it, and any step it wrote but did not log.
+        # A new leader: the log as the last one left it, and any step it wrote but did not log
+        # (its first pass takes every engine: `full_at`).
         self.log = TransitionLog(self.settings.transition_log)
+        self.full_at = 0.0
+        self.engine_seen.clear()
         # Every Mind and MindClass listed before the first step: a leader that started a moment
         # ago may not have all of them from its watches yet, and a Mind missing from the cache
         # would be taken for a deleted one (her grant reclaimed).
@@ -245,6 +364,8 @@ class GrantsLoop:
                 await asyncio.to_thread(self.pass_once)
             except Exception:  # one bad pass must not stop the leader; the next retries
                 log.exception("grants pass failed")
+        # Stepping down: the lines written so far on disk before another leader appends.
+        await asyncio.to_thread(self.log.sync)
 
     def seed(self) -> None:
         """List Minds and MindClasses into the cache (blocking); watch events go on after."""
@@ -269,7 +390,7 @@ class GrantsLoop:
         for key in set(self.minds.minds) - listed:
             known = self.minds.minds.get(key)
             if known is not None and _rv(known) <= int(minds["metadata"]["resourceVersion"]):
-                self.minds.minds.pop(key, None)
+                self.minds.forget(key)
 
     async def _changed(self) -> None:
         waits = [
@@ -285,25 +406,103 @@ class GrantsLoop:
     # one pass (in a thread: API calls only, the caches are replaced, not mutated in place)
 
     def pass_once(self) -> None:
+        try:
+            self._pass()
+        finally:
+            # One fsync for all of the pass's lines (group commit, `kube.transition_log`).
+            self.log.sync()
+
+    def dirty_engines(
+        self,
+        engines: Mapping[EngineKey, dict[str, Any]],
+        facts: Mapping[EngineKey, _EngineFacts],
+        rules: tuple[Any, ...],
+        wall: float,
+    ) -> set[EngineKey]:
+        """The engines this pass steps: those whose Minds
+        changed (`MindCache.take_dirty`), whose body is not the one last stepped, whose review
+        time or grace deadline has come, that are gone (their minds are told); every engine at
+        the first pass of a leader, when the classes or quotas changed, and every
+        `full_pass_seconds` (should anything have been missed, it is not missed for long)."""
+        marked = self.minds.take_dirty()
+        if wall >= self.full_at or rules != self.rules_seen:
+            self.full_at = wall + self.full_pass_seconds
+            self.rules_seen = rules
+            return marked | set(engines) | self.minds.engine_keys() | set(self.engine_seen)
+        dirty = marked
+        dirty.update(k for k, b in engines.items() if self._body_changed(k, b))
+        dirty.update(k for k in self.engine_seen if k not in engines)
+        dirty.update(k for k, t in list(self.review_at.items()) if t <= wall)
+        dirty.update(k for k, f in facts.items() if f.due is not None and f.due <= wall)
+        return dirty
+
+    def _body_changed(self, key: EngineKey, body: Mapping[str, Any]) -> bool:
+        seen = self.engine_seen.get(key)
+        if seen is body:
+            return False
+        # Another object: a watch event or the cache's copy of our own write; the same version
+        # with the same content (the echo of our write) changes nothing the ledger reads.
+        if seen is None or _rv(seen) != _rv(body) or seen != body:
+            return True
+        self.engine_seen[key] = body
+        return False
+
+    def _facts_of(
+        self, engines: Mapping[EngineKey, dict[str, Any]]
+    ) -> dict[EngineKey, _EngineFacts]:
+        old = self.facts
+        self.facts = {
+            k: f if (f := old.get(k)) is not None and f.body is b else _EngineFacts.of(b)
+            for k, b in engines.items()
+        }
+        return self.facts
+
+    def _pass(self) -> None:
         classes, default = ledger.classes_of(list(self.minds.classes.values()))
+        limits = ledger.quota_limits(list(self.minds.quotas.values()))
         engines = dict(self.engines.engines)
+        facts = self._facts_of(engines)
+        wall = self.clock()
+        dirty = self.dirty_engines(engines, facts, (classes, default, limits), wall)
+        done: set[EngineKey] = set()
+        try:
+            self._step(dirty, done, engines, facts, classes, default, limits, wall)
+        finally:
+            # What this pass did not finish (a failed write, leadership lost), the next redoes.
+            self.minds.mark(dirty - done)
+
+    def _step(
+        self,
+        dirty: set[EngineKey],
+        done: set[EngineKey],
+        engines: Mapping[EngineKey, dict[str, Any]],
+        facts: Mapping[EngineKey, _EngineFacts],
+        classes: Mapping[str, ledger.ClassFacts],
+        default: str,
+        limits: Mapping[str, ledger.QuotaLimit],
+        wall: float,
+    ) -> None:
+        groups = self.minds.minds_of(dirty)
         by_engine, refused = ledger.route_minds(
-            list(self.minds.minds.values()), engines, classes, default
+            [m for key in sorted(groups) for m in groups[key]], engines, classes, default
         )
-        for key, body in sorted(engines.items()):  # steps a dead leader wrote but did not log
+        mine = sorted(k for k in dirty if k in engines)
+        for key in mine:  # steps a dead leader wrote but did not log
             self.log.recover(
-                f"{key[0]}/{key[1]}", (body.get("status") or {}).get(ledger.STEP_FIELD)
+                f"{key[0]}/{key[1]}", (engines[key].get("status") or {}).get(ledger.STEP_FIELD)
             )
 
         wanted = {
             key: ledger.demands_of(by_engine.get(key, []), classes, default, refused)
-            for key in engines
+            for key in mine
         }
 
         def demands(key: EngineKey) -> dict[str, MindDemand]:
             return wanted[key]
 
-        quotas = _QuotaUse(ledger.quota_limits(list(self.minds.quotas.values())), engines)
+        # Held over every engine's ledger, not only those stepped (from `facts`: read once per
+        # body).
+        quotas = _QuotaUse(limits, {k: f.entries for k, f in facts.items()})
 
         def step(key: EngineKey, at: float | None = None) -> dict[str, Any] | None:
             written = self.step_engine(key, engines[key], demands(key), at, quotas.left(key))
@@ -311,40 +510,43 @@ class GrantsLoop:
                 quotas.stepped(key, written)
             return written
 
+        stepped: list[tuple[EngineKey, dict[str, Any]]] = []
+
+        def record(key: EngineKey, written: dict[str, Any] | None) -> None:
+            if written is not None:
+                stepped.append((key, written))
+                self.engine_seen[key] = written
+                done.add(key)
+
         # Ledgers first. Engines with a grace deadline due, one after another, each stepped at
         # its deadline (the release is forced then); then those with minds of a namespace under
         # a TokenQuota, one after another, each with the tokens the others hold by then; the
         # rest side by side, all at one time, so the log's `t` stays in order whatever order
         # their writes end in.
-        wall = self.clock()
-        due = sorted(
-            (d, k) for k in engines if (d := self._due(engines[k])) is not None and d <= wall
-        )
-        stepped: list[tuple[EngineKey, dict[str, Any]]] = []
+        due = sorted((d, k) for k in mine if (d := facts[k].due) is not None and d <= wall)
         for _, key in due:
             if not self.may_write():
                 return
-            written = step(key)
-            if written is not None:
-                stepped.append((key, written))
-        rest = sorted(set(engines) - {k for _, k in due})
+            record(key, step(key))
+        rest = sorted(set(mine) - {k for _, k in due})
         at = self.log.time(self.clock())
         bound = [k for k in rest if quotas.binds(demands(k))]
         for key in bound:
             if not self.may_write():
                 return
-            written = step(key, at)
-            if written is not None:
-                stepped.append((key, written))
+            record(key, step(key, at))
         free = [k for k in rest if k not in set(bound)]
         with ThreadPoolExecutor(self.settings.write_workers) as pool:
             results = list(pool.map(lambda k: (k, step(k, at)), free))
-        stepped.extend((k, b) for k, b in results if b is not None)
+        for key, written in results:
+            record(key, written)
         if not self.may_write():
             return
         # ... then what follows from them, Minds' projections and finalizers, written side by
         # side: each is one Mind's own, and a projection is rewritten until it agrees.
         # Projections are queued before finalizers: a grant is seen as soon as the API allows.
+        # Every Mind of a stepped engine, its ledger changed or not: one whose status is stale
+        # (just created, queued behind others) is written too.
         notes = _Notes(classes, default, quotas)
         jobs: list[tuple[int, str, Callable[[], None]]] = []
         for key, engine in stepped:
@@ -352,14 +554,17 @@ class GrantsLoop:
         # Minds of Engines nobody serves (deleted, or never made): nothing holds their grant.
         # One that names an Engine that does not exist is told so; an Engine this operator
         # does not see may still exist (another operator's selector), so the API is asked.
-        for key, minds in by_engine.items():
-            if key not in engines:
-                jobs.extend(
-                    (_FINALIZER, ledger.mind_key(m), partial(self.drop_finalizer, m))
-                    for m in minds
-                    if m["metadata"].get("deletionTimestamp")
-                )
-                jobs.extend(self.missing_engine_jobs(key, minds))
+        for key in sorted(dirty - set(engines)):
+            minds = by_engine.get(key, [])
+            jobs.extend(
+                (_FINALIZER, ledger.mind_key(m), partial(self.drop_finalizer, m))
+                for m in minds
+                if m["metadata"].get("deletionTimestamp")
+            )
+            jobs.extend(self.missing_engine_jobs(key, minds))
+            self.engine_seen.pop(key, None)
+            self.review_at.pop(key, None)
+            done.add(key)
         for qkey, quota in sorted(self.minds.quotas.items()):
             new = quota_status(quota, quotas, self.clock())
             if new is not None:
@@ -369,6 +574,15 @@ class GrantsLoop:
         # Not waited for: the next pass's ledgers need not queue behind these writes.
         for priority, mkey, job in jobs:
             self.writer.submit(priority, mkey, job)
+
+    def _failed(self, key: str) -> None:
+        """A Mind's write raised (in a writer thread): her engine is stepped again next pass."""
+        if key.startswith("engine:"):
+            ns, _, name = key.removeprefix("engine:").partition("/")
+            self.minds.mark([(ns, name)])
+        elif not key.startswith("tokenquota:"):  # a quota's status is written every pass
+            self.minds.mark_mind(key)
+        self.retry_soon = True
 
     def write_quota(self, quota: Mapping[str, Any], status: dict[str, Any]) -> None:
         meta = quota["metadata"]
@@ -384,13 +598,7 @@ class GrantsLoop:
         self.minds.observe_quota(answer, deleted=False, nudge=False)
 
     def _due(self, body: Mapping[str, Any]) -> float | None:
-        deadlines = [
-            float(e["deadline"])
-            for e in (body.get("status") or {}).get("grants") or []
-            if e.get("state") == GrantState.RECLAIMING
-            and isinstance(e.get("deadline"), int | float)
-        ]
-        return min(deadlines) if deadlines else None
+        return _deadline((body.get("status") or {}).get("grants") or [])
 
     def step_engine(
         self,
@@ -507,10 +715,14 @@ class GrantsLoop:
         return None
 
     def _demands_of(self, key: EngineKey) -> dict[str, MindDemand]:
-        """The minds that want a grant of this Engine, from the caches as they are now."""
+        """The minds that want a grant of this Engine, from the caches as they are now (only
+        hers: `MindCache` keeps them grouped by engine)."""
         classes, default = ledger.classes_of(list(self.minds.classes.values()))
         by_engine, refused = ledger.route_minds(
-            list(self.minds.minds.values()), dict(self.engines.engines), classes, default
+            self.minds.minds_of([key]).get(key, []),
+            {key: e} if (e := self.engines.engines.get(key)) is not None else {},
+            classes,
+            default,
         )
         return ledger.demands_of(by_engine.get(key, []), classes, default, refused)
 
@@ -690,6 +902,7 @@ class GrantsLoop:
         except ApiError as err:
             if err.status != 404:
                 log.warning("writing Mind %s's grant failed: %s", ledger.mind_key(mind), err)
+                self.minds.mark_mind(ledger.mind_key(mind))  # the next pass writes it again
             return None
         self.minds.observe_mind(answer, deleted=False, nudge=False)
         return answer
@@ -718,6 +931,8 @@ class GrantsLoop:
                 log.warning("finalizers of Mind %s: %s", ledger.mind_key(mind), err)
             if err.status == 409:
                 self.retry_soon = True  # not the Event: this runs in a worker thread
+            if err.status != 404:
+                self.minds.mark_mind(ledger.mind_key(mind))  # the next pass decides it again
             return
         if answer.get("metadata", {}).get("deletionTimestamp") and not finalizers:
             self.minds.observe_mind(answer, deleted=True, nudge=False)
@@ -728,26 +943,58 @@ class GrantsLoop:
 # --- tenancy ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _EngineFacts:
+    """What a pass reads of every engine's ledger, not only of those it steps, kept while the
+    body is the same object (bodies are replaced, never changed in place)."""
+
+    body: Mapping[str, Any]
+    due: float | None  # the earliest grace deadline of its ledger
+    entries: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> _EngineFacts:
+        entries = (body.get("status") or {}).get("grants") or []
+        return cls(body, _deadline(entries), entries)
+
+
+def _deadline(entries: Iterable[Mapping[str, Any]]) -> float | None:
+    """The earliest grace deadline of a ledger's entries."""
+    deadlines = [
+        float(e["deadline"])
+        for e in entries
+        if e.get("state") == GrantState.RECLAIMING and isinstance(e.get("deadline"), int | float)
+    ]
+    return min(deadlines) if deadlines else None
+
+
 class _QuotaUse:
     """Tokens each namespace under a TokenQuota holds, over every engine's ledger, kept up to
     date as the pass steps engines (thread-safe: quota-free engines step side by side)."""
 
     def __init__(
-        self, limits: Mapping[str, ledger.QuotaLimit], engines: Mapping[EngineKey, Any]
+        self,
+        limits: Mapping[str, ledger.QuotaLimit],
+        entries: Mapping[EngineKey, list[dict[str, Any]]],
     ) -> None:
         self.limits = dict(limits)
         self.lock = threading.Lock()
-        self.by_engine = {
-            k: ledger.tokens_held((b.get("status") or {}).get("grants")) for k, b in engines.items()
-        }
-        self.entries = {k: (b.get("status") or {}).get("grants") or [] for k, b in engines.items()}
+        self.entries = dict(entries)
+        # Summed only where a quota reads them (without quotas, nothing does).
+        self.by_engine = (
+            {k: ledger.tokens_held(e) for k, e in entries.items() if e} if self.limits else {}
+        )
+        self.totals: dict[str, int] = {}
+        for held in self.by_engine.values():
+            for ns, n in held.items():
+                self.totals[ns] = self.totals.get(ns, 0) + n
 
     def binds(self, demands: Mapping[str, MindDemand]) -> bool:
         return any(d.namespace in self.limits for d in demands.values())
 
     def used(self, namespace: str) -> int:
         with self.lock:
-            return sum(held.get(namespace, 0) for held in self.by_engine.values())
+            return self.totals.get(namespace, 0)
 
     def left(self, key: EngineKey) -> dict[str, int] | None:
         """What each quota'd namespace may hold on this engine: its limit less what it holds on
@@ -757,15 +1004,19 @@ class _QuotaUse:
         with self.lock:
             mine = self.by_engine.get(key, {})
             return {
-                ns: lim.max_tokens
-                - (sum(h.get(ns, 0) for h in self.by_engine.values()) - mine.get(ns, 0))
+                ns: lim.max_tokens - (self.totals.get(ns, 0) - mine.get(ns, 0))
                 for ns, lim in self.limits.items()
             }
 
     def stepped(self, key: EngineKey, body: Mapping[str, Any]) -> None:
         entries = (body.get("status") or {}).get("grants") or []
+        held = ledger.tokens_held(entries) if self.limits else {}
         with self.lock:
-            self.by_engine[key] = ledger.tokens_held(entries)
+            for ns, n in self.by_engine.get(key, {}).items():
+                self.totals[ns] -= n
+            for ns, n in held.items():
+                self.totals[ns] = self.totals.get(ns, 0) + n
+            self.by_engine[key] = held
             self.entries[key] = entries
 
     def minds(self, namespace: str) -> tuple[int, list[str]]:

@@ -1,9 +1,16 @@
 """The operator's transition log: every change to a grant ledger, as JSON lines.
 
 The format is docs/transition-log.md's, the simulator's, so `continuum check-log` judges the
-operator from outside. Each step's lines go out in one `write` on a file opened for appending
-(and are flushed to disk), so replicas taking turns as leader append to one file without
-interleaving, and a crash leaves whole steps only.
+operator from outside. Each step's lines go out in one `write` on a file opened for appending,
+under one lock, so steps written side by side never interleave, replicas taking turns as
+leader append to one file, and a crash leaves whole steps only.
+
+Group commit: the lines are written at once but flushed to disk (`sync`) once per grants pass
+and before a leader steps down, not once per step (one fsync per step, under the lock, kept
+the ledger writers queued behind each other). A killed process loses nothing written: the
+lines are in the page cache. A machine that crashes may lose the last pass's lines; the steps
+are journaled with their ledger (below), so the next leader's first pass, which recovers every
+engine, appends them again.
 
 Two rules keep the log checkable across crashes and leaders:
 - `t` never goes backwards: a step is logged at no earlier than the file's last line.
@@ -33,6 +40,7 @@ class TransitionLog:
         self.lock = threading.Lock()  # steps of several engines are written side by side
         self.last_t = 0.0
         self.seqs: dict[str, int] = {}  # engine -> last step seq in the file
+        self.unsynced = False  # lines written since the last `sync`
         if path is not None and path.exists():
             self._scan(path)
 
@@ -75,11 +83,25 @@ class TransitionLog:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, text.encode())
-                os.fsync(fd)
             finally:
                 os.close(fd)
+            self.unsynced = True
         self.last_t = t
         self.seqs[engine] = max(self.seqs.get(engine, 0), seq)
+
+    def sync(self) -> None:
+        """Flush the lines written so far to disk (once a pass: group commit)."""
+        with self.lock:
+            if self.path is None or not self.unsynced:
+                return
+            self.unsynced = False
+        # Outside the lock: steps go on being written meanwhile, and are synced the next time.
+        # (fsync flushes the file's pages, whichever descriptor wrote them.)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def recover(self, engine: str, journal: Mapping[str, Any] | None) -> bool:
         """Append the journaled step of an Engine if the log lacks it; True if it did."""
