@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -149,6 +149,38 @@ class Cache:
     # Engines are observed from the loop and from the grants loop's threads: their index with
     # them, under one lock, so a snapshot's leases are those of its bodies.
     _engines_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The engines whose inputs changed since the loop last took them (`take_dirty`), under the
+    # same lock: every engine at first, then by what each observation can change.
+    _dirty: set[EngineKey] = field(default_factory=set)
+    _dirty_all: bool = True
+    _dirty_unplaced: bool = False  # every engine not placed yet (a node's room changed)
+
+    def take_dirty(self) -> set[EngineKey] | None:
+        """The engines whose inputs changed since the last call (None: every engine)."""
+        with self._engines_lock:
+            if self._dirty_all:
+                taken = None
+            else:
+                taken = self._dirty
+                if self._dirty_unplaced:
+                    taken |= {k for k in self.engines if k not in self.engine_leases}
+            self._dirty, self._dirty_all, self._dirty_unplaced = set(), False, False
+        return taken
+
+    def mark_all(self) -> None:
+        with self._engines_lock:
+            self._dirty_all = True
+
+    def mark_nodes(self, nodes: Iterable[str]) -> None:
+        """Something a placement reads changed on these nodes (board, Lease, Node, leases):
+        the engines placed there, and those not placed yet (they may place there)."""
+        with self._engines_lock:
+            self._mark_nodes(nodes)
+
+    def _mark_nodes(self, nodes: Iterable[str]) -> None:  # under the lock
+        for node in nodes:
+            self._dirty.update(self.engines_on.get(node, ()))
+            self._dirty_unplaced = True
 
     def snapshot(self) -> Snapshot:
         with self._engines_lock:
@@ -175,6 +207,9 @@ class Cache:
         new_nodes = {x.node for x in new.leases} if new else set()
         if new is not None:
             self.engine_leases[key] = new
+        if old != new:
+            # Bytes taken or freed (or no longer assumed): every decision on those nodes reads it.
+            self._mark_nodes(old_nodes | new_nodes)
         for node in old_nodes - new_nodes:
             rest = self.engines_on.get(node, frozenset()) - {key}
             if rest:
@@ -199,6 +234,7 @@ class Cache:
                 self.boards[name] = BoardEntry(Board.from_resource(resource), rv, "", caps)
             except ValidationError as err:
                 self.boards[name] = BoardEntry(None, rv, str(err.errors()[0]["msg"]))
+        self.mark_nodes((name,))
         self._nudge()
 
     def observe_lease(self, obj: Mapping[str, Any], deleted: bool) -> None:
@@ -225,6 +261,7 @@ class Cache:
                 # The board stayed fresh throughout: no decision changes, and a pass over every
                 # engine for each node's heartbeat would never rest. The next resync reads it.
                 return
+        self.mark_nodes((node,))
         self._nudge()
 
     def observe_node(self, obj: Mapping[str, Any], deleted: bool) -> None:
@@ -241,6 +278,7 @@ class Cache:
             if self.nodes.get(name) == entry:
                 return  # a status heartbeat: nothing the decisions read changed
             self.nodes[name] = entry
+        self.mark_nodes((name,))
         self._nudge()
 
     def observe_engine(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
@@ -257,6 +295,9 @@ class Cache:
                     body = copy.deepcopy(dict(obj))
                     self.engines[key] = body
                     self._index_engine(key, body)
+            # Marked even for the loop's own writes: the engine is decided again against what
+            # it wrote (a pass that then writes nothing leaves it quiet).
+            self._dirty.add(key)
         if nudge:
             self._nudge()
 
@@ -264,12 +305,15 @@ class Cache:
         """An EmbedLane (`kube.embedlanes`); its placement is in every engine's ledger."""
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
+        known = self.lanes.get(key)
         if deleted:
             self.lanes.pop(key, None)
-        else:
-            known = self.lanes.get(key)
-            if known is None or _rv(meta) >= _rv(known["metadata"]):
-                self.lanes[key] = copy.deepcopy(dict(obj))
+        elif known is None or _rv(meta) >= _rv(known["metadata"]):
+            self.lanes[key] = copy.deepcopy(dict(obj))
+        new = self.lanes.get(key)
+        if _lane_hold(known) != _lane_hold(new):
+            # A lane's bytes are charged on its node, to every engine decided there.
+            self.mark_nodes(_lane_nodes(known) | _lane_nodes(new))
         if nudge:
             self._nudge()
 
@@ -280,6 +324,8 @@ class Cache:
             self.services.discard(key)
         else:
             self.services.add(key)
+        with self._engines_lock:
+            self._dirty.add(key)
         self._nudge()
 
     def observe_job(self, obj: Mapping[str, Any], deleted: bool) -> None:
@@ -299,6 +345,8 @@ class Cache:
                 succeeded=_job_ended(status, "Complete"),
                 failed=_job_ended(status, "Failed"),
             )
+        with self._engines_lock:
+            self._dirty.add(key)
         self._nudge()
 
     def observe_deployment(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
@@ -324,6 +372,8 @@ class Cache:
                 replicas=int(status.get("replicas", 0)),
                 resource_version=_rv(meta),
             )
+        with self._engines_lock:
+            self._dirty.add(key)
         if nudge:
             self._nudge()
 
@@ -336,6 +386,19 @@ def _renewed_in_time(known: LeaseEntry, new: LeaseEntry) -> bool:
         new.duration_seconds == known.duration_seconds
         and known.renew_time <= new.renew_time <= known.renew_time + known.duration_seconds
     )
+
+
+def _lane_hold(body: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    """What of a lane the engines' decisions read: its placement, and whether it is measured."""
+    status = (body or {}).get("status") or {}
+    return status.get("placement"), (status.get("runtime") or {}).get("ready")
+
+
+def _lane_nodes(body: Mapping[str, Any] | None) -> set[str]:
+    """The node a lane's placement charges (all its leases are there)."""
+    raw = ((body or {}).get("status") or {}).get("placement") or {}
+    node = raw.get("node") if isinstance(raw, Mapping) else None
+    return {node} if isinstance(node, str) else set()
 
 
 def _job_ended(status: Mapping[str, Any], kind: str) -> bool:

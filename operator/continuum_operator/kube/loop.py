@@ -5,6 +5,12 @@ engine against a fresh snapshot (`kube.reconcile`, no API calls), then applies t
 status patch per pass when something changed, the Deployment and Service when their launch
 changed, and the events. Engines are decided one after another, so two engines never lease the
 same bytes: each write is recorded in the cache before the next engine is decided.
+
+A pass decides only the engines that may decide differently: those whose inputs changed since
+the last pass (`Cache.take_dirty`: their Engine, Deployment, Job or Service, or a board, Lease,
+Node, engine or lane on their node), those whose board went stale or fresh by the clock alone,
+and every engine that is not quiet (`_quiet`: its last pass wrote something, or a deadline may
+still fire). Every `full_resync_seconds` a pass decides every engine, as a safety net.
 Neighbours: `kube.api` (the adapter), `kube.cache`, `kube.reconcile`.
 """
 
@@ -19,9 +25,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from continuum_operator.core.conditions import ConditionType
+from continuum_operator.core.damping import Outcome
 from continuum_operator.kube import ledger, objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
-from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
+from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, Snapshot, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.pool_metrics import PoolMetrics
@@ -36,6 +44,8 @@ WORKLOAD_WRITERS = 8  # engines whose workload writes are in flight at once, wit
 # The longest a relaunch's Deployment waits for the old engine's grants to drain: well past the
 # grace deadline (30 s by default) that ends every drain.
 DRAIN_HOLD_SECONDS = 180.0
+# What damping said of an engine that nothing but a new board reading can change.
+_SETTLED = (None, Outcome.UNCHANGED, Outcome.GAIN_TOO_SMALL)
 
 
 class Loop:
@@ -57,6 +67,12 @@ class Loop:
         self.services: dict[EngineKey, str] = {}
         self.drain_held: dict[EngineKey, float] = {}  # since when a relaunch waits for a drain
         self.recorded: set[EngineKey] = set()  # engines with metric series
+        # Engines skipped until their inputs change (`_quiet`), what each last said of its
+        # schedulability, each board's freshness at the last pass, and the last full pass.
+        self.quiet: set[EngineKey] = set()
+        self.unschedulable: dict[EngineKey, bool] = {}
+        self.fresh: dict[str, bool] = {}
+        self.last_full: float | None = None
         self.instance = socket.gethostname()
         self.lanes = LaneLoop(api, settings, cache, clock)
 
@@ -82,14 +98,82 @@ class Loop:
             except Exception:  # one bad pass must not stop the operator; the next retries
                 log.exception("reconcile pass failed")
 
-    def _order(self) -> list[EngineKey]:
+    def _order(self, only: set[EngineKey] | None = None) -> list[EngineKey]:
+        """Placed engines first, then the oldest; with `only`, those engines alone."""
+
         def key(item: tuple[EngineKey, dict[str, Any]]) -> tuple[int, str, EngineKey]:
             body = item[1]
             placed = bool((body.get("status") or {}).get("placement"))
             created = str(body["metadata"].get("creationTimestamp", ""))
             return (0 if placed else 1, created, item[0])
 
-        return [k for k, _ in sorted(self.cache.engines.items(), key=key)]
+        engines = self.cache.engines
+        items = (
+            list(engines.items())
+            if only is None
+            else [(k, b) for k in only if (b := engines.get(k)) is not None]
+        )
+        return [k for k, _ in sorted(items, key=key)]
+
+    def _to_decide(self) -> set[EngineKey] | None:
+        """The engines this pass decides (None: every one)."""
+        now = self.clock()
+        # A board goes stale (or fresh) by the clock alone, with no event: its engines' plans
+        # and conditions change then.
+        leases = dict(self.cache.leases)
+        nodes = set(self.cache.boards) | set(leases) | set(self.fresh)
+        ttl = self.settings.freshness.default_ttl_seconds
+        lease_snap = Snapshot(boards={}, leases=leases, nodes={}, engines={}, deployments={})
+        turned = []
+        fresh: dict[str, bool] = {}
+        for node in nodes:
+            fresh[node] = is_fresh(lease_snap, node, now, ttl)
+            if self.fresh.get(node) != fresh[node]:
+                turned.append(node)
+        self.fresh = fresh
+        self.cache.mark_nodes(turned)
+        dirty = self.cache.take_dirty()
+        if self.last_full is None or now - self.last_full >= self.settings.loop.full_resync_seconds:
+            dirty = None
+        if dirty is None:
+            self.last_full = now
+            return None
+        return dirty | (set(self.cache.engines) - self.quiet)
+
+    def _quiet(self, key: EngineKey, writes: Writes) -> bool:
+        """Whether the engine's next pass would decide the same unless its inputs change: this
+        one wrote nothing, its pod is ready on its own plan, and no deadline is pending (pod
+        start timeout, node-gone hold, relaunch cooldown or evidence, drain hold, facts Job)."""
+        if writes.status_patch is not None or writes.events:
+            return False
+        if writes.facts_job is not None or writes.damping not in _SETTLED:
+            return False
+        if writes.memory.node_gone_since is not None or key in self.drain_held:
+            return False
+        body = self.cache.engines.get(key)
+        if body is None:
+            return False
+        status = body.get("status") or {}
+        generation = body["metadata"].get("generation")
+        if (status.get("plan") or {}).get("specGeneration") not in (None, generation):
+            return False  # a spec change held for a fresh board
+        ready = any(
+            c.get("type") == ConditionType.READY and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        if not ready:
+            return False
+        deployment = self.cache.deployments.get(key)
+        if writes.deployment is not None:
+            desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
+            if deployment is None or deployment.launch != desired:
+                return False
+        if writes.service is not None and (
+            key not in self.cache.services
+            or self.services.get(key) != repr((writes.service, writes.identity))
+        ):
+            return False
+        return not (writes.delete_workload and deployment is not None)
 
     def record(self, key: EngineKey, writes: Writes) -> None:
         m = self.metrics
@@ -114,15 +198,17 @@ class Loop:
         self.pools.record(snap)
 
     async def pass_once(self) -> None:
-        unschedulable = 0
+        only = self._to_decide()
         # Only the status patch (the lease) must land before the next engine is decided; the
         # workload's writes (Service, identity, Deployment, events) go out side by side and are
         # awaited at the end of the pass: one round trip an engine, not six, on the way.
         workloads: set[asyncio.Task[None]] = set()
         room = asyncio.Semaphore(WORKLOAD_WRITERS)
-        for key in self._order():
+        for key in self._order(only):
+            self.quiet.discard(key)
             body = self.cache.engines.get(key)
             if body is None or body["metadata"].get("deletionTimestamp"):
+                self.unschedulable.pop(key, None)
                 continue
             uid = str(body["metadata"].get("uid", ""))
             job = self.cache.jobs.get(key)
@@ -139,7 +225,7 @@ class Loop:
             )
             self.memory[uid] = writes.memory
             self.record(key, writes)
-            unschedulable += writes.unschedulable
+            self.unschedulable[key] = writes.unschedulable
             written, engine = await asyncio.to_thread(self.apply_status, key, writes)
             # Recorded at once ("assume"), and no news: our own writes do not wake the loop.
             if engine is not None:
@@ -149,13 +235,19 @@ class Loop:
                 task = asyncio.create_task(self._workload(key, body, writes, room))
                 workloads.add(task)
                 task.add_done_callback(workloads.discard)
+            if self._quiet(key, writes):
+                self.quiet.add(key)
             current = self.cache.engines.get(key) or body
             self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
             self.metrics.set_estimate_error(*key, current.get("status"))
         if workloads:
             await asyncio.gather(*workloads)
         await self.lanes.pass_once()  # EmbedLanes, against the leases just written
-        self.metrics.unschedulable.set(unschedulable)
+        live_keys = set(self.cache.engines)
+        for gone in set(self.unschedulable) - live_keys:
+            del self.unschedulable[gone]
+        self.quiet &= live_keys
+        self.metrics.unschedulable.set(sum(self.unschedulable.values()))
         self.record_boards()
         live = {str(b["metadata"].get("uid", "")) for b in self.cache.engines.values()}
         for uid in set(self.memory) - live:

@@ -88,6 +88,12 @@ def add_parser(sub: Any) -> None:
         help="seconds between passes when nothing changes",
     )
     p.add_argument(
+        "--full-resync",
+        type=float,
+        default=d.loop.full_resync_seconds,
+        help="seconds between passes that decide every engine, changed or not",
+    )
+    p.add_argument(
         "--engine-selector",
         default="",
         metavar="KEY=VALUE[,KEY=VALUE]",
@@ -122,7 +128,7 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
             min_gain=args.damping_min_gain,
             cooldown_seconds=args.relaunch_cooldown,
         ),
-        loop=LoopSettings(resync_seconds=args.resync),
+        loop=LoopSettings(resync_seconds=args.resync, full_resync_seconds=args.full_resync),
         children=webhook.settings_from(args),
     )
 

@@ -113,9 +113,12 @@ class ChildrenSettings:
 @dataclass(frozen=True, slots=True)
 class LoopSettings:
     resync_seconds: float = 5.0
-    """Every engine is reconciled at least this often, besides on each watch event (seconds)."""
+    """A pass runs at least this often, besides on each watch event (seconds)."""
     debounce_seconds: float = 0.2
     """Watch events within this window are handled in one pass (seconds)."""
+    full_resync_seconds: float = 60.0
+    """Every engine is decided at least this often, changed or not (seconds); in between a
+    pass decides only the engines whose inputs changed and those not quiet (`kube.loop`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,305 @@
+"""A pass decides only the engines that may decide differently (`Loop._to_decide`): those whose
+inputs changed (`Cache.take_dirty`), those whose board went stale by the clock alone, those not
+quiet (a deadline may fire), and every engine at the full resync."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+
+from continuum_operator.kube import loop as loop_module
+from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.cache import Cache, EngineKey, format_time
+from continuum_operator.kube.loop import Loop
+from continuum_operator.kube.reconcile import Memory, Writes, reconcile
+from continuum_operator.kube.settings import LoopSettings, OperatorSettings
+from continuum_operator.model.base import API_VERSION
+from tests.builders import board_body, engine_body
+
+GiB = 2**30
+NOW = 1_800_000_000.0
+NODES = ("n0", "n1", "n2", "n3")
+PER_NODE = 2
+
+
+class FakeApi:
+    """The API server as the loop sees it: status patches merged into the cached Engine, every
+    Deployment ready at once unless its engine is in `never_ready`."""
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache = cache
+        self.rv = 100
+        self.requests: list[tuple[str, str]] = []
+        self.never_ready: set[str] = set()
+        self.created: list[dict[str, Any]] = []
+
+    def _next_rv(self) -> str:
+        self.rv += 1
+        return str(self.rv)
+
+    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(("PATCH", path))
+        parts = path.split("/")
+        body = copy.deepcopy(self.cache.engines[(parts[-4], parts[-2])])
+        status = body.setdefault("status", {})
+        for k, v in patch["status"].items():
+            if v is None:
+                status.pop(k, None)
+            else:
+                status[k] = v
+        body["metadata"]["resourceVersion"] = self._next_rv()
+        return body
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(("APPLY", f"{obj['kind']}/{obj['metadata']['name']}"))
+        answer = copy.deepcopy(obj)
+        answer["metadata"].update(resourceVersion=self._next_rv(), generation=1)
+        if obj["kind"] == "Deployment" and obj["metadata"]["name"] not in self.never_ready:
+            answer["status"] = {
+                "observedGeneration": 1,
+                "readyReplicas": 1,
+                "updatedReplicas": 1,
+                "replicas": 1,
+            }
+        return answer
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(("CREATE", obj["kind"]))
+        self.created.append(obj)
+        return obj
+
+    def delete(self, path: str) -> None:
+        self.requests.append(("DELETE", path))
+
+
+def agent_lease(node: str, renewed: float, duration: int = 3600, rv: int = 1) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "namespace": "kube-node-lease",
+            "name": f"continuum-agent-{node}",
+            "annotations": {"continuum.dev/node": node},
+            "resourceVersion": str(rv),
+        },
+        "spec": {"renewTime": format_time(renewed), "leaseDurationSeconds": duration},
+    }
+
+
+def node_board(node: str, used_gib: int = 0, rv: int = 1) -> dict[str, Any]:
+    body = board_body(
+        "discrete",
+        [
+            {"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 4 * GiB},
+            {"kind": "device", "device": 0, "capacityBytes": 80 * GiB,
+             "usedBytes": used_gib * GiB},
+        ],
+        name=node,
+    )  # fmt: skip
+    body["metadata"]["resourceVersion"] = str(rv)
+    return body
+
+
+def engine_on(name: str, node: str, second: int) -> dict[str, Any]:
+    body = engine_body(placement={"nodeSelector": {"node": node}})
+    body["metadata"].update(
+        name=name,
+        uid=f"uid-{name}",
+        resourceVersion="1",
+        generation=1,
+        creationTimestamp=f"2026-01-01T00:00:{second:02d}Z",
+    )
+    return body
+
+
+class World:
+    """Four nodes with two engines each, and one engine no node takes (never quiet)."""
+
+    def __init__(self, short_lease: str | None = None, full_resync: float = 60.0) -> None:
+        self.now = NOW
+        self.cache = Cache()
+        self.api = FakeApi(self.cache)
+        fake: Any = self.api
+        real: KubeApi = fake
+        settings = OperatorSettings(loop=LoopSettings(full_resync_seconds=full_resync))
+        self.loop = Loop(real, settings, self.cache, clock=lambda: self.now)
+        for node in NODES:
+            self.cache.observe_node(
+                {"metadata": {"name": node, "labels": {"node": node}},
+                 "status": {"allocatable": {"nvidia.com/gpu": "1"}}},
+                deleted=False,
+            )  # fmt: skip
+            self.cache.observe_board(node_board(node), deleted=False)
+            duration = 20 if node == short_lease else 3600
+            self.cache.observe_lease(agent_lease(node, NOW - 1, duration), deleted=False)
+        self.on: dict[str, set[EngineKey]] = {n: set() for n in NODES}
+        for i, node in enumerate(n for n in NODES for _ in range(PER_NODE)):
+            body = engine_on(f"e{i}", node, i)
+            self.cache.observe_engine(body, deleted=False)
+            self.on[node].add(("ns", f"e{i}"))
+        self.nowhere: EngineKey = ("ns", "nowhere")
+        self.cache.observe_engine(engine_on("nowhere", "no-such-node", 59), deleted=False)
+        self.decided: list[EngineKey] = []
+
+    def pass_once(self) -> set[EngineKey]:
+        self.decided.clear()
+        asyncio.run(self.loop.pass_once())
+        return set(self.decided)
+
+    def settle(self) -> None:
+        """Passes until every placed engine serves and a pass writes nothing."""
+        for _ in range(4):
+            self.pass_once()
+        assert all(self.ready(k) for keys in self.on.values() for k in keys)
+        self.api.requests.clear()
+
+    def ready(self, key: EngineKey) -> bool:
+        return any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in self.cache.engines[key]["status"].get("conditions", [])
+        )
+
+    def condition(self, key: EngineKey, kind: str) -> dict[str, Any]:
+        conditions = self.cache.engines[key]["status"]["conditions"]
+        found: dict[str, Any] = next(c for c in conditions if c["type"] == kind)
+        return found
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> World:
+    w = World()
+    _count(monkeypatch, w)
+    return w
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, w: World) -> None:
+    real = reconcile
+
+    def counted(body: Any, snap: Any, memory: Memory, now: float, settings: Any) -> Writes:
+        w.decided.append((body["metadata"]["namespace"], body["metadata"]["name"]))
+        return real(body, snap, memory, now, settings)
+
+    monkeypatch.setattr(loop_module, "reconcile", counted)
+
+
+def test_a_pass_with_nothing_changed_decides_only_the_engine_no_node_takes(world: World) -> None:
+    world.settle()
+    assert world.pass_once() == {world.nowhere}
+    assert world.api.requests == []
+
+
+def test_a_board_change_decides_the_engines_of_its_node_and_those_not_placed(world: World) -> None:
+    world.settle()
+    world.cache.observe_board(node_board("n1", used_gib=1, rv=2), deleted=False)
+    assert world.pass_once() == world.on["n1"] | {world.nowhere}
+    assert world.pass_once() == {world.nowhere}
+
+
+def test_an_engine_watch_event_decides_that_engine(world: World) -> None:
+    world.settle()
+    key = sorted(world.on["n2"])[0]
+    changed = copy.deepcopy(world.cache.engines[key])
+    changed["metadata"]["resourceVersion"] = "9999"
+    world.cache.observe_engine(changed, deleted=False)
+    assert world.pass_once() == {key, world.nowhere}
+
+
+def test_an_engine_deleted_decides_the_engines_left_on_its_node(world: World) -> None:
+    world.settle()
+    gone = sorted(world.on["n3"])[0]
+    world.cache.observe_engine(world.cache.engines[gone], deleted=True)
+    assert world.pass_once() == (world.on["n3"] - {gone}) | {world.nowhere}
+
+
+def test_an_agent_lease_that_expires_with_no_event_marks_its_engines_stale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = World(short_lease="n2")
+    _count(monkeypatch, w)
+    w.settle()
+    w.now += 30  # n2's Lease (20 s) expired; nothing was observed
+    assert w.pass_once() == w.on["n2"] | {w.nowhere}
+    for key in w.on["n2"]:
+        assert w.condition(key, "Degraded")["reason"] == "LeaseExpired"
+    for key in w.on["n1"]:
+        assert w.condition(key, "Degraded")["status"] == "False"
+    # Renewed: fresh again, through the Lease's own watch event.
+    w.cache.observe_lease(agent_lease("n2", w.now, 20, rv=2), deleted=False)
+    assert w.pass_once() == w.on["n2"] | {w.nowhere}
+    for key in w.on["n2"]:
+        assert w.condition(key, "Degraded")["status"] == "False"
+
+
+def test_the_full_resync_decides_every_engine(world: World) -> None:
+    world.settle()
+    world.now += 61
+    everyone = set(world.cache.engines)
+    assert world.pass_once() == everyone
+    world.now += 5
+    assert world.pass_once() == {world.nowhere}
+
+
+def test_an_engine_whose_pod_never_starts_is_released_at_the_timeout_with_no_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = World()
+    _count(monkeypatch, w)
+    stuck: EngineKey = sorted(w.on["n0"])[0]
+    w.api.never_ready.add(stuck[1])
+    for _ in range(4):
+        w.pass_once()
+    assert not w.ready(stuck)
+    assert w.cache.engines[stuck]["status"]["placement"]["node"] == "n0"
+    # Not quiet (its pod is not ready): decided at every pass, so its deadline fires.
+    assert stuck in w.pass_once()
+    w.now += w.loop.settings.placement.pod_start_timeout_seconds + 1
+    w.pass_once()
+    reasons = [o["reason"] for o in w.api.created if o["kind"] == "Event"]
+    assert "PodNeverStarted" in reasons
+    assert "placement" not in w.cache.engines[stuck]["status"]
+
+
+def test_the_unschedulable_gauge_counts_engines_skipped_as_quiet(world: World) -> None:
+    world.settle()
+    world.pass_once()
+    assert world.loop.metrics.unschedulable._value.get() == 1
+
+
+def test_cache_marks_by_what_each_observation_can_change() -> None:
+    cache = Cache()
+    assert cache.take_dirty() is None  # at first, every engine
+    assert cache.take_dirty() == set()
+    placed = engine_on("a", "n1", 1)
+    placed["status"] = {
+        "placement": {"node": "n1", "assumed": False,
+                      "pools": [{"pool": "device/0", "bytes": GiB}]},
+    }  # fmt: skip
+    cache.observe_engine(placed, deleted=False)
+    cache.observe_engine(engine_on("b", "n2", 2), deleted=False)  # not placed
+    assert cache.take_dirty() == {("ns", "a"), ("ns", "b")}
+    cache.observe_board(node_board("n9"), deleted=False)  # no engine there
+    assert cache.take_dirty() == {("ns", "b")}  # those not placed may place there
+    cache.observe_node({"metadata": {"name": "n1", "labels": {"x": "y"}}}, deleted=False)
+    assert cache.take_dirty() == {("ns", "a"), ("ns", "b")}
+    cache.observe_deployment(
+        {"metadata": {"namespace": "ns", "name": "b", "resourceVersion": "3"}}, deleted=False
+    )
+    assert cache.take_dirty() == {("ns", "b")}
+    cache.observe_job(
+        {"metadata": {"namespace": "ns", "name": "j", "labels": {"continuum.dev/facts-for": "a"}}},
+        deleted=False,
+    )
+    assert cache.take_dirty() == {("ns", "a")}
+    lane: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "kind": "EmbedLane",
+        "metadata": {"namespace": "ns", "name": "lane", "resourceVersion": "1"},
+        "status": {"placement": {"node": "n1", "pools": [{"pool": "host", "bytes": GiB}]}},
+    }
+    cache.observe_lane(lane, deleted=False)
+    assert cache.take_dirty() == {("ns", "a"), ("ns", "b")}
+    cache.observe_lane({**lane, "metadata": {**lane["metadata"], "resourceVersion": "2"}}, False)
+    assert cache.take_dirty() == set()  # its bytes did not move
+    cache.mark_all()
+    assert cache.take_dirty() is None
