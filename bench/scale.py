@@ -491,6 +491,21 @@ def run(
                        "serving": _serving})  # fmt: skip
     minds = Watched(api_client, ns, "minds", {"granted": _granted, "held": _held})
 
+    core: Any = client.CoreV1Api(api_client)
+    worst_not_ready = [0]
+
+    def nodes_not_ready() -> int:
+        # The test cluster's own health: a fake node KWOK fails to heartbeat goes NotReady, and
+        # the node controller marks its pods not ready (the engine's, whose minds then queue).
+        listed = core.list_node(label_selector=f"bench={tag}").items
+        bad = sum(
+            1 for n in listed
+            if not any(c.type == "Ready" and c.status == "True"
+                       for c in (n.status.conditions or []))
+        )  # fmt: skip
+        worst_not_ready[0] = max(worst_not_ready[0], bad)
+        return bad
+
     def progress(what: str, done: Callable[[], bool], line: Callable[[], str]) -> None:
         t0 = last = time.monotonic()
         while not done():
@@ -498,10 +513,11 @@ def run(
             if proc.poll() is not None:
                 raise SystemExit(f"the operator exited ({proc.returncode}); see {work}")
             if now - t0 > args.timeout:
-                raise SystemExit(f"{what}: timed out after {args.timeout:.0f} s: {line()}")
+                raise SystemExit(f"{what}: timed out after {args.timeout:.0f} s: {line()}; "
+                                 f"nodes not ready {nodes_not_ready()}")  # fmt: skip
             if now - last >= 15:
-                print(f"  [{now - t0:5.0f} s] {line()}; operator {op.rss_mib():.0f} MiB",
-                      flush=True)  # fmt: skip
+                print(f"  [{now - t0:5.0f} s] {line()}; operator {op.rss_mib():.0f} MiB; "
+                      f"nodes not ready {nodes_not_ready()}", flush=True)  # fmt: skip
                 last = now
             time.sleep(0.5)
 
@@ -620,6 +636,8 @@ def run(
         f"at rest {cpu_share(rest)}; churn {cpu_share(churn)}; whole run {whole[1]:.0f} s"
     )
     print(f"operator peak memory (VmHWM): {peak:.0f} MiB")
+    print(f"fake nodes not ready (the test cluster's health), most seen at once: "
+          f"{max(worst_not_ready[0], nodes_not_ready())}")  # fmt: skip
     print(f"API requests/min: engines up {per_min(up):.0f}, minds applied "
           f"{per_min(apply_minds):.0f}, at rest {per_min(rest):.0f}, "
           f"churn {per_min(churn):.0f}")  # fmt: skip
