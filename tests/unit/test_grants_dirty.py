@@ -15,7 +15,7 @@ import pytest
 
 from continuum_operator.kube import ledger
 from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.minds import GrantsLoop
+from continuum_operator.kube.minds import GrantsLoop, MindCache
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind
 
 N = 6  # engines, each with two minds
@@ -216,3 +216,39 @@ def test_a_new_leader_recovers_every_engines_journal_at_its_first_pass(tmp_path:
     successor.pass_once()
     logged = {(x["engine"], x["seq"]) for x in map(json.loads, path.read_text().splitlines())}
     assert logged == {(f"team-a/e{e}", 1) for e in range(N)}
+
+
+def test_what_marks_a_minds_engine_in_the_cache() -> None:
+    cache = MindCache()
+    body = mind("team-a", "ann", "coder")
+    cache.observe_mind(body, deleted=False)
+    assert cache.take_dirty() == {("team-a", "coder")}
+    # Our own write's answer: a finalizer or a status marks nothing; its watch echo (the same
+    # resourceVersion) neither.
+    ours = copy.deepcopy(body)
+    ours["metadata"].update(resourceVersion="2", finalizers=["continuum.dev/grant"])
+    ours["status"] = {"grant": {"state": "Granted"}}
+    cache.observe_mind(ours, deleted=False, nudge=False)
+    cache.observe_mind(ours, deleted=False)
+    assert cache.take_dirty() == set()
+    # A newer version from the watch (someone else wrote her) marks her engine.
+    theirs = copy.deepcopy(ours)
+    theirs["metadata"]["resourceVersion"] = "3"
+    theirs["status"] = {}
+    cache.observe_mind(theirs, deleted=False)
+    assert cache.take_dirty() == {("team-a", "coder")}
+    # Moved to another engine (in another namespace): both; the groups follow her.
+    moved = copy.deepcopy(theirs)
+    moved["metadata"]["resourceVersion"] = "4"
+    moved["spec"].update(engine="big", engineNamespace="shared")
+    cache.observe_mind(moved, deleted=False, nudge=False)
+    assert cache.take_dirty() == {("team-a", "coder"), ("shared", "big")}
+    assert cache.minds_of([("team-a", "coder"), ("shared", "big")]) == {("shared", "big"): [moved]}
+    # Her deletion starting marks her engine even as our own write's answer.
+    going = copy.deepcopy(moved)
+    going["metadata"].update(resourceVersion="5", deletionTimestamp="2026-12-03T06:10:00Z")
+    cache.observe_mind(going, deleted=False, nudge=False)
+    assert cache.take_dirty() == {("shared", "big")}
+    cache.observe_mind(going, deleted=True)
+    assert cache.take_dirty() == {("shared", "big")}
+    assert cache.engine_keys() == set()
