@@ -154,6 +154,33 @@ class Cache:
     _dirty: set[EngineKey] = field(default_factory=set)
     _dirty_all: bool = True
     _dirty_unplaced: bool = False  # every engine not placed yet (a node's room changed)
+    # Status patches sent and not answered yet ("assumed", as kube-scheduler assumes a pod), each
+    # with the last body observed without it: the patch is merged over every body observed
+    # meanwhile, so the bytes it leases stay counted, and dropped if the write fails.
+    _pending: dict[EngineKey, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
+
+    def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
+        """Record a status patch as written before its answer (`settle_status` ends it)."""
+        with self._engines_lock:
+            known = self.engines.get(key)
+            if known is None:
+                return
+            self._pending[key] = (patch, known)
+            body = merge_patch(known, patch)
+            self.engines[key] = body
+            self._index_engine(key, body)
+
+    def settle_status(self, key: EngineKey, answer: Mapping[str, Any] | None) -> None:
+        """The answer of an assumed status patch; None: it failed, and the engine is as observed
+        without it (decided again at the next pass)."""
+        with self._engines_lock:
+            pending = self._pending.pop(key, None)
+            if pending is not None and answer is None and key in self.engines:
+                self.engines[key] = pending[1]
+                self._index_engine(key, pending[1])
+            self._dirty.add(key)
+        if answer is not None:
+            self.observe_engine(answer, deleted=False, nudge=False)
 
     def take_dirty(self) -> set[EngineKey] | None:
         """The engines whose inputs changed since the last call (None: every engine)."""
@@ -285,14 +312,21 @@ class Cache:
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
         with self._engines_lock:
+            pending = self._pending.get(key)
             if deleted:
                 self.engines.pop(key, None)
+                self._pending.pop(key, None)
                 self._index_engine(key, None)
             else:
                 known = self.engines.get(key)
-                # A watch event older than the answer of our own write must not undo it.
+                # A watch event older than the answer of our own write must not undo it. (An
+                # assumed body keeps the version it was assumed over.)
                 if known is None or _rv(meta) >= _rv(known["metadata"]):
                     body = copy.deepcopy(dict(obj))
+                    if pending is not None:
+                        # Another write landed while ours is in flight: ours still holds.
+                        self._pending[key] = (pending[0], body)
+                        body = merge_patch(body, pending[0])
                     self.engines[key] = body
                     self._index_engine(key, body)
             # Marked even for the loop's own writes: the engine is decided again against what
@@ -376,6 +410,20 @@ class Cache:
             self._dirty.add(key)
         if nudge:
             self._nudge()
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386) applied as the API server applies it; `target` is not
+    changed (bodies in the cache are replaced, never changed in place)."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
 
 
 def _renewed_in_time(known: LeaseEntry, new: LeaseEntry) -> bool:

@@ -40,7 +40,7 @@ from continuum_operator.model.engine import ModelFacts
 
 log = logging.getLogger("continuum.operator")
 
-WORKLOAD_WRITERS = 8  # engines whose workload writes are in flight at once, within a pass
+WRITERS = 8  # engines whose writes are in flight at once, within a pass
 # The longest a relaunch's Deployment waits for the old engine's grants to drain: well past the
 # grace deadline (30 s by default) that ends every drain.
 DRAIN_HOLD_SECONDS = 180.0
@@ -199,11 +199,12 @@ class Loop:
 
     async def pass_once(self) -> None:
         only = self._to_decide()
-        # Only the status patch (the lease) must land before the next engine is decided; the
-        # workload's writes (Service, identity, Deployment, events) go out side by side and are
-        # awaited at the end of the pass: one round trip an engine, not six, on the way.
-        workloads: set[asyncio.Task[None]] = set()
-        room = asyncio.Semaphore(WORKLOAD_WRITERS)
+        # No engine waits for another's writes: its status patch (the lease) is assumed in the
+        # cache at once, and each engine's writes (the status patch, then the Service, identity,
+        # Deployment and events once it landed) go out side by side, WRITERS at a time, awaited
+        # at the end of the pass.
+        writing: set[asyncio.Task[None]] = set()
+        room = asyncio.Semaphore(WRITERS)
         for key in self._order(only):
             self.quiet.discard(key)
             body = self.cache.engines.get(key)
@@ -226,22 +227,21 @@ class Loop:
             self.memory[uid] = writes.memory
             self.record(key, writes)
             self.unschedulable[key] = writes.unschedulable
-            written, engine = await asyncio.to_thread(self.apply_status, key, writes)
-            # Recorded at once ("assume"), and no news: our own writes do not wake the loop.
-            if engine is not None:
-                self.cache.observe_engine(engine, deleted=False, nudge=False)
-            if written:
-                await room.acquire()
-                task = asyncio.create_task(self._workload(key, body, writes, room))
-                workloads.add(task)
-                task.add_done_callback(workloads.discard)
+            if writes.status_patch is not None:
+                # Recorded at once ("assume"): the next engine is decided against the bytes this
+                # one leases while its patch is in flight; a failed patch drops it.
+                self.cache.assume_status(key, writes.status_patch)
+            await room.acquire()
+            task = asyncio.create_task(self._write(key, body, writes, room))
+            writing.add(task)
+            task.add_done_callback(writing.discard)
             if self._quiet(key, writes):
                 self.quiet.add(key)
             current = self.cache.engines.get(key) or body
             self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
             self.metrics.set_estimate_error(*key, current.get("status"))
-        if workloads:
-            await asyncio.gather(*workloads)
+        if writing:
+            await asyncio.gather(*writing)
         await self.lanes.pass_once()  # EmbedLanes, against the leases just written
         live_keys = set(self.cache.engines)
         for gone in set(self.unschedulable) - live_keys:
@@ -257,10 +257,16 @@ class Loop:
             self.services.pop(key, None)
         self.recorded &= set(self.cache.engines)
 
-    async def _workload(
+    async def _write(
         self, key: EngineKey, body: dict[str, Any], writes: Writes, room: asyncio.Semaphore
     ) -> None:
+        """One engine's writes: its status patch, then (once it landed) its workload's."""
         try:
+            written, engine = await asyncio.to_thread(self.apply_status, key, writes)
+            if writes.status_patch is not None:
+                self.cache.settle_status(key, engine if written else None)
+            if not written:
+                return
             deployment, served = await asyncio.to_thread(self.apply_workload, key, body, writes)
         finally:
             room.release()
