@@ -8,6 +8,8 @@ import asyncio
 import threading
 from typing import Any
 
+import pytest
+
 from continuum_operator.kube.api import ApiError, KubeApi
 from continuum_operator.kube.cache import Cache, merge_patch
 from continuum_operator.kube.loop import Loop
@@ -141,3 +143,16 @@ def test_a_merge_patch_removes_nulls_and_merges_objects() -> None:
         "d": [3],
     }
     assert target == {"a": {"b": 1, "c": 2}, "d": [1, 2], "e": 3}
+
+
+def test_a_status_patch_that_raises_no_api_error_is_not_assumed_past_it() -> None:
+    loop, cache, api = world(engines=1, parties=1, failing=set())
+
+    def broken(path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        raise ConnectionResetError("the API server went away")
+
+    api.merge_patch = broken  # type: ignore[method-assign]
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(loop.pass_once())
+    assert placed(cache) == []
+    assert ("ns", "e0") in (cache.take_dirty() or set())

@@ -262,7 +262,13 @@ class Loop:
     ) -> None:
         """One engine's writes: its status patch, then (once it landed) its workload's."""
         try:
-            written, engine = await asyncio.to_thread(self.apply_status, key, writes)
+            try:
+                written, engine = await asyncio.to_thread(self.apply_status, key, writes)
+            except BaseException:
+                # Not an API answer (the connection broke): the patch is not assumed past it.
+                if writes.status_patch is not None:
+                    self.cache.settle_status(key, None)
+                raise
             if writes.status_patch is not None:
                 self.cache.settle_status(key, engine if written else None)
             if not written:
