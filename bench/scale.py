@@ -250,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--decide-only",
         action="store_true",
-        help="no cluster: place and re-plan the engines in-process (kube.reconcile on the "
-        "operator's cache), with the cache's lease index and without it (every placement "
-        "parsed per decision, as before): the CPU of the decisions alone",
+        help="no cluster: the operator's plan and grants loops in-process, against an API "
+        "server in memory (bench/decide.py): the CPU of each pass as they run now (only what "
+        "changed decided) and of a full pass (every engine, as every pass ran before)",
     )
     args = parser.parse_args(argv)
     if args.decide_only:
@@ -290,71 +290,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def decide_only(args: argparse.Namespace) -> int:
-    """Every engine placed, then one pass over all of them, as `kube.loop` decides (no API)."""
-    from continuum_operator.kube.cache import Cache
+    """The operator's plan and grants loops in-process (bench/decide.py): the CPU of each pass
+    as they run now (only what changed decided) and of a full pass (as every pass ran before)."""
+    from bench.decide import run as decide
 
-    for indexed in (True, False):
-        cache = Cache()
-        now = time.time()
-        for name, kind in _nodes("d", args.nodes):
-            labels = {"bench": "d", "bench-kind": kind}
-            cap = {"cpu": "1000", **KINDS[kind][1]}
-            cache.observe_node({"metadata": {"name": name, "labels": labels},
-                                "status": {"allocatable": cap}}, deleted=False)  # fmt: skip
-            cache.observe_board({"apiVersion": f"{GROUP}/{VERSION}", "kind": "NodeBoard",
-                                 "metadata": {"name": name, "resourceVersion": "1"},
-                                 "status": KINDS[kind][0]}, deleted=False)  # fmt: skip
-            cache.observe_lease({"metadata": {"namespace": LEASE_NAMESPACE,
-                                              "name": lease_name(name), "resourceVersion": "1",
-                                              "annotations": {NODE_ANNOTATION: name}},
-                                 "spec": {"renewTime": micro(), "leaseDurationSeconds": 3600}},
-                                deleted=False)  # fmt: skip
-        for i in range(args.engines):
-            body = _engine("d", "ns", i, args.slots)
-            created = f"2026-01-01T00:00:{i % 60:02d}Z"
-            body["metadata"].update(
-                uid=f"u{i}", resourceVersion="1", generation=1, creationTimestamp=created
-            )
-            cache.observe_engine(body, deleted=False)
-
-        placing, placed = _decide_pass(cache, indexed, now)
-        steady, changed = _decide_pass(cache, indexed, now)
-        how = "cache's lease index" if indexed else "every placement parsed (before)"
-        print(f"{args.nodes} nodes, {args.engines} engines, {how}: placing all: "
-              f"{placing:.1f} s CPU ({placed} written); a pass after: {steady:.2f} s CPU "
-              f"({changed} written)", flush=True)  # fmt: skip
+    decide(args.nodes, args.engines, args.minds, args.slots)
     return 0
-
-
-def _decide_pass(cache: Any, indexed: bool, now: float) -> tuple[float, int]:
-    """One pass of `kube.loop` over every engine, its status writes applied to the cache."""
-    from dataclasses import replace
-
-    from continuum_operator.kube.reconcile import Memory, reconcile
-    from continuum_operator.kube.settings import OperatorSettings
-
-    settings = OperatorSettings()
-    t, written = time.process_time(), 0
-    for key in sorted(cache.engines):
-        body = cache.engines[key]
-        snap = cache.snapshot()
-        if not indexed:
-            snap = replace(snap, engine_leases=None, engines_on=None)
-        w = reconcile(body, snap, Memory(), now, settings)
-        if w.status_patch is None:
-            continue
-        status = dict(body.get("status") or {})
-        for k, v in w.status_patch["status"].items():
-            if v is None:
-                status.pop(k, None)
-            else:
-                status[k] = v
-        rv = str(int(body["metadata"]["resourceVersion"]) + 1)
-        new = {**body, "metadata": {**body["metadata"], "resourceVersion": rv},
-               "status": status}  # fmt: skip
-        cache.observe_engine(new, deleted=False, nudge=False)
-        written += 1
-    return time.process_time() - t, written
 
 
 def _nodes(tag: str, count: int) -> list[tuple[str, str]]:

@@ -176,3 +176,26 @@ def test_nodes_alike_are_planned_once_and_each_gets_the_plan_it_would_alone() ->
             ranked.append((rank(alone, leftover_bytes(alone, ledger)), alone))
     assert decision.chosen == min(ranked, key=lambda r: r[0])[1]
     assert decision.chosen.node not in ("busy", "tiny")
+
+
+def test_the_decide_only_bench_decides_fewer_engines_at_rest_than_a_full_pass() -> None:
+    # bench/scale.py --decide-only at a tiny size: its figures compare the dirty sets' passes
+    # with a full pass, so if the dirty sets stopped working the bench must say so here.
+    from bench.decide import run
+
+    lines: list[str] = []
+    got = run(nodes=4, engines=6, minds=12, out=lines.append)
+    assert got.engines_placed == 6 and got.minds_granted == 12
+    plan = {k.split(" (")[0]: f for k, f in got.plan.items()}
+    assert plan["placing every engine"].decided == 6
+    full = plan["the full pass"].decided
+    assert full == 6
+    assert plan["a pass at rest"].decided < full and plan["a pass at rest"].written == 0
+    assert plan["a pass after one NodeBoard changed"].decided < full
+    assert plan["a pass after one Engine's spec changed"].decided < full
+    grants = {k.split(" (")[0]: f for k, f in got.grants.items()}
+    assert grants["the first pass, granting every mind"].decided == 6
+    assert grants["the full pass"].decided == 6
+    assert grants["a pass after one Mind created"].decided == 1
+    assert grants["a pass with nothing changed"].decided == 0
+    assert len(lines) == len(got.plan) + len(got.grants) + 4  # headers and notes printed
