@@ -99,3 +99,29 @@ def test_the_gauges_show_the_rows_and_drop_the_series_of_a_deleted_board() -> No
     text = generate_latest(r).decode()
     assert 'node="n2"' not in text
     assert 'node="n1"' in text
+
+
+def test_a_lease_moved_between_passes_updates_only_the_changed_series() -> None:
+    # Gauges are set only when their value changed: a value that changed must still show.
+    cache = _cache()
+    metrics = PoolMetrics(CollectorRegistry())
+    metrics.record(cache.snapshot())
+    engine: dict[str, Any] = builders.engine_body()
+    engine["metadata"]["resourceVersion"] = "99"
+    engine["status"] = {
+        "placement": {"node": "n1", "gpus": [0], "pools": [{"pool": "device/0", "bytes": 50 * GiB}]}
+    }
+    cache.observe_engine(engine, deleted=False)
+    metrics.record(cache.snapshot())
+    r = metrics.registry
+    device = {"node": "n1", "pool": "device/0", "consumer_kind": "Engine"}
+    host = {"node": "n1", "pool": "host", "consumer_kind": "Engine"}
+    assert r.get_sample_value("continuum_pool_leased_bytes", device) == 50 * GiB
+    assert r.get_sample_value("continuum_pool_leased_bytes", host) == 0
+    # Another node's board alone: its figures, the engine's leases on n1 unchanged.
+    cache.observe_board({"metadata": {"name": "n2"}}, deleted=True)
+    metrics.record(cache.snapshot())
+    assert r.get_sample_value("continuum_pool_leased_bytes", device) == 50 * GiB
+    assert r.get_sample_value("continuum_pool_capacity_bytes", {"node": "n1", "pool": "host"}) == (
+        256 * GiB
+    )

@@ -12,12 +12,13 @@ the names.
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from continuum_operator.core.pools import ConsumerKind, Ledger
+from continuum_operator.core.pools import ConsumerKind, Lease, Ledger
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.reconcile import other_leases
 from continuum_operator.model.board import MemoryMode
@@ -40,14 +41,18 @@ class PoolRow:
 
 def pool_rows(snap: Snapshot) -> tuple[list[PoolRow], dict[str, MemoryMode]]:
     """Each pool of each valid board with the leases held in it, and each node's memory mode."""
-    leases = other_leases(snap, ("", ""))  # nobody excluded: every engine's and lane's lease
+    # Nobody excluded: every engine's and lane's lease, grouped by node once (a ledger per
+    # board over the whole list was boards x leases a pass: 94% of an idle pass at 1,000 nodes).
+    by_node: dict[str, list[Lease]] = defaultdict(list)
+    for lease in other_leases(snap, ("", "")):
+        by_node[lease.node].append(lease)
     rows: list[PoolRow] = []
     modes: dict[str, MemoryMode] = {}
     for node, entry in sorted(snap.boards.items()):
         if entry.board is None:
             continue
         modes[node] = entry.board.memory_mode
-        ledger = Ledger.of(entry.board, leases)
+        ledger = Ledger.of(entry.board, by_node.get(node, ()))
         for key, pool in entry.board.pools.items():
             held = [lease for lease in ledger.leases if lease.pool == key]
             rows.append(
@@ -70,7 +75,7 @@ def pool_rows(snap: Snapshot) -> tuple[list[PoolRow], dict[str, MemoryMode]]:
 @dataclass
 class PoolMetrics:
     registry: CollectorRegistry
-    _seen: dict[str, set[Labels]] = field(default_factory=dict)
+    _seen: dict[str, dict[Labels, float]] = field(default_factory=dict)  # as last set
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -129,9 +134,12 @@ class PoolMetrics:
                 values["mode"][(node, str(each))] = 1 if each is mode else 0
         for name, wanted in values.items():
             gauge: Gauge = getattr(self, name)
-            for gone in self._seen.get(name, set()) - set(wanted):
+            last = self._seen.get(name, {})
+            for gone in set(last) - set(wanted):
                 with contextlib.suppress(KeyError):
                     gauge.remove(*gone)
+            # Only the series whose value changed: a pass sets a dozen gauges a pool otherwise.
             for labels, value in wanted.items():
-                gauge.labels(*labels).set(value)
-            self._seen[name] = set(wanted)
+                if last.get(labels) != value:
+                    gauge.labels(*labels).set(value)
+            self._seen[name] = wanted
