@@ -44,7 +44,9 @@ from bench.kube_bench import (
 )
 from kubernetes import client, config, watch
 
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
+from continuum_operator.core.heartbeat import (
+    agent_lease_metadata,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +116,7 @@ def run(
                        "metadata": {"name": name}})  # fmt: skip
         leases.append({
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": lease_name(name), "namespace": LEASE_NAMESPACE,
-                         "annotations": {NODE_ANNOTATION: name}},
+            "metadata": agent_lease_metadata(name),
             "spec": {"holderIdentity": "bench", "leaseDurationSeconds": 3600,
                      "renewTime": micro()},
         })  # fmt: skip

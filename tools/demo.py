@@ -24,7 +24,9 @@ from typing import Any
 
 import yaml
 
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
+from continuum_operator.core.heartbeat import (
+    agent_lease_metadata,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -87,11 +89,7 @@ def renew_leases() -> None:
         {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": {
-                "name": lease_name(b["metadata"]["name"]),
-                "namespace": LEASE_NAMESPACE,
-                "annotations": {NODE_ANNOTATION: b["metadata"]["name"]},
-            },
+            "metadata": agent_lease_metadata(b["metadata"]["name"]),
             "spec": {
                 "holderIdentity": "continuum-demo",
                 "leaseDurationSeconds": LEASE_SECONDS,

@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
+from continuum_operator.core.heartbeat import (
+    agent_lease_metadata,
+)
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.llama_fixtures import free_port
 
@@ -127,11 +129,7 @@ def renew(cluster: Cluster, node: str, *, renew_time: str | None = None, ttl: in
         {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": {
-                "name": lease_name(node),
-                "namespace": LEASE_NAMESPACE,
-                "annotations": {NODE_ANNOTATION: node},
-            },
+            "metadata": agent_lease_metadata(node),
             "spec": {
                 "holderIdentity": "continuum-agent-e2e",
                 "leaseDurationSeconds": ttl,

@@ -22,7 +22,12 @@ from typing import Any
 from kubernetes import client, config
 
 from continuum_operator.agent.attribution import EMBEDLANE_LABEL, ENGINE_LABEL
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
+from continuum_operator.core.heartbeat import (
+    AGENT_LEASE_LABELS,
+    LEASE_NAMESPACE,
+    agent_lease_metadata,
+    lease_name,
+)
 from continuum_operator.model.base import API_VERSION, GROUP, VERSION
 from continuum_operator.model.board import NodeBoard, NodeBoardStatus
 
@@ -211,7 +216,8 @@ class AgentApi:
             self._coordination.patch_namespaced_lease(
                 name,
                 self.lease_namespace,
-                {"spec": spec},
+                # The labels too: a Lease made before they were set is selected from now on.
+                {"metadata": {"labels": AGENT_LEASE_LABELS}, "spec": spec},
                 field_manager=FIELD_MANAGER,
                 _content_type="application/merge-patch+json",
                 _request_timeout=_TIMEOUT,
@@ -224,11 +230,8 @@ class AgentApi:
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": {
-                "name": name,
-                "namespace": self.lease_namespace,
+                **agent_lease_metadata(self.node, self.lease_namespace),
                 "ownerReferences": self._owner(facts),
-                "labels": {"app.kubernetes.io/managed-by": FIELD_MANAGER},
-                "annotations": {NODE_ANNOTATION: self.node},
             },
             "spec": {**spec, "acquireTime": _micro_time(now)},
         }

@@ -14,11 +14,12 @@ from typing import Any, cast
 
 import kopf
 
+from continuum_operator.core.heartbeat import AGENT_LEASE_SELECTOR
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.objects import MANAGED_BY
 from continuum_operator.model.base import GROUP, VERSION
 
-__all__ = ["registry_for"]
+__all__ = ["registry_for", "select_on_server"]
 
 
 def _deleted(event: kopf.RawEvent) -> bool:
@@ -27,6 +28,18 @@ def _deleted(event: kopf.RawEvent) -> bool:
 
 def _obj(event: kopf.RawEvent) -> dict[str, Any]:
     return cast(dict[str, Any], event["object"])
+
+
+def select_on_server(settings: kopf.OperatorSettings) -> None:
+    """Label selectors the API server applies to the watches, not kopf after receiving: the
+    kubelets' node Leases (a hundred renewals a second at 1,000 nodes) and every Deployment,
+    Job and Service of the cluster would otherwise each cross the wire and kopf's machinery
+    only to be dropped by a handler's filter (bench/scale.py, 1,000 nodes at rest: 22% of a
+    core before, 7% after)."""
+    watching = settings.watching.label_selectors
+    watching["coordination.k8s.io", "leases"] = AGENT_LEASE_SELECTOR
+    for group, plural in (("apps", "deployments"), ("batch", "jobs"), ("v1", "services")):
+        watching[group, plural] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 
 
 def registry_for(
@@ -49,6 +62,7 @@ def registry_for(
         settings.posting.enabled = False  # events are posted by the loop, on transitions only
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
+        select_on_server(settings)
 
     @kopf.on.event(
         group=GROUP,
