@@ -111,7 +111,9 @@ def test_a_llama_server_that_dies_is_started_again_and_counted(tmp_path: Path) -
         first.kill()
         await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving")
         assert runtime.process is not first
-        assert published[-1]["restarts"] == 1 and published[-1]["ready"] is True
+        # Published after the phase changes (the next status write), not with it.
+        await until(lambda: published[-1]["restarts"] == 1 and published[-1]["ready"] is True)
+        assert published[-1]["phase"] == "Serving"
 
     with_runtime(tmp_path, body)
 

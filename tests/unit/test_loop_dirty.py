@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.kube import loop as loop_module
 from continuum_operator.kube.api import KubeApi
 from continuum_operator.kube.cache import Cache, EngineKey, format_time
@@ -77,12 +78,7 @@ class FakeApi:
 
 def agent_lease(node: str, renewed: float, duration: int = 3600, rv: int = 1) -> dict[str, Any]:
     return {
-        "metadata": {
-            "namespace": "kube-node-lease",
-            "name": f"continuum-agent-{node}",
-            "annotations": {"continuum.dev/node": node},
-            "resourceVersion": str(rv),
-        },
+        "metadata": {**agent_lease_metadata(node), "resourceVersion": str(rv)},
         "spec": {"renewTime": format_time(renewed), "leaseDurationSeconds": duration},
     }
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.core.bestfit import NodeView, choose, leftover_bytes, rank
+from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.kube.api import resource_of
@@ -38,12 +39,7 @@ def engine(name: str, rv: int, node: str | None, *, assumed: bool = True) -> dic
 
 def lease(node: str, rv: int, renew: str, duration: int = 40) -> dict[str, Any]:
     return {
-        "metadata": {
-            "namespace": "kube-node-lease",
-            "name": f"continuum-agent-{node}",
-            "annotations": {"continuum.dev/node": node},
-            "resourceVersion": str(rv),
-        },
+        "metadata": {**agent_lease_metadata(node), "resourceVersion": str(rv)},
         "spec": {"renewTime": renew, "leaseDurationSeconds": duration},
     }
 
