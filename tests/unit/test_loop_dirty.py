@@ -13,7 +13,7 @@ import pytest
 from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.kube import loop as loop_module
 from continuum_operator.kube.api import KubeApi
-from continuum_operator.kube.cache import Cache, EngineKey, format_time
+from continuum_operator.kube.cache import Cache, EngineKey, format_time, merge_patch
 from continuum_operator.kube.loop import Loop
 from continuum_operator.kube.reconcile import Memory, Writes, reconcile
 from continuum_operator.kube.settings import LoopSettings, OperatorSettings
@@ -44,13 +44,8 @@ class FakeApi:
     def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
         self.requests.append(("PATCH", path))
         parts = path.split("/")
-        body = copy.deepcopy(self.cache.engines[(parts[-4], parts[-2])])
-        status = body.setdefault("status", {})
-        for k, v in patch["status"].items():
-            if v is None:
-                status.pop(k, None)
-            else:
-                status[k] = v
+        known = self.cache.engines[(parts[-4], parts[-2])]
+        body: dict[str, Any] = copy.deepcopy(merge_patch(known, {"status": patch["status"]}))
         body["metadata"]["resourceVersion"] = self._next_rv()
         return body
 

@@ -29,11 +29,18 @@ from continuum_operator.core.conditions import ConditionType
 from continuum_operator.core.damping import Outcome
 from continuum_operator.kube import ledger, objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
-from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, Snapshot, format_time
+from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.pool_metrics import PoolMetrics
-from continuum_operator.kube.reconcile import Event, Memory, Writes, is_fresh, reconcile
+from continuum_operator.kube.reconcile import (
+    Event,
+    Memory,
+    Writes,
+    is_fresh,
+    lease_is_fresh,
+    reconcile,
+)
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import ModelFacts
@@ -123,11 +130,10 @@ class Loop:
         leases = dict(self.cache.leases)
         nodes = set(self.cache.boards) | set(leases) | set(self.fresh)
         ttl = self.settings.freshness.default_ttl_seconds
-        lease_snap = Snapshot(boards={}, leases=leases, nodes={}, engines={}, deployments={})
         turned = []
         fresh: dict[str, bool] = {}
         for node in nodes:
-            fresh[node] = is_fresh(lease_snap, node, now, ttl)
+            fresh[node] = lease_is_fresh(leases.get(node), now, ttl)
             if self.fresh.get(node) != fresh[node]:
                 turned.append(node)
         self.fresh = fresh
@@ -163,17 +169,23 @@ class Loop:
         )
         if not ready:
             return False
-        deployment = self.cache.deployments.get(key)
-        if writes.deployment is not None:
-            desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
-            if deployment is None or deployment.launch != desired:
-                return False
-        if writes.service is not None and (
-            key not in self.cache.services
-            or self.services.get(key) != repr((writes.service, writes.identity))
-        ):
+        if self._launch_pending(key, writes) or self._service_pending(key, writes):
             return False
-        return not (writes.delete_workload and deployment is not None)
+        return not (writes.delete_workload and key in self.cache.deployments)
+
+    def _service_pending(self, key: EngineKey, writes: Writes) -> bool:
+        """The Service and identity this decision wants are not written as wanted yet."""
+        return writes.service is not None and (
+            self.services.get(key) != _service_digest(writes) or key not in self.cache.services
+        )
+
+    def _launch_pending(self, key: EngineKey, writes: Writes) -> bool:
+        """The Deployment this decision wants is not the one running (or there is none)."""
+        if writes.deployment is None:
+            return False
+        desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
+        current = self.cache.deployments.get(key)
+        return current is None or current.launch != desired
 
     def record(self, key: EngineKey, writes: Writes) -> None:
         m = self.metrics
@@ -304,23 +316,18 @@ class Loop:
         deployment = None
         served = False
         try:
-            if writes.service is not None:
+            if writes.service is not None and self._service_pending(key, writes):
                 # Before the Deployment: its pods are refused until their ServiceAccount exists.
-                digest = repr((writes.service, writes.identity))
-                if self.services.get(key) != digest or key not in self.cache.services:
-                    for obj in (*writes.identity, writes.service):
-                        self.api.apply(obj)
-                    self.services[key] = digest
-                    served = True
-            if writes.deployment is not None:
-                desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
-                current = self.cache.deployments.get(key)
-                if current is None or current.launch != desired:
-                    if current is not None and self.held_for_drain(key, body):
-                        pass  # a pass after the drain applies it
-                    else:
-                        self.drain_held.pop(key, None)
-                        deployment = self.api.apply(writes.deployment)
+                for obj in (*writes.identity, writes.service):
+                    self.api.apply(obj)
+                self.services[key] = _service_digest(writes)
+                served = True
+            if writes.deployment is not None and self._launch_pending(key, writes):
+                if key in self.cache.deployments and self.held_for_drain(key, body):
+                    pass  # a pass after the drain applies it
+                else:
+                    self.drain_held.pop(key, None)
+                    deployment = self.api.apply(writes.deployment)
             if writes.facts_job is not None:
                 known = self.cache.jobs.get(key)
                 if known is None or known.name != writes.facts_job["metadata"]["name"]:
@@ -430,6 +437,11 @@ class Loop:
             )
         except ApiError as err:
             log.warning("posting an event on Engine %s failed: %s", meta["name"], err)
+
+
+def _service_digest(writes: Writes) -> str:
+    """What the Service and identity of a decision were written as (rewritten when it changes)."""
+    return repr((writes.service, writes.identity))
 
 
 def _has_facts(body: dict[str, Any], source: str) -> bool:

@@ -39,6 +39,7 @@ from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.kube import objects
 from continuum_operator.kube.cache import (
     EngineKey,
+    LeaseEntry,
     Snapshot,
     format_time,
     parse_time,
@@ -90,7 +91,11 @@ class Writes:
 
 
 def is_fresh(snap: Snapshot, node: str, now: float, default_ttl: float) -> bool:
-    lease = snap.leases.get(node)
+    return lease_is_fresh(snap.leases.get(node), now, default_ttl)
+
+
+def lease_is_fresh(lease: LeaseEntry | None, now: float, default_ttl: float) -> bool:
+    """Whether an agent Lease vouches for its board now (its own duration, else the default)."""
     if lease is None or lease.renew_time is None:
         return False
     ttl = lease.duration_seconds if lease.duration_seconds is not None else default_ttl
