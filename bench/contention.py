@@ -15,7 +15,7 @@ It prints tokens/s of each (median over rounds) and the ratios to rest, two ways
 per-round ratios (with their range) and the ratio of the medians. The run counts only if the
 normal-priority ratio is 60% or below in the same run, both ways (the contention is real); the
 target with the class applied is 90% or more, both ways.
-DESIGN.md rule 8; the seed system's failure kept 6%.
+docs/design.md rule 8; the seed system's failure kept 6%.
 
 Run: `.venv/bin/python bench/contention.py` (`--rounds 3 --seconds 6` to change the length;
 `--hogs` to change N). The machine should be otherwise quiet: other work shifts all three

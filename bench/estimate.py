@@ -1,6 +1,6 @@
 """Estimate (made before loading) versus receipt (what llama.cpp allocated), per buffer.
 
-DESIGN.md rule 5. For held-out generated shapes (none of them among the shapes the compute
+docs/design.md rule 5. For held-out generated shapes (none of them among the shapes the compute
 estimate was fitted on): a 128k-vocabulary model of small width, GQA, MQA and non-GQA models,
 flash attention on and off, f16 and q8_0 KV, three contexts. The estimate comes from the GGUF
 facts alone (`gguf.read_facts`, `core.compute`, the plan's KV sizing); the receipt from the log

@@ -1,4 +1,4 @@
-"""`continuum check-log`: the grant invariants of DESIGN.md rule 7, checked over a transition log.
+"""`continuum check-log`: docs/design.md rule 7's grant invariants, checked over a transition log.
 
 The allocator (core/grants.py) and the simulator (core/simulate.py) write every change to an
 engine's grant ledger as a JSON line (docs/transition-log.md). This module reads such a log back
@@ -586,7 +586,7 @@ def add_parser(subparsers: Any) -> None:
         "check-log",
         help="check the grant invariants over a transition log",
         description="Check a grant transition log (JSON lines, docs/transition-log.md) against "
-        "the invariants of DESIGN.md rule 7. Exits 0 when they hold, 1 with violations, 2 for "
+        "the invariants of docs/design.md rule 7. Exits 0 when they hold, 1 with violations, 2 for "
         "an unreadable or malformed log.",
     )
     p.add_argument("file", type=Path, metavar="FILE", help="a transition log, JSON lines")

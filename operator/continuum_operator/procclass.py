@@ -1,6 +1,6 @@
 """`continuum run --class background -- CMD...`: a mind's own work, below the engine serving her.
 
-DESIGN.md rule 8: processes a mind spawns inside its pod run at the OS's lowest ordinary
+docs/design.md rule 8: processes a mind spawns inside its pod run at the OS's lowest ordinary
 priority, so they never starve the engine yet still use every idle core: nice 19 on Unix,
 IDLE_PRIORITY_CLASS on Windows, and elsewhere the parent's class (nothing to lower to that
 psutil knows). Mind runtimes run every child through it; the children's webhook
@@ -169,7 +169,7 @@ def add_parser(sub: Any) -> None:
         description=(
             "Run CMD and every process it starts at a process class: `background` is the "
             "OS's lowest ordinary priority (nice 19 on Unix, IDLE_PRIORITY_CLASS on Windows), "
-            "for a mind's own work beside the engine that serves her (DESIGN.md rule 8)."
+            "for a mind's own work beside the engine that serves her (docs/design.md rule 8)."
         ),
         usage="continuum run [--class {normal,background}] [--sweep SECONDS] -- CMD [ARGS...]",
     )

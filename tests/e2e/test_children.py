@@ -1,4 +1,4 @@
-"""A mind's children on the real API server (DESIGN.md rule 8, docs/children.md): pods applied
+"""A mind's children on the real API server (docs/design.md rule 8, docs/children.md): pods applied
 with kubectl pass the operator's mutating webhook (kopf's admission server, a self-signed
 certificate, the API server calling it on loopback); a child arrives at the lowest class and CPU
 weight, a pod of no mind is untouched, and with the webhook stopped pods are still created,

@@ -1,6 +1,6 @@
 """Embed lanes on the real llama.cpp (llama-cpp-python, CPU): `continuum embed` serves
 embeddings, calibrates, reports its receipts and largest context, and its bytes are charged
-where the lane resides (DESIGN.md rule 6). The model is a generated random-weight embedding
+where the lane resides (docs/design.md rule 6). The model is a generated random-weight embedding
 GGUF (mean pooling); nothing is downloaded."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """EmbedLanes on the real control plane: `continuum operator` as a subprocess, a KWOK node with
 its NodeBoard and the agent's Lease, an Engine and an EmbedLane applied with kubectl. The lane
-is placed beside the engine and charged where it resides (DESIGN.md rule 6); its bytes are in
+is placed beside the engine and charged where it resides (docs/design.md rule 6); its bytes are in
 the node's ledger, so an engine planned on that node afterwards accounts for them."""
 
 from __future__ import annotations

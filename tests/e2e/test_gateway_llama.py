@@ -336,7 +336,7 @@ async def _async(value: bool) -> bool:
 def test_the_seed_deadlock_replayed_end_to_end_does_not_hang(
     llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
-    """DESIGN.md's seed failure: one mind, one slot, the engine relaunched during her turns.
+    """docs/design.md's measured failures: one mind, one slot, the engine relaunched in her turns.
 
     The operator is played by the real allocator (`core.grants.allocate`) fed with the
     releases the gateway reports; the relaunch really restarts llama-server; the mind uses the

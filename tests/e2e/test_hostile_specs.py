@@ -1,4 +1,4 @@
-"""Bad input through kubectl (DESIGN.md rule 9): malformed and hostile specs applied to the real
+"""Bad input through kubectl (docs/design.md rule 9): malformed and hostile specs applied to a real
 API server while `continuum operator` runs.
 
 Each case is one of two kinds. `Refused`: the API server (the CRD's schema and CEL rules, or its

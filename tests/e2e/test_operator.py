@@ -650,7 +650,7 @@ def test_deleting_an_engine_removes_what_the_operator_made_for_it(
 def test_the_plans_estimate_error_against_the_runtimes_receipt_is_exported(
     cluster: Cluster, operator: Operator, namespace: str, tag: str
 ) -> None:
-    """DESIGN.md rule 5 in the operator's registry: a receipt in status.runtime (written here as
+    """docs/design.md rule 5 in the operator's registry: a receipt in status.runtime (written as
     the engine runtime writes it) of the plan's own launch gives (planned - allocated) /
     allocated per side; a receipt of another launch (the engine not relaunched yet) none."""
     gpu_node(cluster, tag, discrete_status(80, 0.5))

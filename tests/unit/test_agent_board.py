@@ -1,4 +1,4 @@
-"""The board a node's readings make: memory mode by DESIGN.md's definitions, never a guess.
+"""The board a node's readings make: memory mode by docs/design.md's definitions, never a guess.
 
 Each fixture under tests/fixtures/probes holds the raw pynvml, psutil, cgroup, NUMA and sysctl
 answers of one machine (labelled synthetic or captured); the board is derived from it exactly as
@@ -185,7 +185,7 @@ class TestUnified:
         assert status.gpus[0].name == "Apple M5 Max"
 
     def test_on_the_m5_both_views_of_the_pool_offer_the_same_free_memory(self) -> None:
-        """DESIGN.md's M5 failure: VRAM read 0 available while RAM read 3,165 MiB."""
+        """docs/design.md's M5 failure: VRAM read 0 available while RAM read 3,165 MiB."""
         doc = fixture("apple-m5-unified")
         status = board_of(doc)
         board = Board.from_resource(NodeBoard(metadata={"name": "m5"}, status=status))

@@ -1,6 +1,6 @@
 """The children's webhook as pure functions: which pods are a mind's children, how one is
 mutated (class, CPU weight, mark), the configuration the API server is given, and the count of
-children the webhook did not reach (DESIGN.md rule 8, docs/children.md)."""
+children the webhook did not reach (docs/design.md rule 8, docs/children.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Embed lanes in the pure core: residence, bytes per pool, floors, admission (DESIGN.md rule 6)."""
+"""The pure core's embed lanes: residence, pool bytes, floors, admission (docs/design.md rule 6)."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_the_estimate_grows_with_the_context() -> None:
     sizer = LaneSizer(FACTS)
     sizes = [sizer.estimate(t).total for t in (256, 1024, 2048, 8192)]
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
-    # Qwen3-Embedding-0.6B's KV at 2,048 tokens is 224 MiB (DESIGN.md's lessons); the lane's
+    # Qwen3-Embedding-0.6B's KV at 2,048 tokens is 224 MiB (docs/design.md's lessons); the lane's
     # context holds at least that.
     assert sizer.estimate(2048).total >= 224 * MiB
 

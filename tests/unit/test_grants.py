@@ -1,4 +1,4 @@
-"""The grant allocator, behaviour by behaviour (DESIGN.md rule 7)."""
+"""The grant allocator, behaviour by behaviour (docs/design.md rule 7)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Grants and reclaims simulated in virtual time and judged from outside by `check-log`.
 
 The allocator and the simulator write a transition log; `continuum_operator.checklog`, which
-shares no code with them, checks DESIGN.md rule 7's invariants over it. Random scenarios must
+shares no code with them, checks docs/design.md rule 7's invariants over it. Random scenarios must
 pass; deliberately broken policies must be caught.
 """
 

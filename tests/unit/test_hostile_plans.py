@@ -1,5 +1,5 @@
 """Plans of specs the schema admits but no node can serve say which field to change
-(DESIGN.md rule 9; the API server's side is tests/e2e/test_hostile_specs.py)."""
+(docs/design.md rule 9; the API server's side is tests/e2e/test_hostile_specs.py)."""
 
 from __future__ import annotations
 

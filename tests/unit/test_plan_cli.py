@@ -1,7 +1,7 @@
 """`continuum plan` from the outside: exit codes, output formats, leases, and bad input.
 
 Every malformed file exits 2 with one message naming the file and the exact field path
-(DESIGN.md rule 9). The cases start from the example files and change one thing each.
+(docs/design.md rule 9). The cases start from the example files and change one thing each.
 """
 
 from __future__ import annotations

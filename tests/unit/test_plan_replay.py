@@ -1,4 +1,4 @@
-"""The unified-memory failure of DESIGN.md, replayed with its numbers.
+"""The unified-memory failure of docs/design.md, replayed with its numbers.
 
 On an Apple M5 (one unified pool of 57,344 MiB, 32,299 MiB available, Metal's per-process cap
 28.57 GB) the old planner read a VRAM row netted against the whole system's usage, settled on

@@ -1,5 +1,5 @@
 """`continuum run --class background`: a command and everything it starts run at the OS's lowest
-ordinary priority (DESIGN.md rule 8), measured on real processes."""
+ordinary priority (docs/design.md rule 8), measured on real processes."""
 
 from __future__ import annotations
 

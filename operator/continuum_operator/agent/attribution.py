@@ -1,6 +1,6 @@
 """Whose memory is it: the engines and lanes the operator placed, told apart from the rest.
 
-Two ways to match a process to a consumer (DESIGN.md: availability is not counted twice):
+Two ways to match a process to a consumer (docs/design.md: availability is not counted twice):
 
 - by pod: the process's cgroup path names its pod's UID (`.../kubepods-burstable-pod<uid>.slice/`
   or `.../kubepods/burstable/pod<uid>/`), and the pod is one the operator placed on this node

@@ -1,6 +1,6 @@
 """The agent's only link to the API server: its NodeBoard's status and its node's Lease.
 
-DESIGN.md, "One writer per status field": the agent owns NodeBoard `status` (mode, pools,
+docs/design.md, "One writer per status field": the agent owns NodeBoard `status` (mode, pools,
 measured usage) and writes it whole, as one JSON patch that replaces `/status`, only when
 core/board_change.py says it changed. The board's freshness is a coordination.k8s.io Lease
 (core/heartbeat.py names it), renewed every cycle with one merge patch. Both objects are owned by

@@ -1,4 +1,4 @@
-"""Which node an Engine goes to: best fit among the nodes with fresh boards (DESIGN.md "Placement").
+"""Which node an Engine goes to: the best fit among fresh boards (docs/design.md "Placement").
 
 The operator hands in a snapshot (every node's board, whether its Lease is fresh, its labels,
 the leases others hold) and gets back a typed decision: the chosen plan, and a verdict for every

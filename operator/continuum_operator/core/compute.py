@@ -1,4 +1,4 @@
-"""The compute-buffer estimate, made before loading (DESIGN.md: plan it per context).
+"""The compute-buffer estimate, made before loading (docs/design.md: plan it per context).
 
 llama.cpp sizes each backend's compute buffer by allocating the worst-case graph of one
 micro-batch (ggml-alloc reuses a tensor's memory once its last reader has run, so the buffer is

@@ -1,7 +1,7 @@
 """An Engine's conditions, made from what the operator knows about it in one pass.
 
 Conditions are a list keyed by type and written whole by their one writer, the operator
-(DESIGN.md "One writer per status field"). This module decides them from plain values: the
+(docs/design.md "One writer per status field"). This module decides them from plain values: the
 operator's shell gathers an `EngineFacts`, `engine_conditions` turns it into conditions, and
 `merge` keeps each condition's `lastTransitionTime` while its status holds. Types and reasons are
 enums, never scattered strings. Pure: the time is passed in.

@@ -1,4 +1,4 @@
-"""Relaunch damping: when a re-plan may restart a running engine (DESIGN.md's lessons).
+"""Relaunch damping: when a re-plan may restart a running engine (docs/design.md's lessons).
 
 A relaunch kills every turn in flight, and the seed system relaunched its engine 13 times in 4
 minutes on readings that were wrong. So a re-plan whose engine arguments differ from the

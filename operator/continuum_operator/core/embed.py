@@ -1,6 +1,6 @@
 """Embed lanes: where an embedding context resides, what it costs per pool, and its floors.
 
-DESIGN.md rule 6: an embedding is charged where it resides. The seed system leased a fixed
+docs/design.md rule 6: an embedding is charged where it resides. The seed system leased a fixed
 1,792 MiB of VRAM for every lane, even where the lane's context lived in host memory; here the
 charge follows the backend and the engine beside the lane:
 

@@ -1,7 +1,7 @@
 """Grants of one engine's KV pool: the allocator, pure and with the clock injected.
 
 A mind takes turns on an engine only while it holds a grant, one slot of the pool in tokens
-(slots are uniform: DESIGN.md). `allocate` takes the ledger as it stands, the minds that want
+(slots are uniform: docs/design.md). `allocate` takes the ledger as it stands, the minds that want
 grants, the engine's phase and capacity, the slot releases the engine gateway reported and the
 time, and returns the ledger that should hold with every transition that gets there, each with
 its reason. The operator writes the result to the Engine's `status.grants`; the simulator

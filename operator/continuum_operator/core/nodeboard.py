@@ -1,4 +1,4 @@
-"""A node's board from its readings: the memory mode decided by DESIGN.md's definitions.
+"""A node's board from its readings: the memory mode decided by docs/design.md's definitions.
 
 Pure: the agent's probes produce `NodeReadings`; this module turns them into the `status` of the
 node's NodeBoard, and the agent's writer sends it. The rules it keeps:

@@ -1,7 +1,7 @@
 """The serving plan: how an Engine runs on one node, as a pure function of its inputs.
 
 `plan(board, engine, facts, ledger)` decides layers on the device and the size of the KV pool
-(DESIGN.md rule 4). Policy: the most layers on the device that still leave room for
+(docs/design.md rule 4). Policy: the most layers on the device that still leave room for
 `minds.min` contexts, then the pool grows toward `minds.max`. Layers are counted as llama.cpp
 counts `--n-gpu-layers`: the repeating layers plus the output layer, which goes to the device
 only after every repeating layer; token embeddings stay on the host.
@@ -10,7 +10,7 @@ Bytes are what llama.cpp allocates for the engine's arguments: KV cells per sequ
 256 as llama.cpp pads them (one stream per mind: `--parallel` without `--kv-unified`), window
 layers at their window's cells, and the compute and output buffers of `core.compute`. Where a
 receipt (`core.receipts`) exists for the same model digest, context, KV type, placement and
-build, its measured buffers replace the estimate, and the reasons say so (DESIGN.md rule 5).
+build, its measured buffers replace the estimate, and the reasons say so (docs/design.md rule 5).
 
 Budgets (rules 1-3):
 - discrete: each GPU's device pool after reserve and others' leases, bounded by the per-process

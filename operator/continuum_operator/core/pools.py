@@ -1,6 +1,6 @@
 """Pools and the ledger of leases that charges bytes to them.
 
-A pool is what the hardware shares (DESIGN.md rule 1). On a unified board the device view and
+A pool is what the hardware shares (docs/design.md rule 1). On a unified board the device view and
 the host view resolve to the same pool, so a byte charged through one is gone from the other
 without any bookkeeping of its own. Available is capacity minus the larger of what is leased
 and what is measured: leases not yet resident still count, and memory used outside every lease

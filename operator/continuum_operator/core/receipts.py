@@ -1,6 +1,6 @@
 """Receipts: what llama.cpp actually allocated, per device, and the key they are filed under.
 
-DESIGN.md rule 5: estimates are checked against receipts. A receipt records the model buffers,
+docs/design.md rule 5: estimates are checked against receipts. A receipt records the model buffers,
 KV buffers, compute buffers and output buffer llama.cpp reported for one load, per device (the
 buffer-type names in its log: `CPU`, `CPU_Mapped`, `CUDA0`, `CUDA_Host`, `MTL0`, ...), and the
 key it is filed under: (model sha256, context, KV type, placement, llama.cpp build), plus the

@@ -8,7 +8,7 @@ lane's lease (`core.embed.admit`): it fits (served), waits (for up to `waitSecon
 operator to grow the lease, then 503) or fails (413: larger than spec.maxContextTokens). Its
 context grows only to what the lease holds, so it never over-commits its pool.
 
-It is the one writer of the lane's `status.runtime` (DESIGN.md "One writer per status field"):
+It is the one writer of the lane's `status.runtime` (docs/design.md "One writer per status field"):
 the largest context embedded, the context held, whether llama.cpp can offload to a GPU, the
 receipts of its loads, and counts of requests served, waited and refused; to a file, to the
 EmbedLane, or both, only when it changed. `GET /v1/runtime` answers the same document;

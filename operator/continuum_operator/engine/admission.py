@@ -8,7 +8,7 @@ shown alone without a server:
 - `admit_request`: whether a request inside a turn may reach llama-server.
 - `token_cap`: the `n_predict` that keeps prompt plus generation inside the grant's tokens.
 - `reconcile`: what a new grant table asks of the gateway: whose turns to cut, which slots to
-  erase and report released (DESIGN.md rule 7: the reclaim never needs the turn's cooperation).
+  erase and report released (docs/design.md rule 7: the reclaim never needs the turn's cooperation).
 
 The gateway never grants on its own: a mind is served only while her entry says `Granted`.
 No aiohttp, no Kubernetes here; the table's parser (`parse_table`) reads the documents both

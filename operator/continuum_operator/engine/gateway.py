@@ -5,7 +5,7 @@ grant; each request is pinned to the mind's slot (`id_slot`) with `n_predict` ca
 prompt and generation fit in the grant; a reclaim refuses her new requests, cuts the ones in
 flight (closing the upstream connection, which makes llama-server drop the task), erases the
 slot and records the release, which the runtime reports in the Engine's `status.runtime`
-(DESIGN.md: the gateway, not the mind, reports the slot released). A slot that held another
+(docs/design.md: the gateway, not the mind, reports the slot released). A slot that held another
 mind's context is erased before a new holder's first request, so nothing leaks between minds.
 
 Every decision comes from `engine.admission` (pure); this module does the I/O. The grant table

@@ -4,7 +4,7 @@ It starts `llama-server` with the plan's arguments (layers on device, context fo
 one slot per grantable mind, KV cache type) on a loopback port, captures its load log into a
 receipt (`engine.receipts`), and serves the gateway (`engine.gateway`) on the pod's port, with
 `/healthz`, `/readyz`, `/metrics` and `/v1/runtime`. It is the one writer of the Engine's
-`status.runtime` (DESIGN.md "One writer per status field"): the receipt of the load, the
+`status.runtime` (docs/design.md "One writer per status field"): the receipt of the load, the
 layers llama.cpp actually offloaded, whether it could offload at all, the estimate error per
 pool side, and the slot releases the gateway made. The document goes to a file, to the Engine
 (through `grants_source.EngineStatusWriter`), or both, only when it changed.
@@ -141,7 +141,7 @@ def gateway_args(args: Sequence[str], slot_dir: Path) -> list[str]:
 
 def estimate_errors(plan: dict[str, Any], receipt: Receipt) -> list[dict[str, Any]]:
     """The plan's bytes per side against what llama.cpp allocated: (planned - allocated) /
-    allocated, per side that allocated anything (DESIGN.md rule 5)."""
+    allocated, per side that allocated anything (docs/design.md rule 5)."""
     sides = (plan.get("bytes") or {}) if isinstance(plan, dict) else {}
     out = []
     for side, host in (("device", False), ("host", True)):

@@ -6,7 +6,7 @@
 Entering waits, with the gateway's reason, while the grant is queued or the engine relaunches,
 and no longer than the turn deadline. It never waits while the mind's own grant is being
 reclaimed: that ends the turn at once (`TurnCut`), which is what keeps a reclaim from waiting
-on the turn it blocks (DESIGN.md rule 7). Every wait is recorded on the turn with its reason.
+on the turn it blocks (docs/design.md rule 7). Every wait is recorded on the turn with its reason.
 """
 
 from __future__ import annotations

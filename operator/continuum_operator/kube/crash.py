@@ -1,6 +1,6 @@
 """Crash points: the operator exits at once, as SIGKILL would, at a named point between writes.
 
-For the tests that show a crash anywhere loses or doubles no grant (DESIGN.md rule 9). With
+For the tests that show a crash anywhere loses or doubles no grant (docs/design.md rule 9). With
 `CONTINUUM_CRASH_AT=<point>` (or `<point>@<n>`: at its n-th passage) the process calls
 `os._exit` when it reaches that point: no cleanup, no flush of anything not yet written, no
 Lease released. The points are listed in docs/crash-points.md; `CrashPoint` is their one list.

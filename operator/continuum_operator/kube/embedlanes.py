@@ -9,7 +9,7 @@ placement, every other lane's, and the lane's own (credited back). A lane with a
 own (inline facts) goes to the fresh board that holds the largest context, on the host.
 
 The operator writes `status.placement` (residence, bytes per pool, floors) and the `Placed`
-condition; `status.runtime` is the lane runtime's (DESIGN.md "One writer per status field").
+condition; `status.runtime` is the lane runtime's (docs/design.md "One writer per status field").
 Floors only rise: the placement's floors are carried from one pass to the next. Nothing is
 re-placed on a stale board. The lane's placement is read back into every engine's ledger
 (`core.placements.lane_placement_leases`, through `kube.reconcile.other_leases`), so an engine

@@ -23,7 +23,7 @@ class GrantSettings:
 
     grace_seconds: float = 30.0
     """A reclaimed slot's grace: the gateway reports it released by then, or the release is
-    forced (seconds). DESIGN.md rule 7."""
+    forced (seconds). docs/design.md rule 7."""
     transition_log: Path | None = None
     """The JSON-lines transition log (docs/transition-log.md); None: not written."""
     engine_addresses: Mapping[str, str] = field(default_factory=dict)

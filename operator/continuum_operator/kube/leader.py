@@ -1,6 +1,6 @@
 """Leader election with a coordination.k8s.io Lease: one replica writes, the others stand by.
 
-DESIGN.md: only the operator's leader writes the grant ledger, and the leader is chosen with a
+docs/design.md: only the operator's leader writes the grant ledger, and the leader is chosen with a
 Lease (kopf's peering freezes operators of equal priority, so it is not used). The protocol is
 client-go's: the holder renews `renewTime` every `renew_seconds`; a candidate takes the Lease
 when its holder is empty or `renewTime + leaseDurationSeconds` has passed, by a replace

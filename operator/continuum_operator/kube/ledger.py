@@ -1,6 +1,6 @@
 """An Engine's grant ledger as the API server holds it, read into the allocator and written back.
 
-The ledger's one home is the Engine's `status.grants` (DESIGN.md "The grant ledger has one
+The ledger's one home is the Engine's `status.grants` (docs/design.md "The grant ledger has one
 home"). This module is the translation between that list of plain entries and the pure
 allocator (`core.grants`), with no API calls, so each rule is shown in unit tests:
 

@@ -1,7 +1,7 @@
 """The operator's Prometheus metrics, behind small recorder functions.
 
 Names carry the `continuum_` prefix; label values are enums (damping outcomes) or the engine's
-own namespace and name. Beside `engine/metrics.py` (the gateway's). DESIGN.md rule 3 asks for a
+own namespace and name. Beside `engine/metrics.py` (the gateway's). docs/design.md rule 3 asks for a
 metric wherever a node's memory mode is unknown: `continuum_engine_memory_mode_unknown`.
 Served by `continuum operator --metrics-port`.
 """
@@ -28,7 +28,7 @@ WAIT_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.
 
 #: A reclaim cycle: a mind reclaimed again within this many protection windows of the start of
 #: her previous reclaim (docs/metrics.md). The allocator never preempts within one window
-#: (DESIGN.md rule 7), so a Preempted cycle is a mind preempted as soon as her protection ended;
+#: (docs/design.md rule 7), so a Preempted cycle is a mind preempted once her protection ended;
 #: engine reasons ignore protection and count from 0.
 CYCLE_WINDOWS = 2.0
 
@@ -131,7 +131,7 @@ class OperatorMetrics:
             registry=r,
         )
 
-        # Grants (kube.minds, docs/grants.md): DESIGN.md rule 7 counts and exports reclaims.
+        # Grants (kube.minds, docs/grants.md): docs/design.md rule 7 counts and exports reclaims.
         self.grant_transitions = Counter(
             "continuum_grant_transitions",
             "Grant ledger transitions the leader wrote, by the state entered and the reason.",
@@ -292,7 +292,7 @@ class OperatorMetrics:
     def set_estimate_error(
         self, namespace: str, engine: str, status: Mapping[str, Any] | None
     ) -> None:
-        """The plan in the Engine's status against its runtime's receipt (DESIGN.md rule 5);
+        """The plan in the Engine's status against its runtime's receipt (docs/design.md rule 5);
         no receipt of the plan's placement, no series (see `estimate_errors`)."""
         key = (namespace, engine)
         errors = estimate_errors(status or {})

@@ -7,7 +7,7 @@ that changed, None when nothing did), the Deployment and Service wanted (or none
 `kube.loop` applies them. The clock and the operator's memory of each engine (its damper, nodes
 it backs off from) are passed in.
 
-The rules kept here (DESIGN.md "Placement", "One writer per status field"):
+The rules kept here (docs/design.md "Placement", "One writer per status field"):
 - a placement is assumed (`status.placement.assumed`) when written, before the pod exists, and
   confirmed once the pod is ready; one whose pod is not ready within the start timeout is
   released, the node backed off, and the engine placed again;
@@ -194,7 +194,7 @@ def _facts_from_file(
     uid: str,
     settings: OperatorSettings,
 ) -> tuple[ModelFacts | None, cond.Problem | None, dict[str, Any] | None]:
-    """Facts read from the model's file: from status, or a Job to read them (DESIGN.md)."""
+    """Facts read from the model's file: from status, or a Job to read them (docs/design.md)."""
     source = objects.source_key(engine)
     read = status.get("modelFacts") or {}
     if read and read.get("source") == source:
@@ -429,7 +429,7 @@ class _Pass:
         no_longer_fits = ""
         # A plan records the spec generation it was made for; older plans have none.
         spec_changed = plan_doc.get("specGeneration") not in (None, self.generation)
-        # A spec changed while the board is stale waits for a fresh one (DESIGN.md rule 4: no
+        # A spec changed while the board is stale waits for a fresh one (docs/design.md rule 4: no
         # relaunch on a stale board). The Deployment stays as it runs: built from the new spec
         # with the old plan it would carry the new spec's command line (a model digest), which is
         # a relaunch.

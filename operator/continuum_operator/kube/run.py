@@ -1,6 +1,6 @@
 """`continuum operator`: kopf's watches and the decision loop, together, until stopped.
 
-Runs standalone (no kopf peering: DESIGN.md chooses a coordination Lease for leadership, which
+Runs standalone (no kopf peering: docs/design.md chooses a coordination Lease for leadership, which
 comes with part 2), cluster-wide. Every setting of `kube.settings` that an operator of a cluster
 would tune has a flag; tests use short timings. kopf and the Kubernetes client are imported
 only when the operator starts, so the other subcommands stay quick.
@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "operator",
         help="run the operator against a cluster",
-        description="Place, plan and run Engines from NodeBoards (DESIGN.md); runs until stopped.",
+        description="Place, plan and run Engines from NodeBoards (docs/design.md) until stopped.",
     )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--engine-image", default=d.pods.image, help="image of `continuum engine`")

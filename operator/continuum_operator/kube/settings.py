@@ -37,7 +37,7 @@ def resolve_sharing(configured: GpuSharing, offered: tuple[str, ...]) -> GpuShar
 @dataclass(frozen=True, slots=True)
 class FreshnessSettings:
     lease_namespace: str = "kube-node-lease"
-    """Namespace of the node Leases whose renewal makes a board fresh (DESIGN.md)."""
+    """Namespace of the node Leases whose renewal makes a board fresh (docs/design.md)."""
     default_ttl_seconds: float = 40.0
     """TTL of a Lease that states no `leaseDurationSeconds` (seconds; the kubelet's default)."""
 

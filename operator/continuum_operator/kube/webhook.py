@@ -1,4 +1,4 @@
-"""A mind's child pods run below the engine that serves her (DESIGN.md rule 8, docs/children.md).
+"""A mind's child pods run below the engine serving her (docs/design.md rule 8, docs/children.md).
 
 A mutating admission webhook, served by kopf's admission support, gives every pod a mind spawns
 (labelled `continuum.dev/mind: NAME`, or owned by a Mind) the children's priority class, the

@@ -1,7 +1,7 @@
 """NodeBoard: one node's memory mode and pools, as its agent measures them.
 
 The board is written only by the node agent; its freshness is the node's coordination Lease,
-not the board itself (a quiet board is not a stale one). The shape encodes DESIGN.md rule 1: a
+not the board itself (a quiet board is not a stale one). The shape encodes docs/design.md rule 1: a
 unified board has exactly one `unified` pool, a discrete board one `host` pool and one `device`
 pool per GPU, and an unknown board governs only its `host` pool. `consumers` tells the memory
 of the engines and lanes the operator placed apart from the rest of each pool's usage (the
@@ -89,7 +89,7 @@ class PoolReading(Spec):
 
 
 class CapMechanism(StrEnum):
-    """A per-process GPU memory cap the node can enforce on a pod (DESIGN.md rule 2)."""
+    """A per-process GPU memory cap the node can enforce on a pod (docs/design.md rule 2)."""
 
     HAMI = "hami"  # HAMi's device plugin and libvgpu: `nvidia.com/gpumem` on the pod
     MPS = "mps"  # an NVIDIA MPS control daemon: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT

@@ -1,6 +1,6 @@
 """EmbedLane: an embedding context beside an engine, or with a model of its own.
 
-Charged where it resides (DESIGN.md rule 6): the operator writes `status.placement`
+Charged where it resides (docs/design.md rule 6): the operator writes `status.placement`
 (residence, bytes per pool, floors), the lane runtime writes `status.runtime`.
 """
 

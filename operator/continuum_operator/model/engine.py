@@ -3,7 +3,7 @@
 The spec says what to serve and how much of it (context per mind, minds min..max, offload,
 KV type, reserve, placement); the plan (`core.plan`) turns it into layers on the device and a
 pool size against one node's board. Status parts are written by their one writer each
-(DESIGN.md "One writer per status field"): `plan`, `placement`, `grants`, `enforcement` and
+(docs/design.md "One writer per status field"): `plan`, `placement`, `grants`, `enforcement` and
 `conditions` by the operator, `runtime` by the engine runtime.
 """
 
@@ -394,7 +394,7 @@ class EnginePlacement(Spec):
 
 
 class EngineRelaunches(Spec):
-    """Relaunches of the engine's pod the operator decided (damped: DESIGN.md's lessons)."""
+    """Relaunches of the engine's pod the operator decided (damped: docs/design.md's lessons)."""
 
     count: int = Field(default=0, ge=0)
     last_time: str | None = None

@@ -1,7 +1,7 @@
 """Mind: an agent that takes turns on an engine while it holds a grant of the engine's pool.
 
 The grant's one home is the Engine's `status.grants`; a Mind's `status.grant` is only a
-projection of it, written by the operator (DESIGN.md "The grant ledger has one home").
+projection of it, written by the operator (docs/design.md "The grant ledger has one home").
 """
 
 from __future__ import annotations
