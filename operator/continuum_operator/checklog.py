@@ -43,7 +43,7 @@ INVARIANTS: Mapping[int, str] = {
 QUEUED, GRANTED, RECLAIMING, RELEASED = "Queued", "Granted", "Reclaiming", "Released"
 STATES = frozenset({QUEUED, GRANTED, RECLAIMING, RELEASED})
 HOLDING = frozenset({GRANTED, RECLAIMING})
-PHASES = frozenset({"Serving", "Draining", "Relaunching"})
+PHASES = frozenset({"Serving", "Draining", "Relaunching", "Starting", "Unschedulable"})
 WAIT_OUTCOMES = frozenset({"granted", "deadline", "left"})
 TURN_PHASES = frozenset({"start", "end", "cut"})
 EVENTS = frozenset({"capacity", "transition", "wait", "waitEnd", "turn"})
@@ -52,7 +52,14 @@ EVENTS = frozenset({"capacity", "transition", "wait", "waitEnd", "turn"})
 ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
     (None, QUEUED): frozenset({"Arrived"}),
     (QUEUED, QUEUED): frozenset(
-        {"PoolFull", "WaitingForReclaim", "EngineRelaunching", "QuotaExceeded"}
+        {
+            "PoolFull",
+            "WaitingForReclaim",
+            "EngineRelaunching",
+            "EngineStarting",
+            "EngineUnschedulable",
+            "QuotaExceeded",
+        }
     ),
     (QUEUED, GRANTED): frozenset({"SlotFree"}),
     (GRANTED, GRANTED): frozenset({"SlotMoved"}),

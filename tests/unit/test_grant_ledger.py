@@ -166,12 +166,12 @@ def test_a_new_launch_drains_the_old_slots_and_the_lowest_beyond_the_new_size_is
     assert run.check() == []
 
 
-def test_an_engine_not_ready_grants_nobody_and_queued_minds_wait_for_the_relaunch() -> None:
+def test_an_engine_not_ready_grants_nobody_and_queued_minds_wait_for_its_first_start() -> None:
     run = Run(engine(ready=False))
     s = run.step(100.0, mind("a"))
-    assert s.pool.capacity.phase is EnginePhase.RELAUNCHING
+    assert s.pool.capacity.phase is EnginePhase.STARTING  # it never served: not a relaunch
     assert run.entry("a")["state"] == "Queued"  # type: ignore[index]
-    assert run.entry("a")["reason"] == "EngineRelaunching"  # type: ignore[index]
+    assert run.entry("a")["reason"] == "EngineStarting"  # type: ignore[index]
 
 
 def test_a_mind_asking_more_than_a_slot_is_refused_and_told_why() -> None:
@@ -184,7 +184,7 @@ def test_a_mind_asking_more_than_a_slot_is_refused_and_told_why() -> None:
         8192,
     )
     grant, conds = ledger.projection(e, "minds/coder", 4096, 8192)
-    assert grant is not None and grant["state"] == "Released"
+    assert grant is not None and grant["state"] == "Refused"  # never granted: not "Released"
     ok, reason, message = conds[ledger.MindConditionType.CONTEXT_TOO_LARGE]
     assert ok and reason == "ContextTooLarge" and "8192" in message and "4096" in message
     table = table_from_engine(run.body)

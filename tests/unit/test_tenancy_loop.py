@@ -157,7 +157,8 @@ def test_a_mind_of_a_namespace_the_engine_does_not_serve_gets_no_grant_and_is_to
     assert (cond["status"], cond["reason"]) == ("False", "EngineNotAllowed")
     assert "Engine shared/coder does not serve namespace team-c" in cond["message"]
     assert "spec.allowedNamespaces" in cond["message"]
-    assert w.status("minds", "team-c", "cid").get("grant") is None
+    grant = w.status("minds", "team-c", "cid")["grant"]  # `kubectl get minds` says it too
+    assert (grant["state"], grant["reason"], grant["tokens"]) == ("Refused", "EngineNotAllowed", 0)
 
 
 def test_a_mind_naming_an_engine_that_does_not_exist_is_told_so_once(tmp_path: Path) -> None:

@@ -16,7 +16,9 @@ Rule 7 in code:
   protection window is not preempted, nor a mind reclaimed within that window.
 - An engine changing size or relaunching drains: every grant is reclaimed (the lowest ranked
   beyond the new size with `EngineShrunk`, the rest `EngineRelaunching`), protection windows
-  notwithstanding, because llama.cpp cannot resize a KV buffer in place.
+  notwithstanding, because llama.cpp cannot resize a KV buffer in place. Queued minds wait
+  with the engine's reason: `EngineRelaunching` (it served before), `EngineStarting` (it never
+  has yet), `EngineUnschedulable` (no node takes it).
 - A mind asking more than a slot holds is refused with `ContextTooLarge`, never squeezed; one
   asking more than her class allows (`MindClass.maxTokens`) with `ClassLimit`. A grant holds
   the slot's tokens, or her class's limit where that is smaller.
@@ -42,6 +44,10 @@ class GrantReason(StrEnum):
     POOL_FULL = "PoolFull"
     WAITING_FOR_RECLAIM = "WaitingForReclaim"
     ENGINE_RELAUNCHING = "EngineRelaunching"
+    # Queued while the engine has never served: placed, its pod not ready yet; or no node
+    # takes it (its Ready condition says why).
+    ENGINE_STARTING = "EngineStarting"
+    ENGINE_UNSCHEDULABLE = "EngineUnschedulable"
     SLOT_FREE = "SlotFree"
     SLOT_MOVED = "SlotMoved"
     PREEMPTED = "Preempted"
@@ -65,7 +71,16 @@ ENGINE_REASONS = frozenset({GrantReason.ENGINE_SHRUNK, GrantReason.ENGINE_RELAUN
 class EnginePhase(StrEnum):
     SERVING = "Serving"
     DRAINING = "Draining"
-    RELAUNCHING = "Relaunching"
+    RELAUNCHING = "Relaunching"  # served before; its process is coming back
+    STARTING = "Starting"  # never served yet: placed (or about to be), pod not ready
+    UNSCHEDULABLE = "Unschedulable"  # no node takes it as it is (its Ready condition says why)
+
+
+# Why a queued mind waits on an engine that is not serving, by the engine's phase.
+_WAIT_REASONS: Mapping[EnginePhase, GrantReason] = {
+    EnginePhase.STARTING: GrantReason.ENGINE_STARTING,
+    EnginePhase.UNSCHEDULABLE: GrantReason.ENGINE_UNSCHEDULABLE,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,7 +425,8 @@ def _drain(step: _Step, capacity: Capacity, policy: Policy) -> None:
                 GrantReason.ENGINE_RELAUNCHING if g.mind in survivors else GrantReason.ENGINE_SHRUNK
             )
             _reclaim(step, g, reason, policy)
-    _set_wait_reason(step, (m.name for m in _queued(step)), GrantReason.ENGINE_RELAUNCHING)
+    wait = _WAIT_REASONS.get(capacity.phase, GrantReason.ENGINE_RELAUNCHING)
+    _set_wait_reason(step, (m.name for m in _queued(step)), wait)
 
 
 def _protected(g: Grant, m: MindDemand, now: float) -> bool:

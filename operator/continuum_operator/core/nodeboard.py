@@ -38,6 +38,8 @@ from continuum_operator.model.board import (
     NodeBoardStatus,
     PoolKind,
     PoolReading,
+    capacity_text,
+    gib_text,
 )
 
 __all__ = ["HostPool", "board_status", "host_pool"]
@@ -116,6 +118,8 @@ def _board(
             CapMechanismReading(mechanism=m.mechanism, evidence=m.evidence)
             for m in sorted(readings.mechanisms, key=lambda m: m.mechanism)
         ],
+        capacity=capacity_text(pools),
+        per_process_cap=gib_text(cap),
     )
 
 

@@ -30,9 +30,11 @@ import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal, localcontext
 from enum import StrEnum
 from typing import Any
 
+from continuum_operator.core import conditions as cond
 from continuum_operator.core.grants import (
     REFUSALS,
     Capacity,
@@ -44,7 +46,7 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
-from continuum_operator.model.mind import GrantState
+from continuum_operator.model.mind import GrantState, ProjectedState
 
 __all__ = [
     "CAPACITY_FIELD",
@@ -57,13 +59,16 @@ __all__ = [
     "capacity_line",
     "capacity_of",
     "demands_of",
+    "engine_note",
     "engine_serves",
     "grant_entries",
     "iso_micro",
+    "journal",
     "log_lines",
     "projection",
     "quota_limits",
     "read_grants",
+    "read_journal",
     "refused_projection",
     "released_of",
     "route_minds",
@@ -79,6 +84,10 @@ CAPACITY_FIELD = "grantCapacity"
 STEP_FIELD = "grantStep"
 
 _HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
+# Queue reasons that are the engine's, not the pool's: the projection says why it is not serving.
+_ENGINE_WAITS = frozenset(
+    {GrantReason.ENGINE_RELAUNCHING, GrantReason.ENGINE_STARTING, GrantReason.ENGINE_UNSCHEDULABLE}
+)
 
 
 class MindConditionType(StrEnum):
@@ -96,6 +105,64 @@ class RouteReason(StrEnum):
 
 def iso_micro(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def rfc3339_exact(t: float) -> str:
+    """Unix seconds as RFC 3339 whose fraction is the shortest that reads back (`unix_of`) as
+    the same float, so a journaled step is logged with the times it was decided at."""
+    positional = format(Decimal(repr(float(t))), "f")  # repr: the shortest exact digits
+    whole, _, frac = positional.partition(".")
+    stamp = datetime.fromtimestamp(int(whole), UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{stamp}.{frac or '0'}Z"
+
+
+def unix_of(value: Any) -> float | None:
+    """Unix seconds from `rfc3339_exact`'s text (or a number, as journals were once written);
+    None for anything else."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, str) or not value.endswith("Z"):
+        return None
+    head, _, frac = value[:-1].partition(".")
+    if frac and not frac.isdigit():
+        return None
+    try:
+        whole = datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC).timestamp()
+        with localcontext() as exact:
+            exact.prec = 60  # wide enough that the sum below is exact
+            return float(Decimal(int(whole)) + Decimal(f"0.{frac or '0'}"))
+    except (ValueError, ArithmeticError):
+        return None
+
+
+# Times in a journaled step's lines: RFC 3339 in the Engine's status, Unix seconds in the log.
+_JOURNAL_TIMES = ("t", "deadline")
+
+
+def journal(seq: int, t: float, lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """`status.grantStep`: a step's seq, time and log lines, times as RFC 3339 for a reader of
+    the Engine (the log keeps Unix seconds; `read_journal` turns them back exactly)."""
+
+    def text(line: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            k: rfc3339_exact(v) if k in _JOURNAL_TIMES and isinstance(v, int | float) else v
+            for k, v in line.items()
+        }
+
+    return {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in lines]}
+
+
+def read_journal(doc: Any) -> dict[str, Any] | None:
+    """The journaled step with the log's Unix seconds again, or None when it cannot be read."""
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("lines"), list):
+        return None
+    lines = []
+    for x in doc["lines"]:
+        if not isinstance(x, Mapping) or unix_of(x.get("t")) is None:
+            return None
+        lines.append({k: unix_of(v) if k in _JOURNAL_TIMES and v is not None else v
+                      for k, v in x.items()})  # fmt: skip
+    return {**doc, "t": unix_of(doc.get("t")), "lines": lines}
 
 
 def _parse_time(text: Any) -> float | None:
@@ -221,11 +288,39 @@ def holds_another_launch(status: Mapping[str, Any]) -> bool:
     return any(e.get("state") in _HOLDING for e in status.get("grants") or [])
 
 
+def _condition(status: Mapping[str, Any], type_: cond.ConditionType) -> Mapping[str, Any]:
+    for c in status.get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
+
+
 def _ready(status: Mapping[str, Any]) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
+    return _condition(status, cond.ConditionType.READY).get("status") == "True"
+
+
+# The Planned reasons of a spec no node takes until it changes (the Ready condition says why).
+_NEVER_PLACED = frozenset({cond.Reason.INVALID_SPEC, cond.Reason.FACTS_MISSING})
+# Phases of an engine that has served: a later pause in serving is a relaunch.
+_SERVED = frozenset({EnginePhase.SERVING, EnginePhase.DRAINING, EnginePhase.RELAUNCHING})
+
+
+def _unschedulable(status: Mapping[str, Any]) -> bool:
+    """Whether no node takes the engine as it is: its Unschedulable condition, or a spec the
+    planner refuses (its Planned condition)."""
+    return (
+        _condition(status, cond.ConditionType.UNSCHEDULABLE).get("status") == "True"
+        or _condition(status, cond.ConditionType.PLANNED).get("reason") in _NEVER_PLACED
     )
+
+
+def engine_note(engine: Mapping[str, Any]) -> str:
+    """Why an engine is not serving, in its Ready condition's words ('' when it says nothing)."""
+    ready = _condition(engine.get("status") or {}, cond.ConditionType.READY)
+    if ready.get("status") == "True":
+        return ""
+    reason, message = str(ready.get("reason") or ""), str(ready.get("message") or "")
+    return f"{reason}: {message}" if reason and message else reason or message
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +350,10 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
     - Draining: the plan's launch changed (a relaunch or a resize: llama.cpp cannot resize its
       KV buffer in place) while minds still hold slots of the old one; the old size stands
       until every slot is released, and the new size decides who is `EngineShrunk`.
-    - Relaunching: otherwise (not placed yet, pod starting); queued minds wait, nobody is granted.
+    - Otherwise queued minds wait and nobody is granted: `Unschedulable` while no node takes
+      it (its Unschedulable condition, or a spec the planner refuses); `Relaunching` when it
+      served before (the ledger's last pool says so); `Starting` when it never has (not placed
+      yet, or its first pod not ready).
     """
     spec = engine.get("spec") or {}
     status = engine.get("status") or {}
@@ -278,7 +376,13 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
         )
     if _ready(status) and launch is not None and slots > 0:
         return Pool(Capacity(EnginePhase.SERVING, slots, tokens), launch)
-    return Pool(Capacity(EnginePhase.RELAUNCHING, slots, tokens), launch)
+    if _unschedulable(status):
+        phase = EnginePhase.UNSCHEDULABLE
+    elif recorded.get("phase") in _SERVED:
+        phase = EnginePhase.RELAUNCHING
+    else:
+        phase = EnginePhase.STARTING
+    return Pool(Capacity(phase, slots, tokens), launch)
 
 
 # --- minds ------------------------------------------------------------------------------------
@@ -499,8 +603,10 @@ def step(
     )
     segments = [(pool, result.transitions)]
     if pool.capacity.phase is EnginePhase.DRAINING and not result.holders():
-        # Drained: the successor's pool at once, so no step ends with a free slot unused.
-        pool = capacity_of({**engine, "status": {**status, CAPACITY_FIELD: None}}, result.grants)
+        # Drained: the successor's pool at once, so no step ends with a free slot unused. The
+        # old launch is forgotten; that the engine served is not (a pause is a relaunch).
+        drained = {"phase": EnginePhase.DRAINING.value}
+        pool = capacity_of({**engine, "status": {**status, CAPACITY_FIELD: drained}}, result.grants)
         result = allocate(
             result.grants,
             demands.values(),
@@ -579,11 +685,16 @@ def projection(
     *,
     class_note: str = "",
     quota_note: str = "",
+    engine_note: str = "",
 ) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
     """A Mind's `status.grant` from her ledger entry, and her conditions (type -> status,
     reason, message). None when the ledger does not (or no longer) hold her. `class_note`
     names her class and its limit (for `ClassLimit`); `quota_note` her namespace's quota, its
-    use and limit (for `QuotaExceeded`)."""
+    use and limit (for `QuotaExceeded`); `engine_note` why the engine is not serving (for
+    the reasons a queue waits on the engine with).
+
+    A refusal is `Released` in the ledger (the allocator's state table) but `Refused` in her
+    projection: she was never granted, and `kubectl get minds` should not say she was."""
     if entry is None:
         return None, {
             MindConditionType.GRANTED: (False, "NotInLedger", f"not in Engine {engine}'s ledger"),
@@ -604,6 +715,12 @@ def projection(
             "she is granted when the namespace's minds release enough tokens, or raise the "
             "TokenQuota's spec.maxTokens"
         )
+    elif state == GrantState.QUEUED and reason in _ENGINE_WAITS:
+        why = f": {engine_note}" if engine_note else ""
+        message = (
+            f"queued at position {entry.get('position')} ({reason}): Engine {engine} is not "
+            f"serving{why}"
+        )
     elif state == GrantState.QUEUED:
         message = f"queued at position {entry.get('position')} ({reason})"
     elif reason == GrantReason.CONTEXT_TOO_LARGE:
@@ -618,15 +735,15 @@ def projection(
         )
     else:
         message = reason
+    too_large = state == GrantState.RELEASED and reason in REFUSALS
     grant: dict[str, Any] = {
-        "state": state,
+        "state": ProjectedState.REFUSED.value if too_large else state,
         "tokens": int(entry.get("tokens") or 0),
         "slot": entry.get("slot"),  # None: removed by the merge patch
         "since": entry.get("since"),
         "reason": reason,
         "message": message,
     }
-    too_large = state == GrantState.RELEASED and reason in REFUSALS
     conditions: dict[str, tuple[bool, str, str]] = {
         MindConditionType.GRANTED: (state == GrantState.GRANTED, reason, message),
         MindConditionType.CONTEXT_TOO_LARGE: (
@@ -651,8 +768,17 @@ def engine_not_found(key: tuple[str, str]) -> Refused:
 def refused_projection(
     refused: Refused,
 ) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
-    """The projection of a Mind kept out of the allocator: no grant, and why."""
-    return None, {
+    """The projection of a Mind kept out of the allocator: `Refused`, holding nothing, and why
+    (in `kubectl get minds` as in her Granted condition)."""
+    grant = {
+        "state": ProjectedState.REFUSED.value,
+        "tokens": 0,
+        "slot": None,
+        "since": None,
+        "reason": refused.reason.value,
+        "message": refused.message,
+    }
+    return grant, {
         MindConditionType.GRANTED: (False, refused.reason.value, refused.message),
         MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
     }

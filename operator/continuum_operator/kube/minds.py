@@ -489,7 +489,8 @@ class GrantsLoop:
         mine = sorted(k for k in dirty if k in engines)
         for key in mine:  # steps a dead leader wrote but did not log
             self.log.recover(
-                f"{key[0]}/{key[1]}", (engines[key].get("status") or {}).get(ledger.STEP_FIELD)
+                f"{key[0]}/{key[1]}",
+                ledger.read_journal((engines[key].get("status") or {}).get(ledger.STEP_FIELD)),
             )
 
         wanted = {
@@ -653,7 +654,7 @@ class GrantsLoop:
             lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
             status["grants"] = s.entries
             status[ledger.CAPACITY_FIELD] = s.pool.to_status()
-            status[ledger.STEP_FIELD] = {"seq": seq, "t": now, "lines": lines}
+            status[ledger.STEP_FIELD] = ledger.journal(seq, now, lines)
             doc = {
                 "apiVersion": API_VERSION,
                 "kind": "Engine",
@@ -771,6 +772,7 @@ class GrantsLoop:
                     asked,
                     class_note=notes.class_note(m) if notes else "",
                     quota_note=notes.quota_note(meta["namespace"]) if notes else "",
+                    engine_note=ledger.engine_note(engine),
                 )
             if self.projection_differs(m, grant, conds, self.endpoint(key)):
                 job = partial(self.project_one, mkey, grant, conds, self.endpoint(key))

@@ -138,6 +138,20 @@ class NodeBoardStatus(Spec):
     )
     cap_mechanisms: list[CapMechanismReading] = Field(default_factory=list, max_length=8)
     conditions: list[Condition] = Field(default_factory=list)
+    # For people only (kubectl cannot print bytes as GiB): written by the board's writer from
+    # the fields above with `capacity_text` and `gib_text`; nothing reads them back.
+    capacity: str = Field(
+        default="",
+        max_length=4096,
+        description="The pools' capacities in GiB, for `kubectl get nodeboards` "
+        "(from pools[].capacityBytes).",
+    )
+    per_process_cap: str = Field(
+        default="",
+        max_length=64,
+        description="perProcessCapBytes in GiB, for `kubectl get nodeboards -o wide` "
+        "('none' when the node has no per-process cap).",
+    )
 
     @field_validator("pools")
     @classmethod
@@ -197,6 +211,23 @@ class NodeBoardStatus(Spec):
         return consumers
 
 
+def gib_text(n: int | None) -> str:
+    """Bytes as people read them in a column: '79.2 GiB'; 'none' for no value."""
+    return "none" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def capacity_text(pools: list[PoolReading]) -> str:
+    """The pools' capacities, one phrase: 'unified 119.2 GiB', 'device0 79.2 GiB, host 503.5
+    GiB' (device pools by GPU index)."""
+    return (
+        ", ".join(
+            f"{p.kind}{'' if p.device is None else p.device} {gib_text(p.capacity_bytes)}"
+            for p in pools
+        )
+        or "no pools"
+    )
+
+
 def _kinds(kinds: list[PoolKind]) -> str:
     return "[" + ", ".join(str(k) for k in kinds) + "]" if kinds else "no pools"
 
@@ -208,7 +239,8 @@ class NodeBoard(Resource):
     NAMESPACED = False
     PRINTER_COLUMNS = (
         {"name": "Mode", "type": "string", "jsonPath": ".status.memoryMode"},
-        {"name": "Cap", "type": "integer", "jsonPath": ".status.perProcessCapBytes", "priority": 1},
+        {"name": "Capacity", "type": "string", "jsonPath": ".status.capacity"},
+        {"name": "Cap", "type": "string", "jsonPath": ".status.perProcessCap", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 

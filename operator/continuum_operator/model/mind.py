@@ -21,6 +21,19 @@ class GrantState(StrEnum):
     RELEASED = "Released"
 
 
+class ProjectedState(StrEnum):
+    """A Mind's `status.grant.state`: her ledger entry's state, or `Refused` when she holds
+    nothing until her spec, her class or the Engine changes: asking more than a slot or her
+    class holds (`Released` in the ledger), or kept out of it (Engine or class not found, an
+    Engine that does not serve her namespace)."""
+
+    QUEUED = "Queued"
+    GRANTED = "Granted"
+    RECLAIMING = "Reclaiming"
+    RELEASED = "Released"
+    REFUSED = "Refused"
+
+
 class MindSpec(Spec):
     engine: Name = Field(description="The Engine whose pool the mind draws on.")
     engine_namespace: Name | None = Field(
@@ -36,7 +49,7 @@ class MindSpec(Spec):
 
 
 class GrantProjection(Spec):
-    state: GrantState
+    state: ProjectedState
     tokens: int = Field(default=0, ge=0)
     slot: int | None = Field(default=None, ge=0)
     since: str | None = None
@@ -64,7 +77,8 @@ class Mind(Resource):
         {"name": "Class", "type": "string", "jsonPath": ".spec.className"},
         {"name": "Grant", "type": "string", "jsonPath": ".status.grant.state"},
         {"name": "Tokens", "type": "integer", "jsonPath": ".status.grant.tokens"},
-        {"name": "Reason", "type": "string", "jsonPath": ".status.grant.reason", "priority": 1},
+        {"name": "Reason", "type": "string", "jsonPath": ".status.grant.reason"},
+        {"name": "Message", "type": "string", "jsonPath": ".status.grant.message", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
