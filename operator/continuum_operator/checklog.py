@@ -544,20 +544,38 @@ def _read(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 yield n, json.loads(text)
             except json.JSONDecodeError as err:
+                if not text.endswith("\n"):
+                    # Every writer ends a line with a newline: this one stopped part-way.
+                    raise LogFormatError(
+                        n,
+                        f"the last line is cut short (not JSON: {err.msg} at column "
+                        f"{err.colno}, and no newline): the log is truncated; check a "
+                        "complete copy, or drop the partial line to check the rest",
+                    ) from None
                 raise LogFormatError(n, f"not JSON: {err.msg} at column {err.colno}") from None
 
 
 def check_file(path: Path | str) -> list[Violation]:
     """`check` over a JSON-lines file; blank lines are skipped but still counted.
 
-    Raises `LogFormatError` for a malformed line and `OSError` for an unreadable file.
+    Raises `LogFormatError` for a malformed or cut-short line, or a log with no line at all
+    (an empty log proves nothing: it must not read as every invariant holding), and `OSError`
+    for an unreadable file.
     """
     c = _Checker()
+    lines = 0
     try:
         for n, raw in _read(Path(path)):
             c.line(n, raw)
+            lines += 1
     except UnicodeDecodeError as err:
         raise LogFormatError(0, f"not UTF-8 text: {err.reason}") from None
+    if lines == 0:
+        raise LogFormatError(
+            0,
+            "the log is empty: no line to check, so nothing is shown to hold; is it the "
+            "operator's --transition-log file, and has a grant changed since it started?",
+        )
     return c.finish()
 
 

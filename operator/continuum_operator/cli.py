@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from continuum_operator import checklog, cli_facts, procclass, scenario
+from continuum_operator import checklog, cli_facts, cli_model, procclass, scenario
 from continuum_operator.agent import cli as agent_cli
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     scenario.add_parser(sub)
     checklog.add_parser(sub)
     cli_facts.add_parser(sub)
+    cli_model.add_parser(sub)
     engine_runtime.add_parser(sub)
     embed_runtime.add_parser(sub)
     agent_cli.add_parser(sub)

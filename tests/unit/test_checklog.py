@@ -561,3 +561,34 @@ def test_check_numbers_the_lines_of_dicts_from_one() -> None:
 def test_an_unreadable_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-log", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"], ids=["empty", "blank-lines"])
+def test_an_empty_log_says_so_and_exits_2_rather_than_holding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text(text)
+    assert main(["check-log", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: the log is empty") and "--transition-log" in err
+    with pytest.raises(LogFormatError, match="the log is empty"):
+        check_file(path)
+
+
+def test_a_log_cut_off_mid_line_says_it_is_truncated_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = _write(tmp_path, ALL_EVENTS).read_text()
+    path = tmp_path / "cut.jsonl"
+    path.write_text(whole[: whole.rindex("\n", 0, len(whole) - 1) + 20])  # 19 chars of the last
+    assert main(["check-log", str(path)]) == 2
+    err = capsys.readouterr().err
+    last = whole.count("\n")
+    assert err.startswith(f"error: {path}:{last}: the last line is cut short")
+    assert "truncated" in err
+    # The same bad JSON mid-file, newline and all, is malformed rather than truncated.
+    path.write_text(whole[:19] + "\n" + whole)
+    assert main(["check-log", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:1: not JSON") and "cut short" not in err
