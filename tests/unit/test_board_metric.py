@@ -20,6 +20,10 @@ NOW = 1_800_000_000.0
 GiB = 2**30
 
 
+def _cache() -> Cache:
+    return Cache(clock=lambda: NOW)  # the loop gives it its own clock when made
+
+
 def _loop(cache: Cache, metrics: OperatorMetrics, clock: list[float]) -> Loop:
     fake: Any = object()  # record_boards makes no API call
     api: KubeApi = fake
@@ -46,7 +50,7 @@ def _value(metrics: OperatorMetrics, node: str) -> float | None:
 
 
 def test_a_board_whose_lease_was_renewed_in_time_is_fresh_and_one_past_it_is_stale() -> None:
-    cache, metrics, clock = Cache(), OperatorMetrics(), [NOW]
+    cache, metrics, clock = _cache(), OperatorMetrics(), [NOW]
     for node in ("n-fresh", "n-stale", "n-nolease"):
         _board(cache, node)
     _lease(cache, "n-fresh", NOW - 10)
@@ -58,7 +62,7 @@ def test_a_board_whose_lease_was_renewed_in_time_is_fresh_and_one_past_it_is_sta
 
 
 def test_a_board_goes_stale_as_time_passes_and_fresh_again_when_renewed() -> None:
-    cache, metrics, clock = Cache(), OperatorMetrics(), [NOW]
+    cache, metrics, clock = _cache(), OperatorMetrics(), [NOW]
     _board(cache, "n1")
     _lease(cache, "n1", NOW)
     loop = _loop(cache, metrics, clock)
@@ -73,7 +77,7 @@ def test_a_board_goes_stale_as_time_passes_and_fresh_again_when_renewed() -> Non
 
 
 def test_a_deleted_board_leaves_the_metric() -> None:
-    cache, metrics, clock = Cache(), OperatorMetrics(), [NOW]
+    cache, metrics, clock = _cache(), OperatorMetrics(), [NOW]
     _board(cache, "n1")
     _board(cache, "n2")
     loop = _loop(cache, metrics, clock)

@@ -56,13 +56,32 @@ class Clock:
         return self.now
 
 
+class Skewed:
+    """Another process's view of the same time: its clock `offset` seconds apart."""
+
+    def __init__(self, clock: Clock, offset: float) -> None:
+        self.clock, self.offset = clock, offset
+
+    def __call__(self) -> float:
+        return self.clock.now + self.offset
+
+
 SETTINGS = LeaderSettings(duration_seconds=10.0, renew_seconds=2.0)
 
 
-def electors() -> tuple[FakeLeases, Clock, Elector, Elector]:
+def electors(
+    wall_skew: float = 0.0, monotonic_skew: float = 0.0
+) -> tuple[FakeLeases, Clock, Elector, Elector]:
+    """Two replicas on one Lease; the second's wall and monotonic clocks apart by the skews."""
     api, clock = FakeLeases(), Clock()
-    one = Elector(api, SETTINGS, "one", clock)  # type: ignore[arg-type]
-    two = Elector(api, SETTINGS, "two", clock)  # type: ignore[arg-type]
+    one = Elector(api, SETTINGS, "one", clock, monotonic=clock)  # type: ignore[arg-type]
+    two = Elector(
+        api,  # type: ignore[arg-type]
+        SETTINGS,
+        "two",
+        Skewed(clock, wall_skew),
+        monotonic=Skewed(clock, monotonic_skew),
+    )
     return api, clock, one, two
 
 
@@ -76,6 +95,7 @@ def test_of_two_candidates_exactly_one_leads_and_the_other_stands_by() -> None:
 def test_a_standby_takes_over_only_once_the_leaders_lease_has_lapsed() -> None:
     _, clock, one, two = electors()
     one.try_acquire_or_renew()
+    assert two.try_acquire_or_renew() is False  # the standby sees the Lease written
     clock.now += 9.0  # the leader died; its Lease has a second left
     assert two.try_acquire_or_renew() is False
     # The dead leader would have stopped writing before anyone could take over.
@@ -136,3 +156,35 @@ def test_a_clean_stop_during_an_outage_raises_nothing_and_stops_leading() -> Non
     one.release()
     assert not one.is_leader()
     assert two.try_acquire_or_renew() is False  # the Lease was not handed over: it lapses
+
+
+def test_a_standby_whose_wall_clock_is_4_s_ahead_never_leads_while_the_leader_does() -> None:
+    # The leader renews on time, then stalls (a long pause, a cut to the API server) and
+    # writes on until its own deadline; the standby polls every half second. Compared with
+    # `renewTime` on its own clock, the standby took over 4 s early, while the leader still wrote.
+    _, clock, one, two = electors(wall_skew=4.0, monotonic_skew=-123_456.0)
+    assert one.try_acquire_or_renew() is True
+    took_over = None
+    for step in range(80):
+        clock.now += 0.5
+        if step < 10 and step % 4 == 3:
+            assert one.try_acquire_or_renew() is True  # renewed on time, then no more
+        two.try_acquire_or_renew()
+        assert not (one.is_leader() and two.is_leader()), f"both led at {clock.now}"
+        if two.is_leader() and took_over is None:
+            took_over = clock.now
+    assert took_over is not None  # and the standby does take over once the Lease has lapsed
+
+
+def test_a_standby_counts_a_lease_it_first_sees_as_renewed_then() -> None:
+    # Its `renewTime` says the Lease lapsed long ago (or a clock far behind wrote it): the
+    # standby cannot tell which, so it waits a full duration from when it first saw it.
+    api, clock, one, two = electors()
+    one.try_acquire_or_renew()
+    lease = next(iter(api.objects.values()))
+    lease["spec"]["renewTime"] = "2020-01-01T00:00:00.000000Z"
+    assert two.try_acquire_or_renew() is False
+    clock.now += 9.9
+    assert two.try_acquire_or_renew() is False
+    clock.now += 0.2
+    assert two.try_acquire_or_renew() is True

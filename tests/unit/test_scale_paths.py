@@ -14,7 +14,7 @@ from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.kube.api import resource_of
-from continuum_operator.kube.cache import Cache, EngineKey
+from continuum_operator.kube.cache import Cache, EngineKey, parse_time
 from continuum_operator.kube.reconcile import other_leases
 from tests.builders import board, board_body, engine_body
 from tests.builders import engine as parsed_engine
@@ -88,11 +88,16 @@ def test_the_cache_index_gives_the_leases_a_parse_of_every_engine_gives() -> Non
     }
 
 
+T0 = parse_time("2026-01-01T00:00:00.000000Z") or 0.0
+
+
 def test_a_lease_renewed_before_it_expired_does_not_wake_the_loop() -> None:
-    cache = Cache()
+    now = [T0]
+    cache = Cache(clock=lambda: now[0])
     cache.observe_lease(lease("n1", 1, "2026-01-01T00:00:00.000000Z"), deleted=False)
     assert cache.changed.is_set()  # a node seen for the first time
     cache.changed.clear()
+    now[0] = T0 + 30
     cache.observe_lease(lease("n1", 2, "2026-01-01T00:00:30.000000Z"), deleted=False)
     assert not cache.changed.is_set()
     assert cache.leases["n1"].resource_version == "2"  # still recorded, for the next pass
@@ -107,10 +112,24 @@ def test_a_lease_renewed_before_it_expired_does_not_wake_the_loop() -> None:
     ],
 )
 def test_a_lease_renewed_late_or_changed_wakes_the_loop(renew: str, duration: int) -> None:
-    cache = Cache()
+    now = [T0]
+    cache = Cache(clock=lambda: now[0])
     cache.observe_lease(lease("n1", 1, "2026-01-01T00:00:00.000000Z"), deleted=False)
     cache.changed.clear()
+    now[0] = max(T0, parse_time(renew) or 0.0)
     cache.observe_lease(lease("n1", 2, renew, duration), deleted=False)
+    assert cache.changed.is_set()
+
+
+def test_a_renewal_seen_after_the_board_went_stale_on_our_clock_wakes_the_loop() -> None:
+    # The agent's clock says it renewed 30 s after the last (in time), but we saw it 41 s after
+    # the last: the board was stale meanwhile, whatever the agent's clock says.
+    now = [T0]
+    cache = Cache(clock=lambda: now[0])
+    cache.observe_lease(lease("n1", 1, "2026-01-01T00:00:00.000000Z"), deleted=False)
+    cache.changed.clear()
+    now[0] = T0 + 41
+    cache.observe_lease(lease("n1", 2, "2026-01-01T00:00:30.000000Z"), deleted=False)
     assert cache.changed.is_set()
 
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
 
-from continuum_operator.core.heartbeat import node_of_lease
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, node_of_lease
 from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
 from continuum_operator.kube.objects import FACTS_FOR_LABEL, GPU_RESOURCE, LAUNCH_ANNOTATION
@@ -53,9 +54,34 @@ class BoardEntry:
 
 @dataclass(frozen=True, slots=True)
 class LeaseEntry:
-    renew_time: float | None
+    renew_time: float | None  # the agent's wall clock: compared only with its own earlier ones
     duration_seconds: float | None
     resource_version: str
+    # When this process counts the last renewal from, on its own clock (`renewal_counted_from`);
+    # None in an entry built by hand, which counts from `renew_time`.
+    counted_from: float | None = None
+
+
+def renewal_counted_from(
+    known: LeaseEntry | None, renew_time: float | None, now: float
+) -> float | None:
+    """When this process counts a Lease's last renewal from, as client-go's leader election
+    counts from `observedTime`: a renewal is counted from when it is seen, so an agent whose
+    clock runs ahead of ours cannot keep a board fresh past its duration. `renewTime` is only
+    compared with the same agent's earlier `renewTime`, both on its own clock. A Lease seen for
+    the first time (or moved back) counts from its own `renewTime` if that is earlier than now:
+    of its age only what its clock shows and no more than it could be, so a board an agent
+    abandoned long ago is not believed on the operator's start; a clock behind ours makes the
+    board stale early only until the agent's next renewal.
+    """
+    if renew_time is None:
+        return None
+    if known is not None and known.renew_time is not None and known.counted_from is not None:
+        if renew_time > known.renew_time:
+            return now  # renewed since we last saw it: counted from now
+        if renew_time == known.renew_time:
+            return known.counted_from  # the same renewal (a label, a resync)
+    return min(now, renew_time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +160,7 @@ class Snapshot:
 
 @dataclass
 class Cache:
-    lease_namespace: str = "kube-node-lease"
+    lease_namespace: str = LEASE_NAMESPACE
     boards: dict[str, BoardEntry] = field(default_factory=dict)
     leases: dict[str, LeaseEntry] = field(default_factory=dict)
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
@@ -144,6 +170,7 @@ class Cache:
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
     lanes: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)  # EmbedLanes
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    clock: Callable[[], float] = time.time  # the loop's: when a Lease's renewal was seen
     engine_leases: dict[EngineKey, PlacedLeases] = field(default_factory=dict)
     engines_on: dict[str, frozenset[EngineKey]] = field(default_factory=dict)
     # Engines are observed from the loop and from the grants loop's threads: their index with
@@ -278,13 +305,16 @@ class Cache:
         else:
             spec = obj.get("spec") or {}
             duration = spec.get("leaseDurationSeconds")
+            renew_time = parse_time(spec.get("renewTime") or spec.get("acquireTime"))
+            now = self.clock()
             entry = LeaseEntry(
-                renew_time=parse_time(spec.get("renewTime") or spec.get("acquireTime")),
+                renew_time=renew_time,
                 duration_seconds=float(duration) if duration is not None else None,
                 resource_version=str(meta.get("resourceVersion", "")),
+                counted_from=renewal_counted_from(known, renew_time, now),
             )
             self.leases[node] = entry
-            if known is not None and _renewed_in_time(known, entry):
+            if known is not None and _renewed_in_time(known, entry, now):
                 # The board stayed fresh throughout: no decision changes, and a pass over every
                 # engine for each node's heartbeat would never rest. The next resync reads it.
                 return
@@ -426,13 +456,17 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-def _renewed_in_time(known: LeaseEntry, new: LeaseEntry) -> bool:
-    """The Lease was renewed before it expired, for as long as before: fresh all along."""
+def _renewed_in_time(known: LeaseEntry, new: LeaseEntry, now: float) -> bool:
+    """The Lease was renewed (its own clock moved on) and seen before it expired on ours, for as
+    long as before: fresh all along."""
     if known.renew_time is None or new.renew_time is None or known.duration_seconds is None:
+        return False
+    if known.counted_from is None:
         return False
     return (
         new.duration_seconds == known.duration_seconds
-        and known.renew_time <= new.renew_time <= known.renew_time + known.duration_seconds
+        and known.renew_time <= new.renew_time
+        and now <= known.counted_from + known.duration_seconds
     )
 
 

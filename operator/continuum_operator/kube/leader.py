@@ -3,10 +3,19 @@
 docs/design.md: only the operator's leader writes the grant ledger, and the leader is chosen with a
 Lease (kopf's peering freezes operators of equal priority, so it is not used). The protocol is
 client-go's: the holder renews `renewTime` every `renew_seconds`; a candidate takes the Lease
-when its holder is empty or `renewTime + leaseDurationSeconds` has passed, by a replace
-conditioned on resourceVersion, so of two candidates exactly one wins. A leader that cannot
-renew within its duration stops writing at once (`is_leader` turns False at its own deadline,
-before any standby may take over) and the process exits so that a fresh start stands by.
+when its holder is empty or `leaseDurationSeconds` have passed since this process last saw the
+record change, by a replace conditioned on resourceVersion, so of two candidates exactly one
+wins. A leader that cannot renew within its duration stops writing at once (`is_leader` turns
+False at its own deadline, before any standby may take over) and the process exits so that a
+fresh start stands by.
+
+Expiry is measured on this process's monotonic clock, from when it saw the change (client-go's
+`observedTime`), never by comparing the holder's `renewTime` with our wall clock: two clocks a
+few seconds apart would otherwise let a standby take a Lease its holder still counts as held,
+and both would lead. The holder's deadline and the standby's are both counted on their own
+clocks from the same write (the holder's from before it sent it, the standby's from after it
+read it), so the holder always stops first. The cost: a standby that first sees a Lease waits a
+full duration, even when the holder died long before. `renewTime` is written for people only.
 
 Neighbours: `kube.run` (starts the work under `lead`), `kube.api` (the adapter).
 """
@@ -16,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -48,21 +58,36 @@ def _parse(text: Any) -> float | None:
         return None
 
 
+#: Test-only: seconds added to the wall clock this process writes into the Lease, to show that
+#: a skewed clock cannot make two replicas lead (tests/e2e/test_boundaries.py). Unset in a cluster.
+WALL_CLOCK_OFFSET_ENV = "CONTINUUM_TEST_WALL_CLOCK_OFFSET_SECONDS"
+
+
+def wall_clock() -> float:
+    return time.time() + float(os.environ.get(WALL_CLOCK_OFFSET_ENV) or 0.0)
+
+
 class Elector:
     def __init__(
         self,
         api: KubeApi,
         settings: LeaderSettings,
         identity: str | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = wall_clock,
         on_change: Callable[[bool], None] = lambda leading: None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.api = api
         self.on_change = on_change
         self.settings = settings
         self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.clock = clock
-        self.valid_until = 0.0  # our own deadline: the last renewal + duration - a margin
+        self.clock = clock  # wall time, only for the times written into the Lease
+        self.monotonic = monotonic  # every deadline: ours and the holder's as we saw it
+        # Our own deadline (monotonic, of arbitrary origin): last renewal + duration - margin.
+        self.valid_until = -math.inf
+        # The record as last read, and when (monotonic) this process saw it change.
+        self.observed: tuple[str, str] | None = None
+        self.observed_at = 0.0
 
     @property
     def path(self) -> str:
@@ -70,7 +95,7 @@ class Elector:
         return f"/apis/coordination.k8s.io/v1/namespaces/{s.namespace}/leases/{s.name}"
 
     def is_leader(self) -> bool:
-        return not self.settings.enabled or self.clock() < self.valid_until
+        return not self.settings.enabled or self.monotonic() < self.valid_until
 
     def _spec(self, now: float, acquired: float | None, transitions: int) -> dict[str, Any]:
         return {
@@ -93,7 +118,7 @@ class Elector:
             return False
 
     def _round(self) -> bool:
-        now = self.clock()
+        now, started = self.clock(), self.monotonic()
         try:
             lease = self.api.request("GET", self.path)
         except ApiError as err:
@@ -115,15 +140,18 @@ class Elector:
             except ApiError as err2:
                 log.info("another replica made the leader Lease first: %s", err2)
                 return False
-            self._held(now)
+            self._held(started)
             return True
         spec = lease.get("spec") or {}
         holder = spec.get("holderIdentity") or ""
-        renewed = _parse(spec.get("renewTime")) or 0.0
+        record = (str((lease.get("metadata") or {}).get("resourceVersion", "")), repr(spec))
+        if record != self.observed:
+            # Any write is the holder's word that it still holds: counted from now, on our clock.
+            self.observed, self.observed_at = record, self.monotonic()
         duration = float(spec.get("leaseDurationSeconds") or self.settings.duration_seconds)
         mine = holder == self.identity
-        if not mine and holder and now < renewed + duration:
-            return False  # held, and fresh: stand by
+        if not mine and holder and self.monotonic() < self.observed_at + duration:
+            return False  # held, and renewed within its duration as we saw it: stand by
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if mine else 1)
         acquired = _parse(spec.get("acquireTime")) if mine else None
         lease["spec"] = self._spec(now, acquired, transitions)
@@ -135,10 +163,11 @@ class Elector:
             return False
         if not mine:
             log.info("took the leader Lease %s (was %r)", self.settings.name, holder)
-        self._held(now)
+        self._held(started)
         return True
 
     def _held(self, renewed: float) -> None:
+        """Renewed by a write sent at `renewed` (monotonic): others count from after it landed."""
         self.on_change(True)
         # Stop writing a little before anyone else may take over.
         margin = min(2.0, self.settings.duration_seconds / 5)
@@ -156,7 +185,7 @@ class Elector:
             self.api.request("PUT", self.path, lease)
         except (ApiError, OSError, TransportError) as err:
             log.warning("releasing the leader Lease failed: %s", err)
-        self.valid_until = 0.0
+        self.valid_until = -math.inf
         self.on_change(False)
 
 

@@ -68,6 +68,8 @@ class Loop:
         self.settings = settings
         self.cache = cache
         self.clock = clock
+        # Freshness is `now` minus when a renewal was seen: both on this one clock.
+        cache.clock = clock
         self.metrics = metrics or OperatorMetrics()
         self.pools = PoolMetrics(self.metrics.registry)
         self.memory: dict[str, Memory] = {}

@@ -95,11 +95,16 @@ def is_fresh(snap: Snapshot, node: str, now: float, default_ttl: float) -> bool:
 
 
 def lease_is_fresh(lease: LeaseEntry | None, now: float, default_ttl: float) -> bool:
-    """Whether an agent Lease vouches for its board now (its own duration, else the default)."""
-    if lease is None or lease.renew_time is None:
+    """Whether an agent Lease vouches for its board now (its own duration, else the default),
+    counted from when this process saw it renewed (`cache.renewal_counted_from`), never from
+    the agent's clock."""
+    if lease is None:
+        return False
+    since = lease.counted_from if lease.counted_from is not None else lease.renew_time
+    if since is None:
         return False
     ttl = lease.duration_seconds if lease.duration_seconds is not None else default_ttl
-    return now - lease.renew_time <= ttl
+    return now - since <= ttl
 
 
 def reading_of(snap: Snapshot, node: str) -> str:

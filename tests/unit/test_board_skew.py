@@ -1,0 +1,65 @@
+"""Board freshness counted on the operator's clock from when it saw each renewal
+(`cache.renewal_counted_from`, `reconcile.lease_is_fresh`), never the agent's `renewTime` against
+the operator's clock: an agent whose clock runs ahead cannot keep a dead node's board fresh, and
+one whose clock runs behind is believed from its next renewal."""
+
+from __future__ import annotations
+
+from continuum_operator.core.heartbeat import agent_lease_metadata
+from continuum_operator.kube.cache import Cache, format_time
+from continuum_operator.kube.reconcile import lease_is_fresh
+
+NOW = 1_800_000_000.0
+TTL = 40
+
+
+class World:
+    """One operator's clock and one agent's, `skew` seconds apart."""
+
+    def __init__(self, skew: float) -> None:
+        self.now, self.skew, self.rv = NOW, skew, 0
+        self.cache = Cache(clock=lambda: self.now)
+
+    def renew(self) -> None:
+        self.rv += 1
+        meta = {**agent_lease_metadata("n1"), "resourceVersion": str(self.rv)}
+        spec = {"renewTime": format_time(self.now + self.skew), "leaseDurationSeconds": TTL}
+        self.cache.observe_lease({"metadata": meta, "spec": spec}, deleted=False)
+
+    def fresh(self) -> bool:
+        return lease_is_fresh(self.cache.leases.get("n1"), self.now, 600.0)
+
+
+def test_an_agent_4_s_ahead_that_stops_renewing_is_stale_a_duration_after_its_last_renewal() -> (
+    None
+):
+    w = World(skew=4.0)
+    for _ in range(5):
+        w.renew()
+        w.now += 10
+    w.now += TTL - 10 + 1  # the last renewal was seen TTL + 1 s ago
+    assert not w.fresh()  # on the agent's clock it would have 3 s left
+
+
+def test_an_agent_far_behind_is_believed_from_its_next_renewal() -> None:
+    w = World(skew=-3_600.0)
+    w.renew()
+    assert not w.fresh()  # first sight: its renewTime is an hour old, and may be
+    w.now += 10
+    w.renew()
+    assert w.fresh()  # its clock moved on: a renewal, counted from when it was seen
+    w.now += TTL
+    assert w.fresh()
+    w.now += 1
+    assert not w.fresh()
+
+
+def test_a_lease_first_seen_long_after_its_renewal_is_stale_and_one_moved_back_is_not_renewed() -> (
+    None
+):
+    w = World(skew=0.0)
+    w.renew()
+    w.skew = -7_200.0  # rewritten with an old renewTime (a clock set back, a forged write)
+    w.now += 1
+    w.renew()
+    assert not w.fresh()
