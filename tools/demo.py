@@ -38,6 +38,11 @@ STATE = Path(
 )
 PID_FILE = STATE / "operator.pid"
 LOG_FILE = STATE / "operator.log"
+METRICS_PORT_FILE = STATE / "operator.metrics-port"
+# No engine gateway runs behind the demo's fake pods, so nothing reports a reclaimed slot
+# released: each release waits for its grace deadline. 5 s instead of the operator's 30 s keeps
+# a deleted Mind's slot from sitting idle half a minute (the printed text says so).
+GRACE_SECONDS = 5
 LEASE_SECONDS = 3600  # no agent runs in the demo: one renewal keeps a board fresh for an hour
 GiB = 2**30
 
@@ -146,20 +151,24 @@ def free_port() -> int:
 
 def start_operator() -> None:
     stop_operator()  # a fresh operator for a fresh demo
+    metrics_port = free_port()
     with LOG_FILE.open("a") as log:
         proc = subprocess.Popen(
             [str(ROOT / ".venv" / "bin" / "continuum"), "operator",
              "--kubeconfig", os.environ["KUBECONFIG"], "--engine-image", "continuum-engine:demo",
              # a mind's child pods get the lowest class and CPU weight (docs/children.md)
-             "--webhook", "--webhook-listen", "127.0.0.1", "--webhook-port", str(free_port())],
+             "--webhook", "--webhook-listen", "127.0.0.1", "--webhook-port", str(free_port()),
+             "--grace", str(GRACE_SECONDS), "--metrics-port", str(metrics_port)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
     PID_FILE.write_text(str(proc.pid))
+    METRICS_PORT_FILE.write_text(str(metrics_port))
     time.sleep(1)
     if proc.poll() is not None:
         sys.exit(f"demo: the operator exited at once; see {LOG_FILE}")
-    print(f"demo: operator started (pid {proc.pid}, log {LOG_FILE})")
+    print(f"demo: operator started (pid {proc.pid}, log {LOG_FILE}, metrics on port "
+          f"{metrics_port}, grace {GRACE_SECONDS} s)")  # fmt: skip
 
 
 def apply_engines() -> list[tuple[str, str]]:
@@ -259,19 +268,39 @@ def start() -> int:
     print()
     print(kubectl("get", "deployments,pods", "-n", "minds", "-o", "wide"), end="")
     env = f"CONTINUUM_CLUSTER_DIR={STATE}"
+    metrics_port = METRICS_PORT_FILE.read_text().strip()
     print(
         f"""
+What is real here and what is not:
+- The API server, the scheduler, the controllers and the operator are real; the plans, grants
+  and statuses above are the operator's.
+- The nodes and every pod on them are KWOK fakes: a pod shows Running 1/1 and its Engine Ready
+  once scheduled, but no container runs, no image is pulled, and nothing answers at an
+  engine's Service or a Mind's endpoint. (A real turn needs a real node.)
+- No engine gateway runs, so a reclaimed slot is released at its grace deadline: the operator
+  runs with --grace {GRACE_SECONDS} (seconds; 30 by default) so a freed slot is not idle long.
+- The operator's metrics: curl -s http://127.0.0.1:{metrics_port}/metrics | grep ^continuum_
+
 Look around (the control plane and the operator keep running):
 
     eval "$({env} tools/cluster env)"
     kubectl get nodeboards,engines -A -o wide
     kubectl describe engine -n minds llama-405b-f16     # why it is unschedulable, node by node
     kubectl get engine -n minds agent-32b -o yaml       # the full plan, placement, conditions
-    kubectl get deployments,pods -n minds -o wide        # engines run as pods on KWOK nodes
+    kubectl get deployments,pods -n minds -o wide        # engines as pods on KWOK nodes (fakes)
     kubectl get events -n minds --sort-by=.lastTimestamp
     kubectl run build -n minds --image=busybox -l continuum.dev/mind=mira --dry-run=server \\
       -o jsonpath='{{.spec.priorityClassName}} {{.spec.containers[0].resources}}{{"\\n"}}'
     tail -f {LOG_FILE}
+
+See a queue move (two slots, four Minds of two classes; examples/minds/minds.yaml says what
+each line will show):
+
+    kubectl apply -f examples/engines/with-source/tiny-chat.yaml -f examples/minds/
+    kubectl get minds -n minds                 # ada, bo Granted; cy Queued; dee Refused
+    kubectl delete mind -n minds bo            # returns once her slot is freed ({GRACE_SECONDS} s)
+    kubectl get minds -n minds                 # cy Granted
+    curl -s http://127.0.0.1:{metrics_port}/metrics | grep ^continuum_grant_transitions_total
 
 The demo's boards stay fresh for an hour (no node agent runs here): `tools/demo renew`.
 Stop everything: `tools/demo stop`."""
