@@ -221,8 +221,9 @@ class TestHeartbeat:
         long = "n" * 253
         assert node_of_lease(lease_name(long), {NODE_ANNOTATION: long}) == long
         assert node_of_lease(lease_name(long)) != long  # shortened: only the annotation says
-        # an annotation naming another node does not redirect a Lease
-        assert node_of_lease(lease_name("a"), {NODE_ANNOTATION: "b"}) == "a"
+        # Annotated by node b's agent (the policy pins the annotation to the writer's node):
+        # a Lease named for node a vouches for neither.
+        assert node_of_lease(lease_name("a"), {NODE_ANNOTATION: "b"}) is None
 
     def test_a_lease_is_fresh_for_its_duration(self) -> None:
         t = datetime(2026, 12, 3, tzinfo=UTC)

@@ -138,14 +138,18 @@ def test_the_default_install_has_operator_agent_rbac_crds_classes_and_metrics(
         "Job",
         "Role",
         "RoleBinding",
+        "Secret",
         "Service",
         "ServiceAccount",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
     ]
-    # Optional parts are off by default: no webhook, no Prometheus-operator objects, no dashboard.
+    # Optional parts are off by default: no Prometheus-operator objects, no dashboard. The
+    # children's webhook is on (its certificate is the one Secret).
     assert not by_kind(default_docs, "ServiceMonitor")
-    assert not by_kind(default_docs, "Secret")
+    assert [d["metadata"]["name"] for d in by_kind(default_docs, "Secret")] == [
+        "r1-continuum-webhook-tls"
+    ]
     deployment = one(default_docs, "Deployment", "-operator")
     assert deployment["spec"]["replicas"] == 2
     assert one(default_docs, "Service", "-operator-metrics")["spec"]["ports"][0]["port"] == 8000
@@ -165,9 +169,7 @@ def test_every_object_is_namespaced_in_the_release_or_cluster_scoped(
         ns = doc["metadata"].get("namespace")
         if doc["kind"] in cluster_scoped:
             assert ns is None, doc["metadata"]["name"]
-        elif doc["kind"] in {"Role", "RoleBinding"} and doc["metadata"]["name"].endswith("-agent"):
-            assert ns == "kube-node-lease"  # the agents' node Leases live there
-        else:
+        else:  # the agents' node Leases too: never kube-node-lease, the kubelets' namespace
             assert ns == "continuum-system", f"{doc['kind']} {doc['metadata']['name']}"
 
 
@@ -219,7 +221,7 @@ def test_the_operators_arguments_are_flags_continuum_operator_accepts(
     assert default.leader_namespace == "continuum-system"
     assert default.leader_lease == "r1-continuum-leader"
     assert default.metrics_port == 8000
-    assert default.webhook is False
+    assert default.webhook is True  # the children's webhook is on by default
     assert default.engine_image == "ghcr.io/continuum-dev/continuum-engine:0.1.0"
 
     custom = _parse(_container(one(custom_docs, "Deployment", "-operator"))["args"])
@@ -385,15 +387,15 @@ def test_the_webhook_gets_a_service_and_a_certificate_for_its_service_name(
 
 
 def test_the_operator_may_patch_only_its_own_webhook_configuration(
-    custom_docs: list[dict[str, Any]], default_docs: list[dict[str, Any]]
+    custom_docs: list[dict[str, Any]], helm_bin: Path
 ) -> None:
     rules = one(custom_docs, "ClusterRole", "-operator")["rules"]
     group, kind = "admissionregistration.k8s.io", "mutatingwebhookconfigurations"
     assert allows(rules, group, kind, "patch", "continuum-mind-children")
     assert not allows(rules, group, kind, "patch", "someone-elses")
     assert not allows(rules, group, kind, "delete", "continuum-mind-children")
-    default_rules = one(default_docs, "ClusterRole", "-operator")["rules"]
-    assert not allows(default_rules, group, kind, "create")
+    without = documents(template(helm_bin, {"webhook": {"enabled": False}}).stdout)
+    assert not allows(one(without, "ClusterRole", "-operator")["rules"], group, kind, "create")
 
 
 def test_cert_manager_mode_asks_cert_manager_for_the_certificate(helm_bin: Path) -> None:
@@ -455,7 +457,7 @@ def test_the_operator_has_no_wildcards_no_secrets_and_no_deletes_beyond_its_work
 def test_the_agent_writes_only_boards_and_its_leases(default_docs: list[dict[str, Any]]) -> None:
     cluster = one(default_docs, "ClusterRole", "-agent")["rules"]
     role = one(default_docs, "Role", "-agent")
-    assert role["metadata"]["namespace"] == "kube-node-lease"
+    assert role["metadata"]["namespace"] == "continuum-system"  # not the kubelets' Leases
     writes = [(g, r, v) for g, r, v, _ in _expand(cluster) if v not in {"get", "list", "watch"}]
     assert sorted(writes) == [
         ("continuum.dev", "nodeboards", "create"),
@@ -467,6 +469,25 @@ def test_the_agent_writes_only_boards_and_its_leases(default_docs: list[dict[str
     ]
     assert not allows(cluster, "", "pods", "get")  # list, field-selected to its node
     assert not allows(cluster, "", "secrets", "list")
+
+
+def test_the_agents_writes_are_bound_to_its_node_by_a_policy_on_by_default(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    policy = one(default_docs, "ValidatingAdmissionPolicy", "-agent-node-binding")
+    binding = one(default_docs, "ValidatingAdmissionPolicyBinding", "-agent-node-binding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    written = {r for rule in policy["spec"]["matchConstraints"]["resourceRules"]
+               for r in rule["resources"]}  # fmt: skip
+    assert written == {"nodeboards", "nodeboards/status", "leases"}
+    (condition,) = policy["spec"]["matchConditions"]
+    sa = one(default_docs, "ServiceAccount", "-agent")["metadata"]["name"]
+    assert f"'system:serviceaccount:continuum-system:{sa}'" in condition["expression"]
+    args = one(default_docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]["containers"][0]
+    assert "--lease-namespace=continuum-system" in args["args"]
+    operator = one(default_docs, "Deployment", "-operator")["spec"]["template"]["spec"]
+    assert "--agent-lease-namespace=continuum-system" in operator["containers"][0]["args"]
 
 
 def test_uninstall_runs_release_finalizers_as_a_pre_delete_hook_with_its_own_rights(

@@ -91,6 +91,30 @@ def test_a_pod_of_no_mind_is_left_untouched() -> None:
         assert p == before
 
 
+MINDS = {"ns/ada", "team/bo"}
+
+
+def test_a_pod_her_service_account_creates_is_her_child_without_the_label() -> None:
+    creator = webhook.mind_of_creator("system:serviceaccount:ns:ada", MINDS.__contains__)
+    assert creator == "ada"
+    m = mutate(pod(labels={"app": "build"}), PODS, CHILDREN, creator)
+    assert m is not None
+    assert m.pod["metadata"]["labels"] == {"app": "build", MIND_LABEL: "ada"}  # now counted
+    assert m.pod["spec"]["priorityClassName"] == "kids"
+
+
+def test_only_the_service_account_of_an_existing_mind_makes_children() -> None:
+    def of(user: str) -> str | None:
+        return webhook.mind_of_creator(user, MINDS.__contains__)
+
+    assert of("system:serviceaccount:ns:web") is None  # no Mind ns/web
+    assert of("system:serviceaccount:team:ada") is None  # ada is a Mind of ns, not of team
+    assert of("ada") is None  # a user, not a service account
+    assert of("system:serviceaccount:ns:ada:x") is None
+    assert of("") is None
+    assert mutate(pod(), PODS, CHILDREN, None) is None
+
+
 # --------------------------------------------------------------------------------------------
 # the mutation
 
@@ -191,6 +215,12 @@ def test_the_configuration_ignores_failures_and_sends_only_a_minds_new_pods() ->
     assert hook["rules"][0]["operations"] == ["CREATE"]
     expression = hook["matchConditions"][0]["expression"]
     assert MIND_LABEL in expression and "'Mind'" in expression
+    # Pods made by a service account (a mind's may be one) are sent too, but not the
+    # controllers' (kube-system): every Deployment's pods would be.
+    assert "request.userInfo.username.startsWith('system:serviceaccount:')" in expression
+    assert "!request.userInfo.username.startsWith('system:serviceaccount:kube-system:')" in (
+        expression
+    )
 
 
 def test_with_a_service_the_configuration_names_it_and_no_url() -> None:

@@ -175,7 +175,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--lease-seconds", type=int, default=40, help="the Lease's duration (> --interval)"
     )
-    p.add_argument("--lease-namespace", default=LEASE_NAMESPACE)
+    p.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE") or LEASE_NAMESPACE,
+        help="namespace of the agent's Lease, the operator's --agent-lease-namespace "
+        f"(default: $POD_NAMESPACE, else {LEASE_NAMESPACE})",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG or ~/.kube/config")
     where.add_argument("--in-cluster", action="store_true", help="the pod's service account")

@@ -3,10 +3,12 @@
 A NodeBoard is written only when it changes, so its age says nothing about the agent; the Lease
 does. The agent renews it every probe interval; the operator reads it to tell a quiet board from
 a stale one. The names live here so that both sides (agent/writer.py and the operator) agree.
-The Lease sits beside the kubelet's own in `kube-node-lease` under a prefixed name, so the two
-never collide: the kubelet's Lease says the node is alive, this one that its board is current.
-A watcher maps a Lease back to its node with `node_of_lease` (the node's name is also kept in the
-`continuum.dev/node` annotation, since a long node name is shortened in the Lease's name).
+The Lease lives in the agent's own namespace (the chart's release namespace; `default` outside a
+cluster), not in `kube-node-lease`: the agent has no right there, so it cannot touch the
+kubelets' heartbeats, and an admission policy binds each agent to its own node's Lease and board
+(charts/continuum/templates/agent-node-binding.yaml, docs/security.md). A watcher maps a Lease
+back to its node with `node_of_lease` (the node's name is also kept in the `continuum.dev/node`
+annotation, since a long node name is shortened in the Lease's name).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ __all__ = [
     "node_of_lease",
 ]
 
-LEASE_NAMESPACE = "kube-node-lease"
+#: Where agent Leases live when no namespace is given ($POD_NAMESPACE is, in a cluster).
+LEASE_NAMESPACE = "default"
 LEASE_PREFIX = "continuum-agent-"
 NODE_ANNOTATION = "continuum.dev/node"
-# What the operator's watch selects agent Leases by, on the API server: the kubelets renew their
-# own Leases in the same namespace every 10 s (100 a second at 1,000 nodes), and none of them
-# need reach the operator.
+# What the operator's watch selects agent Leases by, on the API server: kopf watches Leases in
+# every namespace, the kubelets renew theirs every 10 s (100 a second at 1,000 nodes), and none
+# of them need reach the operator.
 AGENT_LEASE_LABELS = {"app.kubernetes.io/managed-by": "continuum-agent"}
 AGENT_LEASE_SELECTOR = ",".join(f"{k}={v}" for k, v in AGENT_LEASE_LABELS.items())
 _MAX_NAME = 253
@@ -60,12 +63,14 @@ def agent_lease_metadata(node: str, namespace: str = LEASE_NAMESPACE) -> dict[st
 
 
 def node_of_lease(name: str, annotations: Mapping[str, str] | None = None) -> str | None:
-    """The node whose board a Lease vouches for; None for any other Lease (the kubelet's)."""
+    """The node whose board a Lease vouches for; None for any other Lease (the kubelet's) and for
+    one whose annotation names a node the name is not that node's: the admission policy pins
+    the annotation to the writing agent's node, so such a Lease vouches for no board."""
     if not name.startswith(LEASE_PREFIX):
         return None
     node = (annotations or {}).get(NODE_ANNOTATION)
-    if node and lease_name(node) == name:
-        return node
+    if node:
+        return node if lease_name(node) == name else None
     return name[len(LEASE_PREFIX) :]  # a shortened name cannot be undone: the agent annotates
 
 

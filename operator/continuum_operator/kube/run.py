@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 from continuum_operator.core.damping import DampingSettings
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.kube import grant_settings, webhook
 from continuum_operator.kube.settings import (
     FreshnessSettings,
@@ -50,6 +51,12 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=d.freshness.default_ttl_seconds,
         help="seconds a node Lease without leaseDurationSeconds stays fresh",
+    )
+    p.add_argument(
+        "--agent-lease-namespace",
+        default=os.environ.get("POD_NAMESPACE") or LEASE_NAMESPACE,
+        help="namespace of the node agents' Leases, their --lease-namespace "
+        f"(default: $POD_NAMESPACE, else {LEASE_NAMESPACE})",
     )
     p.add_argument(
         "--pod-start-timeout",
@@ -113,7 +120,9 @@ def add_parser(sub: Any) -> None:
 
 def settings_from(args: argparse.Namespace) -> OperatorSettings:
     return OperatorSettings(
-        freshness=FreshnessSettings(default_ttl_seconds=args.board_ttl),
+        freshness=FreshnessSettings(
+            lease_namespace=args.agent_lease_namespace, default_ttl_seconds=args.board_ttl
+        ),
         placement=PlacementSettings(
             pod_start_timeout_seconds=args.pod_start_timeout, backoff_seconds=args.backoff
         ),
@@ -174,9 +183,13 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     registry = registry_for(cache, engine_labels)
-    webhook.register(registry, api, settings.pods, settings.children, metrics)
     # Part 2: Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
+    # A pod her service account creates is her child (`webhook.mind_of_creator`).
+    webhook.register(
+        registry, api, settings.pods, settings.children, metrics,
+        is_mind=lambda key: key in mind_cache.minds,
+    )  # fmt: skip
     register_minds(registry, mind_cache)
     elector = Elector(
         api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader

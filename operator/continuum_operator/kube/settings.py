@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from continuum_operator.core.damping import DampingSettings
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 
 
 class GpuSharing(StrEnum):
@@ -36,8 +37,8 @@ def resolve_sharing(configured: GpuSharing, offered: tuple[str, ...]) -> GpuShar
 
 @dataclass(frozen=True, slots=True)
 class FreshnessSettings:
-    lease_namespace: str = "kube-node-lease"
-    """Namespace of the node Leases whose renewal makes a board fresh (docs/design.md)."""
+    lease_namespace: str = LEASE_NAMESPACE
+    """Namespace of the agents' Leases whose renewal makes a board fresh (`core.heartbeat`)."""
     default_ttl_seconds: float = 40.0
     """TTL of a Lease that states no `leaseDurationSeconds` (seconds; the kubelet's default)."""
 

@@ -1,7 +1,8 @@
 """A mind's child pods run below the engine serving her (docs/design.md rule 8, docs/children.md).
 
 A mutating admission webhook, served by kopf's admission support, gives every pod a mind spawns
-(labelled `continuum.dev/mind: NAME`, or owned by a Mind) the children's priority class, the
+(created by her service account, labelled `continuum.dev/mind: NAME`, or owned by a Mind) the
+children's priority class, the
 least CPU weight (a minimal CPU request and no CPU limit: they still use every idle core, and
 yield to everything else under contention) and a mark for the runner inside the pod
 (`continuum run`, `continuum_operator.procclass`): the annotation `continuum.dev/process-class`
@@ -55,6 +56,7 @@ __all__ = [
     "add_arguments",
     "is_marked",
     "mind_of",
+    "mind_of_creator",
     "mutate",
     "register",
     "settings_from",
@@ -76,6 +78,22 @@ INSTALL_ATTEMPTS = 5
 Obj = dict[str, Any]
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
+SYSTEM_ACCOUNTS = f"{SERVICE_ACCOUNT_PREFIX}kube-system:"
+
+
+def mind_of_creator(username: str | None, is_mind: Callable[[str], bool]) -> str | None:
+    """The mind whose service account created a pod: `system:serviceaccount:NS:NAME` speaks for
+    Mind NS/NAME (as the gateway reads a token, docs/gateway.md), if that Mind exists. A child
+    is known by who made it, so leaving the label off does not make it an ordinary pod."""
+    if not username or not username.startswith(SERVICE_ACCOUNT_PREFIX):
+        return None
+    namespace, _, name = username[len(SERVICE_ACCOUNT_PREFIX) :].partition(":")
+    if not namespace or not name or ":" in name or not is_mind(f"{namespace}/{name}"):
+        return None
+    return name
 
 
 def mind_of(pod: Mapping[str, Any]) -> str | None:
@@ -115,21 +133,25 @@ def _without_cpu(resources: Obj, side: str) -> str | None:
 
 
 def mutate(
-    pod: Mapping[str, Any], pods: PodSettings, children: ChildrenSettings
+    pod: Mapping[str, Any],
+    pods: PodSettings,
+    children: ChildrenSettings,
+    creator_mind: str | None = None,
 ) -> Mutation | None:
     """A mind's child pod as it must run; None for a pod of no mind (left as it is).
 
-    Idempotent: a mutated pod mutates to itself with no notes, so the webhook may be called
-    again (reinvocation) at no cost.
+    `creator_mind`: the mind whose service account creates the pod (`mind_of_creator`), a
+    child whatever its labels say. Idempotent: a mutated pod mutates to itself with no notes,
+    so the webhook may be called again (reinvocation) at no cost.
     """
-    mind = mind_of(pod)
+    mind = mind_of(pod) or creator_mind
     if mind is None:
         return None
     new: Obj = copy.deepcopy(dict(pod))
     notes: list[str] = []
     meta = new.setdefault("metadata", {})
     labels = meta.get("labels") or {}
-    if MIND_LABEL not in labels:  # an owned child gets the label: the count watches it
+    if MIND_LABEL not in labels:  # an owned or made child gets the label: the count watches it
         if LABEL_VALUE.fullmatch(mind):
             labels[MIND_LABEL] = mind
         else:  # a label would refuse the pod: it is admitted without, and not counted if missed
@@ -171,9 +193,14 @@ def mutate(
 MATCH_CONDITION = (
     f"(has(object.metadata.labels) && '{MIND_LABEL}' in object.metadata.labels) || "
     "(has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(r, "
-    f"r.kind == 'Mind' && r.apiVersion.startsWith('{GROUP}/')))"
+    f"r.kind == 'Mind' && r.apiVersion.startsWith('{GROUP}/'))) || "
+    f"(request.userInfo.username.startsWith('{SERVICE_ACCOUNT_PREFIX}') && "
+    f"!request.userInfo.username.startsWith('{SYSTEM_ACCOUNTS}'))"
 )
-"""Evaluated by the API server: only a mind's children are sent to the webhook."""
+"""Evaluated by the API server: a mind's labelled or owned children, and every pod a service
+account outside kube-system creates itself (a mind's may be among them; the webhook asks its
+Minds). Pods the controllers make (a Deployment's, a Job's) are created by kube-system's
+accounts and are sent only when labelled: a mind's runtime labels their templates."""
 
 
 def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSettings) -> Obj:
@@ -453,8 +480,10 @@ def register(
     pods: PodSettings,
     children: ChildrenSettings,
     metrics: OperatorMetrics,
+    is_mind: Callable[[str], bool] = lambda key: False,
 ) -> None:
-    """Adds the count of unmarked children and, with `children.webhook`, the webhook itself."""
+    """Adds the count of unmarked children and, with `children.webhook`, the webhook itself.
+    `is_mind("ns/name")`: whether that Mind exists (the operator's Mind cache)."""
     import kopf
 
     from continuum_operator.kube.api import ApiError
@@ -469,6 +498,12 @@ def register(
         except ApiError as err:
             if err.status != 409:  # 409: posted already, by this operator before a restart
                 log.warning("posting ChildNotMutated on %s failed: %s", pod["metadata"], err)
+
+    @kopf.on.startup(registry=registry)
+    def children_on_server(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Only the children reach the operator: a label selector the API server applies (a
+        # label filter alone would have every pod of the cluster cross the wire to be dropped).
+        settings.watching.label_selectors["v1", "pods"] = MIND_LABEL
 
     @kopf.on.event("", "v1", "pods", labels={MIND_LABEL: kopf.PRESENT}, registry=registry)
     async def child(event: kopf.RawEvent, **_: Any) -> None:
@@ -511,9 +546,15 @@ def register(
     @kopf.on.mutate("", "v1", "pods", id=HANDLER_ID, operations=["CREATE"],
                     ignore_failures=True, registry=registry)  # fmt: skip
     def children_class(
-        body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun: bool, **_: Any
+        body: kopf.Body,
+        patch: kopf.Patch,
+        warnings: list[str],
+        dryrun: bool,
+        userinfo: Mapping[str, Any] | None = None,
+        **_: Any,
     ) -> None:
-        mutation = mutate(dict(body), pods, children)
+        creator = mind_of_creator(str((userinfo or {}).get("username") or ""), is_mind)
+        mutation = mutate(dict(body), pods, children, creator)
         if mutation is None:
             return
         warnings.extend(mutation.notes)
