@@ -122,16 +122,62 @@ def _message(err: ValidationError, obj: dict[str, Any]) -> tuple[str, str]:
     return path, message
 
 
+#: Deeper than any Kubernetes object nests; a file nested deeper is refused before Python's own
+#: recursion limit turns it into a traceback.
+MAX_YAML_DEPTH = 100
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load that refuses aliases and nesting past MAX_YAML_DEPTH.
+
+    An alias shares one node in the loaded value, but every later walk (JSON, validation)
+    expands it: nine nested aliases of nine ("billion laughs") are a few hundred bytes of YAML
+    and 10^9 values. Kubernetes objects do not need them.
+    """
+
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not read: write the value out",
+                self.peek_event().start_mark,  # type: ignore[no-untyped-call]
+            )  # fmt: skip
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                    self.peek_event().start_mark,  # type: ignore[no-untyped-call]
+                )  # fmt: skip
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def yaml_documents(path: Path | str) -> list[Any]:
+    """Every document of a YAML (or JSON) file, or a ManifestError saying why it cannot be read:
+    unreadable, not UTF-8, not YAML, aliases, nesting past MAX_YAML_DEPTH."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as err:
+        raise ManifestError(p, "", f"cannot read the file: {err.strerror or err}") from err
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ManifestError(
+            p, "", f"not UTF-8 text: byte {err.start} is {data[err.start : err.start + 1]!r}"
+        ) from None
+    try:
+        return list(yaml.load_all(text, Loader=_BoundedLoader))  # a SafeLoader
+    except yaml.YAMLError as err:
+        raise ManifestError(p, "", f"not valid YAML: {err}") from err
+
+
 def documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """The objects of a YAML file: its documents, with `kind: List` items unpacked."""
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ManifestError(path, "", f"cannot read the file: {err.strerror or err}") from err
-    try:
-        docs = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as err:
-        raise ManifestError(path, "", f"not valid YAML: {err}") from err
+    docs = yaml_documents(path)
     index = 0
     for doc in docs:
         if doc is None:

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Literal, Self
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -25,6 +24,7 @@ from continuum_operator.core.simulate import (
     Scenario,
     simulate,
 )
+from continuum_operator.manifests import ManifestError, yaml_documents
 
 
 class _Model(BaseModel):
@@ -164,9 +164,12 @@ def _where(loc: tuple[int | str, ...]) -> str:
 def load(path: Path) -> Scenario:
     """Read a scenario file; ValueError with the file and field path when it is wrong."""
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"{path}: cannot read a scenario: {err}") from err
+        docs = yaml_documents(path)
+    except ManifestError as err:
+        raise ValueError(f"cannot read a scenario: {err}") from err
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        raise ValueError(f"{path}: a scenario is one YAML mapping (simulate.md)")
+    raw = docs[0]
     try:
         return ScenarioFile.model_validate(raw).to_scenario()
     except ValidationError as err:

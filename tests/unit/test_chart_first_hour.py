@@ -76,7 +76,7 @@ def test_the_notes_name_the_examples_namespace_and_how_to_see_an_operator_lead(
     helm_bin: Path,
 ) -> None:
     text = notes(helm_bin)
-    assert "kubectl create namespace minds" in text
+    assert "kubectl apply -f examples/namespace.yaml" in text
     lease = re.search(r"kubectl get lease -n continuum-system (\S+) -o jsonpath", text)
     assert lease is not None and lease.group(1) == "r1-continuum-leader"
     assert "deploy/r1-continuum-operator | grep 'leading as'" in text

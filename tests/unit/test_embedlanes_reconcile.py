@@ -13,7 +13,15 @@ from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.embedlanes import LaneWrites, lane_leases_in, reconcile_lane
 from continuum_operator.kube.reconcile import Memory, reconcile
 from tests.builders import GiB, MiB
-from tests.unit.test_reconcile import NOW, SETTINGS, after, discrete, engine_obj, snapshot
+from tests.unit.test_reconcile import (
+    NOW,
+    SETTINGS,
+    after,
+    discrete,
+    engine_obj,
+    snapshot,
+    with_file_facts,
+)
 
 
 def lane_obj(name: str = "lane", engine: str | None = "coder", **spec: Any) -> dict[str, Any]:
@@ -27,8 +35,11 @@ def lane_obj(name: str = "lane", engine: str | None = "coder", **spec: Any) -> d
 
 
 def placed_engine(snap: Snapshot, **spec: Any) -> dict[str, Any]:
-    """The engine `coder` after its first pass on `snap` (placed, assumed lease)."""
+    """The engine `coder` after its first pass on `snap` (placed, assumed lease); with a model
+    source, its facts Job has read the file (`with_file_facts`)."""
     body = engine_obj("coder", **spec)
+    if body["spec"]["model"].get("source"):
+        body = with_file_facts(body)
     return after(body, reconcile(body, snap, Memory(), NOW, SETTINGS))
 
 

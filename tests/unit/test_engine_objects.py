@@ -120,15 +120,19 @@ def test_the_model_source_becomes_a_read_only_volume_and_its_digest_is_passed(
     facts = engine_body()["spec"]["model"]["facts"]
     e, p = planned(model={"source": source, "sha256": SHA, "facts": facts})
     d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
-    (volume,) = d["spec"]["template"]["spec"]["volumes"]
+    (volume,) = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "model"]
     assert volume_key in volume
     c = container(d)
-    assert c["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "model"]
     cmd = c["command"]
     assert cmd[cmd.index("--model") + 1] == model_path
     assert cmd[cmd.index("--sha256") + 1] == SHA
     if volume_key == "hostPath":
-        assert volume["hostPath"]["path"] == "/srv/models"
+        # The file itself, never its directory: the rest of /srv/models stays on the host.
+        assert volume["hostPath"] == {"path": "/srv/models/q4.gguf", "type": "File"}
+        assert mount == {"name": "model", "mountPath": "/models/q4.gguf", "readOnly": True}
+    else:
+        assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
 
 
 def test_the_launch_changes_with_the_arguments_and_only_with_them() -> None:

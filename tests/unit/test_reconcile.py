@@ -18,7 +18,12 @@ from continuum_operator.kube.cache import (
 )
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION, facts_job_name, source_key
 from continuum_operator.kube.reconcile import NODE_GONE_HOLD_SECONDS, Memory, Writes, reconcile
-from continuum_operator.kube.settings import GpuSharing, OperatorSettings, PlacementSettings
+from continuum_operator.kube.settings import (
+    GpuSharing,
+    OperatorSettings,
+    PlacementSettings,
+    PodSettings,
+)
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, board, board_body, engine_body, example
 
@@ -26,7 +31,18 @@ NOW = 1_800_000_000.0
 SETTINGS = OperatorSettings(
     placement=PlacementSettings(pod_start_timeout_seconds=60, backoff_seconds=300),
     damping=DampingSettings(readings_required=3, min_gain=0.10, cooldown_seconds=120),
+    # The cluster admin's model directories for the hostPath sources below.
+    pods=PodSettings(allowed_host_path_prefixes=("/models", "/srv/models")),
 )
+
+
+def with_file_facts(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` as the facts Job leaves it: the file's facts (here its inline ones) in status."""
+    out = copy.deepcopy(body)
+    key = source_key(Engine.model_validate(out))
+    facts = copy.deepcopy(out["spec"]["model"]["facts"])
+    out.setdefault("status", {})["modelFacts"] = {"source": key, "facts": facts}
+    return out
 
 
 def discrete(
@@ -267,14 +283,14 @@ def test_a_spec_change_on_a_stale_board_relaunches_nothing_until_the_board_is_fr
     sourced["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/models/coder.gguf"}
     sourced["spec"]["model"]["sha256"] = "ab" * 32
     snap = snapshot([discrete("a", 80)])
-    body, mem, w = _running(snap, sourced, Memory(), NOW)
+    body, mem, w = _running(snap, with_file_facts(sourced), Memory(), NOW)
     running = ready(w)
     stale = replace(snapshot([discrete("a", 80)], stale={"a"}),
                     deployments={("ns", "coder"): running})  # fmt: skip
     body, mem, w = _running(stale, body, mem, NOW + 1)
     plan_before = body["status"]["plan"]
     # A new model digest: the engine's command line changes with it, a relaunch.
-    body = changed_spec(body, model={**body["spec"]["model"], "sha256": "cd" * 32})
+    body = with_file_facts(changed_spec(body, model={**body["spec"]["model"], "sha256": "cd" * 32}))
     for i in range(3):
         body, mem, w = _running(stale, body, mem, NOW + 2 + i)
         assert w.deployment is None  # what runs stays as it is

@@ -44,6 +44,7 @@ from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
 from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
+from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
 
 __all__ = ["LaneRuntime", "LaneState", "RuntimePhase", "add_parser", "lane_state_from"]
@@ -319,7 +320,11 @@ def _error(reason: str, message: str, tokens: int) -> dict[str, Any]:
 
 
 def read_lane_file(path: Path, max_context_tokens: int | None) -> LaneState:
-    doc = yaml.safe_load(path.read_text())
+    try:
+        docs = yaml_documents(path)
+    except ManifestError as err:
+        raise ValueError(str(err)) from err
+    doc = docs[0] if len(docs) == 1 else None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: not an EmbedLane or a placement (a mapping)")
     return lane_state_from(doc, max_context_tokens)

@@ -7,15 +7,14 @@ engine runtime and the benchmarks. The parsing itself is pure (`core.receipts`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from continuum_operator.core.receipts import Receipt, parse_llama_log
+from continuum_operator.manifests import ManifestError, yaml_documents
 
 __all__ = ["ReceiptFileError", "load_receipts", "receipt_from_log"]
 
@@ -29,16 +28,10 @@ def load_receipts(paths: Iterable[str | Path]) -> list[Receipt]:
     for path in paths:
         p = Path(path)
         try:
-            text = p.read_text()
-        except OSError as err:
-            raise ReceiptFileError(f"{p}: cannot read ({err.strerror})") from err
-        try:
-            docs: list[Any] = (
-                [json.loads(text)] if p.suffix == ".json" else list(yaml.safe_load_all(text))
-            )
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
-            kind = p.suffix.lstrip(".") or "YAML"
-            raise ReceiptFileError(f"{p}: not valid {kind}: {err}") from err
+            # JSON is YAML: one bounded reader for both (UTF-8, no aliases, nesting bounded).
+            docs: list[Any] = yaml_documents(p)
+        except ManifestError as err:
+            raise ReceiptFileError(str(err)) from err
         items = [d for doc in docs for d in (doc if isinstance(doc, list) else [doc]) if d]
         for i, item in enumerate(items):
             try:

@@ -27,6 +27,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from continuum_operator.gguf.reader import VOCAB_LENGTH_KEY, GgufHeader
 from continuum_operator.model.engine import ModelFacts
 
@@ -67,6 +69,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 _NO_OUTPUT_HEAD = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2",
                              "jina-bert-v3", "modern-bert", "neo-bert", "t5encoder"})  # fmt: skip
 F16_BYTES = 2
+MAX_LAYERS = 4096  # ModelFacts.layers' bound
 
 
 def facts_from_header(header: GgufHeader) -> ModelFacts:
@@ -81,6 +84,10 @@ def facts_from_header(header: GgufHeader) -> ModelFacts:
     n_layer = _int(key("block_count"))
     if not n_layer:
         raise FactsError(f"{header.source}: no {arch}.block_count in the GGUF header")
+    if not 0 < n_layer <= MAX_LAYERS:  # before anything is sized by it
+        raise FactsError(
+            f"{header.source}: {arch}.block_count is {n_layer}; a model has 1 to {MAX_LAYERS}"
+        )
 
     layer_bytes = [0] * n_layer
     input_bytes = 0
@@ -149,27 +156,35 @@ def facts_from_header(header: GgufHeader) -> ModelFacts:
     ffn = max([*n_ff, n_ff_exp or 0]) or None
 
     heads_kv: int | list[int] | None = _one_or_list(n_head_kv_list)
-    return ModelFacts(
-        architecture=arch,
-        layers=n_layer,
-        layer_bytes=_one_or_list(layer_bytes),
-        input_bytes=input_bytes,
-        output_bytes=output_bytes,
-        output_host_bytes=output_host,
-        kv_bytes_per_token_per_layer=_one_or_list(kv_rates),
-        embedding_length=n_embd or None,
-        head_count=n_head or None,
-        head_count_kv=heads_kv,
-        key_length=key_length,
-        value_length=0 if mla else value_length,
-        feed_forward_length=ffn,
-        vocab_size=vocab,
-        context_length=_int(key("context_length")),
-        sliding_window=window if window_layers else None,
-        sliding_window_layers=window_layers,
-        expert_count=_int(key("expert_count")),
-        expert_used_count=_int(key("expert_used_count")),
-    )
+    try:
+        return ModelFacts(
+            architecture=arch,
+            layers=n_layer,
+            layer_bytes=_one_or_list(layer_bytes),
+            input_bytes=input_bytes,
+            output_bytes=output_bytes,
+            output_host_bytes=output_host,
+            kv_bytes_per_token_per_layer=_one_or_list(kv_rates),
+            embedding_length=n_embd or None,
+            head_count=n_head or None,
+            head_count_kv=heads_kv,
+            key_length=key_length,
+            value_length=0 if mla else value_length,
+            feed_forward_length=ffn,
+            vocab_size=vocab,
+            context_length=_int(key("context_length")),
+            sliding_window=window if window_layers else None,
+            sliding_window_layers=window_layers,
+            expert_count=_int(key("expert_count")),
+            expert_used_count=_int(key("expert_used_count")),
+        )
+    except ValidationError as err:  # a header that contradicts itself, or numbers out of range
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()
+        )
+        raise FactsError(
+            f"{header.source}: the header's facts cannot be planned: {problems}"
+        ) from None
 
 
 def _int(value: Any) -> int | None:

@@ -394,7 +394,7 @@ def _with_workload(
             engine = Engine.model_validate(dict(body)) if body is not None else None
         except ValidationError:
             engine = None
-    why = lane_objects.why_no_pod(lane, placement or {}, engine)
+    why = lane_objects.why_no_pod(lane, placement or {}, engine, settings.pods)
     if why is not None or placement is None:
         return replace(writes, no_pod=why)
     uid = str(p.body["metadata"].get("uid", ""))

@@ -76,8 +76,14 @@ def _model(lane: EmbedLane, engine: Engine | None) -> ModelRef | None:
     return engine.spec.model if engine is not None else None
 
 
-def why_no_pod(lane: EmbedLane, placement: Mapping[str, Any], engine: Engine | None) -> str | None:
-    """Why the lane gets no pod (None: it gets one)."""
+def why_no_pod(
+    lane: EmbedLane,
+    placement: Mapping[str, Any],
+    engine: Engine | None,
+    pods: PodSettings | None = None,
+) -> str | None:
+    """Why the lane gets no pod (None: it gets one); with `pods`, a hostPath model outside
+    the allowed directories is one reason (`objects.host_path_refusal`)."""
     if placement.get("verdict") != "Fits":
         return "the lane is not placed"
     if placement.get("residence") != "host":
@@ -88,6 +94,8 @@ def why_no_pod(lane: EmbedLane, placement: Mapping[str, Any], engine: Engine | N
     model = _model(lane, engine)
     if model is None or model.source is None:
         return "the model is known only by inline facts: there is no file for a pod to load"
+    if pods is not None:
+        return objects.host_path_refusal(model, pods)
     return None
 
 
@@ -179,7 +187,7 @@ def lane_deployment(
         "--lane",
         f"{ns}/{name}",
         "--model",
-        volume[1],
+        volume.path,
         "--listen",
         f"0.0.0.0:{pods.port}",
     ]
@@ -198,7 +206,8 @@ def lane_deployment(
         "ports": [{"name": "http", "containerPort": pods.port}],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
-        "volumeMounts": [{"name": "model", "mountPath": objects.MODEL_MOUNT, "readOnly": True}],
+        "securityContext": objects.container_security_context(),
+        "volumeMounts": [volume.mount, dict(objects.TMP_MOUNT)],
     }
     labels = _labels(lane)
     return {
@@ -220,6 +229,7 @@ def lane_deployment(
                 "spec": {
                     "priorityClassName": pods.engine_priority_class,
                     "serviceAccountName": deployment_name(lane),
+                    "securityContext": objects.pod_security_context(),
                     "affinity": {
                         "nodeAffinity": {
                             "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -241,7 +251,7 @@ def lane_deployment(
                         {"key": objects.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
                     ],
                     "containers": [container],
-                    "volumes": [volume[0]],
+                    "volumes": [volume.volume, dict(objects.TMP_VOLUME)],
                     "terminationGracePeriodSeconds": 30,
                 },
             },

@@ -21,12 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from continuum_operator.kube.settings import GpuSharing, PodSettings
 from continuum_operator.model.base import API_VERSION
-from continuum_operator.model.engine import Engine, ModelSourceKind
+from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
 
 MiB = 2**20
 MODEL_MOUNT = "/models"
@@ -96,24 +96,88 @@ def enforcement(plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bo
     return out
 
 
-def _model_volume(engine: Engine) -> tuple[Obj, str] | None:
-    """The model's volume and the file's path inside the container; None with inline facts only."""
+class ModelVolume(NamedTuple):
+    """The model's volume, the file's path inside the container, and the volume's mount."""
+
+    volume: Obj
+    path: str
+    mount: Obj
+
+
+def _model_volume(engine: Engine) -> ModelVolume | None:
+    """The model's volume and the file's path inside the container; None with inline facts only.
+
+    A hostPath source mounts the file itself (a volume of type File, read-only), never its
+    directory: `/srv/models/m.gguf` must not give the pod the rest of `/srv/models`, nor a path
+    like `/shadow` the host's `/`. Whether the path may be mounted at all is `host_path_refusal`.
+    """
     source = engine.spec.model.source
     if source is None:
         return None
     rel = source.path.lstrip("/")
+    whole = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
     if source.kind is ModelSourceKind.PVC:
         volume: Obj = {
             "name": "model",
             "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True},
         }
-        return volume, posixpath.join(MODEL_MOUNT, rel)
+        return ModelVolume(volume, posixpath.join(MODEL_MOUNT, rel), whole)
     if source.kind is ModelSourceKind.HOST_PATH:
-        directory = posixpath.dirname(source.path) or "/"
-        volume = {"name": "model", "hostPath": {"path": directory, "type": "Directory"}}
-        return volume, posixpath.join(MODEL_MOUNT, posixpath.basename(source.path))
+        volume = {"name": "model", "hostPath": {"path": source.path, "type": "File"}}
+        path = posixpath.join(MODEL_MOUNT, posixpath.basename(source.path))
+        return ModelVolume(volume, path, {"name": "model", "mountPath": path, "readOnly": True})
     volume = {"name": "model", "image": {"reference": source.image, "pullPolicy": "IfNotPresent"}}
-    return volume, posixpath.join(MODEL_MOUNT, rel)
+    return ModelVolume(volume, posixpath.join(MODEL_MOUNT, rel), whole)
+
+
+HOST_PATH_SETTING = (
+    "the operator's --allowed-host-path-prefix (the chart's engineSources.allowedHostPathPrefixes)"
+)
+
+
+def host_path_refusal(model: ModelRef, pods: PodSettings) -> str | None:
+    """Why a hostPath model source may not be mounted (None: it may, or it is not hostPath).
+
+    A hostPath gives the pod a file of the node, so only files under a directory the cluster
+    admin named are mounted; none is named by default. The API server refuses the same paths
+    at admission when the chart's policy is installed (engine-source-policy.yaml); this check
+    holds where it is not.
+    """
+    source = model.source
+    if source is None or source.kind is not ModelSourceKind.HOST_PATH:
+        return None
+    if under_allowed_prefix(source.path, pods.allowed_host_path_prefixes):
+        return None
+    allowed = ", ".join(pods.allowed_host_path_prefixes) or "none is set"
+    return (
+        f"hostPath {source.path} is not under a directory the cluster admin allows for model "
+        f"files ({allowed}); use a pvc or image source, or ask a cluster admin to add the "
+        f"model's directory to {HOST_PATH_SETTING}"
+    )
+
+
+def under_allowed_prefix(path: str, prefixes: Sequence[str]) -> bool:
+    """Whether `path` names something strictly inside one of `prefixes` (directories)."""
+    return any(path.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def pod_security_context() -> Obj:
+    """The pod's part of the `restricted` Pod Security profile (the images run as UID 65532)."""
+    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> Obj:
+    """The container's part of `restricted`, and a read-only root: /tmp is an emptyDir."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+    }
+
+
+TMP_VOLUME: Obj = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+TMP_MOUNT: Obj = {"name": "tmp", "mountPath": "/tmp"}
 
 
 def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[str]:
@@ -161,18 +225,21 @@ def deployment(
         "ports": [{"name": "http", "containerPort": pods.port}],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
+        "securityContext": container_security_context(),
+        "volumeMounts": [dict(TMP_MOUNT)],  # the gateway's slot directory (tempfile)
     }
     if env:
         container["env"] = env
-    volumes: list[Obj] = []
+    volumes: list[Obj] = [dict(TMP_VOLUME)]
     model = _model_volume(engine)
     if model is not None:
-        volumes.append(model[0])
-        container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+        volumes.append(model.volume)
+        container["volumeMounts"].append(model.mount)
     launch = launch_hash(engine, plan, pods)
     pod_spec: Obj = {
         "priorityClassName": pods.engine_priority_class,
         "serviceAccountName": service_account_name(engine),
+        "securityContext": pod_security_context(),
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -190,8 +257,7 @@ def deployment(
         "containers": [container],
         "terminationGracePeriodSeconds": 30,
     }
-    if volumes:
-        pod_spec["volumes"] = volumes
+    pod_spec["volumes"] = volumes
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -313,13 +379,16 @@ def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
     """
     model = _model_volume(engine)
     assert model is not None, "a facts Job needs spec.model.source"
-    volume, path = model
+    volume, path = model.volume, model.path
     selector = dict(engine.spec.placement.node_selector)
     if engine.spec.placement.node_pool:
         selector["continuum.dev/node-pool"] = engine.spec.placement.node_pool
     pod_spec: Obj = {
         "restartPolicy": "Never",
         "priorityClassName": pods.engine_priority_class,
+        # It reads one file and prints; it has no business with the API server.
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(),
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [
             {
@@ -331,7 +400,8 @@ def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
                     "requests": {"cpu": "100m", "memory": "256Mi"},
                     "limits": {"cpu": "1", "memory": "256Mi"},
                 },
-                "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}],
+                "securityContext": container_security_context(),
+                "volumeMounts": [model.mount],
             }
         ],
         "volumes": [volume],

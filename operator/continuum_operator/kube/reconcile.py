@@ -227,6 +227,36 @@ def _facts_from_file(
     return None, cond.Problem(cond.Reason.FACTS_PENDING, message), wanted
 
 
+_PER_LAYER = frozenset({"layer_bytes", "kv_bytes_per_token_per_layer", "head_count_kv"})
+
+
+def facts_disagreements(inline: ModelFacts, read: ModelFacts) -> list[str]:
+    """Each fact the Engine states inline that the file's header does not bear out, with both
+    values ("kvBytesPerTokenPerLayer is 0 inline, 4096 in the file"). One number for every
+    layer equals a list of that number once per layer."""
+    out: list[str] = []
+    for name in sorted(inline.model_fields_set):
+        mine, theirs = getattr(inline, name), getattr(read, name)
+        if name in _PER_LAYER and mine is not None and theirs is not None:
+            same = _per_layer_list(mine, inline.layers) == _per_layer_list(theirs, read.layers)
+        else:
+            same = mine == theirs
+        if not same:
+            field = ModelFacts.model_fields[name].alias or name
+            shown = "not stated" if theirs is None else f"{_short(theirs)}"
+            out.append(f"{field} is {_short(mine)} inline, {shown} in the file")
+    return out
+
+
+def _per_layer_list(value: int | list[int], layers: int) -> list[int]:
+    return list(value) if isinstance(value, list) else [value] * layers
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 _QUIET_REASONS = frozenset(
     {cond.Reason.POD_PENDING, cond.Reason.RELAUNCHING, cond.Reason.NOT_PLACED}
 )
@@ -280,14 +310,31 @@ def reconcile(
     except ManifestError as err:
         problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
         return p.finish(replace(p.facts_in, problem=problem), None, None)
+    refused = objects.host_path_refusal(engine.spec.model, settings.pods)
+    if refused is not None:
+        problem = cond.Problem(cond.Reason.INVALID_SPEC, f"spec.model.source.path: {refused}")
+        return p.finish(replace(p.facts_in, problem=problem), None, None)
     facts = engine.spec.model.facts
-    if facts is None:
-        facts, missing, job = _facts_from_file(
+    if engine.spec.model.source is not None:
+        # With a file to read, the plan believes the file: inline facts are only checked.
+        read, missing, job = _facts_from_file(
             engine, p.status, snap, memory, p.key, p.uid, settings
         )
-        if facts is None:
+        if read is None:
             writes = p.finish(replace(p.facts_in, problem=missing), None, None)
             return replace(writes, facts_job=job, delete_workload=False)
+        if facts is not None and (differ := facts_disagreements(facts, read)):
+            problem = cond.Problem(
+                cond.Reason.INVALID_SPEC,
+                "spec.model.facts: disagrees with the model file's header: "
+                + "; ".join(differ[:3])
+                + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+                + "; remove spec.model.facts (the file's facts are used) or set them to what "
+                "`continuum facts MODEL.gguf` prints",
+            )
+            return p.finish(replace(p.facts_in, problem=problem), None, None)
+        facts = read
+    assert facts is not None  # ModelRef requires facts or a source
     p.engine, p.facts = engine, facts
     placement, plan_doc = p.status.get("placement"), p.status.get("plan")
     if placement and plan_doc:

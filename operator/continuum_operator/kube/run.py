@@ -47,6 +47,16 @@ def add_parser(sub: Any) -> None:
         help="per-process GPU memory caps to apply besides the engine's arguments",
     )
     p.add_argument(
+        "--allowed-host-path-prefix",
+        dest="allowed_host_path_prefixes",
+        action="append",
+        type=_host_directory,
+        default=[],
+        metavar="DIR",
+        help="a host directory whose files hostPath model sources may name; repeatable "
+        "(default: none, every hostPath source is refused)",
+    )
+    p.add_argument(
         "--board-ttl",
         type=float,
         default=d.freshness.default_ttl_seconds,
@@ -118,6 +128,16 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_operator)  # fmt: skip
 
 
+def _host_directory(text: str) -> str:
+    """An absolute host directory without `..` segments (trailing slashes dropped)."""
+    path = text.rstrip("/") or "/"
+    if not path.startswith("/") or ".." in path.split("/"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an absolute directory without '..' segments (e.g. /srv/models)"
+        )
+    return path
+
+
 def settings_from(args: argparse.Namespace) -> OperatorSettings:
     return OperatorSettings(
         freshness=FreshnessSettings(
@@ -130,6 +150,7 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
             image=args.engine_image,
             cpu=args.engine_cpu,
             gpu_sharing=GpuSharing(args.gpu_sharing),
+            allowed_host_path_prefixes=tuple(args.allowed_host_path_prefixes),
             children_priority_class=args.children_priority_class,
         ),
         damping=DampingSettings(

@@ -72,6 +72,12 @@ class PodSettings:
     """A mind's child pods (builds, test runs): below every ordinary pod (0), never preempting
     (docs/children.md). Set on them by the children's webhook (`kube.webhook`)."""
     gpu_sharing: GpuSharing = GpuSharing.NONE
+    allowed_host_path_prefixes: tuple[str, ...] = ()
+    """Directories under which a hostPath model source (an Engine's or an EmbedLane's) may
+    name a file (`--allowed-host-path-prefix`, repeatable; the chart's
+    `engineSources.allowedHostPathPrefixes`). None by default: a hostPath gives whoever may
+    create an Engine a file of the node, so only the cluster admin says where models lie
+    (docs/security.md)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,13 @@ PerLayerBytes = Annotated[
     int | list[int],
     Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}),
 ]
+# KV bytes: a model whose cells cost nothing would plan an unbounded pool on a shared GPU. The
+# API server applies `minimum` to a number and ignores it for a list (an open field has no
+# type), so it refuses 0 or less given as one number; a list is checked here.
+KvPerLayerBytes = Annotated[
+    int | list[int],
+    Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True, "minimum": 1}),
+]
 
 
 class KvCacheType(StrEnum):
@@ -85,7 +92,7 @@ class ModelFacts(Spec):
         "to outputBytes. Smaller for a tied head: the mapped file already holds the token "
         "embeddings (inputBytes), so only the output norm is added.",
     )
-    kv_bytes_per_token_per_layer: PerLayerBytes = Field(
+    kv_bytes_per_token_per_layer: KvPerLayerBytes = Field(
         description="K plus V bytes per KV cell per layer at f16; scaled by spec.kvCacheType. "
         "Layers in slidingWindowLayers hold only the window's cells (see slidingWindow)."
     )
@@ -145,6 +152,14 @@ class ModelFacts(Spec):
                     raise ValueError(f"entry [{i}] is {v}; sizes must be between 0 and 2^62 bytes")
         elif value < 0 or value > 2**62:
             raise ValueError("sizes must be between 0 and 2^62 bytes")
+        if (
+            info.field_name == "kv_bytes_per_token_per_layer"
+            and (max(value, default=0) if isinstance(value, list) else value) < 1
+        ):
+            raise ValueError(
+                f"is {value}: every KV cell costs bytes (at least one layer's rate is 1 or "
+                "more); `continuum facts MODEL.gguf` reads the rates from the file"
+            )
         layers = info.data.get("layers")
         if isinstance(value, list) and layers is not None and len(value) != layers:
             raise ValueError(
