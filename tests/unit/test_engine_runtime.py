@@ -174,7 +174,8 @@ def test_continuum_engine_serves_the_grant_file_and_writes_the_releases(tmp_path
         sys.executable, "-m", "continuum_operator.cli", "engine",
         "--model", str(model), "--model-sha256", SHA, "--grants", str(grants),
         "--listen", f"127.0.0.1:{port}", "--llama-server", fake_server(tmp_path),
-        "--status-file", str(status), "--", "--ctx-size", "1024", "--parallel", "2",
+        "--status-file", str(status), "--unsafe-trust-mind-header",
+        "--", "--ctx-size", "1024", "--parallel", "2",
     ]  # fmt: skip
     log = (tmp_path / "engine.log").open("wb")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)

@@ -218,3 +218,34 @@ def test_the_crd_refuses_a_kv_rate_below_one_given_as_one_number() -> None:
         "facts"
     ]["properties"]["kvBytesPerTokenPerLayer"]
     assert facts["minimum"] == 1
+
+
+# --- the chart -----------------------------------------------------------------------------------
+
+
+def test_the_chart_allows_no_host_path_by_default_and_passes_the_admins_directories() -> None:
+    from tests.helm import by_kind, documents, find_helm, one, template
+
+    helm = find_helm()
+    default = documents(template(helm, {}).stdout)
+    policy = one(default, "ValidatingAdmissionPolicy", "-engine-sources")
+    prefixes = next(v for v in policy["spec"]["variables"] if v["name"] == "prefixes")
+    assert prefixes["expression"] == "[]"
+    one(default, "ValidatingAdmissionPolicy", "-engine-status")
+    operator = next(
+        d for d in by_kind(default, "Deployment") if "operator" in d["metadata"]["name"]
+    )
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in args if a.startswith("--allowed-host-path-prefix")]
+
+    allowed = documents(
+        template(helm, {"engineSources": {"allowedHostPathPrefixes": ["/srv/models/"]}}).stdout
+    )
+    policy = one(allowed, "ValidatingAdmissionPolicy", "-engine-sources")
+    prefixes = next(v for v in policy["spec"]["variables"] if v["name"] == "prefixes")
+    assert prefixes["expression"] == '["/srv/models/"]'
+    operator = next(
+        d for d in by_kind(allowed, "Deployment") if "operator" in d["metadata"]["name"]
+    )
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--allowed-host-path-prefix=/srv/models/" in args

@@ -57,6 +57,7 @@ def table(*entries: TableEntry, phase: EnginePhase = EnginePhase.SERVING) -> Gra
 @dataclass
 class Rig:
     url: str
+    admin_url: str
     gateway: Gateway
     fake: FakeLlama
     http: aiohttp.ClientSession
@@ -92,10 +93,12 @@ def run(
         if initial is not None:
             gateway.set_table(initial)
         runner, url = await serve(gateway.app())
+        admin_runner, admin_url = await serve(gateway.admin_app())
         try:
             async with aiohttp.ClientSession() as http:
-                await body(Rig(url, gateway, fake, http))
+                await body(Rig(url, admin_url, gateway, fake, http))
         finally:
+            await admin_runner.cleanup()
             await runner.cleanup()
             await gateway.close()
             await upstream_runner.cleanup()
@@ -122,7 +125,7 @@ class TestServingGrantedMinds:
             assert status == 200, reply
             assert (reply["id_slot"], reply["tokens_predicted"]) == (1, 4)
             assert reply["continuum"]["capped"] is False and "cutOff" not in reply["continuum"]
-            async with rig.http.get(f"{rig.url}/metrics") as resp:
+            async with rig.http.get(f"{rig.admin_url}/metrics") as resp:
                 text = await resp.text()
             assert 'continuum_gateway_slot_requests_total{slot="1"} 1.0' in text
             assert 'continuum_gateway_slot_tokens_total{kind="predicted",slot="1"} 4.0' in text
@@ -142,7 +145,7 @@ class TestServingGrantedMinds:
             assert (status, answer["error"]) == (403, "forbidden")
             status, answer, _ = await rig.open(VIP, contextTokens=4096)
             assert (status, answer["slotTokens"], answer["askedTokens"]) == (413, 512, 4096)
-            async with rig.http.get(f"{rig.url}/metrics") as resp:
+            async with rig.http.get(f"{rig.admin_url}/metrics") as resp:
                 text = await resp.text()
             for reason in ("queued", "reclaiming", "forbidden", "context_too_large"):
                 assert f'continuum_gateway_refusals_total{{reason="{reason}"}} 1.0' in text

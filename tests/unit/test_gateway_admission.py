@@ -20,11 +20,13 @@ from continuum_operator.engine.admission import (
     TokenCap,
     admit_request,
     admit_turn,
-    check_identity,
+    ServiceAccount,
+    engine_audience,
+    identify,
     parse_table,
     prompt_token_bound,
     reconcile,
-    service_account_namespace,
+    service_account,
     still_reported,
     table_from_engine,
     token_cap,
@@ -125,18 +127,34 @@ class TestRequestsInsideATurn:
 
 
 class TestWhoIsAsking:
-    def test_a_service_account_names_its_namespace(self) -> None:
-        assert service_account_namespace("system:serviceaccount:minds:mira") == "minds"
-        assert service_account_namespace("system:serviceaccount:minds") is None
-        assert service_account_namespace("kubernetes-admin") is None
-        assert service_account_namespace(None) is None
+    def test_a_service_account_user_names_its_namespace_and_name(self) -> None:
+        assert service_account("system:serviceaccount:minds:mira") == ServiceAccount(
+            "minds", "mira"
+        )
+        assert service_account("system:serviceaccount:minds") is None
+        assert service_account("system:serviceaccount:minds:a:b") is None
+        assert service_account("kubernetes-admin") is None
+        assert service_account(None) is None
 
-    def test_a_token_speaks_only_for_minds_of_its_namespace(self) -> None:
-        assert check_identity("minds/mira", "minds") is None
-        other = check_identity("minds/mira", "elsewhere")
+    def test_a_token_speaks_for_the_mind_named_as_its_service_account(self) -> None:
+        assert identify("", ServiceAccount("minds", "mira")) == ("minds/mira", None)
+        assert identify("minds/mira", ServiceAccount("minds", "mira")) == ("minds/mira", None)
+
+    def test_another_service_account_of_her_namespace_cannot_speak_for_her(self) -> None:
+        # A child pod, or any other pod of her namespace, runs as another service account.
+        _, other = identify("minds/mira", ServiceAccount("minds", "mira-child"))
         assert other is not None and (other.status, other.refusal) == (403, Refusal.FORBIDDEN)
-        none = check_identity("minds/mira", None)
+        _, elsewhere = identify("minds/mira", ServiceAccount("elsewhere", "mira"))
+        assert elsewhere is not None and elsewhere.status == 403
+
+    def test_no_reviewed_token_is_unauthenticated_whatever_the_header_says(self) -> None:
+        _, none = identify("minds/mira", None)
         assert none is not None and (none.status, none.refusal) == (401, Refusal.UNAUTHENTICATED)
+        assert "Authorization: Bearer" in none.body["message"]
+
+    def test_each_engine_has_an_audience_of_its_own(self) -> None:
+        assert engine_audience("ml", "coder") == "continuum.dev/engine/ml/coder"
+        assert engine_audience("ml", "coder") != engine_audience("ml", "coder-2")
 
 
 class TestTokenCaps:

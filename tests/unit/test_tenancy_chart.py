@@ -48,10 +48,12 @@ def test_the_mindclass_policy_is_installed_by_default_and_checks_every_class(
 
 def test_the_mindclass_policy_can_be_left_out_or_only_warn(helm_bin: Path) -> None:
     off = render(helm_bin, {"tenancy": {"mindClassPolicy": {"enabled": False}}})
-    assert not by_kind(off, "ValidatingAdmissionPolicy")
-    assert not by_kind(off, "ValidatingAdmissionPolicyBinding")
+    for kind in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+        names = [d["metadata"]["name"] for d in by_kind(off, kind)]
+        assert not [n for n in names if n.endswith("-mindclass-namespaces")]
     warn = render(helm_bin, {"tenancy": {"mindClassPolicy": {"validationActions": ["Warn"]}}})
-    assert one(warn, "ValidatingAdmissionPolicyBinding")["spec"]["validationActions"] == ["Warn"]
+    binding = one(warn, "ValidatingAdmissionPolicyBinding", "-mindclass-namespaces")
+    assert binding["spec"]["validationActions"] == ["Warn"]
 
 
 def test_the_engine_priority_guard_refuses_the_engine_class_outside_labelled_namespaces(

@@ -36,15 +36,17 @@ __all__ = [
     "Reconciliation",
     "Refusal",
     "Release",
+    "ServiceAccount",
     "TableEntry",
     "TokenCap",
     "admit_request",
     "admit_turn",
-    "check_identity",
+    "engine_audience",
+    "identify",
     "parse_table",
     "prompt_token_bound",
     "reconcile",
-    "service_account_namespace",
+    "service_account",
     "still_reported",
     "table_from_engine",
     "token_cap",
@@ -402,30 +404,59 @@ def admit_request(
 SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
 
 
-def service_account_namespace(username: str | None) -> str | None:
-    """The namespace of a service account's user name (`system:serviceaccount:NS:NAME`)."""
+@dataclass(frozen=True, slots=True)
+class ServiceAccount:
+    """The service account a reviewed token belongs to."""
+
+    namespace: str
+    name: str
+
+    @property
+    def mind(self) -> str:
+        """The one Mind it speaks for: the Mind of its name in its namespace (docs/gateway.md)."""
+        return f"{self.namespace}/{self.name}"
+
+
+def service_account(username: str | None) -> ServiceAccount | None:
+    """The service account of a user name (`system:serviceaccount:NS:NAME`), or None."""
     if not username or not username.startswith(SERVICE_ACCOUNT_PREFIX):
         return None
     namespace, _, name = username[len(SERVICE_ACCOUNT_PREFIX) :].partition(":")
-    return namespace if namespace and name else None
+    return ServiceAccount(namespace, name) if namespace and name and ":" not in name else None
 
 
-def check_identity(mind: str, token_namespace: str | None) -> Admission | None:
-    """None if a reviewed token may speak for `mind`: it is a service account of her namespace."""
-    if token_namespace is None:
-        return _refuse(
+def engine_audience(namespace: str, name: str) -> str:
+    """The audience a mind's token must carry for this engine (and no other) to accept it."""
+    return f"continuum.dev/engine/{namespace}/{name}"
+
+
+def identify(asked_mind: str, account: ServiceAccount | None) -> tuple[str, Admission | None]:
+    """The mind a reviewed token speaks for, or the refusal.
+
+    A token speaks for one Mind: the one named as its service account, in its namespace, so
+    neither another service account of her namespace nor her child pods (which run as their
+    own service accounts) can spend her grant. `asked_mind` (the `X-Continuum-Mind` header) is
+    optional; given, it must be that Mind.
+    """
+    if account is None:
+        return asked_mind, _refuse(
             Refusal.UNAUTHENTICATED,
             401,
-            {"message": "send the mind's service account token as Authorization: Bearer"},
+            {
+                "message": "send the mind's service account token, projected with this "
+                "engine's audience, as Authorization: Bearer (the OpenAI client's API key)"
+            },
         )
-    namespace = mind.partition("/")[0]
-    if token_namespace != namespace:
-        return _refuse(
+    if asked_mind and asked_mind != account.mind:
+        return asked_mind, _refuse(
             Refusal.FORBIDDEN,
             403,
-            {"message": f"a token of namespace {token_namespace} cannot speak for {mind}"},
+            {
+                "message": f"the token of service account {account.mind} speaks only for "
+                f"Mind {account.mind}, not {asked_mind}"
+            },
         )
-    return None
+    return account.mind, None
 
 
 # --- tokens ----------------------------------------------------------------------------------

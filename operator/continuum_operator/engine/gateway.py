@@ -25,7 +25,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -39,22 +39,41 @@ from continuum_operator.engine.admission import (
     OverGrant,
     Refusal,
     Release,
+    ServiceAccount,
     TokenCap,
     admit_request,
     admit_turn,
-    check_identity,
+    identify,
     prompt_token_bound,
     reconcile,
     still_reported,
     token_cap,
 )
 from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
+from continuum_operator.engine.openai_api import (
+    Endpoint,
+    FieldError,
+    asked_tokens,
+    cap_body,
+    check_body,
+    over_grant_body,
+    prompt_bound,
+    refusal_body,
+)
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 
-__all__ = ["Gateway", "GatewaySettings", "SlotRelease"]
+__all__ = ["Gateway", "GatewaySettings", "SlotRelease", "serve_app"]
 
 log = logging.getLogger(__name__)
+
+#: OpenAI's clients read it before their own rule of what to retry (openai-python does).
+SHOULD_RETRY_HEADER = "x-should-retry"
+
+#: Seconds a connection may take to send a whole request head, and stay idle between requests:
+#: a client that opens a connection and never finishes its headers is dropped after it
+#: (aiohttp's keep-alive timer runs from the connection's start until a request is read).
+HEADERS_SECONDS = 10.0
 
 #: Cut turns remembered to answer their late requests with `turn_cut` (oldest forgotten first).
 CUT_TURNS_KEPT = 1024
@@ -75,9 +94,13 @@ class GatewaySettings:
     relaunch_retry_after: int = 5
     #: Seconds between probes of llama-server's /health.
     health_seconds: float = 1.0
-    #: Reviews a bearer token: the namespace of the service account it belongs to, or None.
-    #: None here: the X-Continuum-Mind header is trusted (docs/gateway.md, "Who is asking").
-    review_token: Callable[[str], Awaitable[str | None]] | None = None
+    #: Reviews a bearer token: the service account it belongs to, or None. None here: the
+    #: X-Continuum-Mind header is believed, which only the unsafe local flag asks for
+    #: (docs/gateway.md, "Who is asking").
+    review_token: Callable[[str], Awaitable[ServiceAccount | None]] | None = None
+    #: Seconds the gateway waits on a mind's connection to take a stream's last words (the
+    #: cut event): a client that stops reading holds nothing of the engine past it.
+    write_seconds: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +216,23 @@ class Gateway:
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)
         app.router.add_post("/completion", self.completion)
+        app.router.add_post(Endpoint.CHAT.value, self.chat_completions)
+        app.router.add_post(Endpoint.COMPLETIONS.value, self.completions)
+        app.router.add_post(Endpoint.EMBEDDINGS.value, self.embeddings)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/health", self.readyz)  # llama-server's name, for probes
+        return app
+
+    def admin_app(self) -> web.Application:
+        """What is served to the cluster's operators, not to minds, on a port of its own:
+        `/metrics`, `/v1/releases` (and the runtime's `/v1/runtime`), and the probes."""
+        app = web.Application()
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/v1/releases", self.releases_endpoint)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
         return app
 
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -357,19 +392,18 @@ class Gateway:
             await self._erase(slot)
         self.slot_owner[slot] = mind
 
-    async def _count_tokens(self, prompt: Any) -> int:
-        if isinstance(prompt, str):
-            return len(await self._tokenize(prompt, add_special=True))
-        total = 1  # the BOS a list prompt is given
-        for piece in prompt:
-            total += 1 if isinstance(piece, int) else len(await self._tokenize(piece, False))
-        return total
+    async def _count_tokens(self, flight: _Flight, content: Any) -> int:
+        """The prompt's tokens as llama-server counts them: one `/tokenize` of the whole prompt
+        (a string, or a list of token ids and strings, which it tokenizes as the completion
+        will), raced against the cut, whatever the number of pieces."""
+        tokens = await self._until_cut(flight, self._tokenize(content, add_special=True))
+        return len(tokens)
 
-    async def _tokenize(self, text: str, add_special: bool) -> list[Any]:
+    async def _tokenize(self, content: Any, add_special: bool) -> list[Any]:
         try:
             async with self.session.post(
                 f"{self.settings.upstream}/tokenize",
-                json={"content": text, "add_special": add_special},
+                json={"content": content, "add_special": add_special},
             ) as resp:
                 payload = await resp.json(content_type=None)
         except (aiohttp.ClientError, ValueError) as err:
@@ -379,17 +413,63 @@ class Gateway:
             raise _UpstreamDown(f"tokenize answered {resp.status}: {payload}")
         return tokens
 
+    async def _apply_template(self, body: dict[str, Any]) -> str:
+        """The chat request's prompt after the model's chat template (llama-server's own)."""
+        try:
+            async with self.session.post(
+                f"{self.settings.upstream}/apply-template", json=body
+            ) as resp:
+                payload = await resp.json(content_type=None)
+        except (aiohttp.ClientError, ValueError) as err:
+            raise _UpstreamDown(str(err)) from err
+        prompt = payload.get("prompt") if isinstance(payload, dict) else None
+        if resp.status != 200 or not isinstance(prompt, str):
+            raise _BadUpstreamRequest(resp.status, payload)
+        return prompt
+
+    async def _until_cut(self, flight: _Flight, work: Awaitable[_T]) -> _T:
+        """`work`, unless the flight is cut first: then `_CutNow`, and `work` is cancelled.
+
+        Every wait of a request on llama-server goes through here (tokenize, template, the
+        slot's erase, a stream's headers), so a reclaim never waits on one.
+        """
+        task = asyncio.ensure_future(work)
+        cut = asyncio.ensure_future(flight.cut.wait())
+        try:
+            await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, cut, return_exceptions=True)
+        if flight.cut.is_set():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                result = task.result()
+                if isinstance(result, aiohttp.ClientResponse):
+                    result.close()  # a stream opened as the cut came: llama-server drops it
+            raise _CutNow
+        return task.result()
+
     # --- answers ------------------------------------------------------------------------------
 
-    def _answer(self, adm: Admission) -> web.Response:
+    def _answer(self, adm: Admission, *, openai: bool = False) -> web.Response:
         assert adm.refusal is not None
         self.metrics.refused(adm.refusal)
-        headers = {"Retry-After": str(adm.retry_after)} if adm.retry_after else None
-        return web.json_response(adm.body, status=adm.status, headers=headers)
+        headers = {"Retry-After": str(adm.retry_after)} if adm.retry_after else {}
+        if not openai:
+            return web.json_response(adm.body, status=adm.status, headers=headers or None)
+        # OpenAI's clients retry 409 and 429 by themselves; only a wait in line is worth it.
+        retry = adm.status in (429, 503)
+        headers[SHOULD_RETRY_HEADER] = "true" if retry else "false"
+        return web.json_response(refusal_body(adm), status=adm.status, headers=headers)
 
-    def _refuse(self, refusal: Refusal, status: int, body: dict[str, Any]) -> web.Response:
-        self.metrics.refused(refusal)
-        return web.json_response({"error": refusal.value, **body}, status=status)
+    def _refuse(
+        self, refusal: Refusal, status: int, body: dict[str, Any], *, openai: bool = False
+    ) -> web.Response:
+        return self._answer(
+            Admission(Answer.REFUSE, status, {"error": refusal.value, **body}, refusal),
+            openai=openai,
+        )
 
     def _cut_body(self, flight: _Flight) -> dict[str, Any]:
         return {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
@@ -414,20 +494,25 @@ class Gateway:
     async def releases_endpoint(self, request: web.Request) -> web.Response:
         return web.json_response([r.to_status() for r in self.releases()])
 
-    async def _identity(self, request: web.Request, mind: str) -> web.Response | None:
-        """A refusal if the request may not speak for `mind`; None if it may."""
+    async def _who(self, request: web.Request) -> tuple[str, Admission | None]:
+        """The mind a request speaks for, or why it may not speak at all.
+
+        With token review (every cluster install) the token says who she is and the
+        `X-Continuum-Mind` header, if sent, must agree; without it (the unsafe local flag)
+        the header is believed.
+        """
+        asked = request.headers.get(MIND_HEADER, "")
         review = self.settings.review_token
         if review is None:
-            return None
+            return asked, None
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        namespace = await review(token) if scheme.lower() == "bearer" and token else None
-        refusal = check_identity(mind, namespace)
-        return self._answer(refusal) if refusal is not None else None
+        account = await review(token.strip()) if scheme.lower() == "bearer" and token else None
+        return identify(asked, account)
 
     async def open_turn(self, request: web.Request) -> web.Response:
-        mind = request.headers.get(MIND_HEADER, "")
-        if (refused := await self._identity(request, mind)) is not None:
-            return refused
+        mind, refused = await self._who(request)
+        if refused is not None:
+            return self._answer(refused)
         asked: int | None = None
         if request.can_read_body:
             try:
@@ -440,14 +525,7 @@ class Gateway:
                     Refusal.BAD_REQUEST, 400, {"message": "contextTokens: a positive integer"}
                 )
             asked = raw
-        adm = admit_turn(
-            self.table,
-            mind,
-            asked,
-            engine_ready=self.engine_ready,
-            queued_retry=self.settings.queued_retry_after,
-            relaunch_retry=self.settings.relaunch_retry_after,
-        )
+        adm = self._admit_turn(mind, asked)
         if adm.answer is not Answer.ADMIT:
             return self._answer(adm)
         assert adm.slot is not None
@@ -457,92 +535,227 @@ class Gateway:
         self.turns[tid] = _Turn(mind, adm.slot, self.clock())
         return web.json_response({"turn": tid, **adm.body}, status=201)
 
+    def _admit_turn(self, mind: str, asked: int | None) -> Admission:
+        return admit_turn(
+            self.table,
+            mind,
+            asked,
+            engine_ready=self.engine_ready,
+            queued_retry=self.settings.queued_retry_after,
+            relaunch_retry=self.settings.relaunch_retry_after,
+        )
+
     async def end_turn(self, request: web.Request) -> web.Response:
-        mind = request.headers.get(MIND_HEADER, "")
+        mind, refused = await self._who(request)
+        if refused is not None:
+            return self._answer(refused)
         turn = self.turns.get(request.match_info["turn"])
         if turn is not None and turn.mind == mind:
             del self.turns[request.match_info["turn"]]
         return web.Response(status=204)
 
+    async def models(self, request: web.Request) -> web.Response:
+        """`GET /v1/models`: llama-server's answer (the one model), to a mind of this engine."""
+        mind, refused = await self._who(request)
+        if refused is None and (self.table is None or self.table.entry(mind) is None):
+            refused = admit_turn(self.table, mind)
+        if refused is not None and refused.answer is not Answer.ADMIT:
+            return self._answer(refused, openai=True)
+        try:
+            async with self.session.get(f"{self.settings.upstream}/v1/models") as resp:
+                return web.json_response(await resp.json(content_type=None), status=resp.status)
+        except (aiohttp.ClientError, ValueError):
+            return self._refuse(
+                Refusal.RELAUNCHING,
+                503,
+                {"reason": GrantReason.ENGINE_RELAUNCHING.value},
+                openai=True,
+            )
+
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        mind = request.headers.get(MIND_HEADER, "")
-        if (refused := await self._identity(request, mind)) is not None:
-            return refused
-        tid = request.headers.get(TURN_HEADER, "")
+        """llama-server's native `/completion`."""
+        return await self._serve(request, None)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Endpoint.CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Endpoint.COMPLETIONS)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Endpoint.EMBEDDINGS)
+
+    def _admit(self, mind: str, tid: str, *, openai: bool) -> Admission:
+        """Whether this request runs: inside her open turn, or as a turn of one request."""
+        if not tid:
+            # No turn named: a turn of this one request, answered as opening a turn would be.
+            # Her explicit turn, if any, is left as it is.
+            adm = self._admit_turn(mind, None)
+            if adm.answer is Answer.ADMIT:
+                return Admission(Answer.ADMIT, 200, {}, slot=adm.slot, tokens=adm.tokens)
+            return adm
         turn = self.turns.get(tid)
         cut_turn = self._cut_turns.get(tid)
         if turn is None and cut_turn is not None and cut_turn[0] == mind:
             # A turn the gateway cut: said so to whoever keeps using it.
-            self.metrics.refused(Refusal.TURN_CUT)
-            return web.json_response(
+            return Admission(
+                Answer.REFUSE,
+                409,
                 {"error": Refusal.TURN_CUT.value, "reason": cut_turn[1], "by": cut_turn[2]},
-                status=409,
+                Refusal.TURN_CUT,
             )
         turn_slot = turn.slot if turn is not None and turn.mind == mind else None
-        adm = admit_request(self.table, mind, turn_slot, engine_ready=self.engine_ready)
+        return admit_request(self.table, mind, turn_slot, engine_ready=self.engine_ready)
+
+    async def _serve(self, request: web.Request, endpoint: Endpoint | None) -> web.StreamResponse:
+        openai = endpoint is not None
+        mind, refused = await self._who(request)
+        if refused is not None:
+            return self._answer(refused, openai=openai)
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._bad_request("", "the body is not JSON", openai=openai)
+        adm = self._admit(mind, request.headers.get(TURN_HEADER, ""), openai=openai)
         if adm.answer is not Answer.ADMIT:
-            return self._answer(adm)
+            return self._answer(adm, openai=openai)
         assert adm.slot is not None
-        # Registered before the first await: a reclaim from here on cuts this request.
+        tokens = min(adm.tokens, self.slot_ctx) if self.slot_ctx else adm.tokens
+        if endpoint is not None:
+            bad = check_body(endpoint, body, tokens)
+            if bad is not None:
+                self.metrics.refused(Refusal.BAD_REQUEST)
+                headers = {SHOULD_RETRY_HEADER: "false"}
+                return web.json_response(bad.body(), status=400, headers=headers)
+        elif not isinstance(body, dict):
+            return self._bad_request("", "the body is not a JSON object", openai=False)
+        # Registered with no await since the admission: a reclaim from here on cuts it.
         flight = _Flight(mind, adm.slot)
         self.flights.setdefault(mind, set()).add(flight)
         self.metrics.slot_busy(adm.slot, 1)
         started = time.monotonic()
         try:
-            tokens = min(adm.tokens, self.slot_ctx) if self.slot_ctx else adm.tokens
-            return await self._forward(request, flight, tokens)
+            return await self._forward(request, body, endpoint, flight, tokens)
+        except _CutNow:
+            return self._cut_answer(flight, openai=openai)
+        except _BadUpstreamRequest as err:
+            return web.json_response(err.payload, status=err.status)
         except _UpstreamDown as err:
             log.warning("llama-server failed %s's request: %s", mind, err)
             return self._refuse(
-                Refusal.TURN_CUT, 409, {"reason": GrantReason.ENGINE_RELAUNCHING.value}
+                Refusal.TURN_CUT,
+                409,
+                {"reason": GrantReason.ENGINE_RELAUNCHING.value},
+                openai=openai,
             )
         finally:
-            self.metrics.slot_busy(adm.slot, -1)
             self.metrics.busy_seconds.labels(str(adm.slot)).inc(time.monotonic() - started)
-            flights = self.flights.get(mind)
-            if flights is not None:
-                flights.discard(flight)
-                if not flights:
-                    del self.flights[mind]
-            async with self._flights_done:
-                self._flights_done.notify_all()
+            await self._land(flight)
+
+    async def _land(self, flight: _Flight) -> None:
+        """The flight has left llama-server: the slot's release may go ahead. Idempotent."""
+        flights = self.flights.get(flight.mind)
+        if flights is None or flight not in flights:
+            return
+        self.metrics.slot_busy(flight.slot, -1)
+        flights.discard(flight)
+        if not flights:
+            del self.flights[flight.mind]
+        async with self._flights_done:
+            self._flights_done.notify_all()
+
+    def _bad_request(self, param: str, message: str, *, openai: bool) -> web.Response:
+        if openai:
+            self.metrics.refused(Refusal.BAD_REQUEST)
+            return web.json_response(
+                FieldError(param, message).body(),
+                status=400,
+                headers={SHOULD_RETRY_HEADER: "false"},
+            )
+        return self._refuse(Refusal.BAD_REQUEST, 400, {"message": message})
+
+    async def _prompt_cap(
+        self,
+        body: dict[str, Any],
+        endpoint: Endpoint | None,
+        flight: _Flight,
+        grant_tokens: int,
+    ) -> TokenCap | OverGrant | web.Response:
+        """The generation cap that keeps prompt and output in the grant, counting the prompt
+        without llama-server where its size bounds it, else with one `/tokenize`."""
+        asked: int | None
+        if endpoint is None:
+            prompt = body.get("prompt")
+            bound = prompt_token_bound(prompt)
+            if bound is None:
+                return self._bad_request(
+                    "prompt",
+                    "prompt: one prompt (a string, or a list of tokens and strings)",
+                    openai=False,
+                )
+            if isinstance(prompt, list) and len(prompt) > grant_tokens:
+                return self._bad_request(
+                    "prompt",
+                    f"prompt: {len(prompt)} pieces, more than the grant's {grant_tokens} tokens",
+                    openai=False,
+                )
+            raw = body.get("n_predict")
+            if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int)):
+                return self._bad_request("n_predict", "n_predict: an integer", openai=False)
+            asked, content = raw, prompt
+        elif endpoint is Endpoint.CHAT:
+            asked = asked_tokens(body)
+            templated: str = await self._until_cut(flight, self._apply_template(body))
+            content, bound = templated, prompt_bound(templated)
+        else:
+            field_name = "prompt" if endpoint is Endpoint.COMPLETIONS else "input"
+            content = body.get(field_name)
+            if isinstance(content, list) and len(content) == 1:
+                content = content[0]  # one prompt, listed
+            bound = prompt_token_bound(content) or 0
+            asked = asked_tokens(body) if endpoint is Endpoint.COMPLETIONS else 0
+        if asked is not None and asked >= 0 and bound + asked <= grant_tokens:
+            return TokenCap(asked, asked, capped=False)  # fits however it tokenizes
+        counted = await self._count_tokens(flight, content)
+        if endpoint is Endpoint.EMBEDDINGS:
+            if counted > grant_tokens:
+                return OverGrant(counted, grant_tokens)
+            return TokenCap(0, 0, capped=False)
+        return token_cap(grant_tokens, counted, asked)
 
     async def _forward(
-        self, request: web.Request, flight: _Flight, grant_tokens: int
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        endpoint: Endpoint | None,
+        flight: _Flight,
+        grant_tokens: int,
     ) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            return self._refuse(Refusal.BAD_REQUEST, 400, {"message": "body is not JSON"})
-        if not isinstance(body, dict):
-            return self._refuse(Refusal.BAD_REQUEST, 400, {"message": "body is not an object"})
-        prompt = body.get("prompt")
-        bound = prompt_token_bound(prompt)
-        if bound is None:
-            return self._refuse(
-                Refusal.BAD_REQUEST,
-                400,
-                {"message": "prompt: one prompt (a string, or a list of tokens and strings)"},
-            )
-        raw = body.get("n_predict")
-        if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int)):
-            return self._refuse(Refusal.BAD_REQUEST, 400, {"message": "n_predict: an integer"})
-        asked: int | None = raw
-        cap: TokenCap | OverGrant
-        if asked is not None and asked >= 0 and bound + asked <= grant_tokens:
-            cap = TokenCap(asked, asked, capped=False)  # fits however it tokenizes
-        else:
-            cap = token_cap(grant_tokens, await self._count_tokens(prompt), asked)
+        openai = endpoint is not None
+        cap = await self._prompt_cap(body, endpoint, flight, grant_tokens)
+        if isinstance(cap, web.Response):
+            return cap
         if isinstance(cap, OverGrant):
             self.metrics.refused(Refusal.OVER_GRANT)
+            if endpoint is not None:
+                param = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt"}
+                return web.json_response(
+                    over_grant_body(cap, param.get(endpoint, "input")),
+                    status=400,
+                    headers={SHOULD_RETRY_HEADER: "false"},
+                )
             return web.json_response(cap.body(), status=413)
-        body["id_slot"] = flight.slot
-        body["n_predict"] = cap.n_predict
-        async with self._slot_locks.setdefault(flight.slot, asyncio.Lock()):
-            pass  # an erase of this slot in progress finishes first
-        await self._ensure_clean(flight.slot, flight.mind)
+        if endpoint is None:
+            body["id_slot"] = flight.slot
+            body["n_predict"] = cap.n_predict
+        else:
+            embeds = endpoint is Endpoint.EMBEDDINGS
+            body = cap_body(body, flight.slot, None if embeds else cap.n_predict)
+        lock = self._slot_locks.setdefault(flight.slot, asyncio.Lock())
+        await self._until_cut(flight, _passed(lock))  # an erase of this slot finishes first
+        await self._until_cut(flight, self._ensure_clean(flight.slot, flight.mind))
         if flight.cut.is_set():
-            return self._cut_answer(flight)
+            raise _CutNow
         self.metrics.forwarded(flight.slot, capped=cap.capped)
         note = {
             "slot": flight.slot,
@@ -551,61 +764,56 @@ class Gateway:
             "nPredictAsked": cap.asked,
             "capped": cap.capped,
         }
+        path = endpoint.value if endpoint is not None else "/completion"
         if body.get("stream"):
-            return await self._stream(request, body, flight, cap, note)
-        return await self._plain(body, flight, cap, note)
+            return await self._stream(request, path, body, flight, cap, note, openai=openai)
+        return await self._plain(path, body, flight, cap, note)
 
-    def _cut_answer(self, flight: _Flight) -> web.Response:
-        self.metrics.refused(Refusal.TURN_CUT)
-        return web.json_response(self._cut_body(flight), status=409)
+    def _cut_answer(self, flight: _Flight, *, openai: bool = False) -> web.Response:
+        body = self._cut_body(flight)
+        return self._answer(Admission(Answer.REFUSE, 409, body, Refusal.TURN_CUT), openai=openai)
 
     async def _plain(
-        self, body: dict[str, Any], flight: _Flight, cap: TokenCap, note: dict[str, Any]
+        self, path: str, body: dict[str, Any], flight: _Flight, cap: TokenCap, note: dict[str, Any]
     ) -> web.Response:
         async def call() -> tuple[int, Any]:
             try:
-                async with self.session.post(
-                    f"{self.settings.upstream}/completion", json=body
-                ) as resp:
+                async with self.session.post(f"{self.settings.upstream}{path}", json=body) as resp:
                     return resp.status, await resp.json(content_type=None)
             except (aiohttp.ClientError, ValueError) as err:
                 raise _UpstreamDown(str(err)) from err
 
-        reply = asyncio.ensure_future(call())
-        cut = asyncio.ensure_future(flight.cut.wait())
-        try:
-            await asyncio.wait({reply, cut}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (reply, cut):
-                task.cancel()
-            await asyncio.gather(reply, cut, return_exceptions=True)
-        if not reply.done() or reply.cancelled() or flight.cut.is_set():
-            # Cancelling the call closed its connection: llama-server drops the task.
-            return self._cut_answer(flight)
-        status, payload = reply.result()
+        # Cancelling the call on a cut closes its connection: llama-server drops the task.
+        status, payload = await self._until_cut(flight, call())
         if isinstance(payload, dict) and status == 200:
-            predicted = int(payload.get("tokens_predicted") or 0)
-            self.metrics.slot_served(
-                flight.slot, 0.0, int(payload.get("tokens_evaluated") or 0), predicted
-            )
+            prompt, predicted = _usage(payload)
+            self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
             payload["continuum"] = _annotate(note, cap, payload)
         return web.json_response(payload, status=status)
 
     async def _stream(
         self,
         request: web.Request,
+        path: str,
         body: dict[str, Any],
         flight: _Flight,
         cap: TokenCap,
         note: dict[str, Any],
+        *,
+        openai: bool,
     ) -> web.StreamResponse:
-        try:
-            upstream = await self.session.post(f"{self.settings.upstream}/completion", json=body)
-        except aiohttp.ClientError as err:
-            raise _UpstreamDown(str(err)) from err
+        async def connect() -> aiohttp.ClientResponse:
+            try:
+                return await self.session.post(f"{self.settings.upstream}{path}", json=body)
+            except aiohttp.ClientError as err:
+                raise _UpstreamDown(str(err)) from err
+
+        # llama-server sends a stream's headers with its first token, after the whole prompt
+        # is read: that wait is raced against the cut like every other.
+        upstream = await self._until_cut(flight, connect())
         try:
             if upstream.status != 200:
-                payload = await upstream.json(content_type=None)
+                payload = await self._until_cut(flight, upstream.json(content_type=None))
                 return web.json_response(payload, status=upstream.status)
             out = web.StreamResponse(
                 status=200,
@@ -615,37 +823,29 @@ class Gateway:
 
             async def pump() -> None:
                 async for line in upstream.content:
-                    if line.startswith(b"data: ") and b'"stop":true' in line.replace(b" ", b""):
+                    if _is_last_event(line, openai):
                         line, final = _annotate_event(line, note, cap)
-                        self.metrics.slot_served(
-                            flight.slot,
-                            0.0,
-                            int(final.get("tokens_evaluated") or 0),
-                            int(final.get("tokens_predicted") or 0),
-                        )
+                        prompt, predicted = _usage(final)
+                        self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
                     await out.write(line)
 
-            pumping = asyncio.ensure_future(pump())
-            cut = asyncio.ensure_future(flight.cut.wait())
             try:
-                await asyncio.wait({pumping, cut}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (pumping, cut):
-                    task.cancel()
-                await asyncio.gather(pumping, cut, return_exceptions=True)
-            if flight.cut.is_set():
+                await self._until_cut(flight, pump())
+            except _CutNow:
                 upstream.close()  # llama-server sees the stream closed and drops the task
+                await self._land(flight)  # the slot's release need not wait for this client
                 self.metrics.refused(Refusal.TURN_CUT)
-                event = {"error": {"type": Refusal.TURN_CUT.value, "reason": flight.reason}}
-                with contextlib.suppress(ConnectionError):
-                    await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            elif (failure := pumping.exception()) is not None:
-                if isinstance(failure, aiohttp.ClientError):
-                    raise _UpstreamDown(str(failure)) from failure
-                if not isinstance(failure, ConnectionError):
-                    raise failure
-            with contextlib.suppress(ConnectionError):
-                await out.write_eof()
+                event = _cut_event(flight, openai=openai)
+                with contextlib.suppress(ConnectionError, TimeoutError):
+                    async with asyncio.timeout(self.settings.write_seconds):
+                        await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            except aiohttp.ClientError as err:
+                raise _UpstreamDown(str(err)) from err
+            except ConnectionError:
+                pass  # the mind hung up
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                async with asyncio.timeout(self.settings.write_seconds):
+                    await out.write_eof()
             return out
         finally:
             if upstream.content.at_eof():
@@ -654,16 +854,97 @@ class Gateway:
                 upstream.close()  # a stream left unfinished: llama-server drops the task
 
 
+_T = TypeVar("_T")
+
+
+async def serve_app(
+    app: web.Application, host: str, port: int, *, headers_seconds: float = HEADERS_SECONDS
+) -> tuple[web.AppRunner, str]:
+    """Serve `app` as the gateway must be served: a mind hanging up cancels her request in
+    llama-server (`handler_cancellation`), and a connection that sends no whole request head
+    within `headers_seconds` is closed. Returns the runner and the bound address."""
+    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=headers_seconds)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname() if sockets else (host, port)
+    return runner, f"{bound[0]}:{bound[1]}"
+
+
+class _CutNow(Exception):
+    """The flight was cut while it waited on llama-server."""
+
+
+class _BadUpstreamRequest(Exception):
+    """llama-server refused the request itself (a malformed chat, say): its answer is passed on."""
+
+    def __init__(self, status: int, payload: Any) -> None:
+        self.status = status
+        self.payload = payload
+        super().__init__(f"llama-server answered {status}")
+
+
+async def _passed(lock: asyncio.Lock) -> None:
+    async with lock:
+        pass
+
+
+def _cut_event(flight: _Flight, *, openai: bool) -> dict[str, Any]:
+    """The last event of a stream the reclaim ended: says why (OpenAI's clients raise it)."""
+    if not openai:
+        return {"error": {"type": Refusal.TURN_CUT.value, "reason": flight.reason}}
+    by = f" by {flight.by}" if flight.by else ""
+    return {
+        "error": {
+            "message": f"turn cut: the grant is being reclaimed ({flight.reason}{by})",
+            "type": Refusal.TURN_CUT.value,
+            "param": None,
+            "code": flight.reason,
+        },
+        "continuum": {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by},
+    }
+
+
+def _is_last_event(line: bytes, openai: bool) -> bool:
+    """Whether an event line ends the generation (cheap byte tests; parsed only if so)."""
+    if not line.startswith(b"data: "):
+        return False
+    if openai:
+        # The chunk whose finish_reason is set (llama-server writes compact JSON).
+        return b'"finish_reason":"' in line
+    return b'"stop":true' in line.replace(b" ", b"")
+
+
+def _usage(final: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, generated tokens) of a finished reply, native or OpenAI."""
+    usage = final.get("usage")
+    if isinstance(usage, dict):
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    timings = final.get("timings")
+    if "tokens_predicted" not in final and isinstance(timings, dict):
+        return int(timings.get("prompt_n") or 0), int(timings.get("predicted_n") or 0)
+    return int(final.get("tokens_evaluated") or 0), int(final.get("tokens_predicted") or 0)
+
+
+def _hit_limit(final: dict[str, Any], cap: TokenCap) -> bool:
+    """Whether the generation stopped at its length limit (native or OpenAI)."""
+    choices = final.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0].get("finish_reason") == "length"
+    predicted = int(final.get("tokens_predicted") or 0)
+    return final.get("stop_type") == "limit" and predicted >= cap.n_predict
+
+
 def _annotate(note: dict[str, Any], cap: TokenCap, final: dict[str, Any]) -> dict[str, Any]:
     """The gateway's note on a finished completion: a cut-off at the grant is said plainly."""
-    predicted = int(final.get("tokens_predicted") or 0)
-    hit_cap = final.get("stop_type") == "limit" and predicted >= cap.n_predict
     out = dict(note)
-    if hit_cap and (cap.capped or cap.asked is None or cap.asked < 0):
+    if _hit_limit(final, cap) and (cap.capped or cap.asked is None or cap.asked < 0):
         out["cutOff"] = "GrantTokens"
         out["message"] = (
-            f"generation stopped at {predicted} tokens: prompt and generation fill the grant "
-            f"of {note['grantTokens']} tokens"
+            f"generation stopped at {cap.n_predict} tokens: prompt and generation fill the "
+            f"grant of {note['grantTokens']} tokens"
         )
     return out
 

@@ -31,8 +31,9 @@ import yaml
 from continuum_operator.engine.admission import (
     GrantTable,
     GrantTableError,
+    ServiceAccount,
     parse_table,
-    service_account_namespace,
+    service_account,
     table_from_engine,
 )
 from continuum_operator.model.base import GROUP, VERSION
@@ -41,6 +42,7 @@ __all__ = [
     "EngineStatusWriter",
     "TokenReviewer",
     "read_engine_plan",
+    "read_engine_status",
     "read_table_file",
     "watch_engine",
     "watch_file",
@@ -181,41 +183,58 @@ async def read_engine_plan(namespace: str, name: str, *, api: Any = None) -> dic
     return plan if isinstance(plan, dict) else {}
 
 
-class TokenReviewer:
-    """Reviews a mind's bearer token with the API server (a TokenReview): its service
-    account's namespace, or None. Answers are cached for `cache_seconds` so a turn's requests
-    do not each cost a review."""
+async def read_engine_status(namespace: str, name: str, *, api: Any = None) -> dict[str, Any]:
+    """The Engine's whole `status` (its plan, and the previous runtime's report); {} if none."""
+    objects = api or _custom_objects()
+    obj = await asyncio.to_thread(
+        objects.get_namespaced_custom_object, GROUP, VERSION, namespace, "engines", name
+    )
+    status = obj.get("status")
+    return status if isinstance(status, dict) else {}
 
-    def __init__(self, *, api: Any = None, cache_seconds: float = 60.0) -> None:
+
+class TokenReviewer:
+    """Reviews a mind's bearer token with the API server (a TokenReview with the engine's
+    audience): the service account it belongs to, or None. A token is accepted only where the
+    API server says it was issued for that audience, so a service account's ordinary token (the
+    API server's audience) or one projected for another engine is refused. Answers are cached
+    for `cache_seconds` so a turn's requests do not each cost a review."""
+
+    def __init__(self, audience: str, *, api: Any = None, cache_seconds: float = 60.0) -> None:
+        self.audience = audience
         self.api = api
         self.cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[str | None, float]] = {}
+        self._cache: dict[str, tuple[ServiceAccount | None, float]] = {}
 
-    def _review(self, token: str) -> str | None:
+    def _review(self, token: str) -> ServiceAccount | None:
         client: Any = importlib.import_module("kubernetes.client")
         if self.api is None:
             _custom_objects()  # loads the configuration
             self.api = client.AuthenticationV1Api()
-        review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token))
+        review = client.V1TokenReview(
+            spec=client.V1TokenReviewSpec(token=token, audiences=[self.audience])
+        )
         status = self.api.create_token_review(review).status
         if status is None or not status.authenticated or status.user is None:
             return None
-        return service_account_namespace(status.user.username)
+        if self.audience not in (status.audiences or []):
+            return None  # an authenticator that ignored the audience: not proof enough
+        return service_account(status.user.username)
 
-    async def __call__(self, token: str) -> str | None:
+    async def __call__(self, token: str) -> ServiceAccount | None:
         now = time.monotonic()
         hit = self._cache.get(token)
         if hit is not None and hit[1] > now:
             return hit[0]
         try:
-            namespace = await asyncio.to_thread(self._review, token)
+            account = await asyncio.to_thread(self._review, token)
         except Exception as err:  # the API server unreachable: refuse, do not cache
             log.warning("token review failed: %s", err)
             return None
         if len(self._cache) > 4096:
             self._cache.clear()
-        self._cache[token] = (namespace, now + self.cache_seconds)
-        return namespace
+        self._cache[token] = (account, now + self.cache_seconds)
+        return account
 
 
 class EngineStatusWriter:

@@ -36,8 +36,8 @@ from aiohttp import web
 
 from continuum_operator.core import receipts
 from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
-from continuum_operator.engine.admission import GrantTableError
-from continuum_operator.engine.gateway import Gateway, GatewaySettings
+from continuum_operator.engine.admission import GrantTableError, engine_audience
+from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
     TokenReviewer,
@@ -455,7 +455,7 @@ async def serve(args: argparse.Namespace) -> int:
         GatewaySettings(
             upstream="http://127.0.0.1:0",
             grace_seconds=args.grace,
-            review_token=TokenReviewer() if args.review_tokens else None,
+            review_token=_reviewer(args),
         )
     )
     sinks: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
@@ -471,20 +471,25 @@ async def serve(args: argparse.Namespace) -> int:
             await sink(doc)
 
     runtime = EngineRuntime(launch, gateway, publish=publish)
-    app = gateway.app()
+    # Minds' door and the cluster's: /metrics, /v1/releases and /v1/runtime are served on the
+    # admin address only (docs/gateway.md, "Endpoints besides the protocol").
+    admin = gateway.admin_app()
 
     async def runtime_doc(request: web.Request) -> web.Response:
         return web.json_response(runtime.status())
 
-    app.router.add_get("/v1/runtime", runtime_doc)
+    admin.router.add_get("/v1/runtime", runtime_doc)
     await gateway.start()
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
     listen = f"0.0.0.0:{args.port}" if args.port is not None else args.listen
-    host, _, port = listen.rpartition(":")
-    site = web.TCPSite(runner, host or "0.0.0.0", int(port))
-    await site.start()
-    log.info("gateway listening on %s", listen)
+    admin_listen = args.admin_listen
+    if args.admin_port is not None:
+        admin_listen = f"0.0.0.0:{args.admin_port}"
+    runners = []
+    for served, address in ((gateway.app(), listen), (admin, admin_listen)):
+        host, _, port = address.rpartition(":")
+        runner, bound = await serve_app(served, host or "0.0.0.0", int(port))
+        runners.append(runner)
+        log.info("%s listening on %s", "gateway" if served is not admin else "admin", bound)
 
     if args.grants is not None:
         source = asyncio.create_task(watch_file(args.grants, gateway.set_table))
@@ -499,9 +504,26 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         source.cancel()
         await asyncio.gather(source, return_exceptions=True)
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
         await gateway.close()
     return EXIT_OK
+
+
+def _reviewer(args: argparse.Namespace) -> TokenReviewer | None:
+    """Token review, on unless the unsafe local flag says to believe the mind header."""
+    if args.unsafe_trust_mind_header:
+        log.warning(
+            "--unsafe-trust-mind-header: any client that reaches this port can spend any "
+            "mind's grant by naming her; for a machine of one's own only"
+        )
+        return None
+    audience = args.token_audience
+    if audience is None and args.engine is not None:
+        namespace, _, name = args.engine.partition("/")
+        audience = engine_audience(namespace, name)
+    assert audience is not None  # cmd_engine checked
+    return TokenReviewer(audience)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -514,6 +536,13 @@ def cmd_engine(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     if not args.model.is_file():
         print(f"error: --model {args.model}: no such file", file=sys.stderr)
+        return EXIT_INVALID
+    if not args.unsafe_trust_mind_header and args.engine is None and not args.token_audience:
+        print(
+            "error: --grants FILE: give --token-audience AUDIENCE (minds' tokens are reviewed "
+            "with the API server) or, on a machine of your own, --unsafe-trust-mind-header",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     try:
         return asyncio.run(serve(args))
@@ -553,8 +582,26 @@ def add_parser(sub: Any) -> None:
         "--review-tokens",
         action="store_true",
         help="require each mind's service account token (Authorization: Bearer), reviewed "
-        "with the API server (a TokenReview), to be of the mind's namespace",
+        "with the API server (a TokenReview with the engine's audience); the default, said "
+        "explicitly in the operator's pods",
     )
+    p.add_argument(
+        "--token-audience",
+        help="the audience minds' tokens must carry (default with --engine NS/NAME: "
+        "continuum.dev/engine/NS/NAME)",
+    )
+    p.add_argument(
+        "--unsafe-trust-mind-header",
+        action="store_true",
+        help="believe the X-Continuum-Mind header without a token: anyone who reaches the "
+        "port can spend any mind's grant (a machine of one's own only)",
+    )
+    p.add_argument(
+        "--admin-listen",
+        default="127.0.0.1:0",
+        help="address of /metrics, /v1/releases, /v1/runtime (not served to minds)",
+    )
+    p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
     p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
     p.set_defaults(func=cmd_engine)
 
