@@ -2,8 +2,10 @@
 
 Reads the GGUF header and tensor index only (`gguf.read_facts`); with `--sha256` it also
 hashes the whole file and prints the `spec.model` fragment (`sha256` and `facts`), the digest
-that receipts are filed under. Exit codes as in `cli`: 0 done, 2 a file that cannot be read
-or planned from.
+that receipts are filed under. With `--expect-sha256 HEX` (the facts Job an Engine's model is
+read by) the file is hashed and must have that digest: a replaced file is refused with both
+digests named. Exit codes as in `cli`: 0 done, 2 a file that cannot be read or planned from,
+or whose digest is not the one expected.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from continuum_operator.gguf import FactsError, GgufReadError, file_sha256, read_facts
+from continuum_operator.engine.digest import hash_file, mismatch_message
+from continuum_operator.gguf import FactsError, GgufReadError, read_facts
 
 __all__ = ["add_parser", "cmd_facts"]
 
@@ -31,8 +34,14 @@ def cmd_facts(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INVALID
     doc: dict[str, Any] = facts.model_dump(mode="json", by_alias=True, exclude_defaults=True)
-    if args.sha256:
-        doc = {"sha256": file_sha256(args.model), "facts": doc}
+    if args.sha256 or args.expect_sha256:
+        digest = hash_file(args.model)
+        if args.expect_sha256 and digest != args.expect_sha256:
+            print(f"error: {mismatch_message(args.model, digest, args.expect_sha256)}",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_INVALID
+        if args.sha256:
+            doc = {"sha256": digest, "facts": doc}
     if args.output == "json":
         print(json.dumps(doc, indent=2))
     else:
@@ -55,4 +64,17 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="also hash the file and print the spec.model fragment {sha256, facts}",
     )
+    p.add_argument(
+        "--expect-sha256",
+        metavar="HEX",
+        type=_sha256,
+        help="hash the file and refuse it (exit 2) unless its sha256 is HEX",
+    )
     p.set_defaults(func=cmd_facts)
+
+
+def _sha256(text: str) -> str:
+    value = text.strip().lower()
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sha256 (64 hex digits)")
+    return value

@@ -7,6 +7,7 @@ serves the API); tests/e2e/test_gateway_llama.py runs the real one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sys
 import time
@@ -29,7 +30,8 @@ from continuum_operator.engine.runtime import (
 )
 from tests.unit import fake_llama
 
-SHA = "ab" * 32
+MODEL_BYTES = b"GGUF"
+SHA = hashlib.sha256(MODEL_BYTES).hexdigest()  # the model files' digest: checked before a launch
 MiB = 1 << 20
 
 
@@ -51,7 +53,7 @@ def with_runtime(
     tmp_path: Path, body: Callable[[EngineRuntime, list[dict[str, Any]]], Awaitable[None]]
 ) -> None:
     model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
+    model.write_bytes(MODEL_BYTES)
     plan = {"bytes": {"host": {"weights": 1 * MiB, "kv": 2 * MiB, "compute": 5 * MiB}}}
     launch = LaunchSettings(
         llama_server=fake_server(tmp_path),
@@ -160,7 +162,7 @@ def test_continuum_engine_serves_the_grant_file_and_writes_the_releases(tmp_path
     import urllib.request
 
     model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
+    model.write_bytes(MODEL_BYTES)
     grants = tmp_path / "grants.yaml"
     grants.write_text(
         "slotTokens: 512\ngrants:\n- {mind: minds/mira, state: Granted, slot: 1, tokens: 512}\n"
@@ -240,7 +242,7 @@ def test_continuum_engine_refuses_a_bad_command_line_with_what_to_fix(tmp_path: 
     from continuum_operator.cli import main
 
     model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
+    model.write_bytes(MODEL_BYTES)
     assert main(["engine", "--model", str(model)]) == 2  # neither --grants nor --engine
     assert main(["engine", "--model", str(model), "--engine", "no-namespace"]) == 2
     assert main(["engine", "--model", str(tmp_path / "none.gguf"), "--grants", "g.yaml"]) == 2

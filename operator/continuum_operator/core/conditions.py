@@ -44,12 +44,15 @@ class Reason(StrEnum):
     POD_READY = "PodReady"
     POD_PENDING = "PodPending"
     RELAUNCHING = "Relaunching"
+    MODEL_DIGEST_MISMATCH = "ModelDigestMismatch"
+    ENGINE_STOPPED = "EngineStopped"
     # Degraded
     AS_PLANNED = "AsPlanned"
     MINDS_LIMITED = "MindsLimited"
     LAYERS_LIMITED = "LayersLimited"
     RELAUNCH_DEFERRED = "RelaunchDeferred"
     NO_LONGER_FITS = "PlanNoLongerFits"
+    ENGINE_RESTARTED = "EngineRestarted"
     # MemoryModeUnknown / BoardStale
     MODE_REPORTED = "MemoryModeReported"
     MODE_UNKNOWN = "NoMemoryModeReported"
@@ -68,6 +71,17 @@ class PodPhase(StrEnum):
 class Problem:
     reason: Reason
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeReport:
+    """What the engine runtime of the current launch reports (`status.runtime`), as far as
+    the conditions read it."""
+
+    refused: Problem | None = None
+    """It does not serve and will not by itself: the model's digest, or restarts exhausted."""
+    restarted: str = ""
+    """llama-server exited within the restart window: how often, and its last error line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +111,7 @@ class EngineFacts:
     damping_message: str = ""
     no_longer_fits: str = ""
     """Its own node's board, read again, no longer holds even the smallest plan: why."""
+    runtime: RuntimeReport = RuntimeReport()
 
 
 def _c(t: ConditionType, status: bool, reason: Reason, message: str, gen: int | None) -> Condition:
@@ -131,7 +146,10 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
             )
         )
 
-    if f.pod is PodPhase.READY:
+    refused = f.runtime.refused if p is not None else None
+    if refused is not None:
+        ready = _c(T.READY, False, refused.reason, refused.message, gen)
+    elif f.pod is PodPhase.READY:
         ready = _c(T.READY, True, Reason.POD_READY, "the engine pod is ready", gen)
     elif f.pod is PodPhase.RELAUNCHING:
         ready = _c(T.READY, False, Reason.RELAUNCHING, "the engine is relaunching", gen)
@@ -149,7 +167,11 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
     out.append(ready)
 
     degraded: Condition
-    if p is not None and not f.board_fresh:
+    if refused is not None:
+        degraded = _c(T.DEGRADED, True, refused.reason, refused.message, gen)
+    elif p is not None and f.runtime.restarted:
+        degraded = _c(T.DEGRADED, True, Reason.ENGINE_RESTARTED, f.runtime.restarted, gen)
+    elif p is not None and not f.board_fresh:
         degraded = _c(
             T.DEGRADED,
             True,

@@ -10,7 +10,8 @@ Bytes are what llama.cpp allocates for the engine's arguments: KV cells per sequ
 256 as llama.cpp pads them (one stream per mind: `--parallel` without `--kv-unified`), window
 layers at their window's cells, and the compute and output buffers of `core.compute`. Where a
 receipt (`core.receipts`) exists for the same model digest, context, KV type, placement and
-build, its measured buffers replace the estimate, and the reasons say so (docs/design.md rule 5).
+build, its measured buffers replace the estimate, and the plan says so: `source` is `receipt`
+and `receipt` holds the one used (docs/design.md rule 5), otherwise `source` is `estimate`.
 
 Budgets (rules 1-3):
 - discrete: each GPU's device pool after reserve and others' leases, bounded by the per-process
@@ -45,6 +46,13 @@ from continuum_operator.core.receipts import (
 )
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts
+
+
+class BytesSource(StrEnum):
+    """Where a plan's bytes came from."""
+
+    RECEIPT = "receipt"  # what llama.cpp allocated for this very launch, measured
+    ESTIMATE = "estimate"  # computed from the model's facts (`core.compute`)
 
 
 class ReasonCode(StrEnum):
@@ -126,6 +134,12 @@ class ServingPlan:
     charges: tuple[tuple[str, int], ...]
     engine_args: tuple[str, ...]
     reasons: tuple[Reason, ...] = field(default_factory=tuple)
+    receipt: Receipt | None = None
+    """The receipt whose buffers are the plan's bytes; None: they are estimated."""
+
+    @property
+    def source(self) -> BytesSource:
+        return BytesSource.ESTIMATE if self.receipt is None else BytesSource.RECEIPT
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as `continuum plan -o json` prints it and Engine `status.plan` holds it."""
@@ -162,6 +176,12 @@ class ServingPlan:
             "charges": [{"pool": pool, "bytes": n} for pool, n in self.charges],
             "engineArgs": list(self.engine_args),
             "reasons": [{"code": str(r.code), "message": r.message} for r in self.reasons],
+            "source": str(self.source),
+            "receipt": (
+                None
+                if self.receipt is None
+                else self.receipt.model_dump(mode="json", by_alias=True)
+            ),
         }
 
 
@@ -566,6 +586,7 @@ def plan(
         charges=_charges(board, mode, gpus, device, host),
         engine_args=_engine_args(level, tokens, minds, engine.kv_cache_type, n_gpus),
         reasons=tuple(reasons),
+        receipt=sizer.receipt(level, minds),
     )
 
 

@@ -9,8 +9,17 @@ layers llama.cpp actually offloaded, whether it could offload at all, the estima
 pool side, and the slot releases the gateway made. The document goes to a file, to the Engine
 (through `grants_source.EngineStatusWriter`), or both, only when it changed.
 
+Before the first launch the model file's sha256 is checked against the digest the Engine names
+(`engine.digest`): a mismatch is never served and never receipted, and status.runtime says so
+with both digests (phase `ModelMismatch`). The gateway answers `/healthz` while the file is
+hashed, so a liveness probe does not kill a long hash.
+
 If llama-server exits, every turn on it is cut (`EngineRelaunching`), its slots count as empty,
-and it is started again after a backoff.
+and it is started again after a backoff, at most `max_restarts` times in any
+`restart_window_seconds`: the exit after that stops it (phase `Stopped`, with why and the last
+error line it printed) rather than restart it forever. Each exit is in status.runtime
+(`restarts`, `lastExit`), where the operator counts it (a `Degraded` condition, the relaunch
+metric).
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import signal
 import socket
 import sys
 import tempfile
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -36,16 +47,18 @@ from aiohttp import web
 
 from continuum_operator.core import receipts
 from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
+from continuum_operator.engine import digest
 from continuum_operator.engine.admission import GrantTableError, engine_audience
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
     TokenReviewer,
-    read_engine_plan,
+    read_engine_status,
     watch_engine,
     watch_file,
 )
 from continuum_operator.engine.receipts import receipt_from_log
+from continuum_operator.kube.objects import LAUNCH_ENV
 
 __all__ = [
     "EngineRuntime",
@@ -68,6 +81,11 @@ LOAD_LOG_LINES = 4000
 VERBOSITY_FLAGS = frozenset(
     {"-lv", "--verbosity", "--log-verbosity", "-v", "--verbose", "--log-verbose"}
 )
+THREAD_FLAGS = frozenset({"-t", "--threads"})
+BATCH_THREAD_FLAGS = frozenset({"-tb", "--threads-batch"})
+#: Lines of llama-server's output kept from its last run, for the error line of an exit.
+TAIL_LINES = 50
+_ERROR_WORDS = ("error", "failed", "abort", "exception", "fatal", "terminate", "cannot", "unable")
 
 
 def llama_build(log_text: str) -> str | None:
@@ -78,9 +96,12 @@ def llama_build(log_text: str) -> str | None:
 class RuntimePhase(StrEnum):
     """`status.runtime.phase`: where llama-server is in its life."""
 
+    VERIFYING = "VerifyingModel"  # hashing the model file before the first launch
+    MODEL_MISMATCH = "ModelMismatch"  # the file is not the model named: never started
     STARTING = "Starting"  # started, not answering /health yet
     SERVING = "Serving"  # loaded, receipted, serving
     RESTARTING = "Restarting"  # exited; started again after a backoff
+    STOPPED = "Stopped"  # exited too often in the restart window: not started again
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +112,30 @@ class LaunchSettings:
     model: Path
     args: tuple[str, ...]
     model_sha256: str | None = None
+    """The digest the Engine names (`spec.model.sha256`): checked against the file before
+    the first launch, and the receipts' key. None: the file's own digest is the key."""
     llama_build: str | None = None
     gpus: int = 0
     host: str = "127.0.0.1"
     port: int = 0
     plan: dict[str, Any] = field(default_factory=dict)
     restart_backoff: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
+    verify_model: bool = True
+    """Hash the file before the first launch (off: `model_sha256` is trusted as given)."""
+    verified: digest.VerifiedModel | None = None
+    """This Engine's previous runtime's record of the file (`status.runtime.modelFile`)."""
+    rehash: bool = False
+    """Hash the file even when `verified` vouches for it."""
+    node: str | None = None
+    threads: int | None = None
+    """`--threads` and `--threads-batch` for llama-server: the pod's CPUs (None: its default)."""
+    max_restarts: int = 5
+    """Restarts of llama-server allowed in any `restart_window_seconds`; the exit after them
+    stops it (count)."""
+    restart_window_seconds: float = 600.0
+    launch: str | None = None
+    """The pod's launch (`kube.objects.LAUNCH_ENV`), named in every report so the operator
+    reads only the current pod's."""
 
     def argv(self, port: int, slot_dir: Path) -> list[str]:
         return [
@@ -107,7 +146,7 @@ class LaunchSettings:
             self.host,
             "--port",
             str(port),
-            *gateway_args(self.args, slot_dir),
+            *thread_args(gateway_args(self.args, slot_dir), self.threads),
         ]
 
     def context_tokens(self) -> int:
@@ -137,6 +176,32 @@ def gateway_args(args: Sequence[str], slot_dir: Path) -> list[str]:
     if "--cache-ram" not in out and "-cram" not in out:
         out += ["--cache-ram", "0"]
     return out
+
+
+def thread_args(args: Sequence[str], threads: int | None) -> list[str]:
+    """llama-server's arguments with `--threads`/`--threads-batch` set to the pod's CPUs
+    where the arguments do not set them: llama.cpp otherwise starts one thread per core it
+    sees, which is the node's, not the pod's, and a CPU limit below that throttles every
+    thread (each waits for the slowest in a matrix product)."""
+    out = list(args)
+    if threads is None:
+        return out
+    if not THREAD_FLAGS.intersection(out):
+        out += ["--threads", str(threads)]
+    if not BATCH_THREAD_FLAGS.intersection(out):
+        out += ["--threads-batch", str(threads)]
+    return out
+
+
+def error_line(lines: Sequence[str]) -> str:
+    """The line of llama-server's last output that most likely says why it exited: the last
+    that reads as an error, else the last non-empty one."""
+    kept = [line.strip() for line in lines if line.strip()]
+    for line in reversed(kept):
+        lowered = line.lower()
+        if any(word in lowered for word in _ERROR_WORDS):
+            return line[:500]
+    return kept[-1][:500] if kept else ""
 
 
 def estimate_errors(plan: dict[str, Any], receipt: Receipt) -> list[dict[str, Any]]:
@@ -184,8 +249,17 @@ def runtime_status(
     slots: int | None,
     slot_tokens: int | None,
     releases: list[dict[str, Any]],
+    threads: int | None = None,
+    last_exit: dict[str, Any] | None = None,
+    message: str | None = None,
+    model_file: dict[str, Any] | None = None,
+    launch: str | None = None,
 ) -> dict[str, Any]:
-    """The Engine's `status.runtime` document (docs/gateway.md, "What the runtime reports")."""
+    """The Engine's `status.runtime` document (docs/gateway.md, "What the runtime reports").
+
+    Every key is always present (None where unknown): the document is written as a merge
+    patch, where a key left out would keep its old value.
+    """
     parsed = parse_llama_log(log_text) if log_text else None
     offload = gpu_offload(log_text, receipt)
     layers = parsed.layers_offloaded if parsed else None
@@ -204,6 +278,11 @@ def runtime_status(
         "receipts": [receipt.model_dump(mode="json", by_alias=True)] if receipt else [],
         "estimateError": estimate_errors(plan, receipt) if receipt else [],
         "slotReleases": releases,
+        "threads": threads,
+        "lastExit": last_exit,
+        "message": message,
+        "modelFile": model_file,
+        "launch": launch,
     }
 
 
@@ -236,8 +315,15 @@ class EngineRuntime:
         self.slots: int | None = None
         self.slot_tokens: int | None = None
         self.process: asyncio.subprocess.Process | None = None
+        self.model_sha256 = launch.model_sha256
+        self.model_file: dict[str, Any] | None = None
+        self.message: str | None = None  # why it does not serve (a mismatch, a stop)
+        self.last_exit: dict[str, Any] | None = None
+        self.exits: list[float] = []  # monotonic times of the exits in the restart window
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._dirty = asyncio.Event()
         self._stopping = False
+        self._stopped = asyncio.Event()
         self._slots_tmp: tempfile.TemporaryDirectory[str] | None = None
         gateway.on_change(self._dirty.set)
 
@@ -252,21 +338,32 @@ class EngineRuntime:
             slots=self.slots,
             slot_tokens=self.slot_tokens,
             releases=[r.to_status() for r in self.gateway.releases()],
+            threads=self.launch.threads,
+            last_exit=self.last_exit,
+            message=self.message,
+            model_file=self.model_file,
+            launch=self.launch.launch,
         )
 
     async def run(self) -> None:
         """Keep llama-server running until `stop`; publish the status as it changes."""
         publisher = asyncio.create_task(self._publish_loop())
         try:
+            if not await self._verify_model():
+                await self._stopped.wait()  # not served; reported until the pod is stopped
+                return
             attempt = 0
             while not self._stopping:
                 code = await self._run_once()
                 if self._stopping:
                     break
-                self.restarts += 1
-                self.gateway.metrics.engine_restarted()
                 self.gateway.engine_ready = False
                 self.gateway.engine_restarted()
+                if self._exited(code):
+                    await self._stopped.wait()
+                    break
+                self.restarts += 1
+                self.gateway.metrics.engine_restarted()
                 self.phase = RuntimePhase.RESTARTING
                 self._dirty.set()
                 delay = self.launch.restart_backoff[
@@ -282,8 +379,75 @@ class EngineRuntime:
                 self._slots_tmp.cleanup()
                 self._slots_tmp = None
 
+    async def _verify_model(self) -> bool:
+        """Check the file against the digest named; False (and reported) on a mismatch."""
+        launch = self.launch
+        if not launch.verify_model:
+            return True
+        self.phase = RuntimePhase.VERIFYING
+        self._dirty.set()
+        path = launch.model
+
+        def progress(done: int, total: int, seconds: float) -> None:
+            rate = done / seconds / 2**20 if seconds > 0 else 0.0
+            log.info(
+                "hashing %s: %.2f of %.2f GiB (%.0f%%), %.0f MiB/s",
+                path, done / 2**30, total / 2**30, 100 * done / max(total, 1), rate,
+            )  # fmt: skip
+
+        check = await asyncio.to_thread(
+            digest.verify,
+            path,
+            launch.model_sha256,
+            launch.verified,
+            node=launch.node,
+            rehash=launch.rehash,
+            progress=progress,
+        )
+        if check.verdict is digest.Verdict.SKIPPED:
+            log.info("model %s: same file as verified before (sha256 %s); not hashed", path,
+                     check.actual)  # fmt: skip
+        if not check.matches(launch.model_sha256):
+            assert launch.model_sha256 is not None
+            self.message = digest.mismatch_message(path, check.actual, launch.model_sha256)
+            log.error("%s", self.message)
+            self.model_file = {**check.record.to_status(), "verdict": "Mismatch"}
+            self.phase = RuntimePhase.MODEL_MISMATCH
+            self._dirty.set()
+            return False
+        self.model_sha256 = check.actual
+        self.model_file = {**check.record.to_status(), "verdict": str(check.verdict)}
+        self.phase = RuntimePhase.STARTING
+        self._dirty.set()
+        return True
+
+    def _exited(self, code: int) -> bool:
+        """Record an exit of llama-server; True when it is one too many to restart after."""
+        now = time.monotonic()
+        window = self.launch.restart_window_seconds
+        self.exits = [t for t in self.exits if now - t < window] + [now]
+        line = error_line(self.tail)
+        self.last_exit = {
+            "code": code,
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "line": line,
+        }
+        if len(self.exits) <= self.launch.max_restarts:
+            return False
+        self.message = (
+            f"llama-server exited {len(self.exits)} times in {window:.0f} s (exit code {code}"
+            + (f": {line}" if line else "")
+            + f"); stopped after {self.launch.max_restarts} restarts. Fix the cause, then "
+            "delete the engine's pod to start again"
+        )
+        log.error("%s", self.message)
+        self.phase = RuntimePhase.STOPPED
+        self._dirty.set()
+        return True
+
     async def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
         proc = self.process
         if proc is not None and proc.returncode is None:
             proc.terminate()
@@ -300,6 +464,7 @@ class EngineRuntime:
         self.gateway.settings = _with_upstream(self.gateway.settings, upstream)
         log.info("starting %s", shlex.join(argv))
         self.load_log = []
+        self.tail.clear()
         self.receipt = None
         self.process = await asyncio.create_subprocess_exec(
             *argv,
@@ -325,6 +490,7 @@ class EngineRuntime:
             text = line.decode("utf-8", "replace").rstrip("\n")
             if len(self.load_log) < LOAD_LOG_LINES:
                 self.load_log.append(text)
+            self.tail.append(text)
             if self.echo_log:
                 print(text, file=sys.stderr)
 
@@ -357,7 +523,7 @@ class EngineRuntime:
             self.gateway.slot_ctx = self.slot_tokens
 
     def _make_receipt(self) -> Receipt | None:
-        sha = self.launch.model_sha256
+        sha = self.model_sha256  # the file's digest, checked (or as given, unchecked)
         if sha is None:
             return None
         try:
@@ -427,29 +593,49 @@ def _file_publisher(path: Path) -> Callable[[dict[str, Any]], Awaitable[None]]:
     return publish
 
 
+def _previous_runtime(path: Path | None) -> dict[str, Any]:
+    """The runtime document a previous run wrote to `--status-file`, if any."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 async def serve(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    if not plan and args.engine is not None:
+    previous = _previous_runtime(args.status_file)
+    if args.engine is not None:
         namespace, _, name = args.engine.partition("/")
         try:
-            plan = await read_engine_plan(namespace, name)
+            status = await read_engine_status(namespace, name)
         except Exception as err:  # the receipt is still made; only the error is not
-            log.warning("could not read Engine %s's status.plan: %s", args.engine, err)
+            log.warning("could not read Engine %s's status: %s", args.engine, err)
+        else:
+            if not plan and isinstance(status.get("plan"), dict):
+                plan = status["plan"]
+            if isinstance(status.get("runtime"), dict):
+                previous = status["runtime"]
     engine_args = parse_llama_args(args.llama_args) or tuple(plan.get("engineArgs") or ())
-    sha = args.model_sha256
-    if sha is None and not args.no_receipt:
-        from continuum_operator.gguf import file_sha256
-
-        sha = await asyncio.to_thread(file_sha256, args.model)
     launch = LaunchSettings(
         llama_server=args.llama_server,
         model=args.model,
         args=engine_args,
-        model_sha256=sha,
+        model_sha256=args.model_sha256,
         llama_build=args.llama_build,
         gpus=len(plan.get("gpus") or []),
         port=args.upstream_port,
         plan=plan,
+        verify_model=args.model_sha256 is not None or not args.no_receipt,
+        verified=digest.VerifiedModel.from_status(previous.get("modelFile")),
+        rehash=args.rehash,
+        node=str(plan["node"]) if plan.get("node") else None,
+        threads=args.threads,
+        max_restarts=args.max_restarts,
+        restart_window_seconds=args.restart_window,
+        launch=os.environ.get(LAUNCH_ENV) or None,
     )
     gateway = Gateway(
         GatewaySettings(
@@ -565,9 +751,36 @@ def add_parser(sub: Any) -> None:
         "--model-sha256",
         "--sha256",
         dest="model_sha256",
-        help="the model's digest (hashed from the file if absent)",
+        help="the digest the Engine names: the file is hashed and must match before "
+        "llama-server starts (without it, the file's own digest keys the receipts)",
     )
-    p.add_argument("--no-receipt", action="store_true", help="do not hash the model; no receipt")
+    p.add_argument(
+        "--no-receipt",
+        action="store_true",
+        help="without --sha256: do not hash the model, make no receipt",
+    )
+    p.add_argument(
+        "--rehash",
+        action="store_true",
+        help="hash the model even where status.runtime.modelFile says this file was verified",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="llama-server's --threads and --threads-batch (the pod's CPUs)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_positive_int,
+        default=5,
+        help="restarts of llama-server allowed in --restart-window; the next exit stops it",
+    )
+    p.add_argument(
+        "--restart-window",
+        type=float,
+        default=600.0,
+        help="seconds over which --max-restarts are counted",
+    )
     p.add_argument("--plan", type=Path, help="the serving plan (plan -o json, or an Engine)")
     p.add_argument("--grants", type=Path, help="a grant table file, watched for changes")
     p.add_argument("--engine", help="NAMESPACE/NAME: watch its status.grants, write status.runtime")
@@ -604,6 +817,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
     p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
     p.set_defaults(func=cmd_engine)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
 
 
 def parse_llama_args(values: Sequence[str]) -> tuple[str, ...]:

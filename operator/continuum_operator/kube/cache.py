@@ -88,6 +88,7 @@ def renewal_counted_from(
 class NodeEntry:
     labels: Mapping[str, str]
     gpus_allocatable: int
+    cpus_allocatable: int | None = None  # whole CPUs; None where the Node states none
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,18 @@ class DeploymentEntry:
             and self.ready_replicas >= 1
             and self.replicas <= 1
         )
+
+
+def whole_cpus(quantity: object) -> int | None:
+    """Whole CPUs of a Kubernetes CPU quantity ("16", "15500m", 16): rounded down; None where
+    it is not one (the engine then gets its minimum)."""
+    text = str(quantity).strip() if quantity is not None else ""
+    try:
+        if text.endswith("m"):
+            return int(text[:-1]) // 1000
+        return int(float(text))
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +344,11 @@ class Cache:
                 gpus = int(allocatable.get(GPU_RESOURCE, 0))
             except ValueError:
                 gpus = 0
-            entry = NodeEntry(dict(obj["metadata"].get("labels") or {}), gpus)
+            entry = NodeEntry(
+                dict(obj["metadata"].get("labels") or {}),
+                gpus,
+                whole_cpus(allocatable.get("cpu")),
+            )
             if self.nodes.get(name) == entry:
                 return  # a status heartbeat: nothing the decisions read changed
             self.nodes[name] = entry

@@ -234,6 +234,14 @@ class Loop:
                     body = read
                 memory = self.memory.get(uid, Memory())
                 self.memory[uid] = replace(memory, facts_error=error)
+            elif (
+                job is not None
+                and job.failed
+                and self.memory.get(uid, Memory()).facts_error is None
+            ):
+                # Why it failed (a replaced model's digests), from its pod's last error line.
+                error = await asyncio.to_thread(self.read_facts_failure, key, job)
+                self.memory[uid] = replace(self.memory.get(uid, Memory()), facts_error=error)
             snap = self.cache.snapshot()
             writes = reconcile(
                 body, snap, self.memory.get(uid, Memory()), self.clock(), self.settings
@@ -403,6 +411,24 @@ class Loop:
             return None, f"reading its log failed: {err}"
         except ValueError as err:
             return None, f"its output is not model facts: {str(err)[:300]}"
+
+    def read_facts_failure(self, key: EngineKey, job: JobEntry) -> str:
+        """Runs in a thread: the error line a failed facts Job's pod printed last."""
+        ns = key[0]
+        try:
+            pods = self.api.request(
+                "GET",
+                f"/api/v1/namespaces/{ns}/pods",
+                query=[("labelSelector", f"job-name={job.name}")],
+            )["items"]
+            if not pods:
+                return "the Job failed (no pod of it is left to read)"
+            log = self.api.text(f"/api/v1/namespaces/{ns}/pods/{pods[-1]['metadata']['name']}/log")
+        except ApiError as err:
+            return f"the Job failed (its log could not be read: {err})"
+        lines = [line for line in log.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error:")]
+        return (errors or lines or ["the Job failed"])[-1].removeprefix("error: ")[:500]
 
     def post_event(self, body: dict[str, Any], event: Event) -> None:
         meta = body["metadata"]

@@ -34,6 +34,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 HAMI_GPUMEM_RESOURCE = "nvidia.com/gpumem"
 MPS_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 LAUNCH_ANNOTATION = "continuum.dev/launch"
+LAUNCH_ENV = "CONTINUUM_LAUNCH"
 ENGINE_LABEL = "continuum.dev/engine"
 MANAGED_BY = "continuum-operator"
 
@@ -194,7 +195,36 @@ def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[
         cmd += ["--model", model[1]]
         if engine.spec.model.sha256:
             cmd += ["--sha256", engine.spec.model.sha256]
+    cmd += [
+        "--threads",
+        str(engine_cpus(plan, pods)),
+        "--max-restarts",
+        str(pods.max_restarts),
+        "--restart-window",
+        f"{pods.restart_window_seconds:g}",
+    ]
     return [*cmd, "--", *[str(a) for a in plan.get("engineArgs", [])]]
+
+
+def engine_cpus(plan: Mapping[str, Any], pods: PodSettings) -> int:
+    """Whole CPUs of the engine's pod (request = limit), and llama-server's threads.
+
+    A layer kept on the host runs on the CPU; a layer on the device on the GPU, driven by a
+    thread or two. So `cpu_min` with every layer on the device, and towards `cpu_share` of the
+    node's allocatable CPUs (at most `cpu_max`) as the share of layers on the host grows:
+    cpu_min + ceil((top - cpu_min) * host_layers / layers). Whole CPUs keep the pod eligible
+    for exclusive cores under the kubelet's static CPU manager.
+    """
+    total = int(plan.get("totalLayers") or 0)
+    on_device = int(plan.get("layersOnDevice") or 0)
+    host_layers = max(0, total - on_device)
+    if pods.node_cpus is None or total <= 0:
+        return pods.cpu_min
+    top = int(pods.node_cpus * pods.cpu_share)
+    if pods.cpu_max is not None:
+        top = min(top, pods.cpu_max)
+    top = max(top, pods.cpu_min)
+    return pods.cpu_min + -(-(top - pods.cpu_min) * host_layers // total)
 
 
 def launch_hash(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> str:
@@ -208,8 +238,17 @@ def deployment(
 ) -> Obj:
     gpus = len(plan.get("gpus", [])) if node_has_gpus else 0
     memory = str(memory_limit_bytes(plan, pods))
-    resources: dict[str, str] = {"cpu": pods.cpu, "memory": memory}
-    env: list[Obj] = []
+    resources: dict[str, str] = {"cpu": str(engine_cpus(plan, pods)), "memory": memory}
+    # The runtime names its launch in status.runtime, so the operator reads only the report
+    # of the pod it is deciding for (`kube.runtime_report`).
+    env: list[Obj] = [
+        {
+            "name": LAUNCH_ENV,
+            "valueFrom": {
+                "fieldRef": {"fieldPath": f"metadata.annotations['{LAUNCH_ANNOTATION}']"}
+            },
+        }
+    ]
     rules = enforcement(plan, pods, node_has_gpus=node_has_gpus)
     if gpus:
         resources[GPU_RESOURCE] = str(gpus)
@@ -225,6 +264,14 @@ def deployment(
         "ports": [{"name": "http", "containerPort": pods.port}],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
+        # The gateway's own event loop answering; llama-server's exits are the runtime's to
+        # count and stop (`--max-restarts`), and the gateway answers while the model is hashed.
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
         "securityContext": container_security_context(),
         "volumeMounts": [dict(TMP_MOUNT)],  # the gateway's slot directory (tempfile)
     }
@@ -370,6 +417,15 @@ def facts_job_name(engine: Engine) -> str:
     return f"{engine.metadata.name[:45]}-facts-{key}"
 
 
+def facts_command(engine: Engine, path: str) -> list[str]:
+    """`continuum facts`, checking the file's digest where the Engine names one: a replaced
+    file fails the Job (both digests in its log) rather than feed its facts to the plan."""
+    cmd = ["continuum", "facts", path, "-o", "json"]
+    if engine.spec.model.sha256:
+        cmd += ["--expect-sha256", engine.spec.model.sha256]
+    return cmd
+
+
 def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
     """A short Job that reads the model's GGUF header where the file is and prints its facts.
 
@@ -395,7 +451,7 @@ def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
                 "name": "facts",
                 "image": pods.image,
                 "imagePullPolicy": pods.image_pull_policy,
-                "command": ["continuum", "facts", path, "-o", "json"],
+                "command": facts_command(engine, path),
                 "resources": {
                     "requests": {"cpu": "100m", "memory": "256Mi"},
                     "limits": {"cpu": "1", "memory": "256Mi"},

@@ -36,7 +36,8 @@ from continuum_operator.core.damping import Damper, Observation, Outcome, PlanSh
 from continuum_operator.core.placements import consumer_name, placement_of
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
-from continuum_operator.kube import objects
+from continuum_operator.core.receipts import Receipt
+from continuum_operator.kube import objects, runtime_report
 from continuum_operator.kube.cache import (
     EngineKey,
     LeaseEntry,
@@ -142,11 +143,14 @@ def other_leases(
 
 
 def pods_on(snap: Snapshot, node: str, settings: OperatorSettings) -> PodSettings:
-    """The pod settings on one node: GPU sharing resolved against what its board offers."""
+    """The pod settings on one node: GPU sharing resolved against what its board offers, and
+    the node's allocatable CPUs (the engine's CPUs follow them, `objects.engine_cpus`)."""
     board = snap.boards.get(node)
     offered = board.cap_mechanisms if board is not None else ()
     sharing = resolve_sharing(settings.pods.gpu_sharing, offered)
-    return replace(settings.pods, gpu_sharing=sharing)
+    entry = snap.nodes.get(node)
+    cpus = entry.cpus_allocatable if entry is not None else None
+    return replace(settings.pods, gpu_sharing=sharing, node_cpus=cpus)
 
 
 def _unschedulable(decision: Decision) -> cond.Problem:
@@ -544,12 +548,20 @@ class _Pass:
                 if outcome is Outcome.RELAUNCH:
                     plan_doc = self.relaunch(candidate, _change(node, candidate, plan_doc))
                     running = False
+                elif outcome is Outcome.UNCHANGED and _bytes_moved(candidate, plan_doc):
+                    # The same launch, its bytes now measured (a receipt) or no longer: the
+                    # plan and the lease say what it holds; nothing relaunches for it.
+                    plan_doc = self.recharge(candidate, placement)
         pod = (
             cond.PodPhase.READY
             if running
             else cond.PodPhase.RELAUNCHING
             if (dep is not None and dep.launch not in (None, launch)) or outcome is Outcome.RELAUNCH
             else cond.PodPhase.PENDING
+        )
+        # What the runtime of the launch in force reports (a refused model, a crash loop).
+        current = runtime_report.current_runtime(
+            self.status, objects.launch_hash(engine, plan_doc, pods)
         )
         f = cond.EngineFacts(
             generation=self.generation,
@@ -559,6 +571,9 @@ class _Pass:
             damping=outcome,
             no_longer_fits=no_longer_fits,
             damping_message=_damping_message(outcome, self.damper, settings) if outcome else "",
+            runtime=runtime_report.runtime_report(
+                current, now, settings.pods.restart_window_seconds
+            ),
         )
         writes = self.finish(f, engine, plan_doc, has_gpus, pods)
         return replace(writes, deployment=None) if held else writes
@@ -581,7 +596,45 @@ class _Pass:
             for x in placement.get("pools", [])
         ]
         ledger = Ledger.of(measured, [*others, *mine])
-        return plan(measured, self.engine.spec, self.facts, ledger, crediting=self.me)
+        return plan(
+            measured,
+            self.engine.spec,
+            self.facts,
+            ledger,
+            crediting=self.me,
+            receipts=self.receipts(),
+            llama_build=self.llama_build(),
+        )
+
+    def receipts(self) -> tuple[Receipt, ...]:
+        """The receipts of this Engine's model: its runtime's, and the one its plan used."""
+        return runtime_report.receipts_of(self.status, self.engine.spec.model.sha256)
+
+    def llama_build(self) -> str | None:
+        """The llama.cpp build the engine's image runs, as its runtime last reported it; None
+        (any build's receipt) before it has reported."""
+        runtime = self.status.get("runtime") or {}
+        build = runtime.get("llamaBuild") if isinstance(runtime, Mapping) else None
+        return str(build) if build else None
+
+    def recharge(self, candidate: ServingPlan, placement: Mapping[str, Any]) -> dict[str, Any]:
+        """The running launch's plan and lease re-written with `candidate`'s bytes (the same
+        arguments): the placement keeps whether it is assumed and since when."""
+        plan_doc = _stamped(candidate, self.generation)
+        self.new["plan"] = plan_doc
+        pools = _placement_doc(candidate, self.now)["pools"]
+        kept = self.new.get("placement") or placement
+        self.new["placement"] = {**kept, "pools": pools}
+        source = "receipt" if candidate.receipt is not None else "estimate"
+        self.events.append(
+            Event(
+                "Normal",
+                "Recharged",
+                f"the running launch re-charged from its {source}: "
+                + ", ".join(f"{pool} {n / 2**30:.2f} GiB" for pool, n in candidate.charges),
+            )
+        )
+        return plan_doc
 
     def release_never_started(self, node: str) -> None:
         placement = self.settings.placement
@@ -631,7 +684,9 @@ class _Pass:
             for name, entry in snap.boards.items()
             if entry.board is not None
         ]
-        decision = choose(views, engine.spec, self.facts, other_leases(snap, self.key))
+        decision = choose(
+            views, engine.spec, self.facts, other_leases(snap, self.key), receipts=self.receipts()
+        )
         if decision.chosen is None:
             f = cond.EngineFacts(generation=self.generation, unschedulable=_unschedulable(decision))
             for part in ("plan", "placement"):
@@ -666,6 +721,14 @@ class _Pass:
             bool(node_entry and node_entry.gpus_allocatable > 0),
             pods_on(snap, chosen.node, self.settings),
         )
+
+
+def _bytes_moved(candidate: ServingPlan, was: Mapping[str, Any]) -> bool:
+    """Whether a plan of the same arguments holds other bytes than the plan in force: only a
+    receipt found (or lost) moves them; budgets and reasons move with every board reading and
+    are not worth a write."""
+    doc = candidate.to_dict()
+    return bool(doc["bytes"] != was.get("bytes") or doc["charges"] != was.get("charges"))
 
 
 def _change(node: str, candidate: ServingPlan, was: Mapping[str, Any]) -> str:

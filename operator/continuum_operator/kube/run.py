@@ -39,7 +39,36 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--engine-image", default=d.pods.image, help="image of `continuum engine`")
-    p.add_argument("--engine-cpu", default=d.pods.cpu, help="CPU of an engine pod (request=limit)")
+    p.add_argument(
+        "--engine-cpu", default=d.pods.cpu, help="CPU of an EmbedLane pod (request=limit)"
+    )
+    p.add_argument(
+        "--engine-cpu-min",
+        type=int,
+        default=d.pods.cpu_min,
+        help="CPUs of an engine with every layer on the device (request=limit)",
+    )
+    p.add_argument(
+        "--engine-cpu-share",
+        type=float,
+        default=d.pods.cpu_share,
+        help="most of a node's allocatable CPUs an engine with every layer on the host gets",
+    )
+    p.add_argument(
+        "--engine-cpu-max", type=int, default=d.pods.cpu_max, help="most CPUs of any engine"
+    )
+    p.add_argument(
+        "--engine-max-restarts",
+        type=int,
+        default=d.pods.max_restarts,
+        help="restarts of llama-server in an engine pod allowed in --engine-restart-window",
+    )
+    p.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=d.pods.restart_window_seconds,
+        help="seconds over which --engine-max-restarts are counted",
+    )
     p.add_argument(
         "--gpu-sharing",
         choices=[str(g) for g in GpuSharing],
@@ -149,6 +178,11 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
         pods=PodSettings(
             image=args.engine_image,
             cpu=args.engine_cpu,
+            cpu_min=args.engine_cpu_min,
+            cpu_share=args.engine_cpu_share,
+            cpu_max=args.engine_cpu_max,
+            max_restarts=args.engine_max_restarts,
+            restart_window_seconds=args.engine_restart_window,
             gpu_sharing=GpuSharing(args.gpu_sharing),
             allowed_host_path_prefixes=tuple(args.allowed_host_path_prefixes),
             children_priority_class=args.children_priority_class,

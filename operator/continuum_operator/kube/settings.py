@@ -57,7 +57,25 @@ class PodSettings:
     """The image with `continuum` and `llama-server` (the engine's gateway and server)."""
     image_pull_policy: str = "IfNotPresent"
     cpu: str = "2"
-    """CPU requested and limited (equal: Guaranteed QoS)."""
+    """CPU requested and limited by an EmbedLane's pod (equal: Guaranteed QoS). An engine's
+    CPUs follow its plan instead: `cpu_min`, `cpu_share`, `cpu_max`."""
+    cpu_min: int = 2
+    """CPUs of an engine with every layer on the device: the gateway, llama-server's HTTP and
+    the thread driving the GPU (whole CPUs; request = limit, Guaranteed QoS)."""
+    cpu_share: float = 0.5
+    """The most of a node's allocatable CPUs one engine with every layer on the host gets
+    (fraction): the rest is for the minds it serves and their children on the same node."""
+    cpu_max: int | None = None
+    """The most CPUs an engine gets, whatever the node has (whole CPUs; None: no bound)."""
+    node_cpus: int | None = None
+    """The allocatable CPUs of the node the engine runs on: filled per node by the operator
+    (`kube.reconcile.pods_on`), never set by hand; None: unknown, the engine gets `cpu_min`."""
+    max_restarts: int = 5
+    """Restarts of llama-server inside an engine pod allowed in `restart_window_seconds`; the
+    next exit stops it, Ready False with why (count; `continuum engine --max-restarts`)."""
+    restart_window_seconds: float = 600.0
+    """The window those restarts are counted in, and how long a restart keeps the engine
+    Degraded (seconds)."""
     memory_overhead_bytes: int = 512 * 2**20
     """Added to the plan's host bytes for the gateway and llama-server's own heap (bytes)."""
     port: int = 8080
