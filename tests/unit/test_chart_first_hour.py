@@ -45,6 +45,7 @@ def test_values_gpu_runs_the_agent_with_nvml_and_the_operator_with_gpu_sharing(
     operator = one(gpu_docs, "Deployment", "-operator")
     args = container(operator)["args"]
     assert "--gpu-sharing=auto" in args
+    assert "--allowed-host-path-prefix=/var/lib/continuum/models" in args  # tiny-chat's model
     engine = f"{images['engine']['repository']}:{images['engine']['tag']}"
     assert f"--engine-image={engine}" in args
     op = images["operator"]
