@@ -11,11 +11,12 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 PHASE := tools/phase
 export CONTINUUM_PHASE_LOG ?= /tmp/continuum-phases-$(shell date +%s%N)
 
-.PHONY: test demo venv install toolchain lint unit e2e crds crds-check bench clean
+.PHONY: test demo venv install toolchain images lint unit e2e crds crds-check bench clean
 
 test:
 	@$(PHASE) toolchain $(MAKE) --no-print-directory toolchain
 	@$(PHASE) install $(MAKE) --no-print-directory install
+	@$(PHASE) images $(MAKE) --no-print-directory images
 	@$(PHASE) lint $(MAKE) --no-print-directory lint
 	@$(PHASE) unit $(MAKE) --no-print-directory unit
 	@$(PHASE) e2e $(MAKE) --no-print-directory e2e
@@ -46,7 +47,12 @@ lint: venv
 unit: venv
 	$(VENV)/bin/pytest -q -m 'not e2e' tests
 
-e2e: venv
+# The chart's images for the real node's tests (tools/images: cached by a digest of their inputs,
+# so they are built again only when the package, a Dockerfile or llama.cpp changed).
+images:
+	tools/images build
+
+e2e: venv images
 	$(VENV)/bin/pytest -q -m e2e tests
 
 # The chart carries byte-for-byte copies of crds/ (tests/unit/test_chart.py checks the drift).
@@ -71,7 +77,7 @@ bench: install
 	@# a figure to read, not a gate.
 	-$(PY) bench/contention.py
 
-demo: toolchain install
+demo: toolchain install images
 	tools/demo
 
 clean:

@@ -127,7 +127,9 @@ class Cluster:
 
 
 def _run_cluster_script(command: str, state_dir: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state_dir)}
+    # The API server listens where the real node's pods reach it (tests/e2e/test_real_node.py
+    # starts that node; every other test runs without it).
+    env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(state_dir), "CONTINUUM_REAL_NODE": "1"}
     return subprocess.run(
         [str(CLUSTER_SCRIPT), command],
         capture_output=True,
