@@ -1,0 +1,761 @@
+"""Trust boundaries on the real API server (docs/security.md): each boundary checked as the party
+it limits (`kubectl --as`, `kubectl auth can-i`), and the refusal read for the rule it names.
+
+One section per boundary, in the order of docs/security.md. The chart's objects are rendered by
+`helm template` (tests/helm.py) and applied into each test's own namespace; cluster-wide ones
+carry a release name of their own and are deleted when the test ends."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from continuum_operator.core.heartbeat import NODE_ANNOTATION, lease_name, node_of_lease
+from continuum_operator.kube import lane_objects, objects
+from continuum_operator.kube.leader import WALL_CLOCK_OFFSET_ENV
+from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.webhook import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
+from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.engine import Engine
+from tests.e2e.conftest import Cluster
+from tests.e2e.llama_fixtures import free_port
+from tests.e2e.test_children import WEBHOOK, webhook_serving
+from tests.e2e.test_children import operator as webhook_operator
+from tests.e2e.test_children import pod as child_pod
+from tests.e2e.test_children import wait_for as wait_for_operator
+from tests.e2e.test_grants import crds, start_operator, stop
+from tests.e2e.test_operator import wait_for
+from tests.helm import by_kind, documents, find_helm, template
+
+pytestmark = pytest.mark.e2e
+
+__all__ = ["crds"]  # a fixture, used by name
+
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+SCOPE = "continuum.dev/e2e-boundaries"
+EDITOR = "alice@example.com"  # a namespace editor: `edit`, and Engines, in her namespace only
+
+
+def refused(proc: subprocess.CompletedProcess[str]) -> str:
+    """The API server's refusal of a kubectl call that must fail."""
+    assert proc.returncode != 0, f"expected a refusal, got: {proc.stdout}"
+    return proc.stderr
+
+
+@pytest.fixture
+def tag(cluster: Cluster) -> Iterator[str]:
+    """This test's label value; its namespaces are deleted when it ends."""
+    value = uuid.uuid4().hex[:8]
+    yield value
+    cluster.kubectl("delete", "namespace", "-l", f"{SCOPE}={value}", "--wait=false", check=False)
+
+
+def scoped_namespace(cluster: Cluster, tag: str, **labels: str) -> str:
+    name = f"tb-{uuid.uuid4().hex[:8]}"
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": name, "labels": {SCOPE: tag, **labels}},
+        }
+    )
+    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    return name
+
+
+def policies(values: dict[str, Any], suffix: str) -> list[dict[str, Any]]:
+    """The chart's policy and binding named `*-<suffix>`, as `helm template` renders them."""
+    docs = documents(template(find_helm(), values, release="e2e").stdout)
+    kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    return [d for k in kinds for d in by_kind(docs, k) if d["metadata"]["name"].endswith(suffix)]
+
+
+@pytest.fixture
+def installed(cluster: Cluster) -> Iterator[Callable[[list[dict[str, Any]]], None]]:
+    """Applies policies; deletes them at the end whatever happened."""
+    made: list[dict[str, Any]] = []
+
+    def install(docs: list[dict[str, Any]]) -> None:
+        made.extend(docs)
+        cluster.apply(docs)
+
+    yield install
+    for d in reversed(made):
+        kind = d["kind"].lower() + ".admissionregistration.k8s.io"
+        cluster.kubectl("delete", kind, d["metadata"]["name"], "--ignore-not-found", check=False)
+
+
+def type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
+    """The policy's status once the API server has type-checked its CEL."""
+
+    def probe() -> dict[str, Any] | None:
+        body = cluster.get_json("validatingadmissionpolicy", name)
+        status = body.get("status") or {}
+        done = status.get("observedGeneration") == body["metadata"]["generation"]
+        return status if done else None
+
+    return dict(wait_for(f"policy {name} type-checked", probe, timeout=60))
+
+
+def kubectl_as(
+    cluster: Cluster, user: str, *args: str, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return cluster.kubectl("--as", user, *args, input=input, check=False)
+
+
+def can(cluster: Cluster, user: str, verb: str, resource: str, ns: str, *more: str) -> bool:
+    """`kubectl auth can-i` as `user`."""
+    answer = kubectl_as(cluster, user, "auth", "can-i", verb, resource, "-n", ns, *more)
+    return answer.stdout.strip() == "yes"
+
+
+def engine_body(name: str, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    model: dict[str, Any] = {
+        "facts": {"layers": 4, "layerBytes": 2**20, "inputBytes": 2**20,
+                  "kvBytesPerTokenPerLayer": 4096},
+    }  # fmt: skip
+    if source is not None:
+        model["source"] = source
+    return {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Engine",
+        "metadata": {"name": name},
+        "spec": {"model": model, "contextTokensPerMind": 1024},
+    }
+
+
+def refused_once_active(
+    create: Callable[[], subprocess.CompletedProcess[str]], what: str
+) -> subprocess.CompletedProcess[str]:
+    """`create` repeated until a policy refuses it (a new policy takes a moment to reach the
+    API server's admission chain)."""
+    refused: subprocess.CompletedProcess[str] = wait_for(
+        what, lambda: (p := create()).returncode != 0 and "denied request" in p.stderr and p,
+        timeout=60,
+    )  # fmt: skip
+    return refused
+
+
+# ============================================================================================
+# Engine model sources (docs/security.md "Engine model sources")
+
+
+def namespace_editor(cluster: Cluster, ns: str) -> None:
+    """EDITOR gets the built-in `edit` role in `ns`, and Engines and EmbedLanes (not their
+    status), as a cluster admin would give a team."""
+    cluster.apply(
+        [
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": {"name": "continuum-editor", "namespace": ns},
+                "rules": [
+                    {
+                        "apiGroups": ["continuum.dev"],
+                        "resources": ["engines", "embedlanes", "minds"],
+                        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+                    }
+                ],
+            },
+            *(
+                {
+                    "apiVersion": "rbac.authorization.k8s.io/v1",
+                    "kind": "RoleBinding",
+                    "metadata": {"name": f"alice-{role.lower()}", "namespace": ns},
+                    "roleRef": {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": kind,
+                        "name": role,
+                    },
+                    "subjects": [
+                        {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": EDITOR}
+                    ],
+                }
+                for kind, role in (("ClusterRole", "edit"), ("Role", "continuum-editor"))
+            ),
+        ]
+    )
+
+
+def test_a_namespace_editors_engine_with_a_host_path_of_root_is_refused_by_the_api_server(
+    cluster: Cluster,
+    crds: None,
+    tag: str,
+    installed: Callable[[list[dict[str, Any]]], None],
+) -> None:
+    ns = scoped_namespace(cluster, tag)
+    namespace_editor(cluster, ns)
+    assert can(cluster, EDITOR, "create", "engines.continuum.dev", ns)
+    assert not can(cluster, EDITOR, "patch", "engines.continuum.dev", ns, "--subresource=status")
+    assert not can(cluster, EDITOR, "create", "engines.continuum.dev", "default")
+    docs = policies(
+        {"engineSources": {"allowedHostPathPrefixes": ["/srv/models"],
+                           "policy": {"namespaceSelector": {"matchLabels": {SCOPE: tag}}}}},
+        "-engine-sources",
+    )  # fmt: skip
+    assert [d["kind"] for d in docs] == [
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
+    ]  # fmt: skip
+    installed(docs)
+    status = type_checked(cluster, docs[0]["metadata"]["name"])
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+
+    def create(body: dict[str, Any], dry_run: bool = True) -> subprocess.CompletedProcess[str]:
+        args = ["create", "-f", "-", "-n", ns, *(["--dry-run=server"] if dry_run else [])]
+        return kubectl_as(cluster, EDITOR, *args, input=json.dumps(body))
+
+    root = engine_body("root", {"kind": "hostPath", "path": "/"})
+    denied = refused_once_active(lambda: create(root), "the hostPath / refused")
+    for words in (
+        "ValidatingAdmissionPolicy 'e2e-continuum-engine-sources'",
+        "spec.model.source.path: hostPath / is not under a directory the cluster admin allows",
+        "(/srv/models/)",
+        "chart value engineSources.allowedHostPathPrefixes",
+    ):
+        assert words in denied.stderr, denied.stderr
+    for path in ("/etc/kubernetes/admin.conf", "/srv/models-evil/m.gguf", "/srv/models"):
+        body = engine_body("climb", {"kind": "hostPath", "path": path})
+        assert create(body).returncode != 0, path
+    # An EmbedLane's own model is held to the same directories.
+    lane = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "EmbedLane",
+        "metadata": {"name": "lane"},
+        "spec": {"maxContextTokens": 512,
+                 "model": engine_body("x", {"kind": "hostPath", "path": "/"})["spec"]["model"]},
+    }  # fmt: skip
+    assert "hostPath / is not under" in create(lane).stderr
+    # Inside the admin's directory, and sources that are not the host's, are admitted.
+    inside = engine_body("inside", {"kind": "hostPath", "path": "/srv/models/m.gguf"})
+    made = create(inside, dry_run=False)
+    assert made.returncode == 0, made.stderr
+    pvc = engine_body("pvc", {"kind": "pvc", "claimName": "models", "path": "m.gguf"})
+    assert create(pvc).returncode == 0
+    # An update that moves an admitted source out of the directory is refused too.
+    moved = kubectl_as(
+        cluster, EDITOR, "patch", "engine", "inside", "-n", ns, "--type=merge",
+        "-p", json.dumps({"spec": {"model": {"source": {"path": "/etc/shadow"}}}}),
+    )  # fmt: skip
+    assert moved.returncode != 0 and "hostPath /etc/shadow is not under" in moved.stderr
+    # The API server also refuses facts that would plan a pool of free KV cells.
+    zero = engine_body("zero")
+    zero["spec"]["model"]["facts"]["kvBytesPerTokenPerLayer"] = 0
+    refused_zero = create(zero)
+    assert refused_zero.returncode != 0
+    assert "kvBytesPerTokenPerLayer" in refused_zero.stderr
+    assert "greater than or equal to 1" in refused_zero.stderr
+
+
+def _dry_run_pod(
+    cluster: Cluster, ns: str, spec: dict[str, Any]
+) -> subprocess.CompletedProcess[str]:
+    """The pod `spec` as its controller would create it, judged by Pod Security admission."""
+    spec = copy.deepcopy(spec)
+    spec.pop("priorityClassName", None)  # the operator installs it; not the boundary here
+    spec["serviceAccountName"] = "default"
+    spec.pop("affinity", None)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"}, "spec": spec}
+    return cluster.kubectl(
+        "create", "-f", "-", "-n", ns, "--dry-run=server", input=json.dumps(pod), check=False
+    )
+
+
+def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is_enforced(
+    cluster: Cluster, tag: str
+) -> None:
+    ns = scoped_namespace(cluster, tag, **{"pod-security.kubernetes.io/enforce": "restricted"})
+    engine = Engine.model_validate(
+        {**engine_body("coder", {"kind": "pvc", "claimName": "models", "path": "m.gguf"}),
+         "metadata": {"name": "coder", "namespace": ns}}
+    )  # fmt: skip
+    pods = PodSettings()
+    plan = {"node": "n1", "gpus": [0], "engineArgs": ["--ctx-size", "1024"], "bytes": {}}
+    deployment = objects.deployment(engine, "uid", plan, pods, node_has_gpus=True)
+    job = objects.facts_job(engine, "uid", pods)
+    lane = EmbedLane.model_validate(
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
+         "metadata": {"name": "notes", "namespace": ns},
+         "spec": {"maxContextTokens": 512, "engine": "coder"}}
+    )  # fmt: skip
+    placement = {"verdict": "Fits", "residence": "host", "node": "n1", "pools": []}
+    lane_deployment = lane_objects.lane_deployment(lane, "uid", placement, engine, pods)
+    for what, body in (("engine", deployment), ("facts", job), ("lane", lane_deployment)):
+        admitted = _dry_run_pod(cluster, ns, body["spec"]["template"]["spec"])
+        assert admitted.returncode == 0, (what, admitted.stderr)
+    # The profile is enforced here: the same pod without its securityContext is refused.
+    bare = copy.deepcopy(deployment["spec"]["template"]["spec"])
+    bare.pop("securityContext")
+    for c in bare["containers"]:
+        c.pop("securityContext")
+    denied = _dry_run_pod(cluster, ns, bare)
+    assert denied.returncode != 0 and 'violates PodSecurity "restricted' in denied.stderr
+
+
+# ============================================================================================
+# The ledger: written by the operator alone (docs/security.md "The ledger")
+
+
+def test_an_engine_service_account_adding_a_grant_is_refused_naming_the_rule(
+    cluster: Cluster,
+    crds: None,
+    tag: str,
+    installed: Callable[[list[dict[str, Any]]], None],
+) -> None:
+    ns = scoped_namespace(cluster, tag)
+    docs = policies(
+        {"engineStatusPolicy": {"namespaceSelector": {"matchLabels": {SCOPE: tag}}}},
+        "-engine-status",
+    )
+    installed(docs)
+    status = type_checked(cluster, docs[0]["metadata"]["name"])
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+
+    body = engine_body("coder", {"kind": "pvc", "claimName": "models", "path": "m.gguf"})
+    cluster.apply(body, "-n", ns)
+    made = cluster.get_json("engine", "coder", "-n", ns)
+    engine = Engine.model_validate(made)
+    cluster.apply(objects.engine_rbac(engine, made["metadata"]["uid"]))
+    other = engine_body("other")
+    cluster.apply(other, "-n", ns)
+    # The ledger as the operator wrote it (the test's admin stands in for the operator).
+    ledger = {"grants": [{"mind": f"{ns}/ann", "state": "Granted", "tokens": 1024}],
+              "grantStep": {"seq": 3, "lines": []}}  # fmt: skip
+    cluster.kubectl(
+        "patch", "engine", "coder", "-n", ns, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": ledger}),
+    )  # fmt: skip
+
+    sa = f"system:serviceaccount:{ns}:{objects.service_account_name(engine)}"
+    # RBAC lets the engine patch its own Engine's status and nothing else: the fields within
+    # status are the policy's to limit.
+    assert can(cluster, sa, "patch", "engines.continuum.dev/coder", ns) is False
+    assert kubectl_as(
+        cluster, sa, "auth", "can-i", "patch", "engines.continuum.dev/coder",
+        "--subresource=status", "-n", ns,
+    ).stdout.strip() == "yes"  # fmt: skip
+    assert kubectl_as(
+        cluster, sa, "auth", "can-i", "patch", "engines.continuum.dev/other",
+        "--subresource=status", "-n", ns,
+    ).stdout.strip() == "no"  # fmt: skip
+
+    def patch_status(patch: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return kubectl_as(
+            cluster, sa, "patch", "engine", "coder", "-n", ns, "--subresource=status",
+            "--type=merge", "-p", json.dumps({"status": patch}),
+        )  # fmt: skip
+
+    mallory = {"mind": f"{ns}/mallory", "state": "Granted", "tokens": 4096}
+    forged = {"grants": [*ledger["grants"], mallory]}
+    denied = refused_once_active(lambda: patch_status(forged), "the forged grant refused")
+    for words in (
+        "ValidatingAdmissionPolicy 'e2e-continuum-engine-status'",
+        f"{sa} may change only status.runtime of its Engine, not status.grants",
+        "written by the continuum operator alone",
+    ):
+        assert words in denied.stderr, denied.stderr
+    # A journal rewritten, or dropped, or a field the schema does not name: refused the same.
+    for patch, field in (
+        ({"grantStep": {"seq": 4, "lines": []}}, "grantStep"),
+        ({"grantStep": None}, "grantStep"),
+        ({"forged": True, "runtime": {"phase": "Serving"}}, "forged"),
+    ):
+        answer = patch_status(patch)
+        assert answer.returncode != 0 and f"not status.{field}" in answer.stderr, answer.stderr
+    # Its own report is what it may write.
+    reported = patch_status({"runtime": {"phase": "Serving"}})
+    assert reported.returncode == 0, reported.stderr
+    after = cluster.get_json("engine", "coder", "-n", ns)["status"]
+    assert after["grants"] == ledger["grants"] and after["grantStep"] == ledger["grantStep"]
+    assert after["runtime"] == {"phase": "Serving"}
+
+
+# ============================================================================================
+# Leader election and clock skew (docs/security.md "Leader election and clock skew")
+
+
+def _leading(log: Path) -> bool:
+    return log.exists() and "leading as" in log.read_text()
+
+
+def test_two_operators_with_a_4_s_clock_skew_never_both_lead(
+    cluster: Cluster, crds: None, tmp_path: Path
+) -> None:
+    # A Lease of 6 s renewed every 3 s: a renewal is up to 3 s old when the standby looks, so a
+    # standby 4 s ahead that compared renewTime with its own clock took the Lease whenever it
+    # was over 2 s old, while the leader still counted it as held (both led).
+    label = ("continuum.dev/e2e-boundaries", uuid.uuid4().hex[:8])
+    timing = ("--leader-lease-duration", "6", "--leader-renew", "3")
+    first = start_operator(cluster, tmp_path, label, *timing, name="first")
+    first_log = tmp_path / "first.log"
+    second: subprocess.Popen[bytes] | None = None
+    second_log = tmp_path / "second.log"
+    try:
+        wait_for("the first operator to lead", lambda: _leading(first_log), 90, first_log)
+        second = start_operator(
+            cluster, tmp_path, label, *timing,
+            env={WALL_CLOCK_OFFSET_ENV: "4"}, name="second",
+        )  # fmt: skip
+        deadline = time.monotonic() + 25  # eight renewals
+        while time.monotonic() < deadline:
+            assert first.poll() is None, first_log.read_text()[-3000:]
+            assert not _leading(second_log), "both led:\n" + second_log.read_text()[-3000:]
+            time.sleep(0.25)
+        assert "lost the leader Lease" not in first_log.read_text()
+        first.send_signal(signal.SIGKILL)  # no hand-over: the standby waits out the Lease
+        first.wait()
+        killed = time.monotonic()
+        wait_for("the skewed standby to take over", lambda: _leading(second_log), 60, second_log)
+        assert time.monotonic() - killed >= 4.0  # not before the dead leader's Lease lapsed
+    finally:
+        stop(first)
+        if second is not None:
+            stop(second)
+
+
+# ============================================================================================
+# The node agent (docs/security.md "The node agent")
+
+
+@dataclass(frozen=True)
+class AgentRelease:
+    namespace: str
+    fullname: str
+    service_account: str
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+    def as_agent_of(self, node: str | None) -> list[str]:
+        """kubectl flags that make a request as this agent, its token naming `node` (None: a
+        token bound to no pod, as `kubectl create token` makes)."""
+        extra = [f"--as-user-extra={NODE_NAME_EXTRA}={node}"] if node else []
+        return [f"--as={self.user}", *extra]
+
+
+@pytest.fixture
+def agent_release(cluster: Cluster, crds: None, namespace: str) -> Iterator[AgentRelease]:
+    """The chart's agent: its ServiceAccount, RBAC and node-binding policy, released into
+    this test's namespace."""
+    release = f"b{uuid.uuid4().hex[:6]}"
+    docs = documents(template(find_helm(), release=release, namespace=namespace).stdout)
+    agent = [
+        d for d in docs
+        if (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "agent"
+        and d["kind"] != "DaemonSet"
+    ]  # fmt: skip
+    kinds = sorted(d["kind"] for d in agent)
+    assert kinds == [
+        "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    ], kinds  # fmt: skip
+    cluster.apply(agent)
+    sa = next(d for d in agent if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    fullname = f"{release}-continuum"
+    try:
+        yield AgentRelease(namespace, fullname, sa)
+    finally:
+        for d in agent:
+            if not d["metadata"].get("namespace"):
+                cluster.kubectl("delete", d["kind"], d["metadata"]["name"],
+                                "--ignore-not-found", check=False)  # fmt: skip
+
+
+def board(node: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "NodeBoard",
+        "metadata": {"name": node},
+        "spec": {},
+    }
+
+
+def lease(name: str, ns: str, node: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": ns}
+    if node is not None:
+        meta["annotations"] = {NODE_ANNOTATION: node}
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": meta,
+        "spec": {"holderIdentity": "agent", "leaseDurationSeconds": 40},
+    }
+
+
+def create_as(
+    cluster: Cluster, body: dict[str, Any], who: list[str], dry_run: bool = False
+) -> subprocess.CompletedProcess[str]:
+    args = ["create", "-f", "-", *who, *(["--dry-run=server"] if dry_run else [])]
+    return cluster.kubectl(*args, input=json.dumps(body), check=False)
+
+
+def merge_patch_as(
+    cluster: Cluster,
+    release: AgentRelease,
+    node: str,
+    patch: Callable[[Any], Any],
+) -> str:
+    """A merge patch sent as the agent of `node` (kubectl patch reads the object first, which
+    the agent may not do): `patch` calls the client's API on an impersonating ApiClient. The
+    API server's refusal, or "" if it was let through."""
+    from kubernetes import client, config  # the agent's own client library
+
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    api.set_default_header("Impersonate-User", release.user)
+    api.set_default_header(f"Impersonate-Extra-{NODE_NAME_EXTRA.replace('/', '%2F')}", node)
+    try:
+        patch(api)
+    except client.ApiException as err:
+        return str(json.loads(err.body or "{}").get("message", err.body))
+    finally:
+        api.close()
+    return ""
+
+
+MERGE = "application/merge-patch+json"
+
+
+def can_i(cluster: Cluster, who: list[str], *args: str) -> bool:
+    out = cluster.kubectl("auth", "can-i", *args, *who, check=False).stdout.strip()
+    return out == "yes"
+
+
+def test_an_agent_cannot_write_a_kubelets_lease_in_kube_node_lease(
+    cluster: Cluster, agent_release: AgentRelease, gpu_node: str
+) -> None:
+    agent = agent_release.as_agent_of(gpu_node)
+    assert not can_i(cluster, agent, "create", "leases", "-n", "kube-node-lease")
+    assert not can_i(cluster, agent, "patch", "leases", "-n", "kube-node-lease")
+    assert can_i(cluster, agent, "patch", "leases", "-n", agent_release.namespace)  # its own
+    # The kubelet's own heartbeat of the agent's very node: RBAC refuses, naming the namespace.
+    kubelets = wait_for(
+        f"the kubelet's Lease of {gpu_node}",
+        lambda: cluster.kubectl("get", "lease", gpu_node, "-n", "kube-node-lease",
+                                check=False).returncode == 0,
+        timeout=60,
+    )  # fmt: skip
+    assert kubelets
+    from kubernetes import client
+
+    patch = merge_patch_as(
+        cluster, agent_release, gpu_node,
+        lambda api: client.CoordinationV1Api(api).patch_namespaced_lease(
+            gpu_node, "kube-node-lease", {"spec": {"holderIdentity": "forged"}},
+            _content_type=MERGE,
+        ),
+    )  # fmt: skip
+    assert 'cannot patch resource "leases"' in patch
+    assert 'in the namespace "kube-node-lease"' in patch
+    made = create_as(cluster, lease(lease_name(gpu_node), "kube-node-lease", gpu_node), agent)
+    assert 'cannot create resource "leases"' in refused(made)
+
+
+def test_an_agent_writes_only_its_own_nodes_board_and_lease(
+    cluster: Cluster, agent_release: AgentRelease
+) -> None:
+    ns, policy = agent_release.namespace, f"{agent_release.fullname}-agent-node-binding"
+    mine, other = f"bnd-a-{uuid.uuid4().hex[:6]}", f"bnd-b-{uuid.uuid4().hex[:6]}"
+    agent = agent_release.as_agent_of(mine)
+    # RBAC alone lets every agent write every board: the policy is what binds it to its node.
+    assert can_i(cluster, agent, "create", "nodeboards.continuum.dev")
+    try:
+        answer = wait_for(
+            "the node-binding policy to refuse another node's board",
+            lambda: (
+                (p := create_as(cluster, board(other), agent, dry_run=True)).returncode != 0 and p
+            ),
+            timeout=60,
+        )
+        assert f"may write only NodeBoard {mine}, not {other}" in answer.stderr
+        assert policy in answer.stderr
+        assert create_as(cluster, board(mine), agent).returncode == 0
+        # Another node's existing board: its status cannot be patched either.
+        cluster.apply(board(other))
+        from kubernetes import client
+
+        status = merge_patch_as(
+            cluster, agent_release, mine,
+            lambda api: client.CustomObjectsApi(api).patch_cluster_custom_object_status(
+                "continuum.dev", "v1alpha1", "nodeboards", other,
+                {"status": {"memoryMode": "unknown"}}, _content_type=MERGE,
+            ),
+        )  # fmt: skip
+        assert f"may write only NodeBoard {mine}, not {other}" in status
+        # Leases of its namespace: its own node's only, never another's or the leader's.
+        theirs = create_as(cluster, lease(lease_name(other), ns, other), agent)
+        assert f"may write only Lease {lease_name(mine)}" in refused(theirs)
+        forged = create_as(cluster, lease(lease_name(other), ns, mine), agent)  # annotated mine
+        assert f"may write only Lease {lease_name(mine)}" in refused(forged)
+        leader = create_as(cluster, lease(f"{agent_release.fullname}-leader", ns), agent)
+        assert policy in refused(leader)
+        own = create_as(cluster, lease(lease_name(mine), ns, mine), agent)
+        assert own.returncode == 0, own.stderr
+        # A token that names no node (one made by hand, not bound to the agent's pod).
+        unbound = create_as(cluster, board(mine), agent_release.as_agent_of(None), dry_run=True)
+        assert "names none" in refused(unbound)
+    finally:
+        for node in (mine, other):
+            cluster.kubectl("delete", "nodeboard", node, "--ignore-not-found", check=False)
+
+
+def _pod_bound_kubeconfig(cluster: Cluster, release: AgentRelease, pod: str, path: Path) -> Path:
+    """A kubeconfig with the agent's token bound to `pod`, as the kubelet mounts it."""
+    token = cluster.kubectl(
+        "create", "token", release.service_account, "-n", release.namespace,
+        "--bound-object-kind=Pod", f"--bound-object-name={pod}", "--duration=10m",
+    ).stdout.strip()  # fmt: skip
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    ctx = next(c["context"] for c in admin["contexts"] if c["name"] == admin["current-context"])
+    server = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [server],
+                "users": [{"name": "agent", "user": {"token": token}}],
+                "contexts": [{"name": "agent", "context": {"cluster": server["name"],
+                                                           "user": "agent"}}],
+                "current-context": "agent",
+            }
+        )
+    )  # fmt: skip
+    return path
+
+
+def test_the_agent_with_its_pods_token_writes_its_nodes_board_and_is_refused_another(
+    cluster: Cluster, agent_release: AgentRelease, gpu_node: str, tmp_path: Path
+) -> None:
+    """`continuum agent` as the DaemonSet's pod runs it: its token bound to its pod, on its node,
+    which the API server reads from the token (no impersonation)."""
+    ns = agent_release.namespace
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "agent", "namespace": ns},
+        "spec": {
+            "nodeName": gpu_node,
+            "serviceAccountName": agent_release.service_account,
+            "containers": [{"name": "agent", "image": "continuum-agent:e2e"}],
+        },
+    }
+    cluster.apply(pod)
+    kubeconfig = _pod_bound_kubeconfig(cluster, agent_release, "agent", tmp_path / "agent.kcfg")
+    other = f"bnd-other-{uuid.uuid4().hex[:6]}"
+
+    def agent(node: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "continuum_operator.cli", "agent", "--once",
+             "--node-name", node, "--lease-namespace", ns, "--kubeconfig", str(kubeconfig)],
+            capture_output=True, text=True, timeout=180, check=False,
+            env={**cluster.env, "KUBECONFIG": str(kubeconfig)},
+        )  # fmt: skip
+
+    try:
+        wait_for(
+            "the node-binding policy to be active",
+            lambda: create_as(cluster, board(other), agent_release.as_agent_of(gpu_node),
+                              dry_run=True).returncode != 0,
+            timeout=60,
+        )  # fmt: skip
+        ran = agent(gpu_node)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert cluster.get_json("nodeboard", gpu_node)["status"]["pools"]
+        written = cluster.get_json("lease", lease_name(gpu_node), "-n", ns)
+        meta = written["metadata"]
+        assert node_of_lease(meta["name"], meta.get("annotations")) == gpu_node
+        lied = agent(other)  # the same pod's token, claiming another node
+        assert lied.returncode != 0
+        assert f"may write only NodeBoard {gpu_node}, not {other}" in lied.stdout + lied.stderr
+    finally:
+        cluster.kubectl("delete", "nodeboard", gpu_node, other, "--ignore-not-found",
+                        check=False)  # fmt: skip
+
+
+# ============================================================================================
+# Children of minds (docs/security.md "Children of minds")
+
+
+def test_a_pod_her_service_account_creates_without_the_label_is_still_her_child(
+    cluster: Cluster, crds: None, namespace: str, tmp_path: Path
+) -> None:
+    ns, pods = namespace, PodSettings()
+    mind = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Mind",
+        "metadata": {"name": "ada", "namespace": ns},
+        "spec": {"engine": "coder", "contextTokens": 4096},
+    }
+    may_create_pods = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": n, "namespace": ns}}
+        for n in ("ada", "web")
+    ] + [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": "pods", "namespace": ns},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "pods", "namespace": ns},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
+            "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": ns}
+                         for n in ("ada", "web")],
+        },
+    ]  # fmt: skip
+    cluster.apply([mind, *may_create_pods])
+    as_ada = [f"--as=system:serviceaccount:{ns}:ada"]
+    as_web = [f"--as=system:serviceaccount:{ns}:web"]
+    try:
+        with webhook_operator(cluster, tmp_path, free_port()) as op:
+            wait_for_operator(lambda: webhook_serving(cluster, ns), "the webhook", op)
+
+            # A server-side dry run answers the pod as it would be admitted.
+            def dry(body: dict[str, Any], who: list[str]) -> subprocess.CompletedProcess[str]:
+                return cluster.kubectl("create", "-f", "-", "-o", "json", "--dry-run=server",
+                                       *who, input=json.dumps(body), check=False)  # fmt: skip
+
+            def seen_as_ada() -> dict[str, Any] | None:
+                out = dry(child_pod("dry", ns), as_ada)
+                got = json.loads(out.stdout) if out.returncode == 0 else {}
+                return got if got.get("spec", {}).get("priorityClassName") else None
+
+            wait_for_operator(seen_as_ada, "the operator to know Mind ada", op)
+            made = cluster.kubectl("create", "-f", "-", "-o", "json", *as_ada,
+                                   input=json.dumps(child_pod("build", ns)))  # fmt: skip
+            child = json.loads(made.stdout)
+            assert child["metadata"]["labels"] == {MIND_LABEL: "ada"}  # labelled: counted too
+            assert child["metadata"]["annotations"][CLASS_ANNOTATION] == BACKGROUND
+            assert child["spec"]["priorityClassName"] == pods.children_priority_class
+            assert "cpu" not in child["spec"]["containers"][0]["resources"]["limits"]
+            # Another service account of her namespace (no Mind of its name): an ordinary pod.
+            other = json.loads(
+                cluster.kubectl(
+                    "create",
+                    "-f",
+                    "-",
+                    "-o",
+                    "json",
+                    *as_web,
+                    input=json.dumps(child_pod("web", ns)),
+                ).stdout
+            )
+            assert MIND_LABEL not in (other["metadata"].get("labels") or {})
+            assert other["spec"].get("priorityClassName") != pods.children_priority_class
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", WEBHOOK, "--ignore-not-found",
+                        check=False)  # fmt: skip
