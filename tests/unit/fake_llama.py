@@ -1,8 +1,14 @@
 """A stand-in for llama-server: the part of its HTTP API the gateway uses, with slot state.
 
-`/health`, `/tokenize` (one token per word, plus one for BOS when `add_special`),
+`/health`, `/tokenize` (one token per word, plus one for BOS when `add_special`; a list
+content counts each token id as one and each string by its words, as llama-server tokenizes
+a mixed prompt in one call), `/apply-template` (a chatml-like template),
 `/completion` (on the slot `id_slot` names; `n_predict` tokens, `token_seconds` apart; plain
-or streamed as server-sent events), `GET /slots` and `POST /slots/{id}?action=erase`. Each slot
+or streamed as server-sent events), the OpenAI endpoints `/v1/chat/completions`,
+`/v1/completions` (plain or streamed, ending with `data: [DONE]`), `/v1/embeddings` and
+`/v1/models`, `GET /slots` and `POST /slots/{id}?action=erase`. `tokenize_seconds` and
+`headers_seconds` (a stream's headers sent only after the prompt is read, as llama-server
+does) make those waits long enough for a reclaim to land in them. Each slot
 keeps the tokens in its cache (`n_past`), so a test can see whether a slot was erased, and
 requests dropped by their client are recorded as cancelled, as llama-server drops them. The
 real llama-server runs the same scenarios in tests/e2e/test_gateway_llama.py.
@@ -29,12 +35,20 @@ class FakeLlama:
     cancelled: list[int] = field(default_factory=list)
     erased: list[int] = field(default_factory=list)
     busy: set[int] = field(default_factory=set)
+    tokenize_seconds: float = 0.0
+    headers_seconds: float = 0.0
+    tokenize_calls: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/completion", self.completion)
+        app.router.add_post("/apply-template", self.apply_template)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.oai_completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/slots", self.list_slots)
         app.router.add_post("/slots/{id}", self.slot_action)
         return app
@@ -46,9 +60,122 @@ class FakeLlama:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
-        words = str(body["content"]).split()
-        tokens = ([1] if body.get("add_special") else []) + [7] * len(words)
+        self.tokenize_calls += 1
+        await asyncio.sleep(self.tokenize_seconds)
+        content = body["content"]
+        pieces = content if isinstance(content, list) else [content]
+        n = sum(1 if isinstance(p, int) else len(str(p).split()) for p in pieces)
+        tokens = ([1] if body.get("add_special") else []) + [7] * n
         return web.json_response({"tokens": tokens})
+
+    @staticmethod
+    def template(body: dict[str, Any]) -> str:
+        turns = [f"<|im_start|>{m['role']} {m['content']} <|im_end|>" for m in body["messages"]]
+        return " ".join([*turns, "<|im_start|>assistant"])
+
+    async def apply_template(self, request: web.Request) -> web.Response:
+        return web.json_response({"prompt": self.template(await request.json())})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.5]}],
+                "usage": {"prompt_tokens": 1, "total_tokens": 1},
+            }
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        return await self._openai(request, body, 1 + len(self.template(body).split()), chat=True)
+
+    async def oai_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        return await self._openai(
+            request, body, self._prompt_tokens(body.get("prompt")), chat=False
+        )
+
+    async def _openai(
+        self, request: web.Request, body: dict[str, Any], prompt: int, *, chat: bool
+    ) -> web.StreamResponse:
+        """An OpenAI-shaped generation of `n_predict` (else `max_tokens`) tokens."""
+        self.requests.append(body)
+        slot = body["id_slot"]
+        assert 0 <= slot < self.slots
+        n_predict = body.get("n_predict", body.get("max_tokens", -1))
+        room = self.n_ctx - prompt
+        limit = room if n_predict < 0 else min(n_predict, room)
+        finish = "length" if limit in (n_predict, room) else "stop"
+        self.n_past[slot] = prompt
+        self.busy.add(slot)
+        kind = "chat.completion" if chat else "text_completion"
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": limit,
+            "total_tokens": prompt + limit,
+        }
+
+        def choice(text: str, reason: str | None, *, delta: bool) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text, "finish_reason": reason}
+            key = "delta" if delta else "message"
+            return {
+                "index": 0,
+                key: {"role": "assistant", "content": text},
+                "finish_reason": reason,
+            }
+
+        try:
+            if not body.get("stream"):
+                for _ in range(limit):
+                    await asyncio.sleep(self.token_seconds)
+                    self.n_past[slot] += 1
+                return web.json_response(
+                    {
+                        "id": "x",
+                        "object": kind,
+                        "created": 0,
+                        "model": "tiny",
+                        "choices": [choice(" tok" * limit, finish, delta=False)],
+                        "usage": usage,
+                    }
+                )
+            await asyncio.sleep(self.headers_seconds)  # the prompt is read before headers go
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            chunk_kind = kind + (".chunk" if chat else "")
+            try:
+                for i in range(limit):
+                    await asyncio.sleep(self.token_seconds)
+                    self.n_past[slot] += 1
+                    last = i == limit - 1
+                    event = {
+                        "id": "x",
+                        "object": chunk_kind,
+                        "created": 0,
+                        "model": "tiny",
+                        "choices": [choice(" tok", finish if last else None, delta=True)],
+                    }
+                    if last:
+                        event["usage"] = usage
+                    await out.write(b"data: " + json.dumps(event, separators=(",", ":")).encode())
+                    await out.write(b"\n\n")
+                await out.write(b"data: [DONE]\n\n")
+            except ConnectionError:
+                self.cancelled.append(slot)
+                return out
+            await out.write_eof()
+            return out
+        except asyncio.CancelledError:
+            self.cancelled.append(slot)
+            raise
+        finally:
+            self.busy.discard(slot)
 
     async def list_slots(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -109,6 +236,7 @@ class FakeLlama:
     async def _stream(
         self, request: web.Request, slot: int, prompt: int, limit: int
     ) -> web.StreamResponse:
+        await asyncio.sleep(self.headers_seconds)  # the prompt is read before headers go
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         try:

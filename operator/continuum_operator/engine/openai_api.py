@@ -13,7 +13,8 @@ here, pure, so each rule is shown alone:
   default.
 - `cap_body`: the body as forwarded: pinned to the slot, generation capped.
 - `error_body` / `refusal_body`: OpenAI's error shape (`{"error": {message, type, param,
-  code}}`), which its clients read; the gateway's own answer rides along under `continuum`.
+  code}}`), which its clients read; the gateway's own answer rides along in it, under
+  `continuum`.
 
 Neighbours: `engine.admission` (the grant decisions these answers carry), `engine.gateway`.
 """
@@ -305,7 +306,7 @@ def refusal_body(adm: Admission) -> dict[str, Any]:
             parts.append(f"place in line {native['position']}")
         message = ", ".join(parts)
     out = error_body(message, _TYPES.get(adm.status, "api_error"), str(code) if code else None)
-    out["continuum"] = native
+    out["error"]["continuum"] = native  # where OpenAI's clients keep the error (err.body)
     return out
 
 
@@ -318,5 +319,5 @@ def over_grant_body(over: OverGrant, param: str) -> dict[str, Any]:
         "context_length_exceeded",
         param,
     )
-    out["continuum"] = over.body()
+    out["error"]["continuum"] = over.body()
     return out

@@ -69,7 +69,14 @@ class LabelNamedMeta(ObjectMeta):
 
     # The pattern is the CRD's (crdgen reads it); the check below says it in words.
     name: Annotated[
-        str, Field(min_length=1, max_length=63, json_schema_extra={"pattern": DNS_LABEL})
+        str,
+        Field(
+            min_length=1,
+            max_length=63,
+            description="A DNS label (at most 63 characters, no dots): the operator gives the "
+            "name to a Service and to label values.",
+            json_schema_extra={"pattern": DNS_LABEL},
+        ),
     ]
 
     @field_validator("name")
@@ -84,15 +91,50 @@ class LabelNamedMeta(ObjectMeta):
         return value
 
 
+# A condition's reason, as the API conventions (metav1.Condition) constrain it: one CamelCase word.
+CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
 class Condition(Spec):
     """A Kubernetes condition, keyed by type and written whole by its one writer."""
 
-    type: str
-    status: str = Field(pattern="^(True|False|Unknown)$")
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
+    type: str = Field(
+        min_length=1, max_length=316, description="What the condition is about, in CamelCase."
+    )
+    status: str = Field(pattern="^(True|False|Unknown)$", description="True, False or Unknown.")
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=CONDITION_REASON,
+        description="Why the condition has its status, as one CamelCase word (for tools).",
+    )
+    message: str = Field(
+        default="",
+        max_length=32_768,
+        description="Why, in words (for people): what is wrong and what to do about it.",
+    )
+    last_transition_time: str | None = Field(
+        default=None, description="When the status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The metadata.generation the condition was decided from."
+    )
+
+
+# Conditions as the API conventions list them: a map keyed by type (one entry per type, which
+# server-side apply merges by key), each entry written whole by the status part's one writer.
+Conditions = Annotated[
+    list[Condition],
+    Field(
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    ),
+]
+# The generation a status part was last written for: readers tell a stale status from a new one.
+ObservedGeneration = Annotated[
+    int | None,
+    Field(ge=0, description="The metadata.generation this status was last written for."),
+]
 
 
 class Resource(BaseModel):

@@ -16,16 +16,21 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from continuum_operator.model.base import Bytes, Condition, ObjectMeta, Resource, Spec
+from continuum_operator.model.base import Bytes, Conditions, ObjectMeta, Resource, Spec
 
 
 class MemoryMode(StrEnum):
+    """`unified` (device and host memory are one pool), `discrete` (each GPU has its own) or
+    `unknown` (no backend reported: device memory is ungoverned)."""
+
     UNIFIED = "unified"
     DISCRETE = "discrete"
     UNKNOWN = "unknown"
 
 
 class PoolKind(StrEnum):
+    """`unified` (the one pool of a unified board), `device` (one GPU's memory) or `host`."""
+
     UNIFIED = "unified"
     DEVICE = "device"
     HOST = "host"
@@ -96,6 +101,8 @@ class CapMechanism(StrEnum):
 
 
 class CapMechanismReading(Spec):
+    """A per-process cap mechanism the agent found on the node, and its evidence."""
+
     mechanism: CapMechanism
     evidence: str = Field(default="", description="What the agent saw that shows it.")
 
@@ -103,18 +110,20 @@ class CapMechanismReading(Spec):
 class ConsumerUsage(Spec):
     """Measured memory of one engine or lane the operator placed, in one pool."""
 
-    kind: Literal["Engine", "EmbedLane"]
-    namespace: str
-    name: str
+    kind: Literal["Engine", "EmbedLane"] = Field(description="Engine or EmbedLane.")
+    namespace: str = Field(description="Its namespace.")
+    name: str = Field(description="Its name.")
     pool: PoolKind
     device: int | None = Field(default=None, ge=0, le=1023, description="Device pools only.")
-    used_bytes: Bytes
+    used_bytes: Bytes = Field(description="Its measured usage in the pool: part of usedBytes.")
 
 
 class GpuInfo(Spec):
-    index: int = Field(ge=0, le=1023)
-    name: str = ""
-    uuid: str = ""
+    """A GPU the agent saw."""
+
+    index: int = Field(ge=0, le=1023, description="Its index, as device pools name it.")
+    name: str = Field(default="", description="Its product name, as the driver reports it.")
+    uuid: str = Field(default="", description="Its UUID, where the driver reports one.")
 
 
 class NodeBoardSpec(Spec):
@@ -122,22 +131,38 @@ class NodeBoardSpec(Spec):
 
 
 class NodeBoardStatus(Spec):
+    """The node's memory as its agent measures it; the agent is its one writer."""
+
     memory_mode: MemoryMode = MemoryMode.UNKNOWN
-    memory_mode_reason: str = ""
+    memory_mode_reason: str = Field(
+        default="", description="What the agent saw that decided the mode, in words."
+    )
     per_process_cap_bytes: Bytes | None = Field(
         default=None,
         description="A cap on one process's GPU memory (Metal working set, HAMi, MPS).",
     )
-    pools: list[PoolReading] = Field(default_factory=list, max_length=1025, validate_default=True)
-    gpus: list[GpuInfo] = Field(default_factory=list, max_length=1024)
+    pools: list[PoolReading] = Field(
+        default_factory=list,
+        max_length=1025,
+        validate_default=True,
+        description="unified: one unified pool; discrete: one host pool and a device pool per "
+        "GPU; unknown: the host pool only.",
+    )
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=1024, description="GPUs seen.")
     consumers: list[ConsumerUsage] = Field(
         default_factory=list,
         max_length=4096,
         description="Usage of the engines and lanes the operator placed (matched by pod or "
         "process); the rest of each pool's usedBytes is external.",
     )
-    cap_mechanisms: list[CapMechanismReading] = Field(default_factory=list, max_length=8)
-    conditions: list[Condition] = Field(default_factory=list)
+    cap_mechanisms: list[CapMechanismReading] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Per-process GPU caps the node offers; the operator decides which apply.",
+    )
+    conditions: Conditions = Field(
+        default_factory=list, description="Conditions of the board (the agent writes none yet)."
+    )
     # For people only (kubectl cannot print bytes as GiB): written by the board's writer from
     # the fields above with `capacity_text` and `gib_text`; nothing reads them back.
     capacity: str = Field(
@@ -233,6 +258,9 @@ def _kinds(kinds: list[PoolKind]) -> str:
 
 
 class NodeBoard(Resource):
+    """One node's memory mode and pools, written by its node agent (cluster-scoped, named after
+    the node); fresh while the agent renews the node's Lease (docs/agent.md)."""
+
     KIND = "NodeBoard"
     PLURAL = "nodeboards"
     SHORT_NAMES = ("board", "boards")

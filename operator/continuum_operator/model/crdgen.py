@@ -37,6 +37,21 @@ RESOURCES: tuple[type[Resource], ...] = (
 
 _DROPPED_KEYS = {"title", "$defs"}
 
+# What every Kubernetes object's type fields mean, in the words of the API conventions (the same
+# text controller-gen writes), so that `kubectl explain` describes them on every resource.
+_CONVENTIONS = "https://git.k8s.io/community/contributors/devel/sig-architecture/api-conventions.md"
+API_VERSION_DESCRIPTION = (
+    "APIVersion defines the versioned schema of this representation of an object. Servers "
+    "should convert recognized schemas to the latest internal value, and may reject "
+    f"unrecognized values. More info: {_CONVENTIONS}#resources"
+)
+KIND_DESCRIPTION = (
+    "Kind is a string value representing the REST resource this object represents. Servers "
+    "may infer this from the endpoint the client submits requests to. Cannot be updated. In "
+    f"CamelCase. More info: {_CONVENTIONS}#types-kinds"
+)
+METADATA_DESCRIPTION = f"Standard object's metadata. More info: {_CONVENTIONS}#metadata"
+
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
     if isinstance(node, list):
@@ -86,7 +101,7 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
         # OpenAPI v3.0 takes a boolean here; integers carry the bound as a minimum instead.
         out["minimum"] = out.pop("exclusiveMinimum") + 1
     if "description" in out:
-        out["description"] = " ".join(out["description"].split("\n\n")[0].split())
+        out["description"] = _description(out["description"])
     if "enum" in out and "type" not in out:
         out["type"] = "string"
     if "const" in out:
@@ -105,30 +120,39 @@ def _metadata_schema(resource: type[Resource]) -> dict[str, Any]:
     """`metadata` is opaque to a CRD's schema except for its name's length and pattern, which a
     resource narrows where the operator names other objects after it (`LabelNamedMeta`)."""
     meta = resource.model_fields["metadata"].annotation
+    schema: dict[str, Any] = {"type": "object", "description": METADATA_DESCRIPTION}
     if meta is ObjectMeta or not isinstance(meta, type) or not issubclass(meta, ObjectMeta):
-        return {"type": "object"}
+        return schema
     name = meta.model_json_schema()["properties"]["name"]
-    kept = {k: name[k] for k in ("maxLength", "pattern") if k in name}
-    return {"type": "object", "properties": {"name": {"type": "string", **kept}}}
+    kept = {k: name[k] for k in ("description", "maxLength", "pattern") if k in name}
+    return {**schema, "properties": {"name": {"type": "string", **kept}}}
+
+
+def _description(text: str) -> str:
+    """A docstring's or a Field's first paragraph on one line: what `kubectl explain` shows."""
+    return " ".join(text.split("\n\n")[0].split())
 
 
 def crd(resource: type[Resource]) -> dict[str, Any]:
     properties: dict[str, Any] = {
-        "apiVersion": {"type": "string"},
-        "kind": {"type": "string"},
+        "apiVersion": {"type": "string", "description": API_VERSION_DESCRIPTION},
+        "kind": {"type": "string", "description": KIND_DESCRIPTION},
         "metadata": _metadata_schema(resource),
     }
     fields = resource.model_fields
     required = []
     for part in ("spec", "status"):
         if part in fields:
+            # Described by the resource's field where it says more, else by the part's model.
             properties[part] = openapi_schema(fields[part].annotation)  # type: ignore[arg-type]
-            properties[part].pop("description", None)
+            described = fields[part].description
+            if described:
+                properties[part]["description"] = _description(described)
             if fields[part].is_required():
                 required.append(part)
     root: dict[str, Any] = {"type": "object", "properties": properties}
     if resource.__doc__:
-        root["description"] = resource.__doc__.strip().splitlines()[0]
+        root["description"] = _description(resource.__doc__)
     if required:
         root["required"] = required
     version: dict[str, Any] = {

@@ -12,9 +12,10 @@ from pydantic import Field, model_validator
 
 from continuum_operator.model.base import (
     Bytes,
-    Condition,
+    Conditions,
     LabelNamedMeta,
     Name,
+    ObservedGeneration,
     OpenStatus,
     Resource,
     Spec,
@@ -23,6 +24,8 @@ from continuum_operator.model.engine import ModelRef
 
 
 class EmbedLaneSpec(Spec):
+    """Beside which engine (or with which model) the lane embeds, and its largest context."""
+
     model_config = Spec.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": [
@@ -36,7 +39,9 @@ class EmbedLaneSpec(Spec):
 
     engine: Name | None = Field(default=None, description="Engine whose backend the lane shares.")
     model: ModelRef | None = Field(default=None, description="A model of the lane's own.")
-    max_context_tokens: int = Field(ge=1, le=16_777_216)
+    max_context_tokens: int = Field(
+        ge=1, le=16_777_216, description="The largest context the lane embeds, in tokens."
+    )
 
     @model_validator(mode="after")
     def _engine_or_model(self) -> Self:
@@ -48,44 +53,71 @@ class EmbedLaneSpec(Spec):
 class LanePoolBytes(Spec):
     """What the lane holds in one pool, and the floor no reclaim or grant goes below."""
 
-    pool: str = Field(pattern=r"^(unified|host|device/[0-9]+)$")
-    bytes: Bytes
-    floor_bytes: Bytes = 0
+    pool: str = Field(
+        pattern=r"^(unified|host|device/[0-9]+)$",
+        description="unified, host, or device/N for GPU N.",
+    )
+    bytes: Bytes = Field(description="Bytes charged there.")
+    floor_bytes: Bytes = Field(
+        default=0, description="The bytes of the largest context embedded, kept while it lives."
+    )
 
 
 class LaneContextBytes(Spec):
-    device: Bytes = 0
-    host: Bytes = 0
+    """Bytes of the lane's context on each side."""
+
+    device: Bytes = Field(default=0, description="On the device.")
+    host: Bytes = Field(default=0, description="On the host.")
 
 
 class EmbedLanePlacement(Spec):
     """Where the lane resides and what it is charged (core.embed.LanePlacement), written by
     the operator; floors never fall while the lane lives."""
 
-    node: str = Field(min_length=1, max_length=253)
-    verdict: Literal["Fits", "Waits", "Fails"]
-    reason: str = Field(default="", max_length=64)
-    message: str = Field(default="", max_length=4096)
-    residence: Literal["device", "host", "split"]
-    residence_reason: str = Field(default="", max_length=64)
-    bytes_source: Literal["receipt", "estimate"] = "estimate"
+    node: str = Field(min_length=1, max_length=253, description="The node of the lane.")
+    verdict: Literal["Fits", "Waits", "Fails"] = Field(
+        description="Fits (charged and placed), Waits (for room or an input) or Fails."
+    )
+    reason: str = Field(default="", max_length=64, description="Why, as one CamelCase word.")
+    message: str = Field(default="", max_length=4096, description="Why, in words.")
+    residence: Literal["device", "host", "split"] = Field(
+        description="Where the context lives: device, host, or split (each pool charged its "
+        "upper bound)."
+    )
+    residence_reason: str = Field(
+        default="", max_length=64, description="Why it resides there, as one CamelCase word."
+    )
+    bytes_source: Literal["receipt", "estimate"] = Field(
+        default="estimate", description="receipt (measured by the lane runtime) or estimate."
+    )
     context_tokens: int = Field(default=0, ge=0, le=16_777_216, description="Context leased.")
     floor_tokens: int = Field(default=0, ge=0, le=16_777_216, description="Largest embedded.")
     context_bytes: LaneContextBytes = Field(default_factory=LaneContextBytes)
-    gpus: list[int] = Field(default_factory=list)
-    pools: list[LanePoolBytes] = Field(default_factory=list)
+    gpus: list[int] = Field(default_factory=list, description="GPU indices it uses.")
+    pools: list[LanePoolBytes] = Field(
+        default_factory=list, description="What it is charged per pool, with floors."
+    )
 
 
 class EmbedLaneStatus(Spec):
+    """Where the lane resides and what it is charged (the operator), what it has embedded (the
+    lane runtime)."""
+
     model_config = Spec.model_config | {"extra": "allow"}
 
     placement: EmbedLanePlacement | None = None
-    runtime: OpenStatus | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: int | None = None
+    runtime: OpenStatus | None = Field(
+        default=None,
+        description="What the lane runtime reports: the largest context embedded, receipts.",
+    )
+    conditions: Conditions = Field(default_factory=list, description="Placed, always present.")
+    observed_generation: ObservedGeneration = None
 
 
 class EmbedLane(Resource):
+    """An embedding context beside an Engine, or with a model of its own, charged in the pools
+    where it resides (docs/embedlanes.md)."""
+
     KIND = "EmbedLane"
     PLURAL = "embedlanes"
     SHORT_NAMES = ("lane",)

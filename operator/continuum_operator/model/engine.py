@@ -17,8 +17,9 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from continuum_operator.model.base import (
     Bytes,
-    Condition,
+    Conditions,
     LabelNamedMeta,
+    ObservedGeneration,
     OpenStatus,
     PositiveInt,
     Resource,
@@ -100,8 +101,10 @@ class ModelFacts(Spec):
         default=None,
         description="Compute buffer at the planned context, if known; otherwise estimated.",
     )
-    embedding_length: PositiveInt | None = None
-    head_count: PositiveInt | None = None
+    embedding_length: PositiveInt | None = Field(
+        default=None, description="Width of the hidden state (n_embd), for the compute estimate."
+    )
+    head_count: PositiveInt | None = Field(default=None, description="Attention heads (n_head).")
     head_count_kv: PerLayerBytes | None = Field(
         default=None, description="KV heads, one number or one per layer."
     )
@@ -118,7 +121,9 @@ class ModelFacts(Spec):
     feed_forward_length: PositiveInt | None = Field(
         default=None, description="Widest feed-forward layer (the largest where it varies)."
     )
-    vocab_size: PositiveInt | None = None
+    vocab_size: PositiveInt | None = Field(
+        default=None, description="Tokens in the vocabulary (the output logits' width)."
+    )
     context_length: PositiveInt | None = Field(
         default=None, description="The context the model was trained for."
     )
@@ -136,8 +141,12 @@ class ModelFacts(Spec):
     expert_count: int | None = Field(
         default=None, ge=0, le=65_536, description="Experts per MoE layer (0 or absent: dense)."
     )
-    expert_used_count: int | None = Field(default=None, ge=0, le=65_536)
-    architecture: str | None = Field(default=None, max_length=64)
+    expert_used_count: int | None = Field(
+        default=None, ge=0, le=65_536, description="Experts each token uses in an MoE layer."
+    )
+    architecture: str | None = Field(
+        default=None, max_length=64, description="general.architecture of the GGUF (llama, qwen3)."
+    )
 
     @field_validator("layer_bytes", "kv_bytes_per_token_per_layer", "head_count_kv")
     @classmethod
@@ -200,6 +209,9 @@ def _per_layer(value: int | list[int], layers: int) -> list[int]:
 
 
 class ModelSourceKind(StrEnum):
+    """Where the file is: `pvc` (a PersistentVolumeClaim), `hostPath` (a path on the node) or
+    `image` (an image volume)."""
+
     PVC = "pvc"
     HOST_PATH = "hostPath"
     IMAGE = "image"
@@ -210,6 +222,9 @@ _CLIMBS = r"(^|/)[.][.](/|$)"  # [.], not \.: the pattern is also a CEL string l
 
 
 class ModelSource(Spec):
+    """Where the model's GGUF file is; the engine pod mounts it read-only and a short Job on the
+    node reads its facts when spec.model.facts is absent."""
+
     model_config = Spec.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": [
@@ -235,7 +250,10 @@ class ModelSource(Spec):
 
     kind: ModelSourceKind
     claim_name: str | None = Field(
-        default=None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The PersistentVolumeClaim holding the file, in the Engine's namespace (pvc).",
     )
     # No control characters: the path ends up in a container's arguments and a volume.
     path: str = Field(
@@ -250,6 +268,7 @@ class ModelSource(Spec):
         min_length=1,
         max_length=1024,
         pattern=r"^[a-zA-Z0-9][-a-zA-Z0-9._/:]*(@sha256:[0-9a-f]{64})?$",
+        description="The image holding the file, mounted as an image volume (image).",
     )
 
     @model_validator(mode="after")
@@ -266,6 +285,8 @@ class ModelSource(Spec):
 
 
 class ModelRef(Spec):
+    """The model: its file's source and digest, or its facts inline (at least one of the two)."""
+
     model_config = Spec.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": [
@@ -278,8 +299,17 @@ class ModelRef(Spec):
     }
 
     source: ModelSource | None = None
-    sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")
-    facts: ModelFacts | None = None
+    sha256: str | None = Field(
+        default=None,
+        pattern="^[0-9a-f]{64}$",
+        description="The file's sha256 (`continuum facts MODEL.gguf --sha256`): checked before "
+        "the first launch, and the key of its receipts; without it no receipt is used.",
+    )
+    facts: ModelFacts | None = Field(
+        default=None,
+        description="The model's facts inline (`continuum facts MODEL.gguf` prints them), for "
+        "when no reader can see the file; planned from as given.",
+    )
 
     @model_validator(mode="after")
     def _facts_or_source(self) -> Self:
@@ -289,6 +319,8 @@ class ModelRef(Spec):
 
 
 class Minds(Spec):
+    """How many minds the engine serves at once: one slot each."""
+
     model_config = Spec.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": [
@@ -297,8 +329,16 @@ class Minds(Spec):
         }
     }
 
-    min: int = Field(default=1, ge=1, le=4096)
-    max: int = Field(default=1, ge=1, le=4096)
+    min: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Slots the plan must hold: it puts the most layers on the device that still "
+        "leave room for this many contexts; a node that cannot is not chosen.",
+    )
+    max: int = Field(
+        default=1, ge=1, le=4096, description="The most slots: the pool grows toward it."
+    )
 
     @model_validator(mode="after")
     def _min_le_max(self) -> Self:
@@ -321,6 +361,8 @@ LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
 
 
 class Placement(Spec):
+    """Which nodes may run the engine, and how many GPUs it takes there."""
+
     node_selector: dict[str, LabelValue] = Field(
         default_factory=dict,
         max_length=64,
@@ -362,11 +404,19 @@ class Placement(Spec):
 
 
 class EngineSpec(Spec):
+    """What to serve and how much of it: the plan (`continuum plan`) turns it into layers on the
+    device and a KV pool on one node (docs/plan.md)."""
+
     model: ModelRef
-    context_tokens_per_mind: int = Field(ge=16, le=16_777_216)
+    context_tokens_per_mind: int = Field(
+        ge=16,
+        le=16_777_216,
+        description="Context of one slot, in tokens: every mind's grant is at most this.",
+    )
     minds: Minds = Field(default_factory=Minds)
     offload: OffloadWord | Annotated[int, Field(ge=0, le=4097)] = Field(
         default="auto",
+        description="Layers on the device: auto (the most that fit), all, none, or a number.",
         json_schema_extra={
             "x-kubernetes-int-or-string": True,
             "x-kubernetes-validations": [
@@ -377,9 +427,15 @@ class EngineSpec(Spec):
             ],
         },
     )
-    kv_cache_type: KvCacheType = KvCacheType.F16
+    kv_cache_type: KvCacheType = Field(
+        default=KvCacheType.F16,
+        description="Type of the KV cache's cells (llama.cpp --cache-type-k/-v): f32, f16, "
+        "q8_0 or q4_0; the quantised types hold more tokens in the same bytes.",
+    )
     reserve_bytes: Bytes = Field(default=GiB, description="Kept free in each pool the engine uses.")
-    placement: Placement = Field(default_factory=Placement)
+    placement: Placement = Field(
+        default_factory=Placement, description="Which nodes may run the engine, on how many GPUs."
+    )
     allowed_namespaces: list[
         Annotated[str, Field(max_length=63, pattern=r"^([*]|[a-z0-9]([-a-z0-9]*[a-z0-9])?)$")]
     ] = Field(
@@ -391,17 +447,24 @@ class EngineSpec(Spec):
 
 
 class EnginePoolBytes(Spec):
-    pool: str = Field(pattern=r"^(unified|host|device/[0-9]+)$")
-    bytes: Bytes
+    """Bytes leased in one pool of the node."""
+
+    pool: str = Field(
+        pattern=r"^(unified|host|device/[0-9]+)$",
+        description="unified, host, or device/N for GPU N.",
+    )
+    bytes: Bytes = Field(description="Bytes leased there.")
 
 
 class EnginePlacement(Spec):
     """The assumed lease: node and bytes per pool, written before the pod exists."""
 
-    node: str = Field(min_length=1, max_length=253)
-    gpus: list[int] = Field(default_factory=list)
-    pools: list[EnginePoolBytes] = Field(default_factory=list)
-    assumed: bool = True
+    node: str = Field(min_length=1, max_length=253, description="The node chosen.")
+    gpus: list[int] = Field(default_factory=list, description="GPU indices on it.")
+    pools: list[EnginePoolBytes] = Field(
+        default_factory=list, description="Bytes leased per pool, from the plan."
+    )
+    assumed: bool = Field(default=True, description="True until the engine's pod runs on the node.")
     assumed_at: str | None = Field(
         default=None,
         description="When the lease was assumed; released if the pod is not ready in time.",
@@ -411,9 +474,9 @@ class EnginePlacement(Spec):
 class EngineRelaunches(Spec):
     """Relaunches of the engine's pod the operator decided (damped: docs/design.md's lessons)."""
 
-    count: int = Field(default=0, ge=0)
-    last_time: str | None = None
-    last_reason: str = ""
+    count: int = Field(default=0, ge=0, description="Relaunches so far.")
+    last_time: str | None = Field(default=None, description="When the last began (RFC 3339).")
+    last_reason: str = Field(default="", description="Why the last one was decided.")
 
 
 class ReadFacts(Spec):
@@ -421,26 +484,52 @@ class ReadFacts(Spec):
 
     source: str = Field(max_length=8192, description="The file read: source kind, where, digest.")
     facts: ModelFacts
-    read_at: str | None = None
+    read_at: str | None = Field(default=None, description="When the Job read them (RFC 3339).")
 
 
 class EngineStatus(Spec):
+    """What the operator decided for the engine and what the running engine reports; each part
+    has one writer (docs/design.md, "One writer per status field")."""
+
     model_config = Spec.model_config | {"extra": "allow"}
 
-    plan: OpenStatus | None = None
+    plan: OpenStatus | None = Field(
+        default=None,
+        description="The serving plan on the chosen node: bytes per pool, layers on the device, "
+        "pool tokens, minds grantable, and why (`continuum plan -o json`; docs/plan.md).",
+    )
     placement: EnginePlacement | None = None
     grants: list[dict[str, Any]] | None = Field(
-        default=None, json_schema_extra={"items": {"x-kubernetes-preserve-unknown-fields": True}}
+        default=None,
+        description="The grant ledger of the engine's pool, one entry per Mind (state, tokens, "
+        "slot, since, reason), written only by the operator's leader (docs/grants.md).",
+        json_schema_extra={"items": {"x-kubernetes-preserve-unknown-fields": True}},
     )
-    enforcement: OpenStatus | None = None
-    runtime: OpenStatus | None = None
+    enforcement: OpenStatus | None = Field(
+        default=None,
+        description="The per-process caps applied to the engine's pod and their numbers.",
+    )
+    runtime: OpenStatus | None = Field(
+        default=None,
+        description="What the engine runtime reports: receipts, layers actually offloaded, "
+        "GPU offload support, slot releases (docs/receipts.md, docs/gateway.md).",
+    )
     relaunches: EngineRelaunches | None = None
     model_facts: ReadFacts | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: int | None = None
+    conditions: Conditions = Field(
+        default_factory=list,
+        description="Planned, Ready, Degraded, MemoryModeUnknown, BoardStale and Unschedulable, "
+        "each always present.",
+    )
+    observed_generation: ObservedGeneration = None
 
 
 class Engine(Resource):
+    """A llama.cpp server on one node whose KV-cache pool is shared out to Minds as grants.
+
+    The operator places it, plans it and runs it as a Deployment; `kubectl get engines` shows
+    where it runs and why it is (not) ready (docs/operator.md)."""
+
     KIND = "Engine"
     PLURAL = "engines"
     SHORT_NAMES = ("eng",)

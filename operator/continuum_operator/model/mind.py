@@ -11,7 +11,14 @@ from typing import Literal
 
 from pydantic import Field
 
-from continuum_operator.model.base import Condition, Name, ObjectMeta, Resource, Spec
+from continuum_operator.model.base import (
+    Conditions,
+    Name,
+    ObjectMeta,
+    ObservedGeneration,
+    Resource,
+    Spec,
+)
 
 
 class GrantState(StrEnum):
@@ -35,6 +42,8 @@ class ProjectedState(StrEnum):
 
 
 class MindSpec(Spec):
+    """The engine a mind takes turns on, her class and the context she needs."""
+
     engine: Name = Field(description="The Engine whose pool the mind draws on.")
     engine_namespace: Name | None = Field(
         default=None,
@@ -45,30 +54,45 @@ class MindSpec(Spec):
         default=None, description="A MindClass; the cluster's default class when absent."
     )
     context_tokens: int = Field(ge=1, le=16_777_216, description="Context the mind needs per turn.")
-    turn_deadline_seconds: int = Field(default=1500, ge=1, le=86_400)
+    turn_deadline_seconds: int = Field(
+        default=1500,
+        ge=1,
+        le=86_400,
+        description="The longest one turn waits for a grant, queued or behind a relaunch, "
+        "before her turn client gives up with the reason (`engine.turn`).",
+    )
 
 
 class GrantProjection(Spec):
+    """Her grant as the Engine's ledger (`status.grants`) holds it; the operator copies it here."""
+
     state: ProjectedState
-    tokens: int = Field(default=0, ge=0)
-    slot: int | None = Field(default=None, ge=0)
-    since: str | None = None
-    reason: str = ""
-    message: str = ""
+    tokens: int = Field(default=0, ge=0, description="KV tokens she holds (Granted, Reclaiming).")
+    slot: int | None = Field(default=None, ge=0, description="Her slot on the engine.")
+    since: str | None = Field(default=None, description="When she entered the state (RFC 3339).")
+    reason: str = Field(default="", description="Why she is in the state, as one CamelCase word.")
+    message: str = Field(default="", description="Why, in words, and what would change it.")
 
 
 class MindStatus(Spec):
+    """Her grant, where she takes turns, and her conditions; written by the operator."""
+
     grant: GrantProjection | None = None
     endpoint: str | None = Field(
         default=None,
         max_length=2048,
         description="Where she takes turns: her engine's gateway (docs/gateway.md).",
     )
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: int | None = None
+    conditions: Conditions = Field(
+        default_factory=list, description="Granted and ContextTooLarge, each always present."
+    )
+    observed_generation: ObservedGeneration = None
 
 
 class Mind(Resource):
+    """An agent that takes turns on an Engine while she holds a grant of its KV-cache pool
+    (docs/grants.md)."""
+
     KIND = "Mind"
     PLURAL = "minds"
     SHORT_NAMES = ("mnd",)

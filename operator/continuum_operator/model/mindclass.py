@@ -11,6 +11,8 @@ from continuum_operator.model.base import Name, ObjectMeta, Resource, Spec
 
 
 class MindClassSpec(Spec):
+    """A class's priority, limits and who may use it."""
+
     priority: int = Field(ge=-1_000_000, le=1_000_000, description="Higher may preempt lower.")
     max_tokens: int | None = Field(
         default=None,
@@ -32,6 +34,9 @@ class MindClassSpec(Spec):
 
 
 class MindClass(Resource):
+    """A class of Minds (cluster-scoped): the priority and the most tokens a mind of the class may
+    hold, and which namespaces may use it (docs/tenancy.md)."""
+
     KIND = "MindClass"
     PLURAL = "mindclasses"
     SHORT_NAMES = ("mc",)

@@ -12,10 +12,19 @@ from typing import Literal
 
 from pydantic import Field
 
-from continuum_operator.model.base import Condition, Name, ObjectMeta, Resource, Spec
+from continuum_operator.model.base import (
+    Conditions,
+    Name,
+    ObjectMeta,
+    ObservedGeneration,
+    Resource,
+    Spec,
+)
 
 
 class TokenQuotaSpec(Spec):
+    """The namespace's limit."""
+
     max_tokens: int = Field(
         ge=0,
         le=2**40,
@@ -24,17 +33,25 @@ class TokenQuotaSpec(Spec):
 
 
 class TokenQuotaStatus(Spec):
+    """The namespace's use against the quota, written by the operator."""
+
     used_tokens: int = Field(default=0, ge=0, description="Tokens the namespace holds now.")
     minds_held: int = Field(default=0, ge=0, description="Minds holding a grant.")
     minds_queued: int = Field(default=0, ge=0, description="Minds the quota holds back.")
     queued: list[Name] = Field(
         default_factory=list, max_length=64, description="The first of them, by name."
     )
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: int | None = None
+    conditions: Conditions = Field(
+        default_factory=list,
+        description="Limiting: True while this quota is the tightest and holds Minds back.",
+    )
+    observed_generation: ObservedGeneration = None
 
 
 class TokenQuota(Resource):
+    """The most KV tokens all Minds of a namespace may hold at once, over every engine
+    (docs/tenancy.md)."""
+
     KIND = "TokenQuota"
     PLURAL = "tokenquotas"
     SHORT_NAMES = ("tq",)
