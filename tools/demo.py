@@ -43,7 +43,6 @@ METRICS_PORT_FILE = STATE / "operator.metrics-port"
 # released: each release waits for its grace deadline. 5 s instead of the operator's 30 s keeps
 # a deleted Mind's slot from sitting idle half a minute (the printed text says so).
 GRACE_SECONDS = 5
-MODELS_DIR = "/var/lib/continuum/models"
 LEASE_SECONDS = 3600  # no agent runs in the demo: one renewal keeps a board fresh for an hour
 GiB = 2**30
 
@@ -159,10 +158,7 @@ def start_operator() -> None:
              "--kubeconfig", os.environ["KUBECONFIG"], "--engine-image", "continuum-engine:demo",
              # a mind's child pods get the lowest class and CPU weight (docs/children.md)
              "--webhook", "--webhook-listen", "127.0.0.1", "--webhook-port", str(free_port()),
-             "--grace", str(GRACE_SECONDS), "--metrics-port", str(metrics_port),
-             # where examples/engines/with-source/tiny-chat.yaml reads its model (hostPath
-             # sources are refused outside the directories allowed: docs/security.md)
-             "--allowed-host-path-prefix", MODELS_DIR],
+             "--grace", str(GRACE_SECONDS), "--metrics-port", str(metrics_port)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
@@ -284,8 +280,8 @@ What is real here and what is not:
 - No engine gateway runs, so a reclaimed slot is released at its grace deadline: the operator
   runs with --grace {GRACE_SECONDS} (seconds; 30 by default) so a freed slot is not idle long.
 - The operator's metrics: curl -s http://127.0.0.1:{metrics_port}/metrics | grep ^continuum_
-- Engines may read a model from the node's disk under {MODELS_DIR} only
-  (--allowed-host-path-prefix; the chart's engineSources.allowedHostPathPrefixes).
+- An Engine with a model file (examples/engines/with-source/) is not placed here: the
+  operator reads a file's facts with a Job on the node, and KWOK nodes run no Job.
 
 Look around (the control plane and the operator keep running):
 
@@ -299,10 +295,10 @@ Look around (the control plane and the operator keep running):
       -o jsonpath='{{.spec.priorityClassName}} {{.spec.containers[0].resources}}{{"\\n"}}'
     tail -f {LOG_FILE}
 
-See a queue move (two slots, four Minds of two classes; examples/minds/minds.yaml says what
-each line will show):
+See a queue move (tiny-chat's two slots, four Minds of two classes; examples/minds/minds.yaml
+says what each line will show):
 
-    kubectl apply -f examples/engines/with-source/tiny-chat.yaml -f examples/minds/
+    kubectl apply -f examples/minds/
     kubectl get minds -n minds                 # ada, bo Granted; cy Queued; dee Refused
     kubectl delete mind -n minds bo            # returns once her slot is freed ({GRACE_SECONDS} s)
     kubectl get minds -n minds                 # cy Granted

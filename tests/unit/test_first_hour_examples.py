@@ -183,3 +183,14 @@ def test_model_tiny_refuses_to_overwrite_or_to_write_a_directory(
 def test_the_minds_example_documents_parse_as_the_api_server_would() -> None:
     for doc in documents(MINDS / "minds.yaml"):
         parse(Mind, doc, MINDS / "minds.yaml")
+
+
+def test_the_demos_tiny_chat_is_the_one_that_runs_less_its_file() -> None:
+    """The Minds of examples/minds/ name tiny-chat: on the demo the plan-only Engine (KWOK nodes
+    run no facts Job), on a cluster the one with a source; the two differ only by the file."""
+    demo = load_one(Engine, EXAMPLES / "engines" / "tiny-chat.yaml")
+    runs = load_one(Engine, TINY)
+    assert demo.spec.model.source is None and demo.spec.model.sha256 is None
+    assert demo.metadata == runs.metadata
+    without_file = runs.spec.model.model_copy(update={"source": None, "sha256": None})
+    assert demo.spec == runs.spec.model_copy(update={"model": without_file})
