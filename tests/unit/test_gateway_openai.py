@@ -170,19 +170,37 @@ class TestAnUnmodifiedOpenAIClient:
 
         run(table(granted()), body)
 
-    def test_completions_and_embeddings_are_pinned_to_her_slot(self) -> None:
+    def test_completions_and_models_are_served_to_her(self) -> None:
         async def body(rig: Rig) -> None:
             client = rig.client()
             done = await client.completions.create(model="any", prompt="one two", max_tokens=3)
             assert done.choices[0].text == " tok" * 3
-            emb = await client.embeddings.create(model="any", input="one two")
-            assert emb.data[0].embedding == [0.5, 0.5]
             models = await client.models.list()
             assert [m.id for m in models.data] == ["tiny"]
 
         fake = run(table(granted(slot=1)), body)
-        assert [r["id_slot"] for r in fake.requests] == [1, 1]
-        assert "n_predict" not in fake.requests[1]  # an embedding generates nothing
+        [sent] = fake.requests
+        assert (sent["id_slot"], sent["n_predict"]) == (1, 3)
+
+    def test_an_engine_of_one_slot_embeds_generating_nothing(self) -> None:
+        async def body(rig: Rig) -> None:
+            await until(lambda: rig.gateway.slot_count == 1)
+            emb = await rig.client().embeddings.create(model="any", input="one two")
+            assert emb.data[0].embedding == [0.5, 0.5]
+
+        fake = run(table(granted(slot=0)), body, FakeLlama(slots=1))
+        [sent] = fake.requests
+        assert sent["id_slot"] == 0 and "n_predict" not in sent
+
+    def test_an_engine_of_several_slots_refuses_to_embed(self) -> None:
+        # llama-server runs an embedding on any idle slot, whatever id_slot says.
+        async def body(rig: Rig) -> None:
+            await until(lambda: rig.gateway.slot_count == 2)
+            with pytest.raises(openai.BadRequestError) as caught:
+                await rig.client().embeddings.create(model="any", input="one two")
+            assert "any idle slot" in caught.value.message
+
+        assert run(table(granted()), body).requests == []
 
     def test_a_prompt_over_the_grant_is_refused_as_openai_clients_expect(self) -> None:
         async def body(rig: Rig) -> None:
@@ -219,6 +237,7 @@ class TestFieldsThatWouldLeaveTheSlotOrTheGrant:
             ("/v1/completions", "prompt", ["one", "two"]),  # two prompts: two slots
             ("/v1/completions", "best_of", 3),
             ("/v1/embeddings", "input", ["one", "two"]),
+            ("/v1/embeddings", "dimensions", 8),
             ("/v1/chat/completions", "some_new_field", 1),  # an allow-list: unknown is refused
         ],
     )

@@ -177,6 +177,10 @@ class Gateway:
         # llama-server caps it at the model's training context, so it can be less than a
         # grant's tokens: requests are capped at the smaller of the two.
         self.slot_ctx: int | None = None
+        # llama-server's slots, read once it is ready: an embedding is served only by an
+        # engine of one slot, as llama-server runs embeddings on any idle slot (it does not
+        # read id_slot for them), which would overwrite another mind's context.
+        self.slot_count: int | None = None
         self.turns: dict[str, _Turn] = {}
         self.flights: dict[str, set[_Flight]] = {}
         # The mind whose context a slot may still hold (not erased since she used it).
@@ -348,6 +352,7 @@ class Gateway:
     def engine_restarted(self) -> None:
         """llama-server started afresh: every slot is empty and every turn on it is over."""
         self.slot_owner.clear()
+        self.slot_count = None
         for mind in list(self._serving()):
             self._cut(Cut(mind, GrantReason.ENGINE_RELAUNCHING.value))
 
@@ -363,6 +368,18 @@ class Gateway:
             log.info("llama-server %s", "ready" if ready else "not ready")
         self.engine_ready = ready
         self.metrics.engine_ready(ready)
+        if ready and self.slot_count is None:
+            self.slot_count = await self._count_slots()
+
+    async def _count_slots(self) -> int | None:
+        try:
+            async with self.session.get(
+                f"{self.settings.upstream}/slots", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                slots = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        return len(slots) if isinstance(slots, list) else None
 
     async def _watch_health(self) -> None:
         while True:
@@ -629,6 +646,14 @@ class Gateway:
                 return web.json_response(bad.body(), status=400, headers=headers)
         elif not isinstance(body, dict):
             return self._bad_request("", "the body is not a JSON object", openai=False)
+        if endpoint is Endpoint.EMBEDDINGS and self.slot_count != 1:
+            return self._bad_request(
+                "input",
+                f"this engine runs {self.slot_count or 'several'} slots, and llama-server "
+                "places an embedding on any idle slot, not hers (it would overwrite another "
+                "mind's context): embed on an EmbedLane, or an engine of one slot",
+                openai=True,
+            )
         # Registered with no await since the admission: a reclaim from here on cuts it.
         flight = _Flight(mind, adm.slot)
         self.flights.setdefault(mind, set()).add(flight)
