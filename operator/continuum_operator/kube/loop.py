@@ -262,6 +262,7 @@ class Loop:
             current = self.cache.engines.get(key) or body
             self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
             self.metrics.set_estimate_error(*key, current.get("status"))
+            self.metrics.record_runtime_restarts(*key, current.get("status"))
         if writing:
             await asyncio.gather(*writing)
         await self.lanes.pass_once()  # EmbedLanes, against the leases just written

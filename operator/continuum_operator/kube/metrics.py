@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -20,7 +21,13 @@ from continuum_operator.core.grants import Grant, GrantReason, Transition
 from continuum_operator.core.receipts import is_host_buffer
 from continuum_operator.model.mind import GrantState
 
-__all__ = ["CYCLE_WINDOWS", "WAIT_BUCKETS", "OperatorMetrics", "estimate_errors"]
+__all__ = [
+    "CYCLE_WINDOWS",
+    "WAIT_BUCKETS",
+    "OperatorMetrics",
+    "RelaunchCause",
+    "estimate_errors",
+]
 
 #: Seconds: a turn wait is anything from none (granted on arrival) to a mind parked for half an
 #: hour behind a relaunch; the top buckets are there to see that happen.
@@ -35,6 +42,13 @@ CYCLE_WINDOWS = 2.0
 _EngineMind = tuple[str, str, str]
 
 
+class RelaunchCause(StrEnum):
+    """The `cause` label of `continuum_engine_relaunches_total`."""
+
+    PLANNED = "Planned"  # the operator relaunched the pod (a damped re-plan, a spec change)
+    CRASHED = "Crashed"  # llama-server exited inside the pod and the runtime started it again
+
+
 @dataclass
 class OperatorMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -43,6 +57,8 @@ class OperatorMetrics:
     # the reason she waits for. Only this replica's own steps fill it (see `record_grant_step`).
     waiting: dict[_EngineMind, tuple[float, str]] = field(default_factory=dict)
     estimated: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    # The runtime restarts last seen per engine: (launch, count), to count what is new.
+    restarts_seen: dict[tuple[str, str], tuple[str | None, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -55,8 +71,9 @@ class OperatorMetrics:
         )
         self.relaunches = Counter(
             "continuum_engine_relaunches",
-            "Relaunches of an engine's pod the operator decided (damped).",
-            ["namespace", "engine"],
+            "Relaunches of an engine: of its pod, by the operator (damped; cause Planned), and "
+            "of llama-server inside its pod, by the runtime (cause Crashed).",
+            ["namespace", "engine", "cause"],
             registry=r,
         )
         self.weighed = Counter(
@@ -194,7 +211,30 @@ class OperatorMetrics:
         self.api_requests.labels(verb, resource).inc()
 
     def record_relaunch(self, namespace: str, engine: str) -> None:
-        self.relaunches.labels(namespace, engine).inc()
+        self.relaunches.labels(namespace, engine, RelaunchCause.PLANNED).inc()
+
+    def record_runtime_restarts(
+        self, namespace: str, engine: str, status: Mapping[str, Any] | None
+    ) -> None:
+        """llama-server's restarts that `status.runtime.restarts` reports and this replica has
+        not counted: the increase within one launch, all of a new launch's. The first report
+        seen (after this operator started) is the baseline: counted by whoever saw it grow."""
+        runtime = (status or {}).get("runtime")
+        if not isinstance(runtime, Mapping):
+            return
+        try:
+            restarts = int(runtime.get("restarts") or 0)
+        except (TypeError, ValueError):
+            return
+        launch = runtime.get("launch")
+        launch = str(launch) if launch is not None else None
+        key = (namespace, engine)
+        seen = self.restarts_seen.get(key)
+        if seen is not None:
+            new = restarts - seen[1] if seen[0] == launch else restarts
+            if new > 0:
+                self.relaunches.labels(namespace, engine, RelaunchCause.CRASHED).inc(new)
+        self.restarts_seen[key] = (launch, restarts)
 
     def record_weighed(self, outcome: Outcome) -> None:
         if outcome is not Outcome.UNCHANGED:
@@ -321,9 +361,12 @@ class OperatorMetrics:
         self.set_estimate_error(namespace, engine, None)
         for key in [k for k in self.waiting if k[:2] == (namespace, engine)]:
             del self.waiting[key]
-        for metric in (self.relaunches, self.memory_mode_unknown):
+        with contextlib.suppress(KeyError):
+            self.memory_mode_unknown.remove(namespace, engine)
+        for cause in RelaunchCause:
             with contextlib.suppress(KeyError):
-                metric.remove(namespace, engine)
+                self.relaunches.remove(namespace, engine, cause)
+        self.restarts_seen.pop((namespace, engine), None)
 
 
 def _is_cycle(t: Transition, before: Grant | None) -> bool:
