@@ -101,38 +101,56 @@ async def _until(check: Any, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_a_minds_token_is_reviewed_by_the_api_server_and_speaks_for_her_namespace_only(
+def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_only(
     cluster: Cluster, namespace: str
 ) -> None:
+    """Real TokenReviews: her projected token with the engine's audience is her; a token
+    without that audience (a service account's ordinary token) is nobody (401); another
+    service account's token of her namespace, a child's say, is not her (403). The official
+    OpenAI client sends the token as its API key."""
+    import openai
     from aiohttp import ClientSession
 
     from continuum_operator.core.grants import EnginePhase
-    from continuum_operator.engine.admission import TableEntry
-    from continuum_operator.engine.gateway import Gateway, GatewaySettings
+    from continuum_operator.engine.admission import ServiceAccount, TableEntry, engine_audience
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
     from continuum_operator.engine.grants_source import TokenReviewer
     from continuum_operator.engine.turn import MIND_HEADER, turn
     from tests.unit.fake_llama import FakeLlama, serve
 
-    cluster.kubectl("create", "serviceaccount", "mira", "-n", namespace)
-    token = cluster.kubectl("create", "token", "mira", "-n", namespace).stdout.strip()
+    audience = engine_audience(namespace, "coder-8b")
+    for account in ("mira", "mira-child"):
+        cluster.kubectl("create", "serviceaccount", account, "-n", namespace)
+
+    def token(account: str, *audiences: str) -> str:
+        flags = [f"--audience={a}" for a in audiences]
+        return str(cluster.kubectl("create", "token", account, "-n", namespace, *flags).stdout)
+
+    mine = token("mira", audience).strip()
+    plain = token("mira").strip()  # the API server's audience only
+    other_engine = token("mira", engine_audience(namespace, "other")).strip()
+    child = token("mira-child", audience).strip()
     api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     from kubernetes import client
 
-    reviewer = TokenReviewer(api=client.AuthenticationV1Api(api_client))
-    mira, stranger = f"{namespace}/mira", "elsewhere/mind"
+    reviewer = TokenReviewer(audience, api=client.AuthenticationV1Api(api_client))
+    mira, child_mind = f"{namespace}/mira", f"{namespace}/mira-child"
     entries = {
         m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=512)
-        for i, m in enumerate((mira, stranger))
+        for i, m in enumerate((mira, "elsewhere/mind"))
     }
 
     async def main() -> None:
-        assert await reviewer(token) == namespace
+        assert await reviewer(mine) == ServiceAccount(namespace, "mira")
+        assert await reviewer(plain) is None
+        assert await reviewer(other_engine) is None
         assert await reviewer("not-a-token") is None
         upstream_runner, upstream = await serve(FakeLlama().app())
         gateway = Gateway(GatewaySettings(upstream=upstream, review_token=reviewer))
         await gateway.start()
         gateway.set_table(GrantTable(512, EnginePhase.SERVING, entries))
-        runner, url = await serve(gateway.app())
+        runner, address = await serve_app(gateway.app(), "127.0.0.1", 0)
+        url = f"http://{address}"
         try:
             async with ClientSession() as http:
 
@@ -143,14 +161,37 @@ def test_a_minds_token_is_reviewed_by_the_api_server_and_speaks_for_her_namespac
                     async with http.post(f"{url}/v1/turns", json={}, headers=headers) as resp:
                         return resp.status
 
-                assert await open_turn(mira, token) == 201
+                assert await open_turn(mira, mine) == 201
                 assert await open_turn(mira, None) == 401
+                assert await open_turn(mira, plain) == 401
                 assert await open_turn(mira, "forged") == 401
-                assert await open_turn(stranger, token) == 403  # her token, another's name
+                assert await open_turn("elsewhere/mind", mine) == 403  # her token, another's name
+                assert await open_turn(mira, child) == 403  # her child's token
                 # the turn client carries the token through the whole turn
-                async with turn(url, mira, token=token, session=http) as t:
+                async with turn(url, mira, token=mine, session=http) as t:
                     reply = await t.complete({"prompt": "hi", "n_predict": 2})
                     assert reply["tokens_predicted"] == 2
+
+            def agent(key: str, mind: str | None = None) -> openai.AsyncOpenAI:
+                headers = {MIND_HEADER: mind} if mind else None
+                return openai.AsyncOpenAI(
+                    base_url=f"{url}/v1", api_key=key, default_headers=headers, max_retries=0
+                )
+
+            hello: Any = [{"role": "user", "content": "hi"}]
+            async with agent(mine) as ok:
+                done = await ok.chat.completions.create(model="m", messages=hello, max_tokens=1)
+                assert done.model_extra is not None and done.model_extra["continuum"]["slot"] == 0
+            async with agent(plain) as nobody:
+                with pytest.raises(openai.AuthenticationError):
+                    await nobody.chat.completions.create(model="m", messages=hello)
+            async with agent(child, mira) as impostor:
+                with pytest.raises(openai.PermissionDeniedError):
+                    await impostor.chat.completions.create(model="m", messages=hello)
+            async with agent(child) as herself:  # the child as herself: not in the table
+                with pytest.raises(openai.PermissionDeniedError) as caught:
+                    await herself.chat.completions.create(model="m", messages=hello)
+                assert child_mind in caught.value.message
         finally:
             await runner.cleanup()
             await gateway.close()
@@ -176,9 +217,17 @@ def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status
         "wait", "--for=condition=Established", "--timeout=60s", "crd/engines.continuum.dev"
     )
     cluster.apply(_engine(namespace))
+    from continuum_operator.engine.admission import engine_audience
+
     mira = f"{namespace}/mira"
     granted = {"mind": mira, "state": "Granted", "slot": 0, "tokens": 32768, "since": "t0"}
     _patch_grants(cluster, namespace, [granted])
+    # Review is on by default: her projected token, with this engine's audience.
+    cluster.kubectl("create", "serviceaccount", "mira", "-n", namespace)
+    token = cluster.kubectl(
+        "create", "token", "mira", "-n", namespace,
+        f"--audience={engine_audience(namespace, 'coder-8b')}",
+    ).stdout.strip()  # fmt: skip
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
@@ -218,7 +267,8 @@ def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status
         try:
             wait(lambda: runtime_status().get("phase") == "Serving", "status.runtime never Serving")
             assert http_json(f"{url}/readyz")[0] == 200
-            mind = {"X-Continuum-Mind": mira, "Content-Type": "application/json"}
+            assert post("/v1/turns", {}, **{"X-Continuum-Mind": mira})[0] == 401  # no token
+            mind = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
             code, opened = post("/v1/turns", {}, **mind)
             assert (code, opened["slot"]) == (201, 0)
             code, reply = post(

@@ -433,10 +433,15 @@ def test_the_operator_holds_every_right_it_grants_engine_and_lane_pods(
             "ServiceAccount": "serviceaccounts",
             "Role": "roles",
             "RoleBinding": "rolebindings",
+            "ClusterRoleBinding": "clusterrolebindings",
         }
         group = obj["apiVersion"].rpartition("/")[0]
         for verb in ("create", "patch"):
             assert allows(rules, group, plural[obj["kind"]], verb), (obj["kind"], verb)
+        if obj["kind"] == "ClusterRoleBinding":  # the gateway's TokenReview: bound, not held
+            role = obj["roleRef"]["name"]
+            assert allows(rules, group, "clusterroles", "bind", role), role
+            assert not allows(rules, group, "clusterroles", "bind", "cluster-admin")
 
 
 def test_the_operator_has_no_wildcards_no_secrets_and_no_deletes_beyond_its_workloads(

@@ -173,7 +173,7 @@ def test_a_minds_children_rank_below_every_class_and_ordinary_pods_and_never_pre
 
 def test_the_engine_pod_may_read_its_own_engine_and_write_its_status_only() -> None:
     e, p = planned()
-    account, role, binding = objects.engine_rbac(e, "u")
+    account, role, binding, _review = objects.engine_rbac(e, "u")
     assert account["kind"] == "ServiceAccount"
     assert {tuple(r["resourceNames"]) for r in role["rules"]} == {("eng",)}
     verbs = {r["resources"][0]: set(r["verbs"]) for r in role["rules"]}

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from continuum_operator.engine.admission import GrantTable, ServiceAccount, TableEntry
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
@@ -124,7 +125,7 @@ async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-HELLO = [{"role": "user", "content": "hello there"}]
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 
 
 class TestAnUnmodifiedOpenAIClient:
@@ -204,7 +205,7 @@ class TestAnUnmodifiedOpenAIClient:
 
     def test_a_prompt_over_the_grant_is_refused_as_openai_clients_expect(self) -> None:
         async def body(rig: Rig) -> None:
-            long = [{"role": "user", "content": "word " * 600}]
+            long: list[ChatCompletionMessageParam] = [{"role": "user", "content": "word " * 600}]
             with pytest.raises(openai.BadRequestError) as caught:
                 await rig.client().chat.completions.create(model="any", messages=long)
             err = caught.value
@@ -244,11 +245,12 @@ class TestFieldsThatWouldLeaveTheSlotOrTheGrant:
     def test_each_is_refused_with_a_400_naming_it(
         self, endpoint: str, field: str, value: Any
     ) -> None:
-        base: dict[str, Any] = {
+        bases: dict[str, dict[str, Any]] = {
             "/v1/chat/completions": {"messages": HELLO},
             "/v1/completions": {"prompt": "hi"},
             "/v1/embeddings": {"input": "hi"},
-        }[endpoint]
+        }
+        base = bases[endpoint]
 
         async def body(rig: Rig) -> None:
             status, reply, _ = await rig.post(endpoint, {**base, field: value})

@@ -54,6 +54,8 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "ServiceAccount": "serviceaccounts",
         "Role": "roles",
         "RoleBinding": "rolebindings",
+        "ClusterRoleBinding": "clusterrolebindings",
+        "NetworkPolicy": "networkpolicies",
         "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
     }[str(obj["kind"])]
     ns = obj["metadata"].get("namespace")

@@ -35,6 +35,12 @@ HAMI_GPUMEM_RESOURCE = "nvidia.com/gpumem"
 MPS_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 LAUNCH_ANNOTATION = "continuum.dev/launch"
 LAUNCH_ENV = "CONTINUUM_LAUNCH"
+#: The engine's admin port: /metrics, /v1/releases, /v1/runtime, never served to minds.
+ADMIN_PORT = 9090
+#: Namespaces labelled so may reach the admin port (a monitoring namespace, say); no others.
+SCRAPE_LABEL = "continuum.dev/scrape-engines"
+#: Kubernetes' own role for delegated authentication: what the gateway's TokenReview needs.
+AUTH_DELEGATOR = "system:auth-delegator"
 ENGINE_LABEL = "continuum.dev/engine"
 MANAGED_BY = "continuum-operator"
 
@@ -189,6 +195,10 @@ def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[
         f"{engine.metadata.namespace}/{engine.metadata.name}",
         "--port",
         str(pods.port),
+        # Minds' tokens reviewed with the engine's audience (said, though it is the default).
+        "--review-tokens",
+        "--admin-port",
+        str(ADMIN_PORT),
     ]
     model = _model_volume(engine)
     if model is not None:
@@ -336,7 +346,10 @@ def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
 
     A ServiceAccount, a Role limited to this one Engine by name, and their binding, all owned
     by the Engine. `continuum engine --engine NS/NAME` watches the Engine with a field selector
-    on its name, which RBAC allows for a Role restricted by resourceNames.
+    on its name, which RBAC allows for a Role restricted by resourceNames. And a
+    ClusterRoleBinding to `system:auth-delegator` (TokenReviews are cluster-scoped): the
+    gateway reviews each mind's token. A cluster-scoped object cannot be owned by a namespaced
+    one, so the binding carries the engine's labels instead of an owner.
     """
     name = service_account_name(engine)
     meta = {
@@ -375,7 +388,75 @@ def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
                 {"kind": "ServiceAccount", "name": name, "namespace": engine.metadata.namespace}
             ],
         },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {
+                "name": token_review_binding_name(engine),
+                "labels": {
+                    **labels(engine),
+                    "continuum.dev/engine-namespace": engine.metadata.namespace,
+                },
+            },
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": AUTH_DELEGATOR,
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": name, "namespace": engine.metadata.namespace}
+            ],
+        },
     ]
+
+
+def token_review_binding_name(engine: Engine) -> str:
+    """One per engine: `:` cannot appear in a namespace or a name, so two never collide."""
+    return f"continuum-engine-tokenreview:{engine.metadata.namespace}:{engine.metadata.name}"
+
+
+def network_policy(engine: Engine, uid: str, pods: PodSettings) -> Obj:
+    """Who reaches the engine's pod: its own and its allowed namespaces, on the gateway's port
+    only (llama-server listens on loopback inside the pod); the admin port only from namespaces
+    labelled `continuum.dev/scrape-engines=true`. Enforced where the cluster's network plugin
+    enforces NetworkPolicies (docs/gateway.md)."""
+    allowed = [n for n in engine.spec.allowed_namespaces if n != "*"]
+    minds: Obj = (
+        {"namespaceSelector": {}}
+        if "*" in engine.spec.allowed_namespaces
+        else {
+            "namespaceSelector": {
+                "matchExpressions": [
+                    {
+                        "key": "kubernetes.io/metadata.name",
+                        "operator": "In",
+                        "values": sorted({engine.metadata.namespace, *allowed}),
+                    }
+                ]
+            }
+        }
+    )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": engine.metadata.name,
+            "namespace": engine.metadata.namespace,
+            "labels": labels(engine),
+            "ownerReferences": [owner_reference(engine, uid)],
+        },
+        "spec": {
+            "podSelector": {"matchLabels": selector(engine)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [minds], "ports": [{"protocol": "TCP", "port": pods.port}]},
+                {
+                    "from": [{"namespaceSelector": {"matchLabels": {SCRAPE_LABEL: "true"}}}],
+                    "ports": [{"protocol": "TCP", "port": ADMIN_PORT}],
+                },
+            ],
+        },
+    }
 
 
 def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:

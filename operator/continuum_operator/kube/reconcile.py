@@ -419,7 +419,10 @@ class _Pass:
                 engine, self.uid, plan_doc, pods, node_has_gpus=node_has_gpus
             )
             service = objects.service(engine, self.uid, pods)
-            identity = tuple(objects.engine_rbac(engine, self.uid))
+            identity = (
+                *objects.engine_rbac(engine, self.uid),
+                objects.network_policy(engine, self.uid, pods),
+            )
             new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
         patch = {k: v for k, v in new.items() if self.status.get(k) != v}
         return Writes(
