@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.test_operator import renew, write_board
+from tests.e2e.test_operator import facts_read_from_file, renew, write_board
 
 pytestmark = pytest.mark.e2e
 
@@ -38,6 +38,8 @@ def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
         sys.executable, "-m", "continuum_operator.cli", "operator",
         "--kubeconfig", str(cluster.kubeconfig), "--resync", "1",
         "--engine-image", "continuum-engine:e2e",
+        # The tests' model files are written under pytest's temporary directory.
+        "--allowed-host-path-prefix", str(tmp_path_factory.getbasetemp()),
     ]  # fmt: skip
     usage = subprocess.run([*cmd[:4], "--help"], capture_output=True, text=True, check=True)
     if "--engine-selector" in usage.stdout:
@@ -206,6 +208,7 @@ def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_
     source = {"kind": "hostPath", "path": str(model)}
     cluster.apply(engine("embedder", node, model={"facts": facts, "source": source, "sha256": sha}),
                   "-n", namespace)  # fmt: skip
+    facts_read_from_file(cluster, namespace, "embedder")
     wait_for("the engine placed", placed(cluster, "engine", namespace, "embedder"), operator)
     cluster.apply(
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",

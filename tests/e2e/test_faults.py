@@ -49,6 +49,7 @@ from tests.e2e.test_grants import gpu_node as fresh_gpu_node
 from tests.e2e.test_operator import (
     condition,
     discrete_status,
+    facts_read_from_file,
     get_engine,
     is_condition,
     renew,
@@ -387,8 +388,12 @@ def test_an_engine_on_a_board_whose_agent_stopped_is_not_relaunched_until_it_ret
     body["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/models/coder.gguf"}
     body["spec"]["model"]["sha256"] = "ab" * 32
     cluster.apply(body, "-n", ns)
+    facts_read_from_file(cluster, ns, "coder")
     try:
-        with board_operator(cluster, tmp_path, tag) as (log, _):
+        with board_operator(cluster, tmp_path, tag, "--allowed-host-path-prefix", "/models") as (
+            log,
+            _,
+        ):
             before = wait_for(
                 "Ready", is_condition(cluster, ns, "coder", "Ready", "True"), log=log
             )["status"]
@@ -407,6 +412,7 @@ def test_an_engine_on_a_board_whose_agent_stopped_is_not_relaunched_until_it_ret
                 json.dumps({"spec": {"minds": {"min": 1, "max": 2},
                                      "model": {"sha256": "cd" * 32}}}),
             )  # fmt: skip
+            facts_read_from_file(cluster, ns, "coder")  # the new file's, as its Job reads them
             for _ in range(8):  # several passes at the 1 s resync
                 time.sleep(1)
                 now = get_engine(cluster, ns, "coder")["status"]

@@ -525,7 +525,7 @@ REPORTED = [
     # facts where the real Job would have failed; either way it says to check the source.
     Reported(
         "engine-model-file-that-does-not-exist",
-        [sourced_engine("nofile", {"kind": "hostPath", "path": "/models/no-such-file.gguf"})],
+        [sourced_engine("nofile", {"kind": "pvc", "claimName": "m", "path": "none.gguf"})],
         "engine",
         "nofile",
         "Planned",

@@ -26,6 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from continuum_operator.core.heartbeat import (
     agent_lease_metadata,
 )
+from continuum_operator.kube.objects import source_key
+from continuum_operator.manifests import parse
+from continuum_operator.model.engine import Engine
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.llama_fixtures import free_port
 
@@ -219,6 +222,20 @@ def wait_for(
         time.sleep(0.5)
     tail = "\n".join(log.read_text().splitlines()[-40:]) if log and log.exists() else ""
     pytest.fail(f"timed out waiting for {what}; last: {last!r}\noperator log:\n{tail}")
+
+
+def facts_read_from_file(cluster: Cluster, ns: str, name: str) -> None:
+    """The Engine's status as its facts Job leaves it: KWOK runs no container, so a test on
+    KWOK nodes writes what the Job would have read (the Engine's inline facts, which such a
+    test takes from the file or stands in for it). With a source, only the file's facts are
+    planned from (docs/security.md)."""
+    body = cluster.get_json("engine", name, "-n", ns)
+    key = source_key(parse(Engine, body, f"Engine {ns}/{name}"))
+    read = {"source": key, "facts": body["spec"]["model"]["facts"]}
+    patch = json.dumps({"status": {"modelFacts": read}})
+    cluster.kubectl(
+        "patch", "engine", name, "-n", ns, "--subresource=status", "--type=merge", "-p", patch
+    )
 
 
 def get_engine(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
