@@ -334,7 +334,7 @@ def _serving(device_gib: int = 80, used_gib: int = 0) -> tuple[dict[str, Any], A
 
 
 def _with_runtime(body: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
-    out = json.loads(json.dumps(body))
+    out: dict[str, Any] = json.loads(json.dumps(body))
     out["status"]["runtime"] = runtime
     return out
 
