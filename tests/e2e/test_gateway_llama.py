@@ -450,7 +450,7 @@ def test_continuum_engine_runs_the_plans_arguments_and_writes_its_status(
     argv = [
         sys.executable, "-m", "continuum_operator.cli", "engine", "--model", str(model.path),
         "--grants", str(grants), "--port", str(port), "--llama-server", str(llama_server_bin),
-        "--status-file", str(status), "--", *plan_args,
+        "--status-file", str(status), "--unsafe-trust-mind-header", "--", *plan_args,
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with (tmp_path / "engine.log").open("wb") as log:

@@ -1,0 +1,232 @@
+"""The official `openai` client against the real llama-server behind the gateway, on a
+generated model (it has no chat template of its own: llama-server falls back to chatml).
+
+An unmodified agent: no turn opened, the grant enforced all the same. Chat, a streamed chat,
+completions and embeddings run on her slot; a prompt over her grant and `n: 2` are refused in
+OpenAI's error shape; a reclaim during a stream ends it with an error event within the grace,
+and the slot's release is reported. Tokens (401/403 from real TokenReviews) are in
+tests/e2e/test_gateway_kube.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from continuum_operator.engine.admission import GrantTable, TableEntry
+from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
+from continuum_operator.engine.turn import MIND_HEADER
+from continuum_operator.model.mind import GrantState
+from continuum_operator.testing import TinyModelShape, write_tiny_gguf
+from tests.e2e.llama_fixtures import TinyModel
+
+pytestmark = pytest.mark.e2e
+
+MIRA, ANN, VIP = "minds/mira", "minds/ann", "minds/vip"
+CTX = 8192
+SLOT_TOKENS = CTX // 2
+SHAPE = TinyModelShape(context_length=CTX)
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Once upon a time"}]
+# Never stop at an end-of-sequence token: a generation runs as long as it is allowed.
+ENDLESS = {"ignore_eos": True, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    path = tmp_path_factory.mktemp("models") / "tiny-8k.gguf"
+    write_tiny_gguf(path, SHAPE, seed=0)
+    return TinyModel(path=path, shape=SHAPE)
+
+
+def granted(mind: str = MIRA, slot: int = 1, tokens: int = SLOT_TOKENS) -> TableEntry:
+    return TableEntry(mind, GrantState.GRANTED, "SlotFree", slot=slot, tokens=tokens, since="g")
+
+
+def table(*entries: TableEntry) -> GrantTable:
+    return GrantTable(SLOT_TOKENS, entries={e.mind: e for e in entries})
+
+
+@dataclass
+class Engine:
+    gateway: Gateway
+    http: aiohttp.ClientSession
+    url: str
+    clients: list[openai.AsyncOpenAI]
+
+    def agent(self, mind: str = MIRA) -> openai.AsyncOpenAI:
+        """An agent as written for OpenAI: only the base URL is the engine's."""
+        client = openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1",
+            api_key="unused-here",  # no review in this test: the header names her
+            default_headers={MIND_HEADER: mind},
+            max_retries=0,
+        )
+        self.clients.append(client)
+        return client
+
+    async def slots(self) -> list[dict[str, Any]]:
+        async with self.http.get(f"{self.gateway.settings.upstream}/slots") as resp:
+            data: list[dict[str, Any]] = await resp.json()
+            return data
+
+
+def run_engine(
+    llama_server_bin: Path,
+    model: TinyModel,
+    initial: GrantTable,
+    body: Callable[[Engine], Awaitable[None]],
+    args: Sequence[str] = ("-c", str(CTX), "--parallel", "2", "-t", "2"),
+) -> None:
+    launch = LaunchSettings(
+        llama_server=str(llama_server_bin), model=model.path, args=tuple(args), port=0
+    )
+
+    async def main() -> None:
+        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.2))
+        await gateway.start()
+        runtime = EngineRuntime(launch, gateway, echo_log=False)
+        running = asyncio.create_task(runtime.run())
+        runner, address = await serve_app(gateway.app(), "127.0.0.1", 0)
+        clients: list[openai.AsyncOpenAI] = []
+        try:
+            deadline = time.monotonic() + 120
+            while runtime.phase != "Serving" or gateway.slot_count is None:
+                assert time.monotonic() < deadline, "\n".join(runtime.load_log[-40:])
+                await asyncio.sleep(0.1)
+            gateway.set_table(initial)
+            async with aiohttp.ClientSession() as http:
+                await body(Engine(gateway, http, f"http://{address}", clients))
+        finally:
+            for client in clients:
+                await client.close()
+            await runner.cleanup()
+            await runtime.stop()
+            await asyncio.wait_for(running, 30)
+            await gateway.close()
+
+    asyncio.run(main())
+
+
+def test_chat_streamed_chat_and_completions_run_on_her_slot(
+    llama_server_bin: Path, model: TinyModel
+) -> None:
+    async def body(e: Engine) -> None:
+        agent = e.agent()
+        reply = await agent.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=4, extra_body=ENDLESS
+        )
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+        note = (reply.model_extra or {})["continuum"]
+        assert (note["slot"], note["nPredict"], note["capped"]) == (1, 4, False)
+        slots = await e.slots()
+        assert slots[1]["id_task"] >= 0 and "id_task" not in slots[0]  # hers only
+
+        stream = await agent.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=6, stream=True, extra_body=ENDLESS
+        )
+        chunks = [chunk async for chunk in stream]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert (chunks[-1].model_extra or {})["continuum"]["slot"] == 1
+
+        done = await agent.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=3, extra_body=ENDLESS
+        )
+        assert done.usage is not None and done.usage.completion_tokens == 3
+        assert "id_task" not in (await e.slots())[0]
+
+    run_engine(llama_server_bin, model, table(granted()), body)
+
+
+def test_the_grant_caps_a_chat_counting_the_prompt_after_the_template(
+    llama_server_bin: Path, model: TinyModel
+) -> None:
+    async def body(e: Engine) -> None:
+        agent = e.agent()
+        reply = await agent.chat.completions.create(
+            model="tiny", messages=HELLO, max_completion_tokens=100_000, extra_body=ENDLESS
+        )
+        assert reply.usage is not None
+        note = (reply.model_extra or {})["continuum"]
+        # The gateway's count of the templated prompt is llama-server's own.
+        assert note["nPredict"] == 96 - reply.usage.prompt_tokens
+        assert reply.usage.completion_tokens == note["nPredict"]
+        assert note["cutOff"] == "GrantTokens"
+
+        long: list[ChatCompletionMessageParam] = [{"role": "user", "content": "word " * 200}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await agent.chat.completions.create(model="tiny", messages=long)
+        assert caught.value.code == "context_length_exceeded"
+        assert "grant" in caught.value.message
+
+        with pytest.raises(openai.BadRequestError) as refused:
+            await agent.chat.completions.create(model="tiny", messages=HELLO, n=2)
+        assert refused.value.param == "n"
+        assert "id_task" not in (await e.slots())[0]  # n=2 never reached another slot
+
+        queued = e.agent(ANN)
+        with pytest.raises(openai.RateLimitError) as waiting:
+            await queued.chat.completions.create(model="tiny", messages=HELLO)
+        assert waiting.value.response.headers["retry-after"] == "2"
+
+    ann = TableEntry(ANN, GrantState.QUEUED, "PoolFull")
+    run_engine(llama_server_bin, model, table(granted(tokens=96), ann), body)
+
+
+def test_a_reclaim_during_a_stream_ends_it_within_the_grace(
+    llama_server_bin: Path, model: TinyModel
+) -> None:
+    grace = 10.0
+
+    async def body(e: Engine) -> None:
+        stream = await e.agent().chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=4000, stream=True, extra_body=ENDLESS
+        )
+        seen, cut_at = 0, 0.0
+        with pytest.raises(openai.APIError) as caught:
+            async for _ in stream:
+                seen += 1
+                if seen == 5:
+                    cut_at = time.monotonic()
+                    reclaim = TableEntry(
+                        MIRA,
+                        GrantState.RECLAIMING,
+                        "Preempted",
+                        slot=1,
+                        tokens=SLOT_TOKENS,
+                        by=VIP,
+                        deadline=time.time() + grace,
+                        since="r1",
+                    )
+                    e.gateway.set_table(table(reclaim))
+        ended = time.monotonic() - cut_at
+        assert "turn cut" in caught.value.message and "Preempted" in caught.value.message
+        assert ended < 2.0, ended
+        deadline = time.monotonic() + grace
+        while not e.gateway.releases():
+            assert time.monotonic() < deadline, "no release within the grace"
+            await asyncio.sleep(0.05)
+        [release] = e.gateway.releases()
+        assert (release.slot, release.reason) == (1, "Preempted")
+        assert (await e.slots())[1]["is_processing"] is False
+
+    run_engine(llama_server_bin, model, table(granted()), body)
+
+
+def test_an_engine_of_one_slot_embeds_for_her(llama_server_bin: Path, model: TinyModel) -> None:
+    async def body(e: Engine) -> None:
+        emb = await e.agent().embeddings.create(model="tiny", input="Once upon a time")
+        assert len(emb.data[0].embedding) == model.shape.n_embd
+
+    args = ("-c", "2048", "--parallel", "1", "-t", "2", "--embeddings", "--pooling", "mean")
+    run_engine(llama_server_bin, model, table(granted(slot=0, tokens=2048)), body, args)
