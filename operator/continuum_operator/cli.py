@@ -23,6 +23,7 @@ from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, Ledger
 from continuum_operator.embed import runtime as embed_runtime
 from continuum_operator.engine import runtime as engine_runtime
+from continuum_operator.engine import turn as turn_cli
 from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
 from continuum_operator.kube import release as release_cli
 from continuum_operator.kube import run as operator_cli
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_facts.add_parser(sub)
     cli_model.add_parser(sub)
     engine_runtime.add_parser(sub)
+    turn_cli.add_parser(sub)
     embed_runtime.add_parser(sub)
     agent_cli.add_parser(sub)
     operator_cli.add_parser(sub)

@@ -161,3 +161,128 @@ def test_a_mind_the_engine_does_not_serve_is_refused() -> None:
                 pass
 
     asyncio.run(with_gateway([forbidden], body))
+
+
+# --- `continuum turn`: a person's client, against the real gateway and the stand-in llama ----
+
+
+def _cli(
+    table_entries: list[Any],
+    argv: list[str],
+    mind_doc: dict[str, Any] | None = None,
+    *,
+    during: Callable[[Any], Awaitable[None]] | None = None,
+    fake_args: dict[str, Any] | None = None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> int:
+    """Run `continuum turn` (its parser and its command) against a gateway on loopback."""
+    import threading
+
+    from continuum_operator.cli import build_parser
+    from continuum_operator.engine import turn as turn_module
+    from continuum_operator.engine.admission import GrantTable
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+    from tests.unit.fake_llama import FakeLlama, serve
+
+    ready = threading.Event()
+    done = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def serve_all() -> None:
+        upstream_runner, upstream = await serve(FakeLlama(**(fake_args or {})).app())
+        gateway = Gateway(GatewaySettings(upstream=upstream, health_seconds=0.05))
+        await gateway.start()
+        gateway.set_table(GrantTable(512, entries={e.mind: e for e in table_entries}))
+        runner, address = await serve_app(gateway.app(), "127.0.0.1", 0)
+        state["url"], state["gateway"] = f"http://{address}", gateway
+        ready.set()
+        if during is not None:
+            await during(gateway)
+        while not done.is_set():
+            await asyncio.sleep(0.02)
+        await runner.cleanup()
+        await gateway.close()
+        await upstream_runner.cleanup()
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve_all()))
+    thread.start()
+    try:
+        assert ready.wait(10)
+        doc = mind_doc or {}
+        doc.setdefault("status", {})["endpoint"] = state["url"]
+        monkeypatch.setattr(turn_module, "_read_mind", lambda ns, name: doc)
+        args = build_parser().parse_args(["turn", *argv])
+        rc: int = args.func(args)
+        return rc
+    finally:
+        done.set()
+        thread.join(10)
+
+
+def _granted(tokens: int = 512) -> Any:
+    from continuum_operator.engine.admission import TableEntry
+    from continuum_operator.model.mind import GrantState
+
+    return TableEntry("minds/mira", GrantState.GRANTED, "SlotFree", slot=1, tokens=tokens)
+
+
+def test_continuum_turn_streams_the_reply_and_says_the_grant_slot_and_cut_off(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc = _cli([_granted()], ["minds/mira", "hello there"], monkeypatch=monkeypatch)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith(" tok tok")  # the tokens, as they came
+    assert "slot 1, grant 512 tokens" in err
+    assert "cut off (GrantTokens)" in err and "fill the grant of 512 tokens" in err
+
+
+def test_continuum_turn_says_when_her_grant_is_reclaimed_mid_reply(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from continuum_operator.engine.admission import GrantTable, TableEntry
+    from continuum_operator.model.mind import GrantState
+
+    async def reclaim_soon(gateway: Any) -> None:
+        while not gateway.flights:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        reclaim = TableEntry(
+            "minds/mira",
+            GrantState.RECLAIMING,
+            "Preempted",
+            slot=1,
+            tokens=512,
+            by="minds/vip",
+            deadline=time.time() + 30,
+            since="r",
+        )
+        gateway.set_table(GrantTable(512, entries={reclaim.mind: reclaim}))
+
+    rc = _cli(
+        [_granted()],
+        ["minds/mira", "hello"],
+        during=reclaim_soon,
+        fake_args={"token_seconds": 0.01},
+        monkeypatch=monkeypatch,
+    )
+    _, err = capsys.readouterr()
+    assert rc == 3, err
+    assert "reclaimed (Preempted by minds/vip)" in err
+
+
+def test_continuum_turn_waits_no_longer_than_her_minds_turn_deadline(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from continuum_operator.engine.admission import TableEntry
+    from continuum_operator.model.mind import GrantState
+
+    queued = TableEntry("minds/mira", GrantState.QUEUED, "PoolFull")
+    mind = {"spec": {"turnDeadlineSeconds": 1}}
+    started = time.monotonic()
+    rc = _cli([queued], ["minds/mira", "hello"], mind, monkeypatch=monkeypatch)
+    waited = time.monotonic() - started
+    _, err = capsys.readouterr()
+    assert rc == 1
+    assert "turn deadline of 1 s (waiting: PoolFull)" in err
+    assert 0.9 < waited < 5

@@ -11,11 +11,17 @@ on the turn it blocks (docs/design.md rule 7). Every wait is recorded on the tur
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import importlib
+import json
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -65,6 +71,8 @@ class Turn:
     _session: aiohttp.ClientSession | None = None
     _base: str = ""
     _auth: dict[str, str] = field(default_factory=dict)
+    #: The gateway's note on the last generation (slot, grant, cut-off): docs/gateway.md.
+    note: dict[str, Any] = field(default_factory=dict)
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """One llama-server `/completion` inside the turn; TurnCut if the grant is reclaimed."""
@@ -84,6 +92,42 @@ class Turn:
                     f"completion refused with {resp.status}: {payload}",
                 )
             return payload
+
+    async def stream_chat(self, body: dict[str, Any]) -> AsyncIterator[str]:
+        """A streamed `/v1/chat/completions` inside the turn: the text of each chunk.
+
+        The gateway's note on the last chunk is kept in `note`; TurnCut if the grant is
+        reclaimed, before or during the stream.
+        """
+        assert self._session is not None
+        headers = {MIND_HEADER: self.mind, TURN_HEADER: self.turn_id, **self._auth}
+        async with self._session.post(
+            f"{self._base}/v1/chat/completions", json={**body, "stream": True}, headers=headers
+        ) as resp:
+            if resp.status != 200:
+                payload = await _json(resp)
+                error = payload.get("error")
+                native = error.get("continuum", {}) if isinstance(error, dict) else payload
+                if resp.status == 409:
+                    raise TurnCut(self.mind, str(native.get("reason", "")), _cut_message(native))
+                raise TurnRefused(
+                    self.mind, str(native.get("error", resp.status)), f"{resp.status}: {payload}"
+                )
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(line[len(b"data: ") :])
+                if not isinstance(event, dict):
+                    continue
+                if isinstance(event.get("error"), dict):
+                    native = event.get("continuum") or {}
+                    raise TurnCut(self.mind, str(native.get("reason", "")), _cut_message(native))
+                if isinstance(event.get("continuum"), dict):
+                    self.note = event["continuum"]
+                for choice in event.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        yield str(text)
 
 
 async def _json(resp: aiohttp.ClientResponse) -> dict[str, Any]:
@@ -196,3 +240,117 @@ async def _open(
             )
         hint = float(retry_after) if retry_after and retry_after.isdigit() else poll_seconds
         await asyncio.sleep(max(0.0, min(hint, poll_seconds, deadline - now)))
+
+
+# --- `continuum turn` --------------------------------------------------------------------------
+
+EXIT_OK, EXIT_REFUSED, EXIT_INVALID, EXIT_CUT = 0, 1, 2, 3
+
+
+def _read_mind(namespace: str, name: str) -> dict[str, Any]:
+    """The Mind object (her endpoint and turn deadline), with the kubeconfig or in-cluster."""
+    client: Any = importlib.import_module("kubernetes.client")
+    config: Any = importlib.import_module("kubernetes.config")
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    mind: dict[str, Any] = client.CustomObjectsApi().get_namespaced_custom_object(
+        "continuum.dev", "v1alpha1", namespace, "minds", name
+    )
+    return mind
+
+
+async def _take_turn(args: argparse.Namespace, gateway: str, deadline: float) -> int:
+    token = None
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+    elif os.environ.get("CONTINUUM_TOKEN"):
+        token = os.environ["CONTINUUM_TOKEN"]
+    err = sys.stderr
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": args.prompt}]}
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
+    try:
+        async with turn(
+            gateway, args.mind, deadline_seconds=deadline, token=token, poll_seconds=1.0
+        ) as t:
+            for w in t.waits:
+                print(f"waited {w.seconds:.1f} s: {w.reason}", file=err)
+            print(f"turn {t.turn_id}: slot {t.slot}, grant {t.tokens} tokens", file=err)
+            async for text in t.stream_chat(body):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            note = t.note
+            summary = f"slot {note.get('slot')}, {note.get('nPredict')} tokens allowed"
+            print(f"done: {summary} of a grant of {note.get('grantTokens')}", file=err)
+            if note.get("cutOff"):
+                print(f"cut off ({note['cutOff']}): {note.get('message')}", file=err)
+    except TurnCut as cut:
+        print(f"\n{cut}", file=err)
+        return EXIT_CUT
+    except TurnError as refused:
+        print(f"error: {refused}", file=err)
+        return EXIT_REFUSED
+    except aiohttp.ClientError as down:
+        print(f"error: {gateway}: {down}", file=err)
+        return EXIT_REFUSED
+    return EXIT_OK
+
+
+def cmd_turn(args: argparse.Namespace) -> int:
+    namespace, _, name = args.mind.partition("/")
+    if not namespace or not name:
+        print(f"error: {args.mind}: expected NAMESPACE/NAME of a Mind", file=sys.stderr)
+        return EXIT_INVALID
+    gateway, deadline = args.gateway, args.deadline
+    if gateway is None or deadline is None:
+        try:
+            mind = _read_mind(namespace, name)
+        except Exception as err:  # no cluster, no such Mind: say which and what to give
+            print(
+                f"error: cannot read Mind {args.mind} ({err}); give --gateway URL "
+                "(and --deadline SECONDS) to take a turn without the cluster",
+                file=sys.stderr,
+            )
+            return EXIT_INVALID
+        gateway = gateway or (mind.get("status") or {}).get("endpoint")
+        if deadline is None:
+            deadline = float((mind.get("spec") or {}).get("turnDeadlineSeconds", 1500))
+        if not gateway:
+            print(
+                f"error: Mind {args.mind} has no status.endpoint yet (no engine serves her); "
+                "give --gateway URL",
+                file=sys.stderr,
+            )
+            return EXIT_INVALID
+    return asyncio.run(_take_turn(args, str(gateway), float(deadline)))
+
+
+def add_parser(sub: Any) -> None:
+    """Register `turn` on the `continuum` command's subparsers."""
+    p = sub.add_parser(
+        "turn",
+        help="take a turn as a mind: stream a chat reply, with the grant, slot and any cut-off",
+        description="Open a turn for the Mind on her engine's gateway (waiting, with the "
+        "reason, up to her spec.turnDeadlineSeconds), stream one chat reply to stdout, and say "
+        "the grant, the slot and any cut-off on stderr. Exit 0 done, 1 refused or no grant by "
+        "the deadline, 2 bad arguments, 3 the turn was cut (her grant is being reclaimed).",
+    )
+    p.add_argument("mind", help="NAMESPACE/NAME of the Mind")
+    p.add_argument("prompt", help="what to say")
+    p.add_argument("--gateway", help="the engine's URL (default: the Mind's status.endpoint)")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help="her service account token, projected with the engine's audience (default: "
+        "$CONTINUUM_TOKEN)",
+    )
+    p.add_argument("--max-tokens", type=int, help="the most tokens to generate (the grant caps)")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds to wait for a grant (default: the Mind's spec.turnDeadlineSeconds)",
+    )
+    p.set_defaults(func=cmd_turn)
