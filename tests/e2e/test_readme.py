@@ -13,7 +13,8 @@ and must exit 0. What the test changes, and why:
 - `~/.cache/continuum/demo-cluster` is this test's own directory, so a reader's demo is left
   alone.
 A line whose comment names Minds and states (`# ada Granted, cy Queued`) is run until its output
-shows them (the operator acts within seconds), and fails if it never does.
+shows them (the operator acts within seconds), and fails if it never does. The lines the demo
+itself prints to look around with are run right after it, the same way (`tail -f` excepted).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ pytestmark = pytest.mark.e2e
 
 @dataclass(frozen=True)
 class Line:
-    number: int  # in README.md, of the line's first physical line
+    number: int  # of the line's first physical line in `where`
     command: str
     comment: str
+    where: str = "README.md"
 
 
 def quick_start_lines(text: str) -> list[Line]:
@@ -50,6 +52,22 @@ def quick_start_lines(text: str) -> list[Line]:
     lines = text.splitlines()
     start = lines.index("## Quick start")
     end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    return block_lines(lines, start, end)
+
+
+def demo_lines(printed: str) -> list[Line]:
+    """The commands the demo prints in its "Look around" block."""
+    lines = printed.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("Look around"))
+    end = next(i for i in range(start + 2, len(lines)) if lines[i] and not lines[i][0].isspace())
+    return [
+        Line(ln.number, ln.command, ln.comment, "tools/demo's output")
+        for ln in block_lines(lines, start, end)
+        if not ln.command.startswith("tail -f")
+    ]
+
+
+def block_lines(lines: list[str], start: int, end: int) -> list[Line]:
     out: list[Line] = []
     i = start
     while i < end:
@@ -120,7 +138,7 @@ class Shell:
 
 def fail(line: Line, command: str, proc: subprocess.CompletedProcess[str], why: str) -> None:
     pytest.fail(
-        f"README.md:{line.number}: {line.command}\n(run as: {command})\n{why}\n"
+        f"{line.where}:{line.number}: {line.command}\n(run as: {command})\n{why}\n"
         f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}",
         pytrace=False,
     )
@@ -152,7 +170,9 @@ def test_the_readme_quick_start_works_line_by_line(demo_dir: Path, tmp_path: Pat
     env = {**os.environ, "CONTINUUM_CLUSTER_DIR": str(demo_dir)}
     shell = Shell(env, tmp_path)
     ran = 0
-    for line in lines:
+    todo = list(lines)
+    while todo:
+        line = todo.pop(0)
         if line.command.startswith(NOT_RUN):
             continue
         command = line.command.replace(DEMO_DIR, str(demo_dir))
@@ -174,7 +194,11 @@ def test_the_readme_quick_start_works_line_by_line(demo_dir: Path, tmp_path: Pat
                 fail(line, command, proc, f"the comment says {expected}, kubectl shows {shown}")
             time.sleep(2)
         ran += 1
-    assert ran >= 15, ran
+        if command == "tools/demo":
+            printed = demo_lines(proc.stdout)
+            assert len(printed) >= 6, proc.stdout[-3000:]
+            todo = printed + todo
+    assert ran >= 20, ran
 
 
 # --- the parser, on the README as it is (no cluster) ------------------------------------------
