@@ -12,6 +12,7 @@ and must exit 0. What the test changes, and why:
   against the reader's own cluster, which never returns) are not run.
 - `~/.cache/continuum/demo-cluster` is this test's own directory, so a reader's demo is left
   alone.
+- A `###` subsection of the Quick start (a real node's steps, which need one) is not run.
 A line whose comment names Minds and states (`# ada Granted, cy Queued`) is run until its output
 shows them (the operator acts within seconds), and fails if it never does. The lines the demo
 itself prints to look around with are run right after it, the same way (`tail -f` excepted).
@@ -70,9 +71,17 @@ def demo_lines(printed: str) -> list[Line]:
 def block_lines(lines: list[str], start: int, end: int) -> list[Line]:
     out: list[Line] = []
     i = start
+    subsection = False
     while i < end:
         raw = lines[i]
-        if not raw.startswith("    ") or raw.strip().startswith("#") or not raw.strip():
+        if raw.startswith("### "):
+            subsection = True  # a part of its own (a real node's): not the demo's path
+        if (
+            subsection
+            or not raw.startswith("    ")
+            or raw.strip().startswith("#")
+            or not raw.strip()
+        ):
             i += 1
             continue
         number, command = i + 1, raw.strip()
@@ -160,7 +169,10 @@ def test_the_readme_quick_start_works_line_by_line(demo_dir: Path, tmp_path: Pat
     commands = [ln.command for ln in lines]
     # The README's path, in order: the demo first and its stop last, a queue moved by a
     # deletion in between, and the chart installed after the demo installed the CRDs.
-    assert commands[0] == "make demo" and commands[-1] == "tools/demo stop", commands
+    assert commands[0] == "make demo" and commands[-1] == "tools/demo stop", (
+        "the Quick start (outside its ### subsections) begins with make demo and ends with "
+        f"tools/demo stop: {commands}"
+    )
     helm = next(i for i, c in enumerate(commands) if c.startswith("helm install "))
     delete = next(i for i, c in enumerate(commands) if c.startswith("kubectl delete mind "))
     assert 0 < delete < helm < len(commands) - 1
