@@ -261,3 +261,13 @@ def test_the_nodeboard_columns_print_the_human_fields() -> None:
     columns = {c["name"]: c for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert columns["Capacity"]["jsonPath"] == ".status.capacity"
     assert columns["Cap"]["jsonPath"] == ".status.perProcessCap"
+
+
+def test_the_agents_boards_carry_their_capacity_and_cap_in_gib() -> None:
+    from tests.unit.test_agent_board import board_of, fixture
+
+    for name in ("a100x8", "apple-m5-unified", "no-nvml"):
+        status = board_of(fixture(name), cap=8 * 2**30)
+        assert status.capacity == capacity_text(list(status.pools)), name
+        assert status.per_process_cap == gib_text(status.per_process_cap_bytes), name
+        assert "GiB" in status.capacity
