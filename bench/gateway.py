@@ -11,6 +11,10 @@ elsewhere on the machine falls on both alike.
 - Throughput: one client per slot, all slots busy, `n_predict` 32 per request (`--n-predict`),
   for a fixed time: generated tokens per second of each, and the ratio.
 
+Both for llama-server's native `/completion` (inside an open turn) and for OpenAI's
+`/v1/chat/completions` as an unmodified client sends it (no turn: a turn of one request; the
+gateway also asks llama-server for the templated prompt, `/apply-template`, to count it).
+
 The throughput ratio printed is the median of the per-round ratios (each round runs both back to
 back), with their range: on a machine shared with other work, single figures swing widely.
 
@@ -42,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPE = TinyModelShape(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, vocab_size=512)
 SLOT_TOKENS = 1024
 PROMPT = "Once upon a time"
+NATIVE, CHAT = "/completion", "/v1/chat/completions"
 
 
 def _free_port() -> int:
@@ -59,9 +64,7 @@ def minds(slots: int) -> list[str]:
 
 async def serve_gateway(upstream: str, port: int, slots: int) -> None:
     """The gateway process: every bench mind granted its own slot."""
-    from aiohttp import web
-
-    from continuum_operator.engine.gateway import Gateway, GatewaySettings
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 
     gateway = Gateway(GatewaySettings(upstream=upstream))
     await gateway.start()
@@ -70,9 +73,7 @@ async def serve_gateway(upstream: str, port: int, slots: int) -> None:
         for i, m in enumerate(minds(slots))
     }
     gateway.set_table(GrantTable(SLOT_TOKENS, EnginePhase.SERVING, entries))
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await serve_app(gateway.app(), "127.0.0.1", port)
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -109,7 +110,8 @@ class Client:
             assert resp.status == 201, turn
         self.headers = {MIND_HEADER: self.mind, TURN_HEADER: turn["turn"]}
 
-    async def complete(self, n_predict: int) -> dict[str, Any]:
+    async def complete(self, n_predict: int) -> int:
+        """One native completion inside her turn: the tokens generated."""
         body: dict[str, Any] = {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0.0}
         body["ignore_eos"] = True
         if self.mind is None:
@@ -117,26 +119,53 @@ class Client:
         async with self.http.post(f"{self.base}/completion", json=body, headers=self.headers) as r:
             reply: dict[str, Any] = await r.json()
             assert r.status == 200, reply
-            return reply
+            return int(reply["tokens_predicted"])
+
+    async def chat(self, n_predict: int) -> int:
+        """One OpenAI chat completion as an unmodified client sends it: the tokens generated."""
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": n_predict,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        headers = {}
+        if self.mind is None:
+            body["id_slot"] = self.slot
+        else:
+            headers = {MIND_HEADER: self.mind}  # no turn named: a turn of one request
+        url = f"{self.base}/v1/chat/completions"
+        async with self.http.post(url, json=body, headers=headers) as r:
+            reply: dict[str, Any] = await r.json()
+            assert r.status == 200, reply
+            return int(reply["usage"]["completion_tokens"])
+
+    def call(self, endpoint: str) -> Any:
+        return self.chat if endpoint == CHAT else self.complete
 
 
-async def latency(client: Client, n: int) -> list[float]:
+async def latency(client: Client, n: int, endpoint: str = NATIVE) -> list[float]:
     out = []
+    call = client.call(endpoint)
     for _ in range(n):
         t0 = time.perf_counter()
-        await client.complete(1)
+        await call(1)
         out.append(time.perf_counter() - t0)
     return out
 
 
-async def throughput(clients: list[Client], seconds: float, n_predict: int) -> float:
+async def throughput(
+    clients: list[Client], seconds: float, n_predict: int, endpoint: str = NATIVE
+) -> float:
     tokens = 0
     end = time.perf_counter() + seconds
 
     async def one(c: Client) -> None:
         nonlocal tokens
+        call = c.call(endpoint)
         while time.perf_counter() < end:
-            tokens += int((await c.complete(n_predict))["tokens_predicted"])
+            tokens += await call(n_predict)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(c) for c in clients))
@@ -155,27 +184,42 @@ async def measure(
         through = [Client(http, gated, i, m) for i, m in enumerate(minds(slots))]
         for c in through:
             await c.open()
-        await latency(straight[0], 5)  # warm both paths
-        await latency(through[0], 5)
-        lat: dict[str, list[float]] = {"llama-server": [], "gateway": []}
-        tput: dict[str, list[float]] = {"llama-server": [], "gateway": []}
-        for _ in range(rounds):
-            lat["llama-server"] += await latency(straight[0], requests)
-            lat["gateway"] += await latency(through[0], requests)
-            tput["llama-server"].append(await throughput(straight, seconds, n_predict))
-            tput["gateway"].append(await throughput(through, seconds, n_predict))
+        for endpoint in (NATIVE, CHAT):
+            await latency(straight[0], 5, endpoint)  # warm both paths
+            await latency(through[0], 5, endpoint)
+            lat: dict[str, list[float]] = {"llama-server": [], "gateway": []}
+            tput: dict[str, list[float]] = {"llama-server": [], "gateway": []}
+            for _ in range(rounds):
+                lat["llama-server"] += await latency(straight[0], requests, endpoint)
+                lat["gateway"] += await latency(through[0], requests, endpoint)
+                tput["llama-server"].append(
+                    await throughput(straight, seconds, n_predict, endpoint)
+                )
+                tput["gateway"].append(await throughput(through, seconds, n_predict, endpoint))
+            report(endpoint, slots, requests, seconds, rounds, n_predict, lat, tput)
 
+
+def report(
+    endpoint: str,
+    slots: int,
+    requests: int,
+    seconds: float,
+    rounds: int,
+    n_predict: int,
+    lat: dict[str, list[float]],
+    tput: dict[str, list[float]],
+) -> None:
     ms = 1000.0
     print(
-        f"slots {slots}, {os.cpu_count()} CPUs shared by llama-server, the gateway and the "
-        f"client; latency: {rounds} x {requests} requests of n_predict 1 on one slot"
+        f"{endpoint}: slots {slots}, {os.cpu_count()} CPUs shared by llama-server, the gateway "
+        f"and the client; latency: {rounds} x {requests} requests of 1 token on one slot"
     )
     for name, xs in lat.items():
         print(f"  {name:<13} p50 {pct(xs, 0.5) * ms:7.2f} ms   p90 {pct(xs, 0.9) * ms:7.2f} ms")
     added = pct(lat["gateway"], 0.5) - pct(lat["llama-server"], 0.5)
     ratio = pct(lat["gateway"], 0.5) / pct(lat["llama-server"], 0.5)
     print(f"  gateway adds {added * ms:.2f} ms per request at p50 (ratio {ratio:.3f})")
-    print(f"throughput: all {slots} slots busy, n_predict {n_predict}, {rounds} x {seconds:.0f} s")
+    print(f"  throughput: all {slots} slots busy, {n_predict} tokens, {rounds} x {seconds:.0f} s")
     for name, xs in tput.items():
         print(f"  {name:<13} {statistics.median(xs):8.1f} tokens/s (median of {len(xs)})")
     # Each round measures both back to back: the ratio within a round is the least disturbed
