@@ -522,3 +522,21 @@ def test_the_operator_reads_a_nodes_cpus_from_its_allocatable() -> None:
     snap = snapshot([discrete("a", 80)])
     snap = replace(snap, nodes={"a": replace(snap.nodes["a"], cpus_allocatable=48)})
     assert pods_on(snap, "a", SETTINGS).node_cpus == 48
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--engine-cpu-min", "0", "0 is not 1 or more"),
+        ("--engine-cpu-share", "1.5", "1.5 is not a fraction"),
+        ("--engine-cpu-max", "two", "'two' is not a whole number"),
+    ],
+)
+def test_engine_cpu_settings_that_cannot_make_a_guaranteed_pod_are_refused_by_name(
+    flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["operator", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and said in err

@@ -44,22 +44,22 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--engine-cpu-min",
-        type=int,
+        type=_whole_cpus,
         default=d.pods.cpu_min,
         help="CPUs of an engine with every layer on the device (request=limit)",
     )
     p.add_argument(
         "--engine-cpu-share",
-        type=float,
+        type=_share,
         default=d.pods.cpu_share,
         help="most of a node's allocatable CPUs an engine with every layer on the host gets",
     )
     p.add_argument(
-        "--engine-cpu-max", type=int, default=d.pods.cpu_max, help="most CPUs of any engine"
+        "--engine-cpu-max", type=_whole_cpus, default=d.pods.cpu_max, help="most CPUs of any engine"
     )
     p.add_argument(
         "--engine-max-restarts",
-        type=int,
+        type=_whole_cpus,
         default=d.pods.max_restarts,
         help="restarts of llama-server in an engine pod allowed in --engine-restart-window",
     )
@@ -155,6 +155,28 @@ def add_parser(sub: Any) -> None:
     grant_settings.add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_operator)  # fmt: skip
+
+
+def _whole_cpus(text: str) -> int:
+    """A count of 1 or more (whole CPUs keep an engine pod in the Guaranteed class)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
+def _share(text: str) -> float:
+    """A fraction in (0, 1]: of a node's allocatable CPUs."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a fraction above 0 and at most 1")
+    return value
 
 
 def _host_directory(text: str) -> str:
