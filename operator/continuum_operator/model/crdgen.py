@@ -50,7 +50,6 @@ KIND_DESCRIPTION = (
     "may infer this from the endpoint the client submits requests to. Cannot be updated. In "
     f"CamelCase. More info: {_CONVENTIONS}#types-kinds"
 )
-METADATA_DESCRIPTION = f"Standard object's metadata. More info: {_CONVENTIONS}#metadata"
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
@@ -120,7 +119,9 @@ def _metadata_schema(resource: type[Resource]) -> dict[str, Any]:
     """`metadata` is opaque to a CRD's schema except for its name's length and pattern, which a
     resource narrows where the operator names other objects after it (`LabelNamedMeta`)."""
     meta = resource.model_fields["metadata"].annotation
-    schema: dict[str, Any] = {"type": "object", "description": METADATA_DESCRIPTION}
+    # No description: the API server refuses anything in `metadata` but name and generateName
+    # ("metadata is implicitly specified"); `kubectl explain` shows ObjectMeta's own.
+    schema: dict[str, Any] = {"type": "object"}
     if meta is ObjectMeta or not isinstance(meta, type) or not issubclass(meta, ObjectMeta):
         return schema
     name = meta.model_json_schema()["properties"]["name"]
