@@ -35,9 +35,20 @@ from tests.e2e.test_children import WEBHOOK, webhook_serving
 from tests.e2e.test_children import operator as webhook_operator
 from tests.e2e.test_children import pod as child_pod
 from tests.e2e.test_children import wait_for as wait_for_operator
-from tests.e2e.test_grants import crds, start_operator, stop
+from tests.e2e.test_grants import (
+    assert_no_grant_doubled,
+    crds,
+    mind_class,
+    scenario,
+    serving,
+    settled,
+    start_operator,
+    stop,
+)
+from tests.e2e.test_grants import engine as grants_engine
+from tests.e2e.test_grants import gpu_node as grants_gpu_node
 from tests.e2e.test_operator import wait_for
-from tests.helm import by_kind, documents, find_helm, template
+from tests.helm import by_kind, documents, find_helm, one, template
 
 pytestmark = pytest.mark.e2e
 
@@ -759,3 +770,73 @@ def test_a_pod_her_service_account_creates_without_the_label_is_still_her_child(
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", WEBHOOK, "--ignore-not-found",
                         check=False)  # fmt: skip
+
+
+# ============================================================================================
+# Crash recovery in a Helm install (docs/security.md, docs/crash-points.md "In a Helm install")
+
+
+def chart_operator_args(release: str, label: tuple[str, str], metrics_port: int) -> list[str]:
+    """`continuum operator`'s arguments as the chart renders them, for this test's Engines (its
+    engine selector), a release of its own (the leader Lease's name) and short timings (chart
+    values too). Installed in `default`, where the tests' node agents keep their Leases."""
+    values = {
+        "webhook": {"enabled": False},  # its certificates are cert-manager's, in-cluster
+        "metrics": {"port": metrics_port},
+        "operator": {
+            "engineSelector": dict([label]),
+            "resyncSeconds": 1,
+            "graceSeconds": 3,
+            "leaderElection": {"leaseDurationSeconds": 6, "renewSeconds": 1},
+        },
+    }
+    docs = documents(template(find_helm(), values, release=release, namespace="default").stdout)
+    deployment = one(docs, "Deployment", "-operator")
+    args: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args
+
+
+def test_a_helm_installs_operator_killed_mid_step_and_restarted_loses_or_doubles_no_grant(
+    cluster: Cluster, crds: None, namespace: str, tmp_path: Path
+) -> None:
+    tag = f"h{uuid.uuid4().hex[:8]}"
+    label = ("continuum.dev/e2e-grants", tag)
+    args = chart_operator_args(tag, label, free_port())
+    assert args[0] == "operator"
+    assert not [a for a in args if a.startswith("--transition-log")]  # what the claim rests on
+    names = {"low": f"low-{tag}", "high": f"high-{tag}"}
+    cluster.apply([mind_class(names["low"], 0), mind_class(names["high"], 10)])
+
+    def start(name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "continuum_operator.cli", *args,
+               "--kubeconfig", str(cluster.kubeconfig)]  # fmt: skip
+        with (tmp_path / f"{name}.log").open("ab") as out:
+            return subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env={**cluster.env, **(env or {})}
+            )
+
+    try:
+        grants_gpu_node(cluster, tag)
+        cluster.apply(grants_engine("coder", tag, label, minds=2), "-n", namespace)
+        zero = start("zero")
+        try:
+            wait_for("the engine serving", serving(cluster, namespace, 2), timeout=90)
+        finally:
+            stop(zero)
+        first = start("first", {"CONTINUUM_CRASH_AT": "after-ledger-write@2"})
+        try:
+            scenario(cluster, namespace, names, lambda: first.poll() is not None)
+            assert wait_for("the crash", first.poll, timeout=60, log=tmp_path / "first.log") == 137
+            assert "crash point after-ledger-write reached" in (tmp_path / "first.log").read_text()
+        finally:
+            stop(first)
+        second = start("second")
+        try:
+            wait_for("the ledger settled", settled(cluster, namespace), timeout=90,
+                     log=tmp_path / "second.log")  # fmt: skip
+            assert_no_grant_doubled(cluster, namespace)
+        finally:
+            stop(second)
+        assert not list(tmp_path.glob("*.jsonl"))  # and no log was kept anywhere
+    finally:
+        cluster.kubectl("delete", "mindclass", *names.values(), "--wait=false", check=False)

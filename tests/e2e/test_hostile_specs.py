@@ -525,7 +525,7 @@ REPORTED = [
     # facts where the real Job would have failed; either way it says to check the source.
     Reported(
         "engine-model-file-that-does-not-exist",
-        [sourced_engine("nofile", {"kind": "pvc", "claimName": "m", "path": "none.gguf"})],
+        [sourced_engine("nofile", {"kind": "hostPath", "path": "/models/no-such-file.gguf"})],
         "engine",
         "nofile",
         "Planned",
@@ -634,7 +634,8 @@ def running(
     workdir = tmp_path_factory.mktemp("hostile")
     gpu_node(cluster, TAG)
     cluster.apply(mind_class("standard", 0))
-    proc = start_operator(cluster, workdir, LABEL)
+    # The cluster admin's model directory: a hostPath source elsewhere is refused before a Job.
+    proc = start_operator(cluster, workdir, LABEL, "--allowed-host-path-prefix", "/models")
     try:
         yield Running(proc, workdir / "operator.log", workdir)
     finally:
