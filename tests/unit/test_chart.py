@@ -20,6 +20,7 @@ import yaml
 
 from continuum_operator.cli import build_parser
 from continuum_operator.kube import lane_objects, objects
+from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane
 from tests import builders
 from tests.helm import CHART, ROOT, by_kind, documents, find_helm, helm, one, template
@@ -559,7 +560,10 @@ def test_monitoring_objects_scrape_the_operator_and_every_engine(
     engines = monitors["ctm-engines"]["spec"]
     assert engines["namespaceSelector"] == {"any": True}
     assert engines["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == objects.MANAGED_BY
-    assert engines["endpoints"][0]["port"] == "http"  # the engine Service's port name
+    # The engine Service's admin port (metrics are not served to minds on http).
+    engine_service = objects.service(builders.engine(builders.engine_body()), "u", PodSettings())
+    admin = {p["name"]: p["port"] for p in engine_service["spec"]["ports"]}
+    assert engines["endpoints"][0]["port"] == "admin" and admin["admin"] == objects.ADMIN_PORT
 
     pods = {d["metadata"]["name"]: d for d in by_kind(custom_docs, "PodMonitor")}
     assert set(pods) == {"ctm-agents", "ctm-embedlanes"}

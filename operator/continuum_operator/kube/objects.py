@@ -24,7 +24,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from continuum_operator.kube.settings import GpuSharing, PodSettings
+from continuum_operator.kube.settings import GpuClaims, GpuSharing, PodSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
 
@@ -237,9 +237,68 @@ def engine_cpus(plan: Mapping[str, Any], pods: PodSettings) -> int:
     return pods.cpu_min + -(-(top - pods.cpu_min) * host_layers // total)
 
 
+GPU_CLAIM = "gpus"
+DRA_API_VERSION = "resource.k8s.io/v1"
+
+
+def gpu_claim_template(
+    engine: Engine, uid: str, plan: Mapping[str, Any], pods: PodSettings
+) -> Obj | None:
+    """The ResourceClaimTemplate of the GPUs the plan charged (`device/N`), with DRA only.
+
+    The claim selects devices of `pods.dra_device_class` whose `index` attribute (NVIDIA's DRA
+    driver publishes the NVML index, the same index the node agent's board names) is one of
+    the plan's, as many as the plan has: the scheduler allocates exactly those or leaves the
+    pod pending, so the ledger's charge is the device the pod gets. The name carries the
+    indices: a template's spec cannot change, a plan on other GPUs is another template.
+    """
+    gpus = [int(g) for g in plan.get("gpus", [])]
+    if pods.gpu_claims is not GpuClaims.DRA or not gpus:
+        return None
+    domain = pods.dra_driver
+    indices = ", ".join(str(g) for g in gpus)
+    name = f"{engine.metadata.name[:40]}-gpu-{'-'.join(str(g) for g in gpus)}"[:253]
+    return {
+        "apiVersion": DRA_API_VERSION,
+        "kind": "ResourceClaimTemplate",
+        "metadata": {
+            "name": name,
+            "namespace": engine.metadata.namespace,
+            "labels": labels(engine),
+            "ownerReferences": [owner_reference(engine, uid)],
+        },
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": GPU_CLAIM,
+                            "exactly": {
+                                "deviceClassName": pods.dra_device_class,
+                                "allocationMode": "ExactCount",
+                                "count": len(gpus),
+                                "selectors": [
+                                    {
+                                        "cel": {
+                                            "expression": f'device.attributes["{domain}"]'
+                                            f".index in [{indices}]"
+                                        }
+                                    }
+                                ],
+                            },
+                        }
+                    ]
+                }
+            }
+        },
+    }
+
+
 def launch_hash(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> str:
     """Identity of one launch: a new value means the pod must be replaced (a relaunch)."""
-    key = {"cmd": command(engine, plan, pods), "node": plan.get("node")}
+    key: dict[str, Any] = {"cmd": command(engine, plan, pods), "node": plan.get("node")}
+    if pods.gpu_claims is GpuClaims.DRA:
+        key["gpus"] = list(plan.get("gpus", []))  # another claim: another pod
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -260,8 +319,10 @@ def deployment(
         }
     ]
     rules = enforcement(plan, pods, node_has_gpus=node_has_gpus)
-    if gpus:
+    claim = gpu_claim_template(engine, uid, plan, pods)
+    if gpus and claim is None:
         resources[GPU_RESOURCE] = str(gpus)
+    if gpus:
         if "hamiGpumemMiB" in rules:
             resources[HAMI_GPUMEM_RESOURCE] = str(rules["hamiGpumemMiB"])
         if "mpsPinnedDeviceMemLimit" in rules:
@@ -315,6 +376,12 @@ def deployment(
         "terminationGracePeriodSeconds": 30,
     }
     pod_spec["volumes"] = volumes
+    if claim is not None:
+        # The GPUs come from the claim, not from nvidia.com/gpu: the planned ones or none.
+        pod_spec["resourceClaims"] = [
+            {"name": GPU_CLAIM, "resourceClaimTemplateName": claim["metadata"]["name"]}
+        ]
+        container["resources"]["claims"] = [{"name": GPU_CLAIM}]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -472,7 +539,11 @@ def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:
         "spec": {
             "type": "ClusterIP",
             "selector": selector(engine),
-            "ports": [{"name": "http", "port": pods.port, "targetPort": "http"}],
+            "ports": [
+                {"name": "http", "port": pods.port, "targetPort": "http"},
+                # Metrics, releases, runtime: the NetworkPolicy admits labelled namespaces only.
+                {"name": "admin", "port": ADMIN_PORT, "targetPort": ADMIN_PORT},
+            ],
         },
     }
 
