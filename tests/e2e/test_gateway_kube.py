@@ -299,3 +299,43 @@ def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status
     assert runtime["slots"] == 2 and runtime["layersOffloaded"] == 0
     grants = cluster.get_json("engine", "coder-8b", "-n", namespace)["status"]["grants"]
     assert grants[0]["state"] == "Reclaiming"  # the operator's field, untouched
+
+
+def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_tokens(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """What the operator applies for an engine, applied to the real API server: its
+    ServiceAccount may create TokenReviews (through system:auth-delegator) and nothing of the
+    kind before; the NetworkPolicy is a valid one admitting the namespaces it names."""
+    from continuum_operator.kube import objects
+    from continuum_operator.kube.settings import PodSettings
+    from continuum_operator.model.engine import Engine
+
+    doc = _engine(namespace)
+    doc["spec"]["allowedNamespaces"] = ["team-b"]
+    engine = Engine.model_validate(doc)
+    account = objects.service_account_name(engine)
+    who = f"--as=system:serviceaccount:{namespace}:{account}"
+
+    def can_review() -> str:
+        found = cluster.kubectl("auth", "can-i", "create", "tokenreviews", who, check=False)
+        return str(found.stdout).strip()
+
+    assert can_review() == "no"
+    built = [
+        *objects.engine_rbac(engine, "uid"),
+        objects.network_policy(engine, "uid", PodSettings()),
+    ]
+    for obj in built:  # no Engine here to own them: the garbage collector would take them
+        obj["metadata"].pop("ownerReferences", None)
+    path = tmp_path / "identity.yaml"
+    path.write_text(yaml.safe_dump_all(built))
+    cluster.kubectl("apply", "--server-side", "--field-manager=e2e", "-f", str(path))
+    try:
+        assert can_review() == "yes"
+        policy = cluster.get_json("networkpolicy", engine.metadata.name, "-n", namespace)
+        [expr] = policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"]
+        assert expr["values"] == sorted([namespace, "team-b"])
+    finally:
+        binding = objects.token_review_binding_name(engine)
+        cluster.kubectl("delete", "clusterrolebinding", binding, "--ignore-not-found")

@@ -540,3 +540,37 @@ def test_engine_cpu_settings_that_cannot_make_a_guaranteed_pod_are_refused_by_na
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and said in err
+
+
+# --- the GPU charged is the GPU the pod gets (DRA) ---------------------------------------------
+
+
+def test_with_dra_the_pod_claims_the_planned_gpus_by_index_instead_of_a_count() -> None:
+    from continuum_operator.kube.settings import GpuClaims
+
+    e = Engine.model_validate(engine_obj())
+    plan_doc = {**_plan(33), "gpus": [1, 3]}
+    dra = PodSettings(gpu_claims=GpuClaims.DRA)
+    template = objects.gpu_claim_template(e, "uid", plan_doc, dra)
+    assert template is not None and template["metadata"]["name"] == "coder-gpu-1-3"
+    [request] = template["spec"]["spec"]["devices"]["requests"]
+    exactly = request["exactly"]
+    assert (exactly["deviceClassName"], exactly["count"]) == ("gpu.nvidia.com", 2)
+    assert exactly["selectors"][0]["cel"]["expression"] == (
+        'device.attributes["gpu.nvidia.com"].index in [1, 3]'
+    )
+    dep = objects.deployment(e, "uid", plan_doc, dra, node_has_gpus=True)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "coder-gpu-1-3"}]
+    resources = pod["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in resources["limits"] and resources["claims"] == [{"name": "gpus"}]
+    # Other GPUs: another pod. With the device plugin, nothing of this.
+    moved = objects.launch_hash(e, {**plan_doc, "gpus": [0, 3]}, dra)
+    assert moved != objects.launch_hash(e, plan_doc, dra)
+    plugin = PodSettings()
+    assert objects.gpu_claim_template(e, "uid", plan_doc, plugin) is None
+    dep = objects.deployment(e, "uid", plan_doc, plugin, node_has_gpus=True)
+    assert "resourceClaims" not in dep["spec"]["template"]["spec"]
+    limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "2"
+    assert objects.gpu_claim_template(e, "uid", {**plan_doc, "gpus": []}, dra) is None

@@ -56,6 +56,7 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "RoleBinding": "rolebindings",
         "ClusterRoleBinding": "clusterrolebindings",
         "NetworkPolicy": "networkpolicies",
+        "ResourceClaimTemplate": "resourceclaimtemplates",
         "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
     }[str(obj["kind"])]
     ns = obj["metadata"].get("namespace")

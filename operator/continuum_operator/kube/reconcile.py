@@ -423,6 +423,9 @@ class _Pass:
                 *objects.engine_rbac(engine, self.uid),
                 objects.network_policy(engine, self.uid, pods),
             )
+            claim = objects.gpu_claim_template(engine, self.uid, plan_doc, pods)
+            if claim is not None:  # before the Deployment, as its pods name it
+                identity = (*identity, claim)
             new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
         patch = {k: v for k, v in new.items() if self.status.get(k) != v}
         return Writes(

@@ -20,6 +20,7 @@ from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.kube import grant_settings, webhook
 from continuum_operator.kube.settings import (
     FreshnessSettings,
+    GpuClaims,
     GpuSharing,
     LoopSettings,
     OperatorSettings,
@@ -41,6 +42,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--engine-image", default=d.pods.image, help="image of `continuum engine`")
     p.add_argument(
         "--engine-cpu", default=d.pods.cpu, help="CPU of an EmbedLane pod (request=limit)"
+    )
+    p.add_argument(
+        "--gpu-claims",
+        choices=[str(c) for c in GpuClaims],
+        default=str(d.pods.gpu_claims),
+        help="how an engine pod asks for its planned GPUs: nvidia.com/gpu (device-plugin) or "
+        "a DRA ResourceClaim for the planned devices by index (dra)",
+    )
+    p.add_argument(
+        "--dra-device-class",
+        default=d.pods.dra_device_class,
+        help="the DeviceClass of --gpu-claims dra",
+    )
+    p.add_argument(
+        "--dra-driver",
+        default=d.pods.dra_driver,
+        help="the DRA driver whose device attribute index the claim selects by",
     )
     p.add_argument(
         "--engine-cpu-min",
@@ -200,6 +218,9 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
         pods=PodSettings(
             image=args.engine_image,
             cpu=args.engine_cpu,
+            gpu_claims=GpuClaims(args.gpu_claims),
+            dra_device_class=args.dra_device_class,
+            dra_driver=args.dra_driver,
             cpu_min=args.engine_cpu_min,
             cpu_share=args.engine_cpu_share,
             cpu_max=args.engine_cpu_max,

@@ -35,6 +35,16 @@ def resolve_sharing(configured: GpuSharing, offered: tuple[str, ...]) -> GpuShar
     return GpuSharing.NONE
 
 
+class GpuClaims(StrEnum):
+    """How an engine pod asks for the GPUs its plan charged."""
+
+    DEVICE_PLUGIN = "device-plugin"
+    """`nvidia.com/gpu: N`: the device plugin picks which N (maybe not the ones charged)."""
+    DRA = "dra"
+    """A ResourceClaim (from a ResourceClaimTemplate) for the planned GPUs by their `index`
+    attribute: the scheduler allocates those devices or none (resource.k8s.io/v1)."""
+
+
 @dataclass(frozen=True, slots=True)
 class FreshnessSettings:
     lease_namespace: str = LEASE_NAMESPACE
@@ -90,6 +100,11 @@ class PodSettings:
     """A mind's child pods (builds, test runs): below every ordinary pod (0), never preempting
     (docs/children.md). Set on them by the children's webhook (`kube.webhook`)."""
     gpu_sharing: GpuSharing = GpuSharing.NONE
+    gpu_claims: GpuClaims = GpuClaims.DEVICE_PLUGIN
+    dra_device_class: str = "gpu.nvidia.com"
+    """The DeviceClass an engine's claim names (NVIDIA's DRA driver installs this one)."""
+    dra_driver: str = "gpu.nvidia.com"
+    """The DRA driver whose device attributes (`index`) the claim's selector reads."""
     allowed_host_path_prefixes: tuple[str, ...] = ()
     """Directories under which a hostPath model source (an Engine's or an EmbedLane's) may
     name a file (`--allowed-host-path-prefix`, repeatable; the chart's

@@ -1,0 +1,157 @@
+"""The GPU charged is the GPU the pod gets (issue 21), with Dynamic Resource Allocation on the real
+API server and scheduler: two GPUs of a KWOK node published as ResourceSlices the way NVIDIA's DRA
+driver publishes them (driver `gpu.nvidia.com`, attributes `index`, `uuid`, `productName`,
+`type`), its DeviceClass, and `continuum operator --gpu-claims dra`. The plan charges the GPU
+with room (`device/1`); the engine's claim is allocated that device, not the other.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.e2e import test_operator as base
+from tests.e2e.conftest import Cluster
+from tests.e2e.llama_fixtures import free_port
+from tests.e2e.test_operator import (
+    RUN_LABEL,
+    Operator,
+    engine,
+    is_condition,
+    renew,
+    wait_for,
+    write_board,
+)
+
+pytestmark = pytest.mark.e2e
+
+GiB = 2**30
+DRIVER = "gpu.nvidia.com"
+crds = base.crds
+tag = base.tag
+
+
+@pytest.fixture(scope="module")
+def dra_operator(
+    cluster: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
+    """`continuum operator --gpu-claims dra`, as test_operator's with short timings."""
+    log = tmp_path_factory.mktemp("operator-dra") / "operator.log"
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "continuum_operator.cli", "operator",
+        "--kubeconfig", str(cluster.kubeconfig), "--resync", "1",
+        "--engine-image", "continuum-engine:e2e", "--metrics-port", str(port),
+        "--engine-selector", "=".join(RUN_LABEL), "--gpu-claims", "dra",
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
+    try:
+        time.sleep(3)
+        if proc.poll() is not None:
+            pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
+        yield Operator(log, f"http://127.0.0.1:{port}/metrics")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def two_gpu_board(used_gib: tuple[float, float]) -> dict[str, Any]:
+    return {
+        "memoryMode": "discrete",
+        "memoryModeReason": "e2e",
+        "pools": [
+            {"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 8 * GiB},
+            *(
+                {"kind": "device", "device": i, "capacityBytes": 80 * GiB,
+                 "usedBytes": int(used * GiB)}
+                for i, used in enumerate(used_gib)
+            ),
+        ],
+        "gpus": [{"index": 0, "name": "e2e GPU"}, {"index": 1, "name": "e2e GPU"}],
+    }  # fmt: skip
+
+
+def publish_gpus(cluster: Cluster, node: str) -> None:
+    """The node's two GPUs as NVIDIA's DRA driver publishes them, and its DeviceClass."""
+    cluster.apply(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": DRIVER},
+            "spec": {
+                "selectors": [
+                    {
+                        "cel": {
+                            "expression": f'device.driver == "{DRIVER}" && '
+                            f'device.attributes["{DRIVER}"].type == "gpu"'
+                        }
+                    }
+                ]
+            },
+        }
+    )
+    devices = [
+        {
+            "name": f"gpu-{i}",
+            "attributes": {
+                "type": {"string": "gpu"},
+                "index": {"int": i},
+                "uuid": {"string": f"GPU-{uuid.uuid4()}"},
+                "productName": {"string": "NVIDIA H100 80GB HBM3"},
+            },
+            "capacity": {"memory": {"value": "80Gi"}},
+        }
+        for i in range(2)
+    ]
+    cluster.apply(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{DRIVER}"},
+            "spec": {
+                "driver": DRIVER,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": devices,
+            },
+        }
+    )
+
+
+def test_the_scheduler_allocates_the_engines_claim_to_the_gpu_the_plan_charged(
+    cluster: Cluster, dra_operator: Operator, namespace: str, tag: str
+) -> None:
+    node = f"{tag}-{uuid.uuid4().hex[:4]}"
+    # No nvidia.com/gpu on the node: its GPUs are DRA devices only.
+    cluster.create_fake_node(node, capacity={"nvidia.com/gpu": "0"}, labels={"e2e-tag": tag})
+    publish_gpus(cluster, node)
+    write_board(cluster, node, two_gpu_board((60, 0.5)))  # GPU 0 is busy: the plan takes GPU 1
+    renew(cluster, node)
+    cluster.apply(engine("coder", tag), "-n", namespace)
+    body = wait_for(
+        "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"),
+        timeout=90, log=dra_operator.log,
+    )  # fmt: skip
+    assert body["status"]["plan"]["gpus"] == [1]
+    assert {p["pool"] for p in body["status"]["placement"]["pools"]} == {"host", "device/1"}
+    dep = cluster.get_json("deployment", "coder", "-n", namespace)
+    pod_spec = dep["spec"]["template"]["spec"]
+    [claim_ref] = pod_spec["resourceClaims"]
+    assert "nvidia.com/gpu" not in pod_spec["containers"][0]["resources"]["limits"]
+    claims = cluster.get_json("resourceclaims", "-n", namespace)["items"]
+    [claim] = [c for c in claims if c["metadata"]["name"].startswith("coder-")]
+    [result] = claim["status"]["allocation"]["devices"]["results"]
+    assert (result["driver"], result["pool"], result["device"]) == (DRIVER, node, "gpu-1")
+    assert claim_ref["resourceClaimTemplateName"] == "coder-gpu-1"
