@@ -213,7 +213,10 @@ def test_a_mind_naming_an_engine_that_does_not_serve_her_namespace_gets_a_condit
             assert f"Engine {home}/coder does not serve namespace {guest}" in message
             assert "spec.allowedNamespaces" in message
             assert states(cluster, home) == {}
-            assert grant_of(cluster, guest, "ann") == {}
+            refused = grant_of(cluster, guest, "ann")  # `kubectl get minds` says it too
+            assert (refused["state"], refused["reason"], refused["tokens"]) == (
+                "Refused", "EngineNotAllowed", 0
+            )  # fmt: skip
 
             # The Engine's owner lets the namespace in: she is granted, on the Engine's gateway.
             cluster.kubectl(
