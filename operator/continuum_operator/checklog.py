@@ -612,7 +612,7 @@ def add_parser(subparsers: Any) -> None:
         help="check the grant invariants over a transition log",
         description="Check a grant transition log (JSON lines, docs/transition-log.md) against "
         "the invariants of docs/design.md rule 7. Exits 0 when they hold, 1 with violations, 2 for "
-        "an unreadable or malformed log.",
+        "an unreadable, malformed, empty or truncated log.",
     )
     p.add_argument("file", type=Path, metavar="FILE", help="a transition log, JSON lines")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text")
