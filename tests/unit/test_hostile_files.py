@@ -265,3 +265,18 @@ def test_a_bad_scenario_or_receipt_file_is_exit_2_with_a_message(
              "--engine": EXAMPLES / "engines" / "coder-8b.yaml", "--receipt": bad}  # fmt: skip
     assert cli.main(["plan"] + [a for f, p in files.items() for a in (f, str(p))]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["not UTF-8", "aliases (billion laughs)", "nested 100,000 deep"])
+def test_a_bad_grants_file_to_continuum_engine_is_a_grant_table_error_with_a_message(
+    case: str, tmp_path: Path
+) -> None:
+    from continuum_operator.engine.admission import GrantTableError
+    from continuum_operator.engine.grants_source import read_table_file
+
+    content, message = BAD_YAML[case]
+    bad = tmp_path / "grants.yaml"
+    bad.write_bytes(content)
+    with pytest.raises(GrantTableError) as refused:
+        read_table_file(bad)
+    assert str(refused.value).startswith(f"{bad}: ") and message in str(refused.value)

@@ -18,15 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from continuum_operator.engine.admission import (
     GrantTable,
@@ -36,6 +33,7 @@ from continuum_operator.engine.admission import (
     service_account,
     table_from_engine,
 )
+from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
 
 __all__ = [
@@ -53,16 +51,13 @@ log = logging.getLogger(__name__)
 
 def read_table_file(path: Path) -> GrantTable:
     try:
-        text = path.read_text()
-    except OSError as err:
-        raise GrantTableError(f"{path}: cannot read ({err.strerror})") from err
-    try:
-        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise GrantTableError(
-            f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {err}"
-        ) from err
-    return parse_table(doc, where=str(path))
+        # JSON is YAML: one bounded reader for both (UTF-8, no aliases, nesting bounded).
+        docs = yaml_documents(path)
+    except ManifestError as err:
+        raise GrantTableError(str(err)) from err
+    if len(docs) > 1:
+        raise GrantTableError(f"{path}: one grant table per file, found {len(docs)} documents")
+    return parse_table(docs[0] if docs else None, where=str(path))
 
 
 async def watch_file(
