@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from continuum_operator.cli_output import add_output_argument, render
+
 EXIT_OK = 0
 EXIT_VIOLATIONS = 1
 EXIT_INVALID = 2
@@ -593,9 +595,9 @@ def cmd_check_log(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"error: {path}: {err.strerror or err}", file=sys.stderr)
         return EXIT_INVALID
-    if args.output == "json":
+    if args.output != "table":
         doc = {"ok": not violations, "violations": [v.to_dict() for v in violations]}
-        print(json.dumps(doc, indent=2))
+        print(render(doc, args.output))
     elif violations:
         for v in violations:
             print(v)
@@ -606,7 +608,7 @@ def cmd_check_log(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    """Register `continuum check-log FILE [-o text|json]` on the CLI's subparsers."""
+    """Register `continuum check-log FILE [-o table|json|yaml]` on the CLI's subparsers."""
     p = subparsers.add_parser(
         "check-log",
         help="check the grant invariants over a transition log",
@@ -615,5 +617,5 @@ def add_parser(subparsers: Any) -> None:
         "an unreadable, malformed, empty or truncated log.",
     )
     p.add_argument("file", type=Path, metavar="FILE", help="a transition log, JSON lines")
-    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    add_output_argument(p, table="one line per violation, or ok")
     p.set_defaults(func=cmd_check_log)

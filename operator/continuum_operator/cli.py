@@ -8,16 +8,16 @@ printed).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from continuum_operator import checklog, cli_facts, cli_model, procclass, scenario
 from continuum_operator.agent import cli as agent_cli
+from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, Ledger
@@ -70,12 +70,15 @@ def plan_table(p: ServingPlan) -> str:
 
 def _print_plan(p: ServingPlan, output: str) -> None:
     doc: dict[str, Any] = p.to_dict()
-    if output == "json":
-        print(json.dumps(doc, indent=2))
-    elif output == "yaml":
-        print(yaml.safe_dump(doc, sort_keys=False), end="")
-    else:
-        print(plan_table(p))
+    print(render(doc, output, lambda: plan_table(p)))
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or why there is none."""
+    try:
+        return package_version("continuum-operator")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (continuum-operator is not installed: pip install -e .)"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -112,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="continuum", description="Memory and turns for local-model serving."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "plan",
@@ -127,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="Engines already placed (with status.placement); repeatable",
     )
-    p.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    add_output_argument(p, table="the plan's rows, bytes per side and its reasons")
     p.add_argument(
         "--receipt",
         type=Path,

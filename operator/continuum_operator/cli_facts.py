@@ -11,13 +11,11 @@ or whose digest is not the one expected.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.engine.digest import hash_file, mismatch_message
 from continuum_operator.gguf import FactsError, GgufReadError, read_facts
 
@@ -42,10 +40,7 @@ def cmd_facts(args: argparse.Namespace) -> int:
             return EXIT_INVALID
         if args.sha256:
             doc = {"sha256": digest, "facts": doc}
-    if args.output == "json":
-        print(json.dumps(doc, indent=2))
-    else:
-        print(yaml.safe_dump(doc, sort_keys=False), end="")
+    print(render(doc, args.output))
     return EXIT_OK
 
 
@@ -58,7 +53,8 @@ def add_parser(sub: Any) -> None:
         "the facts an Engine's spec.model.facts holds.",
     )
     p.add_argument("model", type=Path, help="a GGUF model file")
-    p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
+    # yaml by default: the output is pasted into an Engine's spec.model.facts.
+    add_output_argument(p, default="yaml", table="one row per fact")
     p.add_argument(
         "--sha256",
         action="store_true",

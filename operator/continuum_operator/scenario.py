@@ -16,6 +16,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.simulate import (
     EngineEvent,
     EngineEventKind,
@@ -190,8 +191,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         with args.log.open("w") as out:
             for line in result.log:
                 out.write(json.dumps(line, separators=(",", ":")) + "\n")
-    if args.output == "json":
-        print(json.dumps(result.summary, indent=2))
+    if args.output != "table":
+        print(render(result.summary, args.output))
     else:
         s = result.summary
         print(f"virtual time {s['duration']:.0f} s, {s['events']} events")
@@ -215,5 +216,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("scenario", type=Path, help="a scenario YAML file (docs/simulate.md)")
     p.add_argument("--log", type=Path, help="write the transition log here (JSON lines)")
-    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    add_output_argument(p, table="the summary's figures, one line each")
     p.set_defaults(func=cmd_simulate)

@@ -22,12 +22,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from continuum_operator.agent import probe
 from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
+from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.board_change import Thresholds
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.core.nodeboard import board_status
@@ -73,10 +72,7 @@ def _print_board(agent: Agent, output: str, capture: Path | None) -> int:
     doc: dict[str, Any] = board_resource(agent.settings.node_name, status).model_dump(
         mode="json", by_alias=True, exclude_none=True
     )
-    if output == "json":
-        print(json.dumps(doc, indent=2))
-    else:
-        print(yaml.safe_dump(doc, sort_keys=False), end="")
+    print(render(doc, output))
     if timings:
         spent = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in timings.items())
         print(f"# probe: {spent}", file=sys.stderr)
@@ -163,7 +159,8 @@ def add_parser(sub: Any) -> None:
     mode.add_argument(
         "--print", action="store_true", help="probe once and print the board; no cluster needed"
     )
-    p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="for --print")
+    # yaml by default: --print writes the NodeBoard the agent would apply.
+    add_output_argument(p, default="yaml", table="with --print, one row per field of the board")
     p.add_argument(
         "--from-capture",
         type=Path,
