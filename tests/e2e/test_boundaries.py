@@ -403,11 +403,12 @@ def _leading(log: Path) -> bool:
 def test_two_operators_with_a_4_s_clock_skew_never_both_lead(
     cluster: Cluster, crds: None, tmp_path: Path
 ) -> None:
-    # A Lease of 6 s renewed every 3 s: a renewal is up to 3 s old when the standby looks, so a
-    # standby 4 s ahead that compared renewTime with its own clock took the Lease whenever it
-    # was over 2 s old, while the leader still counted it as held (both led).
+    # A Lease of 6 s renewed every 3 s, and a standby that looks every 0.7 s: it sees each
+    # renewal over 2 s old, so one 4 s ahead that compared renewTime with its own clock took
+    # the Lease in every renewal period, while the leader still counted it as held (both led).
     label = ("continuum.dev/e2e-boundaries", uuid.uuid4().hex[:8])
     timing = ("--leader-lease-duration", "6", "--leader-renew", "3")
+    looking = ("--leader-lease-duration", "6", "--leader-renew", "0.7")
     first = start_operator(cluster, tmp_path, label, *timing, name="first")
     first_log = tmp_path / "first.log"
     second: subprocess.Popen[bytes] | None = None
@@ -415,7 +416,7 @@ def test_two_operators_with_a_4_s_clock_skew_never_both_lead(
     try:
         wait_for("the first operator to lead", lambda: _leading(first_log), 90, first_log)
         second = start_operator(
-            cluster, tmp_path, label, *timing,
+            cluster, tmp_path, label, *looking,
             env={WALL_CLOCK_OFFSET_ENV: "4"}, name="second",
         )  # fmt: skip
         deadline = time.monotonic() + 25  # eight renewals
