@@ -45,7 +45,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from continuum_operator.core import receipts
+from continuum_operator.core import receipts, rfc3339
 from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
 from continuum_operator.engine import digest
 from continuum_operator.engine.admission import GrantTableError, engine_audience
@@ -429,7 +429,7 @@ class EngineRuntime:
         line = error_line(self.tail)
         self.last_exit = {
             "code": code,
-            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "at": rfc3339.format_seconds(time.time()),
             "line": line,
         }
         if len(self.exits) <= self.launch.max_restarts:

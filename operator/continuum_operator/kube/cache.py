@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
 
+from continuum_operator.core import rfc3339
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, node_of_lease
 from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
@@ -32,16 +32,12 @@ EngineKey = tuple[str, str]  # (namespace, name)
 
 def parse_time(text: str | None) -> float | None:
     """Seconds since the epoch of an RFC 3339 time as the API server writes it."""
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
+    return rfc3339.parse(text)
 
 
 def format_time(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """RFC 3339 in whole seconds, as conditions and events carry times."""
+    return rfc3339.format_seconds(epoch)
 
 
 @dataclass(frozen=True, slots=True)

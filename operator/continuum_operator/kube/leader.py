@@ -31,11 +31,11 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from datetime import UTC, datetime
 from typing import Any
 
 from urllib3.exceptions import HTTPError as TransportError
 
+from continuum_operator.core import rfc3339
 from continuum_operator.kube import crash
 from continuum_operator.kube.api import ApiError, KubeApi
 from continuum_operator.kube.grant_settings import LeaderSettings
@@ -45,17 +45,9 @@ __all__ = ["Elector", "lead"]
 log = logging.getLogger("continuum.leader")
 
 
-def _micro(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _parse(text: Any) -> float | None:
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
+# A Lease's acquireTime and renewTime are MicroTime: RFC 3339 with microseconds.
+_micro = rfc3339.format_micro
+_parse = rfc3339.parse
 
 
 #: Test-only: seconds added to the wall clock this process writes into the Lease, to show that

@@ -29,12 +29,11 @@ import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from decimal import Decimal, localcontext
 from enum import StrEnum
 from typing import Any
 
 from continuum_operator.core import conditions as cond
+from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import (
     REFUSALS,
     Capacity,
@@ -103,36 +102,11 @@ class RouteReason(StrEnum):
     ENGINE_NOT_FOUND = "EngineNotFound"
 
 
-def iso_micro(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def rfc3339_exact(t: float) -> str:
-    """Unix seconds as RFC 3339 whose fraction is the shortest that reads back (`unix_of`) as
-    the same float, so a journaled step is logged with the times it was decided at."""
-    positional = format(Decimal(repr(float(t))), "f")  # repr: the shortest exact digits
-    whole, _, frac = positional.partition(".")
-    stamp = datetime.fromtimestamp(int(whole), UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{stamp}.{frac or '0'}Z"
-
-
-def unix_of(value: Any) -> float | None:
-    """Unix seconds from `rfc3339_exact`'s text (or a number, as journals were once written);
-    None for anything else."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, str) or not value.endswith("Z"):
-        return None
-    head, _, frac = value[:-1].partition(".")
-    if frac and not frac.isdigit():
-        return None
-    try:
-        whole = datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC).timestamp()
-        with localcontext() as exact:
-            exact.prec = 60  # wide enough that the sum below is exact
-            return float(Decimal(int(whole)) + Decimal(f"0.{frac or '0'}"))
-    except (ValueError, ArithmeticError):
-        return None
+# The ledger's times: microseconds in the entries, exact (read back as the same float) in the
+# journaled step, so that a step is logged with the times it was decided at.
+iso_micro = rfc3339.format_micro
+rfc3339_exact = rfc3339.format_exact
+unix_of = rfc3339.parse_exact
 
 
 # Times in a journaled step's lines: RFC 3339 in the Engine's status, Unix seconds in the log.
@@ -168,12 +142,7 @@ def read_journal(doc: Any) -> dict[str, Any] | None:
 def _parse_time(text: Any) -> float | None:
     if isinstance(text, int | float) and not isinstance(text, bool):
         return float(text)
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
+    return rfc3339.parse(text)
 
 
 def _num(value: Any) -> float | None:

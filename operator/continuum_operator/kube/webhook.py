@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from continuum_operator.core import rfc3339
 from continuum_operator.kube.objects import MANAGED_BY, priority_classes
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.model.base import GROUP
@@ -492,7 +493,7 @@ def register(
     instance = socket.gethostname()
 
     def post(pod: Mapping[str, Any]) -> None:
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        now = rfc3339.format_seconds(time.time())
         try:
             api.create(unmutated_event(pod, pods, instance, now))
         except ApiError as err:
