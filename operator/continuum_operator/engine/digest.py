@@ -1,7 +1,7 @@
 """The model served is the model named: the file's sha256 checked before llama-server starts.
 
 An Engine names its model's digest (`spec.model.sha256`); receipts are filed under it
-(DESIGN.md "Models reach the engine"). A file replaced on its volume under the same path would
+(docs/design.md "Models reach the engine"). A file replaced in its volume at the same path would
 otherwise be served as the model it replaced and inherit that model's receipts. So the engine
 runtime hashes the file before it starts llama-server and refuses to serve a mismatch
 (`runtime.RuntimePhase.MODEL_MISMATCH`, both digests named); the facts Job checks the same
