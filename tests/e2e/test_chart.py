@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
+from continuum_operator.core.heartbeat import lease_name
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.llama_fixtures import free_port
 from tests.e2e.test_operator import (
@@ -48,6 +48,7 @@ RELEASE = f"ct{RUN}"
 FULLNAME = f"{RELEASE}-continuum"
 OPERATOR_SA = f"{FULLNAME}-operator"
 AGENT_SA = f"{FULLNAME}-agent"
+MWC = "mutatingwebhookconfigurations.admissionregistration.k8s.io"
 VALUES: dict[str, Any] = {
     "operator": {"engineSelector": {SELECTOR[0]: SELECTOR[1]}},
     "images": {"engine": {"repository": "continuum-engine", "tag": "e2e"}},
@@ -135,6 +136,8 @@ def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
 ) -> None:
     ns = release.namespace
     yes = [
+        ("create", MWC),
+        ("patch", f"{MWC}/continuum-mind-children"),
         ("list", "engines.continuum.dev", "--all-namespaces"),
         ("watch", "minds.continuum.dev", "--all-namespaces"),
         ("patch", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),
@@ -169,7 +172,9 @@ def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
         ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
         ("update", "leases.coordination.k8s.io/kube-controller-manager", "-n", "kube-system"),
         ("update", "leases.coordination.k8s.io/someone-else", "-n", ns),
-        ("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io"),
+        # The children's webhook is on by default: its own configuration only, never another's.
+        ("patch", f"{MWC}/someone-elses"),
+        ("delete", MWC),
         ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
         ("impersonate", "serviceaccounts", "-n", ns),
     ]
@@ -189,14 +194,16 @@ def test_the_agents_service_account_writes_only_boards_and_node_leases(
         ("get", "nodeboards.continuum.dev"),
         ("create", "nodeboards.continuum.dev"),
         ("patch", "nodeboards.continuum.dev", "--subresource=status"),
-        ("create", "leases.coordination.k8s.io", "-n", "kube-node-lease"),
-        ("patch", "leases.coordination.k8s.io", "-n", "kube-node-lease"),
+        # Its node Lease in the release namespace (which one: the agent-node-binding policy).
+        ("create", "leases.coordination.k8s.io", "-n", ns),
+        ("patch", "leases.coordination.k8s.io", "-n", ns),
     ]
     no = [
         ("patch", "nodes"),
         ("delete", "nodeboards.continuum.dev"),
         ("patch", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),
-        ("create", "leases.coordination.k8s.io", "-n", ns),
+        ("create", "leases.coordination.k8s.io", "-n", "kube-node-lease"),  # the kubelets'
+        ("patch", "leases.coordination.k8s.io", "-n", "kube-node-lease"),
         ("patch", "leases.coordination.k8s.io", "-n", "kube-system"),
         ("get", "secrets", "-n", ns),
         ("get", "pods", "--subresource=log", "-n", "any-ns"),
@@ -223,7 +230,23 @@ def test_the_agent_with_the_charts_arguments_and_service_account_writes_a_board_
     assert args[0] == "agent"
     node = f"chart-agent-{RUN}"
     cluster.create_fake_node(node)
-    kubeconfig = _token_kubeconfig(cluster, ns, AGENT_SA, tmp_path / "agent.kubeconfig")
+    # The token of a pod on the node, as the DaemonSet's pod has: the agent-node-binding policy
+    # reads the node from it (a token bound to no pod writes no board).
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"agent-{RUN}", "namespace": ns},
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": AGENT_SA,
+                "containers": [{"name": "agent", "image": "continuum-agent:e2e"}],
+            },
+        }
+    )
+    kubeconfig = _token_kubeconfig(
+        cluster, ns, AGENT_SA, tmp_path / "agent.kubeconfig", bound_pod=f"agent-{RUN}"
+    )
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "continuum_operator.cli", *args,
@@ -235,20 +258,25 @@ def test_the_agent_with_the_charts_arguments_and_service_account_writes_a_board_
         board = cluster.get_json("nodeboard", node)
         assert board["status"]["memoryMode"] in {"unified", "discrete", "unknown"}
         assert board["status"]["pools"]
-        lease = cluster.get_json("lease", lease_name(node), "-n", LEASE_NAMESPACE)
+        lease = cluster.get_json("lease", lease_name(node), "-n", ns)  # the release's
         assert lease["spec"]["leaseDurationSeconds"] == 40  # the chart's agent.leaseSeconds
     finally:
         cluster.kubectl("delete", "node", node, "--wait=false", check=False)
         cluster.kubectl("delete", "nodeboard", node, "--wait=false", check=False)
 
 
-def _token_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
+def _token_kubeconfig(
+    cluster: Cluster, ns: str, sa: str, path: Path, bound_pod: str | None = None
+) -> Path:
     """A kubeconfig that authenticates as the chart's ServiceAccount (a bound token)."""
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
     ctx_name = admin["current-context"]
     ctx = next(c["context"] for c in admin["contexts"] if c["name"] == ctx_name)
     server = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
-    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
+    bound = ["--bound-object-kind=Pod", f"--bound-object-name={bound_pod}"] if bound_pod else []
+    token = cluster.kubectl(
+        "create", "token", sa, "-n", ns, "--duration=1h", *bound
+    ).stdout.strip()  # fmt: skip
     path.write_text(
         yaml.safe_dump(
             {
@@ -271,9 +299,12 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
     deployment = cluster.get_json("deployment", f"{FULLNAME}-operator", "-n", ns)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     port = free_port()
+    # The children's webhook (on by default) serves with the certificate mounted in the pod:
+    # tested on its own (test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades).
     args = [
         f"--metrics-port={port}" if a.startswith("--metrics-port=") else a
         for a in container["args"]
+        if not a.startswith("--webhook")
     ]
     assert args[0] == "operator"
     kubeconfig = _token_kubeconfig(cluster, ns, OPERATOR_SA, tmp_path / "sa.kubeconfig")
@@ -284,11 +315,11 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
     node = f"chart-{RUN}"
     cluster.create_fake_node(node, capacity={"nvidia.com/gpu": "1"}, labels={"e2e-chart": RUN})
     write_board(cluster, node, discrete_status(80, 1))
-    renew(cluster, node)
+    renew(cluster, node, namespace=ns)  # the agents' Leases are in the release namespace
     stale = f"chart-stale-{RUN}"
     cluster.create_fake_node(stale, labels={"e2e-chart-stale": RUN})
     write_board(cluster, stale, discrete_status(24, 1))
-    renew(cluster, stale, renew_time="2020-01-01T00:00:00.000000Z", ttl=40)
+    renew(cluster, stale, renew_time="2020-01-01T00:00:00.000000Z", ttl=40, namespace=ns)
     engine = operator_e2e_engine(
         "chart-engine",
         RUN,

@@ -127,12 +127,22 @@ def now_micro() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def renew(cluster: Cluster, node: str, *, renew_time: str | None = None, ttl: int = 600) -> None:
+def renew(
+    cluster: Cluster,
+    node: str,
+    *,
+    renew_time: str | None = None,
+    ttl: int = 600,
+    namespace: str | None = None,  # the operator's --agent-lease-namespace (default: default)
+) -> None:
+    meta = (
+        agent_lease_metadata(node) if namespace is None else agent_lease_metadata(node, namespace)
+    )
     cluster.apply(
         {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": agent_lease_metadata(node),
+            "metadata": meta,
             "spec": {
                 "holderIdentity": "continuum-agent-e2e",
                 "leaseDurationSeconds": ttl,
