@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from continuum_operator.core.heartbeat import lease_name
+from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
 from continuum_operator.kube.api import KubeApi
 from continuum_operator.kube.cache import Cache, format_time
 from continuum_operator.kube.loop import Loop
@@ -38,7 +38,7 @@ def _board(cache: Cache, node: str) -> None:
 def _lease(cache: Cache, node: str, renewed: float, seconds: int = 40) -> None:
     cache.observe_lease(
         {
-            "metadata": {"name": lease_name(node), "namespace": "kube-node-lease"},
+            "metadata": {"name": lease_name(node), "namespace": LEASE_NAMESPACE},
             "spec": {"renewTime": format_time(renewed), "leaseDurationSeconds": seconds},
         },
         deleted=False,
