@@ -62,9 +62,15 @@ def engines(draw: st.DrawFn) -> dict[str, Any]:
         else draw(layer_mib),
         "inputBytes": draw(layer_mib),
         "outputBytes": draw(layer_mib),
-        "kvBytesPerTokenPerLayer": draw(st.lists(kv, min_size=layers, max_size=layers))
+        # An Engine whose every KV rate is 0 is refused (a KV cell always
+        # costs bytes); single layers may still be 0, as sliding-window ones.
+        "kvBytesPerTokenPerLayer": draw(
+            st.lists(kv, min_size=layers, max_size=layers).map(
+                lambda rates: rates if any(rates) else [1, *rates[1:]]
+            )
+        )
         if per_layer
-        else draw(kv),
+        else draw(kv.filter(bool)),
     }
     if draw(st.booleans()):
         facts["computeBytes"] = draw(layer_mib)
