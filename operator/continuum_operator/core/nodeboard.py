@@ -32,6 +32,7 @@ from continuum_operator.core.readings import (
 )
 from continuum_operator.model.board import (
     CapMechanismReading,
+    ConsumerGpus,
     ConsumerUsage,
     GpuInfo,
     MemoryMode,
@@ -114,6 +115,7 @@ def _board(
         pools=pools,
         gpus=gpus,
         consumers=_consumers(readings, pools),
+        consumer_gpus=_consumer_gpus(readings),
         cap_mechanisms=[
             CapMechanismReading(mechanism=m.mechanism, evidence=m.evidence)
             for m in sorted(readings.mechanisms, key=lambda m: m.mechanism)
@@ -233,6 +235,27 @@ def board_status(readings: NodeReadings) -> NodeBoardStatus:
         gpus,
         cap,
     )
+
+
+def _consumer_gpus(readings: NodeReadings) -> list[ConsumerGpus]:
+    """The GPUs each placed consumer's processes are on, from NVML's per-device process lists.
+
+    Reported whether or not NVML tells the bytes (it does not on every platform): where a
+    process runs is what the operator needs to charge the right pool when a device plugin, not
+    the plan, chose the GPU (docs/operator.md, "The GPU charged is the GPU in use").
+    """
+    on: dict[tuple[ConsumerKindName, str, str], set[int]] = {}
+    for gpu in readings.nvml.gpus:
+        for proc in gpu.processes:
+            owner = readings.gpu_owners.get(proc.pid)
+            if owner is not None:
+                on.setdefault((owner.kind, owner.namespace, owner.name), set()).add(gpu.index)
+    return [
+        ConsumerGpus(kind=kind, namespace=namespace, name=name, gpus=sorted(gpus))
+        for (kind, namespace, name), gpus in sorted(
+            on.items(), key=lambda i: (i[0][1], i[0][2], i[0][0])
+        )
+    ]
 
 
 def _consumers(readings: NodeReadings, pools: list[PoolReading]) -> list[ConsumerUsage]:

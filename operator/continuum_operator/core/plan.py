@@ -363,8 +363,14 @@ def plan(
     crediting: str | None = None,
     receipts: Sequence[Receipt] = (),
     llama_build: str | None = None,
+    on_gpus: Sequence[int] = (),
 ) -> ServingPlan:
     """The serving plan of `engine` on `board`, given the leases already on it.
+
+    `on_gpus` are the GPUs a running engine is on (the ones its lease charges, moved to those
+    its processes use by `core.gpu_check`): a re-plan keeps them where the board has them all
+    and they are as many as the spec asks, rather than choosing again, since its pod stays
+    where it is and choosing again would move the charge, not the pod.
 
     `crediting` names the engine's own lease when sizing the successor of a running engine.
     `receipts` are llama.cpp's measured buffers; one filed under the engine's model digest
@@ -450,7 +456,11 @@ def plan(
                 f"spec.placement.gpus asks for {n_gpus} GPUs; node {board.node} has "
                 f"{len(device_pools)}",
             )
-        chosen = device_pools[:n_gpus]
+        kept = [board.pools.get(f"device/{g}") for g in sorted(set(on_gpus))]
+        if len(kept) == n_gpus and all(p is not None for p in kept):
+            chosen = [p for p in kept if p is not None]
+        else:
+            chosen = device_pools[:n_gpus]
         gpus = tuple(sorted(p.device for p in chosen if p.device is not None))
         per_gpu = min(available(p.key) - reserve for p in chosen)
         if cap is not None:

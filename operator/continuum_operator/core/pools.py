@@ -45,6 +45,9 @@ class Board:
     memory_mode: MemoryMode
     pools: Mapping[str, Pool]
     per_process_cap_bytes: int | None = None
+    # The GPUs each placed consumer's processes were seen on ("Engine/<ns>/<name>" -> indices),
+    # as the agent attributes them; empty where it attributes nothing (`core.gpu_check`).
+    gpus_in_use: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_resource(cls, board: NodeBoard) -> Board:
@@ -64,6 +67,7 @@ class Board:
             memory_mode=board.status.memory_mode,
             pools=pools,
             per_process_cap_bytes=board.status.per_process_cap_bytes,
+            gpus_in_use=_gpus_in_use(board),
         )
 
     def host_view(self) -> Pool | None:
@@ -80,6 +84,18 @@ class Board:
         if self.memory_mode is MemoryMode.UNIFIED:
             return [0]
         return sorted(p.device for p in self.pools.values() if p.device is not None)
+
+
+def _gpus_in_use(board: NodeBoard) -> dict[str, tuple[int, ...]]:
+    """Which GPUs each consumer was seen on: its `consumerGpus` entry, and the device pools its
+    measured bytes are charged to (the same attribution, for a board that gives only those)."""
+    seen: dict[str, set[int]] = {}
+    for c in board.status.consumer_gpus:
+        seen.setdefault(f"{c.kind}/{c.namespace}/{c.name}", set()).update(c.gpus)
+    for u in board.status.consumers:
+        if u.pool is PoolKind.DEVICE and u.device is not None:
+            seen.setdefault(f"{u.kind}/{u.namespace}/{u.name}", set()).add(u.device)
+    return {name: tuple(sorted(gpus)) for name, gpus in sorted(seen.items())}
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from continuum_operator.core import conditions as cond
+from continuum_operator.core import gpu_check
 from continuum_operator.core.bestfit import (
     Decision,
     Exclusion,
@@ -47,7 +48,12 @@ from continuum_operator.kube.cache import (
     placed_leases,
 )
 from continuum_operator.kube.embedlanes import lane_leases_in
-from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
+from continuum_operator.kube.settings import (
+    GpuClaims,
+    OperatorSettings,
+    PodSettings,
+    resolve_sharing,
+)
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.base import Condition
 from continuum_operator.model.engine import Engine, ModelFacts
@@ -498,8 +504,19 @@ class _Pass:
         held = False
         if spec_changed and not fresh and dep is not None and dep.launch is not None:
             held, running = True, dep.running(dep.launch)
+        if (
+            running
+            and fresh
+            and not spec_changed
+            and board is not None
+            and board.board is not None
+            and pods.gpu_claims is GpuClaims.DEVICE_PLUGIN
+        ):
+            # The device plugin chose the pod's GPUs: the lease follows the ones it uses.
+            plan_doc, placement = self.follow_gpus(board.board, plan_doc, placement)
         if fresh and board is not None and board.board is not None:
-            candidate = self.replan(node, board.board, placement)
+            kept = () if spec_changed else tuple(int(g) for g in plan_doc.get("gpus") or ())
+            candidate = self.replan(node, board.board, placement, kept)
             labels = node_entry.labels if node_entry is not None else {}
             if spec_changed and (
                 not candidate.schedulable or matches(engine.spec, labels) is not None
@@ -584,8 +601,15 @@ class _Pass:
         writes = self.finish(f, engine, plan_doc, has_gpus, pods)
         return replace(writes, deployment=None) if held else writes
 
-    def replan(self, node: str, board: Board, placement: Mapping[str, Any]) -> ServingPlan:
-        """The plan the engine would get on its own node now, crediting back what it holds.
+    def replan(
+        self,
+        node: str,
+        board: Board,
+        placement: Mapping[str, Any],
+        on_gpus: tuple[int, ...] = (),
+    ) -> ServingPlan:
+        """The plan the engine would get on its own node now, crediting back what it holds, on
+        the GPUs it runs on (`on_gpus`; none after a spec change: chosen again).
 
         The agent measures the engine's bytes, not the reserve kept free beside them, so only the
         lease less its reserve is taken off the measured usage; crediting the whole lease would
@@ -610,7 +634,35 @@ class _Pass:
             crediting=self.me,
             receipts=self.receipts(),
             llama_build=self.llama_build(),
+            on_gpus=on_gpus,
         )
+
+    def follow_gpus(
+        self, board: Board, plan_doc: dict[str, Any], placement: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The plan and lease of a running engine with its device charges moved to the GPUs
+        its processes use, where its board says they are not the charged ones
+        (`core.gpu_check`); as they were otherwise (no attribution, as charged, incomplete).
+        The same launch: nothing relaunches (docs/operator.md, "The GPU charged is the GPU in
+        use")."""
+        gpu = gpu_check.check(
+            [int(g) for g in plan_doc.get("gpus") or ()],
+            board.gpus_in_use.get(self.me, ()),
+            str(plan_doc.get("memoryMode", "unknown")),
+        )
+        if gpu.verdict is not gpu_check.GpuVerdict.ELSEWHERE:
+            return plan_doc, placement
+
+        def moved(parts: Any) -> list[dict[str, Any]]:
+            pairs = [(str(x["pool"]), int(x["bytes"])) for x in parts or ()]
+            return [{"pool": p, "bytes": n} for p, n in gpu_check.moved_charges(pairs, gpu)]
+
+        plan_doc = {**plan_doc, "gpus": list(gpu.in_use), "charges": moved(plan_doc.get("charges"))}
+        was = self.new.get("placement") or placement
+        placement = {**was, "gpus": list(gpu.in_use), "pools": moved(was.get("pools"))}
+        self.new["plan"], self.new["placement"] = plan_doc, placement
+        self.events.append(Event("Warning", "GpuMismatch", gpu.message()))
+        return plan_doc, placement
 
     def receipts(self) -> tuple[Receipt, ...]:
         """The receipts of this Engine's model: its runtime's, and the one its plan used."""

@@ -5,14 +5,16 @@ not the board itself (a quiet board is not a stale one). The shape encodes docs/
 unified board has exactly one `unified` pool, a discrete board one `host` pool and one `device`
 pool per GPU, and an unknown board governs only its `host` pool. `consumers` tells the memory
 of the engines and lanes the operator placed apart from the rest of each pool's usage (the
-external part), and `capMechanisms` says which per-process caps the node offers; the operator
-decides which to apply (it writes the Engine's `status.enforcement`, the agent does not).
+external part), `consumerGpus` which GPUs their processes run on (NVML's per-device process lists:
+the GPU a device plugin handed a pod, which the operator charges it to), and `capMechanisms` says
+which per-process caps the node offers; the operator decides which to apply (it writes the
+Engine's `status.enforcement`, the agent does not).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -118,6 +120,28 @@ class ConsumerUsage(Spec):
     used_bytes: Bytes = Field(description="Its measured usage in the pool: part of usedBytes.")
 
 
+class ConsumerGpus(Spec):
+    """The GPUs one placed engine's or lane's processes were found on (NVML per process, matched
+    by pod or process), whether or not NVML could say how much memory they hold there."""
+
+    kind: Literal["Engine", "EmbedLane"] = Field(description="Engine or EmbedLane.")
+    namespace: str = Field(description="Its namespace.")
+    name: str = Field(description="Its name.")
+    gpus: list[Annotated[int, Field(ge=0, le=1023)]] = Field(
+        min_length=1,
+        max_length=1024,
+        description="Indices of the GPUs its processes use (ascending), as device pools name "
+        "them: the GPU its pod was given, which may not be the one its plan charged.",
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _ascending_once_each(cls, value: list[int]) -> list[int]:
+        if value != sorted(set(value)):
+            raise ValueError(f"gpus lists each index once, ascending; got {value}")
+        return value
+
+
 class GpuInfo(Spec):
     """A GPU the agent saw."""
 
@@ -155,6 +179,12 @@ class NodeBoardStatus(Spec):
         description="Usage of the engines and lanes the operator placed (matched by pod or "
         "process); the rest of each pool's usedBytes is external.",
     )
+    consumer_gpus: list[ConsumerGpus] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Which GPUs the processes of the engines and lanes the operator placed run "
+        "on (NVML per process); empty where the agent attributes none (it needs hostPID).",
+    )
     cap_mechanisms: list[CapMechanismReading] = Field(
         default_factory=list,
         max_length=8,
@@ -177,6 +207,21 @@ class NodeBoardStatus(Spec):
         description="perProcessCapBytes in GiB, for `kubectl get nodeboards -o wide` "
         "('none' when the node has no per-process cap).",
     )
+
+    @field_validator("consumer_gpus")
+    @classmethod
+    def _consumer_gpus_seen(
+        cls, value: list[ConsumerGpus], info: ValidationInfo
+    ) -> list[ConsumerGpus]:
+        seen = {g.index for g in info.data.get("gpus") or []}
+        for c in value:
+            unseen = [g for g in c.gpus if g not in seen]
+            if unseen:
+                raise ValueError(
+                    f"consumer {c.kind} {c.namespace}/{c.name} is on GPU {unseen}, which the "
+                    "board's gpus do not list"
+                )
+        return value
 
     @field_validator("pools")
     @classmethod
