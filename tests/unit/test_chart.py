@@ -40,6 +40,7 @@ NON_DEFAULT: dict[str, Any] = {
         "replicas": 3,
         "engineSelector": {"team": "a"},
         "gpuSharing": "auto",
+        "gpuClaims": "dra",
         "engineCpu": "1500m",
         "damping": {"readings": 5, "minGain": 0.2, "cooldownSeconds": 600},
         "extraArgs": ["--board-ttl=60"],
@@ -224,10 +225,12 @@ def test_the_operators_arguments_are_flags_continuum_operator_accepts(
     assert default.metrics_port == 8000
     assert default.webhook is True  # the children's webhook is on by default
     assert default.engine_image == "ghcr.io/continuum-dev/continuum-engine:0.1.0"
+    assert default.gpu_claims == "device-plugin"
 
     custom = _parse(_container(one(custom_docs, "Deployment", "-operator"))["args"])
     assert custom.engine_selector == "team=a"
     assert custom.gpu_sharing == "auto"
+    assert custom.gpu_claims == "dra"
     assert custom.engine_cpu == "1500m"
     assert (custom.damping_readings, custom.damping_min_gain) == (5, 0.2)
     assert custom.relaunch_cooldown == 600
@@ -445,6 +448,26 @@ def test_the_operator_holds_every_right_it_grants_engine_and_lane_pods(
             assert not allows(rules, group, "clusterroles", "bind", "cluster-admin")
 
 
+def test_the_operator_may_write_the_gpu_claim_templates_it_makes_with_dra_and_nothing_more(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    from continuum_operator.kube.settings import GpuClaims, PodSettings
+
+    rules = one(default_docs, "ClusterRole", "-operator")["rules"]
+    engine = builders.engine(builders.engine_body())
+    claim = objects.gpu_claim_template(
+        engine, "uid-1", {"gpus": [1]}, PodSettings(gpu_claims=GpuClaims.DRA)
+    )
+    assert claim is not None
+    group = claim["apiVersion"].rpartition("/")[0]
+    assert group == "resource.k8s.io"
+    for verb in ("create", "patch"):  # server-side apply
+        assert allows(rules, group, "resourceclaimtemplates", verb)
+    for verb in ("delete", "get", "list"):  # owned by the Engine: deleted with it
+        assert not allows(rules, group, "resourceclaimtemplates", verb)
+    assert not allows(rules, group, "resourceclaims", "create")  # the pods' are Kubernetes'
+
+
 def test_the_operator_has_no_wildcards_no_secrets_and_no_deletes_beyond_its_workloads(
     default_docs: list[dict[str, Any]],
 ) -> None:
@@ -638,6 +661,7 @@ def test_the_dashboard_is_valid_json_in_an_optional_configmap(
     [
         ({"operator": {"replicas": 0}}, "/operator/replicas"),
         ({"operator": {"gpuSharing": "nvidia"}}, "/operator/gpuSharing"),
+        ({"operator": {"gpuClaims": "cdi"}}, "/operator/gpuClaims"),
         ({"operator": {"replicsa": 2}}, "replicsa"),
         ({"operator": {"engineCpu": "two"}}, "/operator/engineCpu"),
         ({"agent": {"leaseSeconds": "forty"}}, "/agent/leaseSeconds"),
