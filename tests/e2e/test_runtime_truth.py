@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -40,6 +41,7 @@ tag = base.tag
 
 SHA = "ab" * 32
 BUILD = "6869 (e2e)"
+GiB = 2**30
 
 
 def patch_runtime(cluster: Cluster, ns: str, name: str, runtime: dict[str, Any]) -> None:
@@ -196,3 +198,67 @@ def test_an_engine_with_its_layers_on_the_host_gets_cpus_from_the_nodes_cores(
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     pods = cluster.get_json("pods", "-n", namespace, "-l", "continuum.dev/engine=coder")["items"]
     assert [p["status"]["qosClass"] for p in pods] == ["Guaranteed"]
+
+
+def two_gpu_status(used: tuple[int, int]) -> dict[str, Any]:
+    """A two-GPU board; `used` is each GPU's measured bytes."""
+    return {
+        "memoryMode": "discrete",
+        "memoryModeReason": "e2e",
+        "pools": [
+            {"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 8 * GiB},
+            *(
+                {"kind": "device", "device": i, "capacityBytes": 80 * GiB, "usedBytes": n}
+                for i, n in enumerate(used)
+            ),
+        ],
+        "gpus": [{"index": 0, "name": "e2e GPU"}, {"index": 1, "name": "e2e GPU"}],
+    }
+
+
+def test_a_gpu_the_agent_finds_the_engine_on_recharges_its_lease_without_a_relaunch(
+    cluster: Cluster, operator: Operator, namespace: str, tag: str
+) -> None:
+    """`--gpu-claims device-plugin` (the default): the plan charged device/0, the agent's board
+    says the engine's process runs on GPU 1 (as the device plugin may choose); the lease moves
+    to device/1 and the pod stays as it is."""
+    node = f"{tag}-{uuid.uuid4().hex[:4]}"
+    cluster.create_fake_node(node, capacity={"nvidia.com/gpu": "2"}, labels={"e2e-tag": tag})
+    base.write_board(cluster, node, two_gpu_status((GiB // 2, GiB // 2)))
+    base.renew(cluster, node)
+    cluster.apply(engine("coder", tag), "-n", namespace)
+    body = wait_for(
+        "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log
+    )
+    assert body["status"]["plan"]["gpus"] == [0]
+    pools = {p["pool"]: p["bytes"] for p in body["status"]["placement"]["pools"]}
+    assert set(pools) == {"host", "device/0"}
+    launch = launch_of(cluster, namespace, "coder")
+    own = base.own_device_bytes(body)
+    seen = two_gpu_status((GiB // 2, GiB // 2 + own))
+    seen["consumers"] = [{"kind": "Engine", "namespace": namespace, "name": "coder",
+                          "pool": "device", "device": 1, "usedBytes": own}]  # fmt: skip
+    seen["consumerGpus"] = [{"kind": "Engine", "namespace": namespace, "name": "coder",
+                             "gpus": [1]}]  # fmt: skip
+    base.write_board(cluster, node, seen)
+    base.renew(cluster, node)
+
+    def moved() -> dict[str, Any] | None:
+        got = get_engine(cluster, namespace, "coder")
+        held = {p["pool"] for p in got["status"]["placement"]["pools"]}
+        return got if held == {"host", "device/1"} else None
+
+    body = wait_for("the lease on device/1", moved, log=operator.log)
+    status = body["status"]
+    assert {p["pool"]: p["bytes"] for p in status["placement"]["pools"]} == {
+        "host": pools["host"], "device/1": pools["device/0"]
+    }  # fmt: skip
+    assert status["plan"]["gpus"] == [1] and status["placement"]["gpus"] == [1]
+    assert launch_of(cluster, namespace, "coder") == launch  # not relaunched
+    assert (status.get("relaunches") or {}).get("count", 0) == 0
+    assert condition(body, "Ready")["status"] == "True"  # type: ignore[index]
+    wait_for(
+        "the GpuMismatch event",
+        lambda: "GpuMismatch" in {e["reason"] for e in base.events(cluster, namespace, "coder")},
+        log=operator.log,
+    )
