@@ -312,3 +312,52 @@ def test_with_dra_claims_the_scheduler_allocated_the_gpu_and_attribution_moves_n
     w = reconcile(body, _with_board(snap, board_of(fixture(FIXTURE)), "rv-seen"), mem, NOW + 2, dra)
     assert _pools(after(body, w)) == _pools(body)
     assert "GpuMismatch" not in [e.reason for e in w.events]
+
+
+def test_two_engines_the_device_plugin_swapped_each_end_charged_where_they_run() -> None:
+    doc = _no_engine_yet(fixture(FIXTURE))
+    before = _entry(board_of(doc), "rv-before")
+    # coder is placed first (device/0, the lower index of two empty GPUs), second beside it.
+    w1 = reconcile(engine_obj("coder"), snapshot([before]), Memory(), NOW, SETTINGS)
+    coder = after(engine_obj("coder"), w1)
+    snap = snapshot([before], engines={("ns", "coder"): coder})
+    w2 = reconcile(engine_obj("second"), snap, Memory(), NOW, SETTINGS)
+    second = after(engine_obj("second"), w2)
+    assert (coder["status"]["plan"]["gpus"], second["status"]["plan"]["gpus"]) == ([0], [1])
+    # The device plugin gave each the other's GPU: coder's process on GPU 1, second's on GPU 0.
+    seen_doc = fixture(FIXTURE)
+    devices = seen_doc["nvml"]["devices"]
+    devices[0] = copy.deepcopy(devices[1])
+    for proc in devices[0]["nvmlDeviceGetComputeRunningProcesses"]:
+        proc["pid"] = 7200
+    uid = "6e2d3c4b-5f6a-4b7c-9d8e-0f1a2b3c4d5e"
+    seen_doc["attribution"]["processes"]["7200"] = {
+        "consumer": None,
+        "cgroup": f"0::/kubepods.slice/kubepods-pod{uid.replace('-', '_')}.slice/cri-x.scope",
+        "rss": 3 * GiB,
+    }
+    seen_doc["attribution"]["pods"].append(
+        {"uid": uid, "kind": "Engine", "namespace": "ns", "name": "second", "working_set": 4 * GiB}
+    )
+    seen = board_of(seen_doc)
+    assert [(c.name, c.gpus) for c in seen.consumer_gpus] == [("coder", [1]), ("second", [0])]
+    deployments = {("ns", "coder"): ready(w1), ("ns", "second"): ready(w2)}
+    engines = {("ns", "coder"): coder, ("ns", "second"): second}
+    for name in ("coder", "second"):  # one loop pass: each decided against the other's status
+        key = ("ns", name)
+        others = {k: v for k, v in engines.items() if k != key}
+        snap = replace(
+            _with_board(snapshot([before]), seen, "rv-seen"),
+            engines=others,
+            deployments=deployments,
+        )
+        w = reconcile(engines[key], snap, Memory(), NOW + 2, SETTINGS)
+        engines[key] = after(engines[key], w)
+        assert "GpuMismatch" in [e.reason for e in w.events]
+    assert engines[("ns", "coder")]["status"]["plan"]["gpus"] == [1]
+    assert engines[("ns", "second")]["status"]["plan"]["gpus"] == [0]
+    leases = engine_leases(Engine.model_validate(b) for b in engines.values())
+    assert sorted((x.pool, x.consumer) for x in leases if x.pool.startswith("device/")) == [
+        ("device/0", "Engine/ns/second"),
+        ("device/1", "Engine/ns/coder"),
+    ]
