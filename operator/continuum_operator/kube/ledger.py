@@ -96,8 +96,8 @@ QUEUE_FIELD = "grantQueue"
 # The Engine object holds every holder, the head of the queue and the first refusals; the rest
 # of a long queue is each Mind's own (her `status.grant`, as Kueue keeps a pending Workload's
 # state on the Workload). The numbers bound the object whatever the number of minds: 256 queued
-# and 64 refused entries and 1,500 journal lines are about 450 KB (an entry about 200 bytes, a
-# journal line about 250), beside one entry per slot; under etcd's 1.5 MiB request limit.
+# and 64 refused entries and 1,500 journal lines are about 500 KB (an entry about 200 bytes, a
+# journal line about 260), beside one entry per slot; under etcd's 1.5 MiB request limit.
 QUEUE_KEPT = 256
 REFUSED_KEPT = 64
 #: New minds taken into the ledger per step, highest ranked first; the others in the next step,
