@@ -1,8 +1,8 @@
 """An Engine's ledger stays bounded whatever the number of minds (`kube.ledger.bounded`,
 docs/grants.md "Bounded"): the object keeps every holder, the head of the queue and the first
-refusals, each Mind's own status keeps her place, a new leader reads the rest from there, new
-minds enter at most `ARRIVALS_PER_STEP` a step (the highest ranked first) and a step's journal
-keeps the lines of the minds the object keeps. The log stays whole: `check-log` judges it."""
+refusals, and its journal their lines; the rest is each Mind's own status and the log's. A new
+leader takes the rest from the log (or, with none, from the Minds' status), so the log stays
+whole across leaders and crashes: `check-log` judges it."""
 
 from __future__ import annotations
 
@@ -91,85 +91,113 @@ def test_a_ledger_of_20000_minds_on_one_engine_stays_under_1_mib_per_object(
 
 @pytest.fixture
 def small(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bounds at a size a test can read: 5 queued, 2 refused, 4 arrivals a step."""
+    """The bounds at a size a test can read: 5 queued and 2 refused entries kept."""
     monkeypatch.setattr(ledger, "QUEUE_KEPT", 5)
     monkeypatch.setattr(ledger, "REFUSED_KEPT", 2)
-    monkeypatch.setattr(ledger, "ARRIVALS_PER_STEP", 4)
-    monkeypatch.setattr(ledger, "JOURNAL_LINES_KEPT", 12)
 
 
-def new_leader(w: World, tmp_path: Path) -> None:
-    """Another replica takes over: the same API and watches, none of the last one's memory."""
-    settings = GrantSettings(transition_log=tmp_path / "log.jsonl", write_workers=2)
+def new_leader(w: World, tmp_path: Path, log: bool = True) -> None:
+    """Another replica takes over: the same API and watches (and log, unless `log` is False),
+    none of the last one's memory."""
+    path = tmp_path / "log.jsonl" if log else None
+    settings = GrantSettings(transition_log=path, write_workers=2)
     w.loop = GrantsLoop(w.api, settings, w.engines, w.cache, clock=lambda: 1_000.0)  # type: ignore[arg-type]
     w.loop.writer.submit = lambda priority, key, job: job()  # type: ignore[method-assign]
 
 
+def logged(w: World) -> list[dict[str, Any]]:
+    """The lines the current leader appends from now on (kept even when it keeps no file)."""
+    lines: list[dict[str, Any]] = []
+    append = w.loop.log.append
+
+    def capture(engine: str, seq: int, step: Any) -> None:
+        lines.extend(step)
+        append(engine, seq, step)
+
+    w.loop.log.append = capture  # type: ignore[method-assign]
+    return lines
+
+
 @pytest.mark.usefixtures("small")
-def test_minds_new_to_the_ledger_enter_a_few_a_step_the_highest_ranked_first(
-    tmp_path: Path,
+@pytest.mark.parametrize("log", [True, False], ids=["from-the-log", "from-the-minds-status"])
+def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_minds(
+    tmp_path: Path, log: bool
 ) -> None:
     w = World(tmp_path)
     writes = Writes(w)
-    w.cls("low")
-    w.cls("vip", priority=10)
-    w.engine(engine("team-a", "coder", slots=1))
-    for i in range(9):
-        w.mind(mind(i, "low"))
-    w.mind(mind(9, "vip"))  # created last, ranked first
-    w.loop.pass_once()
-    assert len(writes.sizes) == 3  # 10 arrivals, 4 a step, all in one pass
-    first = writes.bodies[0]["status"]
-    assert first["grants"][0]["mind"] == "team-a/mind-00009"
-    assert first["grants"][0]["state"] == "Granted"
-    assert len(first["grants"]) == 4  # the vip and three others; six more to come
-    assert grant_of(w, 8)["message"].startswith("queued at position 9 (PoolFull)")
-    assert checklog.check(log_lines(tmp_path)) == []
-
-
-@pytest.mark.usefixtures("small")
-def test_a_new_leader_reads_the_queue_the_object_left_out_from_each_minds_status(
-    tmp_path: Path,
-) -> None:
-    w = World(tmp_path)
     w.engine(engine("team-a", "coder", slots=2))
     for i in range(12):
         w.mind(mind(i))
+    lines = logged(w)
     w.loop.pass_once()
-    assert [e["mind"][-2:] for e in w.api.objects[ENGINE]["status"]["grants"]] == [
-        "00", "01", "02", "03", "04", "05", "06"]  # fmt: skip
-    new_leader(w, tmp_path)
-    w.loop.pass_once()  # its first pass steps every engine: nothing changed, nothing written
-    assert [x["event"] for x in log_lines(tmp_path)].count("transition") == 24
+    kept = [e["mind"][-2:] for e in w.api.objects[ENGINE]["status"]["grants"]]
+    assert kept == ["00", "01", "02", "03", "04", "05", "06"]
+    assert grant_of(w, 11)["message"].startswith("queued at position 10 (PoolFull)")
+    # Its first pass steps every engine: the five beyond the head are where they were (had it
+    # taken them for new, they would have arrived again: a write, and lines).
+    new_leader(w, tmp_path, log)
+    lines += logged(w)
+    w.loop.pass_once()
+    assert len(writes.sizes) == 1 and len(lines) == 1 + 24  # the capacity line, 12 x 2
     # The granted leave (reclaimed, then released as the gateway reports), each step decided by
     # a leader that never saw the queue beyond the head: it moves up, as it stood.
     for i in (0, 1):
         w.api.objects.pop(f"{BASE}/team-a/minds/mind-{i:05d}")
         w.cache.forget(f"team-a/mind-{i:05d}")
-    new_leader(w, tmp_path)
+    new_leader(w, tmp_path, log)
+    lines += logged(w)
     w.loop.pass_once()
     body = w.api.objects[ENGINE]
     reclaimed = [e for e in body["status"]["grants"] if e["state"] == "Reclaiming"]
     assert [e["reason"] for e in reclaimed] == ["MindDeleted", "MindDeleted"]
-    body["status"]["runtime"] = {
-        "slotReleases": [
-            {"mind": e["mind"], "slot": e["slot"], "grantSince": e["since"]} for e in reclaimed
-        ]
-    }
+    releases = [{"mind": e["mind"], "slot": e["slot"], "grantSince": e["since"]} for e in reclaimed]
+    body["status"]["runtime"] = {"slotReleases": releases}
     body["metadata"]["resourceVersion"] = str(int(body["metadata"]["resourceVersion"]) + 1)
     w.engines.observe_engine(body, deleted=False, nudge=False)
-    new_leader(w, tmp_path)
+    new_leader(w, tmp_path, log)
+    lines += logged(w)
     w.loop.pass_once()
     assert grant_of(w, 2)["state"] == "Granted" and grant_of(w, 3)["state"] == "Granted"
-    lines = log_lines(tmp_path)
+    assert grant_of(w, 11)["message"].startswith("queued at position 8 (PoolFull)")
     arrivals = [x["mind"] for x in lines if x["event"] == "transition" and x["reason"] == "Arrived"]
     assert sorted(arrivals) == [f"team-a/mind-{i:05d}" for i in range(12)]  # once each
-    assert grant_of(w, 11)["message"].startswith("queued at position 8 (PoolFull)")
+    assert checklog.check(lines) == []
+    if log:
+        assert checklog.check(log_lines(tmp_path)) == []
+
+
+@pytest.mark.usefixtures("small")
+def test_a_leader_killed_before_its_log_append_leaves_a_log_the_next_one_keeps_whole(
+    tmp_path: Path,
+) -> None:
+    """The journal holds the kept minds' lines only; what it left out, the next leader decides
+    again from the log: minds it never logged arrive, a deleted one it logged queued leaves."""
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(12):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    # A pass whose log append never happens (killed at after-ledger-write): six minds arrive
+    # beyond the head, one beyond it is deleted.
+    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    for i in range(12, 18):
+        w.mind(mind(i))
+    w.api.objects.pop(f"{BASE}/team-a/minds/mind-00010")
+    w.cache.forget("team-a/mind-00010")
+    w.loop.pass_once()
+    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    assert step["omitted"] == 6 * 2 + 1 and step["lines"] == []
+    new_leader(w, tmp_path)
+    w.loop.pass_once()  # recovers the journal (nothing of the kept minds), then decides
+    lines = log_lines(tmp_path)
+    moves = [(x["mind"][-2:], x["to"], x["reason"]) for x in lines if x["event"] == "transition"]
+    assert ("10", "Released", "MindDeleted") in moves
+    assert sorted(m for m, _, r in moves if r == "Arrived") == [f"{i:02d}" for i in range(18)]
     assert checklog.check(lines) == []
 
 
 @pytest.mark.usefixtures("small")
-def test_a_long_steps_journal_keeps_the_lines_of_the_minds_the_object_keeps_and_counts_the_rest(
+def test_a_steps_journal_keeps_the_lines_of_the_minds_the_object_keeps_and_counts_the_rest(
     tmp_path: Path,
 ) -> None:
     w = World(tmp_path)
@@ -185,10 +213,10 @@ def test_a_long_steps_journal_keeps_the_lines_of_the_minds_the_object_keeps_and_
     step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
     kept = {e["mind"] for e in w.api.objects[ENGINE]["status"]["grants"]}
     journaled = [x for x in step["lines"] if x["event"] == "transition"]
-    logged = [x for x in log_lines(tmp_path) if x.get("seq") == step["seq"]]
-    assert step["omitted"] == len(logged) - len(step["lines"]) > 0
+    in_log = [x for x in log_lines(tmp_path) if x.get("seq") == step["seq"]]
+    assert step["omitted"] == len(in_log) - len(step["lines"]) > 0
     assert {x["mind"] for x in journaled} <= kept
-    assert len(journaled) == sum(1 for x in logged if x.get("mind") in kept)
+    assert len(journaled) == sum(1 for x in in_log if x.get("mind") in kept)
     assert checklog.check(log_lines(tmp_path)) == []
 
 

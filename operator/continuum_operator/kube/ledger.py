@@ -46,12 +46,11 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
+from continuum_operator.kube.transition_log import Place
 from continuum_operator.model.mind import GrantState, ProjectedState
 
 __all__ = [
-    "ARRIVALS_PER_STEP",
     "CAPACITY_FIELD",
-    "JOURNAL_LINES_KEPT",
     "QUEUE_FIELD",
     "QUEUE_KEPT",
     "REFUSED_KEPT",
@@ -79,6 +78,7 @@ __all__ = [
     "released_of",
     "route_minds",
     "step",
+    "tail_from_log",
     "tail_from_minds",
     "tokens_held",
     "transition_line",
@@ -93,19 +93,14 @@ STEP_FIELD = "grantStep"
 #: refused in all, and how many of each the object keeps (docs/grants.md, "Bounded").
 QUEUE_FIELD = "grantQueue"
 
-# The Engine object holds every holder, the head of the queue and the first refusals; the rest
-# of a long queue is each Mind's own (her `status.grant`, as Kueue keeps a pending Workload's
-# state on the Workload). The numbers bound the object whatever the number of minds: 256 queued
-# and 64 refused entries and 1,500 journal lines are about 500 KB (an entry about 200 bytes, a
-# journal line about 260), beside one entry per slot; under etcd's 1.5 MiB request limit.
+# The Engine object holds every holder, the head of the queue and the first refusals, and its
+# journal the lines of those minds only; the rest of a long queue is each Mind's own (her
+# `status.grant`, as Kueue keeps a pending Workload's state on the Workload) and the log's. The
+# numbers bound the object whatever the number of minds: 320 entries of about 200 bytes and
+# their journal lines (a few each a step, about 260 bytes a line) beside one entry per slot,
+# under etcd's 1.5 MiB request limit.
 QUEUE_KEPT = 256
 REFUSED_KEPT = 64
-#: New minds taken into the ledger per step, highest ranked first; the others in the next step,
-#: at once (`LedgerStep.deferred`). Keeps each step's journal bounded for any burst.
-ARRIVALS_PER_STEP = 500
-#: Journal lines kept per step: beyond, the lines of minds the object does not keep are counted
-#: (`omitted`) and left out (docs/crash-points.md says what a crash then loses).
-JOURNAL_LINES_KEPT = 1500
 
 _HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
 # Queue reasons that are the engine's, not the pool's: the projection says why it is not serving.
@@ -145,9 +140,11 @@ def journal(
     """`status.grantStep`: a step's seq, time and log lines, times as RFC 3339 for a reader of
     the Engine (the log keeps Unix seconds; `read_journal` turns them back exactly).
 
-    A step of more than `JOURNAL_LINES_KEPT` lines keeps its capacity lines and those of the
-    minds in `kept` (the minds the object keeps entries of), and counts the rest (`omitted`):
-    queued minds beyond the object's head, whose entries are not in it either."""
+    With `kept` (the minds the object keeps entries of), the lines of the others (queued or
+    refused beyond the object's head, whose entries are not in it either) are counted
+    (`omitted`), not kept: a leader that appends this step after a crash appends what the
+    object holds, and the minds beyond are decided again from what the log holds (docs/grants.md,
+    "Bounded")."""
 
     def text(line: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -157,7 +154,7 @@ def journal(
 
     every = list(lines)
     shown = every
-    if kept is not None and len(every) > JOURNAL_LINES_KEPT:
+    if kept is not None:
         shown = [x for x in every if x.get("event") != "transition" or x.get("mind") in kept]
     doc: dict[str, Any] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
     if len(shown) < len(every):
@@ -300,6 +297,31 @@ def bounded(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[s
         "keptQueued": min(queued, QUEUE_KEPT),
         "keptRefused": min(refused, REFUSED_KEPT),
     }
+
+
+def tail_from_log(waiting: Mapping[str, Place], kept: Collection[str]) -> dict[str, Grant]:
+    """The entries an Engine object left out, as the transition log leaves them: every mind
+    whose last line has her queued or refused, not only those that still want a grant (one
+    deleted in a step the log lost leaves next step, logged). A new leader with a log decides
+    from this, so its next lines follow from the log's, whatever a crash left unwritten."""
+    out: dict[str, Grant] = {}
+    for name, p in waiting.items():
+        if name in kept:
+            continue
+        try:
+            reason = GrantReason(p.reason)
+            state = GrantState(p.state)
+        except ValueError:
+            continue
+        out[name] = Grant(
+            mind=name,
+            state=state,
+            reason=reason,
+            since=p.t,
+            priority=int(p.priority),
+            protection_window=p.window,
+        )
+    return out
 
 
 def tail_from_minds(
@@ -642,8 +664,7 @@ class LedgerStep:
     drain that ends goes on at once with the successor's pool) and the transitions under each.
 
     `entries` is the whole ledger (the projections read it); `kept` and `queue` what the Engine
-    object holds of it (`bounded`); `deferred` the minds new to the ledger left for the next
-    step (`ARRIVALS_PER_STEP`), which the caller takes at once."""
+    object holds of it (`bounded`)."""
 
     grants: dict[str, Grant]
     segments: tuple[tuple[Pool, tuple[Transition, ...]], ...]
@@ -652,7 +673,6 @@ class LedgerStep:
     review_at: float | None
     kept: list[dict[str, Any]] = field(default_factory=list)
     queue: dict[str, Any] | None = None
-    deferred: int = 0
 
     @property
     def pool(self) -> Pool:
@@ -678,11 +698,6 @@ def step(
     grants = read_grants(status.get("grants"))
     for name, g in (tail or {}).items():
         grants.setdefault(name, g)
-    new = sorted((d for n, d in demands.items() if n not in grants), key=MindDemand.rank)
-    deferred = max(0, len(new) - ARRIVALS_PER_STEP)
-    if deferred:
-        late = {d.name for d in new[ARRIVALS_PER_STEP:]}
-        demands = {n: d for n, d in demands.items() if n not in late}
     pool = capacity_of(engine, grants)
     released = released_of(engine, grants)
     result = allocate(
@@ -726,7 +741,6 @@ def step(
         result.review_at,
         kept,
         queue,
-        deferred,
     )
 
 

@@ -333,7 +333,6 @@ class GrantsLoop:
         # Each engine's whole ledger as this leader last decided it: what its object leaves out
         # (`ledger.bounded`) is here, for the next step and for the projections.
         self.tails: dict[EngineKey, _Tail] = {}
-        self._deferred: dict[EngineKey, int] = {}  # minds left for the next step, by the last write
 
     async def run(self, stop: asyncio.Event) -> None:
         # A new leader: the log as the last one left it, and any step it wrote but did not log
@@ -625,12 +624,17 @@ class GrantsLoop:
         self, key: EngineKey, body: Mapping[str, Any], demands: Mapping[str, MindDemand]
     ) -> dict[str, Grant]:
         """The entries the Engine object left out (`status.grantQueue`): from this leader's
-        memory of the step it last decided there, else from the Minds' own status."""
+        memory of the step it last decided there; else as the transition log leaves them (its
+        next lines then follow from the log's, whatever a crash left unwritten); else, with no
+        log, from the Minds' own status."""
         status = body.get("status") or {}
         stored = {str(e.get("mind")) for e in status.get("grants") or []}
         tail = self.tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return {m: g for m, g in tail.grants.items() if m not in stored}
+        waiting = self.log.waiting(f"{key[0]}/{key[1]}")
+        if waiting is not None:
+            return ledger.tail_from_log(waiting, stored)
         if status.get(ledger.QUEUE_FIELD) is None:
             return {}  # nothing was left out
         return ledger.tail_from_minds(self.minds.minds_of([key]).get(key, []), stored, demands)
@@ -651,8 +655,7 @@ class GrantsLoop:
     ) -> dict[str, Any] | None:
         """Step one engine's ledger until nothing is due (or once, at `at`); the Engine as
         last written or read. `quota_left`: what each quota'd namespace may hold here."""
-        arrivals = len(demands) // ledger.ARRIVALS_PER_STEP + 1
-        for _ in range(self.settings.conflict_retries + 4 + arrivals):
+        for _ in range(self.settings.conflict_retries + 4):
             wall = self.clock()
             due = self._due(body)
             if at is not None:
@@ -674,8 +677,6 @@ class GrantsLoop:
             if answer is None:
                 return None
             body = answer
-            if self._deferred.pop(key, 0):
-                continue  # minds left for the next step (`ARRIVALS_PER_STEP`): take them now
             due = self._due(body)
             if at is not None or due is None or due > self.clock():
                 return body
@@ -744,7 +745,6 @@ class GrantsLoop:
             before = {**self.tail_of(key, body, {}), **ledger.read_grants(
                 (body.get("status") or {}).get("grants"))}  # fmt: skip
             self.remember(key, answer, s)
-            self._deferred[key] = s.deferred
             self.engines.observe_engine(answer, deleted=False, nudge=False)
             self.log.append(engine, seq, lines)
             crash.reached(crash.CrashPoint.AFTER_LOG)
