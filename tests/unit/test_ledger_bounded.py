@@ -114,7 +114,7 @@ def logged(w: World) -> list[dict[str, Any]]:
         lines.extend(step)
         append(engine, seq, step)
 
-    w.loop.log.append = capture  # type: ignore[method-assign]
+    w.loop.log.append = capture  # type: ignore[method-assign,assignment]
     return lines
 
 
