@@ -10,7 +10,9 @@ served Engine something changed for (below), in turn:
    that want a grant, the gateway's slot releases (`status.runtime.slotReleases`) and the time;
 2. if the ledger changed, a replace of the Engine's status subresource conditioned on its
    resourceVersion (never a blind merge): the ledger, the pool it was made for and the step's
-   journal in one write; on 409 the Engine is read again and the step decided again;
+   journal in one write; on 409 the Engine is read again and the step decided again. The
+   object keeps the holders and the head of a long queue (`ledger.bounded`); the rest is kept
+   here (`tails`) and, for a new leader, read from the log or the Minds' status (`tail_of`);
 3. the step's lines appended to the transition log (`kube.transition_log`);
 4. each Mind's `status.grant` and conditions, a projection of her entry, written if changed;
 5. finalizers: a Mind of a served Engine carries `continuum.dev/grant` until her entry has left
@@ -570,6 +572,7 @@ class GrantsLoop:
             jobs.extend(self.missing_engine_jobs(key, minds))
             self.engine_seen.pop(key, None)
             self.review_at.pop(key, None)
+            self.tails.pop(key, None)
             done.add(key)
         for qkey, quota in sorted(self.minds.quotas.items()):
             new = quota_status(quota, quotas, self.clock())
