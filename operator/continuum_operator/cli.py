@@ -15,7 +15,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
-from continuum_operator import checklog, cli_facts, cli_model, procclass, scenario
+from continuum_operator import checklog, cli_facts, cli_model, cli_place, procclass, scenario
 from continuum_operator.agent import cli as agent_cli
 from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.placements import engine_leases
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama.cpp receipts (YAML/JSON, docs/receipts.md); repeatable",
     )
     p.set_defaults(func=cmd_plan)
+    cli_place.add_parser(sub)
     scenario.add_parser(sub)
     checklog.add_parser(sub)
     cli_facts.add_parser(sub)

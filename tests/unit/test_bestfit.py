@@ -67,7 +67,8 @@ def test_a_stale_board_a_mismatched_selector_and_a_backoff_are_each_reported() -
         "retrying": Exclusion.BACKING_OFF,
         "ghost": Exclusion.NO_NODE,
     }
-    assert "stale: board is stale" in d.summary()
+    messages = {v.node: v.message for v in d.verdicts}
+    assert messages["stale"] == "board is stale (its node Lease expired)"
 
 
 def test_a_board_whose_node_is_gone_is_reported_as_such_not_as_a_selector_mismatch() -> None:
@@ -77,7 +78,7 @@ def test_a_board_whose_node_is_gone_is_reported_as_such_not_as_a_selector_mismat
     ghost = NodeView(gpu("ghost", 80).board, fresh=True, labels={}, node_exists=False)
     d = choose([ghost], e.spec, e.spec.model.facts, [])
     assert [(v.node, v.excluded) for v in d.verdicts] == [("ghost", Exclusion.NO_NODE)]
-    assert "no Node object" in d.summary()
+    assert "no Node object" in d.verdicts[0].message
 
 
 def test_a_node_pool_is_matched_by_its_label() -> None:

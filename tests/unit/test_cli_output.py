@@ -36,7 +36,7 @@ def test_every_command_with_an_output_option_takes_the_one_vocabulary() -> None:
         for action in parser._actions:
             if "-o" in action.option_strings:
                 with_output[name] = action
-    assert {"plan", "facts", "simulate", "check-log", "agent"} <= set(with_output)
+    assert {"plan", "place", "facts", "simulate", "check-log", "agent"} <= set(with_output)
     for name, action in with_output.items():
         assert action.type is output_format, f"continuum {name}: -o is not output_format"
         assert action.choices is None, f"continuum {name}: -o has its own choices"
@@ -52,6 +52,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     model = write_tiny_gguf(tmp / "tiny.gguf", TinyModelShape())
     return {
         "plan": ["plan", "--board", str(M5), "--engine", str(AGENT)],
+        "place": ["place", "--boards", str(M5.parent), "--engine", str(AGENT)],
         "facts": ["facts", str(model)],
         "simulate": ["simulate", str(SCENARIO)],
         "check-log": ["check-log", str(log)],
@@ -65,7 +66,7 @@ def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["plan", "facts", "simulate", "check-log", "agent"])
+@pytest.mark.parametrize("command", ["plan", "place", "facts", "simulate", "check-log", "agent"])
 def test_json_and_yaml_print_the_same_document_and_table_prints_neither(
     command: str, runs: dict[str, list[str]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -79,7 +80,7 @@ def test_json_and_yaml_print_the_same_document_and_table_prints_neither(
         json.loads(table)
 
 
-@pytest.mark.parametrize("command", ["simulate", "check-log", "plan", "facts", "agent"])
+@pytest.mark.parametrize("command", ["simulate", "check-log", "plan", "place", "facts", "agent"])
 def test_the_old_text_word_is_refused_naming_table(
     command: str, runs: dict[str, list[str]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -155,19 +155,23 @@ def test_a_stale_board_takes_no_new_plans_and_the_engine_says_why() -> None:
     assert "placement" not in body["status"]
     assert conditions(body)["Unschedulable"] == ("True", "NoFreshBoard")
     msg = next(c["message"] for c in body["status"]["conditions"] if c["type"] == "Unschedulable")
-    assert "only: board is stale" in msg
+    assert "0/1 nodes fit: 1 with a stale board, its node Lease expired (only)" in msg
     assert w.deployment is None and w.delete_workload
     assert any(e.type == "Warning" and e.reason == "NoFreshBoard" for e in w.events)
 
 
-def test_an_engine_too_big_for_every_node_is_unschedulable_with_each_nodes_reason() -> None:
+def test_an_engine_too_big_for_every_node_is_unschedulable_with_counts_and_the_closest_node() -> (
+    None
+):
     snap = snapshot([discrete("a", 8, host_gib=8), discrete("b", 8, host_gib=8)])
     huge = engine_obj(minds={"min": 64, "max": 64}, contextTokensPerMind=131072)
     body = after(huge, reconcile(huge, snap, Memory(), NOW, SETTINGS))
     assert conditions(body)["Unschedulable"] == ("True", "InsufficientMemory")
     assert conditions(body)["Planned"] == ("False", "NotPlaced")
     msg = next(c["message"] for c in body["status"]["conditions"] if c["type"] == "Unschedulable")
-    assert "a: " in msg and "b: " in msg and "need" in msg
+    assert "0/2 nodes fit: 2 with too little memory (closest: a, " in msg
+    assert "MiB short). Closest a: 64 mind(s) of 131072 tokens" in msg  # its reason, in full
+    assert "need" in msg and "Lower spec.minds.min" in msg
 
 
 def test_a_node_selector_that_matches_nothing_is_reported_as_such() -> None:

@@ -136,3 +136,25 @@ def test_a_grants_pass_syncs_the_log_once(tmp_path: Path, monkeypatch: pytest.Mo
     w.loop.pass_once()
     assert synced == [1]
     assert {x["engine"] for x in read(tmp_path / "log.jsonl")} == {f"team-a/e{e}" for e in range(3)}
+
+
+def test_the_log_knows_which_minds_it_leaves_waiting_read_back_by_the_next_leader(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.jsonl"
+    log = TransitionLog(path)
+    granted = {**queued(2.0, "ns/a"), "from": "Queued", "to": "Granted", "reason": "SlotFree",
+               "tokens": 512, "slot": 0}  # fmt: skip
+    refused = {**queued(2.0, "ns/c"), "to": "Released", "reason": "ContextTooLarge"}
+    gone = {**queued(3.0, "ns/d"), "from": "Queued", "to": "Released", "reason": "MindDeleted"}
+    log.append("ns/e", 1, [capacity(1.0), queued(1.0, "ns/a"), queued(1.0, "ns/b"),
+                           queued(1.0, "ns/d")])  # fmt: skip
+    log.append("ns/e", 2, [granted, refused, {**queued(2.5, "ns/b"), "from": "Queued",
+                                              "reason": "PoolFull"}])  # fmt: skip
+    log.append("ns/e", 3, [gone])
+    expected = {"ns/b": ("Queued", "PoolFull", 2.5), "ns/c": ("Released", "ContextTooLarge", 2.0)}
+    for reader in (log, TransitionLog(path)):  # as written, and as a new leader reads the file
+        waiting = reader.waiting("ns/e")
+        assert waiting is not None
+        assert {m: (p.state, p.reason, p.t) for m, p in waiting.items()} == expected
+    assert TransitionLog(None).waiting("ns/e") is None  # no log: nothing to follow

@@ -2,7 +2,8 @@
 
 The operator hands in a snapshot (every node's board, whether its Lease is fresh, its labels,
 the leases others hold) and gets back a typed decision: the chosen plan, and a verdict for every
-node it looked at, so an unschedulable Engine can say why node by node. Pure: no API, no clock.
+node it looked at: `core.unfit` summarises them for an unschedulable Engine's condition, and
+`continuum place` prints them node by node. Pure: no API, no clock.
 
 Ranking, best first:
 1. plans that put every layer on the device (the spec's full ask of the GPU);
@@ -67,10 +68,6 @@ class Decision:
         return sum(
             1 for v in self.verdicts if v.excluded is None or v.excluded is Exclusion.UNSCHEDULABLE
         )
-
-    def summary(self) -> str:
-        """One line per node, for a condition message and `kubectl describe`."""
-        return "; ".join(f"{v.node}: {v.message}" for v in self.verdicts) or "no nodes have boards"
 
 
 def with_unmeasured(board: Board, assumed: Iterable[Lease]) -> Board:

@@ -114,6 +114,11 @@ class EngineFacts:
     runtime: RuntimeReport = RuntimeReport()
 
 
+def planned_message(node: str, layers_on_device: int, total_layers: int, minds: int) -> str:
+    """The Planned condition's message for a plan in force (`continuum place` prints it too)."""
+    return f"{layers_on_device}/{total_layers} layers on the device of {node}, {minds} minds"
+
+
 def _c(t: ConditionType, status: bool, reason: Reason, message: str, gen: int | None) -> Condition:
     return Condition(
         type=str(t),
@@ -135,16 +140,8 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
     elif p is None:
         out.append(_c(T.PLANNED, False, Reason.NOT_PLACED, "no node takes this engine yet", gen))
     else:
-        out.append(
-            _c(
-                T.PLANNED,
-                True,
-                Reason.PLANNED,
-                f"{p.layers_on_device}/{p.total_layers} layers on the device of {p.node}, "
-                f"{p.minds_grantable} minds",
-                gen,
-            )
-        )
+        message = planned_message(p.node, p.layers_on_device, p.total_layers, p.minds_grantable)
+        out.append(_c(T.PLANNED, True, Reason.PLANNED, message, gen))
 
     refused = f.runtime.refused if p is not None else None
     if refused is not None:

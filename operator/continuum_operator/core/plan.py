@@ -136,6 +136,9 @@ class ServingPlan:
     reasons: tuple[Reason, ...] = field(default_factory=tuple)
     receipt: Receipt | None = None
     """The receipt whose buffers are the plan's bytes; None: they are estimated."""
+    shortfall_bytes: int | None = None
+    """Unschedulable for want of memory: how many bytes the smallest plan asks beyond its
+    tightest budget (what "closest node" is ranked by); None otherwise. Not in `to_dict`."""
 
     @property
     def source(self) -> BytesSource:
@@ -340,6 +343,17 @@ class _Fit:
     def fits(self, parts: tuple[PartBytes, PartBytes]) -> bool:
         return self.device_fits(parts[0]) and self.rest_fits(*parts)
 
+    def shortfall(self, device: PartBytes, host: PartBytes) -> int:
+        """Bytes the parts ask beyond their tightest budget (0 when they fit)."""
+        over = [0]
+        if self.check_device and self.budget.device is not None:
+            over.append(device.in_use - self.budget.device)
+        if self.budget.host is not None:
+            over.append(host.in_use - self.budget.host)
+        if self.budget.shared is not None:
+            over.append(device.in_use + host.in_use - self.budget.shared)
+        return max(over)
+
 
 def _last_true(lo: int, hi: int, pred: Any) -> int | None:
     """The largest x in [lo, hi] with pred(x), for a pred true up to a point; None if none."""
@@ -405,7 +419,11 @@ def plan(
         return value
 
     def unschedulable(
-        code: ReasonCode, message: str, gpus: tuple[int, ...] = (), budget: Budget | None = None
+        code: ReasonCode,
+        message: str,
+        gpus: tuple[int, ...] = (),
+        budget: Budget | None = None,
+        shortfall: int | None = None,
     ) -> ServingPlan:
         reasons.append(Reason(code, message))
         return ServingPlan(
@@ -427,6 +445,7 @@ def plan(
             charges=(),
             engine_args=(),
             reasons=tuple(reasons),
+            shortfall_bytes=shortfall,
         )
 
     host_view = board.host_view()
@@ -549,6 +568,7 @@ def plan(
             f"(reserve {_mib(reserve)} per pool kept free). {fix}",
             gpus,
             budget,
+            fit.shortfall(device, host),
         )
 
     minds = _last_true(lo_minds, hi_minds, lambda m: fit.fits(sizer.parts(level, m)))

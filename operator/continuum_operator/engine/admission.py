@@ -77,6 +77,11 @@ class Refusal(StrEnum):
     UNAUTHENTICATED = "unauthenticated"
 
 
+#: The reason of a `429` to a mind the grant table does not list while it lists only the head
+#: of its queue.
+BEYOND_TABLE = "BeyondTable"
+
+
 class Answer(StrEnum):
     ADMIT = "admit"
     REFUSE = "refuse"
@@ -105,6 +110,9 @@ class GrantTable:
     slot_tokens: int
     phase: EnginePhase = EnginePhase.SERVING
     entries: Mapping[str, TableEntry] = field(default_factory=dict)
+    # The Engine object lists only the head of a long queue (`status.grantQueue`, docs/grants.md
+    # "Bounded"): a mind it does not list may be queued behind it.
+    left_out: bool = False
 
     def entry(self, mind: str) -> TableEntry | None:
         return self.entries.get(mind)
@@ -205,7 +213,8 @@ def parse_table(doc: Any, *, where: str = "grant table") -> GrantTable:
         if e.mind in entries:
             raise GrantTableError(f"{where}.grants[{i}]: {e.mind} is listed twice")
         entries[e.mind] = e
-    return GrantTable(slot_tokens=slot_tokens, phase=phase, entries=entries)
+    left_out = isinstance(doc.get("queue"), Mapping)
+    return GrantTable(slot_tokens=slot_tokens, phase=phase, entries=entries, left_out=left_out)
 
 
 def table_from_engine(obj: Mapping[str, Any]) -> GrantTable:
@@ -219,6 +228,7 @@ def table_from_engine(obj: Mapping[str, Any]) -> GrantTable:
         "slotTokens": plan.get("contextTokensPerMind") or spec.get("contextTokensPerMind"),
         # A draining or relaunching engine shows in its entries (EngineRelaunching reasons).
         "grants": status.get("grants") or [],
+        "queue": status.get("grantQueue"),
     }
     return parse_table(doc, where=f"{where} status")
 
@@ -323,6 +333,21 @@ def admit_turn(
             relaunch_retry,
         )
     entry = table.entry(mind)
+    if entry is None and table.left_out:
+        # Not in the head of the queue the Engine lists: queued behind it, as far as the
+        # gateway can tell (her Mind's status.grant says her place).
+        return _refuse(
+            Refusal.QUEUED,
+            429,
+            {
+                "reason": BEYOND_TABLE,
+                "position": None,
+                "message": f"{mind} is not among the minds this engine's grant table lists; "
+                "a long queue is listed only from its head: her Mind's status.grant says her "
+                "place (kubectl get mind -o wide)",
+            },
+            queued_retry,
+        )
     if entry is None:
         return _refuse(
             Refusal.FORBIDDEN,

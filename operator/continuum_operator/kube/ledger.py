@@ -25,10 +25,11 @@ Neighbours: `kube.minds` (reads the cache, calls `step`, writes), `core.grants`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -45,16 +46,21 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
+from continuum_operator.kube.transition_log import Place
 from continuum_operator.model.mind import GrantState, ProjectedState
 
 __all__ = [
     "CAPACITY_FIELD",
+    "QUEUE_FIELD",
+    "QUEUE_KEPT",
+    "REFUSED_KEPT",
     "STEP_FIELD",
     "LedgerStep",
     "MindConditionType",
     "QuotaLimit",
     "Refused",
     "RouteReason",
+    "bounded",
     "capacity_line",
     "capacity_of",
     "demands_of",
@@ -72,6 +78,8 @@ __all__ = [
     "released_of",
     "route_minds",
     "step",
+    "tail_from_log",
+    "tail_from_minds",
     "tokens_held",
     "transition_line",
 ]
@@ -81,6 +89,18 @@ CAPACITY_FIELD = "grantCapacity"
 #: Beside `status.grants`, written in the same replace: the last step's log lines, so a leader
 #: that died between the ledger write and the log append has its step logged by the next one.
 STEP_FIELD = "grantStep"
+#: Beside `status.grants`, only when entries were left out of it: how many minds are queued and
+#: refused in all, and how many of each the object keeps (docs/grants.md, "Bounded").
+QUEUE_FIELD = "grantQueue"
+
+# The Engine object holds every holder, the head of the queue and the first refusals, and its
+# journal the lines of those minds only; the rest of a long queue is each Mind's own (her
+# `status.grant`, as Kueue keeps a pending Workload's state on the Workload) and the log's. The
+# numbers bound the object whatever the number of minds: 320 entries of about 200 bytes and
+# their journal lines (a few each a step, about 260 bytes a line) beside one entry per slot,
+# under etcd's 1.5 MiB request limit.
+QUEUE_KEPT = 256
+REFUSED_KEPT = 64
 
 _HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
 # Queue reasons that are the engine's, not the pool's: the projection says why it is not serving.
@@ -104,7 +124,8 @@ class RouteReason(StrEnum):
 
 # The ledger's times: microseconds in the entries, exact (read back as the same float) in the
 # journaled step, so that a step is logged with the times it was decided at.
-iso_micro = rfc3339.format_micro
+# (Cached: a step writes every entry's `since`, and a long queue's are the same few instants.)
+iso_micro = functools.lru_cache(maxsize=65536)(rfc3339.format_micro)
 rfc3339_exact = rfc3339.format_exact
 unix_of = rfc3339.parse_exact
 
@@ -113,9 +134,17 @@ unix_of = rfc3339.parse_exact
 _JOURNAL_TIMES = ("t", "deadline")
 
 
-def journal(seq: int, t: float, lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def journal(
+    seq: int, t: float, lines: Iterable[Mapping[str, Any]], kept: Collection[str] | None = None
+) -> dict[str, Any]:
     """`status.grantStep`: a step's seq, time and log lines, times as RFC 3339 for a reader of
-    the Engine (the log keeps Unix seconds; `read_journal` turns them back exactly)."""
+    the Engine (the log keeps Unix seconds; `read_journal` turns them back exactly).
+
+    With `kept` (the minds the object keeps entries of), the lines of the others (queued or
+    refused beyond the object's head, whose entries are not in it either) are counted
+    (`omitted`), not kept: a leader that appends this step after a crash appends what the
+    object holds, and the minds beyond are decided again from what the log holds (docs/grants.md,
+    "Bounded")."""
 
     def text(line: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -123,7 +152,14 @@ def journal(seq: int, t: float, lines: Iterable[Mapping[str, Any]]) -> dict[str,
             for k, v in line.items()
         }
 
-    return {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in lines]}
+    every = list(lines)
+    shown = every
+    if kept is not None:
+        shown = [x for x in every if x.get("event") != "transition" or x.get("mind") in kept]
+    doc: dict[str, Any] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
+    if len(shown) < len(every):
+        doc["omitted"] = len(every) - len(shown)
+    return doc
 
 
 def read_journal(doc: Any) -> dict[str, Any] | None:
@@ -233,6 +269,99 @@ def grant_entries(
         if g.reason in REFUSALS and g.mind in asked:
             e["askedTokens"] = asked[g.mind]
         out.append(e)
+    return out
+
+
+def bounded(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """What the Engine object keeps of a ledger's entries: every holder, the first
+    `QUEUE_KEPT` of the queue and the first `REFUSED_KEPT` refusals; and `status.grantQueue`
+    (the totals, and what is kept), or None when nothing was left out."""
+    kept: list[dict[str, Any]] = []
+    queued = refused = 0
+    for e in entries:
+        state = e.get("state")
+        if state == GrantState.QUEUED:
+            queued += 1
+            if queued > QUEUE_KEPT:
+                continue
+        elif state == GrantState.RELEASED:
+            refused += 1
+            if refused > REFUSED_KEPT:
+                continue
+        kept.append(e)
+    if queued <= QUEUE_KEPT and refused <= REFUSED_KEPT:
+        return kept, None
+    return kept, {
+        "queued": queued,
+        "refused": refused,
+        "keptQueued": min(queued, QUEUE_KEPT),
+        "keptRefused": min(refused, REFUSED_KEPT),
+    }
+
+
+def tail_from_log(waiting: Mapping[str, Place], kept: Collection[str]) -> dict[str, Grant]:
+    """The entries an Engine object left out, as the transition log leaves them: every mind
+    whose last line has her queued or refused, not only those that still want a grant (one
+    deleted in a step the log lost leaves next step, logged). A new leader with a log decides
+    from this, so its next lines follow from the log's, whatever a crash left unwritten."""
+    out: dict[str, Grant] = {}
+    for name, p in waiting.items():
+        if name in kept:
+            continue
+        try:
+            reason = GrantReason(p.reason)
+            state = GrantState(p.state)
+        except ValueError:
+            continue
+        out[name] = Grant(
+            mind=name,
+            state=state,
+            reason=reason,
+            since=p.t,
+            priority=int(p.priority),
+            protection_window=p.window,
+        )
+    return out
+
+
+def tail_from_minds(
+    minds: Iterable[Mapping[str, Any]], kept: Collection[str], demands: Mapping[str, MindDemand]
+) -> dict[str, Grant]:
+    """The entries an Engine object left out, as each Mind's own status says them (a new
+    leader's view: the one that wrote the ledger kept them in memory). Only a Mind whose status
+    was written for her current spec (`status.observedGeneration`, so for this Engine) and says
+    Queued or Refused; the others are new to the ledger."""
+    out: dict[str, Grant] = {}
+    for m in minds:
+        name = mind_key(m)
+        status = m.get("status") or {}
+        grant = status.get("grant") or {}
+        demand = demands.get(name)
+        if name in kept or demand is None:
+            continue
+        if status.get("observedGeneration") != m["metadata"].get("generation"):
+            continue
+        since = _parse_time(grant.get("since"))
+        try:
+            reason = GrantReason(str(grant.get("reason")))
+        except ValueError:
+            continue
+        if since is None:
+            continue
+        if grant.get("state") == GrantState.QUEUED and reason not in REFUSALS:
+            state = GrantState.QUEUED
+        elif grant.get("state") == ProjectedState.REFUSED and reason in REFUSALS:
+            state = GrantState.RELEASED
+        else:
+            continue
+        out[name] = Grant(
+            mind=name,
+            state=state,
+            reason=reason,
+            since=since,
+            priority=demand.priority,
+            protection_window=demand.protection_window,
+        )
     return out
 
 
@@ -532,13 +661,18 @@ def released_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> set[s
 @dataclass(frozen=True, slots=True)
 class LedgerStep:
     """What one allocation step asks to write: the new ledger, the pools it went through (a
-    drain that ends goes on at once with the successor's pool) and the transitions under each."""
+    drain that ends goes on at once with the successor's pool) and the transitions under each.
+
+    `entries` is the whole ledger (the projections read it); `kept` and `queue` what the Engine
+    object holds of it (`bounded`)."""
 
     grants: dict[str, Grant]
     segments: tuple[tuple[Pool, tuple[Transition, ...]], ...]
     entries: list[dict[str, Any]]
     changed: bool
     review_at: float | None
+    kept: list[dict[str, Any]] = field(default_factory=list)
+    queue: dict[str, Any] | None = None
 
     @property
     def pool(self) -> Pool:
@@ -554,11 +688,16 @@ def step(
     now: float,
     policy: Policy,
     quota_left: Mapping[str, int] | None = None,
+    tail: Mapping[str, Grant] | None = None,
 ) -> LedgerStep:
     """One allocation of an engine's ledger at `now` (no API calls). `quota_left`: by
-    namespace, the tokens its minds may hold on this engine (`core.grants.allocate`)."""
+    namespace, the tokens its minds may hold on this engine (`core.grants.allocate`). `tail`:
+    the entries the Engine object left out (`status.grantQueue`), from the leader's memory of
+    its last write or from the Minds' own status (`tail_from_minds`)."""
     status = engine.get("status") or {}
     grants = read_grants(status.get("grants"))
+    for name, g in (tail or {}).items():
+        grants.setdefault(name, g)
     pool = capacity_of(engine, grants)
     released = released_of(engine, grants)
     result = allocate(
@@ -587,10 +726,22 @@ def step(
         segments.append((pool, result.transitions))
     asked = {n: d.context_tokens for n, d in demands.items()}
     entries = grant_entries(result.grants, demands, asked)
-    changed = (status.get(CAPACITY_FIELD) or None) != pool.to_status() or entries != (
-        status.get("grants") or []
+    kept, queue = bounded(entries)
+    changed = (
+        (status.get(CAPACITY_FIELD) or None) != pool.to_status()
+        or kept != (status.get("grants") or [])
+        or queue != status.get(QUEUE_FIELD)
+        or any(ts for _, ts in segments)  # a move of a mind the object does not keep
     )
-    return LedgerStep(result.grants, tuple(segments), entries, changed, result.review_at)
+    return LedgerStep(
+        result.grants,
+        tuple(segments),
+        entries,
+        changed,
+        result.review_at,
+        kept,
+        queue,
+    )
 
 
 def log_lines(

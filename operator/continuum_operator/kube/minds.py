@@ -10,7 +10,9 @@ served Engine something changed for (below), in turn:
    that want a grant, the gateway's slot releases (`status.runtime.slotReleases`) and the time;
 2. if the ledger changed, a replace of the Engine's status subresource conditioned on its
    resourceVersion (never a blind merge): the ledger, the pool it was made for and the step's
-   journal in one write; on 409 the Engine is read again and the step decided again;
+   journal in one write; on 409 the Engine is read again and the step decided again. The
+   object keeps the holders and the head of a long queue (`ledger.bounded`); the rest is kept
+   here (`tails`) and, for a new leader, read from the log or the Minds' status (`tail_of`);
 3. the step's lines appended to the transition log (`kube.transition_log`);
 4. each Mind's `status.grant` and conditions, a projection of her entry, written if changed;
 5. finalizers: a Mind of a served Engine carries `continuum.dev/grant` until her entry has left
@@ -56,7 +58,7 @@ from typing import Any, cast
 
 import kopf
 
-from continuum_operator.core.grants import GrantReason, MindDemand, Policy
+from continuum_operator.core.grants import Grant, GrantReason, MindDemand, Policy
 from continuum_operator.kube import crash, ledger
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey, format_time
@@ -330,6 +332,9 @@ class GrantsLoop:
         self.rules_seen: tuple[Any, ...] | None = None
         self.full_at = 0.0
         self.facts: dict[EngineKey, _EngineFacts] = {}
+        # Each engine's whole ledger as this leader last decided it: what its object leaves out
+        # (`ledger.bounded`) is here, for the next step and for the projections.
+        self.tails: dict[EngineKey, _Tail] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         # A new leader: the log as the last one left it, and any step it wrote but did not log
@@ -503,12 +508,14 @@ class GrantsLoop:
 
         # Held over every engine's ledger, not only those stepped (from `facts`: read once per
         # body).
-        quotas = _QuotaUse(limits, {k: f.entries for k, f in facts.items()})
+        quotas = _QuotaUse(
+            limits, {k: self.entries_of(k, f.body, f.entries) for k, f in facts.items()}
+        )
 
         def step(key: EngineKey, at: float | None = None) -> dict[str, Any] | None:
             written = self.step_engine(key, engines[key], demands(key), at, quotas.left(key))
             if written is not None:
-                quotas.stepped(key, written)
+                quotas.stepped(key, self.entries_of(key, written))
             return written
 
         stepped: list[tuple[EngineKey, dict[str, Any]]] = []
@@ -565,6 +572,7 @@ class GrantsLoop:
             jobs.extend(self.missing_engine_jobs(key, minds))
             self.engine_seen.pop(key, None)
             self.review_at.pop(key, None)
+            self.tails.pop(key, None)
             done.add(key)
         for qkey, quota in sorted(self.minds.quotas.items()):
             new = quota_status(quota, quotas, self.clock())
@@ -601,6 +609,45 @@ class GrantsLoop:
     def _due(self, body: Mapping[str, Any]) -> float | None:
         return _deadline((body.get("status") or {}).get("grants") or [])
 
+    def entries_of(
+        self,
+        key: EngineKey,
+        body: Mapping[str, Any],
+        stored: list[dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The engine's whole ledger: as this leader last decided it for this body's step, else
+        the entries its object holds."""
+        status = body.get("status") or {}
+        tail = self.tails.get(key)
+        if tail is not None and tail.seq == _seq(status):
+            return tail.entries
+        return stored if stored is not None else list(status.get("grants") or [])
+
+    def tail_of(
+        self, key: EngineKey, body: Mapping[str, Any], demands: Mapping[str, MindDemand]
+    ) -> dict[str, Grant]:
+        """The entries the Engine object left out (`status.grantQueue`): from this leader's
+        memory of the step it last decided there; else as the transition log leaves them (its
+        next lines then follow from the log's, whatever a crash left unwritten); else, with no
+        log, from the Minds' own status."""
+        status = body.get("status") or {}
+        stored = {str(e.get("mind")) for e in status.get("grants") or []}
+        tail = self.tails.get(key)
+        if tail is not None and tail.seq == _seq(status):
+            return {m: g for m, g in tail.grants.items() if m not in stored}
+        waiting = self.log.waiting(f"{key[0]}/{key[1]}")
+        if waiting is not None:
+            return ledger.tail_from_log(waiting, stored)
+        if status.get(ledger.QUEUE_FIELD) is None:
+            return {}  # nothing was left out
+        return ledger.tail_from_minds(self.minds.minds_of([key]).get(key, []), stored, demands)
+
+    def remember(self, key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep) -> None:
+        """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
+        kept = {str(e.get("mind")) for e in s.kept}
+        left_out = {m: g for m, g in s.grants.items() if m not in kept}
+        self.tails[key] = _Tail(_seq(body.get("status") or {}), left_out, s.entries)
+
     def step_engine(
         self,
         key: EngineKey,
@@ -618,12 +665,14 @@ class GrantsLoop:
                 now = at
             else:
                 now = self.log.time(due if due is not None and due <= wall else wall)
-            s = ledger.step(body, demands, now, self.policy, quota_left)
+            tail = self.tail_of(key, body, demands)
+            s = ledger.step(body, demands, now, self.policy, quota_left, tail)
             if s.review_at is not None:
                 self.review_at[key] = s.review_at
             else:
                 self.review_at.pop(key, None)
             if not s.changed:
+                self.remember(key, body, s)
                 return body
             if not self.may_write():
                 return None
@@ -652,9 +701,14 @@ class GrantsLoop:
             status = dict(body.get("status") or {})
             seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
             lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
-            status["grants"] = s.entries
+            status["grants"] = s.kept
             status[ledger.CAPACITY_FIELD] = s.pool.to_status()
-            status[ledger.STEP_FIELD] = ledger.journal(seq, now, lines)
+            kept = {str(e.get("mind")) for e in s.kept}
+            status[ledger.STEP_FIELD] = ledger.journal(seq, now, lines, kept)
+            if s.queue is not None:
+                status[ledger.QUEUE_FIELD] = s.queue
+            else:
+                status.pop(ledger.QUEUE_FIELD, None)
             doc = {
                 "apiVersion": API_VERSION,
                 "kind": "Engine",
@@ -683,11 +737,17 @@ class GrantsLoop:
                     log.warning("re-reading Engine %s failed: %s", engine, err2)
                     return None
                 self.engines.observe_engine(body, deleted=False, nudge=False)
-                s = ledger.step(body, self._demands_of(key), now, self.policy, quota_left)
+                wanted = self._demands_of(key)
+                tail = self.tail_of(key, body, wanted)
+                s = ledger.step(body, wanted, now, self.policy, quota_left, tail)
                 if not s.changed:
+                    self.remember(key, body, s)
                     return body
                 continue
             crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
+            before = {**self.tail_of(key, body, {}), **ledger.read_grants(
+                (body.get("status") or {}).get("grants"))}  # fmt: skip
+            self.remember(key, answer, s)
             self.engines.observe_engine(answer, deleted=False, nudge=False)
             self.log.append(engine, seq, lines)
             crash.reached(crash.CrashPoint.AFTER_LOG)
@@ -697,7 +757,7 @@ class GrantsLoop:
                 name,
                 s.transitions(),
                 # The ledger this step started from: when a wait began, when a reclaim did.
-                ledger.read_grants((body.get("status") or {}).get("grants")),
+                before,
                 sum(1 for x in states if x in _HOLDING),
                 states.count(GrantState.QUEUED.value),
             )
@@ -747,7 +807,7 @@ class GrantsLoop:
         finalizers (on a Mind holding a slot, whose deletion must release it first; off a
         deleted Mind once the ledger no longer holds her)."""
         status = engine.get("status") or {}
-        entries = {str(e.get("mind")): e for e in status.get("grants") or []}
+        entries = {str(e.get("mind")): e for e in self.entries_of(key, engine)}
         pool = status.get(ledger.CAPACITY_FIELD) or {}
         slot_tokens = int(pool.get("tokensPerSlot") or 0)
         name = f"{key[0]}/{key[1]}"
@@ -960,6 +1020,24 @@ class _EngineFacts:
         return cls(body, _deadline(entries), entries)
 
 
+@dataclass(frozen=True)
+class _Tail:
+    """An engine's ledger as this leader last decided it, for the step whose journal has `seq`:
+    the grants its object leaves out, and every entry (the projections read them)."""
+
+    seq: int
+    grants: dict[str, Grant]
+    entries: list[dict[str, Any]]
+
+
+def _seq(status: Mapping[str, Any]) -> int:
+    """The journal's seq of the ledger an Engine's status holds (0: never written)."""
+    try:
+        return int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _deadline(entries: Iterable[Mapping[str, Any]]) -> float | None:
     """The earliest grace deadline of a ledger's entries."""
     deadlines = [
@@ -1010,8 +1088,8 @@ class _QuotaUse:
                 for ns, lim in self.limits.items()
             }
 
-    def stepped(self, key: EngineKey, body: Mapping[str, Any]) -> None:
-        entries = (body.get("status") or {}).get("grants") or []
+    def stepped(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
+        """The engine's whole ledger after its step (not only what its object keeps)."""
         held = ledger.tokens_held(entries) if self.limits else {}
         with self.lock:
             for ns, n in self.by_engine.get(key, {}).items():

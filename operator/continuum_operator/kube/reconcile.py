@@ -24,10 +24,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from continuum_operator.core import conditions as cond
-from continuum_operator.core import gpu_check
+from continuum_operator.core import gpu_check, unfit
 from continuum_operator.core.bestfit import (
     Decision,
-    Exclusion,
     NodeView,
     choose,
     matches,
@@ -160,23 +159,9 @@ def pods_on(snap: Snapshot, node: str, settings: OperatorSettings) -> PodSetting
 
 
 def _unschedulable(decision: Decision) -> cond.Problem:
-    kinds = {v.excluded for v in decision.verdicts}
-    if not decision.verdicts:
-        reason = cond.Reason.NO_BOARDS
-        message = "no node has a NodeBoard yet (is the node agent running?)"
-    elif kinds <= {Exclusion.SELECTOR_MISMATCH, Exclusion.NODE_POOL_MISMATCH, Exclusion.NO_NODE}:
-        reason = cond.Reason.NO_MATCHING_NODE
-        message = "no node with a board matches spec.placement: " + decision.summary()
-    elif Exclusion.UNSCHEDULABLE in kinds:
-        reason = cond.Reason.INSUFFICIENT_MEMORY
-        message = "no node has room: " + decision.summary()
-    elif Exclusion.BACKING_OFF in kinds:
-        reason = cond.Reason.POD_NEVER_STARTED
-        message = "engine pods did not start: " + decision.summary()
-    else:
-        reason = cond.Reason.NO_FRESH_BOARD
-        message = "no matching node has a fresh board: " + decision.summary()
-    return cond.Problem(reason, message)
+    """Why no node takes it, in counts and the closest node (`core.unfit`: `continuum place`
+    prints the same message)."""
+    return unfit.explain(decision)
 
 
 def _planned(plan_doc: Mapping[str, Any], engine: Engine) -> cond.PlannedEngine:

@@ -17,6 +17,11 @@ Two rules keep the log checkable across crashes and leaders:
 - A step is the ledger write's, not the log's: the lines are also kept in the Engine's status
   (`status.grantStep`, written with the ledger). `recover` appends a journaled step the log
   lacks, found by its `seq` (a leader died between the ledger write and the append).
+
+The log also knows, for each engine, the minds whose last line left them waiting: queued, or
+refused (`places`). An Engine object keeps only the head of a long queue (docs/grants.md,
+"Bounded"); a new leader takes the rest from here, so that what it decides next follows from
+what the log says, line for line, whatever a crash left unwritten.
 Neighbours: `kube.minds` (the writer), `checklog` (the reader).
 """
 
@@ -27,9 +32,23 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["TransitionLog"]
+__all__ = ["Place", "TransitionLog"]
+
+#: Refusals (`Released` that a mind keeps while she asks too much): she stays listed.
+_REFUSALS = frozenset({"ContextTooLarge", "ClassLimit"})
+
+
+class Place(NamedTuple):
+    """A waiting mind's last line: state (`Queued`, or `Released` for a refusal), reason, `t`
+    (when that state began), priority and protection window."""
+
+    state: str
+    reason: str
+    t: float
+    priority: float
+    window: float
 
 
 class TransitionLog:
@@ -40,6 +59,7 @@ class TransitionLog:
         self.lock = threading.Lock()  # steps of several engines are written side by side
         self.last_t = 0.0
         self.seqs: dict[str, int] = {}  # engine -> last step seq in the file
+        self.places: dict[str, dict[str, Place]] = {}  # engine -> waiting mind -> her last line
         self.unsynced = False  # lines written since the last `sync`
         if path is not None and path.exists():
             self._scan(path)
@@ -59,6 +79,30 @@ class TransitionLog:
                 seq, engine = line.get("seq"), line.get("engine")
                 if isinstance(seq, int) and isinstance(engine, str):
                     self.seqs[engine] = max(self.seqs.get(engine, 0), seq)
+                self._place(line)
+
+    def _place(self, line: Mapping[str, Any]) -> None:
+        """Keep a transition's mind in `places` while it leaves her waiting."""
+        engine, mind = line.get("engine"), line.get("mind")
+        if line.get("event") != "transition" or not isinstance(engine, str):
+            return
+        if not isinstance(mind, str):
+            return
+        to, reason = line.get("to"), str(line.get("reason"))
+        waiting = to == "Queued" or (to == "Released" and reason in _REFUSALS)
+        places = self.places.setdefault(engine, {})
+        if not waiting:
+            places.pop(mind, None)
+            return
+        t, priority, window = line.get("t"), line.get("priority"), line.get("protectionWindow")
+        numbers = [x if isinstance(x, int | float) else 0.0 for x in (t, priority, window)]
+        places[mind] = Place(str(to), reason, *map(float, numbers))
+
+    def waiting(self, engine: str) -> dict[str, Place] | None:
+        """The minds the log leaves waiting on an engine; None when no log is kept."""
+        if self.path is None:
+            return None
+        return dict(self.places.get(engine, {}))
 
     def time(self, now: float) -> float:
         """The time a step decided now is logged at: never before the last line."""
@@ -75,10 +119,8 @@ class TransitionLog:
 
     def _append(self, engine: str, seq: int, lines: Sequence[Mapping[str, Any]]) -> None:
         t = max(self.last_t, *(float(line["t"]) for line in lines))
-        text = "".join(
-            json.dumps({**line, "t": max(float(line["t"]), self.last_t), "seq": seq}) + "\n"
-            for line in lines
-        )
+        written = [{**line, "t": max(float(line["t"]), self.last_t), "seq": seq} for line in lines]
+        text = "".join(json.dumps(line) + "\n" for line in written)
         if self.path is not None:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -88,6 +130,9 @@ class TransitionLog:
             self.unsynced = True
         self.last_t = t
         self.seqs[engine] = max(self.seqs.get(engine, 0), seq)
+        if self.path is not None:
+            for line in written:
+                self._place(line)
 
     def sync(self) -> None:
         """Flush the lines written so far to disk (once a pass: group commit)."""

@@ -1,0 +1,235 @@
+"""An Engine's ledger stays bounded whatever the number of minds (`kube.ledger.bounded`,
+docs/grants.md "Bounded"): the object keeps every holder, the head of the queue and the first
+refusals, and its journal their lines; the rest is each Mind's own status and the log's. A new
+leader takes the rest from the log (or, with none, from the Minds' status), so the log stays
+whole across leaders and crashes: `check-log` judges it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from continuum_operator import checklog
+from continuum_operator.engine.admission import BEYOND_TABLE, Refusal, admit_turn, table_from_engine
+from continuum_operator.kube import ledger
+from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.minds import GrantsLoop
+from tests.unit.test_tenancy_loop import BASE, World, engine
+
+MiB = 2**20
+ENGINE = f"{BASE}/team-a/engines/coder"
+
+
+def mind(i: int, cls: str = "") -> dict[str, Any]:
+    minute, second = divmod(i, 60)
+    return {
+        "metadata": {"namespace": "team-a", "name": f"mind-{i:05d}", "resourceVersion": "1",
+                     "generation": 1,
+                     "creationTimestamp": f"2026-12-03T{6 + minute // 60:02d}:{minute % 60:02d}:"
+                                          f"{second:02d}Z"},
+        "spec": {"engine": "coder", "contextTokens": 256, **({"className": cls} if cls else {})},
+    }  # fmt: skip
+
+
+class Writes:
+    """The Engine status replaces the loop sends, serialised as the Kubernetes client sends
+    them (`json.dumps` of the body)."""
+
+    def __init__(self, w: World) -> None:
+        self.sizes: list[int] = []
+        self.bodies: list[dict[str, Any]] = []
+        real = w.api.request
+
+        def request(method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
+            if method == "PUT":
+                self.sizes.append(len(json.dumps(body).encode()))
+                self.bodies.append(body)
+            return real(method, path, body, **kw)
+
+        w.api.request = request  # type: ignore[method-assign]
+
+
+def log_lines(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines() if x]
+
+
+def grant_of(w: World, i: int) -> dict[str, Any]:
+    return dict(w.status("minds", "team-a", f"mind-{i:05d}")["grant"])
+
+
+def test_a_ledger_of_20000_minds_on_one_engine_stays_under_1_mib_per_object(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    writes = Writes(w)
+    # Of the 20,000 Minds' writes, those of the three read below run (the rest cost time only).
+    read = {f"team-a/mind-{i:05d}" for i in (0, 19, 19_999)}
+    w.loop.writer.submit = lambda priority, key, job: job() if key in read else None  # type: ignore[method-assign]
+    w.engine(engine("team-a", "coder", slots=20))
+    for i in range(20_000):
+        w.mind(mind(i))
+    w.loop.pass_once()
+
+    assert writes.sizes and max(writes.sizes) < MiB
+    obj = w.api.objects[ENGINE]
+    assert len(json.dumps(obj).encode()) < MiB
+    status = obj["status"]
+    states = [e["state"] for e in status["grants"]]
+    assert states.count("Granted") == 20 and states.count("Queued") == ledger.QUEUE_KEPT
+    assert status[ledger.QUEUE_FIELD] == {
+        "queued": 19_980, "refused": 0, "keptQueued": ledger.QUEUE_KEPT, "keptRefused": 0
+    }  # fmt: skip
+    # Every mind's place is hers, in her own status: the first 20 granted, the last one last.
+    assert grant_of(w, 0)["state"] == "Granted" and grant_of(w, 19)["state"] == "Granted"
+    assert grant_of(w, 19_999)["state"] == "Queued"
+    assert grant_of(w, 19_999)["message"].startswith("queued at position 19980 (PoolFull)")
+    assert checklog.check(log_lines(tmp_path)) == []
+
+
+@pytest.fixture
+def small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounds at a size a test can read: 5 queued and 2 refused entries kept."""
+    monkeypatch.setattr(ledger, "QUEUE_KEPT", 5)
+    monkeypatch.setattr(ledger, "REFUSED_KEPT", 2)
+
+
+def new_leader(w: World, tmp_path: Path, log: bool = True) -> None:
+    """Another replica takes over: the same API and watches (and log, unless `log` is False),
+    none of the last one's memory."""
+    path = tmp_path / "log.jsonl" if log else None
+    settings = GrantSettings(transition_log=path, write_workers=2)
+    w.loop = GrantsLoop(w.api, settings, w.engines, w.cache, clock=lambda: 1_000.0)  # type: ignore[arg-type]
+    w.loop.writer.submit = lambda priority, key, job: job()  # type: ignore[method-assign]
+
+
+def logged(w: World) -> list[dict[str, Any]]:
+    """The lines the current leader appends from now on (kept even when it keeps no file)."""
+    lines: list[dict[str, Any]] = []
+    append = w.loop.log.append
+
+    def capture(engine: str, seq: int, step: Any) -> None:
+        lines.extend(step)
+        append(engine, seq, step)
+
+    w.loop.log.append = capture  # type: ignore[method-assign,assignment]
+    return lines
+
+
+@pytest.mark.usefixtures("small")
+@pytest.mark.parametrize("log", [True, False], ids=["from-the-log", "from-the-minds-status"])
+def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_minds(
+    tmp_path: Path, log: bool
+) -> None:
+    w = World(tmp_path)
+    writes = Writes(w)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(12):
+        w.mind(mind(i))
+    lines = logged(w)
+    w.loop.pass_once()
+    kept = [e["mind"][-2:] for e in w.api.objects[ENGINE]["status"]["grants"]]
+    assert kept == ["00", "01", "02", "03", "04", "05", "06"]
+    assert grant_of(w, 11)["message"].startswith("queued at position 10 (PoolFull)")
+    # Its first pass steps every engine: the five beyond the head are where they were (had it
+    # taken them for new, they would have arrived again: a write, and lines).
+    new_leader(w, tmp_path, log)
+    lines += logged(w)
+    w.loop.pass_once()
+    assert len(writes.sizes) == 1 and len(lines) == 1 + 24  # the capacity line, 12 x 2
+    # The granted leave (reclaimed, then released as the gateway reports), each step decided by
+    # a leader that never saw the queue beyond the head: it moves up, as it stood.
+    for i in (0, 1):
+        w.api.objects.pop(f"{BASE}/team-a/minds/mind-{i:05d}")
+        w.cache.forget(f"team-a/mind-{i:05d}")
+    new_leader(w, tmp_path, log)
+    lines += logged(w)
+    w.loop.pass_once()
+    body = w.api.objects[ENGINE]
+    reclaimed = [e for e in body["status"]["grants"] if e["state"] == "Reclaiming"]
+    assert [e["reason"] for e in reclaimed] == ["MindDeleted", "MindDeleted"]
+    releases = [{"mind": e["mind"], "slot": e["slot"], "grantSince": e["since"]} for e in reclaimed]
+    body["status"]["runtime"] = {"slotReleases": releases}
+    body["metadata"]["resourceVersion"] = str(int(body["metadata"]["resourceVersion"]) + 1)
+    w.engines.observe_engine(body, deleted=False, nudge=False)
+    new_leader(w, tmp_path, log)
+    lines += logged(w)
+    w.loop.pass_once()
+    assert grant_of(w, 2)["state"] == "Granted" and grant_of(w, 3)["state"] == "Granted"
+    assert grant_of(w, 11)["message"].startswith("queued at position 8 (PoolFull)")
+    arrivals = [x["mind"] for x in lines if x["event"] == "transition" and x["reason"] == "Arrived"]
+    assert sorted(arrivals) == [f"team-a/mind-{i:05d}" for i in range(12)]  # once each
+    assert checklog.check(lines) == []
+    if log:
+        assert checklog.check(log_lines(tmp_path)) == []
+
+
+@pytest.mark.usefixtures("small")
+def test_a_leader_killed_before_its_log_append_leaves_a_log_the_next_one_keeps_whole(
+    tmp_path: Path,
+) -> None:
+    """The journal holds the kept minds' lines only; what it left out, the next leader decides
+    again from the log: minds it never logged arrive, a deleted one it logged queued leaves."""
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(12):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    # A pass whose log append never happens (killed at after-ledger-write): six minds arrive
+    # beyond the head, one beyond it is deleted.
+    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    for i in range(12, 18):
+        w.mind(mind(i))
+    w.api.objects.pop(f"{BASE}/team-a/minds/mind-00010")
+    w.cache.forget("team-a/mind-00010")
+    w.loop.pass_once()
+    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    assert step["omitted"] == 6 * 2 + 1 and step["lines"] == []
+    new_leader(w, tmp_path)
+    w.loop.pass_once()  # recovers the journal (nothing of the kept minds), then decides
+    lines = log_lines(tmp_path)
+    moves = [(x["mind"][-2:], x["to"], x["reason"]) for x in lines if x["event"] == "transition"]
+    assert ("10", "Released", "MindDeleted") in moves
+    assert sorted(m for m, _, r in moves if r == "Arrived") == [f"{i:02d}" for i in range(18)]
+    assert checklog.check(lines) == []
+
+
+@pytest.mark.usefixtures("small")
+def test_a_steps_journal_keeps_the_lines_of_the_minds_the_object_keeps_and_counts_the_rest(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(20):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    body = w.api.objects[ENGINE]
+    body["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": "Relaunching"}]
+    body["metadata"]["resourceVersion"] = "999"
+    w.engines.observe_engine(body, deleted=False, nudge=False)
+    w.loop.pass_once()  # not ready: eighteen queued minds told why they wait
+    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    kept = {e["mind"] for e in w.api.objects[ENGINE]["status"]["grants"]}
+    journaled = [x for x in step["lines"] if x["event"] == "transition"]
+    in_log = [x for x in log_lines(tmp_path) if x.get("seq") == step["seq"]]
+    assert step["omitted"] == len(in_log) - len(step["lines"]) > 0
+    assert {x["mind"] for x in journaled} <= kept
+    assert len(journaled) == sum(1 for x in in_log if x.get("mind") in kept)
+    assert checklog.check(log_lines(tmp_path)) == []
+
+
+def test_a_mind_the_table_does_not_list_is_queued_behind_its_head_when_it_lists_only_the_head() -> (
+    None
+):
+    body = engine("team-a", "coder", slots=1)
+    body["status"]["grants"] = [{"mind": "team-a/a", "state": "Granted", "reason": "SlotFree",
+                                 "slot": 0, "tokens": 1000}]  # fmt: skip
+    answer = admit_turn(table_from_engine(body), "team-a/z")
+    assert (answer.status, answer.refusal) == (403, Refusal.FORBIDDEN)
+    body["status"][ledger.QUEUE_FIELD] = {"queued": 300, "refused": 0, "keptQueued": 256,
+                                          "keptRefused": 0}  # fmt: skip
+    answer = admit_turn(table_from_engine(body), "team-a/z")
+    assert (answer.status, answer.refusal) == (429, Refusal.QUEUED)
+    assert answer.body["reason"] == BEYOND_TABLE and "status.grant" in answer.body["message"]
