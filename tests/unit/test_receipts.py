@@ -169,6 +169,23 @@ def test_a_receipt_under_another_key_is_not_used(change: dict[str, object]) -> N
     assert ReasonCode.RECEIPT_USED not in {r.code for r in p.reasons}
 
 
+def test_an_engine_of_a_context_under_512_finds_its_receipt_under_llamas_clamped_micro_batch() -> (
+    None
+):
+    # Seen on the real node: llama.cpp ran a 256-token engine with n_ubatch 256 (it clamps the
+    # micro-batch to the context), and the plan, asking for 512, never used the receipt.
+    b = board(board_body("unknown", [{"kind": "host", "capacityBytes": 64 * GiB}]))
+    e = engine(engine_body(model={"sha256": SHA, "facts": engine_body()["spec"]["model"]["facts"]},
+                           offload="none", minds={"min": 1, "max": 1},
+                           contextTokensPerMind=256))  # fmt: skip
+    assert e.spec.model.facts is not None
+    small = _receipt(context_tokens=256, micro_batch_tokens=256)
+    p = plan(b, e.spec, e.spec.model.facts, receipts=[small])
+    assert ReasonCode.RECEIPT_USED in {r.code for r in p.reasons}
+    p = plan(b, e.spec, e.spec.model.facts, receipts=[_receipt(context_tokens=256)])
+    assert ReasonCode.RECEIPT_USED not in {r.code for r in p.reasons}  # 512: not what ran
+
+
 def test_a_receipt_of_another_build_is_not_used_when_the_build_is_known() -> None:
     assert ReasonCode.RECEIPT_USED not in {
         r.code for r in _cpu_plan([_receipt()], build="b1").reasons

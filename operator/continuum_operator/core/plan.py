@@ -261,7 +261,11 @@ class _Sizer:
             layers_on_device=j,
             gpus=self.gpus,
             parallel=minds,
-            micro_batch_tokens=MICRO_BATCH_TOKENS,
+            # llama.cpp clamps its micro-batch to the context (n_ubatch <= n_batch <= n_ctx), so
+            # an engine of a context under 512 files its receipt under the smaller one.
+            micro_batch_tokens=min(
+                MICRO_BATCH_TOKENS, kv_cells_per_sequence(self.context_per_mind) * minds
+            ),
             flash_attention=True,
         )
 
