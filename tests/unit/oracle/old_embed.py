@@ -1,0 +1,564 @@
+"""Embed lanes: where an embedding context resides, what it costs per pool, and its floors.
+
+docs/design.md rule 6: an embedding is charged where it resides. The seed system leased a fixed
+1,792 MiB of VRAM for every lane, even where the lane's context lived in host memory; here the
+charge follows the backend and the engine beside the lane:
+
+- `Residence.DEVICE` when the backend offloads to a GPU and the engine offloads every layer
+  (the lane's layers follow the engine's onto the device);
+- `Residence.HOST` when the backend cannot offload, or the engine offloads no layer;
+- `Residence.SPLIT` when the engine offloads some layers but not all, or the backend has not
+  said whether it offloads: llama.cpp may put any part of the lane's context on either side, so
+  each pool is charged its upper bound, the whole context.
+
+`ContextBytes {device, host}` of a context of N tokens come from receipts (the lane runtime's
+measured buffers: bytes over tokens, per part) or, until one exists, from the estimate
+(`core.compute`). The ledger (`core.pools`) gets one lease per non-empty part, with a floor per
+pool at the bytes of the largest context the lane has embedded; a floor never falls while the
+lane lives (a calibration pass at that context sets it before the first request).
+
+`place_lane` sizes the lane's lease against a node's ledger: the largest context up to the
+lane's maximum that the pools hold, never below its floor and never over-committing a pool.
+`admit` decides one request against the lease: fits, waits (the pool holds less than the
+request now) or fails (larger than the lane's maximum), with a reason. Pure: no I/O, no clock.
+Neighbours: `core.pools` (the ledger), `core.placements` (leases read off lanes' status),
+`embed.lane` (the runtime that measures and serves), `kube.embedlanes` (writes the placement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from continuum_operator.core.compute import (
+    F16,
+    FRAGMENTATION,
+    KV_CELL_PAD,
+    GraphShape,
+    kv_cells_per_sequence,
+)
+from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.receipts import BufferKind, Receipt, is_host_buffer
+from continuum_operator.model.board import MemoryMode
+from continuum_operator.model.engine import KvCacheType, ModelFacts
+
+__all__ = [
+    "MAX_PARALLEL_SEQUENCES",
+    "Admission",
+    "ContextBytes",
+    "LaneAsk",
+    "LanePlacement",
+    "LaneReason",
+    "LaneSizer",
+    "Residence",
+    "Verdict",
+    "admit",
+    "lane_charges",
+    "lane_leases",
+    "place_lane",
+    "raise_floors",
+    "residence",
+]
+
+#: llama.cpp's limit on parallel sequences; an embedding context holds min(batch, this).
+MAX_PARALLEL_SEQUENCES = 256
+F32 = 4
+
+
+class Residence(StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+    SPLIT = "split"
+
+
+class Verdict(StrEnum):
+    """Ordered as Kueue orders its modes: a later one is a better outcome."""
+
+    FAILS = "Fails"
+    WAITS = "Waits"
+    FITS = "Fits"
+
+
+class LaneReason(StrEnum):
+    DEVICE_RESIDENT = "DeviceResident"
+    HOST_BACKEND = "HostOnlyBackend"
+    ENGINE_ON_HOST = "EngineOnHost"
+    SPLIT_ENGINE = "SplitEngine"
+    BACKEND_UNREPORTED = "BackendUnreported"
+    DEVICE_UNGOVERNED = "DeviceUngoverned"
+    RECEIPT_USED = "ReceiptUsed"
+    ESTIMATED = "Estimated"
+    AT_MAX_CONTEXT = "AtMaxContext"
+    LIMITED_BY_POOL = "LimitedByPool"
+    POOL_UNSAMPLED = "PoolUnsampled"
+    POOL_BUSY = "PoolBusy"
+    INSUFFICIENT_MEMORY = "InsufficientMemory"
+    NO_POOL = "NoPool"
+    CONTEXT_TOO_LARGE = "ContextTooLarge"
+    NOT_PLACED = "NotPlaced"
+    FITS = "Fits"
+
+
+def residence(
+    *, backend_offloads: bool | None, layers_on_device: int, total_layers: int
+) -> tuple[Residence, LaneReason]:
+    """Where the lane's context lives, from the backend and the engine beside it (rule 6)."""
+    if layers_on_device <= 0:
+        return Residence.HOST, LaneReason.ENGINE_ON_HOST
+    if backend_offloads is False:
+        return Residence.HOST, LaneReason.HOST_BACKEND
+    if backend_offloads is None:
+        return Residence.SPLIT, LaneReason.BACKEND_UNREPORTED
+    if layers_on_device >= total_layers:
+        return Residence.DEVICE, LaneReason.DEVICE_RESIDENT
+    return Residence.SPLIT, LaneReason.SPLIT_ENGINE
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ContextBytes:
+    """Bytes of one lane context per side: what the device and the host each hold."""
+
+    device: int = 0
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host
+
+    def covers(self, other: ContextBytes) -> bool:
+        return self.device >= other.device and self.host >= other.host
+
+
+def context_cells(tokens: int) -> int:
+    """The cells a lane context of `tokens` holds (llama.cpp pads to 256)."""
+    return kv_cells_per_sequence(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSizer:
+    """ContextBytes of a lane at a context, from receipts when they exist, else the estimate.
+
+    A receipt at a context of at least N tokens bounds the bytes at N (a context's buffers grow
+    with it), so the smallest such receipt answers. Above every receipt, the largest receipt's
+    bytes over its tokens are scaled per part, and never taken below the estimate (attention's
+    mask grows with the square of the micro-batch, faster than the rate).
+    """
+
+    facts: ModelFacts
+    receipts: tuple[Receipt, ...] = ()
+    kv_cache_type: KvCacheType = KvCacheType.F16
+
+    def estimate(self, tokens: int) -> ContextBytes:
+        """llama.cpp's buffers for an embedding context of `tokens`, as one backend holds them:
+        the KV cells, the graph of one micro-batch of the whole context (an embedding is one
+        batch) and the output buffer (logits and embeddings per sequence, on the host)."""
+        cells = context_cells(tokens)
+        num, den = self.kv_cache_type.bytes_ratio_to_f16
+        kv = sum(-(-k * num // den) for k in self.facts.kv_f16_list()) * cells
+        shape = GraphShape.of(self.facts)
+        sequences = min(cells, MAX_PARALLEL_SEQUENCES)
+        output = sequences * (shape.vocab + shape.n_embd) * F32
+        return ContextBytes(device=0, host=kv + embedding_graph_bytes(shape, cells) + output)
+
+    def measured(self, tokens: int) -> ContextBytes | None:
+        usable = sorted(self.receipts, key=lambda r: r.context_tokens)
+        if not usable:
+            return None
+        for r in usable:
+            if r.context_tokens >= tokens:
+                return _receipt_parts(r)
+        top = usable[-1]
+        parts = _receipt_parts(top)
+        n = top.context_tokens
+        scaled = ContextBytes(-(-parts.device * tokens // n), -(-parts.host * tokens // n))
+        est = self.estimate(tokens).total
+        if scaled.total >= est:
+            return scaled
+        # Where the rate falls short of the estimate, the estimate's excess goes to the side
+        # that holds most of the context.
+        extra = est - scaled.total
+        if scaled.device > scaled.host:
+            return ContextBytes(scaled.device + extra, scaled.host)
+        return ContextBytes(scaled.device, scaled.host + extra)
+
+    def bytes_at(self, tokens: int) -> tuple[ContextBytes, LaneReason]:
+        """The lane's context bytes per side, and whether a receipt or the estimate said so."""
+        measured = self.measured(tokens)
+        if measured is not None:
+            return measured, LaneReason.RECEIPT_USED
+        return self.estimate(tokens), LaneReason.ESTIMATED
+
+
+#: Rows of slack on the embedding graph: inputs (tokens, positions, KV indices, output ids) and
+#: the allocator's alignment; fitted to receipts of generated embedding models (see below).
+EMBEDDING_SLACK_ROWS = 64
+
+
+def embedding_graph_bytes(shape: GraphShape, cells: int) -> int:
+    """The compute buffer of an embedding pass over `cells` tokens in one micro-batch.
+
+    As `core.compute.graph_bytes` with flash attention, except the output phase: every token
+    is an output in embedding mode, so the logits are `vocab` rows of the whole batch, and mean
+    pooling adds its `tokens x sequences` matrix while the mask is still live. The output phase
+    is the mask, the logits, 5 rows of n_embd (the residual, the norm, the embeddings and their
+    pooled copy) and the pooling matrix. Checked against llama.cpp's receipts of generated
+    embedding models (tests/e2e/test_embed_llama.py): never under, and within 30% of the whole
+    context's bytes.
+    """
+    e, f, v = shape.n_embd, shape.n_ff, shape.vocab
+    q = shape.n_head * shape.head_k
+    kv = shape.n_head_kv * (shape.head_k + shape.head_v)
+    mask = cells * F16 / F32  # in f32 rows of the batch
+    mean = min(cells, MAX_PARALLEL_SEQUENCES)
+    attention = mask + FRAGMENTATION * (4 * e + 2 * q + kv)
+    ffn = mask + FRAGMENTATION * (3 * f + 4 * e)
+    output = mask + v + 5 * e + mean
+    rows = max(attention, ffn, output) + EMBEDDING_SLACK_ROWS
+    return int(rows * cells * F32)
+
+
+def _receipt_parts(r: Receipt) -> ContextBytes:
+    """A receipt's context buffers (KV, compute, output) per side; weights are not context."""
+    kinds = (BufferKind.KV, BufferKind.COMPUTE, BufferKind.OUTPUT)
+    device = sum(b.bytes for b in r.buffers if b.kind in kinds and not is_host_buffer(b.device))
+    host = sum(b.bytes for b in r.buffers if b.kind in kinds and is_host_buffer(b.device))
+    return ContextBytes(device=device, host=host)
+
+
+def lane_charges(
+    board: Board, where: Residence, gpus: Sequence[int], cb: ContextBytes
+) -> dict[str, int]:
+    """Bytes per pool for a context of `cb` bytes residing `where` on `board`.
+
+    Device residence charges the device part to each of the engine's GPUs (an upper bound when
+    the engine spans several) and the host part to the host; host residence charges the whole
+    context to the host; a split charges the whole context to each side (each pool's upper
+    bound). Device and host views of a unified board are one pool: a part charged to one is
+    not charged again to the other, and a split there is charged once. On a board of unknown
+    memory mode the device is not governed and is charged nothing.
+    """
+    host_view = board.host_view()
+    if host_view is None:
+        return {}
+    out: dict[str, int] = {}
+
+    def charge(pool: str, n: int, *, upper_bound: bool) -> None:
+        if n <= 0:
+            return
+        out[pool] = max(out.get(pool, 0), n) if upper_bound else out.get(pool, 0) + n
+
+    total = cb.total
+    device_pools: list[str] = []
+    if board.memory_mode is MemoryMode.UNIFIED:
+        device_pools = [host_view.key]
+    elif board.memory_mode is MemoryMode.DISCRETE:
+        for g in gpus or (0,):
+            view = board.device_view(g)
+            if view is not None:
+                device_pools.append(view.key)
+    if where is Residence.HOST:
+        charge(host_view.key, total, upper_bound=False)
+    elif where is Residence.DEVICE:
+        # An estimate (or a host-only receipt) says nothing of sides: the context is device-side.
+        if cb.device == 0:
+            device_part, host_part = total, 0
+        else:
+            device_part, host_part = cb.device, cb.host
+        for pool in device_pools:
+            charge(pool, device_part, upper_bound=False)
+        charge(host_view.key, host_part, upper_bound=False)
+    else:
+        for pool in device_pools:
+            charge(pool, total, upper_bound=True)
+        charge(host_view.key, total, upper_bound=True)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LaneAsk:
+    """What one lane asks of one node: everything `place_lane` reads besides the ledger."""
+
+    consumer: str
+    max_context_tokens: int
+    largest_embedded_tokens: int = 0
+    floors: Mapping[str, int] = field(default_factory=dict)  # the floors it holds already
+    weights_bytes: int = 0  # a lane with a model of its own holds its weights too
+
+
+@dataclass(frozen=True, slots=True)
+class LanePlacement:
+    """Where a lane resides, what it holds per pool, and why."""
+
+    consumer: str
+    node: str
+    verdict: Verdict
+    reason: LaneReason
+    message: str
+    residence: Residence
+    residence_reason: LaneReason
+    source: LaneReason  # RECEIPT_USED or ESTIMATED
+    context_tokens: int  # the context the lease holds (0 when none)
+    context_bytes: ContextBytes
+    charges: Mapping[str, int]
+    floors: Mapping[str, int]
+    floor_tokens: int
+
+    def leases(self) -> list[Lease]:
+        return lane_leases(self.consumer, self.node, self.charges, self.floors)
+
+    def to_dict(self) -> dict[str, object]:
+        """The placement as EmbedLane `status.placement` holds it."""
+        pools = sorted(set(self.charges) | set(self.floors))
+        return {
+            "node": self.node,
+            "verdict": str(self.verdict),
+            "reason": str(self.reason),
+            "message": self.message,
+            "residence": str(self.residence),
+            "residenceReason": str(self.residence_reason),
+            "bytesSource": "receipt" if self.source is LaneReason.RECEIPT_USED else "estimate",
+            "contextTokens": self.context_tokens,
+            "floorTokens": self.floor_tokens,
+            "contextBytes": {"device": self.context_bytes.device, "host": self.context_bytes.host},
+            "pools": [
+                {
+                    "pool": p,
+                    "bytes": self.charges.get(p, 0),
+                    "floorBytes": self.floors.get(p, 0),
+                }
+                for p in pools
+            ],
+        }
+
+
+def lane_leases(
+    consumer: str, node: str, charges: Mapping[str, int], floors: Mapping[str, int]
+) -> list[Lease]:
+    """One lease per non-empty part; a floor the lane holds is leased even while it waits."""
+    leases = []
+    for pool in sorted(set(charges) | set(floors)):
+        n = max(charges.get(pool, 0), floors.get(pool, 0))
+        if n > 0:
+            leases.append(
+                Lease(consumer, ConsumerKind.EMBED_LANE, node, pool, n, floors.get(pool, 0))
+            )
+    return leases
+
+
+def raise_floors(floors: Mapping[str, int], charges: Mapping[str, int]) -> dict[str, int]:
+    """Floors never fall: each pool's floor is the larger of the old one and the new charge."""
+    out = dict(floors)
+    for pool, n in charges.items():
+        out[pool] = max(out.get(pool, 0), n)
+    return {p: n for p, n in out.items() if n > 0}
+
+
+def _candidate_contexts(floor_tokens: int, max_tokens: int) -> list[int]:
+    """Contexts worth leasing, ascending: whole multiples of llama.cpp's padding, and the max."""
+    lo = max(1, floor_tokens)
+    steps = list(range(context_cells(lo), max_tokens, KV_CELL_PAD))
+    return sorted({*(s for s in steps if s >= lo), max_tokens})
+
+
+def place_lane(
+    board: Board,
+    ledger: Ledger,
+    ask: LaneAsk,
+    sizer: LaneSizer,
+    *,
+    where: Residence,
+    residence_reason: LaneReason,
+    gpus: Sequence[int] = (),
+) -> LanePlacement:
+    """The lane's lease on `board`: the largest context up to its maximum that every charged
+    pool holds beside the other leases, crediting the lane's own lease; never below its floor.
+
+    Fits: a lease of at least the floor context (the largest embedded, or the first context
+    step). Waits: a pool is unsampled, or holds less than the floor now. Fails: a pool's
+    capacity less the floors of every other lease cannot hold the smallest context at all.
+    """
+    floor_tokens = max(1, ask.largest_embedded_tokens)
+    floors = dict(ask.floors)
+
+    def sized(tokens: int) -> tuple[ContextBytes, LaneReason]:
+        cb, source = sizer.bytes_at(tokens)
+        if ask.weights_bytes <= 0:
+            return cb, source
+        # Weights sit where the context does: the host part on the host, else the device part.
+        if where is Residence.HOST:
+            return ContextBytes(cb.device, cb.host + ask.weights_bytes), source
+        return ContextBytes(cb.device + ask.weights_bytes, cb.host), source
+
+    if ask.largest_embedded_tokens > 0:
+        # The lane holds this context already (its calibration pass allocated it).
+        floor_bytes, _ = sized(floor_tokens)
+        floors = raise_floors(floors, lane_charges(board, where, gpus, floor_bytes))
+    contexts = _candidate_contexts(floor_tokens, ask.max_context_tokens)
+
+    def done(
+        verdict: Verdict, reason: LaneReason, message: str, tokens: int, cb: ContextBytes,
+        charges: Mapping[str, int], source: LaneReason,
+    ) -> LanePlacement:  # fmt: skip
+        return LanePlacement(
+            consumer=ask.consumer,
+            node=board.node,
+            verdict=verdict,
+            reason=reason,
+            message=message,
+            residence=where,
+            residence_reason=residence_reason,
+            source=source,
+            context_tokens=tokens,
+            context_bytes=cb,
+            charges=dict(charges),
+            floors=floors,
+            floor_tokens=ask.largest_embedded_tokens,
+        )
+
+    if board.host_view() is None:
+        return done(
+            Verdict.WAITS, LaneReason.NO_POOL,
+            f"node {board.node}'s board reports no host pool yet", 0, ContextBytes(), {},
+            LaneReason.ESTIMATED,
+        )  # fmt: skip
+
+    def fits(charges: Mapping[str, int]) -> tuple[bool, str | None]:
+        for pool, n in charges.items():
+            if pool not in board.pools:
+                return False, pool
+            have = ledger.available_bytes(pool, crediting=ask.consumer)
+            if have is None or n > have:
+                return False, pool
+        return True, None
+
+    Tried = tuple[bool, str | None, tuple[int, ContextBytes, dict[str, int], LaneReason]]
+    tried: dict[int, Tried] = {}
+
+    def attempt(i: int) -> Tried:
+        if i not in tried:
+            tokens = contexts[i]
+            cb, source = sized(tokens)
+            charges = lane_charges(board, where, gpus, cb)
+            ok, pool = fits(charges)
+            tried[i] = (ok, pool, (tokens, cb, charges, source))
+        return tried[i]
+
+    # Bytes grow with the context: the largest context that fits is found by bisection.
+    best: tuple[int, ContextBytes, dict[str, int], LaneReason] | None = None
+    blocked: str | None = None
+    lo, hi = 0, len(contexts) - 1
+    if not attempt(0)[0]:
+        blocked = attempt(0)[1]
+    else:
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if attempt(mid)[0]:
+                lo = mid
+            else:
+                hi = mid - 1
+        best = attempt(lo)[2]
+        if lo + 1 < len(contexts):
+            blocked = attempt(lo + 1)[1]
+    if best is not None:
+        tokens, cb, charges, source = best
+        if tokens >= ask.max_context_tokens:
+            reason, message = (
+                LaneReason.AT_MAX_CONTEXT,
+                f"{tokens} tokens ({where}): the lane's whole spec.maxContextTokens",
+            )
+        else:
+            reason, message = (
+                LaneReason.LIMITED_BY_POOL,
+                f"{tokens} of up to {ask.max_context_tokens} tokens ({where}): pool {blocked} "
+                "holds no more beside the other leases; larger requests wait",
+            )
+        return done(Verdict.FITS, reason, message, tokens, cb, charges, source)
+
+    cb, source = sized(contexts[0])
+    charges = lane_charges(board, where, gpus, cb)
+    assert blocked is not None
+    blocked_pool = board.pools.get(blocked)
+    if blocked_pool is None:
+        return done(
+            Verdict.FAILS, LaneReason.NO_POOL,
+            f"node {board.node} has no pool {blocked} for a lane residing on the {where}",
+            0, cb, {}, source,
+        )  # fmt: skip
+    others_floor = sum(
+        lease.floor_bytes
+        for lease in ledger.leases
+        if lease.pool == blocked and lease.consumer != ask.consumer
+    )
+    need = charges[blocked]
+    if need > blocked_pool.capacity_bytes - others_floor:
+        return done(
+            Verdict.FAILS, LaneReason.INSUFFICIENT_MEMORY,
+            f"a context of {contexts[0]} tokens needs {_mib(need)} in pool {blocked}, whose "
+            f"capacity {_mib(blocked_pool.capacity_bytes)} less the floors of other consumers "
+            f"({_mib(others_floor)}) can never hold it; lower spec.maxContextTokens or place "
+            "the lane beside another engine",
+            0, cb, {}, source,
+        )  # fmt: skip
+    have = ledger.available_bytes(blocked, crediting=ask.consumer)
+    if have is None:
+        return done(
+            Verdict.WAITS, LaneReason.POOL_UNSAMPLED,
+            f"pool {blocked} on {board.node} has not been measured yet; the lane waits for "
+            "the node agent's first reading",
+            0, cb, {}, source,
+        )  # fmt: skip
+    return done(
+        Verdict.WAITS, LaneReason.POOL_BUSY,
+        f"a context of {contexts[0]} tokens needs {_mib(need)} in pool {blocked}, which has "
+        f"{_mib(have)} available beside the other leases; the lane waits for room",
+        0, cb, {}, source,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    verdict: Verdict
+    reason: LaneReason
+    message: str
+    tokens: int
+
+
+def admit(
+    request_tokens: Iterable[int], *, max_context_tokens: int, leased_context_tokens: int
+) -> Admission:
+    """One embedding request against the lane's lease: the largest input decides.
+
+    Fails when an input is larger than the lane's maximum (no lease could ever hold it), waits
+    when it is larger than the context the pool holds for the lane now, fits otherwise. A lane
+    never runs a context larger than its lease, so it never over-commits its pool.
+    """
+    tokens = max(request_tokens, default=0)
+    if tokens > max_context_tokens:
+        return Admission(
+            Verdict.FAILS,
+            LaneReason.CONTEXT_TOO_LARGE,
+            f"an input of {tokens} tokens is larger than the lane's spec.maxContextTokens "
+            f"({max_context_tokens}); split it, or raise maxContextTokens",
+            tokens,
+        )
+    if leased_context_tokens <= 0:
+        return Admission(
+            Verdict.WAITS,
+            LaneReason.NOT_PLACED,
+            "the lane holds no lease yet (status.placement); waiting for the operator to place it",
+            tokens,
+        )
+    if tokens > leased_context_tokens:
+        return Admission(
+            Verdict.WAITS,
+            LaneReason.POOL_BUSY,
+            f"an input of {tokens} tokens needs more than the {leased_context_tokens} tokens "
+            "the pool holds for the lane now; waiting for room",
+            tokens,
+        )
+    return Admission(Verdict.FITS, LaneReason.FITS, f"{tokens} tokens fit the lease", tokens)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"

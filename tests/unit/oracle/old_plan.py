@@ -1,0 +1,734 @@
+"""The serving plan: how an Engine runs on one node, as a pure function of its inputs.
+
+`plan(board, engine, facts, ledger)` decides layers on the device and the size of the KV pool
+(docs/design.md rule 4). Policy: the most layers on the device that still leave room for
+`minds.min` contexts, then the pool grows toward `minds.max`. Layers are counted as llama.cpp
+counts `--n-gpu-layers`: the repeating layers plus the output layer, which goes to the device
+only after every repeating layer; token embeddings stay on the host.
+
+Bytes are what llama.cpp allocates for the engine's arguments: KV cells per sequence padded to
+256 as llama.cpp pads them (one stream per mind: `--parallel` without `--kv-unified`), window
+layers at their window's cells, and the compute and output buffers of `core.compute`. Where a
+receipt (`core.receipts`) exists for the same model digest, context, KV type, placement and
+build, its measured buffers replace the estimate, and the plan says so: `source` is `receipt`
+and `receipt` holds the one used (docs/design.md rule 5), otherwise `source` is `estimate`.
+
+Budgets (rules 1-3):
+- discrete: each GPU's device pool after reserve and others' leases, bounded by the per-process
+  cap; the host pool after reserve. Several GPUs split the device part evenly.
+- unified: one pool. Device and host parts together fit what it has left after one reserve; the
+  device part also fits under the per-process cap, which never touches the host budget.
+- unknown: the host pool is governed; the device is not. `offload: auto` with no declared
+  `placement.deviceBudgetBytes` offloads nothing; an explicit offload is honoured unaccounted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from itertools import accumulate
+from typing import Any
+
+from continuum_operator.core.compute import (
+    MICRO_BATCH_TOKENS,
+    ComputeEstimate,
+    kv_cells_per_sequence,
+    window_cells_per_sequence,
+)
+from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.core.receipts import (
+    LOG_RESOLUTION_BYTES,
+    BufferKind,
+    Receipt,
+    ReceiptBook,
+    is_host_buffer,
+)
+from continuum_operator.model.board import MemoryMode
+from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts
+
+
+class BytesSource(StrEnum):
+    """Where a plan's bytes came from."""
+
+    RECEIPT = "receipt"  # what llama.cpp allocated for this very launch, measured
+    ESTIMATE = "estimate"  # computed from the model's facts (`core.compute`)
+
+
+class ReasonCode(StrEnum):
+    ALL_LAYERS_ON_DEVICE = "AllLayersOnDevice"
+    LAYERS_LIMITED_BY_DEVICE = "LayersLimitedByDeviceBudget"
+    LIMITED_BY_PER_PROCESS_CAP = "LimitedByPerProcessCap"
+    OFFLOAD_NONE = "OffloadNone"
+    OFFLOAD_FIXED = "OffloadFixed"
+    MINDS_AT_MAX = "MindsAtMax"
+    MINDS_LIMITED_BY_POOL = "MindsLimitedByPool"
+    MEMORY_MODE_UNKNOWN = "MemoryModeUnknown"
+    DEVICE_UNGOVERNED = "DeviceUngoverned"
+    DEVICE_BUDGET_DECLARED = "DeviceBudgetDeclared"
+    OFFLOAD_UNGOVERNED = "OffloadUngoverned"
+    POOL_UNSAMPLED = "PoolUnsampled"
+    COMPUTE_ESTIMATED = "ComputeEstimated"
+    COHERENT_DEVICE = "CoherentDevice"
+    NO_HOST_POOL = "NoHostPool"
+    NOT_ENOUGH_GPUS = "NotEnoughGpus"
+    OFFLOAD_DOES_NOT_FIT = "OffloadDoesNotFit"
+    INSUFFICIENT_MEMORY = "InsufficientMemory"
+    RECEIPT_USED = "ReceiptUsed"
+    EXPERT_OFFLOAD_NOT_PLANNED = "ExpertOffloadNotPlanned"
+    SLIDING_WINDOW_KV = "SlidingWindowKv"
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    code: ReasonCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PartBytes:
+    """Bytes one side (device or host) of a plan puts in its pool."""
+
+    weights: int = 0
+    kv: int = 0
+    compute: int = 0
+    reserve: int = 0
+
+    @property
+    def in_use(self) -> int:
+        """What the engine allocates: checked against budgets, which are net of reserve."""
+        return self.weights + self.kv + self.compute
+
+    @property
+    def total(self) -> int:
+        return self.in_use + self.reserve
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What each side may use, net of reserve; None where it is not governed."""
+
+    device: int | None
+    host: int | None
+    per_process_cap: int | None
+    shared: int | None = None  # unified: device and host together
+
+
+@dataclass(frozen=True, slots=True)
+class ServingPlan:
+    node: str
+    memory_mode: MemoryMode
+    governed: bool
+    schedulable: bool
+    layers_on_device: int
+    total_layers: int
+    gpu_servable: bool
+    pool_tokens: int
+    minds_grantable: int
+    context_tokens_per_mind: int
+    kv_cache_type: KvCacheType
+    gpus: tuple[int, ...]
+    budget: Budget
+    device: PartBytes
+    host: PartBytes
+    charges: tuple[tuple[str, int], ...]
+    engine_args: tuple[str, ...]
+    reasons: tuple[Reason, ...] = field(default_factory=tuple)
+    receipt: Receipt | None = None
+    """The receipt whose buffers are the plan's bytes; None: they are estimated."""
+
+    @property
+    def source(self) -> BytesSource:
+        return BytesSource.ESTIMATE if self.receipt is None else BytesSource.RECEIPT
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as `continuum plan -o json` prints it and Engine `status.plan` holds it."""
+
+        def part(p: PartBytes) -> dict[str, int]:
+            return {
+                "weights": p.weights,
+                "kv": p.kv,
+                "compute": p.compute,
+                "reserve": p.reserve,
+                "total": p.total,
+            }
+
+        return {
+            "node": self.node,
+            "memoryMode": str(self.memory_mode),
+            "governed": self.governed,
+            "schedulable": self.schedulable,
+            "layersOnDevice": self.layers_on_device,
+            "totalLayers": self.total_layers,
+            "gpuServable": self.gpu_servable,
+            "poolTokens": self.pool_tokens,
+            "mindsGrantable": self.minds_grantable,
+            "contextTokensPerMind": self.context_tokens_per_mind,
+            "kvCacheType": str(self.kv_cache_type),
+            "gpus": list(self.gpus),
+            "budget": {
+                "device": self.budget.device,
+                "host": self.budget.host,
+                "perProcessCap": self.budget.per_process_cap,
+                "shared": self.budget.shared,
+            },
+            "bytes": {"device": part(self.device), "host": part(self.host)},
+            "charges": [{"pool": pool, "bytes": n} for pool, n in self.charges],
+            "engineArgs": list(self.engine_args),
+            "reasons": [{"code": str(r.code), "message": r.message} for r in self.reasons],
+            "source": str(self.source),
+            "receipt": (
+                None
+                if self.receipt is None
+                else self.receipt.model_dump(mode="json", by_alias=True)
+            ),
+        }
+
+
+def _mib(n: int | None) -> str:
+    return "unbounded" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """The model's bytes arranged so that any offload level is a few additions."""
+
+    layers: int
+    input_bytes: int
+    output_bytes: int
+    output_host_bytes: int
+    # Prefix sums from the last layer backwards: llama.cpp offloads the last layers first.
+    tail_weights: tuple[int, ...]
+    tail_kv: tuple[int, ...]  # per KV cell, at the engine's KV type: full-context layers
+    tail_kv_window: tuple[int, ...]  # the same for sliding-window layers
+    total_weights: int
+    window: int | None
+
+    @classmethod
+    def of(cls, facts: ModelFacts, kv_type: KvCacheType) -> _Shape:
+        num, den = kv_type.bytes_ratio_to_f16
+        weights = facts.layer_bytes_list()
+        # Each layer's K and V rows are whole blocks of the type (q8_0: 34 bytes per 32).
+        kv = [-(-k * num // den) for k in facts.kv_f16_list()]
+        window = set(facts.sliding_window_layers)
+        full = [0 if i in window else k for i, k in enumerate(kv)]
+        swa = [k if i in window else 0 for i, k in enumerate(kv)]
+        tail_w = (0, *accumulate(reversed(weights)))
+        return cls(
+            layers=facts.layers,
+            input_bytes=facts.input_bytes,
+            output_bytes=facts.output_bytes,
+            output_host_bytes=facts.output_host,
+            tail_weights=tail_w,
+            tail_kv=(0, *accumulate(reversed(full))),
+            tail_kv_window=(0, *accumulate(reversed(swa))),
+            total_weights=tail_w[-1],
+            window=facts.sliding_window if window else None,
+        )
+
+    def kv_bytes(self, first_layers: int, last_layers: int, context: int, minds: int) -> int:
+        """KV bytes of the layers [layers - last_layers, layers - first_layers) at `context`
+        tokens per mind, one stream per mind."""
+        cells = kv_cells_per_sequence(context)
+        full = self.tail_kv[last_layers] - self.tail_kv[first_layers]
+        swa = self.tail_kv_window[last_layers] - self.tail_kv_window[first_layers]
+        window = window_cells_per_sequence(context, self.window) if self.window else 0
+        return (full * cells + swa * window) * minds
+
+
+@dataclass(frozen=True, slots=True)
+class _Sizer:
+    """Bytes per side for an offload level j (0..layers+1) and a number of minds."""
+
+    shape: _Shape
+    compute: ComputeEstimate
+    context_per_mind: int
+    reserve: int
+    gpus: int
+    unified: bool
+    kv_type: KvCacheType = KvCacheType.F16
+    receipts: ReceiptBook = field(default_factory=ReceiptBook)
+    model_sha256: str | None = None
+
+    def receipt(self, j: int, minds: int) -> Receipt | None:
+        return self.receipts.find(
+            model_sha256=self.model_sha256,
+            context_tokens=minds * self.context_per_mind,
+            kv_cache_type=self.kv_type,
+            layers_on_device=j,
+            gpus=self.gpus,
+            parallel=minds,
+            micro_batch_tokens=MICRO_BATCH_TOKENS,
+            flash_attention=True,
+        )
+
+    def parts(self, j: int, minds: int) -> tuple[PartBytes, PartBytes]:
+        s = self.shape
+        on_device = min(j, s.layers)
+        output_on_device = j > s.layers
+        uses_device = j > 0
+        if self.unified:
+            # One pool, one reserve: shown on the host side, where the pool is also counted.
+            dev_r, host_r = 0, self.reserve
+        else:
+            dev_r = self.reserve * self.gpus if uses_device else 0
+            host_r = self.reserve
+        receipt = self.receipt(j, minds)
+        if receipt is not None:
+            return _measured(receipt, dev_r, host_r)
+        ctx = self.context_per_mind
+        graph = self.compute.graph_bytes(ctx, minds)
+        dev_w = s.tail_weights[on_device] + (s.output_bytes if output_on_device else 0)
+        host_w = s.input_bytes + s.total_weights - s.tail_weights[on_device]
+        if not output_on_device:
+            host_w += s.output_host_bytes
+        dev_kv = s.kv_bytes(0, on_device, ctx, minds)
+        host_kv = s.kv_bytes(on_device, s.layers, ctx, minds)
+        # Each backend that runs layers reserves its own graph; several GPUs each hold one. The
+        # host always holds the logits (output buffer) and, with every layer offloaded, the
+        # graph's inputs (token embeddings are looked up on the host).
+        dev_c = graph * self.gpus if uses_device else 0
+        host_graph = graph if on_device < s.layers else self.compute.host_input_bytes()
+        host_c = host_graph + self.compute.output_bytes(minds)
+        device = PartBytes(weights=dev_w, kv=dev_kv, compute=dev_c, reserve=dev_r)
+        host = PartBytes(weights=host_w, kv=host_kv, compute=host_c, reserve=host_r)
+        return device, host
+
+
+def _measured(receipt: Receipt, dev_r: int, host_r: int) -> tuple[PartBytes, PartBytes]:
+    """Bytes per side from a receipt, each buffer rounded up by the log's resolution."""
+
+    def side(kinds: tuple[BufferKind, ...], host: bool) -> int:
+        buffers = [
+            b for b in receipt.buffers if b.kind in kinds and is_host_buffer(b.device) == host
+        ]
+        return sum(b.bytes + LOG_RESOLUTION_BYTES for b in buffers)
+
+    compute = (BufferKind.COMPUTE, BufferKind.OUTPUT)
+    device = PartBytes(
+        weights=side((BufferKind.MODEL,), False),
+        kv=side((BufferKind.KV,), False),
+        compute=side(compute, False),
+        reserve=dev_r,
+    )
+    host = PartBytes(
+        weights=side((BufferKind.MODEL,), True),
+        kv=side((BufferKind.KV,), True),
+        compute=side(compute, True),
+        reserve=host_r,
+    )
+    return device, host
+
+
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    budget: Budget
+    check_device: bool
+
+    def device_fits(self, device: PartBytes) -> bool:
+        if not self.check_device or self.budget.device is None:
+            return True
+        return device.in_use <= self.budget.device
+
+    def rest_fits(self, device: PartBytes, host: PartBytes) -> bool:
+        if self.budget.host is not None and host.in_use > self.budget.host:
+            return False
+        if self.budget.shared is not None:
+            return device.in_use + host.in_use <= self.budget.shared
+        return True
+
+    def fits(self, parts: tuple[PartBytes, PartBytes]) -> bool:
+        return self.device_fits(parts[0]) and self.rest_fits(*parts)
+
+
+def _last_true(lo: int, hi: int, pred: Any) -> int | None:
+    """The largest x in [lo, hi] with pred(x), for a pred true up to a point; None if none."""
+    if lo > hi or not pred(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan(
+    board: Board,
+    engine: EngineSpec,
+    facts: ModelFacts,
+    ledger: Ledger | None = None,
+    *,
+    crediting: str | None = None,
+    receipts: Sequence[Receipt] = (),
+    llama_build: str | None = None,
+    on_gpus: Sequence[int] = (),
+) -> ServingPlan:
+    """The serving plan of `engine` on `board`, given the leases already on it.
+
+    `on_gpus` are the GPUs a running engine is on (the ones its lease charges, moved to those
+    its processes use by `core.gpu_check`): a re-plan keeps them where the board has them all
+    and they are as many as the spec asks, rather than choosing again, since its pod stays
+    where it is and choosing again would move the charge, not the pod.
+
+    `crediting` names the engine's own lease when sizing the successor of a running engine.
+    `receipts` are llama.cpp's measured buffers; one filed under the engine's model digest
+    (`spec.model.sha256`), context, KV type, placement and `llama_build` (any build when None)
+    replaces the estimate for that placement.
+    """
+    ledger = ledger if ledger is not None else Ledger(board)
+    reasons: list[Reason] = []
+    mode = board.memory_mode
+    reserve = engine.reserve_bytes
+    cap = board.per_process_cap_bytes
+    n_gpus = engine.placement.gpus
+    total_layers = facts.layers + 1
+
+    seen: dict[str, int] = {}
+
+    def available(pool_key: str) -> int:
+        if pool_key in seen:
+            return seen[pool_key]
+        value = ledger.available_bytes(pool_key, crediting=crediting)
+        if value is None:
+            pool = board.pools[pool_key]
+            value = max(0, pool.capacity_bytes - ledger.leased_bytes(pool_key, excluding=crediting))
+            reasons.append(
+                Reason(
+                    ReasonCode.POOL_UNSAMPLED,
+                    f"pool {pool_key} has not been measured yet; planned against capacity "
+                    f"less leases ({_mib(value)})",
+                )
+            )
+        seen[pool_key] = value
+        return value
+
+    def unschedulable(
+        code: ReasonCode, message: str, gpus: tuple[int, ...] = (), budget: Budget | None = None
+    ) -> ServingPlan:
+        reasons.append(Reason(code, message))
+        return ServingPlan(
+            node=board.node,
+            memory_mode=mode,
+            governed=mode is not MemoryMode.UNKNOWN,
+            schedulable=False,
+            layers_on_device=0,
+            total_layers=total_layers,
+            gpu_servable=False,
+            pool_tokens=0,
+            minds_grantable=0,
+            context_tokens_per_mind=engine.context_tokens_per_mind,
+            kv_cache_type=engine.kv_cache_type,
+            gpus=gpus,
+            budget=budget or Budget(None, None, cap),
+            device=PartBytes(),
+            host=PartBytes(),
+            charges=(),
+            engine_args=(),
+            reasons=tuple(reasons),
+        )
+
+    host_view = board.host_view()
+    if host_view is None:
+        return unschedulable(
+            ReasonCode.NO_HOST_POOL,
+            f"node {board.node}'s board reports no host pool; the agent must report host memory "
+            "before anything can be planned there",
+        )
+
+    # Budgets, net of reserve.
+    gpus: tuple[int, ...] = ()
+    check_device = True
+    if mode is MemoryMode.UNIFIED:
+        pool_left = available(host_view.key) - reserve
+        device_budget = pool_left if cap is None else min(pool_left, cap)
+        budget = Budget(device=device_budget, host=pool_left, per_process_cap=cap, shared=pool_left)
+        gpus = (0,)
+    elif mode is MemoryMode.DISCRETE:
+        device_pools = sorted(
+            (p for p in board.pools.values() if p.device is not None),
+            key=lambda p: (-available(p.key), p.device),
+        )
+        if len(device_pools) < n_gpus:
+            return unschedulable(
+                ReasonCode.NOT_ENOUGH_GPUS,
+                f"spec.placement.gpus asks for {n_gpus} GPUs; node {board.node} has "
+                f"{len(device_pools)}",
+            )
+        kept = [board.pools.get(f"device/{g}") for g in sorted(set(on_gpus))]
+        if len(kept) == n_gpus and all(p is not None for p in kept):
+            chosen = [p for p in kept if p is not None]
+        else:
+            chosen = device_pools[:n_gpus]
+        gpus = tuple(sorted(p.device for p in chosen if p.device is not None))
+        per_gpu = min(available(p.key) - reserve for p in chosen)
+        if cap is not None:
+            per_gpu = min(per_gpu, cap)
+        budget = Budget(
+            device=per_gpu * n_gpus,
+            host=available(host_view.key) - reserve,
+            per_process_cap=cap,
+        )
+        if any(p.coherent for p in chosen):
+            reasons.append(
+                Reason(
+                    ReasonCode.COHERENT_DEVICE,
+                    "the GPU can address host memory (HMM/ATS); its framebuffer is still planned "
+                    "as its own pool",
+                )
+            )
+    else:
+        declared = engine.placement.device_budget_bytes
+        device_budget = None
+        if declared is not None:
+            device_budget = declared if cap is None else min(declared, cap)
+        budget = Budget(
+            device=device_budget, host=available(host_view.key) - reserve, per_process_cap=cap
+        )
+        gpus = (0,)
+        reasons.append(
+            Reason(
+                ReasonCode.MEMORY_MODE_UNKNOWN,
+                f"node {board.node} reports no memory mode ({host_view.key} pool governed, "
+                "device memory ungoverned)",
+            )
+        )
+        check_device = declared is not None
+
+    sizer = _Sizer(
+        shape=_Shape.of(facts, engine.kv_cache_type),
+        compute=ComputeEstimate(facts),
+        context_per_mind=engine.context_tokens_per_mind,
+        reserve=reserve,
+        gpus=n_gpus,
+        unified=mode is MemoryMode.UNIFIED,
+        kv_type=engine.kv_cache_type,
+        receipts=ReceiptBook(tuple(receipts), llama_build),
+        model_sha256=engine.model.sha256,
+    )
+    fit = _Fit(budget, check_device)
+    lo_minds, hi_minds = engine.minds.min, engine.minds.max
+
+    # Offload level: forced by the spec, or the most the device budget takes at minds.min.
+    offload = engine.offload
+    unknown_auto = mode is MemoryMode.UNKNOWN and offload == "auto" and not check_device
+    if offload == "none" or unknown_auto:
+        candidates = [0]
+    elif offload == "all":
+        candidates = [total_layers]
+    elif isinstance(offload, int):
+        candidates = [min(offload, total_layers)]
+    else:
+        top = _last_true(0, total_layers, lambda j: fit.device_fits(sizer.parts(j, lo_minds)[0]))
+        candidates = [0] if top is None else [top, 0] if mode is not MemoryMode.DISCRETE else [top]
+
+    level = next((j for j in candidates if fit.fits(sizer.parts(j, lo_minds))), None)
+    if level is None:
+        device, host = sizer.parts(candidates[0], lo_minds)
+        need = f"device {_mib(device.in_use)}, host {_mib(host.in_use)}"
+        have = f"device budget {_mib(budget.device)}, host budget {_mib(budget.host)}"
+        if budget.shared is not None:
+            have += f", pool {_mib(budget.shared)} for both"
+        code = (
+            ReasonCode.OFFLOAD_DOES_NOT_FIT
+            if offload != "auto" and not fit.device_fits(device)
+            else ReasonCode.INSUFFICIENT_MEMORY
+        )
+        fix = (
+            "Lower spec.minds.min, spec.contextTokensPerMind or spec.offload, or use a "
+            "quantised spec.kvCacheType"
+        )
+        if any(b is not None and b < 0 <= b + reserve for b in (budget.device, budget.host)):
+            # The reserve alone leaves the pool nothing: no other field can make it fit.
+            fix = "Lower spec.reserveBytes: it leaves the pool nothing to plan in"
+        return unschedulable(
+            code,
+            f"{lo_minds} mind(s) of {engine.context_tokens_per_mind} tokens at offload "
+            f"{candidates[0]}/{total_layers} need {need}; node {board.node} has {have} "
+            f"(reserve {_mib(reserve)} per pool kept free). {fix}",
+            gpus,
+            budget,
+        )
+
+    minds = _last_true(lo_minds, hi_minds, lambda m: fit.fits(sizer.parts(level, m)))
+    assert minds is not None  # level was chosen so that lo_minds fits
+    device, host = sizer.parts(level, minds)
+    tokens = minds * engine.context_tokens_per_mind
+
+    _explain_layers(reasons, level, total_layers, offload, budget, sizer, lo_minds, unknown_auto)
+    if minds == hi_minds:
+        reasons.append(Reason(ReasonCode.MINDS_AT_MAX, f"{minds} minds, spec.minds.max"))
+    else:
+        reasons.append(
+            Reason(
+                ReasonCode.MINDS_LIMITED_BY_POOL,
+                f"{minds} of up to {hi_minds} minds fit; the rest wait as overflow",
+            )
+        )
+    if mode is MemoryMode.UNKNOWN:
+        _explain_unknown(reasons, engine, level, check_device)
+    _explain_estimates(reasons, sizer, facts, level, minds)
+    if sizer.compute.assumed and sizer.receipt(level, minds) is None:
+        reasons.append(
+            Reason(
+                ReasonCode.COMPUTE_ESTIMATED,
+                "compute buffer estimated assuming " + ", ".join(sizer.compute.assumed),
+            )
+        )
+
+    return ServingPlan(
+        node=board.node,
+        memory_mode=mode,
+        governed=mode is not MemoryMode.UNKNOWN,
+        schedulable=True,
+        layers_on_device=level,
+        total_layers=total_layers,
+        gpu_servable=level == total_layers and not unknown_auto,
+        pool_tokens=tokens,
+        minds_grantable=minds,
+        context_tokens_per_mind=engine.context_tokens_per_mind,
+        kv_cache_type=engine.kv_cache_type,
+        gpus=gpus if level > 0 else (),
+        budget=budget,
+        device=device,
+        host=host,
+        charges=_charges(board, mode, gpus, device, host),
+        engine_args=_engine_args(level, tokens, minds, engine.kv_cache_type, n_gpus),
+        reasons=tuple(reasons),
+        receipt=sizer.receipt(level, minds),
+    )
+
+
+def _explain_layers(
+    reasons: list[Reason],
+    level: int,
+    total: int,
+    offload: object,
+    budget: Budget,
+    sizer: _Sizer,
+    minds: int,
+    unknown_auto: bool,
+) -> None:
+    if unknown_auto:
+        return
+    if offload == "none":
+        reasons.append(Reason(ReasonCode.OFFLOAD_NONE, "spec.offload is none: every layer on host"))
+    elif isinstance(offload, int):
+        reasons.append(
+            Reason(ReasonCode.OFFLOAD_FIXED, f"spec.offload fixes {level}/{total} layers on device")
+        )
+    elif level == total:
+        reasons.append(Reason(ReasonCode.ALL_LAYERS_ON_DEVICE, f"all {total} layers on the device"))
+    else:
+        needed = sizer.parts(level + 1, minds)[0].in_use
+        capped = budget.per_process_cap is not None and budget.per_process_cap == budget.device
+        code = (
+            ReasonCode.LIMITED_BY_PER_PROCESS_CAP if capped else ReasonCode.LAYERS_LIMITED_BY_DEVICE
+        )
+        reasons.append(
+            Reason(
+                code,
+                f"{level}/{total} layers on the device: {level + 1} would need "
+                f"{_mib(needed)} against a device budget of {_mib(budget.device)}",
+            )
+        )
+
+
+def _explain_estimates(
+    reasons: list[Reason], sizer: _Sizer, facts: ModelFacts, level: int, minds: int
+) -> None:
+    receipt = sizer.receipt(level, minds)
+    if receipt is not None:
+        source = f" ({receipt.source})" if receipt.source else ""
+        reasons.append(
+            Reason(
+                ReasonCode.RECEIPT_USED,
+                f"bytes measured by {receipt.llama_build} at {receipt.context_tokens} tokens, "
+                f"{receipt.placement.layers_on_device} layers on {receipt.placement.gpus} GPU(s), "
+                f"{receipt.kv_cache_type} KV{source} used instead of the estimate",
+            )
+        )
+    if facts.is_moe:
+        used = f", {facts.expert_used_count} used per token" if facts.expert_used_count else ""
+        reasons.append(
+            Reason(
+                ReasonCode.EXPERT_OFFLOAD_NOT_PLANNED,
+                f"a mixture of {facts.expert_count} experts{used}: expert weights are planned "
+                "with their layers; keeping experts on the host (llama.cpp --n-cpu-moe) is not "
+                "planned yet",
+            )
+        )
+    if facts.sliding_window and facts.sliding_window_layers and receipt is None:
+        cells = window_cells_per_sequence(sizer.context_per_mind, facts.sliding_window)
+        reasons.append(
+            Reason(
+                ReasonCode.SLIDING_WINDOW_KV,
+                f"{len(facts.sliding_window_layers)} of {facts.layers} layers attend over a "
+                f"window of {facts.sliding_window} tokens: their KV holds {cells} cells per mind",
+            )
+        )
+
+
+def _explain_unknown(
+    reasons: list[Reason], engine: EngineSpec, level: int, check_device: bool
+) -> None:
+    if check_device:
+        reasons.append(
+            Reason(
+                ReasonCode.DEVICE_BUDGET_DECLARED,
+                "device planned against the declared spec.placement.deviceBudgetBytes "
+                f"({_mib(engine.placement.device_budget_bytes)}); nothing measures it",
+            )
+        )
+    elif engine.offload == "auto":
+        reasons.append(
+            Reason(
+                ReasonCode.DEVICE_UNGOVERNED,
+                "offload auto on a node of unknown memory mode offloads nothing; declare "
+                "spec.placement.deviceBudgetBytes, or run the node agent with a GPU backend",
+            )
+        )
+    elif level > 0:
+        reasons.append(
+            Reason(
+                ReasonCode.OFFLOAD_UNGOVERNED,
+                f"spec.offload {engine.offload} honoured without accounting: {level} layers on a "
+                "device whose memory nobody measures",
+            )
+        )
+
+
+def _charges(
+    board: Board,
+    mode: MemoryMode,
+    gpus: Sequence[int],
+    device: PartBytes,
+    host: PartBytes,
+) -> tuple[tuple[str, int], ...]:
+    """Bytes leased per pool: a unified pool takes both sides, an unknown device nothing."""
+    host_view = board.host_view()
+    assert host_view is not None
+    if mode is MemoryMode.UNIFIED:
+        return ((host_view.key, device.total + host.total),)
+    charges = [(host_view.key, host.total)]
+    if mode is MemoryMode.DISCRETE and device.total > 0:
+        share = -(-device.total // len(gpus))
+        charges.extend((f"device/{g}", share) for g in gpus)
+    return tuple(charges)
+
+
+def _engine_args(
+    level: int, tokens: int, minds: int, kv: KvCacheType, gpus: int
+) -> tuple[str, ...]:
+    args = [
+        "--n-gpu-layers", str(level),
+        "--ctx-size", str(tokens),
+        "--parallel", str(minds),
+        "--cache-type-k", str(kv),
+        "--cache-type-v", str(kv),
+        "--flash-attn", "on",
+    ]  # fmt: skip
+    if gpus > 1 and level > 0:
+        args += ["--split-mode", "layer", "--tensor-split", ",".join(["1"] * gpus)]
+    return tuple(args)
