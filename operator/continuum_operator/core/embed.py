@@ -21,8 +21,9 @@ lane lives (a calibration pass at that context sets it before the first request)
 lane's maximum that the pools hold, never below its floor and never over-committing a pool.
 `admit` decides one request against the lease: fits, waits (the pool holds less than the
 request now) or fails (larger than the lane's maximum), with a reason. Pure: no I/O, no clock.
-Neighbours: `core.pools` (the ledger), `core.placements` (leases read off lanes' status),
-`embed.lane` (the runtime that measures and serves), `kube.embedlanes` (writes the placement).
+Neighbours: `core.pools` (the ledger), `core.modes` (which pools a device part is charged to),
+`core.placements` (leases read off lanes' status), `embed.lane` (the runtime that measures and
+serves), `kube.embedlanes` (writes the placement).
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def lane_charges(
     context to the host; a split charges the whole context to each side (each pool's upper
     bound). Device and host views of a unified board are one pool: a part charged to one is
     not charged again to the other, and a split there is charged once. On a board of unknown
-    memory mode the device is not governed and is charged nothing.
+    memory mode the device is not governed and is charged nothing. Which pools a device part
+    is charged to is the mode's (`core.modes.ModeRules.device_pools`), as for an engine's plan.
     """
     host_view = board.host_view()
     if host_view is None:
