@@ -426,9 +426,7 @@ def plan(
     if not layers.fits:
         why = _does_not_fit(board, engine, sizer, fit, layers.level)
         return _unschedulable(board, engine, facts, rules, reasons, why, budgeted)
-    level = layers.level
-    minds = last_true(engine.minds.min, engine.minds.max, lambda m: fit.fits(sizer.parts(level, m)))
-    assert minds is not None  # the level was chosen so that minds.min fits
+    minds = _grantable_minds(engine, sizer, fit, layers.level)
     _explain(reasons, engine, facts, sizer, fit, layers, minds)
     return _planned(board, engine, facts, rules, budgeted, sizer, layers, minds, reasons)
 
@@ -454,6 +452,14 @@ def _place_layers(engine: EngineSpec, sizer: _Sizer, fit: _Fit, total: int) -> _
     if level is None:
         return _Layers(candidates[0], False, device_blind)
     return _Layers(level, True, device_blind)
+
+
+def _grantable_minds(engine: EngineSpec, sizer: _Sizer, fit: _Fit, level: int) -> int:
+    """The KV pool: the most minds, up to minds.max, whose contexts fit beside `level` layers
+    on the device (the level was chosen so that minds.min fits)."""
+    minds = last_true(engine.minds.min, engine.minds.max, lambda m: fit.fits(sizer.parts(level, m)))
+    assert minds is not None
+    return minds
 
 
 def _does_not_fit(board: Board, engine: EngineSpec, sizer: _Sizer, fit: _Fit, level: int) -> Reason:
