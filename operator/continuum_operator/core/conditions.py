@@ -15,6 +15,7 @@ from enum import StrEnum
 
 from continuum_operator.core.damping import Outcome
 from continuum_operator.model.base import Condition
+from continuum_operator.model.board import MemoryMode
 
 
 class ConditionType(StrEnum):
@@ -89,7 +90,7 @@ class PlannedEngine:
     """The plan in force, as far as the conditions read it."""
 
     node: str
-    memory_mode: str
+    memory_mode: str  # a `MemoryMode` (its value, where a caller holds only the plan's text)
     layers_on_device: int
     total_layers: int
     minds_grantable: int
@@ -197,7 +198,11 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
             f"{p.minds_grantable} of {p.minds_max} minds fit on {p.node}",
             gen,
         )
-    elif p is not None and p.layers_on_device < p.total_layers and p.memory_mode != "unknown":
+    elif (
+        p is not None
+        and p.layers_on_device < p.total_layers
+        and p.memory_mode != MemoryMode.UNKNOWN
+    ):
         degraded = _c(
             T.DEGRADED,
             True,
@@ -209,7 +214,7 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
         degraded = _c(T.DEGRADED, False, Reason.AS_PLANNED, "", gen)
     out.append(degraded)
 
-    if p is not None and p.memory_mode == "unknown":
+    if p is not None and p.memory_mode == MemoryMode.UNKNOWN:
         out.append(
             _c(
                 T.MEMORY_MODE_UNKNOWN,

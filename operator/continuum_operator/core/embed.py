@@ -21,8 +21,9 @@ lane lives (a calibration pass at that context sets it before the first request)
 lane's maximum that the pools hold, never below its floor and never over-committing a pool.
 `admit` decides one request against the lease: fits, waits (the pool holds less than the
 request now) or fails (larger than the lane's maximum), with a reason. Pure: no I/O, no clock.
-Neighbours: `core.pools` (the ledger), `core.placements` (leases read off lanes' status),
-`embed.lane` (the runtime that measures and serves), `kube.embedlanes` (writes the placement).
+Neighbours: `core.pools` (the ledger), `core.modes` (which pools a device part is charged to),
+`core.placements` (leases read off lanes' status), `embed.lane` (the runtime that measures and
+serves), `kube.embedlanes` (writes the placement).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from continuum_operator.core.compute import (
     GraphShape,
     kv_cells_per_sequence,
 )
+from continuum_operator.core.modes import rules_of
+from continuum_operator.core.monotone import last_true
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.core.receipts import BufferKind, Receipt, is_host_buffer
-from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import KvCacheType, ModelFacts
 
 __all__ = [
@@ -236,7 +238,8 @@ def lane_charges(
     context to the host; a split charges the whole context to each side (each pool's upper
     bound). Device and host views of a unified board are one pool: a part charged to one is
     not charged again to the other, and a split there is charged once. On a board of unknown
-    memory mode the device is not governed and is charged nothing.
+    memory mode the device is not governed and is charged nothing. Which pools a device part
+    is charged to is the mode's (`core.modes.ModeRules.device_pools`), as for an engine's plan.
     """
     host_view = board.host_view()
     if host_view is None:
@@ -249,14 +252,7 @@ def lane_charges(
         out[pool] = max(out.get(pool, 0), n) if upper_bound else out.get(pool, 0) + n
 
     total = cb.total
-    device_pools: list[str] = []
-    if board.memory_mode is MemoryMode.UNIFIED:
-        device_pools = [host_view.key]
-    elif board.memory_mode is MemoryMode.DISCRETE:
-        for g in gpus or (0,):
-            view = board.device_view(g)
-            if view is not None:
-                device_pools.append(view.key)
+    device_pools = rules_of(board.memory_mode).device_pools(board, gpus)
     if where is Residence.HOST:
         charge(host_view.key, total, upper_bound=False)
     elif where is Residence.DEVICE:
@@ -361,6 +357,68 @@ def _candidate_contexts(floor_tokens: int, max_tokens: int) -> list[int]:
     return sorted({*(s for s in steps if s >= lo), max_tokens})
 
 
+#: A context tried: its tokens, bytes per side, charges per pool, and what said so.
+_Sized = tuple[int, ContextBytes, dict[str, int], LaneReason]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What `place_lane` decided, before it is dressed as a `LanePlacement`."""
+
+    verdict: Verdict
+    reason: LaneReason
+    message: str
+    tokens: int = 0
+    context_bytes: ContextBytes = field(default_factory=ContextBytes)
+    charges: Mapping[str, int] = field(default_factory=dict)
+    source: LaneReason = LaneReason.ESTIMATED
+
+
+@dataclass(frozen=True, slots=True)
+class _LaneFit:
+    """One lane's contexts against one node's ledger: what each costs per pool, and whether
+    every pool it charges holds it beside the other leases (crediting the lane's own)."""
+
+    board: Board
+    ledger: Ledger
+    ask: LaneAsk
+    sizer: LaneSizer
+    where: Residence
+    gpus: Sequence[int]
+    tried: dict[int, tuple[str | None, _Sized]] = field(default_factory=dict)
+
+    def sized(self, tokens: int) -> tuple[ContextBytes, LaneReason]:
+        cb, source = self.sizer.bytes_at(tokens)
+        weights = self.ask.weights_bytes
+        if weights <= 0:
+            return cb, source
+        # Weights sit where the context does: the host part on the host, else the device part.
+        if self.where is Residence.HOST:
+            return ContextBytes(cb.device, cb.host + weights), source
+        return ContextBytes(cb.device + weights, cb.host), source
+
+    def charges(self, cb: ContextBytes) -> dict[str, int]:
+        return lane_charges(self.board, self.where, self.gpus, cb)
+
+    def blocking(self, charges: Mapping[str, int]) -> str | None:
+        """The first pool that cannot take its charge now; None when every pool can."""
+        for pool, n in charges.items():
+            if pool not in self.board.pools:
+                return pool
+            have = self.ledger.available_bytes(pool, crediting=self.ask.consumer)
+            if have is None or n > have:
+                return pool
+        return None
+
+    def attempt(self, tokens: int) -> tuple[str | None, _Sized]:
+        """Whether a context of `tokens` fits (the pool blocking it, or None), and its sizes."""
+        if tokens not in self.tried:
+            cb, source = self.sized(tokens)
+            charges = self.charges(cb)
+            self.tried[tokens] = (self.blocking(charges), (tokens, cb, charges, source))
+        return self.tried[tokens]
+
+
 def place_lane(
     board: Board,
     ledger: Ledger,
@@ -378,142 +436,92 @@ def place_lane(
     step). Waits: a pool is unsampled, or holds less than the floor now. Fails: a pool's
     capacity less the floors of every other lease cannot hold the smallest context at all.
     """
+    lane = _LaneFit(board, ledger, ask, sizer, where, gpus)
     floor_tokens = max(1, ask.largest_embedded_tokens)
     floors = dict(ask.floors)
-
-    def sized(tokens: int) -> tuple[ContextBytes, LaneReason]:
-        cb, source = sizer.bytes_at(tokens)
-        if ask.weights_bytes <= 0:
-            return cb, source
-        # Weights sit where the context does: the host part on the host, else the device part.
-        if where is Residence.HOST:
-            return ContextBytes(cb.device, cb.host + ask.weights_bytes), source
-        return ContextBytes(cb.device + ask.weights_bytes, cb.host), source
-
     if ask.largest_embedded_tokens > 0:
         # The lane holds this context already (its calibration pass allocated it).
-        floor_bytes, _ = sized(floor_tokens)
-        floors = raise_floors(floors, lane_charges(board, where, gpus, floor_bytes))
-    contexts = _candidate_contexts(floor_tokens, ask.max_context_tokens)
-
-    def done(
-        verdict: Verdict, reason: LaneReason, message: str, tokens: int, cb: ContextBytes,
-        charges: Mapping[str, int], source: LaneReason,
-    ) -> LanePlacement:  # fmt: skip
-        return LanePlacement(
-            consumer=ask.consumer,
-            node=board.node,
-            verdict=verdict,
-            reason=reason,
-            message=message,
-            residence=where,
-            residence_reason=residence_reason,
-            source=source,
-            context_tokens=tokens,
-            context_bytes=cb,
-            charges=dict(charges),
-            floors=floors,
-            floor_tokens=ask.largest_embedded_tokens,
-        )
-
+        floors = raise_floors(floors, lane.charges(lane.sized(floor_tokens)[0]))
     if board.host_view() is None:
-        return done(
-            Verdict.WAITS, LaneReason.NO_POOL,
-            f"node {board.node}'s board reports no host pool yet", 0, ContextBytes(), {},
-            LaneReason.ESTIMATED,
-        )  # fmt: skip
-
-    def fits(charges: Mapping[str, int]) -> tuple[bool, str | None]:
-        for pool, n in charges.items():
-            if pool not in board.pools:
-                return False, pool
-            have = ledger.available_bytes(pool, crediting=ask.consumer)
-            if have is None or n > have:
-                return False, pool
-        return True, None
-
-    Tried = tuple[bool, str | None, tuple[int, ContextBytes, dict[str, int], LaneReason]]
-    tried: dict[int, Tried] = {}
-
-    def attempt(i: int) -> Tried:
-        if i not in tried:
-            tokens = contexts[i]
-            cb, source = sized(tokens)
-            charges = lane_charges(board, where, gpus, cb)
-            ok, pool = fits(charges)
-            tried[i] = (ok, pool, (tokens, cb, charges, source))
-        return tried[i]
-
-    # Bytes grow with the context: the largest context that fits is found by bisection.
-    best: tuple[int, ContextBytes, dict[str, int], LaneReason] | None = None
-    blocked: str | None = None
-    lo, hi = 0, len(contexts) - 1
-    if not attempt(0)[0]:
-        blocked = attempt(0)[1]
+        outcome = _Outcome(
+            Verdict.WAITS, LaneReason.NO_POOL, f"node {board.node}'s board reports no host pool yet"
+        )
     else:
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if attempt(mid)[0]:
-                lo = mid
-            else:
-                hi = mid - 1
-        best = attempt(lo)[2]
-        if lo + 1 < len(contexts):
-            blocked = attempt(lo + 1)[1]
-    if best is not None:
-        tokens, cb, charges, source = best
-        if tokens >= ask.max_context_tokens:
-            reason, message = (
-                LaneReason.AT_MAX_CONTEXT,
-                f"{tokens} tokens ({where}): the lane's whole spec.maxContextTokens",
-            )
-        else:
-            reason, message = (
-                LaneReason.LIMITED_BY_POOL,
-                f"{tokens} of up to {ask.max_context_tokens} tokens ({where}): pool {blocked} "
-                "holds no more beside the other leases; larger requests wait",
-            )
-        return done(Verdict.FITS, reason, message, tokens, cb, charges, source)
+        contexts = _candidate_contexts(floor_tokens, ask.max_context_tokens)
+        outcome = _largest_context(lane, contexts)
+    return LanePlacement(
+        consumer=ask.consumer,
+        node=board.node,
+        verdict=outcome.verdict,
+        reason=outcome.reason,
+        message=outcome.message,
+        residence=where,
+        residence_reason=residence_reason,
+        source=outcome.source,
+        context_tokens=outcome.tokens,
+        context_bytes=outcome.context_bytes,
+        charges=dict(outcome.charges),
+        floors=floors,
+        floor_tokens=ask.largest_embedded_tokens,
+    )
 
-    cb, source = sized(contexts[0])
-    charges = lane_charges(board, where, gpus, cb)
-    assert blocked is not None
+
+def _largest_context(lane: _LaneFit, contexts: Sequence[int]) -> _Outcome:
+    """The largest of `contexts` that fits (bytes grow with the context: by bisection), or why
+    not even the smallest does."""
+    last = last_true(0, len(contexts) - 1, lambda i: lane.attempt(contexts[i])[0] is None)
+    if last is None:
+        blocked = lane.attempt(contexts[0])[0]
+        assert blocked is not None
+        return _not_placed(lane, contexts[0], blocked)
+    tokens, cb, charges, source = lane.attempt(contexts[last])[1]
+    where, most = lane.where, lane.ask.max_context_tokens
+    if tokens >= most:
+        message = f"{tokens} tokens ({where}): the lane's whole spec.maxContextTokens"
+        reason = LaneReason.AT_MAX_CONTEXT
+        return _Outcome(Verdict.FITS, reason, message, tokens, cb, charges, source)
+    blocked = lane.attempt(contexts[last + 1])[0] if last + 1 < len(contexts) else None
+    message = (
+        f"{tokens} of up to {most} tokens ({where}): pool {blocked} holds no more beside the "
+        "other leases; larger requests wait"
+    )
+    return _Outcome(Verdict.FITS, LaneReason.LIMITED_BY_POOL, message, tokens, cb, charges, source)
+
+
+def _not_placed(lane: _LaneFit, tokens: int, blocked: str) -> _Outcome:
+    """Why a context of `tokens` does not fit pool `blocked`: never (fails) or not now (waits)."""
+    board, consumer = lane.board, lane.ask.consumer
+    cb, source = lane.sized(tokens)
     blocked_pool = board.pools.get(blocked)
     if blocked_pool is None:
-        return done(
-            Verdict.FAILS, LaneReason.NO_POOL,
-            f"node {board.node} has no pool {blocked} for a lane residing on the {where}",
-            0, cb, {}, source,
-        )  # fmt: skip
+        message = f"node {board.node} has no pool {blocked} for a lane residing on the {lane.where}"
+        return _Outcome(Verdict.FAILS, LaneReason.NO_POOL, message, 0, cb, {}, source)
     others_floor = sum(
         lease.floor_bytes
-        for lease in ledger.leases
-        if lease.pool == blocked and lease.consumer != ask.consumer
+        for lease in lane.ledger.leases
+        if lease.pool == blocked and lease.consumer != consumer
     )
-    need = charges[blocked]
+    need = lane.charges(cb)[blocked]
     if need > blocked_pool.capacity_bytes - others_floor:
-        return done(
-            Verdict.FAILS, LaneReason.INSUFFICIENT_MEMORY,
-            f"a context of {contexts[0]} tokens needs {_mib(need)} in pool {blocked}, whose "
+        message = (
+            f"a context of {tokens} tokens needs {_mib(need)} in pool {blocked}, whose "
             f"capacity {_mib(blocked_pool.capacity_bytes)} less the floors of other consumers "
             f"({_mib(others_floor)}) can never hold it; lower spec.maxContextTokens or place "
-            "the lane beside another engine",
-            0, cb, {}, source,
-        )  # fmt: skip
-    have = ledger.available_bytes(blocked, crediting=ask.consumer)
+            "the lane beside another engine"
+        )
+        return _Outcome(Verdict.FAILS, LaneReason.INSUFFICIENT_MEMORY, message, 0, cb, {}, source)
+    have = lane.ledger.available_bytes(blocked, crediting=consumer)
     if have is None:
-        return done(
-            Verdict.WAITS, LaneReason.POOL_UNSAMPLED,
+        message = (
             f"pool {blocked} on {board.node} has not been measured yet; the lane waits for "
-            "the node agent's first reading",
-            0, cb, {}, source,
-        )  # fmt: skip
-    return done(
-        Verdict.WAITS, LaneReason.POOL_BUSY,
-        f"a context of {contexts[0]} tokens needs {_mib(need)} in pool {blocked}, which has "
-        f"{_mib(have)} available beside the other leases; the lane waits for room",
-        0, cb, {}, source,
-    )  # fmt: skip
+            "the node agent's first reading"
+        )
+        return _Outcome(Verdict.WAITS, LaneReason.POOL_UNSAMPLED, message, 0, cb, {}, source)
+    message = (
+        f"a context of {tokens} tokens needs {_mib(need)} in pool {blocked}, which has "
+        f"{_mib(have)} available beside the other leases; the lane waits for room"
+    )
+    return _Outcome(Verdict.WAITS, LaneReason.POOL_BUSY, message, 0, cb, {}, source)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,11 @@ receipt (`core.receipts`) exists for the same model digest, context, KV type, pl
 build, its measured buffers replace the estimate, and the plan says so: `source` is `receipt`
 and `receipt` holds the one used (docs/design.md rule 5), otherwise `source` is `estimate`.
 
-Budgets (rules 1-3):
-- discrete: each GPU's device pool after reserve and others' leases, bounded by the per-process
-  cap; the host pool after reserve. Several GPUs split the device part evenly.
-- unified: one pool. Device and host parts together fit what it has left after one reserve; the
-  device part also fits under the per-process cap, which never touches the host budget.
-- unknown: the host pool is governed; the device is not. `offload: auto` with no declared
-  `placement.deviceBudgetBytes` offloads nothing; an explicit offload is honoured unaccounted.
+`plan()` runs in stages: the budget, which the board's memory mode gives (`core.modes`: what
+each side may spend, the GPUs, the reserve, the pools charged; rules 1-3), the layers on the
+device, the KV pool (minds), and the result with its reasons. Where no device budget is checked
+(an unknown mode with no declared `placement.deviceBudgetBytes`) `offload: auto` offloads
+nothing; an explicit offload is honoured unaccounted.
 """
 
 from __future__ import annotations
@@ -36,6 +34,9 @@ from continuum_operator.core.compute import (
     kv_cells_per_sequence,
     window_cells_per_sequence,
 )
+from continuum_operator.core.modes import Budget, BudgetAsk, Budgeted, ModeRules, rules_of
+from continuum_operator.core.monotone import last_true
+from continuum_operator.core.plan_reasons import Reason, ReasonCode
 from continuum_operator.core.pools import Board, Ledger
 from continuum_operator.core.receipts import (
     LOG_RESOLUTION_BYTES,
@@ -47,42 +48,22 @@ from continuum_operator.core.receipts import (
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts
 
+__all__ = [
+    "Budget",
+    "BytesSource",
+    "PartBytes",
+    "Reason",
+    "ReasonCode",
+    "ServingPlan",
+    "plan",
+]
+
 
 class BytesSource(StrEnum):
     """Where a plan's bytes came from."""
 
     RECEIPT = "receipt"  # what llama.cpp allocated for this very launch, measured
     ESTIMATE = "estimate"  # computed from the model's facts (`core.compute`)
-
-
-class ReasonCode(StrEnum):
-    ALL_LAYERS_ON_DEVICE = "AllLayersOnDevice"
-    LAYERS_LIMITED_BY_DEVICE = "LayersLimitedByDeviceBudget"
-    LIMITED_BY_PER_PROCESS_CAP = "LimitedByPerProcessCap"
-    OFFLOAD_NONE = "OffloadNone"
-    OFFLOAD_FIXED = "OffloadFixed"
-    MINDS_AT_MAX = "MindsAtMax"
-    MINDS_LIMITED_BY_POOL = "MindsLimitedByPool"
-    MEMORY_MODE_UNKNOWN = "MemoryModeUnknown"
-    DEVICE_UNGOVERNED = "DeviceUngoverned"
-    DEVICE_BUDGET_DECLARED = "DeviceBudgetDeclared"
-    OFFLOAD_UNGOVERNED = "OffloadUngoverned"
-    POOL_UNSAMPLED = "PoolUnsampled"
-    COMPUTE_ESTIMATED = "ComputeEstimated"
-    COHERENT_DEVICE = "CoherentDevice"
-    NO_HOST_POOL = "NoHostPool"
-    NOT_ENOUGH_GPUS = "NotEnoughGpus"
-    OFFLOAD_DOES_NOT_FIT = "OffloadDoesNotFit"
-    INSUFFICIENT_MEMORY = "InsufficientMemory"
-    RECEIPT_USED = "ReceiptUsed"
-    EXPERT_OFFLOAD_NOT_PLANNED = "ExpertOffloadNotPlanned"
-    SLIDING_WINDOW_KV = "SlidingWindowKv"
-
-
-@dataclass(frozen=True, slots=True)
-class Reason:
-    code: ReasonCode
-    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,16 +83,6 @@ class PartBytes:
     @property
     def total(self) -> int:
         return self.in_use + self.reserve
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    """What each side may use, net of reserve; None where it is not governed."""
-
-    device: int | None
-    host: int | None
-    per_process_cap: int | None
-    shared: int | None = None  # unified: device and host together
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,17 +212,39 @@ class _Shape:
 
 @dataclass(frozen=True, slots=True)
 class _Sizer:
-    """Bytes per side for an offload level j (0..layers+1) and a number of minds."""
+    """Bytes per side for an offload level j (0..layers+1) and a number of minds.
+
+    `parts` is pure, and the stages ask it of the same (j, minds) more than once: it remembers
+    what it answered for the plan it serves."""
 
     shape: _Shape
     compute: ComputeEstimate
     context_per_mind: int
     reserve: int
     gpus: int
-    unified: bool
+    rules: ModeRules
     kv_type: KvCacheType = KvCacheType.F16
     receipts: ReceiptBook = field(default_factory=ReceiptBook)
     model_sha256: str | None = None
+    answered: dict[tuple[int, int], tuple[PartBytes, PartBytes]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @classmethod
+    def of(
+        cls, facts: ModelFacts, engine: EngineSpec, rules: ModeRules, receipts: ReceiptBook
+    ) -> _Sizer:
+        return cls(
+            shape=_Shape.of(facts, engine.kv_cache_type),
+            compute=ComputeEstimate(facts),
+            context_per_mind=engine.context_tokens_per_mind,
+            reserve=engine.reserve_bytes,
+            gpus=engine.placement.gpus,
+            rules=rules,
+            kv_type=engine.kv_cache_type,
+            receipts=receipts,
+            model_sha256=engine.model.sha256,
+        )
 
     def receipt(self, j: int, minds: int) -> Receipt | None:
         return self.receipts.find(
@@ -270,16 +263,17 @@ class _Sizer:
         )
 
     def parts(self, j: int, minds: int) -> tuple[PartBytes, PartBytes]:
+        answer = self.answered.get((j, minds))
+        if answer is None:
+            answer = self.answered[(j, minds)] = self._parts(j, minds)
+        return answer
+
+    def _parts(self, j: int, minds: int) -> tuple[PartBytes, PartBytes]:
         s = self.shape
         on_device = min(j, s.layers)
         output_on_device = j > s.layers
         uses_device = j > 0
-        if self.unified:
-            # One pool, one reserve: shown on the host side, where the pool is also counted.
-            dev_r, host_r = 0, self.reserve
-        else:
-            dev_r = self.reserve * self.gpus if uses_device else 0
-            host_r = self.reserve
+        dev_r, host_r = self.rules.reserves(self.reserve, self.gpus, uses_device)
         receipt = self.receipt(j, minds)
         if receipt is not None:
             return _measured(receipt, dev_r, host_r)
@@ -359,17 +353,45 @@ class _Fit:
         return max(over)
 
 
-def _last_true(lo: int, hi: int, pred: Any) -> int | None:
-    """The largest x in [lo, hi] with pred(x), for a pred true up to a point; None if none."""
-    if lo > hi or not pred(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if pred(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+class _Available:
+    """Bytes a pool has left for the engine beside the other leases, read once per pool. An
+    unsampled pool is planned against its capacity less leases, and the plan says so."""
+
+    __slots__ = ("_board", "_crediting", "_ledger", "_reasons", "_seen")
+
+    def __init__(
+        self, board: Board, ledger: Ledger, crediting: str | None, reasons: list[Reason]
+    ) -> None:
+        self._board, self._ledger, self._crediting = board, ledger, crediting
+        self._reasons = reasons
+        self._seen: dict[str, int] = {}
+
+    def __call__(self, pool_key: str) -> int:
+        value = self._seen.get(pool_key)
+        if value is not None:
+            return value
+        value = self._ledger.available_bytes(pool_key, crediting=self._crediting)
+        if value is None:
+            leased = self._ledger.leased_bytes(pool_key, excluding=self._crediting)
+            value = max(0, self._board.pools[pool_key].capacity_bytes - leased)
+            self._reasons.append(
+                Reason(
+                    ReasonCode.POOL_UNSAMPLED,
+                    f"pool {pool_key} has not been measured yet; planned against capacity "
+                    f"less leases ({_mib(value)})",
+                )
+            )
+        self._seen[pool_key] = value
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Layers:
+    """The layer stage: the offload levels tried at `minds.min`, and the one that fits."""
+
+    level: int  # layers on the device; where no level tried fits, the first one tried
+    fits: bool  # minds.min fits at `level`
+    device_blind: bool  # offload auto where no device budget is checked: nothing offloaded
 
 
 def plan(
@@ -397,201 +419,195 @@ def plan(
     """
     ledger = ledger if ledger is not None else Ledger(board)
     reasons: list[Reason] = []
-    mode = board.memory_mode
-    reserve = engine.reserve_bytes
-    cap = board.per_process_cap_bytes
-    n_gpus = engine.placement.gpus
-    total_layers = facts.layers + 1
-
-    seen: dict[str, int] = {}
-
-    def available(pool_key: str) -> int:
-        if pool_key in seen:
-            return seen[pool_key]
-        value = ledger.available_bytes(pool_key, crediting=crediting)
-        if value is None:
-            pool = board.pools[pool_key]
-            value = max(0, pool.capacity_bytes - ledger.leased_bytes(pool_key, excluding=crediting))
-            reasons.append(
-                Reason(
-                    ReasonCode.POOL_UNSAMPLED,
-                    f"pool {pool_key} has not been measured yet; planned against capacity "
-                    f"less leases ({_mib(value)})",
-                )
-            )
-        seen[pool_key] = value
-        return value
-
-    def unschedulable(
-        code: ReasonCode,
-        message: str,
-        gpus: tuple[int, ...] = (),
-        budget: Budget | None = None,
-        shortfall: int | None = None,
-    ) -> ServingPlan:
-        reasons.append(Reason(code, message))
-        return ServingPlan(
-            node=board.node,
-            memory_mode=mode,
-            governed=mode is not MemoryMode.UNKNOWN,
-            schedulable=False,
-            layers_on_device=0,
-            total_layers=total_layers,
-            gpu_servable=False,
-            pool_tokens=0,
-            minds_grantable=0,
-            context_tokens_per_mind=engine.context_tokens_per_mind,
-            kv_cache_type=engine.kv_cache_type,
-            gpus=gpus,
-            budget=budget or Budget(None, None, cap),
-            device=PartBytes(),
-            host=PartBytes(),
-            charges=(),
-            engine_args=(),
-            reasons=tuple(reasons),
-            shortfall_bytes=shortfall,
-        )
-
-    host_view = board.host_view()
-    if host_view is None:
-        return unschedulable(
+    rules = rules_of(board.memory_mode)
+    host = board.host_view()
+    if host is None:
+        why = Reason(
             ReasonCode.NO_HOST_POOL,
             f"node {board.node}'s board reports no host pool; the agent must report host memory "
             "before anything can be planned there",
         )
-
-    # Budgets, net of reserve.
-    gpus: tuple[int, ...] = ()
-    check_device = True
-    if mode is MemoryMode.UNIFIED:
-        pool_left = available(host_view.key) - reserve
-        device_budget = pool_left if cap is None else min(pool_left, cap)
-        budget = Budget(device=device_budget, host=pool_left, per_process_cap=cap, shared=pool_left)
-        gpus = (0,)
-    elif mode is MemoryMode.DISCRETE:
-        device_pools = sorted(
-            (p for p in board.pools.values() if p.device is not None),
-            key=lambda p: (-available(p.key), p.device),
-        )
-        if len(device_pools) < n_gpus:
-            return unschedulable(
-                ReasonCode.NOT_ENOUGH_GPUS,
-                f"spec.placement.gpus asks for {n_gpus} GPUs; node {board.node} has "
-                f"{len(device_pools)}",
-            )
-        kept = [board.pools.get(f"device/{g}") for g in sorted(set(on_gpus))]
-        if len(kept) == n_gpus and all(p is not None for p in kept):
-            chosen = [p for p in kept if p is not None]
-        else:
-            chosen = device_pools[:n_gpus]
-        gpus = tuple(sorted(p.device for p in chosen if p.device is not None))
-        per_gpu = min(available(p.key) - reserve for p in chosen)
-        if cap is not None:
-            per_gpu = min(per_gpu, cap)
-        budget = Budget(
-            device=per_gpu * n_gpus,
-            host=available(host_view.key) - reserve,
-            per_process_cap=cap,
-        )
-        if any(p.coherent for p in chosen):
-            reasons.append(
-                Reason(
-                    ReasonCode.COHERENT_DEVICE,
-                    "the GPU can address host memory (HMM/ATS); its framebuffer is still planned "
-                    "as its own pool",
-                )
-            )
-    else:
-        declared = engine.placement.device_budget_bytes
-        device_budget = None
-        if declared is not None:
-            device_budget = declared if cap is None else min(declared, cap)
-        budget = Budget(
-            device=device_budget, host=available(host_view.key) - reserve, per_process_cap=cap
-        )
-        gpus = (0,)
-        reasons.append(
-            Reason(
-                ReasonCode.MEMORY_MODE_UNKNOWN,
-                f"node {board.node} reports no memory mode ({host_view.key} pool governed, "
-                "device memory ungoverned)",
-            )
-        )
-        check_device = declared is not None
-
-    sizer = _Sizer(
-        shape=_Shape.of(facts, engine.kv_cache_type),
-        compute=ComputeEstimate(facts),
-        context_per_mind=engine.context_tokens_per_mind,
-        reserve=reserve,
-        gpus=n_gpus,
-        unified=mode is MemoryMode.UNIFIED,
-        kv_type=engine.kv_cache_type,
-        receipts=ReceiptBook(tuple(receipts), llama_build),
-        model_sha256=engine.model.sha256,
+        return _unschedulable(board, engine, facts, rules, reasons, why)
+    ask = BudgetAsk(
+        reserve=engine.reserve_bytes,
+        gpus=engine.placement.gpus,
+        declared_device=engine.placement.device_budget_bytes,
+        on_gpus=on_gpus,
     )
-    fit = _Fit(budget, check_device)
-    lo_minds, hi_minds = engine.minds.min, engine.minds.max
+    budgeted = rules.budget(board, host, ask, _Available(board, ledger, crediting, reasons))
+    if isinstance(budgeted, Reason):
+        return _unschedulable(board, engine, facts, rules, reasons, budgeted)
+    reasons.extend(budgeted.notes)
+    sizer = _Sizer.of(facts, engine, rules, ReceiptBook(tuple(receipts), llama_build))
+    fit = _Fit(budgeted.budget, budgeted.device_checked)
+    layers = _place_layers(engine, sizer, fit, facts.layers + 1)
+    if not layers.fits:
+        why = _does_not_fit(board, engine, sizer, fit, layers.level)
+        short = fit.shortfall(*sizer.parts(layers.level, engine.minds.min))
+        return _unschedulable(board, engine, facts, rules, reasons, why, budgeted, short)
+    minds = _grantable_minds(engine, sizer, fit, layers.level)
+    _explain(reasons, engine, facts, sizer, fit, layers, minds)
+    return _planned(board, engine, facts, rules, budgeted, sizer, layers, minds, reasons)
 
-    # Offload level: forced by the spec, or the most the device budget takes at minds.min.
-    offload = engine.offload
-    unknown_auto = mode is MemoryMode.UNKNOWN and offload == "auto" and not check_device
-    if offload == "none" or unknown_auto:
+
+def _place_layers(engine: EngineSpec, sizer: _Sizer, fit: _Fit, total: int) -> _Layers:
+    """Offload level: forced by the spec, or the most the device budget takes at minds.min
+    (then, where the mode falls back to the host, every layer on the host)."""
+    lo_minds, offload = engine.minds.min, engine.offload
+    device_blind = offload == "auto" and not fit.check_device
+    if offload == "none" or device_blind:
         candidates = [0]
     elif offload == "all":
-        candidates = [total_layers]
+        candidates = [total]
     elif isinstance(offload, int):
-        candidates = [min(offload, total_layers)]
+        candidates = [min(offload, total)]
     else:
-        top = _last_true(0, total_layers, lambda j: fit.device_fits(sizer.parts(j, lo_minds)[0]))
-        candidates = [0] if top is None else [top, 0] if mode is not MemoryMode.DISCRETE else [top]
-
+        top = last_true(0, total, lambda j: fit.device_fits(sizer.parts(j, lo_minds)[0]))
+        if top is None:
+            candidates = [0]
+        else:
+            candidates = [top, 0] if sizer.rules.auto_falls_back_to_host else [top]
     level = next((j for j in candidates if fit.fits(sizer.parts(j, lo_minds))), None)
     if level is None:
-        device, host = sizer.parts(candidates[0], lo_minds)
-        need = f"device {_mib(device.in_use)}, host {_mib(host.in_use)}"
-        have = f"device budget {_mib(budget.device)}, host budget {_mib(budget.host)}"
-        if budget.shared is not None:
-            have += f", pool {_mib(budget.shared)} for both"
-        code = (
-            ReasonCode.OFFLOAD_DOES_NOT_FIT
-            if offload != "auto" and not fit.device_fits(device)
-            else ReasonCode.INSUFFICIENT_MEMORY
-        )
-        fix = (
-            "Lower spec.minds.min, spec.contextTokensPerMind or spec.offload, or use a "
-            "quantised spec.kvCacheType"
-        )
-        if any(b is not None and b < 0 <= b + reserve for b in (budget.device, budget.host)):
-            # The reserve alone leaves the pool nothing: no other field can make it fit.
-            fix = "Lower spec.reserveBytes: it leaves the pool nothing to plan in"
-        return unschedulable(
-            code,
-            f"{lo_minds} mind(s) of {engine.context_tokens_per_mind} tokens at offload "
-            f"{candidates[0]}/{total_layers} need {need}; node {board.node} has {have} "
-            f"(reserve {_mib(reserve)} per pool kept free). {fix}",
-            gpus,
-            budget,
-            fit.shortfall(device, host),
-        )
+        return _Layers(candidates[0], False, device_blind)
+    return _Layers(level, True, device_blind)
 
-    minds = _last_true(lo_minds, hi_minds, lambda m: fit.fits(sizer.parts(level, m)))
-    assert minds is not None  # level was chosen so that lo_minds fits
+
+def _grantable_minds(engine: EngineSpec, sizer: _Sizer, fit: _Fit, level: int) -> int:
+    """The KV pool: the most minds, up to minds.max, whose contexts fit beside `level` layers
+    on the device (the level was chosen so that minds.min fits)."""
+    minds = last_true(engine.minds.min, engine.minds.max, lambda m: fit.fits(sizer.parts(level, m)))
+    assert minds is not None
+    return minds
+
+
+def _does_not_fit(board: Board, engine: EngineSpec, sizer: _Sizer, fit: _Fit, level: int) -> Reason:
+    """Why minds.min does not fit at the offload level tried first, and what would fix it."""
+    lo_minds, reserve, budget = engine.minds.min, engine.reserve_bytes, fit.budget
+    device, host = sizer.parts(level, lo_minds)
+    need = f"device {_mib(device.in_use)}, host {_mib(host.in_use)}"
+    have = f"device budget {_mib(budget.device)}, host budget {_mib(budget.host)}"
+    if budget.shared is not None:
+        have += f", pool {_mib(budget.shared)} for both"
+    code = (
+        ReasonCode.OFFLOAD_DOES_NOT_FIT
+        if engine.offload != "auto" and not fit.device_fits(device)
+        else ReasonCode.INSUFFICIENT_MEMORY
+    )
+    fix = (
+        "Lower spec.minds.min, spec.contextTokensPerMind or spec.offload, or use a "
+        "quantised spec.kvCacheType"
+    )
+    if any(b is not None and b < 0 <= b + reserve for b in (budget.device, budget.host)):
+        # The reserve alone leaves the pool nothing: no other field can make it fit.
+        fix = "Lower spec.reserveBytes: it leaves the pool nothing to plan in"
+    return Reason(
+        code,
+        f"{lo_minds} mind(s) of {engine.context_tokens_per_mind} tokens at offload "
+        f"{level}/{sizer.shape.layers + 1} need {need}; node {board.node} has {have} "
+        f"(reserve {_mib(reserve)} per pool kept free). {fix}",
+    )
+
+
+def _unschedulable(
+    board: Board,
+    engine: EngineSpec,
+    facts: ModelFacts,
+    rules: ModeRules,
+    reasons: list[Reason],
+    why: Reason,
+    budgeted: Budgeted | None = None,
+    shortfall: int | None = None,
+) -> ServingPlan:
+    """A plan that places nothing, with what it found so far and `why` last."""
+    reasons.append(why)
+    return ServingPlan(
+        node=board.node,
+        memory_mode=rules.mode,
+        governed=rules.governed,
+        schedulable=False,
+        layers_on_device=0,
+        total_layers=facts.layers + 1,
+        gpu_servable=False,
+        pool_tokens=0,
+        minds_grantable=0,
+        context_tokens_per_mind=engine.context_tokens_per_mind,
+        kv_cache_type=engine.kv_cache_type,
+        gpus=() if budgeted is None else budgeted.gpus,
+        budget=(
+            Budget(None, None, board.per_process_cap_bytes) if budgeted is None else budgeted.budget
+        ),
+        device=PartBytes(),
+        host=PartBytes(),
+        charges=(),
+        engine_args=(),
+        reasons=tuple(reasons),
+        shortfall_bytes=shortfall,
+    )
+
+
+def _planned(
+    board: Board,
+    engine: EngineSpec,
+    facts: ModelFacts,
+    rules: ModeRules,
+    budgeted: Budgeted,
+    sizer: _Sizer,
+    layers: _Layers,
+    minds: int,
+    reasons: list[Reason],
+) -> ServingPlan:
+    """The plan of `minds` minds at the layers chosen, with the reasons found."""
+    level, total_layers = layers.level, facts.layers + 1
     device, host = sizer.parts(level, minds)
     tokens = minds * engine.context_tokens_per_mind
+    return ServingPlan(
+        node=board.node,
+        memory_mode=rules.mode,
+        governed=rules.governed,
+        schedulable=True,
+        layers_on_device=level,
+        total_layers=total_layers,
+        gpu_servable=level == total_layers and not layers.device_blind,
+        pool_tokens=tokens,
+        minds_grantable=minds,
+        context_tokens_per_mind=engine.context_tokens_per_mind,
+        kv_cache_type=engine.kv_cache_type,
+        gpus=budgeted.gpus if level > 0 else (),
+        budget=budgeted.budget,
+        device=device,
+        host=host,
+        charges=_charges(board, rules, budgeted.gpus, device, host),
+        engine_args=_engine_args(level, tokens, minds, engine.kv_cache_type, sizer.gpus),
+        reasons=tuple(reasons),
+        receipt=sizer.receipt(level, minds),
+    )
 
-    _explain_layers(reasons, level, total_layers, offload, budget, sizer, lo_minds, unknown_auto)
-    if minds == hi_minds:
+
+def _explain(
+    reasons: list[Reason],
+    engine: EngineSpec,
+    facts: ModelFacts,
+    sizer: _Sizer,
+    fit: _Fit,
+    layers: _Layers,
+    minds: int,
+) -> None:
+    """Why a schedulable plan has its layers and minds, and what its bytes rest on."""
+    level, total = layers.level, facts.layers + 1
+    if not layers.device_blind:
+        _explain_layers(reasons, level, total, engine.offload, fit.budget, sizer, engine.minds.min)
+    if minds == engine.minds.max:
         reasons.append(Reason(ReasonCode.MINDS_AT_MAX, f"{minds} minds, spec.minds.max"))
     else:
         reasons.append(
             Reason(
                 ReasonCode.MINDS_LIMITED_BY_POOL,
-                f"{minds} of up to {hi_minds} minds fit; the rest wait as overflow",
+                f"{minds} of up to {engine.minds.max} minds fit; the rest wait as overflow",
             )
         )
-    if mode is MemoryMode.UNKNOWN:
-        _explain_unknown(reasons, engine, level, check_device)
+    if not sizer.rules.governed:
+        _explain_ungoverned(reasons, engine, level, fit.check_device)
     _explain_estimates(reasons, sizer, facts, level, minds)
     if sizer.compute.assumed and sizer.receipt(level, minds) is None:
         reasons.append(
@@ -600,28 +616,6 @@ def plan(
                 "compute buffer estimated assuming " + ", ".join(sizer.compute.assumed),
             )
         )
-
-    return ServingPlan(
-        node=board.node,
-        memory_mode=mode,
-        governed=mode is not MemoryMode.UNKNOWN,
-        schedulable=True,
-        layers_on_device=level,
-        total_layers=total_layers,
-        gpu_servable=level == total_layers and not unknown_auto,
-        pool_tokens=tokens,
-        minds_grantable=minds,
-        context_tokens_per_mind=engine.context_tokens_per_mind,
-        kv_cache_type=engine.kv_cache_type,
-        gpus=gpus if level > 0 else (),
-        budget=budget,
-        device=device,
-        host=host,
-        charges=_charges(board, mode, gpus, device, host),
-        engine_args=_engine_args(level, tokens, minds, engine.kv_cache_type, n_gpus),
-        reasons=tuple(reasons),
-        receipt=sizer.receipt(level, minds),
-    )
 
 
 def _explain_layers(
@@ -632,10 +626,7 @@ def _explain_layers(
     budget: Budget,
     sizer: _Sizer,
     minds: int,
-    unknown_auto: bool,
 ) -> None:
-    if unknown_auto:
-        return
     if offload == "none":
         reasons.append(Reason(ReasonCode.OFFLOAD_NONE, "spec.offload is none: every layer on host"))
     elif isinstance(offload, int):
@@ -694,9 +685,10 @@ def _explain_estimates(
         )
 
 
-def _explain_unknown(
+def _explain_ungoverned(
     reasons: list[Reason], engine: EngineSpec, level: int, check_device: bool
 ) -> None:
+    """What an ungoverned device (unknown mode) was planned against, or why nothing was."""
     if check_device:
         reasons.append(
             Reason(
@@ -725,21 +717,21 @@ def _explain_unknown(
 
 def _charges(
     board: Board,
-    mode: MemoryMode,
+    rules: ModeRules,
     gpus: Sequence[int],
     device: PartBytes,
     host: PartBytes,
 ) -> tuple[tuple[str, int], ...]:
-    """Bytes leased per pool: a unified pool takes both sides, an unknown device nothing."""
+    """Bytes leased per pool: the host part to the host view, the device part split evenly over
+    the pools its GPUs draw from (on a unified board the same pool; ungoverned: none)."""
     host_view = board.host_view()
     assert host_view is not None
-    if mode is MemoryMode.UNIFIED:
-        return ((host_view.key, device.total + host.total),)
-    charges = [(host_view.key, host.total)]
-    if mode is MemoryMode.DISCRETE and device.total > 0:
-        share = -(-device.total // len(gpus))
-        charges.extend((f"device/{g}", share) for g in gpus)
-    return tuple(charges)
+    charges = {host_view.key: host.total}
+    device_pools = rules.device_pools(board, gpus) if device.total > 0 else []
+    for pool in device_pools:
+        share = -(-device.total // len(device_pools))
+        charges[pool] = charges.get(pool, 0) + share
+    return tuple(charges.items())
 
 
 def _engine_args(

@@ -75,15 +75,10 @@ class Board:
         return self.pools.get("unified") or self.pools.get("host")
 
     def device_view(self, gpu: int) -> Pool | None:
-        """The pool a GPU's allocations draw from; on a unified board, the one shared pool."""
-        if self.memory_mode is MemoryMode.UNIFIED:
-            return self.pools.get("unified")
-        return self.pools.get(pool_key(PoolKind.DEVICE, gpu))
-
-    def gpu_indices(self) -> list[int]:
-        if self.memory_mode is MemoryMode.UNIFIED:
-            return [0]
-        return sorted(p.device for p in self.pools.values() if p.device is not None)
+        """The pool a GPU's allocations draw from: its own device pool, or on a unified board
+        the one shared pool. The pools say it (a board's mode and its pools agree:
+        `model.board`), so no memory mode is consulted here."""
+        return self.pools.get(pool_key(PoolKind.DEVICE, gpu)) or self.pools.get("unified")
 
 
 def _gpus_in_use(board: NodeBoard) -> dict[str, tuple[int, ...]]:

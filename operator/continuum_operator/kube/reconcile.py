@@ -55,6 +55,7 @@ from continuum_operator.kube.settings import (
 )
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.base import Condition
+from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import Engine, ModelFacts
 
 
@@ -164,10 +165,19 @@ def _unschedulable(decision: Decision) -> cond.Problem:
     return unfit.explain(decision)
 
 
+def _memory_mode(plan_doc: Mapping[str, Any]) -> MemoryMode:
+    """The mode a written plan was made on; a plan that names none, or one this operator does
+    not know, counts as unknown (rule 3: never guessed)."""
+    try:
+        return MemoryMode(str(plan_doc.get("memoryMode")))
+    except ValueError:
+        return MemoryMode.UNKNOWN
+
+
 def _planned(plan_doc: Mapping[str, Any], engine: Engine) -> cond.PlannedEngine:
     return cond.PlannedEngine(
         node=str(plan_doc.get("node", "")),
-        memory_mode=str(plan_doc.get("memoryMode", "unknown")),
+        memory_mode=_memory_mode(plan_doc),
         layers_on_device=int(plan_doc.get("layersOnDevice", 0)),
         total_layers=int(plan_doc.get("totalLayers", 0)),
         minds_grantable=int(plan_doc.get("mindsGrantable", 0)),
@@ -428,7 +438,9 @@ class _Pass:
             memory=Memory(self.damper, self.backoff, self.memory.facts_error, self.node_gone_since),
             damping=f.damping,
             unschedulable=f.unschedulable is not None and f.planned is None,
-            memory_mode_unknown=f.planned is not None and f.planned.memory_mode == "unknown",
+            memory_mode_unknown=(
+                f.planned is not None and f.planned.memory_mode == MemoryMode.UNKNOWN
+            ),
             identity=identity,
         )
 
@@ -633,7 +645,7 @@ class _Pass:
         gpu = gpu_check.check(
             [int(g) for g in plan_doc.get("gpus") or ()],
             board.gpus_in_use.get(self.me, ()),
-            str(plan_doc.get("memoryMode", "unknown")),
+            _memory_mode(plan_doc),
         )
         if gpu.verdict is not gpu_check.GpuVerdict.ELSEWHERE:
             return plan_doc, placement
