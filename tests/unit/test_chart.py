@@ -41,7 +41,7 @@ NON_DEFAULT: dict[str, Any] = {
         "engineSelector": {"team": "a"},
         "gpuSharing": "auto",
         "gpuClaims": "dra",
-        "engineCpu": "1500m",
+        "laneCpu": "1500m",
         "damping": {"readings": 5, "minGain": 0.2, "cooldownSeconds": 600},
         "extraArgs": ["--board-ttl=60"],
         "priorityClassName": "system-cluster-critical",
@@ -231,7 +231,7 @@ def test_the_operators_arguments_are_flags_continuum_operator_accepts(
     assert custom.engine_selector == "team=a"
     assert custom.gpu_sharing == "auto"
     assert custom.gpu_claims == "dra"
-    assert custom.engine_cpu == "1500m"
+    assert custom.lane_cpu == "1500m"
     assert (custom.damping_readings, custom.damping_min_gain) == (5, 0.2)
     assert custom.relaunch_cooldown == 600
     assert custom.board_ttl == 60  # extraArgs reach the command
@@ -663,7 +663,7 @@ def test_the_dashboard_is_valid_json_in_an_optional_configmap(
         ({"operator": {"gpuSharing": "nvidia"}}, "/operator/gpuSharing"),
         ({"operator": {"gpuClaims": "cdi"}}, "/operator/gpuClaims"),
         ({"operator": {"replicsa": 2}}, "replicsa"),
-        ({"operator": {"engineCpu": "two"}}, "/operator/engineCpu"),
+        ({"operator": {"laneCpu": "two"}}, "/operator/laneCpu"),
         ({"agent": {"leaseSeconds": "forty"}}, "/agent/leaseSeconds"),
         ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
         ({"webhook": {"clientConfig": "dns"}}, "/webhook/clientConfig"),

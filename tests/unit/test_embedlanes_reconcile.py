@@ -222,7 +222,11 @@ def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_run
     container = pod["containers"][0]
     assert container["command"][:4] == ["continuum", "embed", "--lane", "ns/lane"]
     assert container["command"][container["command"].index("--model") + 1] == ("/models/embed.gguf")
-    assert container["command"][-2:] == ["--sha256", SHA]
+    command = container["command"]
+    assert command[command.index("--sha256") + 1] == SHA
+    # llama.cpp threads are the pod's whole CPUs (the default 2 here).
+    assert container["resources"]["limits"]["cpu"] == SETTINGS.pods.cpu == "2"
+    assert command[command.index("--threads") + 1] == "2"
     host = lane_after(lane, writes)["status"]["placement"]["pools"][0]["bytes"]
     memory = int(container["resources"]["limits"]["memory"])
     assert memory > host and container["resources"]["requests"] == container["resources"]["limits"]
@@ -233,6 +237,24 @@ def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_run
                                                                ("embedlanes/status",)}  # fmt: skip
     assert all(r["resourceNames"] == ["lane"] for r in role["rules"])
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_a_lanes_pod_of_less_than_a_cpu_gets_that_share_and_one_thread() -> None:
+    # Seen on the real node: a lane's pod asked for 2 CPUs beside an engine of 1 on a node of 2
+    # and stayed Pending; --lane-cpu sizes it, and its threads follow.
+    base = snapshot([discrete("gpu-a", 80)])
+    facts = engine_obj()["spec"]["model"]["facts"]
+    eng = placed_engine(base, offload="none", model={"source": SOURCE, "sha256": SHA,
+                                                     "facts": facts})  # fmt: skip
+    lane = lane_obj()
+    lane["metadata"]["uid"] = "uid-lane"
+    small = replace(SETTINGS, pods=replace(SETTINGS.pods, cpu="500m"))
+    writes = reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, small)
+    assert writes.deployment is not None
+    container = writes.deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["cpu"] == container["resources"]["limits"]["cpu"]
+    assert container["resources"]["limits"]["cpu"] == "500m"
+    assert container["command"][container["command"].index("--threads") + 1] == "1"
 
 
 def test_a_lane_on_the_device_or_known_only_by_facts_gets_no_pod_and_says_why() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,9 +29,11 @@ from continuum_operator.model.engine import Engine, ModelFacts, ModelRef
 
 __all__ = [
     "LANE_LABEL",
+    "cpu_cores",
     "deployment_name",
     "lane_deployment",
     "lane_identity",
+    "lane_threads",
     "name_for",
     "why_no_pod",
 ]
@@ -39,6 +42,8 @@ Obj = dict[str, Any]
 LANE_LABEL = "continuum.dev/embedlane"
 #: The process's own heap beside its context and the mapped weights (bytes).
 RUNTIME_OVERHEAD_BYTES = 256 * 2**20
+# The CPU quantities the chart's schema takes: 2, 1.5, 500m.
+_CPU_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m?)")
 
 
 def name_for(lane_name: str) -> str:
@@ -141,6 +146,21 @@ def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
     ]
 
 
+def cpu_cores(quantity: str) -> float | None:
+    """A CPU quantity (`2`, `1.5`, `500m`) in cores; None if it is not one."""
+    found = _CPU_QUANTITY.fullmatch(quantity.strip())
+    if found is None:
+        return None
+    value = float(found.group(1))
+    return value / 1000 if found.group(2) else value
+
+
+def lane_threads(quantity: str) -> int:
+    """llama.cpp threads for a lane's pod of `quantity` CPUs: its whole CPUs, at least 1 (a
+    thread more than the pod's CPUs only waits for its share)."""
+    return max(1, int(cpu_cores(quantity) or 1))
+
+
 def _weights(facts: ModelFacts | None) -> int:
     if facts is None:
         return 0
@@ -193,6 +213,7 @@ def lane_deployment(
     ]
     if model.sha256:
         command += ["--sha256", model.sha256]
+    command += ["--threads", str(lane_threads(pods.cpu))]
     node = str(placement["node"])
     launch = hashlib.sha256(
         json.dumps({"cmd": command, "node": node, "memory": memory}, sort_keys=True).encode()

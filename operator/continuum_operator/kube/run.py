@@ -17,7 +17,7 @@ from typing import Any
 
 from continuum_operator.core.damping import DampingSettings
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
-from continuum_operator.kube import grant_settings, webhook
+from continuum_operator.kube import grant_settings, lane_objects, webhook
 from continuum_operator.kube.settings import (
     FreshnessSettings,
     GpuClaims,
@@ -41,7 +41,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--engine-image", default=d.pods.image, help="image of `continuum engine`")
     p.add_argument(
-        "--engine-cpu", default=d.pods.cpu, help="CPU of an EmbedLane pod (request=limit)"
+        "--lane-cpu",
+        "--engine-cpu",  # its first name, kept: it never sized an engine's pod
+        dest="lane_cpu",
+        type=_cpu_quantity,
+        default=d.pods.cpu,
+        help="CPU of an EmbedLane's pod (request = limit; its llama.cpp threads follow it)",
     )
     p.add_argument(
         "--gpu-claims",
@@ -186,6 +191,17 @@ def _whole_cpus(text: str) -> int:
     return value
 
 
+def _cpu_quantity(text: str) -> str:
+    """A Kubernetes CPU quantity above 0: whole or decimal CPUs (`2`, `1.5`) or millicores
+    (`500m`), as a pod's resources take it."""
+    value = lane_objects.cpu_cores(text)
+    if value is None or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a CPU quantity above 0 (write 2, 1.5 or 500m)"
+        )
+    return text
+
+
 def _share(text: str) -> float:
     """A fraction in (0, 1]: of a node's allocatable CPUs."""
     try:
@@ -217,7 +233,7 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
         ),
         pods=PodSettings(
             image=args.engine_image,
-            cpu=args.engine_cpu,
+            cpu=args.lane_cpu,
             gpu_claims=GpuClaims(args.gpu_claims),
             dra_device_class=args.dra_device_class,
             dra_driver=args.dra_driver,

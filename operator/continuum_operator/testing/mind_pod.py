@@ -30,8 +30,20 @@ req = urllib.request.Request(endpoint.rstrip("/") + "/v1/chat/completions",
     headers={"Content-Type": "application/json", "Authorization": "Bearer " + token})
 out = {"status": None, "text": "", "events": 0, "last": None, "error": None}
 start = time.monotonic()
+def connect():
+    # As OpenAI's clients do, a refused connection is tried again (an engine pod replaced by a
+    # relaunch is away for seconds), up to 60 s; an HTTP answer is never retried.
+    while True:
+        try:
+            return urllib.request.urlopen(req, timeout=600)
+        except urllib.error.HTTPError:
+            raise
+        except urllib.error.URLError:
+            if time.monotonic() - start > 60:
+                raise
+            time.sleep(1)
 try:
-    with urllib.request.urlopen(req, timeout=600) as resp:
+    with connect() as resp:
         out["status"] = resp.status
         for raw in resp:
             line = raw.decode().strip()
