@@ -11,6 +11,8 @@ prints the plans as a table with how to look further.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -27,6 +29,7 @@ import yaml
 from continuum_operator.core.heartbeat import (
     agent_lease_metadata,
 )
+from continuum_operator.testing.mind_pod import mind_pod, service_account
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -155,7 +158,11 @@ def start_operator() -> None:
     with LOG_FILE.open("a") as log:
         proc = subprocess.Popen(
             [str(ROOT / ".venv" / "bin" / "continuum"), "operator",
-             "--kubeconfig", os.environ["KUBECONFIG"], "--engine-image", "continuum-engine:demo",
+             "--kubeconfig", os.environ["KUBECONFIG"], "--engine-image", engine_image(),
+             # the real node has 2 CPUs: an engine of 1 leaves room for its minds' pods
+             "--engine-cpu-min", "1",
+             # the real turn's model lies on the node under this directory (docs/security.md)
+             "--allowed-host-path-prefix", str(REAL_MODEL.parent),
              # a mind's child pods get the lowest class and CPU weight (docs/children.md)
              "--webhook", "--webhook-listen", "127.0.0.1", "--webhook-port", str(free_port()),
              "--grace", str(GRACE_SECONDS), "--metrics-port", str(metrics_port)],
@@ -307,12 +314,162 @@ says what each line will show):
 The demo's boards stay fresh for an hour (no node agent runs here): `tools/demo renew`.
 Stop everything: `tools/demo stop`."""
     )
+    if real_node_up():
+        real_turn()
     return 0
+
+
+REAL_NODE = "continuum-node"
+AGENT_PID_FILE = STATE / "agent.pid"
+AGENT_LOG_FILE = STATE / "agent.log"
+REAL_MODEL = Path("/var/lib/continuum/models/tiny.gguf")
+
+
+def real_node_up() -> bool:
+    return os.environ.get("CONTINUUM_DEMO_REAL_NODE") == "1"
+
+
+def engine_image() -> str:
+    """The engine image tools/images built (the real node runs it); a name only, otherwise."""
+    if not real_node_up():
+        return "continuum-engine:demo"
+    out = subprocess.run([str(ROOT / "tools" / "images"), "refs"], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return dict(line.split("=", 1) for line in out.split())["engine"]
+
+
+def stop_agent() -> None:
+    if AGENT_PID_FILE.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.killpg(int(AGENT_PID_FILE.read_text()), signal.SIGTERM)
+        AGENT_PID_FILE.unlink(missing_ok=True)
+
+
+def start_agent() -> None:
+    """`continuum agent` for the real node, as the chart's DaemonSet would run it there."""
+    stop_agent()
+    with AGENT_LOG_FILE.open("a") as log:
+        proc = subprocess.Popen(
+            [str(ROOT / ".venv" / "bin" / "continuum"), "agent", "--node-name", REAL_NODE,
+             "--kubeconfig", os.environ["KUBECONFIG"], "--interval", "5"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    AGENT_PID_FILE.write_text(str(proc.pid))
+
+
+def wait(what: str, probe: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(1)
+    sys.exit(f"demo: timed out waiting for {what} (operator log: {LOG_FILE})")
+
+
+def mind_grant(name: str) -> dict[str, Any]:
+    status = json.loads(kubectl("get", "mind", "-n", "minds", name, "-o", "json")).get("status", {})
+    return {**(status.get("grant") or {}), "endpoint": status.get("endpoint")}
+
+
+def turn(name: str, prompt: str) -> dict[str, Any]:
+    """Her pod takes one turn at the address in her status, with her token."""
+    pod = f"{name}-turn-{int(time.time())}"
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(service_account("minds", name)))
+    body = mind_pod(name=pod, namespace="minds", service_account_name=name,
+                    engine_namespace="minds", engine_name="tiny-real",
+                    endpoint=mind_grant(name)["endpoint"], image=engine_image(),
+                    prompt=prompt, max_tokens=24)  # fmt: skip
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(body))
+
+    def ended() -> bool:
+        pod_body = json.loads(kubectl("get", "pod", "-n", "minds", pod, "-o", "json"))
+        return pod_body["status"].get("phase") in {"Succeeded", "Failed"}
+
+    wait(f"{pod} to end", ended, 180)
+    answer: dict[str, Any] = json.loads(
+        kubectl("logs", "-n", "minds", pod).strip().splitlines()[-1]
+    )
+    return answer
+
+
+def real_turn() -> None:
+    """A real engine on the real node, a Mind's turn through its gateway, and a reclaim."""
+    print("\ndemo: a real turn on the real node (the tiny random-weight model: its text is noise)")
+    start_agent()
+    REAL_MODEL.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(ROOT / ".venv" / "bin" / "continuum"), "model", "tiny", str(REAL_MODEL)],
+                   check=True, capture_output=True)  # fmt: skip
+    REAL_MODEL.chmod(0o644)
+    digest = hashlib.sha256(REAL_MODEL.read_bytes()).hexdigest()
+    docs = [
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "MindClass", "metadata": {"name": n},
+         "spec": {"priority": p, "protectionWindowSeconds": 0}}
+        for n, p in (("demo-batch", 0), ("demo-interactive", 10))
+    ] + [
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "Engine",
+         "metadata": {"name": "tiny-real", "namespace": "minds"},
+         "spec": {"model": {"source": {"kind": "hostPath", "path": str(REAL_MODEL)},
+                            "sha256": digest},
+                  "contextTokensPerMind": 256, "minds": {"min": 1, "max": 1}, "offload": 0,
+                  "reserveBytes": 0,
+                  "placement": {"nodeSelector": {"continuum.dev/real-node": "true"}}}},
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "Mind",
+         "metadata": {"name": "rae", "namespace": "minds"},
+         "spec": {"engine": "tiny-real", "className": "demo-batch", "contextTokens": 256}},
+    ]  # fmt: skip
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
+    print("demo: waiting for tiny-real's facts Job and engine pod on the real node...")
+
+    def ready() -> bool:
+        body = json.loads(kubectl("get", "engine", "-n", "minds", "tiny-real", "-o", "json"))
+        return condition(body, "Ready").get("status") == "True"
+
+    wait("tiny-real Ready", ready, 300)
+    wait("rae's grant", lambda: mind_grant("rae").get("state") == "Granted", 120)
+    grant = mind_grant("rae")
+    print(f"demo: rae granted {grant.get('tokens')} tokens on slot {grant.get('slot')} "
+          f"at {grant['endpoint']}")  # fmt: skip
+    answer = turn("rae", "Hello")
+    print(f"demo: rae's turn: HTTP {answer['status']}, {answer['events']} events, "
+          f"{answer['seconds']} s: {answer['text']!r}")  # fmt: skip
+    started = time.monotonic()
+    kubectl(
+        "apply",
+        "-f",
+        "-",
+        stdin=yaml.safe_dump(
+            {
+                "apiVersion": "continuum.dev/v1alpha1",
+                "kind": "Mind",
+                "metadata": {"name": "sol", "namespace": "minds"},
+                "spec": {
+                    "engine": "tiny-real",
+                    "className": "demo-interactive",
+                    "contextTokens": 256,
+                },
+            }
+        ),
+    )
+    wait("sol's grant", lambda: mind_grant("sol").get("state") == "Granted", 120)
+    print(f"demo: sol (class demo-interactive) reclaimed rae's slot in "
+          f"{time.monotonic() - started:.1f} s: rae is {mind_grant('rae').get('state')} "
+          f"({mind_grant('rae').get('reason')})")  # fmt: skip
+    refused = turn("rae", "Hello again")
+    print(f"demo: rae's next turn is refused: HTTP {refused['status']} {refused['error']}")
+    print(f"""
+Look at the real node:
+
+    kubectl get pods -n minds -o wide --field-selector spec.nodeName={REAL_NODE}
+    kubectl get minds -n minds rae sol
+    kubectl logs -n minds -l continuum.dev/engine=tiny-real --tail=20""")
 
 
 def main() -> int:
     command = sys.argv[1] if len(sys.argv) > 1 else "start"
     if command == "stop":
+        stop_agent()
         stop_operator()
         subprocess.run([str(ROOT / "tools" / "cluster"), "down"], check=False)
         return 0
