@@ -157,6 +157,10 @@ def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
         ("patch", "priorityclasses.scheduling.k8s.io"),
         ("create", "leases.coordination.k8s.io", "-n", ns),
         ("update", f"leases.coordination.k8s.io/{FULLNAME}-leader", "-n", ns),
+        # Each engine's ServiceAccount bound to system:auth-delegator (its gateway reviews
+        # tokens): the operator creates the binding, and may bind that one role only (below).
+        ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+        ("bind", "clusterroles.rbac.authorization.k8s.io/system:auth-delegator"),
     ]
     no = [
         ("get", "secrets", "-n", ns),
@@ -169,7 +173,8 @@ def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
         ("delete", "nodes"),
         ("create", "pods", "-n", "any-ns"),
         ("create", "clusterroles.rbac.authorization.k8s.io"),
-        ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+        ("delete", "clusterrolebindings.rbac.authorization.k8s.io"),
+        ("bind", "clusterroles.rbac.authorization.k8s.io/cluster-admin"),
         ("update", "leases.coordination.k8s.io/kube-controller-manager", "-n", "kube-system"),
         ("update", "leases.coordination.k8s.io/someone-else", "-n", ns),
         # The children's webhook is on by default: its own configuration only, never another's.
@@ -182,6 +187,16 @@ def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
         assert can_i(cluster, OPERATOR_SA, ns, *args), f"operator should: {args}"
     for args in no:
         assert not can_i(cluster, OPERATOR_SA, ns, *args), f"operator should not: {args}"
+    # Tried: a binding of any other cluster role is refused by the API server's escalation check.
+    as_operator = f"--as=system:serviceaccount:{ns}:{OPERATOR_SA}"
+    for role, allowed in (("cluster-admin", False), ("system:auth-delegator", True)):
+        proc = cluster.kubectl(
+            "create", "clusterrolebinding", f"e2e-try-{release.namespace}", f"--clusterrole={role}",
+            f"--serviceaccount={ns}:default", "--dry-run=server", as_operator, check=False,
+        )  # fmt: skip
+        assert (proc.returncode == 0) is allowed, (role, proc.stdout, proc.stderr)
+        if not allowed:
+            assert "forbidden" in proc.stderr, proc.stderr
 
 
 def test_the_agents_service_account_writes_only_boards_and_node_leases(

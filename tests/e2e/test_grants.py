@@ -235,6 +235,9 @@ def engine_runtime(
         sys.executable, "-m", "continuum_operator.cli", "engine",
         "--engine", f"{ns}/{name}", "--model", str(model), "--no-receipt",
         "--listen", f"127.0.0.1:{port}", "--llama-server", str(llama),
+        # This test is of the ledger through a real gateway, the mind named by the header;
+        # who may speak for a mind (her token, reviewed) is test_openai's and test_gateway_kube's.
+        "--unsafe-trust-mind-header",
         "--", "-c", str(2 * SLOT_TOKENS), "--parallel", "2", "-t", "1",
     ]  # fmt: skip
     log = workdir / "engine.log"

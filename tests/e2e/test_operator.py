@@ -618,12 +618,15 @@ def test_an_engine_with_only_a_model_source_has_its_facts_read_by_a_job_on_its_n
         log=operator.log,
     )
     pod = jobs[0]["spec"]["template"]["spec"]
+    # The Job hashes the file before it reads its facts: a file of another digest is refused.
     assert pod["containers"][0]["command"] == [
         "continuum",
         "facts",
         "/models/q4.gguf",
         "-o",
         "json",
+        "--expect-sha256",
+        "ab" * 32,
     ]
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
     assert pod["nodeSelector"] == {"e2e-tag": tag}
