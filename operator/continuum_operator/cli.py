@@ -124,21 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--board", type=Path, required=True, help="a NodeBoard YAML file")
     p.add_argument("--engine", type=Path, required=True, help="an Engine YAML file")
-    p.add_argument(
-        "--lease",
-        type=Path,
-        action="append",
-        default=[],
-        help="Engines already placed (with status.placement); repeatable",
-    )
+    cli_place.add_placed_inputs(p)
     add_output_argument(p, table="the plan's rows, bytes per side and its reasons")
-    p.add_argument(
-        "--receipt",
-        type=Path,
-        action="append",
-        default=[],
-        help="llama.cpp receipts (YAML/JSON, docs/receipts.md); repeatable",
-    )
     p.set_defaults(func=cmd_plan)
     cli_place.add_parser(sub)
     scenario.add_parser(sub)

@@ -194,6 +194,24 @@ def cmd_place(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def add_placed_inputs(p: argparse.ArgumentParser) -> None:
+    """`--lease` and `--receipt`: what `continuum plan` and `place` plan beside and from."""
+    p.add_argument(
+        "--lease",
+        type=Path,
+        action="append",
+        default=[],
+        help="Engines already placed (with status.placement); repeatable",
+    )
+    p.add_argument(
+        "--receipt",
+        type=Path,
+        action="append",
+        default=[],
+        help="llama.cpp receipts (YAML/JSON, docs/receipts.md); repeatable",
+    )
+
+
 def add_parser(sub: Any) -> None:
     """Register `place` on the `continuum` command's subparsers."""
     p = sub.add_parser(
@@ -210,19 +228,6 @@ def add_parser(sub: Any) -> None:
         help="a directory of NodeBoard YAML/JSON files (several documents or a List each)",
     )
     p.add_argument("--engine", type=Path, required=True, help="an Engine YAML file")
-    p.add_argument(
-        "--lease",
-        type=Path,
-        action="append",
-        default=[],
-        help="Engines already placed (with status.placement); repeatable",
-    )
-    p.add_argument(
-        "--receipt",
-        type=Path,
-        action="append",
-        default=[],
-        help="llama.cpp receipts (YAML/JSON, docs/receipts.md); repeatable",
-    )
+    add_placed_inputs(p)
     add_output_argument(p, table="the chosen node, the condition, one row per node")
     p.set_defaults(func=cmd_place)

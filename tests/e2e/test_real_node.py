@@ -46,6 +46,15 @@ MODEL_DIR = Path("/var/lib/continuum-e2e") / RUN
 ENGINE_PODS = "app.kubernetes.io/instance=tiny"
 
 
+# The tests that need a Mind's pod to reach the engine's Service: a pod's connection hung or was
+# refused in 2 of 4 runs here while the node reached the Service, so they are not in make test.
+NEEDS_TURNS = pytest.mark.skipif(
+    os.environ.get("CONTINUUM_E2E_REAL_NODE_TURNS") != "1",
+    reason="a Mind pod's connection to the engine's Service hung or was refused in 2 of 4 runs "
+    "here (host to Service worked): not yet reliable; CONTINUUM_E2E_REAL_NODE_TURNS=1 runs it",
+)
+
+
 def run_script(script: Path, *args: str, env: dict[str, str], timeout: float = 900) -> str:
     proc = subprocess.run(
         [str(script), *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
@@ -375,11 +384,7 @@ def take_turn(install: Install, name: str, pod: str, prompt: str) -> dict[str, A
     return answer
 
 
-@pytest.mark.skipif(
-    os.environ.get("CONTINUUM_E2E_REAL_NODE_TURNS") != "1",
-    reason="a Mind pod's connection to the engine's Service hung or was refused in 2 of 4 runs "
-    "here (host to Service worked): not yet reliable; CONTINUUM_E2E_REAL_NODE_TURNS=1 runs it",
-)
+@NEEDS_TURNS
 def test_a_minds_pod_takes_a_turn_and_a_higher_class_reclaims_her_slot(install: Install) -> None:
     low, high = f"batch-{RUN}", f"interactive-{RUN}"
     install.cluster.apply(mind_class(low, 0))
@@ -417,11 +422,7 @@ def test_a_minds_pod_takes_a_turn_and_a_higher_class_reclaims_her_slot(install: 
     assert served["status"] == 200 and served["error"] is None, served
 
 
-@pytest.mark.skipif(
-    os.environ.get("CONTINUUM_E2E_REAL_NODE_TURNS") != "1",
-    reason="a Mind pod's connection to the engine's Service hung or was refused in 2 of 4 runs "
-    "here (host to Service worked): not yet reliable; CONTINUUM_E2E_REAL_NODE_TURNS=1 runs it",
-)
+@NEEDS_TURNS
 def test_an_embedlanes_pod_embeds(install: Install) -> None:
     install.cluster.apply(
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
@@ -502,19 +503,13 @@ def llama_address(install: Install, engine_pod: str) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.skipif(
-    os.environ.get("CONTINUUM_E2E_REAL_NODE_TURNS") != "1",
-    reason="a Mind pod's connection to the engine's Service hung or was refused in 2 of 4 runs "
-    "here (host to Service worked): not yet reliable; CONTINUUM_E2E_REAL_NODE_TURNS=1 runs it",
-)
-def test_a_minds_child_pod_is_mutated_and_runs_below_the_engine(install: Install) -> None:
-    engine_pod = install.pods(install.apps, ENGINE_PODS)[0]["metadata"]["name"]
-    rest = decode_rate(install, engine_pod)
-    # A child of bea that asks for a CPU and a cap of one: the webhook gives it the least
-    # CPU weight and the lowest class, and removes the cap (children use idle cores).
-    child = {
+def bea_child(
+    install: Install, name: str, script: str, resources: dict[str, Any]
+) -> dict[str, Any]:
+    """A child pod of Mind bea (by her label) on the real node, running `script` in Python."""
+    return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "bea-build", "namespace": install.apps,
+        "metadata": {"name": name, "namespace": install.apps,
                      "labels": {"continuum.dev/mind": "bea"}},
         "spec": {
             "nodeSelector": REAL_NODE_LABEL,
@@ -522,13 +517,24 @@ def test_a_minds_child_pod_is_mutated_and_runs_below_the_engine(install: Install
             "securityContext": {"runAsNonRoot": True, "runAsUser": 65534},
             "containers": [{
                 "name": "hog", "image": image_refs()["engine"],
-                "command": ["/opt/continuum/bin/python", "-c", HOG],
-                "resources": {"requests": {"cpu": "1", "memory": "64Mi"},
-                              "limits": {"cpu": "1", "memory": "256Mi"}},
+                "command": ["/opt/continuum/bin/python", "-c", script],
+                "resources": resources,
             }],
         },
     }  # fmt: skip
-    install.cluster.apply(child)
+
+
+@NEEDS_TURNS
+def test_a_minds_child_pod_is_mutated_and_runs_below_the_engine(install: Install) -> None:
+    engine_pod = install.pods(install.apps, ENGINE_PODS)[0]["metadata"]["name"]
+    rest = decode_rate(install, engine_pod)
+    # A child of bea that asks for a CPU and a cap of one: the webhook gives it the least
+    # CPU weight and the lowest class, and removes the cap (children use idle cores).
+    install.cluster.apply(
+        bea_child(install, "bea-build", HOG,
+                  {"requests": {"cpu": "1", "memory": "64Mi"},
+                   "limits": {"cpu": "1", "memory": "256Mi"}})
+    )  # fmt: skip
     pod = install.get("pod", "bea-build", "-n", install.apps)
     assert pod["spec"]["priorityClassName"] == "continuum-mind-children", pod["spec"]
     assert pod["spec"]["priority"] == -1000
@@ -565,30 +571,13 @@ sys.exit(3)
 """
 
 
-@pytest.mark.skipif(
-    os.environ.get("CONTINUUM_E2E_REAL_NODE_TURNS") != "1",
-    reason="a Mind pod's connection to the engine's Service hung or was refused in 2 of 4 runs "
-    "here (host to Service worked): not yet reliable; CONTINUUM_E2E_REAL_NODE_TURNS=1 runs it",
-)
+@NEEDS_TURNS
 def test_a_child_that_takes_the_nodes_memory_is_the_one_killed(install: Install) -> None:
     engine_before = install.pods(install.apps, ENGINE_PODS)[0]
     restarts = sum(c["restartCount"] for c in engine_before["status"]["containerStatuses"])
-    child = {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "bea-hog", "namespace": install.apps,
-                     "labels": {"continuum.dev/mind": "bea"}},
-        "spec": {
-            "nodeSelector": REAL_NODE_LABEL,
-            "restartPolicy": "Never",
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 65534},
-            "containers": [{
-                "name": "hog", "image": image_refs()["engine"],
-                "command": ["/opt/continuum/bin/python", "-c", MEMORY_HOG],
-                "resources": {"requests": {"memory": "64Mi"}},
-            }],
-        },
-    }  # fmt: skip
-    install.cluster.apply(child)
+    install.cluster.apply(
+        bea_child(install, "bea-hog", MEMORY_HOG, {"requests": {"memory": "64Mi"}})
+    )
 
     def ended() -> dict[str, Any]:
         pod = install.get("pod", "bea-hog", "-n", install.apps)
@@ -611,11 +600,7 @@ def test_a_child_that_takes_the_nodes_memory_is_the_one_killed(install: Install)
     install.kubectl("delete", "pod", "bea-hog", "-n", install.apps, "--wait=false")
 
 
-@pytest.mark.skipif(
-    os.environ.get("CONTINUUM_E2E_REAL_NODE_TURNS") != "1",
-    reason="a Mind pod's connection to the engine's Service hung or was refused in 2 of 4 runs "
-    "here (host to Service worked): not yet reliable; CONTINUUM_E2E_REAL_NODE_TURNS=1 runs it",
-)
+@NEEDS_TURNS
 def test_a_replaced_model_file_is_refused(install: Install) -> None:
     path = MODEL_DIR / "tiny.gguf"
     subprocess.run(

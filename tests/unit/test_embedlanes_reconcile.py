@@ -12,6 +12,7 @@ import yaml
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.embedlanes import LaneWrites, lane_leases_in, reconcile_lane
 from continuum_operator.kube.reconcile import Memory, reconcile
+from continuum_operator.kube.settings import OperatorSettings
 from tests.builders import GiB, MiB
 from tests.unit.test_reconcile import (
     NOW,
@@ -204,14 +205,19 @@ SOURCE = {"kind": "hostPath", "path": "/srv/models/embed.gguf"}
 SHA = "b" * 64
 
 
-def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_runtime() -> None:
+def host_lane(settings: OperatorSettings = SETTINGS) -> tuple[dict[str, Any], LaneWrites]:
+    """A lane beside an engine with every layer on the host (a model file of its own)."""
     base = snapshot([discrete("gpu-a", 80)])
     facts = engine_obj()["spec"]["model"]["facts"]
     eng = placed_engine(base, offload="none", model={"source": SOURCE, "sha256": SHA,
                                                      "facts": facts})  # fmt: skip
     lane = lane_obj()
     lane["metadata"]["uid"] = "uid-lane"
-    writes = reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, SETTINGS)
+    return lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, settings)
+
+
+def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_runtime() -> None:
+    lane, writes = host_lane()
     assert writes.no_pod is None and writes.deployment is not None
     dep = writes.deployment
     assert dep["metadata"]["name"] == "embedlane-lane"
@@ -242,14 +248,7 @@ def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_run
 def test_a_lanes_pod_of_less_than_a_cpu_gets_that_share_and_one_thread() -> None:
     # Seen on the real node: a lane's pod asked for 2 CPUs beside an engine of 1 on a node of 2
     # and stayed Pending; --lane-cpu sizes it, and its threads follow.
-    base = snapshot([discrete("gpu-a", 80)])
-    facts = engine_obj()["spec"]["model"]["facts"]
-    eng = placed_engine(base, offload="none", model={"source": SOURCE, "sha256": SHA,
-                                                     "facts": facts})  # fmt: skip
-    lane = lane_obj()
-    lane["metadata"]["uid"] = "uid-lane"
-    small = replace(SETTINGS, pods=replace(SETTINGS.pods, cpu="500m"))
-    writes = reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, small)
+    _, writes = host_lane(replace(SETTINGS, pods=replace(SETTINGS.pods, cpu="500m")))
     assert writes.deployment is not None
     container = writes.deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["requests"]["cpu"] == container["resources"]["limits"]["cpu"]

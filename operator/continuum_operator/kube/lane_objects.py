@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from continuum_operator.kube import objects
+from continuum_operator.kube.cache import whole_cpus
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.embedlane import EmbedLane
@@ -158,7 +159,7 @@ def cpu_cores(quantity: str) -> float | None:
 def lane_threads(quantity: str) -> int:
     """llama.cpp threads for a lane's pod of `quantity` CPUs: its whole CPUs, at least 1 (a
     thread more than the pod's CPUs only waits for its share)."""
-    return max(1, int(cpu_cores(quantity) or 1))
+    return max(1, whole_cpus(quantity) or 1)
 
 
 def _weights(facts: ModelFacts | None) -> int:
