@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -491,7 +492,11 @@ def test_an_engine_whose_node_is_deleted_is_placed_again_and_its_minds_regranted
             log=log,
         )
         c = condition(body, "Unschedulable")
-        assert c is not None and second in c["message"], c
+        # The message counts nodes by why, as kube-scheduler does (core/unfit.py): the lost node
+        # is one of those with a board but no Node object; the shared cluster's other tests
+        # leave boards too, so which few the group names is not this test's to know.
+        assert c is not None and c["reason"] == "NoMatchingNode", c
+        assert re.search(r"0/\d+ nodes fit: .*\d+ with a board but no Node object", c["message"]), c
         wait_for(
             "the minds queued",
             lambda: states(cluster, ns) == {"a": "Queued", "b": "Queued"},

@@ -44,6 +44,28 @@ class TestEveryEngineReviewsTokens:
     def test_only_the_unsafe_flag_believes_the_header(self) -> None:
         assert _reviewer(engine_args("--engine", "ml/coder", "--unsafe-trust-mind-header")) is None
 
+    def test_a_review_the_api_server_never_answers_is_bounded_and_refuses(self) -> None:
+        import asyncio
+
+        class SilentApi:
+            """An API server that accepts the connection and never answers: the client's
+            request timeout is all that ends the call."""
+
+            def __init__(self) -> None:
+                self.timeouts: list[Any] = []
+
+            def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
+                self.timeouts.append(_request_timeout)
+                if _request_timeout is None:
+                    raise AssertionError("a review without a timeout would hang her request")
+                raise TimeoutError("read timed out")
+
+        api = SilentApi()
+        reviewer = TokenReviewer("continuum.dev/engine/ml/coder", api=api)
+        assert asyncio.run(reviewer("tok")) is None  # refused (401), not held
+        assert api.timeouts and all(t is not None for t in api.timeouts)
+        assert asyncio.run(reviewer("tok")) is None and len(api.timeouts) == 2  # not cached
+
     def test_a_grant_file_without_an_audience_or_the_unsafe_flag_is_refused(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:

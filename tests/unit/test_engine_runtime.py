@@ -264,6 +264,16 @@ def test_a_plan_comes_from_plan_output_or_an_engines_status_and_bad_files_are_na
         load_plan(tmp_path / "bad.yaml")
     with pytest.raises(PlanFileError, match=r"none\.yaml: cannot read"):
         load_plan(tmp_path / "none.yaml")
+    # Hostile files are refused by name, never a traceback (exit 2 through `main`).
+    (tmp_path / "latin1.yaml").write_bytes(b"engineArgs: [\xe9]\n")
+    with pytest.raises(PlanFileError, match=r"latin1\.yaml: not UTF-8"):
+        load_plan(tmp_path / "latin1.yaml")
+    (tmp_path / "deep.yaml").write_text("engineArgs: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(PlanFileError, match=r"deep\.yaml: "):
+        load_plan(tmp_path / "deep.yaml")
+    (tmp_path / "two.yaml").write_text("engineArgs: []\n---\nengineArgs: []\n")
+    with pytest.raises(PlanFileError, match=r"two\.yaml: 2 YAML documents"):
+        load_plan(tmp_path / "two.yaml")
     # llama-server's arguments: what the plan says, with what the gateway needs added
     args = gateway_args(cast(list[str], plan["engineArgs"]), tmp_path)
     assert args[:2] == ["--ctx-size", "1024"]

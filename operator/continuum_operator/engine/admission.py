@@ -459,9 +459,9 @@ def identify(asked_mind: str, account: ServiceAccount | None) -> tuple[str, Admi
     """The mind a reviewed token speaks for, or the refusal.
 
     A token speaks for one Mind: the one named as its service account, in its namespace, so
-    neither another service account of her namespace nor her child pods (which run as their
-    own service accounts) can spend her grant. `asked_mind` (the `X-Continuum-Mind` header) is
-    optional; given, it must be that Mind.
+    no other service account of her namespace, nor a child pod of hers running as another
+    account, can spend her grant (a pod running as her own account can: docs/gateway.md).
+    `asked_mind` (the `X-Continuum-Mind` header) is optional; given, it must be that Mind.
     """
     if account is None:
         return asked_mind, _refuse(

@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+#: Seconds to connect to and hear from the API server for one TokenReview.
+REVIEW_TIMEOUT = (5.0, 10.0)
 
 
 def read_table_file(path: Path) -> GrantTable:
@@ -209,7 +211,9 @@ class TokenReviewer:
         review = client.V1TokenReview(
             spec=client.V1TokenReviewSpec(token=token, audiences=[self.audience])
         )
-        status = self.api.create_token_review(review).status
+        # Bounded: a review that never answers would hold her request (and its slot) forever;
+        # a failed review refuses (401) and is not cached.
+        status = self.api.create_token_review(review, _request_timeout=REVIEW_TIMEOUT).status
         if status is None or not status.authenticated or status.user is None:
             return None
         if self.audience not in (status.audiences or []):

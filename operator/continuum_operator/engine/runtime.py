@@ -42,9 +42,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from aiohttp import web
 
+from continuum_operator import manifests
 from continuum_operator.core import receipts, rfc3339
 from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
 from continuum_operator.engine import digest
@@ -571,12 +571,15 @@ def load_plan(path: Path | None) -> dict[str, Any]:
     """A serving plan (`continuum plan -o json|yaml`), or an Engine object's `status.plan`."""
     if path is None:
         return {}
+    # The bounded reader: a non-UTF-8 file, aliases or deep nesting are refused by name, never
+    # a traceback (docs/security.md, hostile files).
     try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise PlanFileError(f"{path}: cannot read ({err.strerror})") from err
-    except yaml.YAMLError as err:
-        raise PlanFileError(f"{path}: not valid YAML or JSON: {err}") from err
+        docs = manifests.yaml_documents(path)
+    except manifests.ManifestError as err:
+        raise PlanFileError(str(err)) from err
+    if len(docs) != 1:
+        raise PlanFileError(f"{path}: {len(docs)} YAML documents; a plan file holds one")
+    doc = docs[0]
     if isinstance(doc, dict) and isinstance(doc.get("status"), dict):
         doc = doc["status"].get("plan") or {}  # an Engine object: its status.plan
     if not isinstance(doc, dict) or not isinstance(doc.get("engineArgs", []), list):
