@@ -4,8 +4,9 @@ generated model (it has no chat template of its own: llama-server falls back to 
 An unmodified agent: no turn opened, the grant enforced all the same. Chat, a streamed chat,
 completions and embeddings run on her slot; a prompt over her grant and `n: 2` are refused in
 OpenAI's error shape; a reclaim during a stream ends it with an error event within the grace,
-and the slot's release is reported. Tokens (401/403 from real TokenReviews) are in
-tests/e2e/test_gateway_kube.py.
+and the slot's release is reported. Her projected token, reviewed by the real API server, is
+her key (200); one without the engine's audience is 401, another account's 403 (the turn
+protocol's cases with tokens are in tests/e2e/test_gateway_kube.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from continuum_operator.engine.admission import GrantTable, TableEntry
+from continuum_operator.engine.admission import (
+    GrantTable,
+    ServiceAccount,
+    TableEntry,
+    engine_audience,
+)
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
+from tests.e2e.conftest import Cluster
 from tests.e2e.llama_fixtures import TinyModel
 
 pytestmark = pytest.mark.e2e
@@ -86,13 +93,18 @@ def run_engine(
     initial: GrantTable,
     body: Callable[[Engine], Awaitable[None]],
     args: Sequence[str] = ("-c", str(CTX), "--parallel", "2", "-t", "2"),
+    review_token: Callable[[str], Awaitable[ServiceAccount | None]] | None = None,
 ) -> None:
     launch = LaunchSettings(
         llama_server=str(llama_server_bin), model=model.path, args=tuple(args), port=0
     )
 
     async def main() -> None:
-        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.2))
+        gateway = Gateway(
+            GatewaySettings(
+                upstream="http://127.0.0.1:1", health_seconds=0.2, review_token=review_token
+            )
+        )
         await gateway.start()
         runtime = EngineRuntime(launch, gateway, echo_log=False)
         running = asyncio.create_task(runtime.run())
@@ -230,3 +242,51 @@ def test_an_engine_of_one_slot_embeds_for_her(llama_server_bin: Path, model: Tin
 
     args = ("-c", "2048", "--parallel", "1", "-t", "2", "--embeddings", "--pooling", "mean")
     run_engine(llama_server_bin, model, table(granted(slot=0, tokens=2048)), body, args)
+
+
+def test_her_token_is_her_key_and_no_other_accounts_is(
+    llama_server_bin: Path, model: TinyModel, cluster: Cluster, namespace: str
+) -> None:
+    """Real TokenReviews in front of the real llama-server: the official client's API key is her
+    projected token with the engine's audience."""
+    from kubernetes import client, config
+
+    from continuum_operator.engine.grants_source import TokenReviewer
+
+    audience = engine_audience(namespace, "tiny")
+    for account in ("mira", "mira-child"):
+        cluster.kubectl("create", "serviceaccount", account, "-n", namespace)
+
+    def token(account: str, *audiences: str) -> str:
+        flags = [f"--audience={a}" for a in audiences]
+        out = cluster.kubectl("create", "token", account, "-n", namespace, *flags).stdout
+        return str(out).strip()
+
+    mine, plain, child = token("mira", audience), token("mira"), token("mira-child", audience)
+    api = client.AuthenticationV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
+    mira = f"{namespace}/mira"
+
+    async def body(e: Engine) -> None:
+        def agent(key: str, mind: str | None = None) -> openai.AsyncOpenAI:
+            c = openai.AsyncOpenAI(
+                base_url=f"{e.url}/v1",
+                api_key=key,
+                default_headers={MIND_HEADER: mind} if mind else None,
+                max_retries=0,
+            )
+            e.clients.append(c)
+            return c
+
+        reply = await agent(mine).chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=3, extra_body=ENDLESS
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        assert (reply.model_extra or {})["continuum"]["slot"] == 1
+        with pytest.raises(openai.AuthenticationError):  # the API server's audience only
+            await agent(plain).chat.completions.create(model="tiny", messages=HELLO)
+        with pytest.raises(openai.PermissionDeniedError):  # another account naming her
+            await agent(child, mira).chat.completions.create(model="tiny", messages=HELLO)
+        assert "id_task" not in (await e.slots())[0]
+
+    reviewer = TokenReviewer(audience, api=api)
+    run_engine(llama_server_bin, model, table(granted(mira)), body, review_token=reviewer)

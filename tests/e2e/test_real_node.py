@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
 from continuum_operator.testing.mind_pod import mind_pod, service_account
 from tests.e2e.conftest import CLUSTER_SCRIPT, ROOT, Cluster
 from tests.helm import CHART, find_helm, helm
@@ -299,6 +300,30 @@ def test_an_engine_from_a_file_on_the_node_runs_as_pods_and_reports_receipts(
 
     plan = wait_until("a plan from the engine's receipt", from_receipt, 180, install.cluster)
     assert plan["receipt"]["modelSha256"] == sha256, plan
+    # Its bytes are what llama.cpp allocated (all on the host here: no GPU), each buffer
+    # rounded up by the log's resolution; the Engine's lease is that plan's.
+    buffers = plan["receipt"]["buffers"]
+
+    def kept(r: dict[str, Any]) -> list[tuple[str, str, int]]:
+        return sorted((b["device"], b["kind"], b["bytes"]) for b in r.get("buffers") or [])
+
+    assert any(kept(r) == kept(plan["receipt"]) for r in found), (plan["receipt"], found)
+
+    def host(*kinds: str) -> int:
+        return sum(b["bytes"] + LOG_RESOLUTION_BYTES for b in buffers if b["kind"] in kinds)
+
+    planned = plan["bytes"]["host"]
+    assert (planned["weights"], planned["kv"], planned["compute"]) == (
+        host("model"), host("kv"), host("compute", "output")
+    ), (planned, buffers)  # fmt: skip
+    assert plan["bytes"]["device"]["weights"] == 0 and plan["bytes"]["device"]["kv"] == 0
+
+    def leased() -> Any:
+        placement = install.get("engine", "tiny", "-n", install.apps)["status"]["placement"]
+        pools = {p["pool"]: p["bytes"] for p in placement.get("pools") or []}
+        return pools if pools == {c["pool"]: c["bytes"] for c in plan["charges"]} else None
+
+    wait_until("the Engine's lease charged as its receipt's plan", leased, 60, install.cluster)
     launches = {
         p["metadata"].get("annotations", {}).get("continuum.dev/launch")
         for p in install.pods(install.apps, ENGINE_PODS)

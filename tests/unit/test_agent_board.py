@@ -103,6 +103,16 @@ class TestDiscrete:
         assert device.capacity_bytes == v2["total"] - v2["reserved"]
         assert device.capacity_bytes - device.used_bytes == v2["free"]
 
+    def test_a_captured_h200_reads_discrete_net_of_the_drivers_reserve(self) -> None:
+        """Read on a lent H200 by tools/device_probe.py (driver 580.159.04)."""
+        doc = fixture("h200-captured")
+        status = board_of(doc)
+        assert status.memory_mode is MemoryMode.DISCRETE
+        v2 = doc["nvml"]["devices"][0]["nvmlDeviceGetMemoryInfo_v2"]
+        device = pool(status, PoolKind.DEVICE, 0)
+        assert device.capacity_bytes == v2["total"] - v2["reserved"] == 150_109_880_320
+        assert status.gpus[0].name == "NVIDIA H200"
+
     def test_memory_info_v1_serves_where_v2_is_missing(self) -> None:
         doc = fixture("x86-h100-hmm")
         dev = doc["nvml"]["devices"][0]

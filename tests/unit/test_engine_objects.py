@@ -71,6 +71,24 @@ def test_no_gpu_is_requested_on_a_node_without_gpus() -> None:
     assert "nvidia.com/gpu" not in r["limits"]
 
 
+def env_of(d: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v.get("value", "") for v in container(d).get("env", [])}
+
+
+def test_an_engine_planned_with_nothing_on_a_gpu_sees_none() -> None:
+    """A CUDA build of llama.cpp that can see a GPU holds a context and a graph there even at
+    --n-gpu-layers 0 (562 MiB on an H200, tests/fixtures/h200): the pod hides the GPUs."""
+    e, p = planned(offload="none")
+    assert p["layersOnDevice"] == 0 and p["gpus"] == []
+    d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
+    assert "nvidia.com/gpu" not in container(d)["resources"]["limits"]
+    env = env_of(d)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and env["CUDA_VISIBLE_DEVICES"] == ""
+    e, p = planned()  # layers on a GPU: that GPU, from the device plugin, and no hiding
+    env = env_of(objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True))
+    assert "NVIDIA_VISIBLE_DEVICES" not in env and "CUDA_VISIBLE_DEVICES" not in env
+
+
 def test_several_gpus_are_requested_when_the_plan_splits_the_model() -> None:
     e, p = planned(placement={"gpus": 2})
     r = container(objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True))["resources"]

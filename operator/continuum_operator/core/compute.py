@@ -192,8 +192,14 @@ class ComputeEstimate:
         """The host output buffer: f32 logits of one token per sequence."""
         return GraphShape.of(self.facts).vocab * max(1, sequences) * F32
 
-    def host_input_bytes(self) -> int:
-        """The host's compute buffer when every layer is offloaded: the looked-up embeddings."""
+    def host_input_bytes(self, context_per_mind: int, minds: int = 1) -> int:
+        """The host's compute buffer when every layer is offloaded: the looked-up embeddings
+        and the attention mask (f16, a stream's cells by the micro-batch), which the host
+        builds for the device. The mask's term was missing until an H200 showed it: CUDA_Host
+        held 38.13 MiB at a 32,768-token context where the embeddings are 6 MiB
+        (tests/fixtures/h200)."""
         if self.facts.compute_bytes is not None:
             return 0
-        return 2 * self.micro_batch * GraphShape.of(self.facts).n_embd * F32
+        cells = kv_cells_per_sequence(context_per_mind)
+        t = min(self.micro_batch, cells * minds)
+        return 2 * t * GraphShape.of(self.facts).n_embd * F32 + cells * t * F16

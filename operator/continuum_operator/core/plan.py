@@ -3,8 +3,11 @@
 `plan(board, engine, facts, ledger)` decides layers on the device and the size of the KV pool
 (docs/design.md rule 4). Policy: the most layers on the device that still leave room for
 `minds.min` contexts, then the pool grows toward `minds.max`. Layers are counted as llama.cpp
-counts `--n-gpu-layers`: the repeating layers plus the output layer, which goes to the device
-only after every repeating layer; token embeddings stay on the host.
+counts `--n-gpu-layers`: the output layer plus the repeating layers, the output layer first
+(`-ngl j` puts the output layer and the last j - 1 repeating layers on the device, as
+llama.cpp's `i_gpu_start = n_layer + 1 - n_gpu_layers` does; seen on an H200: `-ngl 4` of 8
+layers logged "offloading output layer to GPU", "offloading 3 repeating layers"); token
+embeddings stay on the host.
 
 Bytes are what llama.cpp allocates for the engine's arguments: KV cells per sequence padded to
 256 as llama.cpp pads them (one stream per mind: `--parallel` without `--kv-unified`), window
@@ -270,8 +273,9 @@ class _Sizer:
 
     def _parts(self, j: int, minds: int) -> tuple[PartBytes, PartBytes]:
         s = self.shape
-        on_device = min(j, s.layers)
-        output_on_device = j > s.layers
+        # The output layer is offloaded first, then repeating layers from the last (module doc).
+        output_on_device = j > 0
+        on_device = min(max(j - 1, 0), s.layers)
         uses_device = j > 0
         dev_r, host_r = self.rules.reserves(self.reserve, self.gpus, uses_device)
         receipt = self.receipt(j, minds)
@@ -289,7 +293,7 @@ class _Sizer:
         # host always holds the logits (output buffer) and, with every layer offloaded, the
         # graph's inputs (token embeddings are looked up on the host).
         dev_c = graph * self.gpus if uses_device else 0
-        host_graph = graph if on_device < s.layers else self.compute.host_input_bytes()
+        host_graph = graph if on_device < s.layers else self.compute.host_input_bytes(ctx, minds)
         host_c = host_graph + self.compute.output_bytes(minds)
         device = PartBytes(weights=dev_w, kv=dev_kv, compute=dev_c, reserve=dev_r)
         host = PartBytes(weights=host_w, kv=host_kv, compute=host_c, reserve=host_r)

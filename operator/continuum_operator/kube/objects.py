@@ -31,6 +31,15 @@ from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
 MiB = 2**20
 MODEL_MOUNT = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
+# An engine planned with nothing on a GPU sees none: where the node's default runtime is
+# NVIDIA's, a CUDA image (NVIDIA_VISIBLE_DEVICES=all) would get every GPU, and llama.cpp's CUDA
+# build then holds a context and a graph on GPU 0 that no lease charges (562 MiB on an H200
+# with no layers offloaded: tests/fixtures/h200). `void` is the toolkit's "as runc"; the empty
+# CUDA_VISIBLE_DEVICES hides any device mounted all the same.
+NO_GPU_ENV: tuple[dict[str, str], ...] = (
+    {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+    {"name": "CUDA_VISIBLE_DEVICES", "value": ""},
+)
 HAMI_GPUMEM_RESOURCE = "nvidia.com/gpumem"
 MPS_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 LAUNCH_ANNOTATION = "continuum.dev/launch"
@@ -322,6 +331,8 @@ def deployment(
     claim = gpu_claim_template(engine, uid, plan, pods)
     if gpus and claim is None:
         resources[GPU_RESOURCE] = str(gpus)
+    if not gpus and claim is None:
+        env.extend(dict(e) for e in NO_GPU_ENV)
     if gpus:
         if "hamiGpumemMiB" in rules:
             resources[HAMI_GPUMEM_RESOURCE] = str(rules["hamiGpumemMiB"])
