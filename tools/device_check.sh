@@ -123,15 +123,17 @@ BUILD_DONE="$WORK/build.done"   # holds the build's exit code once it ends
 
 # c. the CUDA build of llama-server, in the background from the first second.
 build_server() {
-  local src="$DEV/llama.cpp" commit nvcc
-  export PATH="$PATH:/usr/local/cuda/bin"
-  nvcc="$(command -v nvcc || true)"
+  local src="$DEV/llama.cpp" commit nvcc root
+  nvcc="$(command -v nvcc || ls /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc 2>/dev/null | head -1)"
+  root="${nvcc:+$(dirname "$(dirname "$(readlink -f "$nvcc")")")}"
   commit="$(cat "$src/CONTINUUM_COMMIT" 2>/dev/null || echo unknown)"
   [[ -f "$src/CMakeLists.txt" ]] || { echo "no $src: carry .device"; return 2; }
-  echo "configure: llama.cpp $commit, nvcc ${nvcc:-missing}"
-  cmake -S "$src" -B "$BUILD_DIR" -G Ninja \
+  echo "configure: llama.cpp $commit; nvcc ${nvcc:-missing} ($("${nvcc:-false}" --version 2>&1 | tail -1));" \
+    "toolkit $root: $(ls "$root"/lib64/libcublas.so* "$root"/lib/libcublas.so* 2>/dev/null | head -2 | tr '\n' ' ');" \
+    "$(cmake --version | head -1); ninja $(ninja --version 2>&1); gcc $(gcc -dumpfullversion 2>&1)"
+  timeout 120 cmake -S "$src" -B "$BUILD_DIR" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
-    ${nvcc:+-DCMAKE_CUDA_COMPILER="$nvcc"} \
+    ${nvcc:+-DCMAKE_CUDA_COMPILER="$nvcc" -DCUDAToolkit_ROOT="$root"} \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_COMPRESSION_MODE=none \
     -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
@@ -141,7 +143,9 @@ build_server() {
     -DLLAMA_BUILD_COMMIT="$commit" >"$WORK/logs/cmake-configure.log" 2>&1 \
     || { tail -30 "$WORK/logs/cmake-configure.log"; return 3; }
   echo "configured in $(el)s; building llama-server with -j$(nproc)"
-  cmake --build "$BUILD_DIR" --target llama-server -j "$(nproc)" >"$WORK/logs/cmake-build.log" 2>&1 \
+  # Bounded by the budget: the build never outlives the check (timeout ends its process group).
+  timeout "$(( $(left) > 30 ? $(left) - 15 : 15 ))" \
+    cmake --build "$BUILD_DIR" --target llama-server -j "$(nproc)" >"$WORK/logs/cmake-build.log" 2>&1 \
     || { grep -m5 -B2 -A8 'error' "$WORK/logs/cmake-build.log" | head -60; return 4; }
   [[ -x "$SERVER" ]] || return 5
 }
@@ -150,7 +154,8 @@ if [[ "$DRY" == 1 ]]; then
   say "DRY: no CUDA build; a fake llama-server stands in"
   echo 0 >"$BUILD_DONE"
 else
-  ( build_server >"$WORK/logs/build-steps.log" 2>&1; rc=$?; echo "$rc" >"$BUILD_DONE" ) &
+  ( build_server >"$WORK/logs/build-steps.log" 2>&1; rc=$?; echo "$rc" >"$BUILD_DONE"
+    echo "build ended in $(el)s, exit $rc" >>"$WORK/logs/build-steps.log" ) >/dev/null 2>&1 &
   BUILD_PID=$!
   # Progress: ninja's "[n/N]" every 20 s until the build ends.
   (
@@ -176,7 +181,7 @@ setup_python() {
   # The image's python3 is itself a venv (/opt/torch/.venv): --system-site-packages would only
   # reach its base interpreter, so a .pth names the parent's own site-packages (torch, pynvml).
   parent="${DC_PARENT_SITE:-$(python3 -c 'import site; print("\n".join(site.getsitepackages()))')}"
-  if timeout 120 python3 -m venv --system-site-packages "$VENV"; then
+  if timeout 60 python3 -m venv --system-site-packages "$VENV"; then
     printf '%s\n' "$parent" >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_device_check_parent.pth"
     PY="$VENV/bin/python"
   else
@@ -190,14 +195,14 @@ setup_python() {
     [[ "$(basename "$w")" == setuptools-* ]] || wheels+=("$w")
   done
   if [[ "$PY" == python3 ]]; then
-    timeout 180 python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "${wheels[@]}" \
+    timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "${wheels[@]}" \
       || say "pip: installing the carried wheels failed"
     export PYTHONPATH="$WORK/site:$ROOT/operator"
   else
-    timeout 180 "$PY" -m pip install -q --no-index --no-deps --find-links "$DEV/wheels" "${wheels[@]}" \
+    timeout 90 "$PY" -m pip install -q --no-index --no-deps --find-links "$DEV/wheels" "${wheels[@]}" \
       || say "pip: installing the carried wheels failed"
     # Editable, without deps; the isolated build takes setuptools from the carried wheels.
-    if ! timeout 120 "$PY" -m pip install -q --no-index --no-deps --find-links "$DEV/wheels" -e "$ROOT"; then
+    if ! timeout 60 "$PY" -m pip install -q --no-index --no-deps --find-links "$DEV/wheels" -e "$ROOT"; then
       say "pip: editable install failed; using PYTHONPATH=operator"
       export PYTHONPATH="$ROOT/operator"
     fi
@@ -205,13 +210,12 @@ setup_python() {
 }
 setup_python
 say "python: $PY ($("$PY" -V 2>&1)); $("$PY" -c 'import pydantic, gguf, kubernetes; print("pydantic", pydantic.VERSION, "gguf ok, kubernetes", kubernetes.__version__)' 2>&1 | tail -1)"
-continuum() { "$PY" -c 'import sys; from continuum_operator.cli import main; sys.exit(main())' "$@"; }
 
 # b. the node agent's probe, as tools/device_probe.py captures it.
 say "probe: tools/device_probe.py"
 PROBE_ARGS=(--expect discrete --where "lent H200" --out "$OUT/h200-discrete.json" --repeat 5)
 [[ "$DRY" == 1 ]] && PROBE_ARGS=(--replay-nvml tests/fixtures/probes/x86-h100-hmm.json --repeat 2)
-timeout 90 "$PY" tools/device_probe.py "${PROBE_ARGS[@]}" >"$OUT/probe.txt" 2>&1
+timeout 60 "$PY" tools/device_probe.py "${PROBE_ARGS[@]}" >"$OUT/probe.txt" 2>&1
 say "probe: exit $? (0 discrete as expected, 3 another mode, 1 no NVIDIA); $(grep -m1 'memoryMode' "$OUT/probe.txt")"
 
 # d/e. models, plans, llama-server runs and the comparison: tools/device_check.py.
@@ -219,13 +223,14 @@ DC_ARGS=(--work "$WORK" --out "$OUT" --server "$SERVER" --build-done "$BUILD_DON
 [[ "$DRY" == 1 ]] && DC_ARGS+=(--dry)
 [[ -f "$OUT/h200-discrete.json" ]] && DC_ARGS+=(--probe "$OUT/h200-discrete.json")
 say "runs: tools/device_check.py (left ${BUDGET}s budget: $(left)s)"
-timeout "$(( $(left) - 15 ))" "$PY" tools/device_check.py "${DC_ARGS[@]}"
+timeout "$(( $(left) > 30 ? $(left) - 15 : 15 ))" "$PY" tools/device_check.py "${DC_ARGS[@]}"
 say "runs: exit $?"
 
 # f. wrap up whatever state the build is in.
 if [[ "$DRY" != 1 ]]; then
   if [[ -f "$BUILD_DONE" ]]; then
-    say "build: exit $(cat "$BUILD_DONE")"
+    say "build: exit $(cat "$BUILD_DONE"); $(tail -1 "$WORK/logs/build-steps.log")"
+    [[ "$(cat "$BUILD_DONE")" == 0 ]] || tail -25 "$WORK/logs/build-steps.log" | sed 's/^/  build| /'
   else
     say "build: still running at the deadline ($(tail -c 2000 "$WORK/logs/cmake-build.log" 2>/dev/null | grep -o '^\[[0-9]*/[0-9]*\]' | tail -1))"
     kill -- "$BUILD_PID" 2>/dev/null
@@ -236,3 +241,4 @@ if [[ "$DRY" != 1 ]]; then
 fi
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null || say "tar: failed"
 say "done in $(el)s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
+sleep 1  # let tee write the last lines to device_check.log
