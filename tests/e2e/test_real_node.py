@@ -648,6 +648,44 @@ def test_a_replaced_model_file_is_refused(install: Install) -> None:
     assert actual in c["message"], c
 
 
+def unloadable_model(path: Path) -> str:
+    """A tiny model llama.cpp refuses to load (its tokenizer is one llama.cpp does not know),
+    while its header reads as facts: the engine's pod starts and llama-server keeps exiting."""
+    subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "continuum"), "model", "tiny", str(path), "--force"],
+        check=True, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    data = path.read_bytes()
+    key = b"tokenizer.ggml.model"
+    at = data.index(key) + len(key) + 4 + 8  # the value's type (u32) and length (u64)
+    assert data[at : at + 5] == b"llama", data[at - 12 : at + 5]
+    path.write_bytes(data[:at] + b"lxama" + data[at + 5 :])
+    path.chmod(0o644)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_an_engine_whose_llama_server_keeps_failing_is_stopped_saying_why(
+    install: Install,
+) -> None:
+    """The runtime restarts llama-server after a backoff, at most --engine-max-restarts times
+    (5) in its window, then stops it: the Engine not Ready, EngineStopped, llama.cpp's last
+    error line in the message, and the restarts counted in status.runtime."""
+    path = MODEL_DIR / "unloadable.gguf"
+    sha256 = unloadable_model(path)
+    install.cluster.apply(engine_body(install, path, sha256))
+
+    def stopped() -> dict[str, Any]:
+        c = condition(install.get("engine", "tiny", "-n", install.apps), "Ready")
+        return c if c.get("reason") == "EngineStopped" else {}
+
+    c = wait_until("the Engine stopped after its restarts", stopped, 420, install.cluster)
+    assert c["status"] == "False", c
+    assert "stopped after 5 restarts" in c["message"] and "lxama" in c["message"], c
+    runtime = install.get("engine", "tiny", "-n", install.apps)["status"]["runtime"]
+    assert runtime["phase"] == "Stopped", runtime
+    print(f"stopped: {c['message']}")
+
+
 def test_helm_uninstall_leaves_no_mind_stuck_and_nothing_behind(install: Install) -> None:
     helm(install.helm, "uninstall", RELEASE, "-n", install.namespace, "--wait",
          env=install.cluster.env, timeout=300)  # fmt: skip

@@ -32,7 +32,12 @@ from continuum_operator.core.receipts import (
 )
 from continuum_operator.engine import digest
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
-from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings, thread_args
+from continuum_operator.engine.runtime import (
+    EngineRuntime,
+    LaunchSettings,
+    error_line,
+    thread_args,
+)
 from continuum_operator.kube import objects
 from continuum_operator.kube.cache import DeploymentEntry, whole_cpus
 from continuum_operator.kube.metrics import OperatorMetrics
@@ -247,13 +252,37 @@ def test_a_llama_server_that_keeps_failing_is_stopped_after_n_restarts_saying_wh
         doc = published[-1]
         assert doc["restarts"] == 2 and doc["ready"] is False
         assert doc["lastExit"]["code"] == 1
-        assert doc["lastExit"]["line"] == "main: exiting due to model loading error"
+        # The cause, not the consequence llama.cpp prints after it.
+        assert doc["lastExit"]["line"] == (
+            "llama_model_load: error loading model: tensor data is not within file bounds"
+        )
         assert "exited 3 times in 60 s" in doc["message"]
         first = runtime.process
         await asyncio.sleep(0.3)
         assert runtime.process is first  # not started again
 
     run_runtime(tmp_path, launch, body)
+
+
+def test_the_line_kept_from_a_failed_load_is_its_cause_not_llama_cpps_goodbye() -> None:
+    # llama-server's own lines (this build) loading a model with a tokenizer it does not know.
+    log = [
+        "0.00.009.383 E llama_model_load: error loading model: error loading model vocabulary: "
+        "unknown tokenizer: 'lxama'",
+        "0.00.009.468 E llama_model_load_from_file_impl: failed to load model",
+        "0.00.009.528 E common_fit_params: encountered an error while trying to fit params to "
+        "free device memory: failed to load model",
+        "0.00.010.212 E cmn  common_init_: failed to load model '/models/m.gguf'",
+        "0.00.010.246 E srv    load_model: failed to load model, '/models/m.gguf'",
+        "0.00.010.830 E srv  llama_server: exiting due to model loading error",
+    ]
+    assert error_line(log).endswith("unknown tokenizer: 'lxama'")
+    # Only a goodbye: that, rather than nothing; no error at all: the last line.
+    assert error_line(log[-1:]) == log[-1]
+    assert error_line(["GGML_ASSERT(n > 0) failed", "Aborted (core dumped)"]) == (
+        "GGML_ASSERT(n > 0) failed"
+    )
+    assert error_line(["load_tensors: ok", "", "bye"]) == "bye"
 
 
 # --- receipts feed plans -----------------------------------------------------------------------

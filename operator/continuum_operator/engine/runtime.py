@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -86,6 +87,8 @@ BATCH_THREAD_FLAGS = frozenset({"-tb", "--threads-batch"})
 #: Lines of llama-server's output kept from its last run, for the error line of an exit.
 TAIL_LINES = 50
 _ERROR_WORDS = ("error", "failed", "abort", "exception", "fatal", "terminate", "cannot", "unable")
+# Lines that say only that llama-server gives up, not why.
+_CONSEQUENCE = re.compile(r"exiting due to|failed to load model\b|^\S*\s*aborted", re.IGNORECASE)
 
 
 def llama_build(log_text: str) -> str | None:
@@ -195,13 +198,17 @@ def thread_args(args: Sequence[str], threads: int | None) -> list[str]:
 
 def error_line(lines: Sequence[str]) -> str:
     """The line of llama-server's last output that most likely says why it exited: the last
-    that reads as an error, else the last non-empty one."""
+    that reads as an error and gives a cause, else the last that reads as an error, else the
+    last non-empty one. llama.cpp ends a failed load with its consequence ("exiting due to
+    model loading error") after the cause ("unknown tokenizer: 'x'"): the cause is the line to
+    show."""
     kept = [line.strip() for line in lines if line.strip()]
-    for line in reversed(kept):
-        lowered = line.lower()
-        if any(word in lowered for word in _ERROR_WORDS):
-            return line[:500]
-    return kept[-1][:500] if kept else ""
+    errors = [line for line in kept if any(w in line.lower() for w in _ERROR_WORDS)]
+    causes = [line for line in errors if not _CONSEQUENCE.search(line)]
+    for found in (causes, errors, kept):
+        if found:
+            return found[-1][:500]
+    return ""
 
 
 def estimate_errors(plan: dict[str, Any], receipt: Receipt) -> list[dict[str, Any]]:
