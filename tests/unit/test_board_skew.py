@@ -1,5 +1,5 @@
 """Board freshness counted on the operator's clock from when it saw each renewal
-(`cache.renewal_counted_from`, `reconcile.lease_is_fresh`), never the agent's `renewTime` against
+(`cache.renewal_counted_from`, `occupancy.lease_is_fresh`), never the agent's `renewTime` against
 the operator's clock: an agent whose clock runs ahead cannot keep a dead node's board fresh, and
 one whose clock runs behind is believed from its next renewal."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.kube.cache import Cache, format_time
-from continuum_operator.kube.reconcile import lease_is_fresh
+from continuum_operator.kube.occupancy import lease_is_fresh
 
 NOW = 1_800_000_000.0
 TTL = 40

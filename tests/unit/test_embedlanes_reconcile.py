@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 
 from continuum_operator.kube.cache import Snapshot
-from continuum_operator.kube.embedlanes import LaneWrites, lane_leases_in, reconcile_lane
+from continuum_operator.kube.embedlanes import LaneWrites, reconcile_lane
+from continuum_operator.kube.occupancy import lane_leases_in
 from continuum_operator.kube.reconcile import Memory, reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from tests.builders import GiB, MiB

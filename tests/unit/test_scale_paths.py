@@ -15,7 +15,7 @@ from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.kube.api import resource_of
 from continuum_operator.kube.cache import Cache, EngineKey, parse_time
-from continuum_operator.kube.reconcile import other_leases
+from continuum_operator.kube.occupancy import other_leases
 from tests.builders import board, board_body, engine_body
 from tests.builders import engine as parsed_engine
 

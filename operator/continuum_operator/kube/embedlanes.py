@@ -12,7 +12,7 @@ The operator writes `status.placement` (residence, bytes per pool, floors) and t
 condition; `status.runtime` is the lane runtime's (docs/design.md "One writer per status field").
 Floors only rise: the placement's floors are carried from one pass to the next. Nothing is
 re-placed on a stale board. The lane's placement is read back into every engine's ledger
-(`core.placements.lane_placement_leases`, through `kube.reconcile.other_leases`), so an engine
+(`core.placements.lane_placement_leases`, through `kube.occupancy.other_leases`), so an engine
 planned on that node accounts for the lane's bytes.
 Neighbours: `core.embed`, `kube.cache` (the snapshot), `kube.loop` (calls `LaneLoop`).
 """
@@ -47,6 +47,7 @@ from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, Snapshot, format_time
+from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION, Condition
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
@@ -62,8 +63,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("continuum.operator.embedlanes")
-
-LaneKey = tuple[str, str]  # (namespace, name)
 
 
 class LaneConditionType(StrEnum):
@@ -101,48 +100,13 @@ class LaneWrites:
     no_pod: str | None = None  # why the lane gets no pod, when it does not
 
 
-def lane_leases_in(
-    lanes: Mapping[LaneKey, Mapping[str, Any]],
-    *,
-    excluding: LaneKey | None = None,
-    assumed_only: bool = False,
-) -> list[Lease]:
-    """The leases every lane's `status.placement` holds (a bad one is skipped, not guessed).
-
-    `assumed_only`: only lanes whose runtime is not serving yet, whose bytes no board has
-    measured (`core.bestfit.with_unmeasured` adds them to the measured usage).
-    """
-    leases: list[Lease] = []
-    for key, body in lanes.items():
-        if key == excluding:
-            continue
-        status = body.get("status") or {}
-        if assumed_only and (status.get("runtime") or {}).get("ready") is True:
-            continue
-        raw = status.get("placement")
-        if not raw:
-            continue
-        try:
-            placement = EmbedLanePlacement.model_validate(raw)
-        except ValidationError:
-            continue
-        who = consumer_name(ConsumerKind.EMBED_LANE, key[0], key[1])
-        leases.extend(lane_placement_leases(who, placement))
-    return leases
-
-
 def _engine_leases(snap: Snapshot) -> tuple[list[Lease], list[Lease]]:
     """(every engine's and lane's leases, those of engines whose pods have not started yet)."""
-    # Imported here: kube.reconcile reads lanes through this module.
-    from continuum_operator.kube.reconcile import other_leases
-
     nobody = ("", "")
     return other_leases(snap, nobody), other_leases(snap, nobody, assumed_only=True)
 
 
 def _fresh(snap: Snapshot, node: str, now: float, settings: OperatorSettings) -> bool:
-    from continuum_operator.kube.reconcile import is_fresh
-
     return is_fresh(snap, node, now, settings.freshness.default_ttl_seconds)
 
 

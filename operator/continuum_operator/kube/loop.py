@@ -32,13 +32,12 @@ from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.metrics import OperatorMetrics
+from continuum_operator.kube.occupancy import is_fresh, lease_is_fresh
 from continuum_operator.kube.pool_metrics import PoolMetrics
 from continuum_operator.kube.reconcile import (
     Event,
     Memory,
     Writes,
-    is_fresh,
-    lease_is_fresh,
     reconcile,
 )
 from continuum_operator.kube.settings import OperatorSettings

@@ -3,7 +3,7 @@ kind), floors, available, and each node's memory mode.
 
 Every figure is derived at each pass of the decision loop (`kube.loop`) from the snapshot it
 decided against: the boards the agents wrote and the leases read off the consumers' placements
-(`core.pools.Ledger`, `kube.reconcile.other_leases`), never stored a second time. `pool_rows` is
+(`core.pools.Ledger`, `kube.occupancy.other_leases`), never stored a second time. `pool_rows` is
 pure (a snapshot in, rows out); `PoolMetrics` only sets gauges, and drops the series of pools and
 nodes that are gone. Served from the operator's registry (`kube.metrics`); docs/metrics.md lists
 the names.
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from continuum_operator.core.pools import ConsumerKind, Lease, Ledger
 from continuum_operator.kube.cache import Snapshot
-from continuum_operator.kube.reconcile import other_leases
+from continuum_operator.kube.occupancy import other_leases
 from continuum_operator.model.board import MemoryMode
 
 __all__ = ["PoolMetrics", "PoolRow", "pool_rows"]

@@ -19,7 +19,7 @@ The rules kept here (docs/design.md "Placement", "One writer per status field"):
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,13 +40,11 @@ from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import objects, runtime_report
 from continuum_operator.kube.cache import (
     EngineKey,
-    LeaseEntry,
     Snapshot,
     format_time,
     parse_time,
-    placed_leases,
 )
-from continuum_operator.kube.embedlanes import lane_leases_in
+from continuum_operator.kube.occupancy import is_fresh, other_leases
 from continuum_operator.kube.settings import (
     GpuClaims,
     OperatorSettings,
@@ -97,55 +95,10 @@ class Writes:
     memory_mode_unknown: bool = False
 
 
-def is_fresh(snap: Snapshot, node: str, now: float, default_ttl: float) -> bool:
-    return lease_is_fresh(snap.leases.get(node), now, default_ttl)
-
-
-def lease_is_fresh(lease: LeaseEntry | None, now: float, default_ttl: float) -> bool:
-    """Whether an agent Lease vouches for its board now (its own duration, else the default),
-    counted from when this process saw it renewed (`cache.renewal_counted_from`), never from
-    the agent's clock."""
-    if lease is None:
-        return False
-    since = lease.counted_from if lease.counted_from is not None else lease.renew_time
-    if since is None:
-        return False
-    ttl = lease.duration_seconds if lease.duration_seconds is not None else default_ttl
-    return now - since <= ttl
-
-
 def reading_of(snap: Snapshot, node: str) -> str:
     board = snap.boards.get(node)
     lease = snap.leases.get(node)
     return f"{board.resource_version if board else '-'}/{lease.resource_version if lease else '-'}"
-
-
-def other_leases(
-    snap: Snapshot, me: EngineKey, *, assumed_only: bool = False, node: str | None = None
-) -> list[Lease]:
-    """Leases of the other engines' placements and of every EmbedLane's (with `assumed_only`,
-    only those whose pods or lane runtimes have not started yet); with `node`, only there.
-
-    From the snapshot's index when it has one: each engine decided reads the leases of the
-    engines on its own node, not a parse of every engine's placement (quadratic in engines).
-    """
-    leases: list[Lease] = []
-    index, on = snap.engine_leases, snap.engines_on
-    keys: Iterable[EngineKey]
-    if index is None or on is None:  # no index: every engine's placement, parsed here
-        index = {k: x for k, b in snap.engines.items() if (x := placed_leases(k, b)) is not None}
-        keys = index.keys()
-    else:
-        keys = index.keys() if node is None else on.get(node, ())
-    for key in keys:
-        placed = index.get(key)
-        if key == me or placed is None or (assumed_only and not placed.assumed):
-            continue
-        leases.extend(x for x in placed.leases if node is None or x.node == node)
-    # EmbedLanes' bytes, charged where they reside (those not yet measured count as assumed).
-    lanes = lane_leases_in(snap.lanes, assumed_only=assumed_only)
-    leases.extend(x for x in lanes if node is None or x.node == node)
-    return leases
 
 
 def pods_on(snap: Snapshot, node: str, settings: OperatorSettings) -> PodSettings:
