@@ -380,7 +380,8 @@ def turn(name: str, prompt: str) -> dict[str, Any]:
     body = mind_pod(name=pod, namespace="minds", service_account_name=name,
                     engine_namespace="minds", engine_name="tiny-real",
                     endpoint=mind_grant(name)["endpoint"], image=engine_image(),
-                    prompt=prompt, max_tokens=24)  # fmt: skip
+                    prompt=prompt, max_tokens=24,
+                    node_selector={"continuum.dev/real-node": "true"})  # fmt: skip
     kubectl("apply", "-f", "-", stdin=yaml.safe_dump(body))
 
     def ended() -> bool:

@@ -47,15 +47,6 @@ MODEL_DIR = Path("/var/lib/continuum-e2e") / RUN
 ENGINE_PODS = "app.kubernetes.io/instance=tiny"
 
 
-# The tests that need a Mind's pod to reach the engine's Service: a pod's connection hung or was
-# refused in 2 of 4 runs here while the node reached the Service, so they are not in make test.
-NEEDS_TURNS = pytest.mark.skipif(
-    os.environ.get("CONTINUUM_E2E_REAL_NODE_TURNS") != "1",
-    reason="a Mind pod's connection to the engine's Service hung or was refused in 2 of 4 runs "
-    "here (host to Service worked): not yet reliable; CONTINUUM_E2E_REAL_NODE_TURNS=1 runs it",
-)
-
-
 def run_script(script: Path, *args: str, env: dict[str, str], timeout: float = 900) -> str:
     proc = subprocess.run(
         [str(script), *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
@@ -394,6 +385,7 @@ def take_turn(install: Install, name: str, pod: str, prompt: str) -> dict[str, A
             name=pod, namespace=install.apps, service_account_name=name,
             engine_namespace=install.apps, engine_name="tiny", endpoint=endpoint,
             image=image_refs()["engine"], prompt=prompt, max_tokens=16,
+            node_selector=REAL_NODE_LABEL,
         )
     )  # fmt: skip
 
@@ -409,7 +401,6 @@ def take_turn(install: Install, name: str, pod: str, prompt: str) -> dict[str, A
     return answer
 
 
-@NEEDS_TURNS
 def test_a_minds_pod_takes_a_turn_and_a_higher_class_reclaims_her_slot(install: Install) -> None:
     low, high = f"batch-{RUN}", f"interactive-{RUN}"
     install.cluster.apply(mind_class(low, 0))
@@ -447,7 +438,6 @@ def test_a_minds_pod_takes_a_turn_and_a_higher_class_reclaims_her_slot(install: 
     assert served["status"] == 200 and served["error"] is None, served
 
 
-@NEEDS_TURNS
 def test_an_embedlanes_pod_embeds(install: Install) -> None:
     install.cluster.apply(
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
@@ -549,7 +539,6 @@ def bea_child(
     }  # fmt: skip
 
 
-@NEEDS_TURNS
 def test_a_minds_child_pod_is_mutated_and_runs_below_the_engine(install: Install) -> None:
     engine_pod = install.pods(install.apps, ENGINE_PODS)[0]["metadata"]["name"]
     rest = decode_rate(install, engine_pod)
@@ -596,7 +585,6 @@ sys.exit(3)
 """
 
 
-@NEEDS_TURNS
 def test_a_child_that_takes_the_nodes_memory_is_the_one_killed(install: Install) -> None:
     engine_before = install.pods(install.apps, ENGINE_PODS)[0]
     restarts = sum(c["restartCount"] for c in engine_before["status"]["containerStatuses"])
@@ -625,7 +613,6 @@ def test_a_child_that_takes_the_nodes_memory_is_the_one_killed(install: Install)
     install.kubectl("delete", "pod", "bea-hog", "-n", install.apps, "--wait=false")
 
 
-@NEEDS_TURNS
 def test_a_replaced_model_file_is_refused(install: Install) -> None:
     path = MODEL_DIR / "tiny.gguf"
     subprocess.run(

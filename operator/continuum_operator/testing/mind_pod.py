@@ -84,9 +84,14 @@ def mind_pod(
     prompt: str,
     max_tokens: int,
     labels: dict[str, str] | None = None,
+    node_selector: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The pod that takes her turn; it ends when the turn does (restartPolicy Never)."""
-    return {
+    """The pod that takes her turn; it ends when the turn does (restartPolicy Never).
+
+    `node_selector` keeps it on real nodes where fake ones stand beside them: a KWOK node
+    takes any pod and shows it Running forever, so a turn scheduled there never ends (the
+    demo's and the real node's tests' turns hung so, in about half their runs)."""
+    body: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "labels": dict(labels or {})},
@@ -138,3 +143,6 @@ def mind_pod(
             ],
         },
     }
+    if node_selector:
+        body["spec"]["nodeSelector"] = dict(node_selector)
+    return body
