@@ -4,6 +4,7 @@ lease and its release, stale boards, damped relaunches and what status and event
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +18,13 @@ from continuum_operator.kube.cache import (
     Snapshot,
 )
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION, facts_job_name, source_key
-from continuum_operator.kube.reconcile import NODE_GONE_HOLD_SECONDS, Memory, Writes, reconcile
+from continuum_operator.kube.reconcile import (
+    NODE_GONE_HOLD_SECONDS,
+    Memory,
+    Writes,
+    _size,
+    reconcile,
+)
 from continuum_operator.kube.settings import (
     GpuSharing,
     OperatorSettings,
@@ -134,7 +141,11 @@ def test_an_engine_is_placed_on_the_tightest_fresh_board_with_an_assumed_lease()
     assert conditions(body)["Ready"] == ("False", "PodPending")
     assert conditions(body)["Unschedulable"][0] == "False"
     assert w.deployment is not None and w.service is not None
-    assert [e.reason for e in w.events if e.reason == "Placed"] == ["Placed"]
+    (placed,) = [e for e in w.events if e.reason == "Placed"]
+    # Bytes in the event's words: GiB from 1 GiB up (a small lease in MiB, never "0.00 GiB").
+    charged = re.findall(r"(\d+\.\d+) (GiB|MiB)", placed.message)
+    assert charged and all(float(n) > 0 for n, _ in charged), placed.message
+    assert (_size(9 * 2**20), _size(3 * 2**29)) == ("9.0 MiB", "1.50 GiB")
 
 
 def test_a_second_engine_sees_the_first_ones_assumed_bytes() -> None:

@@ -118,6 +118,11 @@ def _unschedulable(decision: Decision) -> cond.Problem:
     return unfit.explain(decision)
 
 
+def _size(n: int) -> str:
+    """Bytes in an event's words: GiB from 1 GiB up, MiB below (a 9 MiB lease read "0.00 GiB")."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _memory_mode(plan_doc: Mapping[str, Any]) -> MemoryMode:
     """The mode a written plan was made on; a plan that names none, or one this operator does
     not know, counts as unknown (rule 3: never guessed)."""
@@ -639,7 +644,7 @@ class _Pass:
                 "Normal",
                 "Recharged",
                 f"the running launch re-charged from its {source}: "
-                + ", ".join(f"{pool} {n / 2**30:.2f} GiB" for pool, n in candidate.charges),
+                + ", ".join(f"{pool} {_size(n)}" for pool, n in candidate.charges),
             )
         )
         return plan_doc
@@ -710,7 +715,7 @@ class _Pass:
                 "Normal",
                 "Placed",
                 f"assumed a lease on {chosen.node}: "
-                + ", ".join(f"{pool} {n / 2**30:.2f} GiB" for pool, n in chosen.charges)
+                + ", ".join(f"{pool} {_size(n)}" for pool, n in chosen.charges)
                 + f"; {chosen.layers_on_device}/{chosen.total_layers} layers on device, "
                 f"{chosen.minds_grantable} minds",
             )
