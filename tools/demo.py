@@ -400,8 +400,11 @@ def real_turn() -> None:
     print("\ndemo: a real turn on the real node (the tiny random-weight model: its text is noise)")
     start_agent()
     REAL_MODEL.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(ROOT / ".venv" / "bin" / "continuum"), "model", "tiny", str(REAL_MODEL)],
-                   check=True, capture_output=True)  # fmt: skip
+    # The demo's own file (the same seed, the same bytes): a second `make demo` writes it again.
+    made = subprocess.run([str(ROOT / ".venv" / "bin" / "continuum"), "model", "tiny",
+                           str(REAL_MODEL), "--force"], capture_output=True, text=True)  # fmt: skip
+    if made.returncode != 0:
+        sys.exit(f"demo: continuum model tiny {REAL_MODEL} failed: {made.stderr.strip()}")
     REAL_MODEL.chmod(0o644)
     digest = hashlib.sha256(REAL_MODEL.read_bytes()).hexdigest()
     docs = [

@@ -676,7 +676,9 @@ def test_an_engine_whose_llama_server_keeps_failing_is_stopped_saying_why(
 def test_helm_uninstall_leaves_no_mind_stuck_and_nothing_behind(install: Install) -> None:
     helm(install.helm, "uninstall", RELEASE, "-n", install.namespace, "--wait",
          env=install.cluster.env, timeout=300)  # fmt: skip
-    install.kubectl("delete", "namespace", install.apps, "--timeout=120s")
+    # Its pods' grace (30 s) and the Minds' release come first: kubectl waits, within its own
+    # limit, inside the subprocess's.
+    install.cluster.kubectl("delete", "namespace", install.apps, "--timeout=240s", timeout=300)
     left = install.kubectl(
         "get", "minds,engines,deployments,pods", "-n", install.apps, "--ignore-not-found",
         "-o", "name", check=False,
