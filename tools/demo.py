@@ -320,6 +320,9 @@ Stop everything: `tools/demo stop`."""
 
 
 REAL_NODE = "continuum-node"
+# The real turn's Engine and Minds, apart from the KWOK example's in `minds` (whose queue the
+# README reads line by line).
+REAL_NS = "minds-real"
 AGENT_PID_FILE = STATE / "agent.pid"
 AGENT_LOG_FILE = STATE / "agent.log"
 REAL_MODEL = Path("/var/lib/continuum/models/tiny.gguf")
@@ -369,28 +372,28 @@ def wait(what: str, probe: Any, timeout: float) -> Any:
 
 
 def mind_grant(name: str) -> dict[str, Any]:
-    status = json.loads(kubectl("get", "mind", "-n", "minds", name, "-o", "json")).get("status", {})
+    status = json.loads(kubectl("get", "mind", "-n", REAL_NS, name, "-o", "json")).get("status", {})
     return {**(status.get("grant") or {}), "endpoint": status.get("endpoint")}
 
 
 def turn(name: str, prompt: str) -> dict[str, Any]:
     """Her pod takes one turn at the address in her status, with her token."""
     pod = f"{name}-turn-{int(time.time())}"
-    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(service_account("minds", name)))
-    body = mind_pod(name=pod, namespace="minds", service_account_name=name,
-                    engine_namespace="minds", engine_name="tiny-real",
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(service_account(REAL_NS, name)))
+    body = mind_pod(name=pod, namespace=REAL_NS, service_account_name=name,
+                    engine_namespace=REAL_NS, engine_name="tiny-real",
                     endpoint=mind_grant(name)["endpoint"], image=engine_image(),
                     prompt=prompt, max_tokens=24,
                     node_selector={"continuum.dev/real-node": "true"})  # fmt: skip
     kubectl("apply", "-f", "-", stdin=yaml.safe_dump(body))
 
     def ended() -> bool:
-        pod_body = json.loads(kubectl("get", "pod", "-n", "minds", pod, "-o", "json"))
+        pod_body = json.loads(kubectl("get", "pod", "-n", REAL_NS, pod, "-o", "json"))
         return pod_body["status"].get("phase") in {"Succeeded", "Failed"}
 
     wait(f"{pod} to end", ended, 180)
     answer: dict[str, Any] = json.loads(
-        kubectl("logs", "-n", "minds", pod).strip().splitlines()[-1]
+        kubectl("logs", "-n", REAL_NS, pod).strip().splitlines()[-1]
     )
     return answer
 
@@ -408,26 +411,28 @@ def real_turn() -> None:
     REAL_MODEL.chmod(0o644)
     digest = hashlib.sha256(REAL_MODEL.read_bytes()).hexdigest()
     docs = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": REAL_NS}},
+    ] + [
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "MindClass", "metadata": {"name": n},
          "spec": {"priority": p, "protectionWindowSeconds": 0}}
         for n, p in (("demo-batch", 0), ("demo-interactive", 10))
     ] + [
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "Engine",
-         "metadata": {"name": "tiny-real", "namespace": "minds"},
+         "metadata": {"name": "tiny-real", "namespace": REAL_NS},
          "spec": {"model": {"source": {"kind": "hostPath", "path": str(REAL_MODEL)},
                             "sha256": digest},
                   "contextTokensPerMind": 256, "minds": {"min": 1, "max": 1}, "offload": 0,
                   "reserveBytes": 0,
                   "placement": {"nodeSelector": {"continuum.dev/real-node": "true"}}}},
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "Mind",
-         "metadata": {"name": "rae", "namespace": "minds"},
+         "metadata": {"name": "rae", "namespace": REAL_NS},
          "spec": {"engine": "tiny-real", "className": "demo-batch", "contextTokens": 256}},
     ]  # fmt: skip
     kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
     print("demo: waiting for tiny-real's facts Job and engine pod on the real node...")
 
     def ready() -> bool:
-        body = json.loads(kubectl("get", "engine", "-n", "minds", "tiny-real", "-o", "json"))
+        body = json.loads(kubectl("get", "engine", "-n", REAL_NS, "tiny-real", "-o", "json"))
         return condition(body, "Ready").get("status") == "True"
 
     wait("tiny-real Ready", ready, 300)
@@ -447,7 +452,7 @@ def real_turn() -> None:
             {
                 "apiVersion": "continuum.dev/v1alpha1",
                 "kind": "Mind",
-                "metadata": {"name": "sol", "namespace": "minds"},
+                "metadata": {"name": "sol", "namespace": REAL_NS},
                 "spec": {
                     "engine": "tiny-real",
                     "className": "demo-interactive",
@@ -465,9 +470,9 @@ def real_turn() -> None:
     print(f"""
 Look at the real node:
 
-    kubectl get pods -n minds -o wide --field-selector spec.nodeName={REAL_NODE}
-    kubectl get minds -n minds rae sol
-    kubectl logs -n minds -l continuum.dev/engine=tiny-real --tail=20""")
+    kubectl get pods -n {REAL_NS} -o wide --field-selector spec.nodeName={REAL_NODE}
+    kubectl get minds -n {REAL_NS} rae sol
+    kubectl logs -n {REAL_NS} -l continuum.dev/engine=tiny-real --tail=20""")
 
 
 def main() -> int:

@@ -569,6 +569,19 @@ def test_uninstall_runs_release_finalizers_as_a_pre_delete_hook_with_its_own_rig
     off = documents(template(helm_bin, {"uninstall": {"releaseFinalizers": False}}).stdout)
     assert not by_kind(off, "Job")
 
+    # It runs where the operator may run (seen: on a KWOK node beside the real one, the hook
+    # "completed" without running and every Mind kept her finalizer).
+    where = {
+        "nodeSelector": {"pool": "system"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+    }  # fmt: skip
+    placed = documents(template(helm_bin, {"operator": where}).stdout)
+    hook = one(placed, "Job", "-release-finalizers")["spec"]["template"]["spec"]
+    assert {k: hook[k] for k in where} == where
+
 
 # --- monitoring ---------------------------------------------------------------------------------
 
