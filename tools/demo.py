@@ -323,6 +323,8 @@ REAL_NODE = "continuum-node"
 # The real turn's Engine and Minds, apart from the KWOK example's in `minds` (whose queue the
 # README reads line by line).
 REAL_NS = "minds-real"
+# The label tools/cluster node-up gives the real node: the real turn's Engine and pods keep to it.
+REAL_NODE_LABEL = {"continuum.dev/real-node": "true"}
 AGENT_PID_FILE = STATE / "agent.pid"
 AGENT_LOG_FILE = STATE / "agent.log"
 REAL_MODEL = Path("/var/lib/continuum/models/tiny.gguf")
@@ -384,7 +386,7 @@ def turn(name: str, prompt: str) -> dict[str, Any]:
                     engine_namespace=REAL_NS, engine_name="tiny-real",
                     endpoint=mind_grant(name)["endpoint"], image=engine_image(),
                     prompt=prompt, max_tokens=24,
-                    node_selector={"continuum.dev/real-node": "true"})  # fmt: skip
+                    node_selector=REAL_NODE_LABEL)  # fmt: skip
     kubectl("apply", "-f", "-", stdin=yaml.safe_dump(body))
 
     def ended() -> bool:
@@ -423,7 +425,7 @@ def real_turn() -> None:
                             "sha256": digest},
                   "contextTokensPerMind": 256, "minds": {"min": 1, "max": 1}, "offload": 0,
                   "reserveBytes": 0,
-                  "placement": {"nodeSelector": {"continuum.dev/real-node": "true"}}}},
+                  "placement": {"nodeSelector": REAL_NODE_LABEL}}},
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "Mind",
          "metadata": {"name": "rae", "namespace": REAL_NS},
          "spec": {"engine": "tiny-real", "className": "demo-batch", "contextTokens": 256}},

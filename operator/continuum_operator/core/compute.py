@@ -176,13 +176,17 @@ class ComputeEstimate:
         """One backend's compute buffer with `minds` streams of `context_per_mind` tokens."""
         if self.facts.compute_bytes is not None:
             return self.facts.compute_bytes
-        t = min(self.micro_batch, kv_cells_per_sequence(context_per_mind) * minds)
+        cells = kv_cells_per_sequence(context_per_mind)
         return graph_bytes(
             GraphShape.of(self.facts),
-            kv_cells_per_sequence(context_per_mind),
-            micro_batch=t,
+            cells,
+            micro_batch=self.micro_batch_of(cells, minds),
             flash_attention=self.flash_attention,
         )
+
+    def micro_batch_of(self, cells: int, minds: int) -> int:
+        """The micro-batch llama.cpp runs: clamped to the context (n_ubatch <= n_ctx)."""
+        return min(self.micro_batch, cells * minds)
 
     def bytes_at(self, context_tokens: int) -> int:
         """Compute-buffer bytes of one backend at a context of `context_tokens` (one stream)."""
@@ -201,5 +205,5 @@ class ComputeEstimate:
         if self.facts.compute_bytes is not None:
             return 0
         cells = kv_cells_per_sequence(context_per_mind)
-        t = min(self.micro_batch, cells * minds)
+        t = self.micro_batch_of(cells, minds)
         return 2 * t * GraphShape.of(self.facts).n_embd * F32 + cells * t * F16

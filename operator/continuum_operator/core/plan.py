@@ -32,7 +32,6 @@ from itertools import accumulate
 from typing import Any
 
 from continuum_operator.core.compute import (
-    MICRO_BATCH_TOKENS,
     ComputeEstimate,
     kv_cells_per_sequence,
     window_cells_per_sequence,
@@ -259,8 +258,8 @@ class _Sizer:
             parallel=minds,
             # llama.cpp clamps its micro-batch to the context (n_ubatch <= n_batch <= n_ctx), so
             # an engine of a context under 512 files its receipt under the smaller one.
-            micro_batch_tokens=min(
-                MICRO_BATCH_TOKENS, kv_cells_per_sequence(self.context_per_mind) * minds
+            micro_batch_tokens=self.compute.micro_batch_of(
+                kv_cells_per_sequence(self.context_per_mind), minds
             ),
             flash_attention=True,
         )
