@@ -233,3 +233,36 @@ def test_a_mind_the_table_does_not_list_is_queued_behind_its_head_when_it_lists_
     answer = admit_turn(table_from_engine(body), "team-a/z")
     assert (answer.status, answer.refusal) == (429, Refusal.QUEUED)
     assert answer.body["reason"] == BEYOND_TABLE and "status.grant" in answer.body["message"]
+
+
+def test_a_holder_released_in_a_step_the_log_missed_is_released_in_the_log_too(
+    tmp_path: Path,
+) -> None:
+    """Found by the random-kill e2e in CI: a deleted holder's grace ran out in a step whose
+    leader died before its log append. She leaves the Engine object in that step, so a journal
+    that keeps only the object's minds lost her release, and the log showed her slot granted
+    twice. The lines of a mind who held a slot in the step are journaled, kept or not."""
+    w = World(tmp_path)
+    now = [1_000.0]
+    w.loop.clock = lambda: now[0]
+    w.engine(engine("team-a", "coder", slots=1))
+    for i in range(2):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    gone = json.loads(json.dumps(w.api.objects[f"{BASE}/team-a/minds/mind-00000"]))
+    gone["metadata"].update(deletionTimestamp="2026-12-03T07:00:00Z", resourceVersion="5")
+    w.api.add("minds", gone)
+    w.cache.observe_mind(gone, deleted=False)
+    w.loop.pass_once()
+    assert w.ledger("team-a", "coder")["team-a/mind-00000"][0] == "Reclaiming"
+    # The grace runs out; this leader writes the ledger and dies before its log append.
+    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    now[0] += w.loop.settings.grace_seconds + 1
+    w.loop.pass_once()
+    assert w.ledger("team-a", "coder")["team-a/mind-00001"][0] == "Granted"
+    assert "team-a/mind-00000" not in w.ledger("team-a", "coder")
+    new_leader(w, tmp_path)
+    w.loop.pass_once()
+    moves = [(x["mind"][-2:], x["to"]) for x in log_lines(tmp_path) if x["event"] == "transition"]
+    assert moves[-2:] == [("00", "Released"), ("01", "Granted")]
+    assert checklog.check(log_lines(tmp_path)) == []

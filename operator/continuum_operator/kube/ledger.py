@@ -144,7 +144,9 @@ def journal(
     refused beyond the object's head, whose entries are not in it either) are counted
     (`omitted`), not kept: a leader that appends this step after a crash appends what the
     object holds, and the minds beyond are decided again from what the log holds (docs/grants.md,
-    "Bounded")."""
+    "Bounded"). A mind who held a slot in the step (a holder released, deleted or preempted) is
+    journaled whether the object keeps her or not: she leaves the object as she leaves her
+    slot, and nothing else would tell the log (at most one such mind a slot)."""
 
     def text(line: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -155,7 +157,10 @@ def journal(
     every = list(lines)
     shown = every
     if kept is not None:
-        shown = [x for x in every if x.get("event") != "transition" or x.get("mind") in kept]
+        journaled = set(kept) | {
+            x.get("mind") for x in every if x.get("from") in _HOLDING or x.get("to") in _HOLDING
+        }
+        shown = [x for x in every if x.get("event") != "transition" or x.get("mind") in journaled]
     doc: dict[str, Any] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
     if len(shown) < len(every):
         doc["omitted"] = len(every) - len(shown)
