@@ -22,7 +22,10 @@ from continuum_operator.agent import nvml
 from continuum_operator.agent.run import Agent, AgentSettings
 from continuum_operator.agent.writer import AgentApi, connect
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name, node_of_lease
-from continuum_operator.model.board import NodeBoard
+from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.cache import Cache
+from continuum_operator.kube.placed_pods import PlacedPods
+from continuum_operator.model.board import NodeBoard, NodeBoardStatus
 from continuum_operator.testing.fake_nvml import FakeNvml
 from tests.e2e.conftest import ROOT, Cluster
 
@@ -95,7 +98,8 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
     cluster: Cluster, crds: None, gpu_node: str, namespace: str
 ) -> None:
     doc: dict[str, Any] = json.loads((FIXTURES / "a100x8.json").read_text())
-    # An engine pod the operator placed on this node: the agent must find it by its label.
+    # An engine pod the operator placed on this node: the operator tells the agent of it in the
+    # board's spec (the agent lists no pods).
     cluster.apply(
         {
             "apiVersion": "v1",
@@ -113,9 +117,13 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
     )
     pod_uid = cluster.get_json("pod", "-n", namespace, "llama-70b-0")["metadata"]["uid"]
     api = AgentApi(connect(str(cluster.kubeconfig), in_cluster=False), gpu_node, identity="e2e")
-    assert api.placed_pods() == [
-        {"uid": pod_uid, "kind": "Engine", "namespace": namespace, "name": "llama-70b"}
-    ]
+    if not cluster.kubectl("get", "nodeboard", gpu_node, "--ignore-not-found", "-o", "name").stdout:
+        api.write_board(NodeBoardStatus(), api.node_facts())  # the agent makes its board
+    cache = Cache()
+    cache.observe_board(cluster.get_json("nodeboard", gpu_node), deleted=False)
+    PlacedPods(KubeApi(str(cluster.kubeconfig)), cache).publish_once()
+    mine = [p for p in api.placed_pods() if p["uid"] == pod_uid]
+    assert mine == [{"uid": pod_uid, "kind": "Engine", "namespace": namespace, "name": "llama-70b"}]
 
     # The recorded machine's GPU process lives in that pod's cgroup.
     attribution = doc["attribution"]

@@ -551,6 +551,10 @@ def test_an_agent_cannot_write_a_kubelets_lease_in_kube_node_lease(
     assert not can_i(cluster, agent, "create", "leases", "-n", "kube-node-lease")
     assert not can_i(cluster, agent, "patch", "leases", "-n", "kube-node-lease")
     assert can_i(cluster, agent, "patch", "leases", "-n", agent_release.namespace)  # its own
+    # No pod list either: its board's spec names its node's engine and lane pods.
+    assert not can_i(cluster, agent, "list", "pods", "--all-namespaces")
+    assert not can_i(cluster, agent, "get", "pods", "-n", "kube-system")
+    assert can_i(cluster, agent, "get", f"nodeboards.continuum.dev/{gpu_node}")
     # The kubelet's own heartbeat of the agent's very node: RBAC refuses, naming the namespace.
     kubelets = wait_for(
         f"the kubelet's Lease of {gpu_node}",
@@ -592,6 +596,10 @@ def test_an_agent_writes_only_its_own_nodes_board_and_lease(
         )
         assert f"may write only NodeBoard {mine}, not {other}" in answer.stderr
         assert policy in answer.stderr
+        # Its own board, claiming pods: which pods are where is the operator's to say.
+        forged = {**board(mine), "spec": {"placed": [{"uid": "u", "kind": "Engine",
+                                                      "namespace": "x", "name": "y"}]}}  # fmt: skip
+        assert "with no spec.placed" in refused(create_as(cluster, forged, agent, dry_run=True))
         assert create_as(cluster, board(mine), agent).returncode == 0
         # Another node's existing board: its status cannot be patched either.
         cluster.apply(board(other))

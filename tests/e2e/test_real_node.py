@@ -276,6 +276,21 @@ def test_an_engine_from_a_file_on_the_node_runs_as_pods_and_reports_receipts(
     found = wait_until("receipts in status.runtime, written by the engine's pod", receipts, 180)
     assert all(r["modelSha256"] == sha256 for r in found), found
 
+    # The operator pod tells the agent pod which pods are its engine's (the board's spec), and
+    # the agent, which may list no pods, charges the engine pod's memory to the Engine.
+    uids = {p["metadata"]["uid"] for p in pods}
+
+    def attributed() -> Any:
+        board = install.get("nodeboard", install.node)
+        placed = {p["uid"] for p in (board.get("spec") or {}).get("placed") or []
+                  if (p["kind"], p["namespace"], p["name"]) == ("Engine", install.apps, "tiny")}
+        consumers = [c for c in (board.get("status") or {}).get("consumers") or []
+                     if (c["kind"], c["namespace"], c["name"]) == ("Engine", install.apps, "tiny")]
+        return consumers if uids <= placed and consumers else None  # fmt: skip
+
+    used = wait_until("the agent charging the engine's memory", attributed, 120, install.cluster)
+    assert all(c["usedBytes"] > 0 for c in used), used
+
     # llama.cpp's own account of its threads: the pod's CPUs (1 here, --engine-cpu-min=1).
     cpu = pods[0]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
     log = install.kubectl(

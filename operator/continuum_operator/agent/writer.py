@@ -4,8 +4,9 @@ docs/design.md, "One writer per status field": the agent owns NodeBoard `status`
 measured usage) and writes it whole, as one JSON patch that replaces `/status`, only when
 core/board_change.py says it changed. The board's freshness is a coordination.k8s.io Lease
 (core/heartbeat.py names it), renewed every cycle with one merge patch. Both objects are owned by
-the Node, so they go when the node goes. It also lists the pods the operator placed on this
-node (for usage attribution) and reads the Node's annotations (HAMi registers there).
+the Node, so they go when the node goes. It also reads the pods the operator placed on this
+node (for usage attribution) from the board's spec, where the operator writes them, and the
+Node's annotations (HAMi registers there).
 
 Errors: `AgentApiError` names the call that failed and the server's answer; the run loop logs it
 and tries again next cycle (a board not written now is written at the next change check, since
@@ -14,6 +15,7 @@ the last *written* board is what changes are measured against).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,7 +23,6 @@ from typing import Any
 
 from kubernetes import client, config
 
-from continuum_operator.agent.attribution import EMBEDLANE_LABEL, ENGINE_LABEL
 from continuum_operator.core.heartbeat import (
     AGENT_LEASE_LABELS,
     LEASE_NAMESPACE,
@@ -29,12 +30,14 @@ from continuum_operator.core.heartbeat import (
     lease_name,
 )
 from continuum_operator.model.base import API_VERSION, GROUP, VERSION
-from continuum_operator.model.board import NodeBoard, NodeBoardStatus
+from continuum_operator.model.board import NodeBoard, NodeBoardSpec, NodeBoardStatus
 
 __all__ = ["AgentApi", "AgentApiError", "NodeFacts", "connect"]
 
 FIELD_MANAGER = "continuum-agent"
 _TIMEOUT = 15
+
+log = logging.getLogger(__name__)
 
 
 class AgentApiError(Exception):
@@ -104,30 +107,25 @@ class AgentApi:
         return [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": facts.uid}]
 
     def placed_pods(self) -> list[dict[str, str]]:
-        """Pods on this node that the operator placed: `{"uid", "kind", "namespace", "name"}`."""
-        found = []
-        for label, kind in ((ENGINE_LABEL, "Engine"), (EMBEDLANE_LABEL, "EmbedLane")):
-            try:
-                pods = self._core.list_pod_for_all_namespaces(
-                    field_selector=f"spec.nodeName={self.node}",
-                    label_selector=label,
-                    _request_timeout=_TIMEOUT,
-                )
-            except client.ApiException as err:
-                raise _fail(f"listing {kind} pods on node {self.node}", err) from err
-            for pod in pods.items:
-                meta = pod.metadata
-                if meta is None or not meta.uid or not meta.namespace or not meta.labels:
-                    continue
-                found.append(
-                    {
-                        "uid": meta.uid,
-                        "kind": kind,
-                        "namespace": meta.namespace,
-                        "name": meta.labels[label],
-                    }
-                )
-        return found
+        """Pods on this node that the operator placed: `{"uid", "kind", "namespace", "name"}`,
+        as the operator wrote them into the board's spec (the agent lists no pods: RBAC cannot
+        bound a list to one node, docs/security.md). None before the board exists."""
+        try:
+            obj = self._custom.get_cluster_custom_object(
+                GROUP, VERSION, NodeBoard.PLURAL, self.node, _request_timeout=_TIMEOUT
+            )
+        except client.ApiException as err:
+            if err.status == 404:
+                return []
+            raise _fail(f"reading NodeBoard {self.node}", err) from err
+        spec = obj.get("spec") if isinstance(obj, dict) else None
+        try:
+            placed = NodeBoardSpec.model_validate(spec or {}).placed
+        except ValueError as err:
+            log.warning("NodeBoard %s: spec.placed unreadable, no pod attributed: %s", self.node,
+                        err)  # fmt: skip
+            return []
+        return [p.model_dump(mode="json") for p in placed]
 
     # --- the NodeBoard ---------------------------------------------------------------------
 

@@ -178,6 +178,8 @@ class Cache:
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
     lanes: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)  # EmbedLanes
+    # Each board's `spec.placed` as last seen (`kube.placed_pods` writes only what differs).
+    board_placed: dict[str, list[dict[str, str]]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     clock: Callable[[], float] = time.time  # the loop's: when a Lease's renewal was seen
     engine_leases: dict[EngineKey, PlacedLeases] = field(default_factory=dict)
@@ -289,8 +291,11 @@ class Cache:
         name = obj["metadata"]["name"]
         if deleted:
             self.boards.pop(name, None)
+            self.board_placed.pop(name, None)
         else:
             rv = str(obj["metadata"].get("resourceVersion", ""))
+            placed = (obj.get("spec") or {}).get("placed")
+            self.board_placed[name] = list(placed) if isinstance(placed, list) else []
             try:
                 resource = NodeBoard.model_validate(dict(obj))
                 caps = tuple(str(c.mechanism) for c in resource.status.cap_mechanisms)

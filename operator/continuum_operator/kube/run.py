@@ -286,6 +286,7 @@ async def serve(
     from continuum_operator.kube.metrics import OperatorMetrics
     from continuum_operator.kube.minds import GrantsLoop, MindCache
     from continuum_operator.kube.minds import register as register_minds
+    from continuum_operator.kube.placed_pods import PlacedPods
 
     cache = Cache(lease_namespace=settings.freshness.lease_namespace)
     metrics = OperatorMetrics()
@@ -318,7 +319,9 @@ async def serve(
         resync_seconds=settings.loop.resync_seconds,
         pod_port=settings.pods.port,
     )
-    decisions = asyncio.create_task(lead(elector, stop, [loop.run, grants_loop.run]))
+    # Each node's engine and lane pods, told to its agent (which may not list pods itself).
+    placed = PlacedPods(api, cache, settings.loop.resync_seconds)
+    decisions = asyncio.create_task(lead(elector, stop, [loop.run, grants_loop.run, placed.run]))
     decisions.add_done_callback(lambda _: stop.set())  # a lost Lease stops this replica
     try:
         await kopf.operator(

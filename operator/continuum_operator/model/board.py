@@ -1,6 +1,7 @@
 """NodeBoard: one node's memory mode and pools, as its agent measures them.
 
-The board is written only by the node agent; its freshness is the node's coordination Lease,
+The board's status is written only by the node agent, its spec (the pods the operator placed
+there) only by the operator; its freshness is the node's coordination Lease,
 not the board itself (a quiet board is not a stale one). The shape encodes docs/design.md rule 1: a
 unified board has exactly one `unified` pool, a discrete board one `host` pool and one `device`
 pool per GPU, and an unknown board governs only its `host` pool. `consumers` tells the memory
@@ -150,8 +151,25 @@ class GpuInfo(Spec):
     uuid: str = Field(default="", description="Its UUID, where the driver reports one.")
 
 
+class PlacedPod(Spec):
+    """A pod of an engine or lane the operator placed on this node: the agent matches a
+    process's cgroup to `uid` and charges its usage to the Engine or EmbedLane named."""
+
+    uid: str = Field(min_length=1, max_length=64, description="The pod's UID.")
+    kind: Literal["Engine", "EmbedLane"] = Field(description="Engine or EmbedLane.")
+    namespace: str = Field(max_length=63, description="Its namespace.")
+    name: str = Field(max_length=253, description="The Engine's or EmbedLane's name.")
+
+
 class NodeBoardSpec(Spec):
-    """Empty on purpose: a board is all status, written by its node's agent."""
+    """What the operator tells the node's agent: the pods it placed there. The operator is its
+    one writer, so the agent needs no right to list pods (docs/security.md, "The node agent")."""
+
+    placed: list[PlacedPod] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Engine and lane pods on this node (written by the operator), by UID.",
+    )
 
 
 class NodeBoardStatus(Spec):

@@ -1,0 +1,97 @@
+"""Each NodeBoard's `spec.placed` lists the engine and lane pods the operator placed on that node
+(`kube.placed_pods`), so the node agent charges usage by pod UID without listing pods itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.cache import Cache
+from continuum_operator.kube.placed_pods import PlacedPods, placed_by_node
+from continuum_operator.model.board import NodeBoardSpec
+
+ENGINE = "continuum.dev/engine"
+LANE = "continuum.dev/embedlane"
+
+
+def pod(
+    ns: str, uid: str, node: str | None, labels: dict[str, str], phase: str = "Running"
+) -> dict[str, Any]:
+    spec = {"nodeName": node} if node else {}
+    return {"metadata": {"namespace": ns, "name": f"p-{uid}", "uid": uid, "labels": labels},
+            "spec": spec, "status": {"phase": phase}}  # fmt: skip
+
+
+def test_each_node_gets_its_engine_and_lane_pods_by_uid_and_nothing_else() -> None:
+    pods = [
+        (ENGINE, "Engine", pod("team-a", "u2", "gpu-1", {ENGINE: "coder"})),
+        (ENGINE, "Engine", pod("team-a", "u1", "gpu-1", {ENGINE: "coder"})),
+        (LANE, "EmbedLane", pod("team-b", "u3", "gpu-2", {LANE: "search"})),
+        (ENGINE, "Engine", pod("team-a", "u4", None, {ENGINE: "coder"})),  # not bound yet
+        (ENGINE, "Engine", pod("team-a", "u5", "gpu-1", {ENGINE: "old"}, "Succeeded")),
+        (ENGINE, "Engine", pod("team-a", "u6", "gpu-1", {})),  # the label's value names it
+    ]
+    by_node = placed_by_node(pods)
+    assert by_node == {
+        "gpu-1": [
+            {"uid": "u1", "kind": "Engine", "namespace": "team-a", "name": "coder"},
+            {"uid": "u2", "kind": "Engine", "namespace": "team-a", "name": "coder"},
+        ],
+        "gpu-2": [{"uid": "u3", "kind": "EmbedLane", "namespace": "team-b", "name": "search"}],
+    }
+    for placed in by_node.values():  # what the CRD admits
+        NodeBoardSpec.model_validate({"placed": placed})
+
+
+class Api:
+    """Pods listed by label; NodeBoards merge-patched (404 for a board that does not exist)."""
+
+    def __init__(self, pods: list[dict[str, Any]], boards: set[str]) -> None:
+        self.pods = pods
+        self.boards = boards
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+
+    def request(self, method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
+        assert (method, path) == ("GET", "/api/v1/pods"), (method, path)
+        ((key, label),) = kw["query"]
+        assert key == "labelSelector"
+        return {"items": [p for p in self.pods if label in p["metadata"]["labels"]]}
+
+    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        if path.rsplit("/", 1)[-1] not in self.boards:
+            raise ApiError(404, "NotFound", path)
+        self.patches.append((path, patch))
+        return {}
+
+
+def board(name: str, placed: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": name, "resourceVersion": "1"},
+            "spec": {"placed": placed} if placed is not None else {}}  # fmt: skip
+
+
+def test_only_boards_whose_list_changed_are_written_and_a_missing_board_is_skipped() -> None:
+    pods = [pod("team-a", "u1", "gpu-1", {ENGINE: "coder"}),
+            pod("team-b", "u3", "gpu-2", {LANE: "search"})]  # fmt: skip
+    api = Api(pods, boards={"gpu-1", "gpu-3"})
+    cache = Cache()
+    for name in ("gpu-1", "gpu-2", "gpu-3"):
+        cache.observe_board(board(name), deleted=False)
+    publisher = PlacedPods(api, cache)  # type: ignore[arg-type]
+
+    # gpu-1 gets its pod; gpu-2's board was deleted meanwhile (404, skipped); gpu-3 has none
+    # and already says none.
+    assert publisher.publish_once() == 1
+    assert api.patches == [(
+        "/apis/continuum.dev/v1alpha1/nodeboards/gpu-1",
+        {"spec": {"placed": [{"uid": "u1", "kind": "Engine", "namespace": "team-a",
+                              "name": "coder"}]}},
+    )]  # fmt: skip
+    assert publisher.publish_once() == 0  # nothing changed: nothing written
+
+    api.pods[0]["status"]["phase"] = "Failed"  # its pod ended: the board says so
+    assert publisher.publish_once() == 1
+    assert api.patches[-1][1] == {"spec": {"placed": []}}
+
+    # The watch echo of the operator's own write compares equal.
+    cache.observe_board(board("gpu-1", []), deleted=False)
+    assert publisher.publish_once() == 0
