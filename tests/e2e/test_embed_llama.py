@@ -99,7 +99,9 @@ def placed_lane(
 
 
 @pytest.fixture
-def served_lane(embed_model: Path, tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
+def served_lane(embed_model: Path, tmp_path: Path) -> Iterator[tuple[str, Path, Path, str]]:
+    """(the embeddings' address, the lane file, the status file, the admin address). No
+    cluster here, so no token review: its door is tests/e2e/test_embed_door.py's."""
     lane_file = tmp_path / "lane.yaml"
     lane_file.write_text(yaml.safe_dump({
         "apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
@@ -109,12 +111,13 @@ def served_lane(embed_model: Path, tmp_path: Path) -> Iterator[tuple[str, Path, 
                                  "contextTokens": 1024, "pools": []}},
     }))  # fmt: skip
     status_file = tmp_path / "runtime.json"
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     log = (tmp_path / "embed.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from continuum_operator.cli import main; "
          "sys.exit(main(sys.argv[1:]))", "embed", "--model", str(embed_model),
          "--lane-file", str(lane_file), "--listen", f"127.0.0.1:{port}",
+         "--admin-listen", f"127.0.0.1:{admin_port}", "--unsafe-no-review",
          "--status-file", str(status_file)],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -133,7 +136,7 @@ def served_lane(embed_model: Path, tmp_path: Path) -> Iterator[tuple[str, Path, 
             pytest.fail(
                 "continuum embed never became ready:\n" + (tmp_path / "embed.log").read_text()
             )
-        yield url, lane_file, status_file
+        yield url, lane_file, status_file, f"http://127.0.0.1:{admin_port}"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -141,9 +144,9 @@ def served_lane(embed_model: Path, tmp_path: Path) -> Iterator[tuple[str, Path, 
 
 
 def test_continuum_embed_serves_mean_pooled_embeddings_and_reports_its_runtime(
-    served_lane: tuple[str, Path, Path],
+    served_lane: tuple[str, Path, Path, str],
 ) -> None:
-    url, _, status_file = served_lane
+    url, _, status_file, admin = served_lane
     code, body = http_json(f"{url}/v1/embeddings", {"input": ["hello world", "the token pool",
                                                               "hello world"]})  # fmt: skip
     assert code == 200, body
@@ -158,7 +161,7 @@ def test_continuum_embed_serves_mean_pooled_embeddings_and_reports_its_runtime(
     assert cosine(vectors[0], vectors[1]) < 0.999
     assert body["usage"]["prompt_tokens"] > 3
 
-    code, runtime = http_json(f"{url}/v1/runtime")
+    code, runtime = http_json(f"{admin}/v1/runtime")
     assert code == 200
     assert runtime["phase"] == "Serving" and runtime["gpuOffload"] is False
     assert runtime["largestContextTokens"] >= 1  # the calibration pass
@@ -170,7 +173,7 @@ def test_continuum_embed_serves_mean_pooled_embeddings_and_reports_its_runtime(
     assert code == 413 and refused["error"]["reason"] == "ContextTooLarge"
 
     # The same counts at /metrics, current at the scrape (docs/metrics.md).
-    metrics = f"{url}/metrics"
+    metrics = f"{admin}/metrics"
     assert scrape_metric(metrics, "continuum_lane_requests_served_total") == 1
     assert scrape_metric(metrics, "continuum_lane_inputs_embedded_total") == 3
     tokens = scrape_metric(metrics, "continuum_lane_tokens_embedded_total")
@@ -184,9 +187,9 @@ def test_continuum_embed_serves_mean_pooled_embeddings_and_reports_its_runtime(
 
 
 def test_a_request_above_the_lease_waits_for_the_lease_to_grow(
-    served_lane: tuple[str, Path, Path],
+    served_lane: tuple[str, Path, Path, str],
 ) -> None:
-    url, lane_file, _ = served_lane
+    url, lane_file, _, admin = served_lane
     text = " ".join(["memory"] * 1500)
     code, body = http_json(f"{url}/v1/embeddings", {"input": text})
     assert code == 503 and body["error"]["reason"] == "PoolBusy"
@@ -202,7 +205,7 @@ def test_a_request_above_the_lease_waits_for_the_lease_to_grow(
     threading.Thread(target=grow).start()
     code, body = http_json(f"{url}/v1/embeddings", {"input": text, "waitSeconds": 20})
     assert code == 200, body
-    _, runtime = http_json(f"{url}/v1/runtime")
+    _, runtime = http_json(f"{admin}/v1/runtime")
     assert runtime["requests"]["waited"] == 1
     assert runtime["largestContextTokens"] <= runtime["contextTokens"] <= 2048
     assert runtime["largestContextTokens"] > 1500

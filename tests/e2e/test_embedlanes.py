@@ -194,9 +194,11 @@ def test_an_embed_lane_beside_an_engine_is_placed_and_the_engines_plans_count_it
 def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_the_estimate(
     cluster: Cluster, operator: Path, namespace: str, tmp_path: Path
 ) -> None:
+    from continuum_operator.engine.admission import lane_audience
     from continuum_operator.gguf import file_sha256, read_facts
     from continuum_operator.testing import TinyModelShape, write_tiny_gguf
     from tests.e2e.llama_fixtures import free_port, http_json, import_llama_cpp
+    from tests.e2e.test_embed_door import post_embeddings
 
     import_llama_cpp()
     shape = TinyModelShape(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
@@ -244,6 +246,13 @@ def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_
     assert can("patch", "embedlanes/search") == "no"
     assert can("patch", "embedlanes/other", "--subresource=status") == "no"
 
+    # A caller of the lane's namespace, with a token for the lane's audience (docs/embedlanes.md,
+    # "The door": `continuum embed --lane` reviews it with the API server).
+    cluster.kubectl("create", "serviceaccount", "caller", "-n", namespace)
+    token = cluster.kubectl(
+        "create", "token", "caller", "-n", namespace,
+        f"--audience={lane_audience(namespace, 'search')}",
+    ).stdout.strip()  # fmt: skip
     port = free_port()
     log = (tmp_path / "embed.log").open("wb")
     proc = subprocess.Popen(
@@ -263,8 +272,7 @@ def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_
                 return False
 
         wait_for("continuum embed ready", ready, operator, timeout=60)
-        code, body = http_json(f"{url}/v1/embeddings",
-                               {"input": " ".join(["memory"] * 1000)})  # fmt: skip
+        code, body = post_embeddings(url, {"input": " ".join(["memory"] * 1000)}, token)
         assert code == 200, body
         assert len(body["data"][0]["embedding"]) == shape.n_embd
 

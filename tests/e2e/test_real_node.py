@@ -282,10 +282,16 @@ def test_an_engine_from_a_file_on_the_node_runs_as_pods_and_reports_receipts(
 
     def attributed() -> Any:
         board = install.get("nodeboard", install.node)
-        placed = {p["uid"] for p in (board.get("spec") or {}).get("placed") or []
-                  if (p["kind"], p["namespace"], p["name"]) == ("Engine", install.apps, "tiny")}
-        consumers = [c for c in (board.get("status") or {}).get("consumers") or []
-                     if (c["kind"], c["namespace"], c["name"]) == ("Engine", install.apps, "tiny")]
+        placed = {
+            p["uid"]
+            for p in (board.get("spec") or {}).get("placed") or []
+            if (p["kind"], p["namespace"], p["name"]) == ("Engine", install.apps, "tiny")
+        }
+        consumers = [
+            c
+            for c in (board.get("status") or {}).get("consumers") or []
+            if (c["kind"], c["namespace"], c["name"]) == ("Engine", install.apps, "tiny")
+        ]
         return consumers if uids <= placed and consumers else None  # fmt: skip
 
     used = wait_until("the agent charging the engine's memory", attributed, 120, install.cluster)
@@ -470,18 +476,38 @@ def test_an_embedlanes_pod_embeds(install: Install) -> None:
 
     pod = wait_until("the lane's pod Ready (calibrated)", ready, 300, install.cluster)[0]
     assert pod["spec"]["nodeName"] == install.node
+    # The lane serves its namespace's service accounts by a token with its audience (its own
+    # account here), refuses no token, and keeps /metrics on its admin port (docs/embedlanes.md).
+    token = install.kubectl(
+        "create", "token", "embedlane-notes", "-n", install.apps,
+        f"--audience=continuum.dev/embedlane/{install.apps}/notes",
+    ).stdout.strip()  # fmt: skip
     client = (
-        "import json, urllib.request\n"
+        "import json, sys, urllib.error, urllib.request\n"
+        "def code(url, **kw):\n"
+        "    try:\n"
+        "        req = urllib.request.Request(url, **kw)\n"
+        "        return urllib.request.urlopen(req, timeout=30).status\n"
+        "    except urllib.error.HTTPError as err:\n"
+        "        return err.code\n"
+        "body = json.dumps({'input': ['hello', 'a second text']}).encode()\n"
+        "plain = {'Content-Type': 'application/json'}\n"
         "req = urllib.request.Request('http://127.0.0.1:8080/v1/embeddings', method='POST',\n"
-        "    data=json.dumps({'input': ['hello', 'a second text']}).encode(),\n"
-        "    headers={'Content-Type': 'application/json'})\n"
-        "print(urllib.request.urlopen(req, timeout=120).read().decode())\n"
+        "    data=body, headers={**plain, 'Authorization': 'Bearer ' + sys.argv[1]})\n"
+        "print(json.dumps({\n"
+        "    'answer': json.loads(urllib.request.urlopen(req, timeout=120).read()),\n"
+        "    'no_token': code('http://127.0.0.1:8080/v1/embeddings', method='POST', data=body,\n"
+        "                     headers=plain),\n"
+        "    'metrics_http': code('http://127.0.0.1:8080/metrics'),\n"
+        "    'metrics_admin': code('http://127.0.0.1:9090/metrics')}))\n"
     )
     out = install.kubectl(
         "exec", "-n", install.apps, pod["metadata"]["name"], "--",
-        "/opt/continuum/bin/python", "-c", client,
+        "/opt/continuum/bin/python", "-c", client, token,
     ).stdout  # fmt: skip
-    answer = json.loads(out)
+    seen = json.loads(out)
+    assert (seen["no_token"], seen["metrics_http"], seen["metrics_admin"]) == (401, 404, 200), seen
+    answer = seen["answer"]
     vectors = [item["embedding"] for item in answer["data"]]
     assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 0, answer
     assert vectors[0] != vectors[1]

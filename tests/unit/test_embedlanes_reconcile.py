@@ -238,7 +238,8 @@ def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_run
     memory = int(container["resources"]["limits"]["memory"])
     assert memory > host and container["resources"]["requests"] == container["resources"]["limits"]
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
-    sa, role, binding = writes.identity
+    # ... and a binding to review its callers' tokens (tests/unit/test_embed_auth.py).
+    sa, role, binding, _review = writes.identity
     assert pod["serviceAccountName"] == sa["metadata"]["name"] == "embedlane-lane"
     assert {tuple(r["resources"]) for r in role["rules"]} == {("embedlanes",),
                                                                ("embedlanes/status",)}  # fmt: skip

@@ -69,7 +69,7 @@ def test_the_lane_serves_what_it_embedded_and_refused(monkeypatch: pytest.Monkey
         assert (await rt.embed([" ".join(["w"] * 299)]))[0] == 200  # 300 tokens: 512 cells
         assert (await rt.embed([" ".join(["w"] * 600)]))[0] == 503  # above the lease
         assert (await rt.embed([" ".join(["w"] * 2000)]))[0] == 413  # above the maximum
-        runner = web.AppRunner(rt.app())
+        runner = web.AppRunner(rt.admin_app())  # /metrics: the admin port, never callers'
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -8,11 +8,19 @@ lane's lease (`core.embed.admit`): it fits (served), waits (for up to `waitSecon
 operator to grow the lease, then 503) or fails (413: larger than spec.maxContextTokens). Its
 context grows only to what the lease holds, so it never over-commits its pool.
 
+The door (docs/embedlanes.md, "The door"): each `POST /v1/embeddings` carries a bearer token
+(the OpenAI client's API key), reviewed with the API server for the lane's own audience
+(`engine.admission.lane_audience`, not an engine's) by the engine gateway's `TokenReviewer`; a
+service account of the lane's namespace is served, one of another namespace refused (403), no
+token or one not issued for that audience refused (401), all in OpenAI's error shape. On with
+`--lane NS/NAME`; `--unsafe-no-review` opens the port to anyone (a machine of one's own).
+
 It is the one writer of the lane's `status.runtime` (docs/design.md "One writer per status field"):
 the largest context embedded, the context held, whether llama.cpp can offload to a GPU, the
 receipts of its loads, and counts of requests served, waited and refused; to a file, to the
-EmbedLane, or both, only when it changed. `GET /v1/runtime` answers the same document;
-`GET /metrics` the same counts as Prometheus metrics (`embed.metrics`), current at each scrape.
+EmbedLane, or both, only when it changed. On the admin address only (`--admin-port`, as the
+engine's): `GET /v1/runtime` answers the same document, `GET /metrics` the same counts as
+Prometheus metrics (`embed.metrics`), current at each scrape.
 
 The lease comes from the EmbedLane (`--lane NAMESPACE/NAME`, polled) or a file holding an
 EmbedLane or its `status.placement` (`--lane-file`, re-read when it changes).
@@ -28,6 +36,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -44,10 +53,22 @@ from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
 from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
+from continuum_operator.engine.admission import ServiceAccount, lane_audience
+from continuum_operator.engine.gateway import serve_app
+from continuum_operator.engine.grants_source import TokenReviewer
+from continuum_operator.engine.openai_api import error_body, error_type
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
 
-__all__ = ["LaneRuntime", "LaneState", "RuntimePhase", "add_parser", "lane_state_from"]
+__all__ = [
+    "Door",
+    "LaneRuntime",
+    "LaneState",
+    "RuntimePhase",
+    "add_parser",
+    "lane_state_from",
+    "refuse_caller",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +78,8 @@ EXIT_INVALID = 2
 RECEIPTS_KEPT = 4
 
 Publish = Callable[[dict[str, Any]], Awaitable[None]]
+#: Reviews a bearer token: the service account it belongs to, or None (`TokenReviewer`).
+Review = Callable[[str], Awaitable[ServiceAccount | None]]
 
 
 class RuntimePhase(StrEnum):
@@ -96,6 +119,46 @@ def lane_state_from(doc: dict[str, Any], max_context_tokens: int | None = None) 
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Door:
+    """Who may call `POST /v1/embeddings`: a bearer token the API server accepts for
+    `audience`, of a service account of `namespace` (the lane's own: an EmbedLane has no
+    allow-list, so its namespace is the boundary)."""
+
+    review: Review
+    audience: str
+    namespace: str
+
+
+def refuse_caller(
+    account: ServiceAccount | None, *, sent: bool, audience: str, namespace: str
+) -> tuple[int, dict[str, Any]] | None:
+    """The refusal of a caller (status, OpenAI-shaped body), or None: served. `account` is
+    what the review of her token said (None: not accepted); `sent`: whether she sent one."""
+    how = (
+        f"send a token of a service account of namespace {namespace}, projected with the "
+        f"audience {audience}, as Authorization: Bearer (the OpenAI client's API key)"
+    )
+    if account is None:
+        if not sent:
+            return 401, _error(401, "Unauthenticated", f"no bearer token: {how}")
+        why = (
+            "the API server did not accept the token for this lane's audience (expired, "
+            "forged, made for another audience such as an engine's or the API server's, or "
+            "not a service account's)"
+        )
+        return 401, _error(401, "Unauthenticated", f"{why}: {how}")
+    if account.namespace != namespace:
+        return 403, _error(
+            403,
+            "Forbidden",
+            f"service account {account.namespace}/{account.name} is of namespace "
+            f"{account.namespace}; this lane serves only service accounts of namespace "
+            f"{namespace}: call it from a pod of {namespace}",
+        )
+    return None
+
+
 @dataclass
 class Counts:
     served: int = 0
@@ -109,6 +172,8 @@ class LaneRuntime:
     model: LaneModel
     state: LaneState
     publish: Publish | None = None
+    #: Who may call; None: anyone who reaches the port (`--unsafe-no-review` only).
+    door: Door | None = None
     clock: Callable[[], float] = time.monotonic
     phase: RuntimePhase = RuntimePhase.CALIBRATING
     largest: int = 0
@@ -211,7 +276,7 @@ class LaneRuntime:
         """(HTTP status, body) of one embedding request."""
         if self.phase is not RuntimePhase.SERVING:
             self.metrics.refused("Calibrating")
-            return 503, _error("Calibrating", "the lane is calibrating; try again shortly", 0)
+            return 503, _error(503, "Calibrating", "the lane is calibrating; try again shortly")
         async with self._lock:
             counts = await asyncio.to_thread(self.model.count_tokens, texts)
         deadline = self.clock() + max(0.0, wait_seconds)
@@ -235,7 +300,7 @@ class LaneRuntime:
                 }
                 await self.publish_status()
                 status = 413 if a.verdict is Verdict.FAILS else 503
-                return status, _error(str(a.reason), a.message, a.tokens)
+                return status, _error(status, str(a.reason), a.message, a.tokens)
             if not waited:
                 waited = True
                 self.counts.waited += 1
@@ -265,29 +330,57 @@ class LaneRuntime:
     # -- HTTP -------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
+        """The lane's door: `POST /v1/embeddings`, and the probes where the kubelet reads them."""
         app = web.Application()
         app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        return app
+
+    def admin_app(self) -> web.Application:
+        """What is served to the cluster's operators, never to callers, on a port of its own
+        (as the engine's `Gateway.admin_app`): `/metrics`, `/v1/runtime`, and the probes."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/runtime", self._runtime)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
-        app.router.add_get("/metrics", self._metrics)
         return app
 
+    async def _refused(self, request: web.Request) -> web.Response | None:
+        """The answer to a caller the door does not let in, or None."""
+        if self.door is None:
+            return None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        sent = scheme.lower() == "bearer" and bool(token)
+        account = await self.door.review(token) if sent else None
+        refusal = refuse_caller(
+            account, sent=sent, audience=self.door.audience, namespace=self.door.namespace
+        )
+        if refusal is None:
+            return None
+        status, doc = refusal
+        return web.json_response(doc, status=status)
+
     async def _embeddings(self, request: web.Request) -> web.Response:
+        refused = await self._refused(request)  # before the body is read
+        if refused is not None:
+            return refused
         try:
             body = await request.json()
         except json.JSONDecodeError:
-            return web.json_response(_error("BadRequest", "the body is not JSON", 0), status=400)
+            return web.json_response(_error(400, "BadRequest", "the body is not JSON"), status=400)
         raw = body.get("input") if isinstance(body, dict) else None
         texts = [raw] if isinstance(raw, str) else raw
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             message = "`input` must be a string or a non-empty list of strings"
-            return web.json_response(_error("BadRequest", message, 0), status=400)
+            return web.json_response(_error(400, "BadRequest", message), status=400)
         try:
             wait = float(body.get("waitSeconds", 0.0))
         except (TypeError, ValueError):
             return web.json_response(
-                _error("BadRequest", "`waitSeconds` must be a number", 0), status=400
+                _error(400, "BadRequest", "`waitSeconds` must be a number"), status=400
             )
         status, doc = await self.embed(texts, wait)
         return web.json_response(doc, status=status)
@@ -312,8 +405,13 @@ def _without_counts(doc: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if k not in ("requests", "lastRefusal")}
 
 
-def _error(reason: str, message: str, tokens: int) -> dict[str, Any]:
-    return {"error": {"reason": reason, "message": message, "tokens": tokens}}
+def _error(status: int, reason: str, message: str, tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's error shape (its clients read `message`, `type`, `code`), with the lane's own
+    `reason` and `tokens` beside them; `code` is the reason in snake case, as the engine's."""
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", reason).lower()
+    body = error_body(message, error_type(status), code)
+    body["error"].update(reason=reason, tokens=tokens)
+    return body
 
 
 # --- where the lease comes from, where status goes ---------------------------------------------
@@ -429,7 +527,7 @@ async def serve(args: argparse.Namespace) -> int:
         for sink in sinks:
             await sink(doc)
 
-    runtime = LaneRuntime(model, state, publish=publish)
+    runtime = LaneRuntime(model, state, publish=publish, door=_door(args))
     flusher = asyncio.create_task(runtime.flush_loop())
     if lane_obj is not None:
         source = asyncio.create_task(lane_obj.watch(runtime.set_state, args.poll))
@@ -437,11 +535,19 @@ async def serve(args: argparse.Namespace) -> int:
         source = asyncio.create_task(
             watch_lane_file(args.lane_file, args.max_context_tokens, runtime.set_state)
         )
-    runner = web.AppRunner(runtime.app(), handler_cancellation=True)
-    await runner.setup()
-    host, _, port = args.listen.rpartition(":")
-    await web.TCPSite(runner, host or "0.0.0.0", int(port)).start()
-    log.info("embed lane listening on %s; calibrating", args.listen)
+    admin_listen = args.admin_listen
+    if args.admin_port is not None:
+        admin_listen = f"0.0.0.0:{args.admin_port}"
+    runners = []
+    for served, address, what in (
+        (runtime.app(), args.listen, "embed lane"),
+        (runtime.admin_app(), admin_listen, "admin (/metrics, /v1/runtime)"),
+    ):
+        host, _, port = address.rpartition(":")
+        runner, bound = await serve_app(served, host or "0.0.0.0", int(port))
+        runners.append(runner)
+        log.info("%s listening on %s", what, bound)
+    log.info("calibrating")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -454,9 +560,28 @@ async def serve(args: argparse.Namespace) -> int:
         source.cancel()
         flusher.cancel()
         await asyncio.gather(source, flusher, return_exceptions=True)
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
         model.close()
     return EXIT_OK
+
+
+def _door(args: argparse.Namespace) -> Door | None:
+    """Token review, on unless the unsafe local flag opens the door (`cmd_embed` checked that
+    an audience and a namespace are known otherwise)."""
+    if args.unsafe_no_review:
+        log.warning(
+            "--unsafe-no-review: anyone who reaches this port is served embeddings, with no "
+            "token; for a machine of one's own only"
+        )
+        return None
+    audience, namespace = args.token_audience, args.callers_namespace
+    if args.lane is not None:
+        lane_ns, _, lane_name = args.lane.partition("/")
+        audience = audience or lane_audience(lane_ns, lane_name)
+        namespace = namespace or lane_ns
+    assert audience and namespace
+    return Door(TokenReviewer(audience), audience, namespace)
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -470,6 +595,19 @@ def cmd_embed(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     if not args.model.is_file():
         print(f"error: --model {args.model}: no such file", file=sys.stderr)
+        return EXIT_INVALID
+    if args.unsafe_no_review and args.review_tokens:
+        print("error: --review-tokens and --unsafe-no-review contradict each other: give one",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INVALID
+    reviewed = not args.unsafe_no_review
+    if reviewed and args.lane is None and not (args.token_audience and args.callers_namespace):
+        print(
+            "error: --lane-file FILE: callers' tokens are reviewed with the API server; give "
+            "--token-audience AUDIENCE and --callers-namespace NAMESPACE (whose service "
+            "accounts are served), or, on a machine of your own, --unsafe-no-review",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     try:
         return asyncio.run(serve(args))
@@ -492,7 +630,34 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lane", help="NAMESPACE/NAME: read its lease, write its status.runtime")
     p.add_argument("--lane-file", type=Path, help="an EmbedLane or placement file, watched")
     p.add_argument("--max-context-tokens", type=int, help="when the file is a bare placement")
-    p.add_argument("--listen", default="0.0.0.0:8080", help="address (host:port)")
+    p.add_argument("--listen", default="0.0.0.0:8080", help="address of /v1/embeddings (host:port)")
+    p.add_argument(
+        "--admin-listen",
+        default="127.0.0.1:0",
+        help="address of /metrics and /v1/runtime (never served on --listen)",
+    )
+    p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
+    p.add_argument(
+        "--review-tokens",
+        action="store_true",
+        help="require each caller's service account token (Authorization: Bearer), reviewed "
+        "with the API server (a TokenReview with the lane's audience); the default, said "
+        "explicitly in the operator's pods",
+    )
+    p.add_argument(
+        "--token-audience",
+        help="the audience callers' tokens must carry (default with --lane NS/NAME: "
+        "continuum.dev/embedlane/NS/NAME)",
+    )
+    p.add_argument(
+        "--callers-namespace",
+        help="serve only service accounts of this namespace (default with --lane NS/NAME: NS)",
+    )
+    p.add_argument(
+        "--unsafe-no-review",
+        action="store_true",
+        help="serve anyone who reaches --listen, without a token (a machine of one's own only)",
+    )
     p.add_argument("--status-file", type=Path, help="also write status.runtime here (JSON)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between EmbedLane reads")

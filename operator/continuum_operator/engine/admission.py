@@ -43,6 +43,7 @@ __all__ = [
     "admit_turn",
     "engine_audience",
     "identify",
+    "lane_audience",
     "parse_table",
     "prompt_token_bound",
     "reconcile",
@@ -453,6 +454,12 @@ def service_account(username: str | None) -> ServiceAccount | None:
 def engine_audience(namespace: str, name: str) -> str:
     """The audience a mind's token must carry for this engine (and no other) to accept it."""
     return f"continuum.dev/engine/{namespace}/{name}"
+
+
+def lane_audience(namespace: str, name: str) -> str:
+    """The audience a caller's token must carry for this embed lane (and no other) to accept
+    it: not an engine's, so a token a mind holds for her engine does not open a lane."""
+    return f"continuum.dev/embedlane/{namespace}/{name}"
 
 
 def identify(asked_mind: str, account: ServiceAccount | None) -> tuple[str, Admission | None]:

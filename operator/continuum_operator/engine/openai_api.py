@@ -34,6 +34,7 @@ __all__ = [
     "cap_body",
     "check_body",
     "error_body",
+    "error_type",
     "over_grant_body",
     "prompt_bound",
     "refusal_body",
@@ -290,6 +291,11 @@ _TYPES = {
 }
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error `type` of an answer of this status (the embed lane's answers too)."""
+    return _TYPES.get(status, "api_error")
+
+
 def refusal_body(adm: Admission) -> dict[str, Any]:
     """A refusal of the grant protocol in OpenAI's shape; its own answer under `continuum`."""
     native = adm.body
@@ -305,7 +311,7 @@ def refusal_body(adm: Admission) -> dict[str, Any]:
         if native.get("position"):
             parts.append(f"place in line {native['position']}")
         message = ", ".join(parts)
-    out = error_body(message, _TYPES.get(adm.status, "api_error"), str(code) if code else None)
+    out = error_body(message, error_type(adm.status), str(code) if code else None)
     out["error"]["continuum"] = native  # where OpenAI's clients keep the error (err.body)
     return out
 

@@ -96,7 +96,9 @@ class LaneWrites:
     status_patch: dict[str, Any] | None
     events: tuple[LaneEvent, ...] = ()
     deployment: dict[str, Any] | None = None  # the lane's pod (`kube.lane_objects`), wanted
-    identity: tuple[dict[str, Any], ...] = ()  # its ServiceAccount, Role and RoleBinding
+    #: its ServiceAccount, Role, RoleBinding, and ClusterRoleBinding (token review)
+    identity: tuple[dict[str, Any], ...] = ()
+    network_policy: dict[str, Any] | None = None  # who may reach the pod, on which port
     no_pod: str | None = None  # why the lane gets no pod, when it does not
 
 
@@ -366,6 +368,7 @@ def _with_workload(
         writes,
         deployment=lane_objects.lane_deployment(lane, uid, placement, engine, settings.pods),
         identity=tuple(lane_objects.lane_identity(lane, uid)),
+        network_policy=lane_objects.lane_network_policy(lane, uid, settings.pods),
     )
 
 
@@ -406,7 +409,8 @@ class LaneLoop:
                 await asyncio.to_thread(self.post_event, answer, event)
 
     def apply_workload(self, key: LaneKey, writes: LaneWrites) -> None:
-        """Runs in a thread: the lane's identity, then its Deployment, when they changed."""
+        """Runs in a thread: the lane's identity and NetworkPolicy, then its Deployment, when
+        they changed (its pod reviews tokens from its start: the binding goes first)."""
         if writes.deployment is None:
             if key in self.applied:
                 log.info("EmbedLane %s/%s: no pod: %s", *key, writes.no_pod)
@@ -418,11 +422,12 @@ class LaneLoop:
                     if err.status != 404:
                         log.warning("deleting Deployment %s/%s failed: %s", key[0], name, err)
             return
-        digest = repr((writes.identity, writes.deployment))
+        digest = repr((writes.identity, writes.network_policy, writes.deployment))
         if self.applied.get(key) == digest:
             return
+        policy = () if writes.network_policy is None else (writes.network_policy,)
         try:
-            for obj in (*writes.identity, writes.deployment):
+            for obj in (*writes.identity, *policy, writes.deployment):
                 self.api.apply(obj)
             self.applied[key] = digest
         except ApiError as err:

@@ -4,7 +4,11 @@ Built from the lane's `status.placement`, so what runs is what status says (as t
 Deployment is built from its plan, `kube.objects`). The pod runs `continuum embed --lane
 NS/NAME`, which reads its lease from the lane and writes the lane's `status.runtime`; its
 identity (a ServiceAccount, a Role limited to this one EmbedLane, their binding) allows exactly
-that. Everything is owned by the EmbedLane, so deleting the lane removes them.
+that, and a ClusterRoleBinding to `system:auth-delegator` lets it review its callers' tokens
+(docs/embedlanes.md, "The door"). A NetworkPolicy admits the lane's namespace on its serving
+port and labelled namespaces on its admin port. Everything namespaced is owned by the
+EmbedLane, so deleting the lane removes it; the ClusterRoleBinding is left behind, as an
+engine's is (`objects.token_review_binding`).
 
 Only host-resident lanes get a pod: a lane on the device would need a share of the engine's
 GPU (HAMi, MPS), which the device plugin does not give a second pod; such a lane is placed and
@@ -34,8 +38,10 @@ __all__ = [
     "deployment_name",
     "lane_deployment",
     "lane_identity",
+    "lane_network_policy",
     "lane_threads",
     "name_for",
+    "token_review_binding_name",
     "why_no_pod",
 ]
 
@@ -63,6 +69,10 @@ def _labels(lane: EmbedLane) -> dict[str, str]:
         "app.kubernetes.io/managed-by": objects.MANAGED_BY,
         LANE_LABEL: lane.metadata.name,
     }
+
+
+def _selector(lane: EmbedLane) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "continuum-embedlane", LANE_LABEL: lane.metadata.name}
 
 
 def _owner(lane: EmbedLane, uid: str) -> Obj:
@@ -106,7 +116,8 @@ def why_no_pod(
 
 
 def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
-    """The pod's identity: it reads its own EmbedLane and patches its status.runtime."""
+    """The pod's identity: it reads its own EmbedLane and patches its status.runtime, and it
+    may review its callers' tokens (TokenReviews, through `system:auth-delegator`)."""
     name = deployment_name(lane)
     ns = lane.metadata.namespace
     meta = {
@@ -144,7 +155,34 @@ def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
         },
+        objects.token_review_binding(
+            token_review_binding_name(lane),
+            {**_labels(lane), "continuum.dev/embedlane-namespace": ns},
+            name,
+            ns,
+        ),
     ]
+
+
+def token_review_binding_name(lane: EmbedLane) -> str:
+    """One per lane: `:` cannot appear in a namespace or a name, so two never collide (nor
+    with an engine's, `continuum-engine-tokenreview:NS:NAME`)."""
+    return f"continuum-embedlane-tokenreview:{lane.metadata.namespace}:{lane.metadata.name}"
+
+
+def lane_network_policy(lane: EmbedLane, uid: str, pods: PodSettings) -> Obj:
+    """Who reaches the lane's pod: its own namespace on the serving port (the namespace whose
+    service accounts it serves: no one else could be served), namespaces labelled
+    `continuum.dev/scrape-engines=true` on the admin port (/metrics, /v1/runtime). Enforced
+    where the cluster's network plugin enforces NetworkPolicies."""
+    metadata = {
+        "name": deployment_name(lane),
+        "namespace": lane.metadata.namespace,
+        "labels": _labels(lane),
+        "ownerReferences": [_owner(lane, uid)],
+    }
+    callers = objects.namespaces_named([lane.metadata.namespace])
+    return objects.door_policy(metadata, _selector(lane), callers, pods.port)
 
 
 def cpu_cores(quantity: str) -> float | None:
@@ -211,6 +249,11 @@ def lane_deployment(
         volume.path,
         "--listen",
         f"0.0.0.0:{pods.port}",
+        # Callers' tokens reviewed with the lane's audience (said, though it is the default);
+        # /metrics and /v1/runtime on the admin port only.
+        "--review-tokens",
+        "--admin-port",
+        str(objects.ADMIN_PORT),
     ]
     if model.sha256:
         command += ["--sha256", model.sha256]
@@ -225,7 +268,10 @@ def lane_deployment(
         "image": pods.image,
         "imagePullPolicy": pods.image_pull_policy,
         "command": command,
-        "ports": [{"name": "http", "containerPort": pods.port}],
+        "ports": [
+            {"name": "http", "containerPort": pods.port},
+            {"name": "admin", "containerPort": objects.ADMIN_PORT},
+        ],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "securityContext": objects.container_security_context(),

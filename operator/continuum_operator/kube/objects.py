@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from continuum_operator.kube.settings import GpuClaims, GpuSharing, PodSettings
@@ -466,31 +466,39 @@ def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
                 {"kind": "ServiceAccount", "name": name, "namespace": engine.metadata.namespace}
             ],
         },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {
-                "name": token_review_binding_name(engine),
-                "labels": {
-                    **labels(engine),
-                    "continuum.dev/engine-namespace": engine.metadata.namespace,
-                },
-            },
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": AUTH_DELEGATOR,
-            },
-            "subjects": [
-                {"kind": "ServiceAccount", "name": name, "namespace": engine.metadata.namespace}
-            ],
-        },
+        token_review_binding(
+            token_review_binding_name(engine),
+            {**labels(engine), "continuum.dev/engine-namespace": engine.metadata.namespace},
+            name,
+            engine.metadata.namespace,
+        ),
     ]
 
 
 def token_review_binding_name(engine: Engine) -> str:
     """One per engine: `:` cannot appear in a namespace or a name, so two never collide."""
     return f"continuum-engine-tokenreview:{engine.metadata.namespace}:{engine.metadata.name}"
+
+
+def token_review_binding(
+    name: str, binding_labels: Mapping[str, str | None], account: str, namespace: str | None
+) -> Obj:
+    """A ClusterRoleBinding of one ServiceAccount to `system:auth-delegator`, so its pod may
+    review callers' tokens (TokenReviews are cluster-scoped): an engine's, an embed lane's.
+    Cluster-scoped, it cannot be owned by the namespaced object it serves: its labels name that
+    object instead, and it is left behind when the object is deleted (the operator deletes no
+    ClusterRoleBinding: RBAC cannot limit that right to the bindings it made)."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": name, "labels": dict(binding_labels)},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": AUTH_DELEGATOR,
+        },
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+    }
 
 
 def network_policy(engine: Engine, uid: str, pods: PodSettings) -> Obj:
@@ -502,38 +510,51 @@ def network_policy(engine: Engine, uid: str, pods: PodSettings) -> Obj:
     minds: Obj = (
         {"namespaceSelector": {}}
         if "*" in engine.spec.allowed_namespaces
-        else {
-            "namespaceSelector": {
-                "matchExpressions": [
-                    {
-                        "key": "kubernetes.io/metadata.name",
-                        "operator": "In",
-                        "values": sorted({engine.metadata.namespace, *allowed}),
-                    }
-                ]
-            }
-        }
+        else namespaces_named([engine.metadata.namespace, *allowed])
     )
+    metadata = {
+        "name": engine.metadata.name,
+        "namespace": engine.metadata.namespace,
+        "labels": labels(engine),
+        "ownerReferences": [owner_reference(engine, uid)],
+    }
+    return door_policy(metadata, selector(engine), minds, pods.port)
+
+
+def door_policy(metadata: Obj, pod_selector: Mapping[str, str], callers: Obj, port: int) -> Obj:
+    """A NetworkPolicy of a serving pod (an engine's, an embed lane's): `callers` (a `from`
+    peer) on the serving `port`, namespaces labelled `continuum.dev/scrape-engines=true` on
+    ADMIN_PORT, nothing else."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {
-            "name": engine.metadata.name,
-            "namespace": engine.metadata.namespace,
-            "labels": labels(engine),
-            "ownerReferences": [owner_reference(engine, uid)],
-        },
+        "metadata": metadata,
         "spec": {
-            "podSelector": {"matchLabels": selector(engine)},
+            "podSelector": {"matchLabels": dict(pod_selector)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [minds], "ports": [{"protocol": "TCP", "port": pods.port}]},
+                {"from": [callers], "ports": [{"protocol": "TCP", "port": port}]},
                 {
                     "from": [{"namespaceSelector": {"matchLabels": {SCRAPE_LABEL: "true"}}}],
                     "ports": [{"protocol": "TCP", "port": ADMIN_PORT}],
                 },
             ],
         },
+    }
+
+
+def namespaces_named(names: Iterable[str | None]) -> Obj:
+    """A NetworkPolicy peer: the pods of these namespaces, by their name label."""
+    return {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {
+                    "key": "kubernetes.io/metadata.name",
+                    "operator": "In",
+                    "values": sorted({n for n in names if n}),
+                }
+            ]
+        }
     }
 
 
