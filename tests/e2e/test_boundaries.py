@@ -597,9 +597,9 @@ def test_an_agent_writes_only_its_own_nodes_board_and_lease(
         assert f"may write only NodeBoard {mine}, not {other}" in answer.stderr
         assert policy in answer.stderr
         # Its own board, claiming pods: which pods are where is the operator's to say.
-        forged = {**board(mine), "spec": {"placed": [{"uid": "u", "kind": "Engine",
-                                                      "namespace": "x", "name": "y"}]}}  # fmt: skip
-        assert "with no spec.placed" in refused(create_as(cluster, forged, agent, dry_run=True))
+        pod = {"uid": "u", "kind": "Engine", "namespace": "x", "name": "y"}
+        claiming = {**board(mine), "spec": {"placed": [pod]}}
+        assert "with no spec.placed" in refused(create_as(cluster, claiming, agent, dry_run=True))
         assert create_as(cluster, board(mine), agent).returncode == 0
         # Another node's existing board: its status cannot be patched either.
         cluster.apply(board(other))

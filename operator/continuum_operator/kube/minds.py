@@ -44,26 +44,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
-import kopf
-
-from continuum_operator.core.grants import Grant, GrantReason, MindDemand, Policy
+from continuum_operator.core.grants import Grant, MindDemand, Policy
 from continuum_operator.kube import crash, ledger
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey, format_time
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.metrics import OperatorMetrics
+from continuum_operator.kube.mind_cache import MindCache, register, resource_version
+from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
+from continuum_operator.kube.quota_use import ClassNotes, QuotaUse, quota_status
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.base import API_VERSION, GROUP, VERSION
 from continuum_operator.model.mind import GrantState
@@ -76,141 +74,6 @@ FINALIZER = "continuum.dev/grant"
 _HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
 
 
-# --- watches ----------------------------------------------------------------------------------
-
-
-@dataclass
-class MindCache:
-    """Minds, MindClasses and TokenQuotas as the watches last saw them; Minds also grouped by
-    the Engine they name, and the engines whose minds changed since the grants loop last took
-    them (`take_dirty`), so a pass steps only those.
-
-    Minds are observed from the event loop (watches) and from the writer threads (the answers
-    of our own writes): the groups and the dirty set under one lock. `minds` itself is read
-    without it (a dict's get is atomic; bodies are replaced, never changed in place)."""
-
-    minds: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
-    classes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    quotas: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    groups: dict[EngineKey, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    dirty: set[EngineKey] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def observe_mind(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
-        """`nudge` False: the answer of our own write (or the leader's list): her engine is
-        marked only if what the ledger reads of her changed; a watch event of a newer version
-        marks it whatever changed (her status may need writing again)."""
-        key = ledger.mind_key(obj)
-        body = None if deleted else copy.deepcopy(dict(obj))  # (outside the lock)
-        with self.lock:
-            known = self.minds.get(key)
-            if body is None:
-                if known is not None:
-                    self._put(key, known, None)
-            elif known is None or _rv(body) >= _rv(known):
-                if (
-                    known is None
-                    or _demand_facts(known) != _demand_facts(body)
-                    or (nudge and _rv(body) != _rv(known))
-                ):
-                    self._put(key, known, body)
-                else:  # the same engine, nothing it reads changed
-                    self.minds[key] = body
-                    self.groups.setdefault(ledger.engine_key_of(body), {})[key] = body
-        if nudge:
-            self.changed.set()
-
-    def _put(self, key: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
-        """Replace a Mind (under the lock), marking the engine she named and the one she names."""
-        if old is not None:
-            was = ledger.engine_key_of(old)
-            self.dirty.add(was)
-            group = self.groups.get(was)
-            if group is not None:
-                group.pop(key, None)
-                if not group:
-                    del self.groups[was]
-        if new is None:
-            self.minds.pop(key, None)
-            return
-        now = ledger.engine_key_of(new)
-        self.dirty.add(now)
-        self.minds[key] = new
-        self.groups.setdefault(now, {})[key] = new
-
-    def forget(self, key: str) -> None:
-        """Drop a Mind the API no longer has (deleted while no watch was looking)."""
-        with self.lock:
-            known = self.minds.get(key)
-            if known is not None:
-                self._put(key, known, None)
-
-    def mark(self, keys: Iterable[EngineKey]) -> None:
-        """Mark engines to be stepped at the next pass (a write that failed, a pass cut short)."""
-        with self.lock:
-            self.dirty.update(keys)
-
-    def mark_mind(self, key: str) -> None:
-        """Mark the engine a Mind names (a write of hers failed: the next pass redoes it)."""
-        with self.lock:
-            known = self.minds.get(key)
-            if known is not None:
-                self.dirty.add(ledger.engine_key_of(known))
-
-    def take_dirty(self) -> set[EngineKey]:
-        """The engines marked since the last call; the mark is cleared."""
-        with self.lock:
-            dirty, self.dirty = self.dirty, set()
-        return dirty
-
-    def minds_of(self, keys: Iterable[EngineKey]) -> dict[EngineKey, list[dict[str, Any]]]:
-        """The Minds naming each of these engines (those with any)."""
-        with self.lock:
-            return {k: list(g.values()) for k in keys if (g := self.groups.get(k))}
-
-    def engine_keys(self) -> set[EngineKey]:
-        """Every engine some Mind names."""
-        with self.lock:
-            return set(self.groups)
-
-    def observe_class(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        # (A class changes what every engine's minds demand: the loop compares the classes
-        # it last stepped with and steps every engine when they differ.)
-        name = str(obj["metadata"]["name"])
-        if deleted:
-            self.classes.pop(name, None)
-        else:
-            self.classes[name] = copy.deepcopy(dict(obj))
-        self.changed.set()
-
-    def observe_quota(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
-        key = ledger.mind_key(obj)
-        if deleted:
-            self.quotas.pop(key, None)
-        else:
-            known = self.quotas.get(key)
-            if known is None or _rv(obj) >= _rv(known):
-                self.quotas[key] = copy.deepcopy(dict(obj))
-        if nudge:
-            self.changed.set()
-
-
-def _demand_facts(mind: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What the ledger reads of a Mind (`ledger.route_minds`, `ledger.demands_of`) and what
-    her projection and finalizer follow from: her engine, her deletion, class and size."""
-    meta = mind["metadata"]
-    spec = mind.get("spec") or {}
-    return (
-        ledger.engine_key_of(mind),
-        bool(meta.get("deletionTimestamp")),
-        spec.get("className"),
-        spec.get("contextTokens"),
-        meta.get("creationTimestamp"),
-        meta.get("generation"),
-    )
-
-
 def _without_nulls(value: Any) -> Any:
     """A merge patch's effect: null removes a key, so compare without them."""
     if isinstance(value, dict):
@@ -218,79 +81,6 @@ def _without_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_nulls(v) for v in value]
     return value
-
-
-def _rv(obj: Mapping[str, Any]) -> int:
-    try:
-        return int(obj["metadata"].get("resourceVersion", 0))
-    except (TypeError, ValueError):
-        return 0
-
-
-def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:
-    """Watch Minds, MindClasses and TokenQuotas into `minds`."""
-
-    @kopf.on.event(group=GROUP, version=VERSION, plural="minds", registry=registry)
-    async def mind(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_mind(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
-
-    @kopf.on.event(group=GROUP, version=VERSION, plural="mindclasses", registry=registry)
-    async def mindclass(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_class(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
-
-    @kopf.on.event(group=GROUP, version=VERSION, plural="tokenquotas", registry=registry)
-    async def tokenquota(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_quota(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
-
-
-# --- the loop ---------------------------------------------------------------------------------
-
-
-_PROJECTION, _FINALIZER = 0, 1  # write priorities: a grant is seen before its finalizer lands
-
-
-class _Writer:
-    """Writes of Minds (projections, finalizers), by `workers` daemon threads, projections
-    first. One Mind's writes run one at a time, in order; a write of a Mind not yet started is
-    replaced by a newer one of the same kind (it carries the newer ledger)."""
-
-    def __init__(
-        self,
-        workers: int,
-        may_write: Callable[[], bool],
-        failed: Callable[[str], None] = lambda key: None,
-    ) -> None:
-        self.may_write = may_write
-        self.failed = failed  # told the key of a write that raised: the next pass redoes it
-        self.queue: queue.PriorityQueue[tuple[int, int, str]] = queue.PriorityQueue()
-        self.pending: dict[tuple[int, str], Callable[[], None]] = {}
-        self.lock = threading.Lock()
-        self.key_locks: dict[str, threading.Lock] = {}
-        self.seq = itertools.count()
-        for i in range(workers):
-            threading.Thread(target=self._work, name=f"mind-writer-{i}", daemon=True).start()
-
-    def submit(self, priority: int, key: str, job: Callable[[], None]) -> None:
-        with self.lock:
-            queued = (priority, key) in self.pending
-            self.pending[(priority, key)] = job
-        if not queued:
-            self.queue.put((priority, next(self.seq), key))
-
-    def _work(self) -> None:
-        while True:
-            priority, _, key = self.queue.get()
-            with self.lock:
-                job = self.pending.pop((priority, key), None)
-                key_lock = self.key_locks.setdefault(key, threading.Lock())
-            if job is None or not self.may_write():
-                continue
-            with key_lock:
-                try:
-                    job()
-                except Exception:  # one failed write must not stop the writer; a pass redoes it
-                    log.exception("writing Mind %s failed", key)
-                    self.failed(key)
 
 
 class GrantsLoop:
@@ -322,7 +112,7 @@ class GrantsLoop:
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
         self.retry_soon = False
-        self.writer = _Writer(settings.write_workers, lambda: self.may_write(), self._failed)
+        self.writer = MindWriter(settings.write_workers, lambda: self.may_write(), self._failed)
         self._lock = threading.Lock()
         self._projections_written = 0
         # What the last pass stepped with: each engine's body (stepped again once its body is
@@ -394,7 +184,9 @@ class GrantsLoop:
         # A Mind the cache has but the list has not was deleted before the list was taken.
         for key in set(self.minds.minds) - listed:
             known = self.minds.minds.get(key)
-            if known is not None and _rv(known) <= int(minds["metadata"]["resourceVersion"]):
+            if known is not None and resource_version(known) <= int(
+                minds["metadata"]["resourceVersion"]
+            ):
                 self.minds.forget(key)
 
     async def _changed(self) -> None:
@@ -447,7 +239,7 @@ class GrantsLoop:
             return False
         # Another object: a watch event or the cache's copy of our own write; the same version
         # with the same content (the echo of our write) changes nothing the ledger reads.
-        if seen is None or _rv(seen) != _rv(body) or seen != body:
+        if seen is None or resource_version(seen) != resource_version(body) or seen != body:
             return True
         self.engine_seen[key] = body
         return False
@@ -508,7 +300,7 @@ class GrantsLoop:
 
         # Held over every engine's ledger, not only those stepped (from `facts`: read once per
         # body).
-        quotas = _QuotaUse(
+        quotas = QuotaUse(
             limits, {k: self.entries_of(k, f.body, f.entries) for k, f in facts.items()}
         )
 
@@ -555,7 +347,7 @@ class GrantsLoop:
         # Projections are queued before finalizers: a grant is seen as soon as the API allows.
         # Every Mind of a stepped engine, its ledger changed or not: one whose status is stale
         # (just created, queued behind others) is written too.
-        notes = _Notes(classes, default, quotas)
+        notes = ClassNotes(classes, default, quotas)
         jobs: list[tuple[int, str, Callable[[], None]]] = []
         for key, engine in stepped:
             jobs.extend(self.projection_jobs(key, engine, by_engine.get(key, []), refused, notes))
@@ -565,7 +357,7 @@ class GrantsLoop:
         for key in sorted(dirty - set(engines)):
             minds = by_engine.get(key, [])
             jobs.extend(
-                (_FINALIZER, ledger.mind_key(m), partial(self.drop_finalizer, m))
+                (FINALIZER_WRITE, ledger.mind_key(m), partial(self.drop_finalizer, m))
                 for m in minds
                 if m["metadata"].get("deletionTimestamp")
             )
@@ -578,7 +370,7 @@ class GrantsLoop:
             new = quota_status(quota, quotas, self.clock())
             if new is not None:
                 jobs.append(
-                    (_PROJECTION, f"tokenquota:{qkey}", partial(self.write_quota, quota, new))
+                    (PROJECTION_WRITE, f"tokenquota:{qkey}", partial(self.write_quota, quota, new))
                 )
         # Not waited for: the next pass's ledgers need not queue behind these writes.
         for priority, mkey, job in jobs:
@@ -801,7 +593,7 @@ class GrantsLoop:
         engine: dict[str, Any],
         minds: list[dict[str, Any]],
         refused: Mapping[str, ledger.Refused] | None = None,
-        notes: _Notes | None = None,
+        notes: ClassNotes | None = None,
     ) -> list[tuple[int, str, Callable[[], None]]]:
         """The writes that bring this engine's Minds in line with its ledger: projections, and
         finalizers (on a Mind holding a slot, whose deletion must release it first; off a
@@ -818,7 +610,7 @@ class GrantsLoop:
             entry = entries.get(mkey)
             if meta.get("deletionTimestamp"):
                 if entry is None and FINALIZER in (meta.get("finalizers") or []):
-                    jobs.append((_FINALIZER, mkey, partial(self.finalize, m)))
+                    jobs.append((FINALIZER_WRITE, mkey, partial(self.finalize, m)))
                 continue
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
             refusal = (refused or {}).get(mkey)
@@ -836,10 +628,10 @@ class GrantsLoop:
                 )
             if self.projection_differs(m, grant, conds, self.endpoint(key)):
                 job = partial(self.project_one, mkey, grant, conds, self.endpoint(key))
-                jobs.append((_PROJECTION, mkey, job))
+                jobs.append((PROJECTION_WRITE, mkey, job))
             holding = entry is not None and entry.get("state") in _HOLDING
             if holding and FINALIZER not in (meta.get("finalizers") or []):
-                jobs.append((_FINALIZER, mkey, partial(self.add_finalizer_to, mkey)))
+                jobs.append((FINALIZER_WRITE, mkey, partial(self.add_finalizer_to, mkey)))
         return jobs
 
     def missing_engine_jobs(
@@ -856,7 +648,9 @@ class GrantsLoop:
         ]
         if not stale:
             return []
-        return [(_PROJECTION, f"engine:{key[0]}/{key[1]}", partial(self.tell_missing, key, stale))]
+        return [
+            (PROJECTION_WRITE, f"engine:{key[0]}/{key[1]}", partial(self.tell_missing, key, stale))
+        ]
 
     def tell_missing(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
         ns, name = key
@@ -1002,7 +796,7 @@ class GrantsLoop:
             self.minds.observe_mind(answer, deleted=False, nudge=False)
 
 
-# --- tenancy ----------------------------------------------------------------------------------
+# --- what a pass keeps ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -1046,144 +840,3 @@ def _deadline(entries: Iterable[Mapping[str, Any]]) -> float | None:
         if e.get("state") == GrantState.RECLAIMING and isinstance(e.get("deadline"), int | float)
     ]
     return min(deadlines) if deadlines else None
-
-
-class _QuotaUse:
-    """Tokens each namespace under a TokenQuota holds, over every engine's ledger, kept up to
-    date as the pass steps engines (thread-safe: quota-free engines step side by side)."""
-
-    def __init__(
-        self,
-        limits: Mapping[str, ledger.QuotaLimit],
-        entries: Mapping[EngineKey, list[dict[str, Any]]],
-    ) -> None:
-        self.limits = dict(limits)
-        self.lock = threading.Lock()
-        self.entries = dict(entries)
-        # Summed only where a quota reads them (without quotas, nothing does).
-        self.by_engine = (
-            {k: ledger.tokens_held(e) for k, e in entries.items() if e} if self.limits else {}
-        )
-        self.totals: dict[str, int] = {}
-        for held in self.by_engine.values():
-            for ns, n in held.items():
-                self.totals[ns] = self.totals.get(ns, 0) + n
-
-    def binds(self, demands: Mapping[str, MindDemand]) -> bool:
-        return any(d.namespace in self.limits for d in demands.values())
-
-    def used(self, namespace: str) -> int:
-        with self.lock:
-            return self.totals.get(namespace, 0)
-
-    def left(self, key: EngineKey) -> dict[str, int] | None:
-        """What each quota'd namespace may hold on this engine: its limit less what it holds on
-        the others (possibly below zero: a quota lowered under use reclaims nothing)."""
-        if not self.limits:
-            return None
-        with self.lock:
-            mine = self.by_engine.get(key, {})
-            return {
-                ns: lim.max_tokens - (self.totals.get(ns, 0) - mine.get(ns, 0))
-                for ns, lim in self.limits.items()
-            }
-
-    def stepped(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
-        """The engine's whole ledger after its step (not only what its object keeps)."""
-        held = ledger.tokens_held(entries) if self.limits else {}
-        with self.lock:
-            for ns, n in self.by_engine.get(key, {}).items():
-                self.totals[ns] -= n
-            for ns, n in held.items():
-                self.totals[ns] = self.totals.get(ns, 0) + n
-            self.by_engine[key] = held
-            self.entries[key] = entries
-
-    def minds(self, namespace: str) -> tuple[int, list[str]]:
-        """Minds of the namespace holding a grant, and those the quota holds back (by name)."""
-        held, queued = 0, []
-        with self.lock:
-            for entries in self.entries.values():
-                for e in entries:
-                    ns, _, name = str(e.get("mind") or "").partition("/")
-                    if ns != namespace:
-                        continue
-                    if e.get("state") in _HOLDING:
-                        held += 1
-                    elif e.get("reason") == GrantReason.QUOTA_EXCEEDED.value:
-                        queued.append(name)
-        return held, sorted(queued)
-
-
-@dataclass(frozen=True)
-class _Notes:
-    """What a Mind's message says of her class's limit and her namespace's quota."""
-
-    classes: Mapping[str, ledger.ClassFacts]
-    default: str
-    quotas: _QuotaUse
-
-    def class_note(self, mind: Mapping[str, Any]) -> str:
-        name = (mind.get("spec") or {}).get("className") or self.default
-        facts = self.classes.get(name)
-        if facts is None or facts.max_tokens is None:
-            return "her class allows fewer"
-        return f"MindClass {name} allows at most {facts.max_tokens}"
-
-    def quota_note(self, namespace: str) -> str:
-        limit = self.quotas.limits.get(namespace)
-        if limit is None:
-            return f"namespace {namespace} is at its token quota"
-        return (
-            f"TokenQuota {limit.quota} allows namespace {namespace} {limit.max_tokens} tokens "
-            f"and its minds hold {self.quotas.used(namespace)}"
-        )
-
-
-class QuotaConditionType(StrEnum):
-    LIMITING = "Limiting"
-
-
-def quota_status(quota: Mapping[str, Any], use: _QuotaUse, now: float) -> dict[str, Any] | None:
-    """A TokenQuota's new status, or None when hers already says it. Every TokenQuota of a
-    namespace reports the namespace's use; the one that limits is the tightest."""
-    ns = str(quota["metadata"]["namespace"])
-    held, queued = use.minds(ns)
-    used = use.used(ns)
-    limit = use.limits.get(ns)
-    tightest = limit is not None and limit.quota == ledger.mind_key(quota)
-    limiting = bool(queued) and tightest
-    if limiting and limit is not None:
-        reason = "MindsQueued"
-        message = f"{len(queued)} mind(s) held back: {used} of {limit.max_tokens} tokens held"
-    elif not tightest and limit is not None:
-        reason, message = "Looser", f"TokenQuota {limit.quota} is tighter and applies"
-    else:
-        reason, message = "WithinQuota", f"{used} tokens held"
-    old = quota.get("status") or {}
-    prev = {c.get("type"): c for c in old.get("conditions") or []}.get(QuotaConditionType.LIMITING)
-    status = "True" if limiting else "False"
-    generation = quota["metadata"].get("generation")
-    condition: dict[str, Any] = {
-        "type": QuotaConditionType.LIMITING.value,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": (prev or {}).get("lastTransitionTime")
-        if (prev or {}).get("status") == status
-        else format_time(now),
-    }
-    if generation is not None:
-        condition["observedGeneration"] = generation
-    new: dict[str, Any] = {
-        "usedTokens": used,
-        "mindsHeld": held,
-        "mindsQueued": len(queued),
-        "queued": queued[:64],
-        "conditions": [condition],
-    }
-    if generation is not None:
-        new["observedGeneration"] = generation
-    if {k: old.get(k) for k in new} == new:
-        return None
-    return new

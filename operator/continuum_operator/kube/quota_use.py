@@ -1,0 +1,161 @@
+"""Tokens each namespace under a TokenQuota holds, over every engine's ledger, as a grants pass
+steps engines, and the TokenQuota's status from it (docs/tenancy.md). Neighbours: `kube.minds`
+(the loop that keeps it up to date), `kube.ledger` (the limits)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from continuum_operator.core.grants import GrantReason, MindDemand
+from continuum_operator.kube import ledger
+from continuum_operator.kube.cache import EngineKey, format_time
+from continuum_operator.model.mind import GrantState
+
+__all__ = ["ClassNotes", "QuotaConditionType", "QuotaUse", "quota_status"]
+
+_HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
+
+
+class QuotaUse:
+    """Tokens each namespace under a TokenQuota holds, over every engine's ledger, kept up to
+    date as the pass steps engines (thread-safe: quota-free engines step side by side)."""
+
+    def __init__(
+        self,
+        limits: Mapping[str, ledger.QuotaLimit],
+        entries: Mapping[EngineKey, list[dict[str, Any]]],
+    ) -> None:
+        self.limits = dict(limits)
+        self.lock = threading.Lock()
+        self.entries = dict(entries)
+        # Summed only where a quota reads them (without quotas, nothing does).
+        self.by_engine = (
+            {k: ledger.tokens_held(e) for k, e in entries.items() if e} if self.limits else {}
+        )
+        self.totals: dict[str, int] = {}
+        for held in self.by_engine.values():
+            for ns, n in held.items():
+                self.totals[ns] = self.totals.get(ns, 0) + n
+
+    def binds(self, demands: Mapping[str, MindDemand]) -> bool:
+        return any(d.namespace in self.limits for d in demands.values())
+
+    def used(self, namespace: str) -> int:
+        with self.lock:
+            return self.totals.get(namespace, 0)
+
+    def left(self, key: EngineKey) -> dict[str, int] | None:
+        """What each quota'd namespace may hold on this engine: its limit less what it holds on
+        the others (possibly below zero: a quota lowered under use reclaims nothing)."""
+        if not self.limits:
+            return None
+        with self.lock:
+            mine = self.by_engine.get(key, {})
+            return {
+                ns: lim.max_tokens - (self.totals.get(ns, 0) - mine.get(ns, 0))
+                for ns, lim in self.limits.items()
+            }
+
+    def stepped(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
+        """The engine's whole ledger after its step (not only what its object keeps)."""
+        held = ledger.tokens_held(entries) if self.limits else {}
+        with self.lock:
+            for ns, n in self.by_engine.get(key, {}).items():
+                self.totals[ns] -= n
+            for ns, n in held.items():
+                self.totals[ns] = self.totals.get(ns, 0) + n
+            self.by_engine[key] = held
+            self.entries[key] = entries
+
+    def minds(self, namespace: str) -> tuple[int, list[str]]:
+        """Minds of the namespace holding a grant, and those the quota holds back (by name)."""
+        held, queued = 0, []
+        with self.lock:
+            for entries in self.entries.values():
+                for e in entries:
+                    ns, _, name = str(e.get("mind") or "").partition("/")
+                    if ns != namespace:
+                        continue
+                    if e.get("state") in _HOLDING:
+                        held += 1
+                    elif e.get("reason") == GrantReason.QUOTA_EXCEEDED.value:
+                        queued.append(name)
+        return held, sorted(queued)
+
+
+@dataclass(frozen=True)
+class ClassNotes:
+    """What a Mind's message says of her class's limit and her namespace's quota."""
+
+    classes: Mapping[str, ledger.ClassFacts]
+    default: str
+    quotas: QuotaUse
+
+    def class_note(self, mind: Mapping[str, Any]) -> str:
+        name = (mind.get("spec") or {}).get("className") or self.default
+        facts = self.classes.get(name)
+        if facts is None or facts.max_tokens is None:
+            return "her class allows fewer"
+        return f"MindClass {name} allows at most {facts.max_tokens}"
+
+    def quota_note(self, namespace: str) -> str:
+        limit = self.quotas.limits.get(namespace)
+        if limit is None:
+            return f"namespace {namespace} is at its token quota"
+        return (
+            f"TokenQuota {limit.quota} allows namespace {namespace} {limit.max_tokens} tokens "
+            f"and its minds hold {self.quotas.used(namespace)}"
+        )
+
+
+class QuotaConditionType(StrEnum):
+    LIMITING = "Limiting"
+
+
+def quota_status(quota: Mapping[str, Any], use: QuotaUse, now: float) -> dict[str, Any] | None:
+    """A TokenQuota's new status, or None when hers already says it. Every TokenQuota of a
+    namespace reports the namespace's use; the one that limits is the tightest."""
+    ns = str(quota["metadata"]["namespace"])
+    held, queued = use.minds(ns)
+    used = use.used(ns)
+    limit = use.limits.get(ns)
+    tightest = limit is not None and limit.quota == ledger.mind_key(quota)
+    limiting = bool(queued) and tightest
+    if limiting and limit is not None:
+        reason = "MindsQueued"
+        message = f"{len(queued)} mind(s) held back: {used} of {limit.max_tokens} tokens held"
+    elif not tightest and limit is not None:
+        reason, message = "Looser", f"TokenQuota {limit.quota} is tighter and applies"
+    else:
+        reason, message = "WithinQuota", f"{used} tokens held"
+    old = quota.get("status") or {}
+    prev = {c.get("type"): c for c in old.get("conditions") or []}.get(QuotaConditionType.LIMITING)
+    status = "True" if limiting else "False"
+    generation = quota["metadata"].get("generation")
+    condition: dict[str, Any] = {
+        "type": QuotaConditionType.LIMITING.value,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": (prev or {}).get("lastTransitionTime")
+        if (prev or {}).get("status") == status
+        else format_time(now),
+    }
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    new: dict[str, Any] = {
+        "usedTokens": used,
+        "mindsHeld": held,
+        "mindsQueued": len(queued),
+        "queued": queued[:64],
+        "conditions": [condition],
+    }
+    if generation is not None:
+        new["observedGeneration"] = generation
+    if {k: old.get(k) for k in new} == new:
+        return None
+    return new
