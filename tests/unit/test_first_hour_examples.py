@@ -15,7 +15,7 @@ import yaml
 from continuum_operator.cli_model import TINY_SHAPE, sha256_of
 from continuum_operator.core.grants import Policy
 from continuum_operator.gguf import read_facts
-from continuum_operator.kube import ledger
+from continuum_operator.kube import ledger, mind_status, routing
 from continuum_operator.manifests import load_all, load_one, parse
 from continuum_operator.model import Engine, Mind, MindClass
 from continuum_operator.testing.tiny_gguf import write_tiny_gguf
@@ -111,11 +111,11 @@ def test_the_minds_examples_do_what_their_comment_says_then_queue_moves_on_a_del
     minds = documents(MINDS / "minds.yaml")
     for m in minds:
         m["metadata"]["creationTimestamp"] = "2026-12-03T06:00:00Z"  # one apply, one second
-    classes, default = ledger.classes_of(documents(MINDS / "classes.yaml"))
+    classes, default = routing.classes_of(documents(MINDS / "classes.yaml"))
     policy = Policy(grace_seconds=5.0)
 
     def step(now: float, present: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        demands = ledger.demands_of(present, classes, default)
+        demands = routing.demands_of(present, classes, default)
         s = ledger.step(engine, demands, now, policy)
         engine["status"]["grants"] = s.entries
         engine["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
@@ -124,7 +124,7 @@ def test_the_minds_examples_do_what_their_comment_says_then_queue_moves_on_a_del
     entries = step(100.0, minds)
     shown = {}
     for name, e in entries.items():
-        grant, _ = ledger.projection(e, "minds/tiny-chat", 1024, 0)
+        grant, _ = mind_status.projection(e, "minds/tiny-chat", 1024, 0)
         assert grant is not None
         shown[name] = (grant["state"], grant["tokens"], grant["reason"])
     expected = seen_in_comment()

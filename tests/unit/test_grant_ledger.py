@@ -9,7 +9,7 @@ from typing import Any
 from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, Policy
 from continuum_operator.engine.admission import table_from_engine
-from continuum_operator.kube import ledger
+from continuum_operator.kube import ledger, mind_status, routing
 from continuum_operator.model.mind import GrantState
 
 NS = "minds"
@@ -53,8 +53,8 @@ CLASSES = [
 
 
 def demands(*minds: dict[str, Any]) -> dict[str, Any]:
-    classes, default = ledger.classes_of(CLASSES)
-    return ledger.demands_of(minds, classes, default or "low")
+    classes, default = routing.classes_of(CLASSES)
+    return routing.demands_of(minds, classes, default or "low")
 
 
 class Run:
@@ -183,9 +183,9 @@ def test_a_mind_asking_more_than_a_slot_is_refused_and_told_why() -> None:
         "ContextTooLarge",
         8192,
     )
-    grant, conds = ledger.projection(e, "minds/coder", 4096, 8192)
+    grant, conds = mind_status.projection(e, "minds/coder", 4096, 8192)
     assert grant is not None and grant["state"] == "Refused"  # never granted: not "Released"
-    ok, reason, message = conds[ledger.MindConditionType.CONTEXT_TOO_LARGE]
+    ok, reason, message = conds[mind_status.MindConditionType.CONTEXT_TOO_LARGE]
     assert ok and reason == "ContextTooLarge" and "8192" in message and "4096" in message
     table = table_from_engine(run.body)
     assert table.entry(f"{NS}/big").asked_tokens == 8192  # type: ignore[union-attr]

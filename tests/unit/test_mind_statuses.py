@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, Policy
-from continuum_operator.kube import ledger
+from continuum_operator.kube import ledger, mind_status, routing
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.board import NodeBoard, capacity_text, gib_text
 from continuum_operator.model.mind import Mind
@@ -108,7 +108,7 @@ def test_an_engine_never_launched_is_starting_then_serving_then_relaunching(tmp_
 
 def test_after_a_drain_the_successor_not_yet_ready_is_a_relaunch_not_a_first_start() -> None:
     body = engine({**SERVING, "plan": {**SERVING["plan"], "engineArgs": ["-np", "1"]}})
-    demands = ledger.demands_of([mind(NS, "a", "coder")], {}, "")
+    demands = routing.demands_of([mind(NS, "a", "coder")], {}, "")
     s = ledger.step(body, demands, 100.0, POLICY)
     body["status"]["grants"] = s.entries
     body["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
@@ -166,7 +166,7 @@ def test_every_ledger_entry_projects_to_a_state_a_reason_and_a_message(
 ) -> None:
     entry = {"mind": f"{NS}/a", "state": state, "reason": reason.value, "position": 1,
              "slot": 0, "tokens": 10, "since": "2026-12-03T06:00:00.000000Z"}  # fmt: skip
-    grant, conds = ledger.projection(entry, f"{NS}/coder", 1000, 10, engine_note="X: y")
+    grant, conds = mind_status.projection(entry, f"{NS}/coder", 1000, 10, engine_note="X: y")
     assert grant is not None and grant["state"] and grant["reason"] and grant["message"]
     Mind.model_validate({"metadata": {"name": "a", "namespace": NS},
                          "spec": {"engine": "coder", "contextTokens": 10},

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from continuum_operator.kube import ledger
+from continuum_operator.kube import routing
 from continuum_operator.manifests import parse
 from continuum_operator.model import Engine, Mind, MindClass, TokenQuota
 
@@ -37,9 +37,9 @@ def test_the_shared_engine_serves_every_mind_that_names_it_and_their_classes_exi
         for d in docs
         if d["kind"] == "Engine"
     }
-    classes, default = ledger.classes_of([d for d in docs if d["kind"] == "MindClass"])
+    classes, default = routing.classes_of([d for d in docs if d["kind"] == "MindClass"])
     minds = [d for d in docs if d["kind"] == "Mind"]
-    by_engine, refused = ledger.route_minds(minds, engines, classes, default)
+    by_engine, refused = routing.route_minds(minds, engines, classes, default)
     assert refused == {}
     assert sum(len(v) for k, v in by_engine.items() if k in engines) == len(minds) == 2
     assert default == "standard"

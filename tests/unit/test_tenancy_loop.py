@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from continuum_operator.core.grants import MindDemand
-from continuum_operator.kube import ledger
+from continuum_operator.kube import routing
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
@@ -187,9 +187,9 @@ def test_a_mind_of_an_engine_another_operator_serves_is_left_alone(tmp_path: Pat
 
 def test_an_engine_serves_its_own_namespace_and_every_one_with_a_star() -> None:
     body = engine("shared", "coder", allowed=["*"])
-    assert ledger.engine_serves(body, "anyone") and ledger.engine_serves(body, "shared")
+    assert routing.engine_serves(body, "anyone") and routing.engine_serves(body, "shared")
     plain = engine("shared", "coder")
-    assert ledger.engine_serves(plain, "shared") and not ledger.engine_serves(plain, "other")
+    assert routing.engine_serves(plain, "shared") and not routing.engine_serves(plain, "other")
 
 
 def test_a_mind_whose_engine_stops_serving_her_namespace_is_reclaimed(tmp_path: Path) -> None:
@@ -297,7 +297,7 @@ def test_a_quota_status_is_written_only_when_it_changed(tmp_path: Path) -> None:
 
 
 def test_quota_limits_and_tokens_held_read_from_the_objects() -> None:
-    limits = ledger.quota_limits([quota("a", "x", 900), quota("a", "y", 300), quota("b", "z", 7)])
+    limits = routing.quota_limits([quota("a", "x", 900), quota("a", "y", 300), quota("b", "z", 7)])
     assert {ns: (q.max_tokens, q.quota) for ns, q in limits.items()} == {
         "a": (300, "a/y"), "b": (7, "b/z")
     }  # fmt: skip
@@ -307,14 +307,14 @@ def test_quota_limits_and_tokens_held_read_from_the_objects() -> None:
         {"mind": "a/o", "state": "Queued", "tokens": 0},
         {"mind": "b/p", "state": "Granted", "tokens": 9},
     ]
-    assert ledger.tokens_held(entries) == {"a": 150, "b": 9}
+    assert routing.tokens_held(entries) == {"a": 150, "b": 9}
 
 
 def test_demands_carry_the_class_token_limit() -> None:
-    classes, default = ledger.classes_of(
+    classes, default = routing.classes_of(
         [{"metadata": {"name": "s"}, "spec": {"priority": 3, "maxTokens": 64, "default": True}}]
     )
-    [d] = ledger.demands_of([mind("n", "a", "e")], classes, default).values()
+    [d] = routing.demands_of([mind("n", "a", "e")], classes, default).values()
     assert d == MindDemand("n/a", 3, d.arrival, 256, 300.0, 64)
 
 
@@ -357,7 +357,7 @@ def test_passes_over_several_engines_never_take_a_namespace_past_its_quota(
         held: dict[str, int] = {}
         for name in ("one", "two", "three"):
             status = w.api.objects[f"{BASE}/shared/engines/{name}"].get("status") or {}
-            for ns, tokens in ledger.tokens_held(status.get("grants")).items():
+            for ns, tokens in routing.tokens_held(status.get("grants")).items():
                 held[ns] = held.get(ns, 0) + tokens
         for ns, limit in quotas.items():
             assert held.get(ns, 0) <= limit, (ns, held, quotas)

@@ -12,13 +12,11 @@ allocator (`core.grants`), with no API calls, so each rule is shown in unit test
 - `capacity_of`: the pool to allocate from, from the plan and the Ready condition part 1
   writes, and `status.grantCapacity` (what the ledger was last made for, written with it). An
   engine whose launch changed while minds still hold slots of the old one is `Draining`.
-- `demands_of`: the minds that want grants, with their class's priority, window and limit.
-- `route_minds`: tenancy (docs/tenancy.md): each Mind to her Engine (`spec.engineNamespace`,
-  else her own), or refused with a reason: her class does not exist, or the Engine does not
-  serve her namespace (`spec.allowedNamespaces`).
-- `quota_limits` / `tokens_held`: TokenQuotas by namespace (the tightest wins) and the tokens
-  each namespace holds in the ledgers.
-- `projection`: a Mind's `status.grant` and conditions, made from her ledger entry.
+- `journal` / `bounded` / `tail_from_log` / `tail_from_minds`: what the Engine object keeps
+  of a long queue, and what a new leader reads back of the rest.
+
+Which Engine each Mind goes to and with what demand is `kube.routing`; a Mind's status from
+her entry, `kube.mind_status`.
 
 Neighbours: `kube.minds` (reads the cache, calls `step`, writes), `core.grants`.
 """
@@ -30,7 +28,6 @@ import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from continuum_operator.core import conditions as cond
@@ -46,6 +43,7 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
+from continuum_operator.kube.routing import mind_key
 from continuum_operator.kube.transition_log import Place
 from continuum_operator.model.mind import GrantState, ProjectedState
 
@@ -56,31 +54,20 @@ __all__ = [
     "REFUSED_KEPT",
     "STEP_FIELD",
     "LedgerStep",
-    "MindConditionType",
-    "QuotaLimit",
-    "Refused",
-    "RouteReason",
     "bounded",
     "capacity_line",
     "capacity_of",
-    "demands_of",
     "engine_note",
-    "engine_serves",
     "grant_entries",
     "iso_micro",
     "journal",
     "log_lines",
-    "projection",
-    "quota_limits",
     "read_grants",
     "read_journal",
-    "refused_projection",
     "released_of",
-    "route_minds",
     "step",
     "tail_from_log",
     "tail_from_minds",
-    "tokens_held",
     "transition_line",
 ]
 
@@ -103,23 +90,6 @@ QUEUE_KEPT = 256
 REFUSED_KEPT = 64
 
 _HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
-# Queue reasons that are the engine's, not the pool's: the projection says why it is not serving.
-_ENGINE_WAITS = frozenset(
-    {GrantReason.ENGINE_RELAUNCHING, GrantReason.ENGINE_STARTING, GrantReason.ENGINE_UNSCHEDULABLE}
-)
-
-
-class MindConditionType(StrEnum):
-    GRANTED = "Granted"
-    CONTEXT_TOO_LARGE = "ContextTooLarge"
-
-
-class RouteReason(StrEnum):
-    """Why a Mind is not put to her Engine's allocator at all (docs/tenancy.md)."""
-
-    ENGINE_NOT_ALLOWED = "EngineNotAllowed"
-    CLASS_NOT_FOUND = "ClassNotFound"
-    ENGINE_NOT_FOUND = "EngineNotFound"
 
 
 # The ledger's times: microseconds in the entries, exact (read back as the same float) in the
@@ -488,159 +458,7 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
     return Pool(Capacity(phase, slots, tokens), launch)
 
 
-# --- minds ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ClassFacts:
-    priority: int = 0
-    protection_window: float = 300.0
-    max_tokens: int | None = None
-
-
-def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, ClassFacts], str]:
-    """MindClasses by name, and the name of the default class ('' when none is marked)."""
-    out: dict[str, ClassFacts] = {}
-    default = ""
-    for mc in sorted(mindclasses, key=lambda m: str(m["metadata"]["name"])):
-        spec = mc.get("spec") or {}
-        name = str(mc["metadata"]["name"])
-        max_tokens = spec.get("maxTokens")
-        out[name] = ClassFacts(
-            int(spec.get("priority") or 0),
-            float(spec.get("protectionWindowSeconds", 300)),
-            int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
-        )
-        if spec.get("default") and not default:
-            default = name
-    return out, default
-
-
-def mind_key(mind: Mapping[str, Any]) -> str:
-    return f"{mind['metadata']['namespace']}/{mind['metadata']['name']}"
-
-
-def engine_key_of(mind: Mapping[str, Any]) -> tuple[str, str]:
-    """(namespace, name) of the Engine a Mind names: `spec.engineNamespace`, else her own."""
-    spec = mind.get("spec") or {}
-    ns = spec.get("engineNamespace") or mind["metadata"]["namespace"]
-    return str(ns), str(spec.get("engine"))
-
-
-def engine_serves(engine: Mapping[str, Any], namespace: str) -> bool:
-    """Whether an Engine serves Minds of `namespace`: its own always, others it lists in
-    `spec.allowedNamespaces` ('*': every namespace)."""
-    if engine["metadata"].get("namespace") == namespace:
-        return True
-    allowed = (engine.get("spec") or {}).get("allowedNamespaces") or []
-    return "*" in allowed or namespace in allowed
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """A Mind kept out of her Engine's allocator, and what to tell her."""
-
-    reason: RouteReason
-    message: str
-
-
-def route_minds(
-    minds: Iterable[Mapping[str, Any]],
-    engines: Mapping[tuple[str, str], Mapping[str, Any]],
-    classes: Mapping[str, ClassFacts],
-    default_class: str,
-) -> tuple[dict[tuple[str, str], list[dict[str, Any]]], dict[str, Refused]]:
-    """Minds by the Engine they name, and those of them refused before the allocator.
-
-    A Mind naming a class that does not exist, or an Engine that does not serve her namespace,
-    is listed under her Engine (her finalizer and projection are written from there) but wants
-    no grant. A Mind of an Engine nobody serves is listed and not refused: nothing holds her.
-    """
-    by_engine: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    refused: dict[str, Refused] = {}
-    for body in minds:
-        key = engine_key_of(body)
-        by_engine.setdefault(key, []).append(dict(body))
-        ns = str(body["metadata"]["namespace"])
-        named = (body.get("spec") or {}).get("className")
-        engine = engines.get(key)
-        if named and named not in classes:
-            refused[mind_key(body)] = Refused(
-                RouteReason.CLASS_NOT_FOUND,
-                f"MindClass {named} does not exist; create it or name an existing class in "
-                "spec.className (kubectl get mindclasses)",
-            )
-        elif engine is not None and not engine_serves(engine, ns):
-            refused[mind_key(body)] = Refused(
-                RouteReason.ENGINE_NOT_ALLOWED,
-                f"Engine {key[0]}/{key[1]} does not serve namespace {ns}; add {ns} to the "
-                "Engine's spec.allowedNamespaces, or name an Engine of your own namespace",
-            )
-    return by_engine, refused
-
-
-def demands_of(
-    minds: Iterable[Mapping[str, Any]],
-    classes: Mapping[str, ClassFacts],
-    default_class: str,
-    refused: Collection[str] = (),
-) -> dict[str, MindDemand]:
-    """Minds that want a grant (not being deleted, not refused), with their class; place in
-    line by creation."""
-    out: dict[str, MindDemand] = {}
-    for m in minds:
-        meta = m["metadata"]
-        if meta.get("deletionTimestamp"):
-            continue
-        name = mind_key(m)
-        if name in refused:
-            continue
-        spec = m.get("spec") or {}
-        cls = classes.get(spec.get("className") or default_class) or ClassFacts()
-        out[name] = MindDemand(
-            name=name,
-            priority=cls.priority,
-            arrival=_parse_time(meta.get("creationTimestamp")) or 0.0,
-            context_tokens=int(spec.get("contextTokens") or 1),
-            protection_window=cls.protection_window,
-            max_tokens=cls.max_tokens,
-        )
-    return out
-
-
-# --- token quotas -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaLimit:
-    """The tightest TokenQuota of a namespace: the limit, and the quota that sets it."""
-
-    max_tokens: int
-    quota: str  # "namespace/name"
-
-
-def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> dict[str, QuotaLimit]:
-    """Namespaces' token limits: of several TokenQuotas in a namespace, the smallest applies."""
-    out: dict[str, QuotaLimit] = {}
-    for q in sorted(quotas, key=mind_key):
-        value = (q.get("spec") or {}).get("maxTokens")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            continue
-        ns = str(q["metadata"]["namespace"])
-        if ns not in out or value < out[ns].max_tokens:
-            out[ns] = QuotaLimit(value, mind_key(q))
-    return out
-
-
-def tokens_held(entries: Iterable[Mapping[str, Any]] | None) -> dict[str, int]:
-    """Tokens each namespace holds in one ledger (`status.grants`): Granted and Reclaiming."""
-    out: dict[str, int] = {}
-    for e in entries or ():
-        if e.get("state") not in _HOLDING:
-            continue
-        ns = str(e.get("mind") or "").partition("/")[0]
-        out[ns] = out.get(ns, 0) + int(e.get("tokens") or 0)
-    return out
+# --- the gateway's releases ----------------------------------------------------------------
 
 
 def released_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> set[str]:
@@ -796,114 +614,4 @@ def transition_line(t: float, engine: str, tr: Transition) -> dict[str, Any]:
         "priority": tr.priority,
         "protectionWindow": tr.protection_window,
         "deadline": tr.deadline,
-    }
-
-
-# --- a mind's projection ----------------------------------------------------------------------
-
-
-def projection(
-    entry: Mapping[str, Any] | None,
-    engine: str,
-    slot_tokens: int,
-    asked: int,
-    *,
-    class_note: str = "",
-    quota_note: str = "",
-    engine_note: str = "",
-) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
-    """A Mind's `status.grant` from her ledger entry, and her conditions (type -> status,
-    reason, message). None when the ledger does not (or no longer) hold her. `class_note`
-    names her class and its limit (for `ClassLimit`); `quota_note` her namespace's quota, its
-    use and limit (for `QuotaExceeded`); `engine_note` why the engine is not serving (for
-    the reasons a queue waits on the engine with).
-
-    A refusal is `Released` in the ledger (the allocator's state table) but `Refused` in her
-    projection: she was never granted, and `kubectl get minds` should not say she was."""
-    if entry is None:
-        return None, {
-            MindConditionType.GRANTED: (False, "NotInLedger", f"not in Engine {engine}'s ledger"),
-            MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
-        }
-    state = str(entry.get("state"))
-    reason = str(entry.get("reason") or "")
-    if state == GrantState.GRANTED:
-        message = f"slot {entry.get('slot')} of Engine {engine}, {entry.get('tokens')} tokens"
-    elif state == GrantState.RECLAIMING:
-        by = f" by {entry['by']}" if entry.get("by") else ""
-        deadline = entry.get("deadline")
-        when = f", released by {iso_micro(float(deadline))}" if deadline is not None else ""
-        message = f"being reclaimed ({reason}{by}): the turn ends now{when}"
-    elif state == GrantState.QUEUED and reason == GrantReason.QUOTA_EXCEEDED:
-        message = (
-            f"queued at position {entry.get('position')} (QuotaExceeded): {quota_note}; "
-            "she is granted when the namespace's minds release enough tokens, or raise the "
-            "TokenQuota's spec.maxTokens"
-        )
-    elif state == GrantState.QUEUED and reason in _ENGINE_WAITS:
-        why = f": {engine_note}" if engine_note else ""
-        message = (
-            f"queued at position {entry.get('position')} ({reason}): Engine {engine} is not "
-            f"serving{why}"
-        )
-    elif state == GrantState.QUEUED:
-        message = f"queued at position {entry.get('position')} ({reason})"
-    elif reason == GrantReason.CONTEXT_TOO_LARGE:
-        message = (
-            f"asks {asked} tokens but a slot of Engine {engine} holds {slot_tokens}; "
-            "lower spec.contextTokens or raise the Engine's contextTokensPerMind"
-        )
-    elif reason == GrantReason.CLASS_LIMIT:
-        message = (
-            f"asks {asked} tokens but {class_note}; lower spec.contextTokens, or name a class "
-            "that allows more in spec.className"
-        )
-    else:
-        message = reason
-    too_large = state == GrantState.RELEASED and reason in REFUSALS
-    grant: dict[str, Any] = {
-        "state": ProjectedState.REFUSED.value if too_large else state,
-        "tokens": int(entry.get("tokens") or 0),
-        "slot": entry.get("slot"),  # None: removed by the merge patch
-        "since": entry.get("since"),
-        "reason": reason,
-        "message": message,
-    }
-    conditions: dict[str, tuple[bool, str, str]] = {
-        MindConditionType.GRANTED: (state == GrantState.GRANTED, reason, message),
-        MindConditionType.CONTEXT_TOO_LARGE: (
-            too_large,
-            reason if too_large else "Fits",
-            message if too_large else "",
-        ),
-    }
-    return grant, conditions
-
-
-def engine_not_found(key: tuple[str, str]) -> Refused:
-    """Why a Mind naming an Engine that does not exist holds nothing."""
-    ns, name = key
-    return Refused(
-        RouteReason.ENGINE_NOT_FOUND,
-        f"Engine {ns}/{name} does not exist; create it, or name an existing Engine in "
-        "spec.engine (and spec.engineNamespace for another namespace's; kubectl get engines -A)",
-    )
-
-
-def refused_projection(
-    refused: Refused,
-) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
-    """The projection of a Mind kept out of the allocator: `Refused`, holding nothing, and why
-    (in `kubectl get minds` as in her Granted condition)."""
-    grant = {
-        "state": ProjectedState.REFUSED.value,
-        "tokens": 0,
-        "slot": None,
-        "since": None,
-        "reason": refused.reason.value,
-        "message": refused.message,
-    }
-    return grant, {
-        MindConditionType.GRANTED: (False, refused.reason.value, refused.message),
-        MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
     }

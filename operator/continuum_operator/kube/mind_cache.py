@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import kopf
 
-from continuum_operator.kube import ledger
+from continuum_operator.kube import routing
 from continuum_operator.kube.cache import EngineKey
 from continuum_operator.model.base import GROUP, VERSION
 
@@ -44,7 +44,7 @@ class MindCache:
         """`nudge` False: the answer of our own write (or the leader's list): her engine is
         marked only if what the ledger reads of her changed; a watch event of a newer version
         marks it whatever changed (her status may need writing again)."""
-        key = ledger.mind_key(obj)
+        key = routing.mind_key(obj)
         body = None if deleted else copy.deepcopy(dict(obj))  # (outside the lock)
         with self.lock:
             known = self.minds.get(key)
@@ -60,14 +60,14 @@ class MindCache:
                     self._put(key, known, body)
                 else:  # the same engine, nothing it reads changed
                     self.minds[key] = body
-                    self.groups.setdefault(ledger.engine_key_of(body), {})[key] = body
+                    self.groups.setdefault(routing.engine_key_of(body), {})[key] = body
         if nudge:
             self.changed.set()
 
     def _put(self, key: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         """Replace a Mind (under the lock), marking the engine she named and the one she names."""
         if old is not None:
-            was = ledger.engine_key_of(old)
+            was = routing.engine_key_of(old)
             self.dirty.add(was)
             group = self.groups.get(was)
             if group is not None:
@@ -77,7 +77,7 @@ class MindCache:
         if new is None:
             self.minds.pop(key, None)
             return
-        now = ledger.engine_key_of(new)
+        now = routing.engine_key_of(new)
         self.dirty.add(now)
         self.minds[key] = new
         self.groups.setdefault(now, {})[key] = new
@@ -99,7 +99,7 @@ class MindCache:
         with self.lock:
             known = self.minds.get(key)
             if known is not None:
-                self.dirty.add(ledger.engine_key_of(known))
+                self.dirty.add(routing.engine_key_of(known))
 
     def take_dirty(self) -> set[EngineKey]:
         """The engines marked since the last call; the mark is cleared."""
@@ -128,7 +128,7 @@ class MindCache:
         self.changed.set()
 
     def observe_quota(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
-        key = ledger.mind_key(obj)
+        key = routing.mind_key(obj)
         if deleted:
             self.quotas.pop(key, None)
         else:
@@ -140,12 +140,12 @@ class MindCache:
 
 
 def _demand_facts(mind: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What the ledger reads of a Mind (`ledger.route_minds`, `ledger.demands_of`) and what
+    """What the ledger reads of a Mind (`routing.route_minds`, `routing.demands_of`) and what
     her projection and finalizer follow from: her engine, her deletion, class and size."""
     meta = mind["metadata"]
     spec = mind.get("spec") or {}
     return (
-        ledger.engine_key_of(mind),
+        routing.engine_key_of(mind),
         bool(meta.get("deletionTimestamp")),
         spec.get("className"),
         spec.get("contextTokens"),

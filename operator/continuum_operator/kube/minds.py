@@ -54,7 +54,7 @@ from functools import partial
 from typing import Any
 
 from continuum_operator.core.grants import Grant, MindDemand, Policy
-from continuum_operator.kube import crash, ledger
+from continuum_operator.kube import crash, ledger, mind_status, routing
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey, format_time
 from continuum_operator.kube.grant_settings import GrantSettings
@@ -180,7 +180,7 @@ class GrantsLoop:
         listed = set()
         for obj in minds.get("items") or []:
             self.minds.observe_mind(obj, deleted=False, nudge=False)
-            listed.add(ledger.mind_key(obj))
+            listed.add(routing.mind_key(obj))
         # A Mind the cache has but the list has not was deleted before the list was taken.
         for key in set(self.minds.minds) - listed:
             known = self.minds.minds.get(key)
@@ -255,8 +255,8 @@ class GrantsLoop:
         return self.facts
 
     def _pass(self) -> None:
-        classes, default = ledger.classes_of(list(self.minds.classes.values()))
-        limits = ledger.quota_limits(list(self.minds.quotas.values()))
+        classes, default = routing.classes_of(list(self.minds.classes.values()))
+        limits = routing.quota_limits(list(self.minds.quotas.values()))
         engines = dict(self.engines.engines)
         facts = self._facts_of(engines)
         wall = self.clock()
@@ -274,13 +274,13 @@ class GrantsLoop:
         done: set[EngineKey],
         engines: Mapping[EngineKey, dict[str, Any]],
         facts: Mapping[EngineKey, _EngineFacts],
-        classes: Mapping[str, ledger.ClassFacts],
+        classes: Mapping[str, routing.ClassFacts],
         default: str,
-        limits: Mapping[str, ledger.QuotaLimit],
+        limits: Mapping[str, routing.QuotaLimit],
         wall: float,
     ) -> None:
         groups = self.minds.minds_of(dirty)
-        by_engine, refused = ledger.route_minds(
+        by_engine, refused = routing.route_minds(
             [m for key in sorted(groups) for m in groups[key]], engines, classes, default
         )
         mine = sorted(k for k in dirty if k in engines)
@@ -291,7 +291,7 @@ class GrantsLoop:
             )
 
         wanted = {
-            key: ledger.demands_of(by_engine.get(key, []), classes, default, refused)
+            key: routing.demands_of(by_engine.get(key, []), classes, default, refused)
             for key in mine
         }
 
@@ -357,7 +357,7 @@ class GrantsLoop:
         for key in sorted(dirty - set(engines)):
             minds = by_engine.get(key, [])
             jobs.extend(
-                (FINALIZER_WRITE, ledger.mind_key(m), partial(self.drop_finalizer, m))
+                (FINALIZER_WRITE, routing.mind_key(m), partial(self.drop_finalizer, m))
                 for m in minds
                 if m["metadata"].get("deletionTimestamp")
             )
@@ -393,7 +393,7 @@ class GrantsLoop:
         except ApiError as err:
             if err.status != 404:
                 log.warning(
-                    "writing TokenQuota %s's status failed: %s", ledger.mind_key(quota), err
+                    "writing TokenQuota %s's status failed: %s", routing.mind_key(quota), err
                 )
             return
         self.minds.observe_quota(answer, deleted=False, nudge=False)
@@ -570,14 +570,14 @@ class GrantsLoop:
     def _demands_of(self, key: EngineKey) -> dict[str, MindDemand]:
         """The minds that want a grant of this Engine, from the caches as they are now (only
         hers: `MindCache` keeps them grouped by engine)."""
-        classes, default = ledger.classes_of(list(self.minds.classes.values()))
-        by_engine, refused = ledger.route_minds(
+        classes, default = routing.classes_of(list(self.minds.classes.values()))
+        by_engine, refused = routing.route_minds(
             self.minds.minds_of([key]).get(key, []),
             {key: e} if (e := self.engines.engines.get(key)) is not None else {},
             classes,
             default,
         )
-        return ledger.demands_of(by_engine.get(key, []), classes, default, refused)
+        return routing.demands_of(by_engine.get(key, []), classes, default, refused)
 
     # projections and finalizers
 
@@ -592,7 +592,7 @@ class GrantsLoop:
         key: EngineKey,
         engine: dict[str, Any],
         minds: list[dict[str, Any]],
-        refused: Mapping[str, ledger.Refused] | None = None,
+        refused: Mapping[str, routing.Refused] | None = None,
         notes: ClassNotes | None = None,
     ) -> list[tuple[int, str, Callable[[], None]]]:
         """The writes that bring this engine's Minds in line with its ledger: projections, and
@@ -604,9 +604,9 @@ class GrantsLoop:
         slot_tokens = int(pool.get("tokensPerSlot") or 0)
         name = f"{key[0]}/{key[1]}"
         jobs: list[tuple[int, str, Callable[[], None]]] = []
-        for m in sorted(minds, key=ledger.mind_key):
+        for m in sorted(minds, key=routing.mind_key):
             meta = m["metadata"]
-            mkey = ledger.mind_key(m)
+            mkey = routing.mind_key(m)
             entry = entries.get(mkey)
             if meta.get("deletionTimestamp"):
                 if entry is None and FINALIZER in (meta.get("finalizers") or []):
@@ -615,9 +615,9 @@ class GrantsLoop:
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
             refusal = (refused or {}).get(mkey)
             if refusal is not None:
-                grant, conds = ledger.refused_projection(refusal)
+                grant, conds = mind_status.refused_projection(refusal)
             else:
-                grant, conds = ledger.projection(
+                grant, conds = mind_status.projection(
                     entry,
                     name,
                     slot_tokens,
@@ -639,10 +639,10 @@ class GrantsLoop:
     ) -> list[tuple[int, str, Callable[[], None]]]:
         """Projections saying EngineNotFound, for Minds of an Engine the cache lacks whose
         status does not say so yet (the Engine is read once per job, only then)."""
-        grant, conds = ledger.refused_projection(ledger.engine_not_found(key))
+        grant, conds = mind_status.refused_projection(mind_status.engine_not_found(key))
         stale = [
             m
-            for m in sorted(minds, key=ledger.mind_key)
+            for m in sorted(minds, key=routing.mind_key)
             if not m["metadata"].get("deletionTimestamp")
             and self.projection_differs(m, grant, conds, None)
         ]
@@ -660,9 +660,9 @@ class GrantsLoop:
         except ApiError as err:
             if err.status != 404:
                 raise
-        grant, conds = ledger.refused_projection(ledger.engine_not_found(key))
+        grant, conds = mind_status.refused_projection(mind_status.engine_not_found(key))
         for m in minds:
-            self.project_one(ledger.mind_key(m), grant, conds, None)
+            self.project_one(routing.mind_key(m), grant, conds, None)
 
     def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""
@@ -757,8 +757,8 @@ class GrantsLoop:
             answer = self.api.merge_patch(path, patch)
         except ApiError as err:
             if err.status != 404:
-                log.warning("writing Mind %s's grant failed: %s", ledger.mind_key(mind), err)
-                self.minds.mark_mind(ledger.mind_key(mind))  # the next pass writes it again
+                log.warning("writing Mind %s's grant failed: %s", routing.mind_key(mind), err)
+                self.minds.mark_mind(routing.mind_key(mind))  # the next pass writes it again
             return None
         self.minds.observe_mind(answer, deleted=False, nudge=False)
         return answer
@@ -784,11 +784,11 @@ class GrantsLoop:
             answer = self.api.merge_patch(crd_path("minds", meta["namespace"], meta["name"]), patch)
         except ApiError as err:
             if err.status not in (404, 409):  # 409: changed meanwhile; the next pass retries
-                log.warning("finalizers of Mind %s: %s", ledger.mind_key(mind), err)
+                log.warning("finalizers of Mind %s: %s", routing.mind_key(mind), err)
             if err.status == 409:
                 self.retry_soon = True  # not the Event: this runs in a worker thread
             if err.status != 404:
-                self.minds.mark_mind(ledger.mind_key(mind))  # the next pass decides it again
+                self.minds.mark_mind(routing.mind_key(mind))  # the next pass decides it again
             return
         if answer.get("metadata", {}).get("deletionTimestamp") and not finalizers:
             self.minds.observe_mind(answer, deleted=True, nudge=False)

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from continuum_operator.core.grants import GrantReason, MindDemand
-from continuum_operator.kube import ledger
+from continuum_operator.kube import routing
 from continuum_operator.kube.cache import EngineKey, format_time
 from continuum_operator.model.mind import GrantState
 
@@ -26,7 +26,7 @@ class QuotaUse:
 
     def __init__(
         self,
-        limits: Mapping[str, ledger.QuotaLimit],
+        limits: Mapping[str, routing.QuotaLimit],
         entries: Mapping[EngineKey, list[dict[str, Any]]],
     ) -> None:
         self.limits = dict(limits)
@@ -34,7 +34,7 @@ class QuotaUse:
         self.entries = dict(entries)
         # Summed only where a quota reads them (without quotas, nothing does).
         self.by_engine = (
-            {k: ledger.tokens_held(e) for k, e in entries.items() if e} if self.limits else {}
+            {k: routing.tokens_held(e) for k, e in entries.items() if e} if self.limits else {}
         )
         self.totals: dict[str, int] = {}
         for held in self.by_engine.values():
@@ -62,7 +62,7 @@ class QuotaUse:
 
     def stepped(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
         """The engine's whole ledger after its step (not only what its object keeps)."""
-        held = ledger.tokens_held(entries) if self.limits else {}
+        held = routing.tokens_held(entries) if self.limits else {}
         with self.lock:
             for ns, n in self.by_engine.get(key, {}).items():
                 self.totals[ns] -= n
@@ -91,7 +91,7 @@ class QuotaUse:
 class ClassNotes:
     """What a Mind's message says of her class's limit and her namespace's quota."""
 
-    classes: Mapping[str, ledger.ClassFacts]
+    classes: Mapping[str, routing.ClassFacts]
     default: str
     quotas: QuotaUse
 
@@ -123,7 +123,7 @@ def quota_status(quota: Mapping[str, Any], use: QuotaUse, now: float) -> dict[st
     held, queued = use.minds(ns)
     used = use.used(ns)
     limit = use.limits.get(ns)
-    tightest = limit is not None and limit.quota == ledger.mind_key(quota)
+    tightest = limit is not None and limit.quota == routing.mind_key(quota)
     limiting = bool(queued) and tightest
     if limiting and limit is not None:
         reason = "MindsQueued"

@@ -1,0 +1,134 @@
+"""A Mind's `status.grant` and conditions, projected from her entry in her Engine's ledger (or
+from why she is not in one). No API calls. Neighbours: `kube.ledger` (the entries),
+`kube.minds` (writes the projection when it differs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+from continuum_operator.core.grants import REFUSALS, GrantReason
+from continuum_operator.kube.ledger import iso_micro
+from continuum_operator.kube.routing import Refused, RouteReason
+from continuum_operator.model.mind import GrantState, ProjectedState
+
+__all__ = ["MindConditionType", "engine_not_found", "projection", "refused_projection"]
+
+# Queue reasons that are the engine's, not the pool's: the projection says why it is not serving.
+_ENGINE_WAITS = frozenset(
+    {GrantReason.ENGINE_RELAUNCHING, GrantReason.ENGINE_STARTING, GrantReason.ENGINE_UNSCHEDULABLE}
+)
+
+
+class MindConditionType(StrEnum):
+    GRANTED = "Granted"
+    CONTEXT_TOO_LARGE = "ContextTooLarge"
+
+
+def projection(
+    entry: Mapping[str, Any] | None,
+    engine: str,
+    slot_tokens: int,
+    asked: int,
+    *,
+    class_note: str = "",
+    quota_note: str = "",
+    engine_note: str = "",
+) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
+    """A Mind's `status.grant` from her ledger entry, and her conditions (type -> status,
+    reason, message). None when the ledger does not (or no longer) hold her. `class_note`
+    names her class and its limit (for `ClassLimit`); `quota_note` her namespace's quota, its
+    use and limit (for `QuotaExceeded`); `engine_note` why the engine is not serving (for
+    the reasons a queue waits on the engine with).
+
+    A refusal is `Released` in the ledger (the allocator's state table) but `Refused` in her
+    projection: she was never granted, and `kubectl get minds` should not say she was."""
+    if entry is None:
+        return None, {
+            MindConditionType.GRANTED: (False, "NotInLedger", f"not in Engine {engine}'s ledger"),
+            MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
+        }
+    state = str(entry.get("state"))
+    reason = str(entry.get("reason") or "")
+    if state == GrantState.GRANTED:
+        message = f"slot {entry.get('slot')} of Engine {engine}, {entry.get('tokens')} tokens"
+    elif state == GrantState.RECLAIMING:
+        by = f" by {entry['by']}" if entry.get("by") else ""
+        deadline = entry.get("deadline")
+        when = f", released by {iso_micro(float(deadline))}" if deadline is not None else ""
+        message = f"being reclaimed ({reason}{by}): the turn ends now{when}"
+    elif state == GrantState.QUEUED and reason == GrantReason.QUOTA_EXCEEDED:
+        message = (
+            f"queued at position {entry.get('position')} (QuotaExceeded): {quota_note}; "
+            "she is granted when the namespace's minds release enough tokens, or raise the "
+            "TokenQuota's spec.maxTokens"
+        )
+    elif state == GrantState.QUEUED and reason in _ENGINE_WAITS:
+        why = f": {engine_note}" if engine_note else ""
+        message = (
+            f"queued at position {entry.get('position')} ({reason}): Engine {engine} is not "
+            f"serving{why}"
+        )
+    elif state == GrantState.QUEUED:
+        message = f"queued at position {entry.get('position')} ({reason})"
+    elif reason == GrantReason.CONTEXT_TOO_LARGE:
+        message = (
+            f"asks {asked} tokens but a slot of Engine {engine} holds {slot_tokens}; "
+            "lower spec.contextTokens or raise the Engine's contextTokensPerMind"
+        )
+    elif reason == GrantReason.CLASS_LIMIT:
+        message = (
+            f"asks {asked} tokens but {class_note}; lower spec.contextTokens, or name a class "
+            "that allows more in spec.className"
+        )
+    else:
+        message = reason
+    too_large = state == GrantState.RELEASED and reason in REFUSALS
+    grant: dict[str, Any] = {
+        "state": ProjectedState.REFUSED.value if too_large else state,
+        "tokens": int(entry.get("tokens") or 0),
+        "slot": entry.get("slot"),  # None: removed by the merge patch
+        "since": entry.get("since"),
+        "reason": reason,
+        "message": message,
+    }
+    conditions: dict[str, tuple[bool, str, str]] = {
+        MindConditionType.GRANTED: (state == GrantState.GRANTED, reason, message),
+        MindConditionType.CONTEXT_TOO_LARGE: (
+            too_large,
+            reason if too_large else "Fits",
+            message if too_large else "",
+        ),
+    }
+    return grant, conditions
+
+
+def engine_not_found(key: tuple[str, str]) -> Refused:
+    """Why a Mind naming an Engine that does not exist holds nothing."""
+    ns, name = key
+    return Refused(
+        RouteReason.ENGINE_NOT_FOUND,
+        f"Engine {ns}/{name} does not exist; create it, or name an existing Engine in "
+        "spec.engine (and spec.engineNamespace for another namespace's; kubectl get engines -A)",
+    )
+
+
+def refused_projection(
+    refused: Refused,
+) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
+    """The projection of a Mind kept out of the allocator: `Refused`, holding nothing, and why
+    (in `kubectl get minds` as in her Granted condition)."""
+    grant = {
+        "state": ProjectedState.REFUSED.value,
+        "tokens": 0,
+        "slot": None,
+        "since": None,
+        "reason": refused.reason.value,
+        "message": refused.message,
+    }
+    return grant, {
+        MindConditionType.GRANTED: (False, refused.reason.value, refused.message),
+        MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
+    }
