@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from continuum_operator.core.heartbeat import NODE_ANNOTATION, lease_name, node_of_lease
-from continuum_operator.kube import lane_objects, objects
+from continuum_operator.kube import engine_identity, facts_job, lane_objects, objects
 from continuum_operator.kube.leader import WALL_CLOCK_OFFSET_ENV
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.kube.webhook import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
@@ -294,7 +294,7 @@ def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is
     pods = PodSettings()
     plan = {"node": "n1", "gpus": [0], "engineArgs": ["--ctx-size", "1024"], "bytes": {}}
     deployment = objects.deployment(engine, "uid", plan, pods, node_has_gpus=True)
-    job = objects.facts_job(engine, "uid", pods)
+    job = facts_job.facts_job(engine, "uid", pods)
     lane = EmbedLane.model_validate(
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
          "metadata": {"name": "notes", "namespace": ns},
@@ -337,7 +337,7 @@ def test_an_engine_service_account_adding_a_grant_is_refused_naming_the_rule(
     cluster.apply(body, "-n", ns)
     made = cluster.get_json("engine", "coder", "-n", ns)
     engine = Engine.model_validate(made)
-    cluster.apply(objects.engine_rbac(engine, made["metadata"]["uid"]))
+    cluster.apply(engine_identity.engine_rbac(engine, made["metadata"]["uid"]))
     other = engine_body("other")
     cluster.apply(other, "-n", ns)
     # The ledger as the operator wrote it (the test's admin stands in for the operator).

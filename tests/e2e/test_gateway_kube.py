@@ -307,7 +307,7 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
     """What the operator applies for an engine, applied to the real API server: its
     ServiceAccount may create TokenReviews (through system:auth-delegator) and nothing of the
     kind before; the NetworkPolicy is a valid one admitting the namespaces it names."""
-    from continuum_operator.kube import objects
+    from continuum_operator.kube import engine_identity, objects
     from continuum_operator.kube.settings import PodSettings
     from continuum_operator.model.engine import Engine
 
@@ -323,8 +323,8 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
 
     assert can_review() == "no"
     built = [
-        *objects.engine_rbac(engine, "uid"),
-        objects.network_policy(engine, "uid", PodSettings()),
+        *engine_identity.engine_rbac(engine, "uid"),
+        engine_identity.network_policy(engine, "uid", PodSettings()),
     ]
     for obj in built:  # no Engine here to own them: the garbage collector would take them
         obj["metadata"].pop("ownerReferences", None)
@@ -337,5 +337,5 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
         [expr] = policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"]
         assert expr["values"] == sorted([namespace, "team-b"])
     finally:
-        binding = objects.token_review_binding_name(engine)
+        binding = engine_identity.token_review_binding_name(engine)
         cluster.kubectl("delete", "clusterrolebinding", binding, "--ignore-not-found")

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube import lane_objects, objects
+from continuum_operator.kube import engine_identity, lane_objects, objects
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane
 from tests import builders
@@ -423,7 +423,7 @@ def test_the_operator_holds_every_right_it_grants_engine_and_lane_pods(
     lane_path = ROOT / "examples" / "embedlanes" / "notes.yaml"
     lane = EmbedLane.model_validate(yaml.safe_load(lane_path.read_text()))
     granted = [
-        *objects.engine_rbac(engine, "uid-1"),
+        *engine_identity.engine_rbac(engine, "uid-1"),
         *lane_objects.lane_identity(lane, "uid-2"),
     ]
     roles = [o for o in granted if o["kind"] == "Role"]

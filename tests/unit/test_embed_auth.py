@@ -30,7 +30,7 @@ from continuum_operator.embed.runtime import Door, LaneRuntime, LaneState, _door
 from continuum_operator.engine.admission import engine_audience, lane_audience
 from continuum_operator.engine.gateway import serve_app
 from continuum_operator.engine.grants_source import TokenReviewer
-from continuum_operator.kube import lane_objects, objects
+from continuum_operator.kube import engine_identity, lane_objects, objects
 from continuum_operator.kube.api import path_of
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane
@@ -347,7 +347,7 @@ class TestTheOperatorsPod:
             {**builders.engine_body(), "metadata": {"name": LANE, "namespace": NS}}
         )
         assert lane_objects.token_review_binding_name(lane()) != (
-            objects.token_review_binding_name(engine)
+            engine_identity.token_review_binding_name(engine)
         )
 
     def test_its_network_policy_admits_its_namespace_on_serving_and_scrapers_on_admin(

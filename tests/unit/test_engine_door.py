@@ -15,7 +15,7 @@ import pytest
 from continuum_operator.cli import build_parser, main
 from continuum_operator.engine.grants_source import TokenReviewer
 from continuum_operator.engine.runtime import _reviewer
-from continuum_operator.kube import objects
+from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.api import path_of
 from continuum_operator.kube.settings import PodSettings
 from tests import builders
@@ -78,7 +78,7 @@ class TestEveryEngineReviewsTokens:
 class TestTheEnginesIdentityMayReviewTokens:
     def test_its_service_account_is_bound_to_the_auth_delegator_role(self) -> None:
         e = engine()
-        *_, binding = objects.engine_rbac(e, "u")
+        *_, binding = engine_identity.engine_rbac(e, "u")
         assert binding["kind"] == "ClusterRoleBinding"
         assert binding["roleRef"]["name"] == "system:auth-delegator"
         [subject] = binding["subjects"]
@@ -96,12 +96,16 @@ class TestTheEnginesIdentityMayReviewTokens:
         b = builders.engine(
             {**builders.engine_body(), "metadata": {"name": "c", "namespace": "a-b"}}
         )
-        assert objects.token_review_binding_name(a) != objects.token_review_binding_name(b)
+        assert engine_identity.token_review_binding_name(
+            a
+        ) != engine_identity.token_review_binding_name(b)
 
 
 class TestTheNetworkPolicy:
     def test_it_admits_its_own_and_its_allowed_namespaces_on_the_gateway_port_only(self) -> None:
-        policy = objects.network_policy(engine(allowedNamespaces=["team-b"]), "u", PodSettings())
+        policy = engine_identity.network_policy(
+            engine(allowedNamespaces=["team-b"]), "u", PodSettings()
+        )
         assert path_of(policy) == "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/eng"
         spec = policy["spec"]
         assert spec["podSelector"]["matchLabels"] == objects.selector(engine())
@@ -120,5 +124,5 @@ class TestTheNetworkPolicy:
         ]
 
     def test_an_engine_open_to_every_namespace_admits_every_namespace(self) -> None:
-        policy = objects.network_policy(engine(allowedNamespaces=["*"]), "u", PodSettings())
+        policy = engine_identity.network_policy(engine(allowedNamespaces=["*"]), "u", PodSettings())
         assert policy["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {}}]

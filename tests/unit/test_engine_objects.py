@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.core.plan import plan
-from continuum_operator.kube import objects
+from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.settings import GpuSharing, PodSettings
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, MiB, board, board_body, engine, engine_body
@@ -191,7 +191,7 @@ def test_a_minds_children_rank_below_every_class_and_ordinary_pods_and_never_pre
 
 def test_the_engine_pod_may_read_its_own_engine_and_write_its_status_only() -> None:
     e, p = planned()
-    account, role, binding, _review = objects.engine_rbac(e, "u")
+    account, role, binding, _review = engine_identity.engine_rbac(e, "u")
     assert account["kind"] == "ServiceAccount"
     assert {tuple(r["resourceNames"]) for r in role["rules"]} == {("eng",)}
     verbs = {r["resources"][0]: set(r["verbs"]) for r in role["rules"]}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube import lane_objects, objects
+from continuum_operator.kube import facts_job, lane_objects, objects
 from continuum_operator.kube.reconcile import Memory, facts_disagreements, reconcile
 from continuum_operator.kube.run import add_parser, settings_from
 from continuum_operator.kube.settings import PodSettings
@@ -151,7 +151,7 @@ def test_engine_facts_and_lane_pods_meet_the_restricted_profile() -> None:
     (c,) = engine_pod["containers"]
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the one writable place
     engine = Engine.model_validate(body)
-    _restricted(objects.facts_job(engine, "u", PodSettings())["spec"]["template"]["spec"])
+    _restricted(facts_job.facts_job(engine, "u", PodSettings())["spec"]["template"]["spec"])
     lane = EmbedLane.model_validate(
         {
             "apiVersion": "continuum.dev/v1alpha1",

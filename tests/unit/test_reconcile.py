@@ -17,7 +17,8 @@ from continuum_operator.kube.cache import (
     NodeEntry,
     Snapshot,
 )
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION, facts_job_name, source_key
+from continuum_operator.kube.facts_job import facts_job_name, source_key
+from continuum_operator.kube.objects import LAUNCH_ANNOTATION
 from continuum_operator.kube.reconcile import (
     NODE_GONE_HOLD_SECONDS,
     Memory,

@@ -38,7 +38,7 @@ from continuum_operator.engine.runtime import (
     error_line,
     thread_args,
 )
-from continuum_operator.kube import objects
+from continuum_operator.kube import facts_job, objects
 from continuum_operator.kube.cache import DeploymentEntry, whole_cpus
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.reconcile import Memory, pods_on, reconcile
@@ -140,7 +140,7 @@ def test_the_facts_job_refuses_a_file_of_another_digest_naming_both(
         model={"source": {"kind": "pvc", "claimName": "models", "path": "m.gguf"},
                "sha256": "cd" * 32}
     )  # fmt: skip
-    cmd = objects.facts_command(engine(body), "/models/m.gguf")
+    cmd = facts_job.facts_command(engine(body), "/models/m.gguf")
     assert cmd[-2:] == ["--expect-sha256", "cd" * 32]
 
 

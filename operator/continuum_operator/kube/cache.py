@@ -23,7 +23,8 @@ from continuum_operator.core import rfc3339
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, node_of_lease
 from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
-from continuum_operator.kube.objects import FACTS_FOR_LABEL, GPU_RESOURCE, LAUNCH_ANNOTATION
+from continuum_operator.kube.facts_job import FACTS_FOR_LABEL
+from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import EnginePlacement
 
@@ -122,7 +123,7 @@ def whole_cpus(quantity: object) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class JobEntry:
-    """A facts Job (`kube.objects.facts_job`) and how it ended, if it did."""
+    """A facts Job (`kube.facts_job.facts_job`) and how it ended, if it did."""
 
     name: str
     source: str

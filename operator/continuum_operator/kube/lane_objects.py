@@ -8,7 +8,7 @@ that, and a ClusterRoleBinding to `system:auth-delegator` lets it review its cal
 (docs/embedlanes.md, "The door"). A NetworkPolicy admits the lane's namespace on its serving
 port and labelled namespaces on its admin port. Everything namespaced is owned by the
 EmbedLane, so deleting the lane removes it; the ClusterRoleBinding is left behind, as an
-engine's is (`objects.token_review_binding`).
+engine's is (`engine_identity.token_review_binding`).
 
 Only host-resident lanes get a pod: a lane on the device would need a share of the engine's
 GPU (HAMi, MPS), which the device plugin does not give a second pod; such a lane is placed and
@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from continuum_operator.kube import objects
+from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.cache import whole_cpus
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.base import API_VERSION
@@ -155,7 +155,7 @@ def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
         },
-        objects.token_review_binding(
+        engine_identity.token_review_binding(
             token_review_binding_name(lane),
             {**_labels(lane), "continuum.dev/embedlane-namespace": ns},
             name,
@@ -181,8 +181,8 @@ def lane_network_policy(lane: EmbedLane, uid: str, pods: PodSettings) -> Obj:
         "labels": _labels(lane),
         "ownerReferences": [_owner(lane, uid)],
     }
-    callers = objects.namespaces_named([lane.metadata.namespace])
-    return objects.door_policy(metadata, _selector(lane), callers, pods.port)
+    callers = engine_identity.namespaces_named([lane.metadata.namespace])
+    return engine_identity.door_policy(metadata, _selector(lane), callers, pods.port)
 
 
 def cpu_cores(quantity: str) -> float | None:
@@ -232,7 +232,7 @@ def lane_deployment(
             },
         }
     )
-    volume = objects._model_volume(probe)  # the same volume the engine mounts
+    volume = objects.model_volume(probe)  # the same volume the engine mounts
     assert volume is not None
     host = sum(int(p.get("bytes") or 0) for p in placement.get("pools") or [])
     # A lane with a model of its own has its weights in its charge already; one beside an

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from continuum_operator.kube.settings import GpuClaims, GpuSharing, PodSettings
@@ -120,7 +120,7 @@ class ModelVolume(NamedTuple):
     mount: Obj
 
 
-def _model_volume(engine: Engine) -> ModelVolume | None:
+def model_volume(engine: Engine) -> ModelVolume | None:
     """The model's volume and the file's path inside the container; None with inline facts only.
 
     A hostPath source mounts the file itself (a volume of type File, read-only), never its
@@ -209,7 +209,7 @@ def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[
         "--admin-port",
         str(ADMIN_PORT),
     ]
-    model = _model_volume(engine)
+    model = model_volume(engine)
     if model is not None:
         cmd += ["--model", model[1]]
         if engine.spec.model.sha256:
@@ -360,7 +360,7 @@ def deployment(
     if env:
         container["env"] = env
     volumes: list[Obj] = [dict(TMP_VOLUME)]
-    model = _model_volume(engine)
+    model = model_volume(engine)
     if model is not None:
         volumes.append(model.volume)
         container["volumeMounts"].append(model.mount)
@@ -419,145 +419,6 @@ def service_account_name(engine: Engine) -> str:
     return f"continuum-engine-{engine.metadata.name}"[:253]
 
 
-def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
-    """The engine pod's identity: it reads its own Engine (grants) and writes status.runtime.
-
-    A ServiceAccount, a Role limited to this one Engine by name, and their binding, all owned
-    by the Engine. `continuum engine --engine NS/NAME` watches the Engine with a field selector
-    on its name, which RBAC allows for a Role restricted by resourceNames. And a
-    ClusterRoleBinding to `system:auth-delegator` (TokenReviews are cluster-scoped): the
-    gateway reviews each mind's token. A cluster-scoped object cannot be owned by a namespaced
-    one, so the binding carries the engine's labels instead of an owner.
-    """
-    name = service_account_name(engine)
-    meta = {
-        "name": name,
-        "namespace": engine.metadata.namespace,
-        "labels": labels(engine),
-        "ownerReferences": [owner_reference(engine, uid)],
-    }
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": dict(meta),
-            "rules": [
-                {
-                    "apiGroups": ["continuum.dev"],
-                    "resources": ["engines"],
-                    "resourceNames": [engine.metadata.name],
-                    "verbs": ["get", "list", "watch"],
-                },
-                {
-                    "apiGroups": ["continuum.dev"],
-                    "resources": ["engines/status"],
-                    "resourceNames": [engine.metadata.name],
-                    "verbs": ["get", "patch"],
-                },
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": dict(meta),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [
-                {"kind": "ServiceAccount", "name": name, "namespace": engine.metadata.namespace}
-            ],
-        },
-        token_review_binding(
-            token_review_binding_name(engine),
-            {**labels(engine), "continuum.dev/engine-namespace": engine.metadata.namespace},
-            name,
-            engine.metadata.namespace,
-        ),
-    ]
-
-
-def token_review_binding_name(engine: Engine) -> str:
-    """One per engine: `:` cannot appear in a namespace or a name, so two never collide."""
-    return f"continuum-engine-tokenreview:{engine.metadata.namespace}:{engine.metadata.name}"
-
-
-def token_review_binding(
-    name: str, binding_labels: Mapping[str, str | None], account: str, namespace: str | None
-) -> Obj:
-    """A ClusterRoleBinding of one ServiceAccount to `system:auth-delegator`, so its pod may
-    review callers' tokens (TokenReviews are cluster-scoped): an engine's, an embed lane's.
-    Cluster-scoped, it cannot be owned by the namespaced object it serves: its labels name that
-    object instead, and it is left behind when the object is deleted (the operator deletes no
-    ClusterRoleBinding: RBAC cannot limit that right to the bindings it made)."""
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": name, "labels": dict(binding_labels)},
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "ClusterRole",
-            "name": AUTH_DELEGATOR,
-        },
-        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
-    }
-
-
-def network_policy(engine: Engine, uid: str, pods: PodSettings) -> Obj:
-    """Who reaches the engine's pod: its own and its allowed namespaces, on the gateway's port
-    only (llama-server listens on loopback inside the pod); the admin port only from namespaces
-    labelled `continuum.dev/scrape-engines=true`. Enforced where the cluster's network plugin
-    enforces NetworkPolicies (docs/gateway.md)."""
-    allowed = [n for n in engine.spec.allowed_namespaces if n != "*"]
-    minds: Obj = (
-        {"namespaceSelector": {}}
-        if "*" in engine.spec.allowed_namespaces
-        else namespaces_named([engine.metadata.namespace, *allowed])
-    )
-    metadata = {
-        "name": engine.metadata.name,
-        "namespace": engine.metadata.namespace,
-        "labels": labels(engine),
-        "ownerReferences": [owner_reference(engine, uid)],
-    }
-    return door_policy(metadata, selector(engine), minds, pods.port)
-
-
-def door_policy(metadata: Obj, pod_selector: Mapping[str, str], callers: Obj, port: int) -> Obj:
-    """A NetworkPolicy of a serving pod (an engine's, an embed lane's): `callers` (a `from`
-    peer) on the serving `port`, namespaces labelled `continuum.dev/scrape-engines=true` on
-    ADMIN_PORT, nothing else."""
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": metadata,
-        "spec": {
-            "podSelector": {"matchLabels": dict(pod_selector)},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [callers], "ports": [{"protocol": "TCP", "port": port}]},
-                {
-                    "from": [{"namespaceSelector": {"matchLabels": {SCRAPE_LABEL: "true"}}}],
-                    "ports": [{"protocol": "TCP", "port": ADMIN_PORT}],
-                },
-            ],
-        },
-    }
-
-
-def namespaces_named(names: Iterable[str | None]) -> Obj:
-    """A NetworkPolicy peer: the pods of these namespaces, by their name label."""
-    return {
-        "namespaceSelector": {
-            "matchExpressions": [
-                {
-                    "key": "kubernetes.io/metadata.name",
-                    "operator": "In",
-                    "values": sorted({n for n in names if n}),
-                }
-            ]
-        }
-    }
-
-
 def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:
     return {
         "apiVersion": "v1",
@@ -576,98 +437,6 @@ def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:
                 # Metrics, releases, runtime: the NetworkPolicy admits labelled namespaces only.
                 {"name": "admin", "port": ADMIN_PORT, "targetPort": ADMIN_PORT},
             ],
-        },
-    }
-
-
-FACTS_FOR_LABEL = "continuum.dev/facts-for"
-
-
-def source_key(engine: Engine) -> str | None:
-    """Identity of the model file: what the facts in status were read from."""
-    source = engine.spec.model.source
-    if source is None:
-        return None
-    where = {
-        ModelSourceKind.PVC: f"pvc:{source.claim_name}",
-        ModelSourceKind.HOST_PATH: "hostPath:",
-        ModelSourceKind.IMAGE: f"image:{source.image}",
-    }[source.kind]
-    return f"{where}/{source.path.lstrip('/')}@{engine.spec.model.sha256 or '-'}"
-
-
-def facts_job_name(engine: Engine) -> str:
-    key = hashlib.sha256((source_key(engine) or "").encode()).hexdigest()[:8]
-    return f"{engine.metadata.name[:45]}-facts-{key}"
-
-
-def facts_command(engine: Engine, path: str) -> list[str]:
-    """`continuum facts`, checking the file's digest where the Engine names one: a replaced
-    file fails the Job (both digests in its log) rather than feed its facts to the plan."""
-    cmd = ["continuum", "facts", path, "-o", "json"]
-    if engine.spec.model.sha256:
-        cmd += ["--expect-sha256", engine.spec.model.sha256]
-    return cmd
-
-
-def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
-    """A short Job that reads the model's GGUF header where the file is and prints its facts.
-
-    It runs on a node the engine may be placed on (its nodeSelector), with the model's volume;
-    `continuum facts` reads the header and tensor index only, never the weights. The operator
-    reads the facts from the pod's log when the Job succeeds.
-    """
-    model = _model_volume(engine)
-    assert model is not None, "a facts Job needs spec.model.source"
-    volume, path = model.volume, model.path
-    selector = dict(engine.spec.placement.node_selector)
-    if engine.spec.placement.node_pool:
-        selector["continuum.dev/node-pool"] = engine.spec.placement.node_pool
-    pod_spec: Obj = {
-        "restartPolicy": "Never",
-        "priorityClassName": pods.engine_priority_class,
-        # It reads one file and prints; it has no business with the API server.
-        "automountServiceAccountToken": False,
-        "securityContext": pod_security_context(),
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
-        "containers": [
-            {
-                "name": "facts",
-                "image": pods.image,
-                "imagePullPolicy": pods.image_pull_policy,
-                "command": facts_command(engine, path),
-                "resources": {
-                    "requests": {"cpu": "100m", "memory": "256Mi"},
-                    "limits": {"cpu": "1", "memory": "256Mi"},
-                },
-                "securityContext": container_security_context(),
-                "volumeMounts": [model.mount],
-            }
-        ],
-        "volumes": [volume],
-    }
-    if selector:
-        pod_spec["nodeSelector"] = selector
-    job_labels = {
-        "app.kubernetes.io/name": "continuum-facts",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-        FACTS_FOR_LABEL: engine.metadata.name,
-    }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": facts_job_name(engine),
-            "namespace": engine.metadata.namespace,
-            "labels": job_labels,
-            "annotations": {"continuum.dev/model-source": source_key(engine)},
-            "ownerReferences": [owner_reference(engine, uid)],
-        },
-        "spec": {
-            "backoffLimit": 1,
-            "activeDeadlineSeconds": 600,
-            "ttlSecondsAfterFinished": 3600,
-            "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
         },
     }
 

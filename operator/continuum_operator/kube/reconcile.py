@@ -37,7 +37,7 @@ from continuum_operator.core.placements import consumer_name, placement_of
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.core.receipts import Receipt
-from continuum_operator.kube import objects, runtime_report
+from continuum_operator.kube import engine_identity, facts_job, objects, runtime_report
 from continuum_operator.kube.cache import (
     EngineKey,
     Snapshot,
@@ -163,7 +163,7 @@ def _facts_from_file(
     settings: OperatorSettings,
 ) -> tuple[ModelFacts | None, cond.Problem | None, dict[str, Any] | None]:
     """Facts read from the model's file: from status, or a Job to read them (docs/design.md)."""
-    source = objects.source_key(engine)
+    source = facts_job.source_key(engine)
     read = status.get("modelFacts") or {}
     if read and read.get("source") == source:
         try:
@@ -172,7 +172,7 @@ def _facts_from_file(
             why = f"status.modelFacts.facts cannot be planned from: {err}"
             return None, cond.Problem(cond.Reason.FACTS_MISSING, why), None
     job = snap.jobs.get(key)
-    name = objects.facts_job_name(engine)
+    name = facts_job.facts_job_name(engine)
     fix = (
         "check spec.model.source, or give the facts inline (`continuum facts MODEL.gguf` prints "
         "them for spec.model.facts)"
@@ -186,7 +186,7 @@ def _facts_from_file(
         f"reading the model's GGUF header in Job {name} (`continuum facts` where the file is); "
         "the engine is planned once the facts are in status.modelFacts"
     )
-    wanted = objects.facts_job(engine, uid, settings.pods)
+    wanted = facts_job.facts_job(engine, uid, settings.pods)
     return None, cond.Problem(cond.Reason.FACTS_PENDING, message), wanted
 
 
@@ -379,8 +379,8 @@ class _Pass:
             )
             service = objects.service(engine, self.uid, pods)
             identity = (
-                *objects.engine_rbac(engine, self.uid),
-                objects.network_policy(engine, self.uid, pods),
+                *engine_identity.engine_rbac(engine, self.uid),
+                engine_identity.network_policy(engine, self.uid, pods),
             )
             claim = objects.gpu_claim_template(engine, self.uid, plan_doc, pods)
             if claim is not None:  # before the Deployment, as its pods name it
