@@ -422,14 +422,8 @@ class _Pass:
         snap, now, settings, engine = self.snap, self.now, self.settings, self.engine
         node = str(placement["node"])
         node_entry = snap.nodes.get(node)
-        if node_entry is None:
-            # The Node was deleted under the engine: its pod cannot run there again. Once that
-            # has held a while, the lease is released and the engine placed anew.
-            since = self.memory.node_gone_since
-            self.node_gone_since = since = now if since is None else since
-            if now - since >= NODE_GONE_HOLD_SECONDS:
-                self.release_node_gone(node)
-                return None
+        if node_entry is None and self.node_gone_long_enough(node):
+            return None
         has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
         pods = pods_on(snap, node, settings)
         launch = objects.launch_hash(engine, plan_doc, pods)
@@ -470,66 +464,10 @@ class _Pass:
             # The device plugin chose the pod's GPUs: the lease follows the ones it uses.
             plan_doc, placement = self.follow_gpus(board.board, plan_doc, placement)
         if fresh and board is not None and board.board is not None:
-            kept = () if spec_changed else tuple(int(g) for g in plan_doc.get("gpus") or ())
-            candidate = self.replan(node, board.board, placement, kept)
-            labels = node_entry.labels if node_entry is not None else {}
-            if spec_changed and (
-                not candidate.schedulable or matches(engine.spec, labels) is not None
-            ):
-                self.events.append(
-                    Event(
-                        "Normal",
-                        "Replacing",
-                        f"spec changed (generation {self.generation}): {node} no longer takes "
-                        "this engine; placing it anew",
-                    )
-                )
-                self.new["placement"] = None
-                self.new["plan"] = None
+            weighed = self.weigh(node, board.board, placement, plan_doc, running, spec_changed)
+            if weighed is None:
                 return None
-            if spec_changed:
-                # What the user asked for is not damped: relaunch now if the arguments moved.
-                if candidate.engine_args != _shape(plan_doc).args:
-                    self.damper = replace(
-                        self.damper,
-                        candidate=None,
-                        readings=0,
-                        last_reading=None,
-                        relaunches=self.damper.relaunches + 1,
-                        last_relaunch_at=now,
-                    )
-                    plan_doc = self.relaunch(
-                        candidate,
-                        f"spec changed (generation {self.generation}): "
-                        f"{candidate.layers_on_device}/{candidate.total_layers} layers, "
-                        f"{candidate.minds_grantable} minds, {candidate.pool_tokens} pool tokens",
-                    )
-                    running, outcome = False, Outcome.RELAUNCH
-                else:
-                    plan_doc = _stamped(candidate, self.generation)
-                    self.new["plan"] = plan_doc
-            elif not candidate.schedulable:
-                # Not moved elsewhere (yet): said, so a person can act.
-                no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
-            else:
-                self.damper, outcome = step(
-                    self.damper,
-                    Observation(
-                        now=now,
-                        reading=reading_of(snap, node),
-                        running=_shape(plan_doc),
-                        candidate=PlanShape.of(candidate),
-                        in_flight=not running,
-                    ),
-                    settings.damping,
-                )
-                if outcome is Outcome.RELAUNCH:
-                    plan_doc = self.relaunch(candidate, _change(node, candidate, plan_doc))
-                    running = False
-                elif outcome is Outcome.UNCHANGED and _bytes_moved(candidate, plan_doc):
-                    # The same launch, its bytes now measured (a receipt) or no longer: the
-                    # plan and the lease say what it holds; nothing relaunches for it.
-                    plan_doc = self.recharge(candidate, placement)
+            plan_doc, running, outcome, no_longer_fits = weighed
         pod = (
             cond.PodPhase.READY
             if running
@@ -555,6 +493,92 @@ class _Pass:
         )
         writes = self.finish(f, engine, plan_doc, has_gpus, pods)
         return replace(writes, deployment=None) if held else writes
+
+    def node_gone_long_enough(self, node: str) -> bool:
+        """The Node was deleted under the engine: its pod cannot run there again. Once that has
+        held a while, the lease is released (True: the engine is placed anew)."""
+        since = self.memory.node_gone_since
+        self.node_gone_since = since = self.now if since is None else since
+        if self.now - since < NODE_GONE_HOLD_SECONDS:
+            return False
+        self.release_node_gone(node)
+        return True
+
+    def weigh(
+        self,
+        node: str,
+        board: Board,
+        placement: dict[str, Any],
+        plan_doc: dict[str, Any],
+        running: bool,
+        spec_changed: bool,
+    ) -> tuple[dict[str, Any], bool, Outcome | None, str] | None:
+        """A placed engine against its fresh board: the plan in force, whether its pod still
+        runs, what the damper decided and why it no longer fits (if so); None when it must be
+        placed anew (its spec changed and this node no longer takes it)."""
+        snap, now, settings, engine = self.snap, self.now, self.settings, self.engine
+        outcome: Outcome | None = None
+        no_longer_fits = ""
+        node_entry = snap.nodes.get(node)
+        kept = () if spec_changed else tuple(int(g) for g in plan_doc.get("gpus") or ())
+        candidate = self.replan(node, board, placement, kept)
+        labels = node_entry.labels if node_entry is not None else {}
+        if spec_changed and (not candidate.schedulable or matches(engine.spec, labels) is not None):
+            self.events.append(
+                Event(
+                    "Normal",
+                    "Replacing",
+                    f"spec changed (generation {self.generation}): {node} no longer takes "
+                    "this engine; placing it anew",
+                )
+            )
+            self.new["placement"] = None
+            self.new["plan"] = None
+            return None
+        if spec_changed:
+            # What the user asked for is not damped: relaunch now if the arguments moved.
+            if candidate.engine_args != _shape(plan_doc).args:
+                self.damper = replace(
+                    self.damper,
+                    candidate=None,
+                    readings=0,
+                    last_reading=None,
+                    relaunches=self.damper.relaunches + 1,
+                    last_relaunch_at=now,
+                )
+                plan_doc = self.relaunch(
+                    candidate,
+                    f"spec changed (generation {self.generation}): "
+                    f"{candidate.layers_on_device}/{candidate.total_layers} layers, "
+                    f"{candidate.minds_grantable} minds, {candidate.pool_tokens} pool tokens",
+                )
+                running, outcome = False, Outcome.RELAUNCH
+            else:
+                plan_doc = _stamped(candidate, self.generation)
+                self.new["plan"] = plan_doc
+        elif not candidate.schedulable:
+            # Not moved elsewhere (yet): said, so a person can act.
+            no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
+        else:
+            self.damper, outcome = step(
+                self.damper,
+                Observation(
+                    now=now,
+                    reading=reading_of(snap, node),
+                    running=_shape(plan_doc),
+                    candidate=PlanShape.of(candidate),
+                    in_flight=not running,
+                ),
+                settings.damping,
+            )
+            if outcome is Outcome.RELAUNCH:
+                plan_doc = self.relaunch(candidate, _change(node, candidate, plan_doc))
+                running = False
+            elif outcome is Outcome.UNCHANGED and _bytes_moved(candidate, plan_doc):
+                # The same launch, its bytes now measured (a receipt) or no longer: the
+                # plan and the lease say what it holds; nothing relaunches for it.
+                plan_doc = self.recharge(candidate, placement)
+        return plan_doc, running, outcome, no_longer_fits
 
     def replan(
         self,
