@@ -63,7 +63,7 @@ def changed(w: World, ns: str, name: str, **spec: Any) -> dict[str, Any]:
     body["spec"].update(spec)
     body["metadata"]["resourceVersion"] = str(int(body["metadata"]["resourceVersion"]) + 1)
     body["metadata"]["generation"] = int(body["metadata"].get("generation") or 1) + 1
-    w.api.add("minds", body)
+    w.api.add(body, "minds")
     return body
 
 
@@ -156,7 +156,7 @@ def test_a_grace_deadline_forces_the_release_on_time_with_no_event(
     gone = copy.deepcopy(w.api.objects[f"{BASE}/team-a/minds/m4-0"])
     gone["metadata"]["deletionTimestamp"] = "2026-12-03T06:10:00Z"
     gone["metadata"]["resourceVersion"] = "5"
-    w.api.add("minds", gone)
+    w.api.add(gone, "minds")
     w.cache.observe_mind(gone, deleted=False)
     w.loop.pass_once()
     assert w.ledger("team-a", "e4")["team-a/m4-0"][0] == "Reclaiming"

@@ -4,48 +4,16 @@ read again and the step decided again on what it now says."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.minds import GrantsLoop, MindCache
+from tests.fakes import FakeKubeApi
 
 NS = "minds"
 ENGINE_PATH = f"/apis/continuum.dev/v1alpha1/namespaces/{NS}/engines/coder"
-
-
-class FakeApi:
-    """One Engine with a resourceVersion; `meanwhile` runs once, just before the next PUT
-    lands, as another writer (the engine runtime) would."""
-
-    def __init__(self, engine: dict[str, Any]) -> None:
-        self.engine = engine
-        self.puts: list[dict[str, Any]] = []
-        self.meanwhile: list[Any] = []
-
-    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
-        if method == "GET" and path == ENGINE_PATH:
-            return copy.deepcopy(self.engine)
-        if method == "PUT" and path == ENGINE_PATH + "/status":
-            self.puts.append(copy.deepcopy(body))
-            if self.meanwhile:
-                self.meanwhile.pop(0)(self.engine)
-            if body["metadata"]["resourceVersion"] != self.engine["metadata"]["resourceVersion"]:
-                raise ApiError(409, "Conflict", "the object has been modified")
-            self.engine["status"] = copy.deepcopy(body["status"])
-            self.bump()
-            return copy.deepcopy(self.engine)
-        raise AssertionError(f"unexpected {method} {path}")
-
-    def merge_patch(self, path: str, patch: Any) -> dict[str, Any]:
-        raise ApiError(404, "NotFound", path)  # projections are not under test here
-
-    def bump(self) -> None:
-        rv = int(self.engine["metadata"]["resourceVersion"]) + 1
-        self.engine["metadata"]["resourceVersion"] = str(rv)
 
 
 def engine_body() -> dict[str, Any]:
@@ -77,10 +45,12 @@ class Clock:
         return self.now
 
 
-def setup(tmp_path: Path, *minds: dict[str, Any]) -> tuple[FakeApi, GrantsLoop, Clock]:
-    api = FakeApi(engine_body())
+def setup(tmp_path: Path, *minds: dict[str, Any]) -> tuple[FakeKubeApi, GrantsLoop, Clock]:
+    """One Engine with a resourceVersion, and no Mind at the API server: their projections
+    are not under test here (each write of one is a 404)."""
+    api = FakeKubeApi([engine_body()])
     engines, cache = Cache(), MindCache()
-    engines.observe_engine(api.engine, deleted=False, nudge=False)
+    engines.observe_engine(the_engine(api), deleted=False, nudge=False)
     for m in minds:
         cache.observe_mind(m, deleted=False, nudge=False)
     for name, priority in (("low", 0), ("high", 10)):
@@ -92,8 +62,12 @@ def setup(tmp_path: Path, *minds: dict[str, Any]) -> tuple[FakeApi, GrantsLoop, 
     return api, loop, clock
 
 
-def states(api: FakeApi) -> dict[str, tuple[str, str]]:
-    return {e["mind"]: (e["state"], e["reason"]) for e in api.engine["status"]["grants"]}
+def the_engine(api: FakeKubeApi) -> dict[str, Any]:
+    return api.objects[ENGINE_PATH]
+
+
+def states(api: FakeKubeApi) -> dict[str, tuple[str, str]]:
+    return {e["mind"]: (e["state"], e["reason"]) for e in the_engine(api)["status"]["grants"]}
 
 
 def test_the_ledger_is_written_as_a_replace_carrying_the_resource_version(tmp_path: Path) -> None:
@@ -103,7 +77,7 @@ def test_the_ledger_is_written_as_a_replace_carrying_the_resource_version(tmp_pa
     assert put["metadata"]["resourceVersion"] == "10"
     assert put["status"]["plan"]["mindsGrantable"] == 1  # the whole status, others' parts kept
     assert states(api) == {f"{NS}/a": ("Granted", "SlotFree")}
-    assert api.engine["status"]["grantStep"]["seq"] == 1
+    assert the_engine(api)["status"]["grantStep"]["seq"] == 1
 
 
 def test_a_conflict_is_read_again_and_decided_again_on_what_the_engine_now_says(
@@ -115,19 +89,18 @@ def test_a_conflict_is_read_again_and_decided_again_on_what_the_engine_now_says(
     clock.now += 1
     loop.pass_once()  # a is preempted: Reclaiming
     assert states(api)[f"{NS}/a"] == ("Reclaiming", "Preempted")
-    since = next(e["since"] for e in api.engine["status"]["grants"] if e["mind"] == f"{NS}/a")
+    since = next(e["since"] for e in the_engine(api)["status"]["grants"] if e["mind"] == f"{NS}/a")
 
     def gateway_reports_release(engine: dict[str, Any]) -> None:
         engine["status"]["runtime"] = {
             "slotReleases": [{"mind": f"{NS}/a", "slot": 0, "grantSince": since}]
-        }
-        api.bump()
+        }  # (the double bumps its resourceVersion, as this write would)
 
     # Another pass while the gateway writes its release report between our read and our write.
-    loop.engines.observe_engine({**api.engine, "metadata": {**api.engine["metadata"]}},
+    loop.engines.observe_engine({**the_engine(api), "metadata": {**the_engine(api)["metadata"]}},
                                 deleted=False, nudge=False)  # fmt: skip
     loop.minds.observe_mind(mind("b", "low", 3), deleted=False, nudge=False)
-    api.meanwhile.append(gateway_reports_release)
+    api.meanwhile(ENGINE_PATH, gateway_reports_release)  # just before our next write lands
     clock.now += 1
     loop.pass_once()
     first, second = api.puts[-2:]
@@ -137,4 +110,4 @@ def test_a_conflict_is_read_again_and_decided_again_on_what_the_engine_now_says(
     # Decided again on the re-read Engine: the release is recorded, vip takes the slot.
     assert states(api)[f"{NS}/a"] == ("Queued", "PoolFull")
     assert states(api)[f"{NS}/vip"] == ("Granted", "SlotFree")
-    assert api.engine["status"]["runtime"]["slotReleases"]  # the runtime's part, kept
+    assert the_engine(api)["status"]["runtime"]["slotReleases"]  # the runtime's part, kept

@@ -4,48 +4,13 @@ clock: no sleeps."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from urllib3.exceptions import MaxRetryError
 
-from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.grant_settings import LeaderSettings
 from continuum_operator.kube.leader import Elector
-
-
-class FakeLeases:
-    """One Lease store with resourceVersions, as the API server keeps them."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, dict[str, Any]] = {}
-        self.rv = 0
-
-    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
-        if method == "GET":
-            if path not in self.objects:
-                raise ApiError(404, "NotFound", path)
-            return copy.deepcopy(self.objects[path])
-        if method == "POST":
-            key = f"{path}/{body['metadata']['name']}"
-            if key in self.objects:
-                raise ApiError(409, "AlreadyExists", key)
-            return self._store(key, body)
-        if method == "PUT":
-            if (
-                body["metadata"].get("resourceVersion")
-                != self.objects[path]["metadata"]["resourceVersion"]
-            ):
-                raise ApiError(409, "Conflict", path)
-            return self._store(path, body)
-        raise AssertionError(method)
-
-    def _store(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.rv += 1
-        stored = copy.deepcopy(body)
-        stored["metadata"]["resourceVersion"] = str(self.rv)
-        self.objects[key] = stored
-        return copy.deepcopy(stored)
+from tests.fakes import FakeKubeApi
 
 
 class Clock:
@@ -71,9 +36,9 @@ SETTINGS = LeaderSettings(duration_seconds=10.0, renew_seconds=2.0)
 
 def electors(
     wall_skew: float = 0.0, monotonic_skew: float = 0.0
-) -> tuple[FakeLeases, Clock, Elector, Elector]:
+) -> tuple[FakeKubeApi, Clock, Elector, Elector]:
     """Two replicas on one Lease; the second's wall and monotonic clocks apart by the skews."""
-    api, clock = FakeLeases(), Clock()
+    api, clock = FakeKubeApi(), Clock()
     one = Elector(api, SETTINGS, "one", clock, monotonic=clock)  # type: ignore[arg-type]
     two = Elector(
         api,  # type: ignore[arg-type]
@@ -126,10 +91,10 @@ def test_a_clean_stop_hands_the_lease_over_at_once() -> None:
     assert lease["spec"]["leaseTransitions"] == 1
 
 
-class Unreachable(FakeLeases):
+class Unreachable(FakeKubeApi):
     """The API server restarting: every request refused at the socket, as urllib3 reports it."""
 
-    def __init__(self, leases: FakeLeases) -> None:
+    def __init__(self, leases: FakeKubeApi) -> None:
         self.__dict__.update(leases.__dict__)
 
     def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:

@@ -251,7 +251,7 @@ def test_a_holder_released_in_a_step_the_log_missed_is_released_in_the_log_too(
     w.loop.pass_once()
     gone = json.loads(json.dumps(w.api.objects[f"{BASE}/team-a/minds/mind-00000"]))
     gone["metadata"].update(deletionTimestamp="2026-12-03T07:00:00Z", resourceVersion="5")
-    w.api.add("minds", gone)
+    w.api.add(gone, "minds")
     w.cache.observe_mind(gone, deleted=False)
     w.loop.pass_once()
     assert w.ledger("team-a", "coder")["team-a/mind-00000"][0] == "Reclaiming"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ class SideBySideApi(FakeApi):
         self.failing = failing
         self.broken = False
 
-    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         if self.barrier is not None:
             try:
                 self.barrier.wait()
@@ -148,7 +149,7 @@ def test_a_merge_patch_removes_nulls_and_merges_objects() -> None:
 def test_a_status_patch_that_raises_no_api_error_is_not_assumed_past_it() -> None:
     loop, cache, api = world(engines=1, parties=1, failing=set())
 
-    def broken(path: str, patch: dict[str, Any]) -> dict[str, Any]:
+    def broken(path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         raise ConnectionResetError("the API server went away")
 
     api.merge_patch = broken  # type: ignore[method-assign]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from continuum_operator.kube.reconcile import Memory, Writes, reconcile
 from continuum_operator.kube.settings import LoopSettings, OperatorSettings
 from continuum_operator.model.base import API_VERSION
 from tests.builders import board_body, engine_body
+from tests.fakes import FakeKubeApi
 
 GiB = 2**30
 NOW = 1_800_000_000.0
@@ -26,49 +28,39 @@ NODES = ("n0", "n1", "n2", "n3")
 PER_NODE = 2
 
 
-class FakeApi:
-    """The API server as the loop sees it: status patches merged into the cached Engine, every
-    Deployment ready at once unless its engine is in `never_ready`."""
+class FakeApi(FakeKubeApi):
+    """The API server as the loop sees it: status patches merged into the cached Engine (the
+    engines live in the cache alone), every Deployment ready at once unless its engine is in
+    `never_ready`; resourceVersions from one counter, as etcd's."""
 
     def __init__(self, cache: Cache) -> None:
+        super().__init__()
         self.cache = cache
         self.rv = 100
-        self.requests: list[tuple[str, str]] = []
         self.never_ready: set[str] = set()
-        self.created: list[dict[str, Any]] = []
 
-    def _next_rv(self) -> str:
+    def next_version(self, old: str | None) -> str:
         self.rv += 1
         return str(self.rv)
 
-    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        self.requests.append(("PATCH", path))
+    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        self._record("PATCH", path, patch)
         parts = path.split("/")
         known = self.cache.engines[(parts[-4], parts[-2])]
         body: dict[str, Any] = copy.deepcopy(merge_patch(known, {"status": patch["status"]}))
-        body["metadata"]["resourceVersion"] = self._next_rv()
+        body["metadata"]["resourceVersion"] = self.next_version(None)
         return body
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.requests.append(("APPLY", f"{obj['kind']}/{obj['metadata']['name']}"))
-        answer = copy.deepcopy(obj)
-        answer["metadata"].update(resourceVersion=self._next_rv(), generation=1)
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        answer = super().apply(obj)
         if obj["kind"] == "Deployment" and obj["metadata"]["name"] not in self.never_ready:
             answer["status"] = {
-                "observedGeneration": 1,
+                "observedGeneration": answer["metadata"]["generation"],
                 "readyReplicas": 1,
                 "updatedReplicas": 1,
                 "replicas": 1,
             }
         return answer
-
-    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.requests.append(("CREATE", obj["kind"]))
-        self.created.append(obj)
-        return obj
-
-    def delete(self, path: str) -> None:
-        self.requests.append(("DELETE", path))
 
 
 def agent_lease(node: str, renewed: float, duration: int = 3600, rv: int = 1) -> dict[str, Any]:
@@ -143,7 +135,7 @@ class World:
         for _ in range(4):
             self.pass_once()
         assert all(self.ready(k) for keys in self.on.values() for k in keys)
-        self.api.requests.clear()
+        self.api.calls.clear()
 
     def ready(self, key: EngineKey) -> bool:
         return any(

@@ -13,18 +13,10 @@ from continuum_operator.kube.loop import DRAIN_HOLD_SECONDS, Loop
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
 from continuum_operator.kube.reconcile import Memory, Writes
 from continuum_operator.kube.settings import OperatorSettings
+from tests.fakes import FakeKubeApi
 
 OLD_PLAN = {"node": "n1", "engineArgs": ["-np", "2"], "mindsGrantable": 2}
 NEW_PLAN = {"node": "n1", "engineArgs": ["-np", "3"], "mindsGrantable": 3}
-
-
-class FakeApi:
-    def __init__(self) -> None:
-        self.applied: list[dict[str, Any]] = []
-
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.applied.append(obj)
-        return obj
 
 
 def engine(plan: dict[str, Any], recorded: dict[str, Any], states: list[str]) -> dict[str, Any]:
@@ -54,7 +46,7 @@ def deployment(launch: str) -> dict[str, Any]:
 class World:
     def __init__(self, body: dict[str, Any]) -> None:
         self.now = 1_000.0
-        self.api = FakeApi()
+        self.api = FakeKubeApi()
         cache = Cache()
         cache.observe_engine(body, deleted=False, nudge=False)
         cache.deployments[("ns", "coder")] = DeploymentEntry("old-launch", 1, 1, 1, 1, 1)

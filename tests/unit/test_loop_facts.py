@@ -5,40 +5,30 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from continuum_operator.kube.api import ApiError, KubeApi
+from continuum_operator.kube.api import KubeApi
 from continuum_operator.kube.cache import Cache, JobEntry
 from continuum_operator.kube.loop import Loop
 from continuum_operator.kube.settings import OperatorSettings
 from tests.builders import engine_body
+from tests.fakes import FakeKubeApi
 
 
-class FakeApi:
-    """Answers the few calls `Loop.read_facts` makes, and records the writes."""
-
-    def __init__(self, log: str, pods: int = 1) -> None:
-        self.log = log
-        self.pods = pods
-        self.patches: list[tuple[str, Any]] = []
-        self.deleted: list[str] = []
-
-    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
-        assert method == "GET" and path.endswith("/pods")
-        return {"items": [{"metadata": {"name": f"job-pod-{i}"}} for i in range(self.pods)]}
-
-    def text(self, path: str, query: Any = ()) -> str:
-        if self.log == "404":
-            raise ApiError(404, "NotFound", "pods not found")
-        return self.log
-
-    def merge_patch(self, path: str, patch: Any) -> dict[str, Any]:
-        self.patches.append((path, patch))
-        return {"metadata": {"name": "eng", "namespace": "ns"}, "status": patch["status"]}
-
-    def delete(self, path: str) -> None:
-        self.deleted.append(path)
+def facts_api(log: str | None, pods: int = 1) -> FakeKubeApi:
+    """Engine ns/eng, the pods of its facts Job, and the first pod's log (None: no log, 404)."""
+    api = FakeKubeApi()
+    body = engine_body()
+    body["metadata"].update(namespace="ns", name="eng", resourceVersion="1")
+    api.add(body)
+    for i in range(pods):
+        api.add({"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"namespace": "ns", "name": f"job-pod-{i}",
+                              "labels": {"job-name": JOB.name}}})  # fmt: skip
+    if log is not None:
+        api.logs["/api/v1/namespaces/ns/pods/job-pod-0/log"] = log
+    return api
 
 
-def loop(api: FakeApi) -> Loop:
+def loop(api: FakeKubeApi) -> Loop:
     fake: Any = api
     real: KubeApi = fake
     return Loop(real, OperatorSettings(), Cache(), clock=lambda: 1_800_000_000.0)
@@ -49,7 +39,7 @@ JOB = JobEntry("eng-facts-1", "pvc:models/m.gguf@-", succeeded=True, failed=Fals
 
 def test_the_facts_a_job_printed_go_to_status_and_the_job_is_deleted() -> None:
     facts = engine_body()["spec"]["model"]["facts"]
-    api = FakeApi(json.dumps(facts))
+    api = facts_api(json.dumps(facts))
     answer, error = loop(api).read_facts(("ns", "eng"), JOB)
     assert error is None and answer is not None
     path, patch = api.patches[0]
@@ -61,14 +51,14 @@ def test_the_facts_a_job_printed_go_to_status_and_the_job_is_deleted() -> None:
 
 
 def test_output_that_is_not_facts_is_refused_with_a_reason() -> None:
-    api = FakeApi("error: m.gguf: not a GGUF file (bad magic)")
+    api = facts_api("error: m.gguf: not a GGUF file (bad magic)")
     answer, error = loop(api).read_facts(("ns", "eng"), JOB)
     assert answer is None and error is not None and "not model facts" in error
     assert api.patches == [] and api.deleted == []
 
 
 def test_a_job_whose_pod_is_gone_says_so() -> None:
-    answer, error = loop(FakeApi("{}", pods=0)).read_facts(("ns", "eng"), JOB)
+    answer, error = loop(facts_api("{}", pods=0)).read_facts(("ns", "eng"), JOB)
     assert answer is None and error == "no pod of Job eng-facts-1 is left to read"
-    answer, error = loop(FakeApi("404")).read_facts(("ns", "eng"), JOB)
+    answer, error = loop(facts_api(None)).read_facts(("ns", "eng"), JOB)
     assert answer is None and error is not None and "reading its log failed" in error

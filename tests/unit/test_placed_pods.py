@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.placed_pods import PlacedPods, placed_by_node
 from continuum_operator.model.board import NodeBoardSpec
+from tests.fakes import FakeKubeApi
 
 ENGINE = "continuum.dev/engine"
 LANE = "continuum.dev/embedlane"
@@ -18,7 +18,8 @@ def pod(
     ns: str, uid: str, node: str | None, labels: dict[str, str], phase: str = "Running"
 ) -> dict[str, Any]:
     spec = {"nodeName": node} if node else {}
-    return {"metadata": {"namespace": ns, "name": f"p-{uid}", "uid": uid, "labels": labels},
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": ns, "name": f"p-{uid}", "uid": uid, "labels": labels},
             "spec": spec, "status": {"phase": phase}}  # fmt: skip
 
 
@@ -43,27 +44,6 @@ def test_each_node_gets_its_engine_and_lane_pods_by_uid_and_nothing_else() -> No
         NodeBoardSpec.model_validate({"placed": placed})
 
 
-class Api:
-    """Pods listed by label; NodeBoards merge-patched (404 for a board that does not exist)."""
-
-    def __init__(self, pods: list[dict[str, Any]], boards: set[str]) -> None:
-        self.pods = pods
-        self.boards = boards
-        self.patches: list[tuple[str, dict[str, Any]]] = []
-
-    def request(self, method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
-        assert (method, path) == ("GET", "/api/v1/pods"), (method, path)
-        ((key, label),) = kw["query"]
-        assert key == "labelSelector"
-        return {"items": [p for p in self.pods if label in p["metadata"]["labels"]]}
-
-    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        if path.rsplit("/", 1)[-1] not in self.boards:
-            raise ApiError(404, "NotFound", path)
-        self.patches.append((path, patch))
-        return {}
-
-
 def board(name: str, placed: list[dict[str, str]] | None = None) -> dict[str, Any]:
     return {"metadata": {"name": name, "resourceVersion": "1"},
             "spec": {"placed": placed} if placed is not None else {}}  # fmt: skip
@@ -72,7 +52,10 @@ def board(name: str, placed: list[dict[str, str]] | None = None) -> dict[str, An
 def test_only_boards_whose_list_changed_are_written_and_a_missing_board_is_skipped() -> None:
     pods = [pod("team-a", "u1", "gpu-1", {ENGINE: "coder"}),
             pod("team-b", "u3", "gpu-2", {LANE: "search"})]  # fmt: skip
-    api = Api(pods, boards={"gpu-1", "gpu-3"})
+    # Pods listed by label; NodeBoards merge-patched (404 for a board that does not exist).
+    api = FakeKubeApi(pods)
+    for name in ("gpu-1", "gpu-3"):
+        api.add(board(name), "nodeboards")
     cache = Cache()
     for name in ("gpu-1", "gpu-2", "gpu-3"):
         cache.observe_board(board(name), deleted=False)
@@ -81,16 +64,16 @@ def test_only_boards_whose_list_changed_are_written_and_a_missing_board_is_skipp
     # gpu-1 gets its pod; gpu-2's board was deleted meanwhile (404, skipped); gpu-3 has none
     # and already says none.
     assert publisher.publish_once() == 1
-    assert api.patches == [(
+    assert api.patched == [(
         "/apis/continuum.dev/v1alpha1/nodeboards/gpu-1",
         {"spec": {"placed": [{"uid": "u1", "kind": "Engine", "namespace": "team-a",
                               "name": "coder"}]}},
     )]  # fmt: skip
     assert publisher.publish_once() == 0  # nothing changed: nothing written
 
-    api.pods[0]["status"]["phase"] = "Failed"  # its pod ended: the board says so
+    pods[0]["status"]["phase"] = "Failed"  # its pod ended: the board says so
     assert publisher.publish_once() == 1
-    assert api.patches[-1][1] == {"spec": {"placed": []}}
+    assert api.patched[-1][1] == {"spec": {"placed": []}}
 
     # The watch echo of the operator's own write compares equal.
     cache.observe_board(board("gpu-1", []), deleted=False)

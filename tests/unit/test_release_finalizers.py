@@ -6,32 +6,38 @@ the real one)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from continuum_operator.kube import minds, release
-from continuum_operator.kube.api import ApiError
 from tests.builders import ROOT
+from tests.fakes import FakeKubeApi
 
 GRANT = "continuum.dev/grant"
 
 
-class FakeApi:
-    """Minds by path, a Deployment and its pods; merge patches honour resourceVersion."""
+OPERATOR = "/apis/apps/v1/namespaces/sys/deployments/op"
+
+
+class FakeApi(FakeKubeApi):
+    """Minds, and the operator's Deployment (sys/op) whose pods go one each time they are
+    listed once it is scaled to none (3 while it runs)."""
 
     def __init__(self, objects: Sequence[dict[str, Any]]) -> None:
-        self.minds = {
-            f"/apis/continuum.dev/v1alpha1/namespaces/{o['metadata']['namespace']}/minds/"
-            f"{o['metadata']['name']}": o
-            for o in objects
-        }
-        self.rv = 100
-        self.replicas: int | None = None
+        super().__init__()
+        for obj in objects:
+            self.add(obj, "minds")
+        self.add(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"namespace": "sys", "name": "op", "resourceVersion": "1"},
+                "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "op"}}},
+            }
+        )
         self.pods = 0
-        self.calls: list[tuple[str, str]] = []
-        self.race: dict[str, list[str]] = {}  # path -> finalizers someone writes before us
 
     def request(
         self,
@@ -42,39 +48,16 @@ class FakeApi:
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
     ) -> dict[str, Any]:
-        self.calls.append((method, path))
-        if path == "/apis/continuum.dev/v1alpha1/minds":
-            limit = int(dict(query)["limit"])
-            start = int(dict(query).get("continue") or 0)
-            items = list(self.minds.values())[start : start + limit]
-            more = start + limit < len(self.minds)
-            return {"items": items, "metadata": {"continue": str(start + limit) if more else ""}}
-        if path.endswith("/pods"):
-            assert dict(query)["labelSelector"] == "app=op"
-            self.pods = max(0, self.pods - 1)  # one goes each time we look
-            return {"items": [{}] * (self.pods if self.replicas == 0 else 3)}
-        if path in self.minds:
-            return self.minds[path]
-        raise ApiError(404, "NotFound", path)
+        if not path.endswith("/pods"):
+            return super().request(method, path, body, query=query, content_type=content_type)
+        self._record(method, path, body, query)
+        assert dict(query)["labelSelector"] == "app=op"
+        self.pods = max(0, self.pods - 1)  # one goes each time we look
+        return {"items": [{}] * (self.pods if self.replicas == 0 else 3)}
 
-    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        self.calls.append(("PATCH", path))
-        if path.endswith("/deployments/op"):
-            self.replicas = patch["spec"]["replicas"]
-            return {"spec": {"selector": {"matchLabels": {"app": "op"}}}}
-        if path not in self.minds:
-            raise ApiError(404, "NotFound", path)
-        meta = self.minds[path]["metadata"]
-        if path in self.race:
-            meta["finalizers"] = self.race.pop(path)
-            self.rv += 1
-            meta["resourceVersion"] = str(self.rv)
-        if patch["metadata"]["resourceVersion"] != meta["resourceVersion"]:
-            raise ApiError(409, "Conflict", "the object has been modified")
-        meta["finalizers"] = patch["metadata"]["finalizers"]
-        self.rv += 1
-        meta["resourceVersion"] = str(self.rv)
-        return self.minds[path]
+    @property
+    def replicas(self) -> int:
+        return int(self.objects[OPERATOR]["spec"]["replicas"])
 
 
 def mind(name: str, *finalizers: str, ns: str = "team") -> dict[str, Any]:
@@ -90,7 +73,7 @@ def mind(name: str, *finalizers: str, ns: str = "team") -> dict[str, Any]:
 
 def finalizers_of(api: FakeApi, name: str, ns: str = "team") -> list[str]:
     path = f"/apis/continuum.dev/v1alpha1/namespaces/{ns}/minds/{name}"
-    return list(api.minds[path]["metadata"]["finalizers"])
+    return list(api.objects[path]["metadata"]["finalizers"])
 
 
 def test_the_grant_finalizer_comes_off_every_mind_and_other_finalizers_stay() -> None:
@@ -114,7 +97,9 @@ def test_the_grant_finalizer_comes_off_every_mind_and_other_finalizers_stay() ->
 def test_a_mind_changed_meanwhile_is_read_again_and_keeps_the_new_finalizer() -> None:
     api = FakeApi([mind("a", GRANT)])
     path = "/apis/continuum.dev/v1alpha1/namespaces/team/minds/a"
-    api.race[path] = [GRANT, "example.com/new"]  # written between our read and our patch
+    api.meanwhile(  # written between our read and our patch
+        path, lambda m: m["metadata"].update(finalizers=[GRANT, "example.com/new"])
+    )
     done = release.release_finalizers(api)
     assert done.released == ["minds team/a"]
     assert finalizers_of(api, "a") == ["example.com/new"]
@@ -132,7 +117,7 @@ def test_the_operator_is_stopped_before_any_finalizer_comes_off() -> None:
     waited = release.stop_operator(api, "sys", "op", timeout=60, sleep=lambda _: None)
     assert api.replicas == 0
     assert waited == 2  # it looked until no pod was left
-    assert not any(m == "PATCH" and "/minds/" in p for m, p in api.calls)
+    assert not any(m == "PATCH" and "/minds/" in p for m, p in api.requests)
     assert finalizers_of(api, "a") == [GRANT]
 
 

@@ -4,7 +4,6 @@ and a namespace's TokenQuota held over several engines, its status written only 
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,51 +13,12 @@ from hypothesis import strategies as st
 
 from continuum_operator.core.grants import MindDemand
 from continuum_operator.kube import routing
-from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.minds import GrantsLoop, MindCache
+from tests.fakes import FakeKubeApi
 
 BASE = "/apis/continuum.dev/v1alpha1/namespaces"
-
-
-class FakeApi:
-    """Engines replaced through their status; Minds' and TokenQuotas' status merge-patched."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, dict[str, Any]] = {}
-        self.patches: list[tuple[str, dict[str, Any]]] = []
-        self.gets: list[str] = []
-
-    def add(self, plural: str, body: dict[str, Any]) -> None:
-        meta = body["metadata"]
-        self.objects[f"{BASE}/{meta['namespace']}/{plural}/{meta['name']}"] = body
-
-    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
-        if method == "GET":
-            self.gets.append(path)
-            if path not in self.objects:
-                raise ApiError(404, "NotFound", path)
-            return copy.deepcopy(self.objects[path])
-        if method == "PUT" and path.endswith("/status"):
-            obj = self.objects[path.removesuffix("/status")]
-            obj["status"] = copy.deepcopy(body["status"])
-            rv = int(obj["metadata"]["resourceVersion"]) + 1
-            obj["metadata"]["resourceVersion"] = str(rv)
-            return copy.deepcopy(obj)
-        raise AssertionError(f"unexpected {method} {path}")
-
-    def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        self.patches.append((path, copy.deepcopy(patch)))
-        obj = self.objects.get(path.removesuffix("/status"))
-        if obj is None:
-            raise ApiError(404, "NotFound", path)
-        obj.setdefault("status", {}).update(copy.deepcopy(patch.get("status") or {}))
-        if "metadata" in patch:
-            obj["metadata"].update(
-                {k: v for k, v in patch["metadata"].items() if k != "resourceVersion"}
-            )
-        return copy.deepcopy(obj)
 
 
 def engine(ns: str, name: str, slots: int = 2, allowed: list[str] | None = None) -> dict[str, Any]:
@@ -93,7 +53,7 @@ def quota(ns: str, name: str, max_tokens: int) -> dict[str, Any]:
 
 class World:
     def __init__(self, tmp_path: Path) -> None:
-        self.api = FakeApi()
+        self.api = FakeKubeApi()
         self.engines = Cache()
         self.cache = MindCache()
         settings = GrantSettings(transition_log=tmp_path / "log.jsonl", write_workers=2)
@@ -108,15 +68,15 @@ class World:
         self.loop.writer.submit = lambda priority, key, job: job()  # type: ignore[method-assign]
 
     def engine(self, body: dict[str, Any]) -> None:
-        self.api.add("engines", body)
+        self.api.add(body, "engines")
         self.engines.observe_engine(body, deleted=False, nudge=False)
 
     def mind(self, body: dict[str, Any]) -> None:
-        self.api.add("minds", body)
+        self.api.add(body, "minds")
         self.cache.observe_mind(body, deleted=False, nudge=False)
 
     def quota(self, body: dict[str, Any]) -> None:
-        self.api.add("tokenquotas", body)
+        self.api.add(body, "tokenquotas")
         self.cache.observe_quota(body, deleted=False, nudge=False)
 
     def cls(self, name: str, **spec: Any) -> None:
@@ -179,7 +139,7 @@ def test_a_mind_naming_an_engine_that_does_not_exist_is_told_so_once(tmp_path: P
 def test_a_mind_of_an_engine_another_operator_serves_is_left_alone(tmp_path: Path) -> None:
     w = World(tmp_path)
     # In the API, not in this operator's cache (its engine selector does not match it).
-    w.api.add("engines", engine("team-b", "other"))
+    w.api.add(engine("team-b", "other"), "engines")
     w.mind(mind("team-b", "ann", "other"))
     w.loop.pass_once()
     assert w.status("minds", "team-b", "ann") == {}
