@@ -67,6 +67,7 @@ crds-check: venv
 bench: install
 	$(PY) bench/plan.py
 	$(PY) bench/grants.py
+	$(PY) bench/cache_memory.py
 	$(PY) bench/agent.py
 	$(PY) bench/estimate.py
 	$(PY) bench/gateway.py

@@ -24,6 +24,7 @@ from continuum_operator.core.heartbeat import LEASE_NAMESPACE, node_of_lease
 from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
 from continuum_operator.kube.facts_job import FACTS_FOR_LABEL
+from continuum_operator.kube.kept import kept
 from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import EnginePlacement
@@ -371,7 +372,7 @@ class Cache:
                 # A watch event older than the answer of our own write must not undo it. (An
                 # assumed body keeps the version it was assumed over.)
                 if known is None or _rv(meta) >= _rv(known["metadata"]):
-                    body = copy.deepcopy(dict(obj))
+                    body = kept(obj)
                     if pending is not None:
                         # Another write landed while ours is in flight: ours still holds.
                         self._pending[key] = (pending[0], body)
@@ -392,7 +393,7 @@ class Cache:
         if deleted:
             self.lanes.pop(key, None)
         elif known is None or _rv(meta) >= _rv(known["metadata"]):
-            self.lanes[key] = copy.deepcopy(dict(obj))
+            self.lanes[key] = kept(obj)
         new = self.lanes.get(key)
         if _lane_hold(known) != _lane_hold(new):
             # A lane's bytes are charged on its node, to every engine decided there.

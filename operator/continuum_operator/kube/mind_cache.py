@@ -5,7 +5,6 @@ since the loop last took them. Neighbours: `kube.ledger` (a Mind's keys)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ import kopf
 
 from continuum_operator.kube import routing
 from continuum_operator.kube.cache import EngineKey
+from continuum_operator.kube.kept import kept
 from continuum_operator.model.base import GROUP, VERSION
 
 __all__ = ["MindCache", "register", "resource_version"]
@@ -45,7 +45,7 @@ class MindCache:
         marked only if what the ledger reads of her changed; a watch event of a newer version
         marks it whatever changed (her status may need writing again)."""
         key = routing.mind_key(obj)
-        body = None if deleted else copy.deepcopy(dict(obj))  # (outside the lock)
+        body = None if deleted else kept(obj)  # (outside the lock)
         with self.lock:
             known = self.minds.get(key)
             if body is None:
@@ -124,7 +124,7 @@ class MindCache:
         if deleted:
             self.classes.pop(name, None)
         else:
-            self.classes[name] = copy.deepcopy(dict(obj))
+            self.classes[name] = kept(obj)
         self.changed.set()
 
     def observe_quota(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
@@ -134,7 +134,7 @@ class MindCache:
         else:
             known = self.quotas.get(key)
             if known is None or resource_version(obj) >= resource_version(known):
-                self.quotas[key] = copy.deepcopy(dict(obj))
+                self.quotas[key] = kept(obj)
         if nudge:
             self.changed.set()
 
