@@ -61,7 +61,9 @@ def managed(spec_paths: list[str], status_paths: list[str]) -> list[dict[str, An
     ]  # fmt: skip
 
 
-def obj(kind: str, ns: str, name: str, spec: dict[str, Any], status: dict[str, Any]) -> dict:
+def obj(
+    kind: str, ns: str, name: str, spec: dict[str, Any], status: dict[str, Any]
+) -> dict[str, Any]:
     manifest = {"apiVersion": "continuum.dev/v1alpha1", "kind": kind,
                 "metadata": {"name": name, "namespace": ns}, "spec": spec}  # fmt: skip
     return {

@@ -39,7 +39,8 @@ from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, merge_patch
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.minds import GrantsLoop, MindCache
+from continuum_operator.kube.mind_cache import MindCache
+from continuum_operator.kube.minds import GrantsLoop
 from continuum_operator.kube.settings import OperatorSettings
 
 NS = "ns"

@@ -15,7 +15,8 @@ import pytest
 
 from continuum_operator.kube import ledger
 from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.minds import GrantsLoop, MindCache
+from continuum_operator.kube.mind_cache import MindCache
+from continuum_operator.kube.minds import GrantsLoop
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind
 
 N = 6  # engines, each with two minds

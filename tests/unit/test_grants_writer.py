@@ -9,7 +9,8 @@ from typing import Any
 
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
-from continuum_operator.kube.minds import GrantsLoop, MindCache
+from continuum_operator.kube.mind_cache import MindCache
+from continuum_operator.kube.minds import GrantsLoop
 from tests.fakes import FakeKubeApi
 
 NS = "minds"

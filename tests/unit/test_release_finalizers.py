@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube import minds, release
+from continuum_operator.kube import mind_writes, release
 from tests.builders import ROOT
 from tests.fakes import FakeKubeApi
 
@@ -139,14 +139,14 @@ def test_a_missing_operator_deployment_is_nothing_to_stop() -> None:
 
 def test_the_list_covers_every_finalizer_the_operator_writes() -> None:
     """Each `finalizers` the operator writes is one FINALIZED names (a new one must be added)."""
-    assert release.FINALIZED == (("minds", minds.FINALIZER),)
+    assert release.FINALIZED == (("minds", mind_writes.FINALIZER),)
     writers = []
     for path in (ROOT / "operator" / "continuum_operator").rglob("*.py"):
         text = path.read_text()
         if re.search(r"[\"']finalizers[\"']\s*:", text):
             writers.append(path.relative_to(ROOT).as_posix())
     assert sorted(writers) == [
-        "operator/continuum_operator/kube/minds.py",
+        "operator/continuum_operator/kube/mind_writes.py",
         "operator/continuum_operator/kube/release.py",
     ]
 

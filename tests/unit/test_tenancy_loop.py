@@ -15,7 +15,8 @@ from continuum_operator.core.grants import MindDemand
 from continuum_operator.kube import routing
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
-from continuum_operator.kube.minds import GrantsLoop, MindCache
+from continuum_operator.kube.mind_cache import MindCache
+from continuum_operator.kube.minds import GrantsLoop
 from tests.fakes import FakeKubeApi
 
 BASE = "/apis/continuum.dev/v1alpha1/namespaces"

@@ -2,7 +2,7 @@
 uninstalling it leaves nothing stuck `Terminating`.
 
 The operator finalizes one kind of object: a Mind holding a grant carries `continuum.dev/grant`
-(`kube.minds.FINALIZER`) until her grant is released through her engine's gateway. With no
+(`kube.mind_writes.FINALIZER`) until her grant is released through her engine's gateway. With no
 operator left to release it, a Mind deleted later would wait for ever (and a namespace holding
 her would never finish deleting). The chart runs this command as a `pre-delete` hook Job
 (templates/uninstall-hook.yaml); it can be run by hand with a kubeconfig as well.
@@ -15,7 +15,7 @@ resourceVersion: finalizers of others are kept, and a Mind changed meanwhile is 
 A Mind that is not being deleted keeps running without her finalizer; an operator installed
 later puts it back while she holds a grant.
 
-Neighbours: `kube.minds` (adds and drops the finalizer), `kube.api` (the adapter), `cli.py`.
+Neighbours: `kube.mind_writes` (adds and drops the finalizer), `kube.api` (the adapter), `cli.py`.
 """
 
 from __future__ import annotations

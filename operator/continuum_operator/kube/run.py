@@ -284,8 +284,9 @@ async def serve(
     from continuum_operator.kube.leader import Elector, lead
     from continuum_operator.kube.loop import Loop
     from continuum_operator.kube.metrics import OperatorMetrics
-    from continuum_operator.kube.minds import GrantsLoop, MindCache
-    from continuum_operator.kube.minds import register as register_minds
+    from continuum_operator.kube.mind_cache import MindCache
+    from continuum_operator.kube.mind_cache import register as register_minds
+    from continuum_operator.kube.minds import GrantsLoop
     from continuum_operator.kube.placed_pods import PlacedPods
 
     cache = Cache(lease_namespace=settings.freshness.lease_namespace)

@@ -1,0 +1,279 @@
+"""The Minds' side of a grants pass: each Mind's `status.grant` and conditions projected from
+her Engine's ledger (`kube.mind_status`) and written when they differ, and the grant finalizer
+on a Mind holding a slot (her deletion must release it first) and off a deleted one once the
+ledger no longer holds her. The loop (`kube.minds`) decides; this builds and runs the writes
+(in the writer's threads, `kube.mind_writer`). Neighbours: `kube.mind_cache` (the Minds as last
+seen, and our writes' answers fed back to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+from continuum_operator.kube import crash, ledger, mind_status, routing
+from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.cache import EngineKey, format_time
+from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.mind_cache import MindCache
+from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE
+from continuum_operator.kube.quota_use import ClassNotes
+from continuum_operator.model.mind import GrantState
+
+__all__ = ["FINALIZER", "Job", "MindWrites"]
+
+log = logging.getLogger("continuum.grants")
+
+FINALIZER = "continuum.dev/grant"
+_HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
+
+#: A write for the writer: its priority, the key its writes are ordered by, and the write.
+Job = tuple[int, str, Callable[[], None]]
+
+
+def _without_nulls(value: Any) -> Any:
+    """A merge patch's effect: null removes a key, so compare without them."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+class MindWrites:
+    """Builds and runs the writes that bring Minds in line with their Engines' ledgers."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        minds: MindCache,
+        settings: GrantSettings,
+        clock: Callable[[], float],
+        pod_port: int,
+    ) -> None:
+        self.api = api
+        self.minds = minds
+        self.settings = settings
+        self.clock = clock
+        self.pod_port = pod_port
+        # A finalizer patch that met a conflict: the loop's next pass comes soon (read and
+        # cleared by the loop; set from the writer's threads).
+        self.retry_soon = False
+        self._lock = threading.Lock()
+        self.projections_written = 0
+
+    def endpoint(self, key: EngineKey) -> str:
+        ns, name = key
+        return self.settings.engine_addresses.get(
+            f"{ns}/{name}", f"http://{name}.{ns}.svc:{self.pod_port}"
+        )
+
+    def projection_jobs(
+        self,
+        key: EngineKey,
+        engine: dict[str, Any],
+        ledger_entries: list[dict[str, Any]],
+        minds: list[dict[str, Any]],
+        refused: Mapping[str, routing.Refused] | None = None,
+        notes: ClassNotes | None = None,
+    ) -> list[Job]:
+        """The writes that bring this engine's Minds in line with its ledger: projections, and
+        finalizers (on a Mind holding a slot, whose deletion must release it first; off a
+        deleted Mind once the ledger no longer holds her)."""
+        status = engine.get("status") or {}
+        entries = {str(e.get("mind")): e for e in ledger_entries}
+        pool = status.get(ledger.CAPACITY_FIELD) or {}
+        slot_tokens = int(pool.get("tokensPerSlot") or 0)
+        name = f"{key[0]}/{key[1]}"
+        jobs: list[Job] = []
+        for m in sorted(minds, key=routing.mind_key):
+            meta = m["metadata"]
+            mkey = routing.mind_key(m)
+            entry = entries.get(mkey)
+            if meta.get("deletionTimestamp"):
+                if entry is None and FINALIZER in (meta.get("finalizers") or []):
+                    jobs.append((FINALIZER_WRITE, mkey, partial(self.finalize, m)))
+                continue
+            asked = int((m.get("spec") or {}).get("contextTokens") or 0)
+            refusal = (refused or {}).get(mkey)
+            if refusal is not None:
+                grant, conds = mind_status.refused_projection(refusal)
+            else:
+                grant, conds = mind_status.projection(
+                    entry,
+                    name,
+                    slot_tokens,
+                    asked,
+                    class_note=notes.class_note(m) if notes else "",
+                    quota_note=notes.quota_note(meta["namespace"]) if notes else "",
+                    engine_note=ledger.engine_note(engine),
+                )
+            if self.projection_differs(m, grant, conds, self.endpoint(key)):
+                job = partial(self.project_one, mkey, grant, conds, self.endpoint(key))
+                jobs.append((PROJECTION_WRITE, mkey, job))
+            holding = entry is not None and entry.get("state") in _HOLDING
+            if holding and FINALIZER not in (meta.get("finalizers") or []):
+                jobs.append((FINALIZER_WRITE, mkey, partial(self.add_finalizer_to, mkey)))
+        return jobs
+
+    def missing_engine_jobs(self, key: EngineKey, minds: list[dict[str, Any]]) -> list[Job]:
+        """Projections saying EngineNotFound, for Minds of an Engine the cache lacks whose
+        status does not say so yet (the Engine is read once per job, only then)."""
+        grant, conds = mind_status.refused_projection(mind_status.engine_not_found(key))
+        stale = [
+            m
+            for m in sorted(minds, key=routing.mind_key)
+            if not m["metadata"].get("deletionTimestamp")
+            and self.projection_differs(m, grant, conds, None)
+        ]
+        if not stale:
+            return []
+        return [
+            (PROJECTION_WRITE, f"engine:{key[0]}/{key[1]}", partial(self.tell_missing, key, stale))
+        ]
+
+    def tell_missing(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
+        ns, name = key
+        try:
+            self.api.request("GET", crd_path("engines", ns, name))
+            return  # it exists: not this operator's (its selector), so not for it to say
+        except ApiError as err:
+            if err.status != 404:
+                raise
+        grant, conds = mind_status.refused_projection(mind_status.engine_not_found(key))
+        for m in minds:
+            self.project_one(routing.mind_key(m), grant, conds, None)
+
+    def add_finalizer_to(self, mkey: str) -> None:
+        """Add the finalizer to the Mind as the cache has her now (after her projection)."""
+        mind = self.minds.minds.get(mkey)
+        if mind is None or mind["metadata"].get("deletionTimestamp"):
+            return
+        if FINALIZER not in (mind["metadata"].get("finalizers") or []):
+            self.add_finalizer(mind)
+
+    def finalize(self, mind: dict[str, Any]) -> None:
+        crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
+        self.drop_finalizer(mind)
+
+    def project_one(
+        self,
+        mkey: str,
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str | None,
+    ) -> None:
+        mind = self.minds.minds.get(mkey)  # as the cache has her now
+        if mind is None:
+            return
+        answer = self.write_projection(mind, grant, conds, endpoint)
+        if answer is None:
+            return
+        with self._lock:
+            self.projections_written += 1
+            first = self.projections_written == 1
+        if first:
+            crash.reached(crash.CrashPoint.MID_PROJECTIONS)
+
+    def projection_differs(
+        self,
+        mind: Mapping[str, Any],
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str | None,
+    ) -> bool:
+        return self._projection(mind, grant, conds, endpoint) is not None
+
+    def _projection(
+        self,
+        mind: Mapping[str, Any],
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str | None,
+    ) -> dict[str, Any] | None:
+        """The Mind's new status part, or None when hers already says it."""
+        meta = mind["metadata"]
+        old = mind.get("status") or {}
+        old_conds = {c.get("type"): c for c in old.get("conditions") or []}
+        generation = meta.get("generation")
+        now = format_time(self.clock())
+        conditions = []
+        for type_, (ok, reason, message) in conds.items():
+            status = "True" if ok else "False"
+            prev = old_conds.get(str(type_)) or {}
+            since = prev.get("lastTransitionTime") if prev.get("status") == status else None
+            c: dict[str, Any] = {
+                "type": str(type_),
+                "status": status,
+                "reason": reason or "Unknown",
+                "message": message,
+                "lastTransitionTime": since or now,
+            }
+            if generation is not None:
+                c["observedGeneration"] = generation
+            conditions.append(c)
+        new = {"grant": grant, "conditions": conditions, "endpoint": endpoint}
+        if generation is not None:
+            new["observedGeneration"] = generation
+        if _without_nulls({k: old.get(k) for k in new}) == _without_nulls(new):
+            return None
+        return new
+
+    def write_projection(
+        self,
+        mind: dict[str, Any],
+        grant: dict[str, Any] | None,
+        conds: Mapping[str, tuple[bool, str, str]],
+        endpoint: str | None,
+    ) -> dict[str, Any] | None:
+        """Write the Mind's projection if it differs; the Mind as written, or None."""
+        new = self._projection(mind, grant, conds, endpoint)
+        if new is None:
+            return None
+        meta = mind["metadata"]
+        patch = {"status": new}
+        path = crd_path("minds", meta["namespace"], meta["name"], "status")
+        try:
+            answer = self.api.merge_patch(path, patch)
+        except ApiError as err:
+            if err.status != 404:
+                log.warning("writing Mind %s's grant failed: %s", routing.mind_key(mind), err)
+                self.minds.mark_mind(routing.mind_key(mind))  # the next pass writes it again
+            return None
+        self.minds.observe_mind(answer, deleted=False, nudge=False)
+        return answer
+
+    def add_finalizer(self, mind: dict[str, Any]) -> None:
+        meta = mind["metadata"]
+        finalizers = [*(meta.get("finalizers") or []), FINALIZER]
+        self._patch_finalizers(mind, finalizers)
+
+    def drop_finalizer(self, mind: dict[str, Any]) -> None:
+        meta = mind["metadata"]
+        if FINALIZER not in (meta.get("finalizers") or []):
+            return
+        finalizers = [f for f in meta.get("finalizers") or [] if f != FINALIZER]
+        self._patch_finalizers(mind, finalizers)
+
+    def _patch_finalizers(self, mind: dict[str, Any], finalizers: list[str]) -> None:
+        meta = mind["metadata"]
+        patch = {
+            "metadata": {"finalizers": finalizers, "resourceVersion": meta.get("resourceVersion")}
+        }
+        try:
+            answer = self.api.merge_patch(crd_path("minds", meta["namespace"], meta["name"]), patch)
+        except ApiError as err:
+            if err.status not in (404, 409):  # 409: changed meanwhile; the next pass retries
+                log.warning("finalizers of Mind %s: %s", routing.mind_key(mind), err)
+            if err.status == 409:
+                self.retry_soon = True  # not the Event: this runs in a worker thread
+            if err.status != 404:
+                self.minds.mark_mind(routing.mind_key(mind))  # the next pass decides it again
+            return
+        if answer.get("metadata", {}).get("deletionTimestamp") and not finalizers:
+            self.minds.observe_mind(answer, deleted=True, nudge=False)
+        else:
+            self.minds.observe_mind(answer, deleted=False, nudge=False)
