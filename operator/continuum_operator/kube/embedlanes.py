@@ -44,7 +44,7 @@ from continuum_operator.core.embed import (
 from continuum_operator.core.placements import consumer_name, lane_placement_leases
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.core.receipts import Receipt
-from continuum_operator.kube import lane_objects
+from continuum_operator.kube import events, lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, Snapshot, format_time
 from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
@@ -437,17 +437,16 @@ class LaneLoop:
         meta = lane["metadata"]
         now = format_time(self.clock())
         try:
-            self.api.create({
-                "apiVersion": "v1", "kind": "Event",
-                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-                "involvedObject": {"apiVersion": API_VERSION, "kind": "EmbedLane",
-                                   "name": meta["name"], "namespace": meta["namespace"],
-                                   "uid": meta.get("uid")},
-                "reason": event.reason, "message": event.message[:1024], "type": event.type,
-                "source": {"component": "continuum-operator"},
-                "reportingComponent": "continuum-operator",
-                "reportingInstance": socket.gethostname(),
-                "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-            })  # fmt: skip
+            self.api.create(
+                events.event(
+                    events.reference(API_VERSION, "EmbedLane", meta),
+                    event.type,
+                    event.reason,
+                    event.message,
+                    component=events.COMPONENT,
+                    instance=socket.gethostname(),
+                    now=now,
+                )
+            )
         except ApiError as err:
             log.warning("posting an event on EmbedLane %s failed: %s", meta["name"], err)

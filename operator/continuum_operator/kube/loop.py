@@ -27,7 +27,7 @@ from typing import Any
 
 from continuum_operator.core.conditions import ConditionType
 from continuum_operator.core.damping import Outcome
-from continuum_operator.kube import ledger, objects
+from continuum_operator.kube import events, ledger, objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
@@ -438,30 +438,15 @@ class Loop:
         now = format_time(self.clock())
         try:
             self.api.create(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Event",
-                    "metadata": {
-                        "generateName": f"{meta['name']}.",
-                        "namespace": meta["namespace"],
-                    },
-                    "involvedObject": {
-                        "apiVersion": API_VERSION,
-                        "kind": "Engine",
-                        "name": meta["name"],
-                        "namespace": meta["namespace"],
-                        "uid": meta.get("uid"),
-                    },
-                    "reason": event.reason,
-                    "message": event.message[:1024],
-                    "type": event.type,
-                    "source": {"component": "continuum-operator"},
-                    "reportingComponent": "continuum-operator",
-                    "reportingInstance": self.instance,
-                    "firstTimestamp": now,
-                    "lastTimestamp": now,
-                    "count": 1,
-                }
+                events.event(
+                    events.reference(API_VERSION, "Engine", meta),
+                    event.type,
+                    event.reason,
+                    event.message,
+                    component=events.COMPONENT,
+                    instance=self.instance,
+                    now=now,
+                )
             )
         except ApiError as err:
             log.warning("posting an event on Engine %s failed: %s", meta["name"], err)

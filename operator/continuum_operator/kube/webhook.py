@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from continuum_operator.core import rfc3339
+from continuum_operator.kube import events
 from continuum_operator.kube.objects import MANAGED_BY, priority_classes
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.model.base import GROUP
@@ -295,30 +296,18 @@ def unmutated_event(pod: Mapping[str, Any], pods: PodSettings, instance: str, no
         f"{pods.children_priority_class}, with its own CPU weight, and can slow the engine. "
         "Is the operator running with --webhook, and its MutatingWebhookConfiguration reachable?"
     )
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "name": f"{meta['name'][:200]}.unmutated.{str(meta.get('uid', ''))[:8]}",
-            "namespace": meta["namespace"],
-        },
-        "involvedObject": {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta.get("uid"),
-        },
-        "reason": UNMUTATED_REASON,
-        "message": message,
-        "type": "Warning",
-        "source": {"component": "continuum-operator"},
-        "reportingComponent": "continuum-operator",
-        "reportingInstance": instance,
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
+    # Posted whole (no cut at events.MESSAGE_LIMIT), as it always was.
+    return events.event(
+        events.reference("v1", "Pod", meta),
+        "Warning",
+        UNMUTATED_REASON,
+        message,
+        component=events.COMPONENT,
+        instance=instance,
+        now=now,
+        name=f"{meta['name'][:200]}.unmutated.{str(meta.get('uid', ''))[:8]}",
+        message_limit=None,
+    )
 
 
 # --------------------------------------------------------------------------------------------
