@@ -4,6 +4,7 @@ that no other module of the package formats or parses them by itself."""
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, timedelta, timezone
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +22,32 @@ def test_each_writer_prints_its_own_precision() -> None:
     assert rfc3339.format_micro(T) == "2025-12-03T18:00:00.123456Z"
     assert rfc3339.format_exact(T) == "2025-12-03T18:00:00.123456Z"
     assert rfc3339.format_exact(1_764_784_800.0) == "2025-12-03T18:00:00.0Z"
+    assert rfc3339.format_milli(T) == "2025-12-03T18:00:00.123Z"
+    assert rfc3339.format_milli(1_764_784_800.0) == "2025-12-03T18:00:00.000Z"
+    assert rfc3339.format_isoformat(T) == "2025-12-03T18:00:00.123456Z"
+    assert rfc3339.format_isoformat(1_764_784_800.0) == "2025-12-03T18:00:00Z"
+    assert rfc3339.format_isoformat(1_764_784_800.5) == "2025-12-03T18:00:00.500000Z"
+
+
+def test_a_datetime_is_written_at_its_instant_in_utc() -> None:
+    """The agent's clock hands `format_micro` a datetime: its instant, whatever its zone."""
+    at = datetime(2025, 12, 3, 18, 0, 0, 123456, tzinfo=UTC)
+    assert rfc3339.format_micro(at) == "2025-12-03T18:00:00.123456Z"
+    east = at.astimezone(timezone(timedelta(hours=2)))
+    assert rfc3339.format_micro(east) == "2025-12-03T18:00:00.123456Z"
+    naive = datetime(2025, 12, 3, 18, 0, 0)  # taken as local time, as `astimezone` takes it
+    assert rfc3339.format_micro(naive) == rfc3339.format_micro(naive.timestamp())
+
+
+@given(times)
+def test_the_writers_print_what_their_modules_once_printed_themselves(t: float) -> None:
+    at = datetime.fromtimestamp(t, UTC)
+    # engine/gateway.py's log and report times, engine/admission.py's grant table.
+    assert rfc3339.format_milli(t) == at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    assert rfc3339.format_isoformat(t) == at.isoformat().replace("+00:00", "Z")
+    # agent/writer.py's Lease times, from its datetime clock.
+    assert rfc3339.format_micro(at) == at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    assert rfc3339.format_micro(at) == rfc3339.format_micro(t)
 
 
 def test_parse_reads_zulu_offsets_and_the_api_servers_times() -> None:
@@ -57,18 +84,18 @@ def test_parse_exact_refuses_what_format_exact_never_writes() -> None:
 
 # Modules that still convert times themselves, each for a behaviour of its own.
 OWN_BEHAVIOUR = {
-    # The agent's clock hands it a datetime, not Unix seconds.
-    "agent/writer.py",
-    # The gateway's grant table: a bad time is an error naming where, a naive time is UTC.
+    # The gateway's grant table is read strictly: a bad time is an error naming where, and a
+    # naive time is UTC (`parse` answers None, and takes a naive one as local time).
     "engine/admission.py",
-    # The gateway's log and report times in milliseconds.
-    "engine/gateway.py",
+    # A runtime report's `lastExit.at` is read only as engine/runtime.py writes it (whole
+    # seconds, `Z`): anything else is no exit time.
+    "kube/runtime_report.py",
 }
 
 
 def test_no_other_module_formats_or_parses_rfc3339_by_itself() -> None:
     package = ROOT / "operator" / "continuum_operator"
-    converting = re.compile(r"strftime\(|fromisoformat\(|isoformat\(|time\.gmtime\(")
+    converting = re.compile(r"strftime\(|strptime\(|fromisoformat\(|isoformat\(|gmtime\(|timegm\(")
     found = {
         str(path.relative_to(package))
         for path in package.rglob("*.py")

@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from kubernetes import client, config
 
+from continuum_operator.core import rfc3339
 from continuum_operator.core.heartbeat import (
     AGENT_LEASE_LABELS,
     LEASE_NAMESPACE,
@@ -57,10 +58,6 @@ def connect(kubeconfig: str | None, *, in_cluster: bool) -> client.ApiClient:
     else:
         config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
     return client.ApiClient(configuration)
-
-
-def _micro_time(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _fail(what: str, err: client.ApiException) -> AgentApiError:
@@ -208,7 +205,7 @@ class AgentApi:
         spec = {
             "holderIdentity": self.identity,
             "leaseDurationSeconds": self.lease_seconds,
-            "renewTime": _micro_time(now),
+            "renewTime": rfc3339.format_micro(now),
         }
         try:
             self._coordination.patch_namespaced_lease(
@@ -231,7 +228,7 @@ class AgentApi:
                 **agent_lease_metadata(self.node, self.lease_namespace),
                 "ownerReferences": self._owner(facts),
             },
-            "spec": {**spec, "acquireTime": _micro_time(now)},
+            "spec": {**spec, "acquireTime": rfc3339.format_micro(now)},
         }
         lease = client.V1Lease.from_dict(body)
         assert lease is not None

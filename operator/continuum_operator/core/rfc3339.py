@@ -1,9 +1,11 @@
 """RFC 3339 times as the API server and our status fields carry them, and Unix seconds inside.
 
 The one home of the conversions the operator, the agent's neighbours and the webhook use:
-decisions take Unix seconds (an injected clock), status and Leases hold RFC 3339 text. Three
-writers for three needs: `format_seconds` (whole seconds, as conditions and events carry them),
-`format_micro` (a Lease's MicroTime, six fraction digits), `format_exact` (the shortest fraction
+decisions take Unix seconds (an injected clock), status and Leases hold RFC 3339 text. A writer
+for each need: `format_seconds` (whole seconds, as conditions and events carry them),
+`format_micro` (a Lease's MicroTime, six fraction digits; the agent's clock hands it a datetime),
+`format_milli` (the gateway's log and report times, three digits), `format_isoformat` (six digits,
+or none for a whole second: the gateway's grant table), `format_exact` (the shortest fraction
 that `parse_exact` reads back as the same float: a journaled step logged with the times it was
 decided at). `parse` reads any of them, and the API server's own, leniently: None, never an
 error, for anything that is not such a time. Pure: no clock is read here.
@@ -15,7 +17,15 @@ from datetime import UTC, datetime
 from decimal import Decimal, localcontext
 from typing import Any
 
-__all__ = ["format_exact", "format_micro", "format_seconds", "parse", "parse_exact"]
+__all__ = [
+    "format_exact",
+    "format_isoformat",
+    "format_micro",
+    "format_milli",
+    "format_seconds",
+    "parse",
+    "parse_exact",
+]
 
 
 def format_seconds(epoch: float) -> str:
@@ -23,9 +33,27 @@ def format_seconds(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def format_micro(epoch: float) -> str:
-    """Unix seconds as RFC 3339 with microseconds, as a Lease's MicroTime fields hold them."""
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def format_micro(epoch: float | datetime) -> str:
+    """Unix seconds (or a datetime: its instant, a naive one taken as local time) as RFC 3339
+    with microseconds, as a Lease's MicroTime fields hold them: `2026-12-03T18:00:00.000000Z`."""
+    # A datetime is written as it is, not through Unix seconds: no float in between to round.
+    at = (
+        epoch.astimezone(UTC) if isinstance(epoch, datetime) else datetime.fromtimestamp(epoch, UTC)
+    )
+    return at.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def format_milli(epoch: float) -> str:
+    """Unix seconds as RFC 3339 with milliseconds (the microseconds cut, not rounded):
+    `2026-12-03T18:00:00.123Z`."""
+    at = datetime.fromtimestamp(epoch, UTC)
+    return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def format_isoformat(epoch: float) -> str:
+    """Unix seconds as RFC 3339 as `datetime.isoformat` writes it: six fraction digits, or none
+    when the time is a whole second (`2026-12-03T18:00:00Z`, `2026-12-03T18:00:00.500000Z`)."""
+    return datetime.fromtimestamp(epoch, UTC).isoformat().replace("+00:00", "Z")
 
 
 def parse(text: Any) -> float | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import EnginePhase, GrantReason
 from continuum_operator.model.mind import GrantState
 
@@ -261,7 +262,7 @@ def _refuse(
 def _iso(t: float | None) -> str | None:
     if t is None:
         return None
-    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat().replace("+00:00", "Z")
+    return rfc3339.format_isoformat(t)
 
 
 def _not_granted(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import logging
 import secrets
@@ -30,6 +29,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import GrantReason
 from continuum_operator.engine.admission import (
     Admission,
@@ -120,17 +120,9 @@ class SlotRelease:
             "slot": self.slot,
             "reason": self.reason,
             "grantSince": self.grant_since,
-            "at": _iso(self.at),
+            "at": rfc3339.format_milli(self.at),
             "erasedTokens": self.erased_tokens,
         }
-
-
-def _iso(t: float) -> str:
-    return (
-        dt.datetime.fromtimestamp(t, dt.UTC)
-        .isoformat(timespec="milliseconds")
-        .replace("+00:00", "Z")
-    )
 
 
 @dataclass(eq=False, slots=True)
