@@ -24,9 +24,9 @@ import yaml
 
 from continuum_operator.core.heartbeat import NODE_ANNOTATION, lease_name, node_of_lease
 from continuum_operator.kube import engine_identity, facts_job, lane_objects, objects
+from continuum_operator.kube.children import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
 from continuum_operator.kube.leader import WALL_CLOCK_OFFSET_ENV
 from continuum_operator.kube.settings import PodSettings
-from continuum_operator.kube.webhook import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
 from tests.e2e.conftest import Cluster

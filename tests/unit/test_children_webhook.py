@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube import webhook
-from continuum_operator.kube.run import settings_from
-from continuum_operator.kube.settings import ChildrenSettings, PodSettings
-from continuum_operator.kube.webhook import (
+from continuum_operator.kube import children, webhook
+from continuum_operator.kube.children import (
     BACKGROUND,
     CLASS_ANNOTATION,
     CLASS_ENV,
     MIND_LABEL,
-    Unmarked,
     mind_of,
     mutate,
 )
+from continuum_operator.kube.run import settings_from
+from continuum_operator.kube.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.webhook import Unmarked
 
 PODS = PodSettings(children_priority_class="kids", children_priority=-5)
 CHILDREN = ChildrenSettings(cpu_request="1m")
@@ -95,7 +95,7 @@ MINDS = {"ns/ada", "team/bo"}
 
 
 def test_a_pod_her_service_account_creates_is_her_child_without_the_label() -> None:
-    creator = webhook.mind_of_creator("system:serviceaccount:ns:ada", MINDS.__contains__)
+    creator = children.mind_of_creator("system:serviceaccount:ns:ada", MINDS.__contains__)
     assert creator == "ada"
     m = mutate(pod(labels={"app": "build"}), PODS, CHILDREN, creator)
     assert m is not None
@@ -105,7 +105,7 @@ def test_a_pod_her_service_account_creates_is_her_child_without_the_label() -> N
 
 def test_only_the_service_account_of_an_existing_mind_makes_children() -> None:
     def of(user: str) -> str | None:
-        return webhook.mind_of_creator(user, MINDS.__contains__)
+        return children.mind_of_creator(user, MINDS.__contains__)
 
     assert of("system:serviceaccount:ns:web") is None  # no Mind ns/web
     assert of("system:serviceaccount:team:ada") is None  # ada is a Mind of ns, not of team
@@ -161,7 +161,7 @@ def test_a_child_is_marked_for_the_runner_inside_it() -> None:
         {"name": "A", "value": "1"},
         {"name": CLASS_ENV, "value": BACKGROUND},
     ]
-    assert webhook.is_marked(p)
+    assert children.is_marked(p)
 
 
 def test_a_class_the_child_asked_for_is_replaced_and_the_client_is_told() -> None:
