@@ -132,121 +132,143 @@ def _c(t: ConditionType, status: bool, reason: Reason, message: str, gen: int | 
 
 def engine_conditions(f: EngineFacts) -> list[Condition]:
     """Every condition type, always present, in a fixed order."""
+    # A refusal belongs to the launch of a plan in force; without one there is nothing it refused.
+    refused = f.runtime.refused if f.planned is not None else None
+    return [
+        _planned(f),
+        _ready(f, refused),
+        _degraded(f, refused),
+        _memory_mode_unknown(f),
+        _board_stale(f),
+        _unschedulable(f),
+    ]
+
+
+def _planned(f: EngineFacts) -> Condition:
+    gen = f.generation
+    p = f.planned
+    if f.problem is not None:
+        return _c(ConditionType.PLANNED, False, f.problem.reason, f.problem.message, gen)
+    if p is None:
+        return _c(
+            ConditionType.PLANNED, False, Reason.NOT_PLACED, "no node takes this engine yet", gen
+        )
+    message = planned_message(p.node, p.layers_on_device, p.total_layers, p.minds_grantable)
+    return _c(ConditionType.PLANNED, True, Reason.PLANNED, message, gen)
+
+
+def _ready(f: EngineFacts, refused: Problem | None) -> Condition:
+    gen = f.generation
+    T = ConditionType
+    if refused is not None:
+        return _c(T.READY, False, refused.reason, refused.message, gen)
+    if f.pod is PodPhase.READY:
+        return _c(T.READY, True, Reason.POD_READY, "the engine pod is ready", gen)
+    if f.pod is PodPhase.RELAUNCHING:
+        return _c(T.READY, False, Reason.RELAUNCHING, "the engine is relaunching", gen)
+    if f.pod is PodPhase.PENDING:
+        return _c(T.READY, False, Reason.POD_PENDING, "the engine pod has not started yet", gen)
+    why = f.problem or f.unschedulable
+    return _c(
+        T.READY,
+        False,
+        why.reason if why else Reason.NOT_PLACED,
+        why.message if why else "not placed yet",
+        gen,
+    )
+
+
+def _degraded(f: EngineFacts, refused: Problem | None) -> Condition:
+    """The first of the reasons, most severe first, why the engine serves less than asked."""
     gen = f.generation
     T = ConditionType
     p = f.planned
-    out: list[Condition] = []
-    if f.problem is not None:
-        out.append(_c(T.PLANNED, False, f.problem.reason, f.problem.message, gen))
-    elif p is None:
-        out.append(_c(T.PLANNED, False, Reason.NOT_PLACED, "no node takes this engine yet", gen))
-    else:
-        message = planned_message(p.node, p.layers_on_device, p.total_layers, p.minds_grantable)
-        out.append(_c(T.PLANNED, True, Reason.PLANNED, message, gen))
-
-    refused = f.runtime.refused if p is not None else None
     if refused is not None:
-        ready = _c(T.READY, False, refused.reason, refused.message, gen)
-    elif f.pod is PodPhase.READY:
-        ready = _c(T.READY, True, Reason.POD_READY, "the engine pod is ready", gen)
-    elif f.pod is PodPhase.RELAUNCHING:
-        ready = _c(T.READY, False, Reason.RELAUNCHING, "the engine is relaunching", gen)
-    elif f.pod is PodPhase.PENDING:
-        ready = _c(T.READY, False, Reason.POD_PENDING, "the engine pod has not started yet", gen)
-    else:
-        why = f.problem or f.unschedulable
-        ready = _c(
-            T.READY,
-            False,
-            why.reason if why else Reason.NOT_PLACED,
-            why.message if why else "not placed yet",
-            gen,
-        )
-    out.append(ready)
-
-    degraded: Condition
-    if refused is not None:
-        degraded = _c(T.DEGRADED, True, refused.reason, refused.message, gen)
-    elif p is not None and f.runtime.restarted:
-        degraded = _c(T.DEGRADED, True, Reason.ENGINE_RESTARTED, f.runtime.restarted, gen)
-    elif p is not None and not f.board_fresh:
-        degraded = _c(
+        return _c(T.DEGRADED, True, refused.reason, refused.message, gen)
+    if p is None:
+        return _c(T.DEGRADED, False, Reason.AS_PLANNED, "", gen)
+    if f.runtime.restarted:
+        return _c(T.DEGRADED, True, Reason.ENGINE_RESTARTED, f.runtime.restarted, gen)
+    if not f.board_fresh:
+        return _c(
             T.DEGRADED,
             True,
             Reason.LEASE_EXPIRED,
             f"the board of {p.node} is stale: the engine keeps its plan, nothing re-plans there",
             gen,
         )
-    elif p is not None and f.no_longer_fits:
-        degraded = _c(
+    if f.no_longer_fits:
+        return _c(
             T.DEGRADED,
             True,
             Reason.NO_LONGER_FITS,
             f"{p.node} no longer holds this engine as planned: {f.no_longer_fits}",
             gen,
         )
-    elif p is not None and f.damping in (
-        Outcome.GATHERING_EVIDENCE,
-        Outcome.COOLING_DOWN,
-    ):
-        degraded = _c(T.DEGRADED, True, Reason.RELAUNCH_DEFERRED, f.damping_message, gen)
-    elif p is not None and p.minds_grantable < p.minds_max:
-        degraded = _c(
+    if f.damping in (Outcome.GATHERING_EVIDENCE, Outcome.COOLING_DOWN):
+        return _c(T.DEGRADED, True, Reason.RELAUNCH_DEFERRED, f.damping_message, gen)
+    if p.minds_grantable < p.minds_max:
+        return _c(
             T.DEGRADED,
             True,
             Reason.MINDS_LIMITED,
             f"{p.minds_grantable} of {p.minds_max} minds fit on {p.node}",
             gen,
         )
-    elif (
-        p is not None
-        and p.layers_on_device < p.total_layers
-        and p.memory_mode != MemoryMode.UNKNOWN
-    ):
-        degraded = _c(
+    if p.layers_on_device < p.total_layers and p.memory_mode != MemoryMode.UNKNOWN:
+        return _c(
             T.DEGRADED,
             True,
             Reason.LAYERS_LIMITED,
             f"{p.layers_on_device}/{p.total_layers} layers fit on the device of {p.node}",
             gen,
         )
-    else:
-        degraded = _c(T.DEGRADED, False, Reason.AS_PLANNED, "", gen)
-    out.append(degraded)
+    return _c(T.DEGRADED, False, Reason.AS_PLANNED, "", gen)
 
+
+def _memory_mode_unknown(f: EngineFacts) -> Condition:
+    gen = f.generation
+    p = f.planned
     if p is not None and p.memory_mode == MemoryMode.UNKNOWN:
-        out.append(
-            _c(
-                T.MEMORY_MODE_UNKNOWN,
-                True,
-                Reason.MODE_UNKNOWN,
-                f"node {p.node} reports no memory mode: host memory is governed, device memory "
-                "is not; declare spec.placement.deviceBudgetBytes or run the agent with a GPU "
-                "backend",
-                gen,
-            )
+        return _c(
+            ConditionType.MEMORY_MODE_UNKNOWN,
+            True,
+            Reason.MODE_UNKNOWN,
+            f"node {p.node} reports no memory mode: host memory is governed, device memory "
+            "is not; declare spec.placement.deviceBudgetBytes or run the agent with a GPU "
+            "backend",
+            gen,
         )
-    else:
-        out.append(_c(T.MEMORY_MODE_UNKNOWN, False, Reason.MODE_REPORTED, "", gen))
+    return _c(ConditionType.MEMORY_MODE_UNKNOWN, False, Reason.MODE_REPORTED, "", gen)
 
+
+def _board_stale(f: EngineFacts) -> Condition:
+    gen = f.generation
+    p = f.planned
     if p is not None and not f.board_fresh:
-        out.append(
-            _c(
-                T.BOARD_STALE,
-                True,
-                Reason.LEASE_EXPIRED,
-                f"node {p.node}'s Lease has expired: no new plans or relaunches there",
-                gen,
-            )
+        return _c(
+            ConditionType.BOARD_STALE,
+            True,
+            Reason.LEASE_EXPIRED,
+            f"node {p.node}'s Lease has expired: no new plans or relaunches there",
+            gen,
         )
-    else:
-        out.append(_c(T.BOARD_STALE, False, Reason.BOARD_FRESH, "", gen))
+    return _c(ConditionType.BOARD_STALE, False, Reason.BOARD_FRESH, "", gen)
 
+
+def _unschedulable(f: EngineFacts) -> Condition:
+    gen = f.generation
+    p = f.planned
     if f.unschedulable is not None and p is None:
-        out.append(_c(T.UNSCHEDULABLE, True, f.unschedulable.reason, f.unschedulable.message, gen))
-    else:
-        out.append(_c(T.UNSCHEDULABLE, False, Reason.PLACED if p else Reason.NOT_PLACED, "", gen))
-    return out
+        return _c(
+            ConditionType.UNSCHEDULABLE,
+            True,
+            f.unschedulable.reason,
+            f.unschedulable.message,
+            gen,
+        )
+    reason = Reason.PLACED if p else Reason.NOT_PLACED
+    return _c(ConditionType.UNSCHEDULABLE, False, reason, "", gen)
 
 
 def merge(old: Sequence[Condition], new: Sequence[Condition], now: str) -> list[Condition]:

@@ -27,6 +27,7 @@ from continuum_operator.core.readings import (
     GpuMemoryStatus,
     GpuReading,
     HostReading,
+    MetalReading,
     NodeReadings,
     NumaNode,
 )
@@ -127,29 +128,10 @@ def _board(
 
 def board_status(readings: NodeReadings) -> NodeBoardStatus:
     """The NodeBoard status these readings support; unknown (with the reason) where none does."""
-    nvml, metal, cap = readings.nvml, readings.metal, readings.configured_cap_bytes
+    nvml, metal = readings.nvml, readings.metal
 
     if metal is not None and metal.available:
-        host = host_pool(readings.host)
-        if metal.wired_limit_bytes is not None:
-            cap = metal.wired_limit_bytes if cap is None else min(cap, metal.wired_limit_bytes)
-        default_limit = (
-            "Metal working-set limit left at its default (iogpu.wired_limit_mb 0)"
-            if metal.wired_limit_bytes is None
-            else ""
-        )
-        return _board(
-            readings,
-            MemoryMode.UNIFIED,
-            [
-                f"Apple silicon ({metal.chip or 'Metal'}): device and host memory are one pool",
-                *host.notes,
-                default_limit,
-            ],
-            [_one_pool(host, PoolKind.UNIFIED)],
-            [GpuInfo(index=0, name=metal.chip)],
-            cap,
-        )
+        return _metal_board(readings, metal)
 
     measured = [g for g in nvml.gpus if g.memory is GpuMemoryStatus.MEASURED]
     shared = [g for g in nvml.gpus if g.memory is GpuMemoryStatus.NOT_SUPPORTED]
@@ -161,58 +143,104 @@ def board_status(readings: NodeReadings) -> NodeBoardStatus:
     gpus = [GpuInfo(index=g.index, name=g.name, uuid=g.uuid) for g in nvml.gpus]
 
     if nvml.available and shared and not measured:
-        host = host_pool(readings.host)
-        names = ", ".join(f"GPU {g.index} ({g.name})" for g in shared)
-        return _board(
-            readings,
-            MemoryMode.UNIFIED,
-            [
-                f"NVML memory info Not Supported on {names}: GPU allocations draw from host memory",
-                *host.notes,
-                *failures,
-            ],
-            [_one_pool(host, PoolKind.UNIFIED)],
-            gpus,
-            cap,
-        )
-
+        return _nvml_unified_board(readings, shared, failures, gpus)
     if nvml.available and measured and not shared:
-        host = host_pool(readings.host, measured)
-        pools = [_one_pool(host, PoolKind.HOST)]
-        for g in measured:
-            assert g.capacity_bytes is not None  # MEASURED carries it
-            used = None if g.used_bytes is None else min(g.used_bytes, g.capacity_bytes)
-            pools.append(
-                PoolReading(
-                    kind=PoolKind.DEVICE,
-                    device=g.index,
-                    capacity_bytes=g.capacity_bytes,
-                    used_bytes=used,
-                    coherent=_coherent(g.addressing),
-                )
-            )
-        coherent = [g for g in measured if _coherent(g.addressing)]
-        coherence = (
-            f"GPU {', '.join(str(g.index) for g in coherent)} can address system memory "
-            f"({coherent[0].addressing.upper()}): coherent, still its own pool"
-            if coherent
-            else ""
-        )
-        return _board(
-            readings,
-            MemoryMode.DISCRETE,
-            [
-                "NVML reports a framebuffer of its own on every measured GPU",
-                coherence,
-                *host.notes,
-                *failures,
-            ],
-            pools,
-            gpus,
-            cap,
-        )
+        return _discrete_board(readings, measured, failures, gpus)
+    return _unknown_board(readings, measured, shared, failures, gpus)
 
-    # No backend reported a memory mode, or the GPUs contradict each other: unknown.
+
+def _metal_board(readings: NodeReadings, metal: MetalReading) -> NodeBoardStatus:
+    cap = readings.configured_cap_bytes
+    host = host_pool(readings.host)
+    if metal.wired_limit_bytes is not None:
+        cap = metal.wired_limit_bytes if cap is None else min(cap, metal.wired_limit_bytes)
+    default_limit = (
+        "Metal working-set limit left at its default (iogpu.wired_limit_mb 0)"
+        if metal.wired_limit_bytes is None
+        else ""
+    )
+    return _board(
+        readings,
+        MemoryMode.UNIFIED,
+        [
+            f"Apple silicon ({metal.chip or 'Metal'}): device and host memory are one pool",
+            *host.notes,
+            default_limit,
+        ],
+        [_one_pool(host, PoolKind.UNIFIED)],
+        [GpuInfo(index=0, name=metal.chip)],
+        cap,
+    )
+
+
+def _nvml_unified_board(
+    readings: NodeReadings, shared: list[GpuReading], failures: list[str], gpus: list[GpuInfo]
+) -> NodeBoardStatus:
+    """Every GPU's memory Not Supported by NVML (GB10): one pool, the host's."""
+    host = host_pool(readings.host)
+    names = ", ".join(f"GPU {g.index} ({g.name})" for g in shared)
+    return _board(
+        readings,
+        MemoryMode.UNIFIED,
+        [
+            f"NVML memory info Not Supported on {names}: GPU allocations draw from host memory",
+            *host.notes,
+            *failures,
+        ],
+        [_one_pool(host, PoolKind.UNIFIED)],
+        gpus,
+        readings.configured_cap_bytes,
+    )
+
+
+def _discrete_board(
+    readings: NodeReadings, measured: list[GpuReading], failures: list[str], gpus: list[GpuInfo]
+) -> NodeBoardStatus:
+    host = host_pool(readings.host, measured)
+    pools = [_one_pool(host, PoolKind.HOST)]
+    for g in measured:
+        assert g.capacity_bytes is not None  # MEASURED carries it
+        used = None if g.used_bytes is None else min(g.used_bytes, g.capacity_bytes)
+        pools.append(
+            PoolReading(
+                kind=PoolKind.DEVICE,
+                device=g.index,
+                capacity_bytes=g.capacity_bytes,
+                used_bytes=used,
+                coherent=_coherent(g.addressing),
+            )
+        )
+    coherent = [g for g in measured if _coherent(g.addressing)]
+    coherence = (
+        f"GPU {', '.join(str(g.index) for g in coherent)} can address system memory "
+        f"({coherent[0].addressing.upper()}): coherent, still its own pool"
+        if coherent
+        else ""
+    )
+    return _board(
+        readings,
+        MemoryMode.DISCRETE,
+        [
+            "NVML reports a framebuffer of its own on every measured GPU",
+            coherence,
+            *host.notes,
+            *failures,
+        ],
+        pools,
+        gpus,
+        readings.configured_cap_bytes,
+    )
+
+
+def _unknown_board(
+    readings: NodeReadings,
+    measured: list[GpuReading],
+    shared: list[GpuReading],
+    failures: list[str],
+    gpus: list[GpuInfo],
+) -> NodeBoardStatus:
+    """No backend reported a memory mode, or the GPUs contradict each other: never a guess."""
+    nvml, metal = readings.nvml, readings.metal
     if not nvml.available:
         reasons = [f"no NVIDIA: {nvml.reason}"]
         if metal is not None:
@@ -233,7 +261,7 @@ def board_status(readings: NodeReadings) -> NodeBoardStatus:
         [*reasons, *host.notes, *failures],
         [_one_pool(host, PoolKind.HOST)],
         gpus,
-        cap,
+        readings.configured_cap_bytes,
     )
 
 
