@@ -24,7 +24,8 @@ and so what the facts say (checked against llama.cpp's source vendored in llama-
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -81,6 +82,57 @@ def facts_from_header(header: GgufHeader) -> ModelFacts:
     def key(name: str) -> Any:
         return meta.get(f"{arch}.{name}")
 
+    n_layer = _block_count(header, arch, key)
+    tensors = _tensor_bytes(header, arch, n_layer)
+    attention = _attention(header, arch, key, n_layer)
+    n_embd = attention.embedding_length
+
+    vocab = (
+        _int(key("vocab_size"))
+        or _int(meta.get(VOCAB_LENGTH_KEY))
+        or (
+            tensors.token_embd_elements // n_embd
+            if n_embd and tensors.token_embd_elements
+            else None
+        )
+    )
+    n_ff = _per_layer(key("feed_forward_length"), n_layer)
+    n_ff_exp = _int(key("expert_feed_forward_length"))
+    ffn = max([*n_ff, n_ff_exp or 0]) or None
+
+    heads_kv: int | list[int] | None = _one_or_list(attention.head_count_kv)
+    try:
+        return ModelFacts(
+            architecture=arch,
+            layers=n_layer,
+            layer_bytes=_one_or_list(tensors.layer_bytes),
+            input_bytes=tensors.input_bytes,
+            output_bytes=tensors.output_bytes,
+            output_host_bytes=tensors.output_host_bytes,
+            kv_bytes_per_token_per_layer=_one_or_list(attention.kv_rates),
+            embedding_length=n_embd or None,
+            head_count=attention.head_count or None,
+            head_count_kv=heads_kv,
+            key_length=attention.key_length,
+            value_length=0 if attention.mla else attention.value_length,
+            feed_forward_length=ffn,
+            vocab_size=vocab,
+            context_length=_int(key("context_length")),
+            sliding_window=attention.window if attention.window_layers else None,
+            sliding_window_layers=attention.window_layers,
+            expert_count=_int(key("expert_count")),
+            expert_used_count=_int(key("expert_used_count")),
+        )
+    except ValidationError as err:  # a header that contradicts itself, or numbers out of range
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()
+        )
+        raise FactsError(
+            f"{header.source}: the header's facts cannot be planned: {problems}"
+        ) from None
+
+
+def _block_count(header: GgufHeader, arch: str, key: Callable[[str], Any]) -> int:
     n_layer = _int(key("block_count"))
     if not n_layer:
         raise FactsError(f"{header.source}: no {arch}.block_count in the GGUF header")
@@ -88,7 +140,21 @@ def facts_from_header(header: GgufHeader) -> ModelFacts:
         raise FactsError(
             f"{header.source}: {arch}.block_count is {n_layer}; a model has 1 to {MAX_LAYERS}"
         )
+    return n_layer
 
+
+@dataclass(frozen=True, slots=True)
+class _TensorBytes:
+    """The tensor index summed where llama.cpp places each tensor."""
+
+    layer_bytes: list[int]
+    input_bytes: int
+    output_bytes: int
+    output_host_bytes: int | None
+    token_embd_elements: int
+
+
+def _tensor_bytes(header: GgufHeader, arch: str, n_layer: int) -> _TensorBytes:
     layer_bytes = [0] * n_layer
     input_bytes = 0
     output_bytes = 0
@@ -114,7 +180,27 @@ def facts_from_header(header: GgufHeader) -> ModelFacts:
     if not has_output and token_embd_bytes and arch not in _NO_OUTPUT_HEAD:
         output_host = output_bytes
         output_bytes += token_embd_bytes
+    return _TensorBytes(layer_bytes, input_bytes, output_bytes, output_host, token_embd_elements)
 
+
+@dataclass(frozen=True, slots=True)
+class _Attention:
+    """The attention shape as the header gives it, and the KV cache rate per layer it makes."""
+
+    embedding_length: int | None
+    head_count: int | None
+    head_count_kv: list[int]
+    key_length: int | None
+    value_length: int | None
+    mla: bool
+    window: int | None
+    window_layers: list[int]
+    kv_rates: list[int]
+
+
+def _attention(
+    header: GgufHeader, arch: str, key: Callable[[str], Any], n_layer: int
+) -> _Attention:
     n_embd = _int(key("embedding_length"))
     n_head_list = _per_layer(key("attention.head_count"), n_layer)
     n_head = max(n_head_list) if n_head_list else None
@@ -127,8 +213,11 @@ def facts_from_header(header: GgufHeader) -> ModelFacts:
     mla = _int(key("attention.key_length_mla")) is not None
 
     window = _int(key("attention.sliding_window")) or None
-    window_layers = _window_layers(meta.get(f"{arch}.attention.sliding_window_pattern"),
-                                   SWA_PATTERNS.get(arch), n_layer) if window else []  # fmt: skip
+    window_layers = (
+        _window_layers(key("attention.sliding_window_pattern"), SWA_PATTERNS.get(arch), n_layer)
+        if window
+        else []
+    )
     key_length_swa = _int(key("attention.key_length_swa")) or key_length
     value_length_swa = _int(key("attention.value_length_swa")) or value_length
 
@@ -145,46 +234,17 @@ def facts_from_header(header: GgufHeader) -> ModelFacts:
             "head_count_kv) and a head size (key_length, or embedding_length / head_count) "
             "are missing"
         )
-
-    vocab = (
-        _int(key("vocab_size"))
-        or _int(meta.get(VOCAB_LENGTH_KEY))
-        or (token_embd_elements // n_embd if n_embd and token_embd_elements else None)
+    return _Attention(
+        embedding_length=n_embd,
+        head_count=n_head,
+        head_count_kv=n_head_kv_list,
+        key_length=key_length,
+        value_length=value_length,
+        mla=mla,
+        window=window,
+        window_layers=window_layers,
+        kv_rates=kv_rates,
     )
-    n_ff = _per_layer(key("feed_forward_length"), n_layer)
-    n_ff_exp = _int(key("expert_feed_forward_length"))
-    ffn = max([*n_ff, n_ff_exp or 0]) or None
-
-    heads_kv: int | list[int] | None = _one_or_list(n_head_kv_list)
-    try:
-        return ModelFacts(
-            architecture=arch,
-            layers=n_layer,
-            layer_bytes=_one_or_list(layer_bytes),
-            input_bytes=input_bytes,
-            output_bytes=output_bytes,
-            output_host_bytes=output_host,
-            kv_bytes_per_token_per_layer=_one_or_list(kv_rates),
-            embedding_length=n_embd or None,
-            head_count=n_head or None,
-            head_count_kv=heads_kv,
-            key_length=key_length,
-            value_length=0 if mla else value_length,
-            feed_forward_length=ffn,
-            vocab_size=vocab,
-            context_length=_int(key("context_length")),
-            sliding_window=window if window_layers else None,
-            sliding_window_layers=window_layers,
-            expert_count=_int(key("expert_count")),
-            expert_used_count=_int(key("expert_used_count")),
-        )
-    except ValidationError as err:  # a header that contradicts itself, or numbers out of range
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()
-        )
-        raise FactsError(
-            f"{header.source}: the header's facts cannot be planned: {problems}"
-        ) from None
 
 
 def _int(value: Any) -> int | None:
