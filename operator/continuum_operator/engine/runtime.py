@@ -615,6 +615,52 @@ def _previous_runtime(path: Path | None) -> dict[str, Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    plan, previous = await _plan_and_previous_runtime(args)
+    launch = _launch_settings(args, plan, previous)
+    gateway = Gateway(
+        GatewaySettings(
+            upstream="http://127.0.0.1:0",
+            grace_seconds=args.grace,
+            review_token=_reviewer(args),
+        )
+    )
+    runtime = EngineRuntime(launch, gateway, publish=_publisher(args))
+    # Minds' door and the cluster's: /metrics, /v1/releases and /v1/runtime are served on the
+    # admin address only (docs/gateway.md, "Endpoints besides the protocol").
+    admin = gateway.admin_app()
+
+    async def runtime_doc(request: web.Request) -> web.Response:
+        return web.json_response(runtime.status())
+
+    admin.router.add_get("/v1/runtime", runtime_doc)
+    await gateway.start()
+    runners = await _serve_gateway_and_admin(args, gateway, admin)
+
+    if args.grants is not None:
+        source = asyncio.create_task(watch_file(args.grants, gateway.set_table))
+    else:
+        assert args.engine is not None
+        engine_ns, _, engine_name = args.engine.partition("/")
+        source = asyncio.create_task(watch_engine(engine_ns, engine_name, gateway.set_table))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(runtime.stop()))
+    try:
+        await runtime.run()
+    finally:
+        source.cancel()
+        await asyncio.gather(source, return_exceptions=True)
+        for runner in runners:
+            await runner.cleanup()
+        await gateway.close()
+    return EXIT_OK
+
+
+async def _plan_and_previous_runtime(
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plan to launch and the runtime document of the run before: from the files named,
+    else from the Engine's status."""
     plan = load_plan(args.plan)
     previous = _previous_runtime(args.status_file)
     if args.engine is not None:
@@ -628,8 +674,14 @@ async def serve(args: argparse.Namespace) -> int:
                 plan = status["plan"]
             if isinstance(status.get("runtime"), dict):
                 previous = status["runtime"]
+    return plan, previous
+
+
+def _launch_settings(
+    args: argparse.Namespace, plan: dict[str, Any], previous: dict[str, Any]
+) -> LaunchSettings:
     engine_args = parse_llama_args(args.llama_args) or tuple(plan.get("engineArgs") or ())
-    launch = LaunchSettings(
+    return LaunchSettings(
         llama_server=args.llama_server,
         model=args.model,
         args=engine_args,
@@ -647,17 +699,13 @@ async def serve(args: argparse.Namespace) -> int:
         restart_window_seconds=args.restart_window,
         launch=os.environ.get(LAUNCH_ENV) or None,
     )
-    gateway = Gateway(
-        GatewaySettings(
-            upstream="http://127.0.0.1:0",
-            grace_seconds=args.grace,
-            review_token=_reviewer(args),
-        )
-    )
+
+
+def _publisher(args: argparse.Namespace) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """Where the runtime document goes: `--status-file`, the Engine's status, or both."""
     sinks: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
     if args.status_file is not None:
         sinks.append(_file_publisher(args.status_file))
-    engine_ns = engine_name = None
     if args.engine is not None:
         engine_ns, _, engine_name = args.engine.partition("/")
         sinks.append(EngineStatusWriter(engine_ns, engine_name).write)
@@ -666,16 +714,12 @@ async def serve(args: argparse.Namespace) -> int:
         for sink in sinks:
             await sink(doc)
 
-    runtime = EngineRuntime(launch, gateway, publish=publish)
-    # Minds' door and the cluster's: /metrics, /v1/releases and /v1/runtime are served on the
-    # admin address only (docs/gateway.md, "Endpoints besides the protocol").
-    admin = gateway.admin_app()
+    return publish
 
-    async def runtime_doc(request: web.Request) -> web.Response:
-        return web.json_response(runtime.status())
 
-    admin.router.add_get("/v1/runtime", runtime_doc)
-    await gateway.start()
+async def _serve_gateway_and_admin(
+    args: argparse.Namespace, gateway: Gateway, admin: web.Application
+) -> list[web.AppRunner]:
     listen = f"0.0.0.0:{args.port}" if args.port is not None else args.listen
     admin_listen = args.admin_listen
     if args.admin_port is not None:
@@ -686,24 +730,7 @@ async def serve(args: argparse.Namespace) -> int:
         runner, bound = await serve_app(served, host or "0.0.0.0", int(port))
         runners.append(runner)
         log.info("%s listening on %s", "gateway" if served is not admin else "admin", bound)
-
-    if args.grants is not None:
-        source = asyncio.create_task(watch_file(args.grants, gateway.set_table))
-    else:
-        assert engine_ns is not None and engine_name is not None
-        source = asyncio.create_task(watch_engine(engine_ns, engine_name, gateway.set_table))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(runtime.stop()))
-    try:
-        await runtime.run()
-    finally:
-        source.cancel()
-        await asyncio.gather(source, return_exceptions=True)
-        for runner in runners:
-            await runner.cleanup()
-        await gateway.close()
-    return EXIT_OK
+    return runners
 
 
 def _reviewer(args: argparse.Namespace) -> TokenReviewer | None:

@@ -96,34 +96,29 @@ def registry_for(
     async def node(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_node(_obj(event), _deleted(event))
 
-    @kopf.on.event(
-        group="apps",
-        version="v1",
-        plural="deployments",
-        registry=registry,
-        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-    )
+    @_watch_managed("apps", "deployments", registry)
     async def deployment(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_deployment(_obj(event), _deleted(event))
 
-    @kopf.on.event(
-        group="batch",
-        version="v1",
-        plural="jobs",
-        registry=registry,
-        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-    )
+    @_watch_managed("batch", "jobs", registry)
     async def job(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_job(_obj(event), _deleted(event))
 
-    @kopf.on.event(
-        group="",
-        version="v1",
-        plural="services",
-        registry=registry,
-        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-    )
+    @_watch_managed("", "services", registry)
     async def service(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_service(_obj(event), _deleted(event))
 
     return registry
+
+
+def _watch_managed(
+    group: str, plural: str, registry: kopf.OperatorRegistry
+) -> kopf.on.WatchingDecorator:
+    """A watch of one kind of the objects the operator made: those labelled as managed by it."""
+    return kopf.on.event(
+        group=group,
+        version="v1",
+        plural=plural,
+        registry=registry,
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+    )

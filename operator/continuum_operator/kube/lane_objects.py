@@ -219,6 +219,42 @@ def lane_deployment(
     are charged to the pod's cgroup) and the process's overhead: the Guaranteed QoS class, as
     engines have, so the kernel never swaps the lane out first.
     """
+    model, volume = _model_and_volume(lane, engine)
+    memory = str(_memory_bytes(lane, placement, model))
+    ns, name = lane.metadata.namespace, lane.metadata.name
+    command = _command(lane, model, volume, pods)
+    node = str(placement["node"])
+    launch = hashlib.sha256(
+        json.dumps({"cmd": command, "node": node, "memory": memory}, sort_keys=True).encode()
+    ).hexdigest()[:16]
+    container = _container(command, memory, volume, pods)
+    labels = _labels(lane)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": deployment_name(lane),
+            "namespace": ns,
+            "labels": labels,
+            "annotations": {objects.LAUNCH_ANNOTATION: launch},
+            "ownerReferences": [_owner(lane, uid)],
+        },
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {LANE_LABEL: name}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {objects.LAUNCH_ANNOTATION: launch}},
+                "spec": _pod_spec(lane, node, container, volume, pods),
+            },
+        },
+    }
+
+
+def _model_and_volume(
+    lane: EmbedLane, engine: Engine | None
+) -> tuple[ModelRef, objects.ModelVolume]:
+    """The lane's model and the volume that mounts its file, the one the engine mounts."""
     model = _model(lane, engine)
     assert model is not None and model.source is not None
     probe = Engine.model_validate(
@@ -234,11 +270,20 @@ def lane_deployment(
     )
     volume = objects.model_volume(probe)  # the same volume the engine mounts
     assert volume is not None
+    return model, volume
+
+
+def _memory_bytes(lane: EmbedLane, placement: Mapping[str, Any], model: ModelRef) -> int:
     host = sum(int(p.get("bytes") or 0) for p in placement.get("pools") or [])
     # A lane with a model of its own has its weights in its charge already; one beside an
     # engine maps the engine's file, whose pages still count against this pod.
     weights = _weights(model.facts) if lane.spec.model is None else 0
-    memory = str(host + weights + RUNTIME_OVERHEAD_BYTES)
+    return host + weights + RUNTIME_OVERHEAD_BYTES
+
+
+def _command(
+    lane: EmbedLane, model: ModelRef, volume: objects.ModelVolume, pods: PodSettings
+) -> list[str]:
     ns, name = lane.metadata.namespace, lane.metadata.name
     command = [
         "continuum",
@@ -258,12 +303,14 @@ def lane_deployment(
     if model.sha256:
         command += ["--sha256", model.sha256]
     command += ["--threads", str(lane_threads(pods.cpu))]
-    node = str(placement["node"])
-    launch = hashlib.sha256(
-        json.dumps({"cmd": command, "node": node, "memory": memory}, sort_keys=True).encode()
-    ).hexdigest()[:16]
+    return command
+
+
+def _container(
+    command: list[str], memory: str, volume: objects.ModelVolume, pods: PodSettings
+) -> Obj:
     resources = {"cpu": pods.cpu, "memory": memory}
-    container: Obj = {
+    return {
         "name": "embed",
         "image": pods.image,
         "imagePullPolicy": pods.image_pull_policy,
@@ -277,51 +324,32 @@ def lane_deployment(
         "securityContext": objects.container_security_context(),
         "volumeMounts": [volume.mount, dict(objects.TMP_MOUNT)],
     }
-    labels = _labels(lane)
+
+
+def _pod_spec(
+    lane: EmbedLane, node: str, container: Obj, volume: objects.ModelVolume, pods: PodSettings
+) -> Obj:
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": deployment_name(lane),
-            "namespace": ns,
-            "labels": labels,
-            "annotations": {objects.LAUNCH_ANNOTATION: launch},
-            "ownerReferences": [_owner(lane, uid)],
-        },
-        "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": {LANE_LABEL: name}},
-            "template": {
-                "metadata": {"labels": labels, "annotations": {objects.LAUNCH_ANNOTATION: launch}},
-                "spec": {
-                    "priorityClassName": pods.engine_priority_class,
-                    "serviceAccountName": deployment_name(lane),
-                    "securityContext": objects.pod_security_context(),
-                    "affinity": {
-                        "nodeAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": {
-                                "nodeSelectorTerms": [
-                                    {
-                                        "matchFields": [
-                                            {
-                                                "key": "metadata.name",
-                                                "operator": "In",
-                                                "values": [node],
-                                            }
-                                        ]
-                                    }
-                                ]
-                            }
+        "priorityClassName": pods.engine_priority_class,
+        "serviceAccountName": deployment_name(lane),
+        "securityContext": objects.pod_security_context(),
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [node]}
+                            ]
                         }
-                    },
-                    "tolerations": [
-                        {"key": objects.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
-                    ],
-                    "containers": [container],
-                    "volumes": [volume.volume, dict(objects.TMP_VOLUME)],
-                    "terminationGracePeriodSeconds": 30,
-                },
-            },
+                    ]
+                }
+            }
         },
+        "tolerations": [
+            {"key": objects.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        ],
+        "containers": [container],
+        "volumes": [volume.volume, dict(objects.TMP_VOLUME)],
+        "terminationGracePeriodSeconds": 30,
     }

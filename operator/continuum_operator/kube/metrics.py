@@ -69,6 +69,17 @@ class OperatorMetrics:
             ["verb", "resource"],
             registry=r,
         )
+        self._add_engine_metrics(r)
+        self._add_children_metrics(r)
+        self._add_grant_metrics(r)
+        self.leader = Gauge(
+            "continuum_operator_leader",
+            "1 while this replica holds the leader Lease.",
+            registry=r,
+        )
+
+    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
+        """Engines: their relaunches, placements and plans, and the boards they are planned on."""
         self.relaunches = Counter(
             "continuum_engine_relaunches",
             "Relaunches of an engine: of its pod, by the operator (damped; cause Planned), and "
@@ -128,7 +139,9 @@ class OperatorMetrics:
             ["node"],
             registry=r,
         )
-        # A mind's child pods (kube.webhook, docs/children.md).
+
+    def _add_children_metrics(self, r: CollectorRegistry) -> None:
+        """A mind's child pods (kube.webhook, docs/children.md)."""
         self.children_mutated = Counter(
             "continuum_mind_children_mutated",
             "Child pods of minds given the children's class by the webhook.",
@@ -148,7 +161,9 @@ class OperatorMetrics:
             registry=r,
         )
 
-        # Grants (kube.minds, docs/grants.md): docs/design.md rule 7 counts and exports reclaims.
+    def _add_grant_metrics(self, r: CollectorRegistry) -> None:
+        """Grants (kube.minds, docs/grants.md): docs/design.md rule 7 counts and exports
+        reclaims."""
         self.grant_transitions = Counter(
             "continuum_grant_transitions",
             "Grant ledger transitions the leader wrote, by the state entered and the reason.",
@@ -186,6 +201,8 @@ class OperatorMetrics:
             ["namespace", "engine", "reason"],
             registry=r,
         )
+        # An engine's, but registered here so that /metrics lists the families in the order
+        # it always has.
         self.estimate_error = Gauge(
             "continuum_engine_plan_estimate_error_ratio",
             "(planned - allocated) / allocated bytes per pool side: the plan against the "
@@ -196,11 +213,6 @@ class OperatorMetrics:
         self.ledger_conflicts = Counter(
             "continuum_grant_ledger_conflicts",
             "Ledger writes refused for a stale resourceVersion (409), decided again.",
-            registry=r,
-        )
-        self.leader = Gauge(
-            "continuum_operator_leader",
-            "1 while this replica holds the leader Lease.",
             registry=r,
         )
 

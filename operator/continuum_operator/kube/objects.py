@@ -314,78 +314,15 @@ def launch_hash(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> s
 def deployment(
     engine: Engine, uid: str, plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bool
 ) -> Obj:
-    gpus = len(plan.get("gpus", [])) if node_has_gpus else 0
-    memory = str(memory_limit_bytes(plan, pods))
-    resources: dict[str, str] = {"cpu": str(engine_cpus(plan, pods)), "memory": memory}
-    # The runtime names its launch in status.runtime, so the operator reads only the report
-    # of the pod it is deciding for (`kube.runtime_report`).
-    env: list[Obj] = [
-        {
-            "name": LAUNCH_ENV,
-            "valueFrom": {
-                "fieldRef": {"fieldPath": f"metadata.annotations['{LAUNCH_ANNOTATION}']"}
-            },
-        }
-    ]
-    rules = enforcement(plan, pods, node_has_gpus=node_has_gpus)
-    claim = gpu_claim_template(engine, uid, plan, pods)
-    if gpus and claim is None:
-        resources[GPU_RESOURCE] = str(gpus)
-    if not gpus and claim is None:
-        env.extend(dict(e) for e in NO_GPU_ENV)
-    if gpus:
-        if "hamiGpumemMiB" in rules:
-            resources[HAMI_GPUMEM_RESOURCE] = str(rules["hamiGpumemMiB"])
-        if "mpsPinnedDeviceMemLimit" in rules:
-            env.append({"name": MPS_LIMIT_ENV, "value": rules["mpsPinnedDeviceMemLimit"]})
-    container: Obj = {
-        "name": "engine",
-        "image": pods.image,
-        "imagePullPolicy": pods.image_pull_policy,
-        "command": command(engine, plan, pods),
-        "ports": [{"name": "http", "containerPort": pods.port}],
-        "resources": {"requests": dict(resources), "limits": dict(resources)},
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
-        # The gateway's own event loop answering; llama-server's exits are the runtime's to
-        # count and stop (`--max-restarts`), and the gateway answers while the model is hashed.
-        "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": "http"},
-            "periodSeconds": 10,
-            "timeoutSeconds": 5,
-            "failureThreshold": 6,
-        },
-        "securityContext": container_security_context(),
-        "volumeMounts": [dict(TMP_MOUNT)],  # the gateway's slot directory (tempfile)
-    }
-    if env:
-        container["env"] = env
+    resources, env, claim = _engine_resources(engine, uid, plan, pods, node_has_gpus=node_has_gpus)
+    container = _engine_container(engine, plan, pods, resources, env)
     volumes: list[Obj] = [dict(TMP_VOLUME)]
     model = model_volume(engine)
     if model is not None:
         volumes.append(model.volume)
         container["volumeMounts"].append(model.mount)
     launch = launch_hash(engine, plan, pods)
-    pod_spec: Obj = {
-        "priorityClassName": pods.engine_priority_class,
-        "serviceAccountName": service_account_name(engine),
-        "securityContext": pod_security_context(),
-        "affinity": {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [
-                        {
-                            "matchFields": [
-                                {"key": "metadata.name", "operator": "In", "values": [plan["node"]]}
-                            ]
-                        }
-                    ]
-                }
-            }
-        },
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
-        "containers": [container],
-        "terminationGracePeriodSeconds": 30,
-    }
+    pod_spec = _engine_pod_spec(engine, plan, pods, container)
     pod_spec["volumes"] = volumes
     if claim is not None:
         # The GPUs come from the claim, not from nvidia.com/gpu: the planned ones or none.
@@ -412,6 +349,96 @@ def deployment(
                 "spec": pod_spec,
             },
         },
+    }
+
+
+def _engine_resources(
+    engine: Engine, uid: str, plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bool
+) -> tuple[dict[str, str], list[Obj], Obj | None]:
+    """The engine container's resources and environment, and the ResourceClaimTemplate its
+    GPUs come from where they come from DRA."""
+    gpus = len(plan.get("gpus", [])) if node_has_gpus else 0
+    memory = str(memory_limit_bytes(plan, pods))
+    resources: dict[str, str] = {"cpu": str(engine_cpus(plan, pods)), "memory": memory}
+    # The runtime names its launch in status.runtime, so the operator reads only the report
+    # of the pod it is deciding for (`kube.runtime_report`).
+    env: list[Obj] = [
+        {
+            "name": LAUNCH_ENV,
+            "valueFrom": {
+                "fieldRef": {"fieldPath": f"metadata.annotations['{LAUNCH_ANNOTATION}']"}
+            },
+        }
+    ]
+    rules = enforcement(plan, pods, node_has_gpus=node_has_gpus)
+    claim = gpu_claim_template(engine, uid, plan, pods)
+    if gpus and claim is None:
+        resources[GPU_RESOURCE] = str(gpus)
+    if not gpus and claim is None:
+        env.extend(dict(e) for e in NO_GPU_ENV)
+    if gpus:
+        if "hamiGpumemMiB" in rules:
+            resources[HAMI_GPUMEM_RESOURCE] = str(rules["hamiGpumemMiB"])
+        if "mpsPinnedDeviceMemLimit" in rules:
+            env.append({"name": MPS_LIMIT_ENV, "value": rules["mpsPinnedDeviceMemLimit"]})
+    return resources, env, claim
+
+
+def _engine_container(
+    engine: Engine,
+    plan: Mapping[str, Any],
+    pods: PodSettings,
+    resources: dict[str, str],
+    env: list[Obj],
+) -> Obj:
+    container: Obj = {
+        "name": "engine",
+        "image": pods.image,
+        "imagePullPolicy": pods.image_pull_policy,
+        "command": command(engine, plan, pods),
+        "ports": [{"name": "http", "containerPort": pods.port}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
+        # The gateway's own event loop answering; llama-server's exits are the runtime's to
+        # count and stop (`--max-restarts`), and the gateway answers while the model is hashed.
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "securityContext": container_security_context(),
+        "volumeMounts": [dict(TMP_MOUNT)],  # the gateway's slot directory (tempfile)
+    }
+    if env:
+        container["env"] = env
+    return container
+
+
+def _engine_pod_spec(
+    engine: Engine, plan: Mapping[str, Any], pods: PodSettings, container: Obj
+) -> Obj:
+    """The engine's pod, pinned to the plan's node (its volumes and claims are added after)."""
+    return {
+        "priorityClassName": pods.engine_priority_class,
+        "serviceAccountName": service_account_name(engine),
+        "securityContext": pod_security_context(),
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [plan["node"]]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [container],
+        "terminationGracePeriodSeconds": 30,
     }
 
 

@@ -39,6 +39,19 @@ def add_parser(sub: Any) -> None:
         description="Place, plan and run Engines from NodeBoards (docs/design.md) until stopped.",
     )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+    _add_pod_arguments(p, d)
+    _add_freshness_arguments(p, d)
+    _add_placement_arguments(p, d)
+    _add_damping_arguments(p, d)
+    _add_loop_arguments(p, d)
+    webhook.add_arguments(p)
+    grant_settings.add_arguments(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_operator)  # fmt: skip
+
+
+def _add_pod_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
+    """How engine and lane pods are made: image, CPUs, GPUs, restarts, model paths."""
     p.add_argument("--engine-image", default=d.pods.image, help="image of `continuum engine`")
     p.add_argument(
         "--lane-cpu",
@@ -108,6 +121,10 @@ def add_parser(sub: Any) -> None:
         help="a host directory whose files hostPath model sources may name; repeatable "
         "(default: none, every hostPath source is refused)",
     )
+
+
+def _add_freshness_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
+    """When a node's board counts as fresh, and where its Lease is."""
     p.add_argument(
         "--board-ttl",
         type=float,
@@ -120,6 +137,10 @@ def add_parser(sub: Any) -> None:
         help="namespace of the node agents' Leases, their --lease-namespace "
         f"(default: $POD_NAMESPACE, else {LEASE_NAMESPACE})",
     )
+
+
+def _add_placement_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
+    """How long a placement waits for its pod, and what a failed one costs."""
     p.add_argument(
         "--pod-start-timeout",
         type=float,
@@ -132,6 +153,10 @@ def add_parser(sub: Any) -> None:
         default=d.placement.backoff_seconds,
         help="seconds a node where a pod never started is skipped for that engine",
     )
+
+
+def _add_damping_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
+    """When a better plan is worth relaunching an engine for."""
     p.add_argument(
         "--damping-readings",
         type=int,
@@ -150,6 +175,10 @@ def add_parser(sub: Any) -> None:
         default=d.damping.cooldown_seconds,
         help="seconds after a relaunch before the next",
     )
+
+
+def _add_loop_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
+    """How often the loop passes, over which Engines, and its metrics."""
     p.add_argument(
         "--resync",
         type=float,
@@ -174,10 +203,6 @@ def add_parser(sub: Any) -> None:
         default=0,
         help="serve Prometheus metrics on this port (0: not served)",
     )
-    webhook.add_arguments(p)
-    grant_settings.add_arguments(p)
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.set_defaults(func=cmd_operator)  # fmt: skip
 
 
 def _whole_cpus(text: str) -> int:
