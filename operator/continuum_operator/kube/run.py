@@ -326,7 +326,7 @@ async def serve(
     registry = registry_for(cache, engine_labels)
     # Part 2: Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
-    # A pod her service account creates is her child (`webhook.mind_of_creator`).
+    # A pod her service account creates is her child (`children.mind_of_creator`).
     webhook.register(
         registry, api, settings.pods, settings.children, metrics,
         is_mind=lambda key: key in mind_cache.minds,
