@@ -60,7 +60,7 @@ from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.mind_cache import MindCache, resource_version
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
-from continuum_operator.kube.mind_writes import MindWrites
+from continuum_operator.kube.mind_writes import Job, MindWrites
 from continuum_operator.kube.quota_use import ClassNotes, QuotaUse, quota_status
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.base import API_VERSION, GROUP, VERSION
@@ -275,11 +275,7 @@ class GrantsLoop:
             [m for key in sorted(groups) for m in groups[key]], engines, classes, default
         )
         mine = sorted(k for k in dirty if k in engines)
-        for key in mine:  # steps a dead leader wrote but did not log
-            self.log.recover(
-                f"{key[0]}/{key[1]}",
-                ledger.read_journal((engines[key].get("status") or {}).get(ledger.STEP_FIELD)),
-            )
+        self._recover_journals(mine, engines)
 
         wanted = {
             key: routing.demands_of(by_engine.get(key, []), classes, default, refused)
@@ -338,8 +334,36 @@ class GrantsLoop:
         # Projections are queued before finalizers: a grant is seen as soon as the API allows.
         # Every Mind of a stepped engine, its ledger changed or not: one whose status is stale
         # (just created, queued behind others) is written too.
-        notes = ClassNotes(classes, default, quotas)
-        jobs: list[tuple[int, str, Callable[[], None]]] = []
+        jobs = self._mind_jobs(stepped, dirty, engines, done, by_engine, refused,
+                               ClassNotes(classes, default, quotas), quotas)  # fmt: skip
+        # Not waited for: the next pass's ledgers need not queue behind these writes.
+        for priority, mkey, job in jobs:
+            self.writer.submit(priority, mkey, job)
+
+    def _recover_journals(
+        self, keys: Iterable[EngineKey], engines: Mapping[EngineKey, dict[str, Any]]
+    ) -> None:
+        """Append the steps a dead leader wrote but did not log (each engine's journal)."""
+        for key in keys:
+            self.log.recover(
+                f"{key[0]}/{key[1]}",
+                ledger.read_journal((engines[key].get("status") or {}).get(ledger.STEP_FIELD)),
+            )
+
+    def _mind_jobs(
+        self,
+        stepped: list[tuple[EngineKey, dict[str, Any]]],
+        dirty: set[EngineKey],
+        engines: Mapping[EngineKey, dict[str, Any]],
+        done: set[EngineKey],
+        by_engine: Mapping[EngineKey, list[dict[str, Any]]],
+        refused: Mapping[str, routing.Refused],
+        notes: ClassNotes,
+        quotas: QuotaUse,
+    ) -> list[Job]:
+        """What follows from a pass's ledgers: the Minds' projections and finalizers, and the
+        TokenQuotas' status, as writes for the writer."""
+        jobs: list[Job] = []
         for key, engine in stepped:
             jobs.extend(
                 self.mind_writes.projection_jobs(
@@ -372,9 +396,7 @@ class GrantsLoop:
                 jobs.append(
                     (PROJECTION_WRITE, f"tokenquota:{qkey}", partial(self.write_quota, quota, new))
                 )
-        # Not waited for: the next pass's ledgers need not queue behind these writes.
-        for priority, mkey, job in jobs:
-            self.writer.submit(priority, mkey, job)
+        return jobs
 
     def _failed(self, key: str) -> None:
         """A Mind's write raised (in a writer thread): her engine is stepped again next pass."""
@@ -490,28 +512,7 @@ class GrantsLoop:
         engine = f"{ns}/{name}"
         path = crd_path("engines", ns, name, "status")
         for _attempt in range(self.settings.conflict_retries):
-            status = dict(body.get("status") or {})
-            seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
-            lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
-            status["grants"] = s.kept
-            status[ledger.CAPACITY_FIELD] = s.pool.to_status()
-            kept = {str(e.get("mind")) for e in s.kept}
-            status[ledger.STEP_FIELD] = ledger.journal(seq, now, lines, kept)
-            if s.queue is not None:
-                status[ledger.QUEUE_FIELD] = s.queue
-            else:
-                status.pop(ledger.QUEUE_FIELD, None)
-            doc = {
-                "apiVersion": API_VERSION,
-                "kind": "Engine",
-                "metadata": {
-                    "name": name,
-                    "namespace": ns,
-                    "resourceVersion": body["metadata"]["resourceVersion"],
-                },
-                "spec": body.get("spec") or {},
-                "status": status,
-            }
+            doc, seq, lines = self._ledger_doc(key, body, s, now)
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
             try:
                 answer = self.api.request("PUT", path, doc)
@@ -536,36 +537,81 @@ class GrantsLoop:
                     self.remember(key, body, s)
                     return body
                 continue
-            crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
-            before = {**self.tail_of(key, body, {}), **ledger.read_grants(
-                (body.get("status") or {}).get("grants"))}  # fmt: skip
-            self.remember(key, answer, s)
-            self.engines.observe_engine(answer, deleted=False, nudge=False)
-            self.log.append(engine, seq, lines)
-            crash.reached(crash.CrashPoint.AFTER_LOG)
-            states = [str(e.get("state")) for e in s.entries]
-            self.metrics.record_grant_step(
-                ns,
-                name,
-                s.transitions(),
-                # The ledger this step started from: when a wait began, when a reclaim did.
-                before,
-                sum(1 for x in states if x in _HOLDING),
-                states.count(GrantState.QUEUED.value),
-            )
-            for tr in s.transitions():
-                log.info(
-                    "Engine %s: %s %s -> %s (%s)%s",
-                    engine,
-                    tr.mind,
-                    tr.from_state.value if tr.from_state else "-",
-                    tr.to_state.value,
-                    tr.reason.value,
-                    f" slot {tr.slot}" if tr.slot is not None else "",
-                )
+            self._written(key, body, answer, s, seq, lines)
             return answer
         log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
         return None
+
+    def _ledger_doc(
+        self, key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep, now: float
+    ) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
+        """The Engine as its status replace sends it (the ledger, the pool it was made for and
+        the step's journal, in one write), the step's seq and its log lines."""
+        ns, name = key
+        engine = f"{ns}/{name}"
+        status = dict(body.get("status") or {})
+        seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
+        lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
+        status["grants"] = s.kept
+        status[ledger.CAPACITY_FIELD] = s.pool.to_status()
+        kept = {str(e.get("mind")) for e in s.kept}
+        status[ledger.STEP_FIELD] = ledger.journal(seq, now, lines, kept)
+        if s.queue is not None:
+            status[ledger.QUEUE_FIELD] = s.queue
+        else:
+            status.pop(ledger.QUEUE_FIELD, None)
+        doc = {
+            "apiVersion": API_VERSION,
+            "kind": "Engine",
+            "metadata": {
+                "name": name,
+                "namespace": ns,
+                "resourceVersion": body["metadata"]["resourceVersion"],
+            },
+            "spec": body.get("spec") or {},
+            "status": status,
+        }
+        return doc, seq, lines
+
+    def _written(
+        self,
+        key: EngineKey,
+        body: Mapping[str, Any],
+        answer: dict[str, Any],
+        s: ledger.LedgerStep,
+        seq: int,
+        lines: list[dict[str, Any]],
+    ) -> None:
+        """After the ledger write landed: the cache, the log, the metrics and the log lines."""
+        ns, name = key
+        engine = f"{ns}/{name}"
+        crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
+        before = {**self.tail_of(key, body, {}), **ledger.read_grants(
+            (body.get("status") or {}).get("grants"))}  # fmt: skip
+        self.remember(key, answer, s)
+        self.engines.observe_engine(answer, deleted=False, nudge=False)
+        self.log.append(engine, seq, lines)
+        crash.reached(crash.CrashPoint.AFTER_LOG)
+        states = [str(e.get("state")) for e in s.entries]
+        self.metrics.record_grant_step(
+            ns,
+            name,
+            s.transitions(),
+            # The ledger this step started from: when a wait began, when a reclaim did.
+            before,
+            sum(1 for x in states if x in _HOLDING),
+            states.count(GrantState.QUEUED.value),
+        )
+        for tr in s.transitions():
+            log.info(
+                "Engine %s: %s %s -> %s (%s)%s",
+                engine,
+                tr.mind,
+                tr.from_state.value if tr.from_state else "-",
+                tr.to_state.value,
+                tr.reason.value,
+                f" slot {tr.slot}" if tr.slot is not None else "",
+            )
 
     def _demands_of(self, key: EngineKey) -> dict[str, MindDemand]:
         """The minds that want a grant of this Engine, from the caches as they are now (only

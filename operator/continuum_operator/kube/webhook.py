@@ -349,6 +349,31 @@ def _server(children: ChildrenSettings) -> Any:
     )
 
 
+def install_webhook(
+    api: KubeApi, pods: PodSettings, children: ChildrenSettings, client_config: Mapping[str, Any]
+) -> None:
+    """The children's priority class, then the MutatingWebhookConfiguration pointing at this
+    operator (kopf's admission server calls it with its client config)."""
+    from continuum_operator.kube.api import ApiError
+
+    # A failure here stops the operator (kopf's admission task ends): retried a few times
+    # first, so that one refused call to the API server does not.
+    for attempt in range(INSTALL_ATTEMPTS):
+        try:
+            # The class first: a pod naming a class that does not exist is refused, so no
+            # child is sent to the webhook before its class is there.
+            for priority_class in priority_classes(pods):
+                api.apply(priority_class)
+            api.apply(webhook_configuration(client_config, children))
+            break
+        except (ApiError, OSError) as err:
+            if attempt == INSTALL_ATTEMPTS - 1:
+                raise
+            log.warning("installing the children's webhook failed (%s); retrying", err)
+            time.sleep(2.0 * (attempt + 1))
+    log.info("MutatingWebhookConfiguration %s installed", children.webhook_name)
+
+
 def register(
     registry: kopf.OperatorRegistry,
     api: KubeApi,
@@ -396,22 +421,7 @@ def register(
         return
 
     def install(client_config: Mapping[str, Any]) -> None:
-        # A failure here stops the operator (kopf's admission task ends): retried a few times
-        # first, so that one refused call to the API server does not.
-        for attempt in range(INSTALL_ATTEMPTS):
-            try:
-                # The class first: a pod naming a class that does not exist is refused, so no
-                # child is sent to the webhook before its class is there.
-                for priority_class in priority_classes(pods):
-                    api.apply(priority_class)
-                api.apply(webhook_configuration(client_config, children))
-                break
-            except (ApiError, OSError) as err:
-                if attempt == INSTALL_ATTEMPTS - 1:
-                    raise
-                log.warning("installing the children's webhook failed (%s); retrying", err)
-                time.sleep(2.0 * (attempt + 1))
-        log.info("MutatingWebhookConfiguration %s installed", children.webhook_name)
+        install_webhook(api, pods, children, client_config)
 
     @kopf.on.startup(registry=registry)
     def admission(settings: kopf.OperatorSettings, **_: Any) -> None:
