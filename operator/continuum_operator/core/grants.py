@@ -619,11 +619,11 @@ def _protected(g: Grant, m: MindDemand, now: float) -> bool:
     return young or recently_reclaimed
 
 
-def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
-    holders = [g for g in step.grants.values() if g.state in _HOLDING]
-    taken = {g.slot for g in holders}
-    free_slots = [s for s in range(capacity.slots) if s not in taken]
-    # Slots beyond the engine's size (left from before a relaunch) move to free ones.
+def _move_stray(
+    step: _Step, capacity: Capacity, holders: list[Grant], free_slots: list[int]
+) -> None:
+    """Slots beyond the engine's size (left from before a relaunch) move to free ones (taken
+    from `free_slots`)."""
     stray = [
         g for g in holders if g.state is _GRANTED and (g.slot is None or g.slot >= capacity.slots)
     ]
@@ -638,6 +638,43 @@ def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
             tokens=m.grant_tokens(capacity.tokens_per_slot) if m else g.tokens,
             slot=free_slots.pop(0),
         )
+
+
+def _preempt(
+    step: _Step, uncovered: list[MindDemand], policy: Policy, still_waiting: list[MindDemand]
+) -> list[MindDemand]:
+    """The minds of `uncovered` that preempt a grant (each now waits for its reclaim); those
+    that cannot are appended to `still_waiting`."""
+    preempting: list[MindDemand] = []
+    # The rest may preempt, highest first, each taking the lowest-ranked unprotected grant of
+    # strictly lower priority. `uncovered` is in rank order, so each preemptor's priority is at
+    # most the one before's: a grant passed over (priority too high, or protected) is passed
+    # over by all that follow, and one cursor walks the victims once for the whole queue.
+    victims = step.in_state(_GRANTED) if uncovered else []
+    victims.reverse()
+    honour = policy.honour_protection
+    now = step.now
+    at = 0
+    for m in uncovered:
+        while at < len(victims):
+            vm, vg = victims[at]
+            if vm.priority < m.priority and not (honour and _protected(vg, vm, now)):
+                break
+            at += 1
+        if at == len(victims):
+            still_waiting.append(m)
+            continue
+        _reclaim(step, victims[at][1], GrantReason.PREEMPTED, policy, by=m.name)
+        at += 1
+        preempting.append(m)
+    return preempting
+
+
+def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
+    holders = [g for g in step.grants.values() if g.state in _HOLDING]
+    taken = {g.slot for g in holders}
+    free_slots = [s for s in range(capacity.slots) if s not in taken]
+    _move_stray(step, capacity, holders, free_slots)
 
     # Free slots to the queue in order; a mind her namespace's quota holds back is passed
     # over (the slot goes to whoever is behind her) and preempts nobody.
@@ -678,28 +715,8 @@ def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
     waiting_for_reclaim = queue[:covered]
     uncovered = queue[covered:]
 
-    # The rest may preempt, highest first, each taking the lowest-ranked unprotected grant of
-    # strictly lower priority. `uncovered` is in rank order, so each preemptor's priority is at
-    # most the one before's: a grant passed over (priority too high, or protected) is passed
-    # over by all that follow, and one cursor walks the victims once for the whole queue.
-    victims = step.in_state(_GRANTED) if uncovered else []
-    victims.reverse()
-    honour = policy.honour_protection
-    now = step.now
-    at = 0
     still_waiting: list[MindDemand] = []
-    for m in uncovered:
-        while at < len(victims):
-            vm, vg = victims[at]
-            if vm.priority < m.priority and not (honour and _protected(vg, vm, now)):
-                break
-            at += 1
-        if at == len(victims):
-            still_waiting.append(m)
-            continue
-        _reclaim(step, victims[at][1], GrantReason.PREEMPTED, policy, by=m.name)
-        at += 1
-        waiting_for_reclaim.append(m)
+    waiting_for_reclaim.extend(_preempt(step, uncovered, policy, still_waiting))
 
     _set_wait_reason(step, (m.name for m in waiting_for_reclaim), GrantReason.WAITING_FOR_RECLAIM)
     _set_wait_reason(step, (m.name for m in still_waiting), GrantReason.POOL_FULL)
