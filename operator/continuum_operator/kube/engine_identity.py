@@ -29,11 +29,41 @@ __all__ = [
     "engine_rbac",
     "namespaces_named",
     "network_policy",
+    "own_account",
     "token_review_binding",
     "token_review_binding_name",
 ]
 
 Obj = dict[str, Any]
+
+
+def own_account(meta: Obj, plural: str, name: str, read_verbs: list[str]) -> list[Obj]:
+    """A pod's ServiceAccount, a Role that reads one object of `plural` by name and gets and
+    patches its status (a Role restricted by resourceNames: RBAC allows a watch with a field
+    selector on that name), and their binding, all with `meta` (name, namespace, labels,
+    owner)."""
+    account, ns = meta["name"], meta["namespace"]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": dict(meta),
+            "rules": [
+                {"apiGroups": ["continuum.dev"], "resources": [plural], "resourceNames": [name],
+                 "verbs": read_verbs},
+                {"apiGroups": ["continuum.dev"], "resources": [f"{plural}/status"],
+                 "resourceNames": [name], "verbs": ["get", "patch"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": ns}],
+        },
+    ]  # fmt: skip
 
 
 def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
@@ -54,35 +84,7 @@ def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
         "ownerReferences": [owner_reference(engine, uid)],
     }
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": dict(meta),
-            "rules": [
-                {
-                    "apiGroups": ["continuum.dev"],
-                    "resources": ["engines"],
-                    "resourceNames": [engine.metadata.name],
-                    "verbs": ["get", "list", "watch"],
-                },
-                {
-                    "apiGroups": ["continuum.dev"],
-                    "resources": ["engines/status"],
-                    "resourceNames": [engine.metadata.name],
-                    "verbs": ["get", "patch"],
-                },
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": dict(meta),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [
-                {"kind": "ServiceAccount", "name": name, "namespace": engine.metadata.namespace}
-            ],
-        },
+        *own_account(meta, "engines", engine.metadata.name, ["get", "list", "watch"]),
         token_review_binding(
             token_review_binding_name(engine),
             {**labels(engine), "continuum.dev/engine-namespace": engine.metadata.namespace},

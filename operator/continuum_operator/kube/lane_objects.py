@@ -126,35 +126,8 @@ def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
         "labels": _labels(lane),
         "ownerReferences": [_owner(lane, uid)],
     }
-    only = [lane.metadata.name]
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": dict(meta),
-            "rules": [
-                {
-                    "apiGroups": ["continuum.dev"],
-                    "resources": ["embedlanes"],
-                    "resourceNames": only,
-                    "verbs": ["get"],
-                },
-                {
-                    "apiGroups": ["continuum.dev"],
-                    "resources": ["embedlanes/status"],
-                    "resourceNames": only,
-                    "verbs": ["get", "patch"],
-                },
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": dict(meta),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
-        },
+        *engine_identity.own_account(meta, "embedlanes", lane.metadata.name, ["get"]),
         engine_identity.token_review_binding(
             token_review_binding_name(lane),
             {**_labels(lane), "continuum.dev/embedlane-namespace": ns},
