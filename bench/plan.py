@@ -1,23 +1,30 @@
 """Timing of the serving plan: one plan, and a fleet's worth of best-fit placement.
 
-    python bench/plan.py [--engines 5000] [--boards 1000] [--sample 500] [--budget-s 180]
+    python bench/plan.py [--engines 5000] [--boards 1000] [--repeat 3] [--sample 100]
 
 (a) One plan: the median wall time of `core.plan.plan` over 1,000 runs of the m5 example
     (examples/boards/m5-unified.yaml x examples/engines/agent-32b.yaml), files already parsed.
 (b) Best fit: a deterministic mix (random.Random(0)) of boards (unified, discrete with 1-8 GPUs,
     unknown; varied sizes and usage) and engines (16-96 layers, varied sizes, contexts, minds, KV
-    types and offload). Each engine is planned on every board and placed on the best fit: the
-    schedulable plan with the highest (layersOnDevice, poolTokens), ties to the least leftover
-    budget. Placement is stateless: boards are not charged with the engines placed before.
+    types and offload), each placed by the operator's own decision (`core.bestfit`: every layer
+    on the device first, then the most minds, then the tightest fit), and for an engine that
+    fits nowhere the Unschedulable message the operator writes (`core.unfit.explain`).
+    Placement is stateless: boards are not charged with the engines placed before, so the
+    boards are read once (`bestfit.Fleet`) for the whole fleet.
 
-The first --sample engines are always measured against every board. If the whole run would fit
-in --budget-s (judged from the sample), the rest are measured too; otherwise the full figure is
-extrapolated from the sample at the sample's plans per second, and the output says so.
+The whole fleet is decided with the pre-filter (`core.prefilter`), in CPU seconds of this
+process, --repeat times after a full garbage collection: the best and every run are printed (on
+a shared machine the same pass varies by half). The old path (`prefilter=False`: the exact plan
+of every board, as before the pre-filter) is measured on the first --sample engines in the same
+run, and the two are compared decision by decision there; its figure for the whole fleet is
+that sample's rate. Also printed: one Engine placed as the operator places it
+(`bestfit.choose`, the boards read anew each time).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -28,8 +35,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
+from continuum_operator.core.bestfit import Decision, Fleet, NodeView, choose  # noqa: E402
 from continuum_operator.core.plan import ServingPlan, plan  # noqa: E402
 from continuum_operator.core.pools import Board, Ledger  # noqa: E402
+from continuum_operator.core.unfit import explain  # noqa: E402
 from continuum_operator.manifests import load_one  # noqa: E402
 from continuum_operator.model.board import NodeBoard  # noqa: E402
 from continuum_operator.model.engine import Engine, EngineSpec, ModelFacts  # noqa: E402
@@ -167,42 +176,21 @@ def fleet(engines: int, boards: int) -> tuple[list[Board], list[EngineSpec]]:
     return board_list, engine_list
 
 
-def _leftover(p: ServingPlan) -> int:
-    """Budget a plan leaves unused, summed over the sides it is governed on."""
-    b = p.budget
-    if b.shared is not None:
-        return b.shared - p.device.in_use - p.host.in_use
-    left = 0
-    if b.device is not None:
-        left += b.device - p.device.in_use
-    if b.host is not None:
-        left += b.host - p.host.in_use
-    return left
-
-
-def best_fit(
-    spec: EngineSpec, boards: list[tuple[Board, Ledger]]
-) -> tuple[ServingPlan | None, int]:
+def _decide(fleet_: Fleet, spec: EngineSpec, *, prefilter: bool) -> tuple[Decision, str]:
+    """The operator's decision for one Engine, and for one that fits nowhere its message."""
     facts: ModelFacts | None = spec.model.facts
     assert facts is not None
-    best: ServingPlan | None = None
-    best_key: tuple[int, int, int] | None = None
-    for board, ledger in boards:
-        p = plan(board, spec, facts, ledger)
-        if not p.schedulable:
-            continue
-        key = (p.layers_on_device, p.pool_tokens, -_leftover(p))
-        if best_key is None or key > best_key:
-            best, best_key = p, key
-    return best, len(boards)
+    decision = fleet_.choose(spec, facts, prefilter=prefilter)
+    message = "" if decision.chosen is not None else explain(decision).message
+    return decision, message
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--engines", type=int, default=5000)
     ap.add_argument("--boards", type=int, default=1000)
-    ap.add_argument("--sample", type=int, default=500, help="engines always measured")
-    ap.add_argument("--budget-s", type=float, default=180.0, help="longest full run to measure")
+    ap.add_argument("--repeat", type=int, default=3, help="passes over the whole fleet")
+    ap.add_argument("--sample", type=int, default=100, help="engines also decided the old way")
     ap.add_argument("--runs", type=int, default=1000, help="runs of the single plan")
     args = ap.parse_args(argv)
 
@@ -219,51 +207,72 @@ def main(argv: list[str] | None = None) -> int:
     for b in boards:
         kinds[str(b.memory_mode)] = kinds.get(str(b.memory_mode), 0) + 1
     print("    boards: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    views = [NodeView(b, True) for b in boards]
 
-    with_ledgers = [(b, Ledger(b)) for b in boards]
-    placed = unplaceable = plans = 0
-    full_on_device = 0
-    measured = 0
-    start = time.perf_counter()
-    for i, spec in enumerate(engines):
-        if i == args.sample and i < len(engines):
-            elapsed = time.perf_counter() - start
-            projected = elapsed / i * len(engines)
-            if projected > args.budget_s:
-                print(
-                    f"    measured the first {i:,} engines in {elapsed:.1f} s; the whole run "
-                    f"would take about {projected:.0f} s (> --budget-s {args.budget_s:.0f}), "
-                    "so the rest is extrapolated"
-                )
-                break
-        best, n = best_fit(spec, with_ledgers)
-        plans += n
-        measured += 1
-        if best is None:
-            unplaceable += 1
-        else:
-            placed += 1
-            full_on_device += best.gpu_servable
-    elapsed = time.perf_counter() - start
-    rate = plans / elapsed
+    cpu = time.process_time()
+    together = Fleet(views, [])
+    together.rows()
+    read = time.process_time() - cpu
+    runs: list[float] = []
+    for _ in range(max(1, args.repeat)):
+        placed = unplaceable = full_on_device = plans = 0
+        fast: list[tuple[ServingPlan | None, str]] = []
+        gc.collect()
+        cpu = time.process_time()
+        for i, spec in enumerate(engines):
+            decision, message = _decide(together, spec, prefilter=True)
+            plans += decision.plans
+            if decision.chosen is None:
+                unplaceable += 1
+            else:
+                placed += 1
+                full_on_device += decision.chosen.gpu_servable
+            if i < args.sample:
+                fast.append((decision.chosen, message))
+        runs.append(time.process_time() - cpu)
+    decided = min(runs)
     print(
-        f"    measured: {measured:,} engines x {len(boards):,} boards = {plans:,} plans "
-        f"in {elapsed:.1f} s: {rate:,.0f} plans/s ({elapsed / measured * 1e3:,.1f} ms per engine)"
+        f"    with the pre-filter: the boards read once in {read * 1e3:,.1f} ms of CPU; "
+        f"{len(engines):,} engines decided in {decided:.2f} s of CPU, best of {len(runs)} "
+        f"(runs: {', '.join(f'{r:.2f}' for r in runs)} s; "
+        f"{decided / len(engines) * 1e6:,.0f} us per engine), {plans:,} exact plans "
+        f"(of {len(engines) * len(boards):,} node-engine pairs), all measured"
     )
     print(
-        f"    measured engines placed: {placed:,}, unplaceable: {unplaceable:,} "
-        f"(placed with every layer on the device: {full_on_device:,})"
+        f"    placed: {placed:,}, unplaceable: {unplaceable:,} (each with its Unschedulable "
+        f"message); placed with every layer on the device: {full_on_device:,}"
     )
-    total_plans = len(engines) * len(boards)
-    if measured < len(engines):
-        print(
-            f"    extrapolated: {len(engines):,} engines x {len(boards):,} boards = "
-            f"{total_plans:,} plans at {rate:,.0f} plans/s: about {total_plans / rate:,.0f} s "
-            f"({total_plans / rate / 60:.1f} min) on one core; placement counts above are the "
-            "measured engines only"
-        )
-    else:
-        print(f"    total: {total_plans:,} plans in {elapsed:.1f} s (all measured)")
+
+    sample = engines[: args.sample]
+    gc.collect()
+    cpu = time.process_time()
+    slow = [_decide(together, spec, prefilter=False) for spec in sample]
+    old = time.process_time() - cpu
+    differ = sum(
+        1
+        for (chosen, message), (decision, old_message) in zip(fast, slow, strict=True)
+        if chosen != decision.chosen or message != old_message
+    )
+    per_engine_old = old / len(sample)
+    per_engine_new = decided / len(engines)
+    print(
+        f"    the old path (every board planned exactly), the first {len(sample):,} engines: "
+        f"{old:.1f} s of CPU ({per_engine_old * 1e3:,.1f} ms per engine; the whole fleet at "
+        f"that rate about {per_engine_old * len(engines):,.0f} s); decisions and messages "
+        f"that differ from the pre-filter's: {differ}"
+    )
+    print(f"    ratio, old path to pre-filter, per engine: {per_engine_old / per_engine_new:,.0f}x")
+
+    cpu = time.process_time()
+    for spec in sample:
+        facts = spec.model.facts
+        assert facts is not None
+        choose(views, spec, facts, [])
+    one = (time.process_time() - cpu) / len(sample)
+    print(
+        f"    as the operator calls it (`choose`, the {len(boards):,} boards read anew each "
+        f"time): {one * 1e3:,.1f} ms of CPU per engine"
+    )
     return 0
 
 

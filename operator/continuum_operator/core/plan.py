@@ -25,11 +25,14 @@ nothing; an explicit offload is honoured unaccounted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from continuum_operator.core.compute import (
     ComputeEstimate,
@@ -57,6 +60,7 @@ __all__ = [
     "Reason",
     "ReasonCode",
     "ServingPlan",
+    "SizeTable",
     "plan",
 ]
 
@@ -187,8 +191,12 @@ class _Shape:
         # Each layer's K and V rows are whole blocks of the type (q8_0: 34 bytes per 32).
         kv = [-(-k * num // den) for k in facts.kv_f16_list()]
         window = set(facts.sliding_window_layers)
-        full = [0 if i in window else k for i, k in enumerate(kv)]
-        swa = [k if i in window else 0 for i, k in enumerate(kv)]
+        if window:
+            full = [0 if i in window else k for i, k in enumerate(kv)]
+            swa = [k if i in window else 0 for i, k in enumerate(kv)]
+            tail_swa = (0, *accumulate(reversed(swa)))
+        else:  # every layer attends over the whole context
+            full, tail_swa = kv, (0,) * (len(kv) + 1)
         tail_w = (0, *accumulate(reversed(weights)))
         return cls(
             layers=facts.layers,
@@ -197,7 +205,7 @@ class _Shape:
             output_host_bytes=facts.output_host,
             tail_weights=tail_w,
             tail_kv=(0, *accumulate(reversed(full))),
-            tail_kv_window=(0, *accumulate(reversed(swa))),
+            tail_kv_window=tail_swa,
             total_weights=tail_w[-1],
             window=facts.sliding_window if window else None,
         )
@@ -231,13 +239,28 @@ class _Sizer:
     answered: dict[tuple[int, int], tuple[PartBytes, PartBytes]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    computed: dict[int, tuple[int, int, int]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    # KV bytes of one mind in the last i layers, both kinds (`_Shape.kv_bytes` at this context).
+    kv_per_mind: tuple[int, ...] = ()
 
     @classmethod
     def of(
         cls, facts: ModelFacts, engine: EngineSpec, rules: ModeRules, receipts: ReceiptBook
     ) -> _Sizer:
+        shape = _Shape.of(facts, engine.kv_cache_type)
+        ctx = engine.context_tokens_per_mind
+        cells = kv_cells_per_sequence(ctx)
+        window = window_cells_per_sequence(ctx, shape.window) if shape.window else 0
         return cls(
-            shape=_Shape.of(facts, engine.kv_cache_type),
+            shape=shape,
+            kv_per_mind=tuple(
+                full * cells + swa * window
+                for full, swa in zip(shape.tail_kv, shape.tail_kv_window, strict=True)
+            )
+            if window
+            else tuple(full * cells for full in shape.tail_kv),
             compute=ComputeEstimate(facts),
             context_per_mind=engine.context_tokens_per_mind,
             reserve=engine.reserve_bytes,
@@ -248,7 +271,14 @@ class _Sizer:
             model_sha256=engine.model.sha256,
         )
 
+    @property
+    def estimated(self) -> bool:
+        """No receipt can replace the estimate: every figure is `_parts`' arithmetic."""
+        return not self.receipts.receipts
+
     def receipt(self, j: int, minds: int) -> Receipt | None:
+        if not self.receipts.receipts:
+            return None
         return self.receipts.find(
             model_sha256=self.model_sha256,
             context_tokens=minds * self.context_per_mind,
@@ -270,6 +300,19 @@ class _Sizer:
             answer = self.answered[(j, minds)] = self._parts(j, minds)
         return answer
 
+    def compute_terms(self, minds: int) -> tuple[int, int, int]:
+        """The compute terms of `minds` minds, whatever the level: one backend's graph, the
+        host's graph inputs, the output buffer (each read once per plan, not once per level)."""
+        terms = self.computed.get(minds)
+        if terms is None:
+            c, ctx = self.compute, self.context_per_mind
+            terms = self.computed[minds] = (
+                c.graph_bytes(ctx, minds),
+                c.host_input_bytes(ctx, minds),
+                c.output_bytes(minds),
+            )
+        return terms
+
     def _parts(self, j: int, minds: int) -> tuple[PartBytes, PartBytes]:
         s = self.shape
         # The output layer is offloaded first, then repeating layers from the last (module doc).
@@ -280,20 +323,19 @@ class _Sizer:
         receipt = self.receipt(j, minds)
         if receipt is not None:
             return _measured(receipt, dev_r, host_r)
-        ctx = self.context_per_mind
-        graph = self.compute.graph_bytes(ctx, minds)
+        graph, host_input, output = self.compute_terms(minds)
         dev_w = s.tail_weights[on_device] + (s.output_bytes if output_on_device else 0)
         host_w = s.input_bytes + s.total_weights - s.tail_weights[on_device]
         if not output_on_device:
             host_w += s.output_host_bytes
-        dev_kv = s.kv_bytes(0, on_device, ctx, minds)
-        host_kv = s.kv_bytes(on_device, s.layers, ctx, minds)
+        dev_kv = self.kv_per_mind[on_device] * minds
+        host_kv = (self.kv_per_mind[s.layers] - self.kv_per_mind[on_device]) * minds
         # Each backend that runs layers reserves its own graph; several GPUs each hold one. The
         # host always holds the logits (output buffer) and, with every layer offloaded, the
         # graph's inputs (token embeddings are looked up on the host).
         dev_c = graph * self.gpus if uses_device else 0
-        host_graph = graph if on_device < s.layers else self.compute.host_input_bytes(ctx, minds)
-        host_c = host_graph + self.compute.output_bytes(minds)
+        host_graph = graph if on_device < s.layers else host_input
+        host_c = host_graph + output
         device = PartBytes(weights=dev_w, kv=dev_kv, compute=dev_c, reserve=dev_r)
         host = PartBytes(weights=host_w, kv=host_kv, compute=host_c, reserve=host_r)
         return device, host
@@ -322,6 +364,166 @@ def _measured(receipt: Receipt, dev_r: int, host_r: int) -> tuple[PartBytes, Par
         reserve=host_r,
     )
     return device, host
+
+
+Int64s = npt.NDArray[np.int64]
+
+
+class SizeTable:
+    """An engine's bytes in use on each side (weights, KV, compute: what budgets are checked
+    against) at many offload levels and numbers of minds at once, as numpy arrays: the same
+    figures as the plan's own (`_Sizer.parts`, receipts included). No board changes them, only
+    the budget they are held against, so best fit's pre-filter (`core.prefilter`) reads them
+    once per engine for a whole fleet. The arithmetic is `_Sizer._parts` term by term, over
+    arrays: a change to one is a change to the other (tests/unit/test_bestfit_prefilter.py
+    holds them equal)."""
+
+    #: The most bytes a figure may reach to be computed in int64 with room to add and
+    #: multiply (by the GPUs of an engine, at most 64); `fits_int64` says whether it does.
+    LIMIT = 2**55
+
+    def __init__(
+        self,
+        engine: EngineSpec,
+        facts: ModelFacts,
+        receipts: Sequence[Receipt] = (),
+        llama_build: str | None = None,
+    ) -> None:
+        # Bytes in use do not depend on the memory mode (its rules set only the reserves,
+        # which are not in use): any mode's rules size them.
+        sizer = _Sizer.of(
+            facts, engine, rules_of(MemoryMode.DISCRETE), ReceiptBook(tuple(receipts), llama_build)
+        )
+        s = sizer.shape
+        self._sizer = sizer
+        self.layers = s.layers
+        self._asked = max(engine.reserve_bytes, engine.placement.device_budget_bytes or 0)
+        self._least_minds = engine.minds.min
+        self._cells = kv_cells_per_sequence(sizer.context_per_mind)
+        self._arrays: tuple[Int64s, Int64s] | None = None
+        self._graphs: dict[int, tuple[int, int]] = {}
+        self._measured: dict[tuple[int, int], tuple[int, int]] = {}
+        for r in sizer.receipts.receipts:
+            j, m = r.placement.layers_on_device, r.parallel
+            ours = r.model_sha256 == sizer.model_sha256 and m >= 1 and 0 <= j <= s.layers + 1
+            if ours and sizer.receipt(j, m) is not None:
+                device, host = sizer.parts(j, m)
+                self._measured[(j, m)] = (device.in_use, host.in_use)
+
+    @property
+    def shape(self) -> _Shape:
+        return self._sizer.shape
+
+    def _tails(self) -> tuple[Int64s, Int64s]:
+        """The weights and the KV bytes of one mind of the last i layers, as arrays."""
+        if self._arrays is None:
+            sizer = self._sizer
+            self._arrays = (
+                np.asarray(sizer.shape.tail_weights, dtype=np.int64),
+                np.asarray(sizer.kv_per_mind, dtype=np.int64),
+            )
+        return self._arrays
+
+    def sizer(self, rules: ModeRules) -> _Sizer:
+        """The plan's sizer of this engine under a mode's rules (`plan(sizes=...)`): the parts
+        it answers hold that mode's reserves, so each mode has its own."""
+        if rules is self._sizer.rules:
+            return self._sizer
+        return replace(self._sizer, rules=rules, answered={}, computed=self._sizer.computed)
+
+    @property
+    def estimated(self) -> bool:
+        """No receipt replaces the estimate (`_Sizer.estimated`)."""
+        return self._sizer.estimated
+
+    def fits_int64(self, most_minds: int) -> bool:
+        """Whether every figure up to `most_minds` minds, and the reserve and declared device
+        budget asked, stay under `LIMIT`."""
+        s, top = self.shape, max(1, most_minds)
+        graph, host_input = map(max, self._graph(self._least_minds), self._graph(top))
+        worst = (
+            s.input_bytes
+            + s.total_weights
+            + s.output_bytes
+            + s.output_host_bytes
+            + self._sizer.kv_per_mind[-1] * top
+            + graph * (self._sizer.gpus + 1)
+            + host_input
+            + self._sizer.compute_terms(top)[2]
+        )
+        measured = max((d + h for d, h in self._measured.values()), default=0)
+        return max(worst, measured, self._asked) <= self.LIMIT
+
+    def at(self, j: int, minds: int) -> tuple[int, int]:
+        """Bytes in use (device, host) at one level and number of minds."""
+        device, host = self._sizer.parts(j, minds)
+        return device.in_use, host.in_use
+
+    def grows_with_level(self, minds: int) -> bool:
+        """Whether the device's bytes in use grow (or stay) with the level at `minds` minds:
+        weights, KV and (from level 1) the graph are added layer by layer; a receipt's figures
+        may do anything."""
+        return not any(m == minds for _, m in self._measured)
+
+    def grows_with_minds(self, lo: int, hi: int) -> bool:
+        """Whether, at any level, the bytes in use of each side grow (or stay) from `lo` to
+        `hi` minds: then a budget they fit at some minds they fit at fewer, and the plan's
+        search finds the most that fit. KV and the output buffer grow with the minds; the
+        graphs with the micro-batch, checked here; a receipt's figures may do anything."""
+        if any(lo <= m <= hi for _, m in self._measured):
+            return False
+        batch = self._sizer.compute.micro_batch
+        last = min(hi, max(lo, -(-batch // self._cells)))  # past it the micro-batch is whole
+        graphs = [self._graph(m) for m in range(lo, last + 1)]
+        return all(a <= b for g in zip(*graphs, strict=True) for a, b in pairwise(g))
+
+    def _graph(self, minds: int) -> tuple[int, int]:
+        """One backend's graph, and the host's graph inputs when every layer is offloaded,
+        with `minds` minds: they depend on the minds only through the micro-batch llama.cpp
+        clamps to the context (`ComputeEstimate.micro_batch_of`), so few differ."""
+        batch = self._sizer.compute.micro_batch_of(self._cells, minds)
+        known = self._graphs.get(batch)
+        if known is None:  # the plan's own figures, which its sizer then has at hand
+            graph, host_input, _ = self._sizer.compute_terms(minds)
+            known = self._graphs[batch] = (graph, host_input)
+        return known
+
+    def in_use(self, j: Int64s, minds: Int64s | int) -> tuple[Int64s, Int64s]:
+        """Bytes in use (device, host) at offload level `j` with `minds` minds, element by
+        element (numpy broadcasting), as `_Sizer.parts` gives them."""
+        s = self.shape
+        on_device = np.clip(j - 1, 0, s.layers)
+        output_on_device = j > 0
+        m = np.asarray(minds, dtype=np.int64)
+        if m.ndim == 0:
+            table = np.array([self._graph(int(m))], dtype=np.int64)
+            graph, host_input = table[0, 0], table[0, 1]
+        else:
+            distinct, where = np.unique(m, return_inverse=True)
+            table = np.array([self._graph(x) for x in distinct.tolist()], dtype=np.int64)
+            graph = table[:, 0][where].reshape(m.shape)
+            host_input = table[:, 1][where].reshape(m.shape)
+        tail_weights, tail_kv = self._tails()
+        tail_w = tail_weights[on_device]
+        dev_w = tail_w + np.where(output_on_device, s.output_bytes, 0)
+        host_w = (s.input_bytes + s.total_weights - tail_w) + np.where(
+            output_on_device, 0, s.output_host_bytes
+        )
+        kv_dev = tail_kv[on_device]
+        kv_host = tail_kv[s.layers] - kv_dev
+        # Each backend that runs layers holds its graph; the host holds the output buffer and
+        # the graph, or only its inputs when every layer is offloaded (`_Sizer._parts`).
+        dev_c = np.where(output_on_device, graph * self._sizer.gpus, 0)
+        # The output buffer holds f32 logits of one token per sequence: linear in the minds.
+        output_per_mind = self._sizer.compute_terms(1)[2]
+        host_c = np.where(on_device < s.layers, graph, host_input) + output_per_mind * m
+        device = dev_w + kv_dev * m + dev_c
+        host = host_w + kv_host * m + host_c
+        for (rj, rm), (rd, rh) in self._measured.items():
+            hit = (j == rj) & (m == rm)
+            device = np.where(hit, rd, device)
+            host = np.where(hit, rh, host)
+        return device, host
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +609,7 @@ def plan(
     receipts: Sequence[Receipt] = (),
     llama_build: str | None = None,
     on_gpus: Sequence[int] = (),
+    sizes: SizeTable | None = None,
 ) -> ServingPlan:
     """The serving plan of `engine` on `board`, given the leases already on it.
 
@@ -419,6 +622,9 @@ def plan(
     `receipts` are llama.cpp's measured buffers; one filed under the engine's model digest
     (`spec.model.sha256`), context, KV type, placement and `llama_build` (any build when None)
     replaces the estimate for that placement.
+
+    `sizes`: the engine's `SizeTable` of the same spec, facts, receipts and build, where the
+    caller has one (best fit plans many boards for one engine): its sizer is not built again.
     """
     ledger = ledger if ledger is not None else Ledger(board)
     reasons: list[Reason] = []
@@ -441,7 +647,11 @@ def plan(
     if isinstance(budgeted, Reason):
         return _unschedulable(board, engine, facts, rules, reasons, budgeted)
     reasons.extend(budgeted.notes)
-    sizer = _Sizer.of(facts, engine, rules, ReceiptBook(tuple(receipts), llama_build))
+    sizer = (
+        _Sizer.of(facts, engine, rules, ReceiptBook(tuple(receipts), llama_build))
+        if sizes is None
+        else sizes.sizer(rules)
+    )
     fit = _Fit(budgeted.budget, budgeted.device_checked)
     layers = _place_layers(engine, sizer, fit, facts.layers + 1)
     if not layers.fits:
@@ -465,7 +675,9 @@ def _place_layers(engine: EngineSpec, sizer: _Sizer, fit: _Fit, total: int) -> _
     elif isinstance(offload, int):
         candidates = [min(offload, total)]
     else:
-        top = last_true(0, total, lambda j: fit.device_fits(sizer.parts(j, lo_minds)[0]))
+        top = _search(
+            0, total, lambda j: fit.device_fits(sizer.parts(j, lo_minds)[0]), sizer.estimated
+        )
         if top is None:
             candidates = [0]
         else:
@@ -479,9 +691,25 @@ def _place_layers(engine: EngineSpec, sizer: _Sizer, fit: _Fit, total: int) -> _
 def _grantable_minds(engine: EngineSpec, sizer: _Sizer, fit: _Fit, level: int) -> int:
     """The KV pool: the most minds, up to minds.max, whose contexts fit beside `level` layers
     on the device (the level was chosen so that minds.min fits)."""
-    minds = last_true(engine.minds.min, engine.minds.max, lambda m: fit.fits(sizer.parts(level, m)))
+    minds = _search(
+        engine.minds.min,
+        engine.minds.max,
+        lambda m: fit.fits(sizer.parts(level, m)),
+        sizer.estimated,
+    )
     assert minds is not None
     return minds
+
+
+def _search(lo: int, hi: int, pred: Callable[[int], bool], grows: bool) -> int | None:
+    """`last_true`, asking first at `hi` where the bytes are estimates (`grows`): those grow
+    with the level and with the minds (weights, KV and graphs are added, never taken away), so
+    pred holds up to a point and, where it holds at hi, the search would end there. Most plans
+    that fit at all fit whole, and this spares their search. A receipt's figures may not grow:
+    with receipts the search runs as it always has."""
+    if grows and pred(hi):
+        return hi
+    return last_true(lo, hi, pred)
 
 
 def _does_not_fit(board: Board, engine: EngineSpec, sizer: _Sizer, fit: _Fit, level: int) -> Reason:

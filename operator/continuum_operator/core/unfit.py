@@ -78,19 +78,7 @@ class Unfit:
 def why_of(v: Verdict) -> str:
     """A verdict's group: its exclusion, or for a node planned and found unschedulable the
     plan's last reason (the one that decided)."""
-    if v.excluded is Exclusion.UNSCHEDULABLE and v.plan is not None and v.plan.reasons:
-        return str(v.plan.reasons[-1].code)
-    return str(v.excluded) if v.excluded is not None else "Fits"
-
-
-def _closest(verdicts: tuple[Verdict, ...]) -> Verdict | None:
-    planned = [v for v in verdicts if v.excluded is Exclusion.UNSCHEDULABLE]
-
-    def key(v: Verdict) -> tuple[int, int, str]:
-        short = v.plan.shortfall_bytes if v.plan is not None else None
-        return (1 if short is None else 0, short or 0, v.node)
-
-    return min(planned, key=key) if planned else None
+    return v.why
 
 
 def _mib(n: int) -> str:
@@ -117,8 +105,10 @@ def _lead(kinds: set[Exclusion | None]) -> tuple[cond.Reason, str]:
 
 def summarise(decision: Decision) -> Unfit:
     """Why `decision` chose no node, as the operator's conditions say it (see the module)."""
-    verdicts = decision.verdicts
-    if not verdicts:
+    # Each node's group, and the closest node's verdict: not every node's verdict, which a
+    # pre-filtered decision would plan node by node (`core.bestfit.Decision`).
+    whys = decision.whys()
+    if not whys:
         return Unfit(
             cond.Reason.NO_BOARDS,
             "no node has a NodeBoard yet (is the node agent running?)",
@@ -126,15 +116,15 @@ def summarise(decision: Decision) -> Unfit:
             None,
         )
     by_why: dict[str, list[str]] = {}
-    for v in verdicts:
-        by_why.setdefault(why_of(v), []).append(v.node)
+    for node, _, why in whys:
+        by_why.setdefault(why, []).append(node)
     groups = tuple(
         Group(why, tuple(sorted(nodes)))
         for why, nodes in sorted(by_why.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     )
-    closest = _closest(verdicts)
-    reason, lead = _lead({v.excluded for v in verdicts})
-    fitting = sum(1 for v in verdicts if v.excluded is None)
+    closest = decision.closest()
+    reason, lead = _lead({excluded for _, excluded, _ in whys})
+    fitting = sum(1 for _, excluded, _ in whys if excluded is None)
 
     def counts(examples: int) -> str:
         parts = []
@@ -151,7 +141,7 @@ def summarise(decision: Decision) -> Unfit:
                     named.append("...")
             shown = f" ({', '.join(named)})" if named else ""
             parts.append(f"{len(g.nodes)} {g.phrase}{shown}")
-        return f"{lead}: {fitting}/{len(verdicts)} nodes fit: " + ", ".join(parts)
+        return f"{lead}: {fitting}/{len(whys)} nodes fit: " + ", ".join(parts)
 
     detail = f". Closest {closest.node}: {closest.message}" if closest is not None else ""
     head = counts(EXAMPLES)
