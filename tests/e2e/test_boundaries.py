@@ -151,12 +151,21 @@ def refused_once_active(
     create: Callable[[], subprocess.CompletedProcess[str]], what: str
 ) -> subprocess.CompletedProcess[str]:
     """`create` repeated until a policy refuses it (a new policy takes a moment to reach the
-    API server's admission chain)."""
-    refused: subprocess.CompletedProcess[str] = wait_for(
-        what, lambda: (p := create()).returncode != 0 and "denied request" in p.stderr and p,
-        timeout=60,
-    )  # fmt: skip
-    return refused
+    API server's admission chain: seen past 60 s once in a full run on this machine, so the
+    wait is longer, and the last answer is printed when it runs out)."""
+    tries: list[subprocess.CompletedProcess[str]] = []
+
+    def refused() -> subprocess.CompletedProcess[str] | None:
+        tries.append(p := create())
+        return p if p.returncode != 0 and "denied request" in p.stderr else None
+
+    try:
+        answer: subprocess.CompletedProcess[str] = wait_for(what, refused, timeout=180)
+    except BaseException:
+        last = tries[-1] if tries else None
+        print(f"last try: {last and (last.returncode, last.stdout, last.stderr)}")
+        raise
+    return answer
 
 
 # ============================================================================================
