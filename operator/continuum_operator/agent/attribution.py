@@ -27,8 +27,6 @@ from continuum_operator.model.board import CapMechanism
 
 __all__ = [
     "CONSUMER_ENV",
-    "EMBEDLANE_LABEL",
-    "ENGINE_LABEL",
     "HAMI_ANNOTATION",
     "mechanisms",
     "owners",
@@ -37,8 +35,6 @@ __all__ = [
 ]
 
 CONSUMER_ENV = "CONTINUUM_CONSUMER"
-ENGINE_LABEL = "continuum.dev/engine"
-EMBEDLANE_LABEL = "continuum.dev/embedlane"
 HAMI_ANNOTATION = "hami.io/node-nvidia-register"
 HAMI_LIBRARY = Path("/usr/local/vgpu/libvgpu.so")
 MPS_PIPE_DIRS = (Path("/tmp/nvidia-mps"), Path("/run/nvidia/mps"), Path("/var/run/nvidia/mps"))

@@ -45,7 +45,7 @@ from continuum_operator.core.grants import (
 )
 from continuum_operator.kube.routing import mind_key
 from continuum_operator.kube.transition_log import Place
-from continuum_operator.model.mind import GrantState, ProjectedState
+from continuum_operator.model.mind import HOLDING_STATES, GrantState, ProjectedState
 
 __all__ = [
     "CAPACITY_FIELD",
@@ -89,8 +89,6 @@ QUEUE_FIELD = "grantQueue"
 QUEUE_KEPT = 256
 REFUSED_KEPT = 64
 
-_HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
-
 
 # The ledger's times: microseconds in the entries, exact (read back as the same float) in the
 # journaled step, so that a step is logged with the times it was decided at.
@@ -128,7 +126,9 @@ def journal(
     shown = every
     if kept is not None:
         journaled = set(kept) | {
-            x.get("mind") for x in every if x.get("from") in _HOLDING or x.get("to") in _HOLDING
+            x.get("mind")
+            for x in every
+            if x.get("from") in HOLDING_STATES or x.get("to") in HOLDING_STATES
         }
         shown = [x for x in every if x.get("event") != "transition" or x.get("mind") in journaled]
     doc: dict[str, Any] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
@@ -210,7 +210,7 @@ def grant_entries(
     ordered = sorted(
         grants.values(),
         key=lambda g: (
-            0 if g.state in _HOLDING else 1 if g.state is GrantState.QUEUED else 2,
+            0 if g.state in HOLDING_STATES else 1 if g.state is GrantState.QUEUED else 2,
             g.slot if g.slot is not None else -1,
             rank(g),
         ),
@@ -358,7 +358,7 @@ def holds_another_launch(status: Mapping[str, Any]) -> bool:
     recorded = (status.get(CAPACITY_FIELD) or {}).get("launch")
     if recorded is None or recorded == launch_of(status.get("plan") or {}):
         return False
-    return any(e.get("state") in _HOLDING for e in status.get("grants") or [])
+    return any(e.get("state") in HOLDING_STATES for e in status.get("grants") or [])
 
 
 def _condition(status: Mapping[str, Any], type_: cond.ConditionType) -> Mapping[str, Any]:
@@ -435,7 +435,7 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
     slots = int(plan.get("mindsGrantable") or 0) if plan.get("schedulable", True) else 0
     launch = launch_of(plan)
     recorded = status.get(CAPACITY_FIELD) or {}
-    holding = any(g.state in _HOLDING for g in grants.values())
+    holding = any(g.state in HOLDING_STATES for g in grants.values())
     old_launch = recorded.get("launch")
     if holding and old_launch is not None and old_launch != launch:
         return Pool(

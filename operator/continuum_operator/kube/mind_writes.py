@@ -21,14 +21,13 @@ from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_cache import MindCache
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE
 from continuum_operator.kube.quota_use import ClassNotes
-from continuum_operator.model.mind import GrantState
+from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["FINALIZER", "Job", "MindWrites"]
 
 log = logging.getLogger("continuum.grants")
 
 FINALIZER = "continuum.dev/grant"
-_HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
 
 #: A write for the writer: its priority, the key its writes are ordered by, and the write.
 Job = tuple[int, str, Callable[[], None]]
@@ -114,7 +113,7 @@ class MindWrites:
             if self.projection_differs(m, grant, conds, self.endpoint(key)):
                 job = partial(self.project_one, mkey, grant, conds, self.endpoint(key))
                 jobs.append((PROJECTION_WRITE, mkey, job))
-            holding = entry is not None and entry.get("state") in _HOLDING
+            holding = entry is not None and entry.get("state") in HOLDING_STATES
             if holding and FINALIZER not in (meta.get("finalizers") or []):
                 jobs.append((FINALIZER_WRITE, mkey, partial(self.add_finalizer_to, mkey)))
         return jobs

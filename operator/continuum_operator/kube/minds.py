@@ -64,13 +64,11 @@ from continuum_operator.kube.mind_writes import Job, MindWrites
 from continuum_operator.kube.quota_use import ClassNotes, QuotaUse, quota_status
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.base import API_VERSION, GROUP, VERSION
-from continuum_operator.model.mind import GrantState
+from continuum_operator.model.mind import HOLDING_STATES, GrantState
 
 __all__ = ["GrantsLoop"]
 
 log = logging.getLogger("continuum.grants")
-
-_HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
 
 
 class GrantsLoop:
@@ -599,7 +597,7 @@ class GrantsLoop:
             s.transitions(),
             # The ledger this step started from: when a wait began, when a reclaim did.
             before,
-            sum(1 for x in states if x in _HOLDING),
+            sum(1 for x in states if x in HOLDING_STATES),
             states.count(GrantState.QUEUED.value),
         )
         for tr in s.transitions():

@@ -13,11 +13,9 @@ from typing import Any
 from continuum_operator.core.grants import GrantReason, MindDemand
 from continuum_operator.kube import routing
 from continuum_operator.kube.cache import EngineKey, format_time
-from continuum_operator.model.mind import GrantState
+from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["ClassNotes", "QuotaConditionType", "QuotaUse", "quota_status"]
-
-_HOLDING = (GrantState.GRANTED.value, GrantState.RECLAIMING.value)
 
 
 class QuotaUse:
@@ -80,7 +78,7 @@ class QuotaUse:
                     ns, _, name = str(e.get("mind") or "").partition("/")
                     if ns != namespace:
                         continue
-                    if e.get("state") in _HOLDING:
+                    if e.get("state") in HOLDING_STATES:
                         held += 1
                     elif e.get("reason") == GrantReason.QUOTA_EXCEEDED.value:
                         queued.append(name)

@@ -20,9 +20,7 @@ from typing import Any
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import MindDemand
-from continuum_operator.model.mind import GrantState
-
-_HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
+from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = [
     "ClassFacts",
@@ -193,7 +191,7 @@ def tokens_held(entries: Iterable[Mapping[str, Any]] | None) -> dict[str, int]:
     """Tokens each namespace holds in one ledger (`status.grants`): Granted and Reclaiming."""
     out: dict[str, int] = {}
     for e in entries or ():
-        if e.get("state") not in _HOLDING:
+        if e.get("state") not in HOLDING_STATES:
             continue
         ns = str(e.get("mind") or "").partition("/")[0]
         out[ns] = out.get(ns, 0) + int(e.get("tokens") or 0)

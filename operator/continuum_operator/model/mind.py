@@ -28,6 +28,11 @@ class GrantState(StrEnum):
     RELEASED = "Released"
 
 
+#: The states in which a mind holds a slot (a tuple: StrEnum members compare equal to their
+#: string values, so it serves the ledger's plain entries and the allocator's grants alike).
+HOLDING_STATES = (GrantState.GRANTED, GrantState.RECLAIMING)
+
+
 class ProjectedState(StrEnum):
     """A Mind's `status.grant.state`: her ledger entry's state, or `Refused` when she holds
     nothing until her spec, her class or the Engine changes: asking more than a slot or her
