@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from continuum_operator import yaml_text
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "continuum"
 CLUSTER_SCRIPT = ROOT / "tools" / "cluster"
@@ -76,7 +78,7 @@ def template(
     cmd = [str(binary), *args, *(["-f", "-"] if values else [])]
     proc = subprocess.run(
         cmd,
-        input=yaml.safe_dump(dict(values)) if values else None,
+        input=yaml_text.dump(dict(values)) if values else None,
         capture_output=True,
         text=True,
         timeout=300,

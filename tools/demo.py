@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from continuum_operator import yaml_text
 from continuum_operator.core.heartbeat import (
     agent_lease_metadata,
 )
@@ -106,17 +107,17 @@ def renew_leases() -> None:
         }
         for b in boards()
     ]
-    kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(leases))
+    kubectl("apply", "-f", "-", stdin=yaml_text.dump_all(leases))
     print(f"demo: renewed {len(leases)} node Leases (fresh for {LEASE_SECONDS // 60} minutes)")
 
 
 def apply_nodes_and_boards() -> None:
     for board in boards():
         name = board["metadata"]["name"]
-        kubectl("apply", "-f", "-", stdin=yaml.safe_dump(node_of(board)))
+        kubectl("apply", "-f", "-", stdin=yaml_text.dump(node_of(board)))
         status = board["status"]
         spec_only = {k: v for k, v in board.items() if k != "status"}
-        kubectl("apply", "-f", "-", stdin=yaml.safe_dump(spec_only))
+        kubectl("apply", "-f", "-", stdin=yaml_text.dump(spec_only))
         kubectl("patch", "nodeboard", name, "--subresource=status", "--type=merge",
                 "-p", json.dumps({"status": status}))  # fmt: skip
         print(f"demo: node/{name} with its board ({status['memoryMode']})")
@@ -381,13 +382,13 @@ def mind_grant(name: str) -> dict[str, Any]:
 def turn(name: str, prompt: str) -> dict[str, Any]:
     """Her pod takes one turn at the address in her status, with her token."""
     pod = f"{name}-turn-{int(time.time())}"
-    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(service_account(REAL_NS, name)))
+    kubectl("apply", "-f", "-", stdin=yaml_text.dump(service_account(REAL_NS, name)))
     body = mind_pod(name=pod, namespace=REAL_NS, service_account_name=name,
                     engine_namespace=REAL_NS, engine_name="tiny-real",
                     endpoint=mind_grant(name)["endpoint"], image=engine_image(),
                     prompt=prompt, max_tokens=24,
                     node_selector=REAL_NODE_LABEL)  # fmt: skip
-    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(body))
+    kubectl("apply", "-f", "-", stdin=yaml_text.dump(body))
 
     def ended() -> bool:
         pod_body = json.loads(kubectl("get", "pod", "-n", REAL_NS, pod, "-o", "json"))
@@ -430,7 +431,7 @@ def real_turn() -> None:
          "metadata": {"name": "rae", "namespace": REAL_NS},
          "spec": {"engine": "tiny-real", "className": "demo-batch", "contextTokens": 256}},
     ]  # fmt: skip
-    kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
+    kubectl("apply", "-f", "-", stdin=yaml_text.dump_all(docs))
     print("demo: waiting for tiny-real's facts Job and engine pod on the real node...")
 
     def ready() -> bool:
@@ -450,7 +451,7 @@ def real_turn() -> None:
         "apply",
         "-f",
         "-",
-        stdin=yaml.safe_dump(
+        stdin=yaml_text.dump(
             {
                 "apiVersion": "continuum.dev/v1alpha1",
                 "kind": "Mind",

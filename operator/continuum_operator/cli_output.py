@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import yaml
+from continuum_operator import yaml_text
 
 OUTPUTS = ("table", "json", "yaml")
 RENAMED = {"text": "table"}
@@ -54,7 +54,7 @@ def render(doc: Any, output: str, table: Callable[[], str] | None = None) -> str
     if output == "json":
         return json.dumps(doc, indent=2)
     if output == "yaml":
-        return yaml.safe_dump(doc, sort_keys=False).rstrip("\n")
+        return yaml_text.dump(doc, sort_keys=False).rstrip("\n")
     if table is not None:
         return table()
     return leaf_table(doc)

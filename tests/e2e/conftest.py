@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+
+from continuum_operator import yaml_text
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = ROOT / "tools" / "cluster"
@@ -85,7 +86,7 @@ class Cluster:
         """`kubectl apply -f -` of YAML text, one object or a list of objects."""
         if not isinstance(manifest, str):
             docs = [manifest] if isinstance(manifest, Mapping) else list(manifest)
-            manifest = yaml.safe_dump_all([dict(d) for d in docs])
+            manifest = yaml_text.dump_all([dict(d) for d in docs])
         return self.kubectl("apply", "-f", "-", *args, input=manifest).stdout
 
     def create_fake_node(

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from continuum_operator import yaml_text
 from continuum_operator.core.heartbeat import NODE_ANNOTATION, lease_name, node_of_lease
 from continuum_operator.kube import engine_identity, facts_job, lane_objects, objects
 from continuum_operator.kube.children import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
@@ -649,7 +650,7 @@ def _pod_bound_kubeconfig(cluster: Cluster, release: AgentRelease, pod: str, pat
     ctx = next(c["context"] for c in admin["contexts"] if c["name"] == admin["current-context"])
     server = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
     path.write_text(
-        yaml.safe_dump(
+        yaml_text.dump(
             {
                 "apiVersion": "v1",
                 "kind": "Config",

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from continuum_operator import yaml_text
 from continuum_operator.core.heartbeat import lease_name
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.llama_fixtures import free_port
@@ -76,7 +77,7 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     binary = find_helm()
     ns = f"continuum-{RUN}"
     values = tmp_path_factory.mktemp("chart") / "values.yaml"
-    values.write_text(yaml.safe_dump(VALUES))
+    values.write_text(yaml_text.dump(VALUES))
     rel = Release(binary, ns, values, cluster.env)
     rel.run(
         "install", RELEASE, str(CHART), "--namespace", ns, "--create-namespace",
@@ -295,7 +296,7 @@ def _token_kubeconfig(
         "create", "token", sa, "-n", ns, "--duration=1h", *bound
     ).stdout.strip()  # fmt: skip
     path.write_text(
-        yaml.safe_dump(
+        yaml_text.dump(
             {
                 "apiVersion": "v1",
                 "kind": "Config",
@@ -566,7 +567,7 @@ def test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades(
     name = f"wh{RUN}"
     rel = Release(binary, ns, tmp_path / "values.yaml", cluster.env)
     rel.values_file.write_text(
-        yaml.safe_dump(
+        yaml_text.dump(
             {
                 "crds": {"install": False},
                 "agent": {"enabled": False},

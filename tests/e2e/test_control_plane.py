@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from continuum_operator import yaml_text
 from tests.e2e.conftest import ROOT, Cluster, read_versions
 
 pytestmark = pytest.mark.e2e
@@ -83,7 +84,7 @@ def test_custom_resource_roundtrip(cluster: Cluster, namespace: str, tmp_path: P
             ],
         },
     }
-    (tmp_path / "crd.yaml").write_text(yaml.safe_dump(crd))
+    (tmp_path / "crd.yaml").write_text(yaml_text.dump(crd))
     cluster.kubectl("apply", "-f", str(tmp_path / "crd.yaml"))
     wait_established(cluster, ["widgets.smoke.continuum.test"])
     widget = {

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from continuum_operator import yaml_text
 from continuum_operator.engine.admission import engine_audience, lane_audience
 from tests.e2e.conftest import ROOT, Cluster
 
@@ -201,7 +201,7 @@ def test_the_lanes_identity_and_network_policy_are_accepted_and_let_it_review_to
     for obj in built:  # no EmbedLane here to own them: the garbage collector would take them
         obj["metadata"].pop("ownerReferences", None)
     path = tmp_path / "identity.yaml"
-    path.write_text(yaml.safe_dump_all(built))
+    path.write_text(yaml_text.dump_all(built))
     cluster.kubectl("apply", "--server-side", "--field-manager=e2e", "-f", str(path))
     try:
         assert can_review() == "yes"

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from continuum_operator import yaml_text
 from continuum_operator.core.embed import (
     LaneAsk,
     LanePlacement,
@@ -103,7 +104,7 @@ def served_lane(embed_model: Path, tmp_path: Path) -> Iterator[tuple[str, Path, 
     """(the embeddings' address, the lane file, the status file, the admin address). No
     cluster here, so no token review: its door is tests/e2e/test_embed_door.py's."""
     lane_file = tmp_path / "lane.yaml"
-    lane_file.write_text(yaml.safe_dump({
+    lane_file.write_text(yaml_text.dump({
         "apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
         "metadata": {"name": "lane", "namespace": "ns"},
         "spec": {"engine": "eng", "maxContextTokens": 2048},
@@ -198,7 +199,7 @@ def test_a_request_above_the_lease_waits_for_the_lease_to_grow(
 
     def grow() -> None:
         time.sleep(1.0)
-        lane_file.write_text(yaml.safe_dump(doc))
+        lane_file.write_text(yaml_text.dump(doc))
 
     import threading
 

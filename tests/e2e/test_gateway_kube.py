@@ -13,6 +13,7 @@ import pytest
 import yaml
 from kubernetes import config
 
+from continuum_operator import yaml_text
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.grants_source import EngineStatusWriter, watch_engine
 from continuum_operator.model.mind import GrantState
@@ -329,7 +330,7 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
     for obj in built:  # no Engine here to own them: the garbage collector would take them
         obj["metadata"].pop("ownerReferences", None)
     path = tmp_path / "identity.yaml"
-    path.write_text(yaml.safe_dump_all(built))
+    path.write_text(yaml_text.dump_all(built))
     cluster.kubectl("apply", "--server-side", "--field-manager=e2e", "-f", str(path))
     try:
         assert can_review() == "yes"

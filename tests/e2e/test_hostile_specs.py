@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from continuum_operator import yaml_text
 from tests.e2e.conftest import Cluster
 from tests.e2e.test_grants import (
     check_log,
@@ -647,7 +647,7 @@ def as_text(manifest: str | dict[str, Any] | list[dict[str, Any]]) -> str:
     if isinstance(manifest, str):
         return manifest
     docs = manifest if isinstance(manifest, list) else [manifest]
-    return yaml.safe_dump_all(docs)
+    return yaml_text.dump_all(docs)
 
 
 def labelled(doc: dict[str, Any]) -> dict[str, Any]:

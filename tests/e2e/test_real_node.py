@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from continuum_operator import yaml_text
 from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
 from continuum_operator.testing.mind_pod import mind_pod, service_account
 from tests.e2e.conftest import CLUSTER_SCRIPT, ROOT, Cluster
@@ -163,7 +163,7 @@ def install(
     ns = f"continuum-{RUN}"
     apps = f"apps-{RUN}"
     values_file = tmp_path_factory.mktemp("node") / "values.yaml"
-    values_file.write_text(yaml.safe_dump(values(image_refs())))
+    values_file.write_text(yaml_text.dump(values(image_refs())))
     helm(
         binary, "install", RELEASE, str(CHART), "--namespace", ns, "--create-namespace",
         "-f", str(values_file), "--take-ownership", "--force-conflicts",

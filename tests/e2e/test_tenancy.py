@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from continuum_operator import yaml_text
 from continuum_operator.kube import objects
 from continuum_operator.kube.settings import PodSettings
 from tests.e2e.conftest import Cluster
@@ -326,7 +326,7 @@ def test_a_pod_of_an_ordinary_namespace_asking_for_the_engine_priority_class_is_
     name = engine_class["metadata"]["name"]
     exists = cluster.kubectl("get", "priorityclass", name, check=False).returncode == 0
     if not exists:
-        cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(engine_class), check=False)
+        cluster.kubectl("create", "-f", "-", input=yaml_text.dump(engine_class), check=False)
     ordinary = scoped_namespace(cluster, tag)
     engines_ns = scoped_namespace(cluster, tag, **{"continuum.dev/engines": "allowed"})
     scope = [{"key": SCOPE, "operator": "In", "values": [tag]}]

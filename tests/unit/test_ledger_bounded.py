@@ -266,3 +266,34 @@ def test_a_holder_released_in_a_step_the_log_missed_is_released_in_the_log_too(
     moves = [(x["mind"][-2:], x["to"]) for x in log_lines(tmp_path) if x["event"] == "transition"]
     assert moves[-2:] == [("00", "Released"), ("01", "Granted")]
     assert checklog.check(log_lines(tmp_path)) == []
+
+
+def test_a_step_the_log_missed_is_logged_when_a_new_leader_writes_over_it_from_a_stale_cache(
+    tmp_path: Path,
+) -> None:
+    """Found by the random-kill e2e in CI (a gap in the log's step seqs): a leader wrote a
+    step and died before its log append; the next leader's cache had not yet seen that write,
+    so its journal recovery found nothing missing, its own write was refused (409), and it
+    decided again from the Engine read back and wrote over the unlogged journal. Whatever
+    journal a write replaces is logged first."""
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=1))
+    w.mind(mind(0))
+    w.loop.pass_once()
+    stale = json.loads(json.dumps(w.api.objects[ENGINE]))
+    # One more mind; this leader writes her step (she queues) and dies before its log append.
+    w.mind(mind(1))
+    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    w.loop.pass_once()
+    lost = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]["seq"]
+    new_leader(w, tmp_path)
+    # The new leader's cache still holds the Engine from before that write (its watch event
+    # not yet seen).
+    w.engines.engines[("team-a", "coder")] = stale
+    w.mind(mind(2))
+    w.loop.pass_once()
+    seqs = [x["seq"] for x in log_lines(tmp_path)]
+    assert lost in seqs
+    blocks = [q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q]
+    assert blocks == list(range(1, w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]["seq"] + 1))
+    assert checklog.check(log_lines(tmp_path)) == []

@@ -510,6 +510,12 @@ class GrantsLoop:
         engine = f"{ns}/{name}"
         path = crd_path("engines", ns, name, "status")
         for _attempt in range(self.settings.conflict_retries):
+            # The journal this write replaces is logged first: a step a dead leader wrote and
+            # did not log reaches a new leader here when its cache had not yet seen that write
+            # (the pass's recovery found nothing missing; the write was refused, 409, and the
+            # Engine read back carries it).
+            self.log.recover(engine, ledger.read_journal((body.get("status") or {}).get(
+                ledger.STEP_FIELD)))  # fmt: skip
             doc, seq, lines = self._ledger_doc(key, body, s, now)
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
             try:
