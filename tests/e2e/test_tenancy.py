@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from continuum_operator import yaml_text
-from continuum_operator.kube import objects
+from continuum_operator.kube.priority_classes import priority_classes
 from continuum_operator.kube.settings import PodSettings
 from tests.e2e.conftest import Cluster
 from tests.e2e.test_grants import (  # the grants e2e's own helpers, reused
@@ -322,7 +322,7 @@ def test_a_pod_of_an_ordinary_namespace_asking_for_the_engine_priority_class_is_
     cluster: Cluster, tag: str, installed: Callable[[list[dict[str, Any]]], None]
 ) -> None:
     # The class must exist, or the Priority admission plugin refuses the pod first, for that.
-    engine_class = objects.priority_classes(PodSettings())[0]
+    engine_class = priority_classes(PodSettings())[0]
     name = engine_class["metadata"]["name"]
     exists = cluster.kubectl("get", "priorityclass", name, check=False).returncode == 0
     if not exists:

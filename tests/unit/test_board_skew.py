@@ -1,7 +1,7 @@
 """Board freshness counted on the operator's clock from when it saw each renewal
-(`cache.renewal_counted_from`, `occupancy.lease_is_fresh`), never the agent's `renewTime` against
-the operator's clock: an agent whose clock runs ahead cannot keep a dead node's board fresh, and
-one whose clock runs behind is believed from its next renewal."""
+(`lease_renewal.renewal_counted_from`, `occupancy.lease_is_fresh`), never the agent's
+`renewTime` against the operator's clock: an agent whose clock runs ahead cannot keep a dead
+node's board fresh, and one whose clock runs behind is believed from its next renewal."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ import yaml
 
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.embedlanes import LaneWrites, reconcile_lane
+from continuum_operator.kube.engine_pass import Memory
 from continuum_operator.kube.occupancy import lane_leases_in
-from continuum_operator.kube.reconcile import Memory, reconcile
+from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from tests.builders import GiB, MiB
 from tests.unit.test_reconcile import (

@@ -8,6 +8,7 @@ import pytest
 
 from continuum_operator.core.plan import plan
 from continuum_operator.kube import engine_identity, objects
+from continuum_operator.kube.priority_classes import priority_classes
 from continuum_operator.kube.settings import GpuSharing, PodSettings
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, MiB, board, board_body, engine, engine_body
@@ -173,14 +174,14 @@ def test_the_service_selects_the_engines_pod() -> None:
 
 
 def test_engines_outrank_minds_and_minds_never_preempt() -> None:
-    engine_class, mind_class, *_ = objects.priority_classes(PodSettings())
+    engine_class, mind_class, *_ = priority_classes(PodSettings())
     assert engine_class["value"] > mind_class["value"]
     assert mind_class["preemptionPolicy"] == "Never"
 
 
 def test_a_minds_children_rank_below_every_class_and_ordinary_pods_and_never_preempt() -> None:
     pods = PodSettings(children_priority_class="kids", children_priority=-7)
-    classes = objects.priority_classes(pods)
+    classes = priority_classes(pods)
     children = next(c for c in classes if c["metadata"]["name"] == "kids")
     assert children["value"] == -7
     assert children["value"] < 0  # ordinary pods have priority 0

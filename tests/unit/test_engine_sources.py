@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from continuum_operator.kube import facts_job, lane_objects, objects
-from continuum_operator.kube.reconcile import Memory, facts_disagreements, reconcile
+from continuum_operator.kube.engine_pass import Memory
+from continuum_operator.kube.reconcile import facts_disagreements, reconcile
 from continuum_operator.kube.run import add_parser, settings_from
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane

@@ -10,8 +10,8 @@ from typing import Any
 from continuum_operator.kube import events, webhook
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.embedlanes import LaneEvent, LaneLoop
+from continuum_operator.kube.engine_pass import Event
 from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.reconcile import Event
 from continuum_operator.kube.settings import OperatorSettings, PodSettings
 from continuum_operator.model.base import API_VERSION
 from tests.fakes import FakeKubeApi

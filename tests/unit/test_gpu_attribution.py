@@ -23,8 +23,9 @@ from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, Ledger
 from continuum_operator.kube.cache import BoardEntry, Snapshot
+from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
-from continuum_operator.kube.reconcile import Memory, Writes, reconcile
+from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import GpuClaims
 from continuum_operator.model.board import MemoryMode, NodeBoard, NodeBoardStatus, PoolKind
 from continuum_operator.model.engine import Engine

@@ -15,8 +15,9 @@ from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.kube import loop as loop_module
 from continuum_operator.kube.api import KubeApi
 from continuum_operator.kube.cache import Cache, EngineKey, format_time, merge_patch
+from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.reconcile import Memory, Writes, reconcile
+from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import LoopSettings, OperatorSettings
 from continuum_operator.model.base import API_VERSION
 from tests.builders import board_body, engine_body

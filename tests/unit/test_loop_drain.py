@@ -9,9 +9,9 @@ from typing import Any
 from continuum_operator.kube import ledger
 from continuum_operator.kube.api import KubeApi
 from continuum_operator.kube.cache import Cache, DeploymentEntry
+from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.loop import DRAIN_HOLD_SECONDS, Loop
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
-from continuum_operator.kube.reconcile import Memory, Writes
 from continuum_operator.kube.settings import OperatorSettings
 from tests.fakes import FakeKubeApi
 

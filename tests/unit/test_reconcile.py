@@ -13,19 +13,15 @@ from continuum_operator.kube.cache import (
     BoardEntry,
     DeploymentEntry,
     JobEntry,
-    LeaseEntry,
     NodeEntry,
     Snapshot,
 )
+from continuum_operator.kube.engine_pass import Memory, Writes, size_text
 from continuum_operator.kube.facts_job import facts_job_name, source_key
+from continuum_operator.kube.lease_renewal import LeaseEntry
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
-from continuum_operator.kube.reconcile import (
-    NODE_GONE_HOLD_SECONDS,
-    Memory,
-    Writes,
-    _size,
-    reconcile,
-)
+from continuum_operator.kube.placed_engine import NODE_GONE_HOLD_SECONDS
+from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import (
     GpuSharing,
     OperatorSettings,
@@ -146,7 +142,7 @@ def test_an_engine_is_placed_on_the_tightest_fresh_board_with_an_assumed_lease()
     # Bytes in the event's words: GiB from 1 GiB up (a small lease in MiB, never "0.00 GiB").
     charged = re.findall(r"(\d+\.\d+) (GiB|MiB)", placed.message)
     assert charged and all(float(n) > 0 for n, _ in charged), placed.message
-    assert (_size(9 * 2**20), _size(3 * 2**29)) == ("9.0 MiB", "1.50 GiB")
+    assert (size_text(9 * 2**20), size_text(3 * 2**29)) == ("9.0 MiB", "1.50 GiB")
 
 
 def test_a_second_engine_sees_the_first_ones_assumed_bytes() -> None:

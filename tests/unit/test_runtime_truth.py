@@ -40,8 +40,9 @@ from continuum_operator.engine.runtime import (
 )
 from continuum_operator.kube import facts_job, objects
 from continuum_operator.kube.cache import DeploymentEntry, whole_cpus
+from continuum_operator.kube.engine_pass import Memory, pods_on
 from continuum_operator.kube.metrics import OperatorMetrics
-from continuum_operator.kube.reconcile import Memory, pods_on, reconcile
+from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, engine, engine_body

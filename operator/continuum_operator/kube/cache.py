@@ -4,7 +4,8 @@ As in Kueue, controllers feed a cache and the decision never reads the API: kopf
 handlers (`kube.handlers`) call `Cache.observe_*`, the reconcile loop takes a `snapshot()`.
 After the operator writes an Engine's status it records the answer here at once ("assume"), so
 the next engine's placement sees the bytes just leased before the watch event arrives.
-Neighbours: `kube.reconcile` (decides from a Snapshot), `kube.handlers` (feeds this).
+Neighbours: `kube.reconcile` (decides from a Snapshot), `kube.handlers` (feeds this),
+`kube.lease_renewal` (when each agent Lease's renewal counts from).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
 from continuum_operator.kube.facts_job import FACTS_FOR_LABEL
 from continuum_operator.kube.kept import kept
+from continuum_operator.kube.lease_renewal import LeaseEntry, renewal_counted_from, renewed_in_time
 from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import EnginePlacement
@@ -48,38 +50,6 @@ class BoardEntry:
     resource_version: str
     problem: str = ""
     cap_mechanisms: tuple[str, ...] = ()  # per-process GPU caps the node offers (its agent saw)
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseEntry:
-    renew_time: float | None  # the agent's wall clock: compared only with its own earlier ones
-    duration_seconds: float | None
-    resource_version: str
-    # When this process counts the last renewal from, on its own clock (`renewal_counted_from`);
-    # None in an entry built by hand, which counts from `renew_time`.
-    counted_from: float | None = None
-
-
-def renewal_counted_from(
-    known: LeaseEntry | None, renew_time: float | None, now: float
-) -> float | None:
-    """When this process counts a Lease's last renewal from, as client-go's leader election
-    counts from `observedTime`: a renewal is counted from when it is seen, so an agent whose
-    clock runs ahead of ours cannot keep a board fresh past its duration. `renewTime` is only
-    compared with the same agent's earlier `renewTime`, both on its own clock. A Lease seen for
-    the first time (or moved back) counts from its own `renewTime` if that is earlier than now:
-    of its age only what its clock shows and no more than it could be, so a board an agent
-    abandoned long ago is not believed on the operator's start; a clock behind ours makes the
-    board stale early only until the agent's next renewal.
-    """
-    if renew_time is None:
-        return None
-    if known is not None and known.renew_time is not None and known.counted_from is not None:
-        if renew_time > known.renew_time:
-            return now  # renewed since we last saw it: counted from now
-        if renew_time == known.renew_time:
-            return known.counted_from  # the same renewal (a label, a resync)
-    return min(now, renew_time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +300,7 @@ class Cache:
                 counted_from=renewal_counted_from(known, renew_time, now),
             )
             self.leases[node] = entry
-            if known is not None and _renewed_in_time(known, entry, now):
+            if known is not None and renewed_in_time(known, entry, now):
                 # The board stayed fresh throughout: no decision changes, and a pass over every
                 # engine for each node's heartbeat would never rest. The next resync reads it.
                 return
@@ -474,20 +444,6 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             out[k] = merge_patch(out.get(k), v)
     return out
-
-
-def _renewed_in_time(known: LeaseEntry, new: LeaseEntry, now: float) -> bool:
-    """The Lease was renewed (its own clock moved on) and seen before it expired on ours, for as
-    long as before: fresh all along."""
-    if known.renew_time is None or new.renew_time is None or known.duration_seconds is None:
-        return False
-    if known.counted_from is None:
-        return False
-    return (
-        new.duration_seconds == known.duration_seconds
-        and known.renew_time <= new.renew_time
-        and now <= known.counted_from + known.duration_seconds
-    )
 
 
 def _lane_hold(body: Mapping[str, Any] | None) -> tuple[Any, Any]:

@@ -31,15 +31,12 @@ from continuum_operator.kube import events, ledger, objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.embedlanes import LaneLoop
+from continuum_operator.kube.engine_pass import Event, Memory, Writes
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.occupancy import is_fresh, lease_is_fresh
 from continuum_operator.kube.pool_metrics import PoolMetrics
-from continuum_operator.kube.reconcile import (
-    Event,
-    Memory,
-    Writes,
-    reconcile,
-)
+from continuum_operator.kube.priority_classes import priority_classes
+from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import ModelFacts
@@ -85,7 +82,7 @@ class Loop:
         self.lanes = LaneLoop(api, settings, cache, clock)
 
     def install_priority_classes(self) -> None:
-        for pc in objects.priority_classes(self.settings.pods):
+        for pc in priority_classes(self.settings.pods):
             self.api.apply(pc)
 
     async def run(self, stop: asyncio.Event) -> None:

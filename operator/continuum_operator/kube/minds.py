@@ -10,9 +10,10 @@ served Engine something changed for (below), in turn:
    that want a grant, the gateway's slot releases (`status.runtime.slotReleases`) and the time;
 2. if the ledger changed, a replace of the Engine's status subresource conditioned on its
    resourceVersion (never a blind merge): the ledger, the pool it was made for and the step's
-   journal in one write; on 409 the Engine is read again and the step decided again. The
-   object keeps the holders and the head of a long queue (`ledger.bounded`); the rest is kept
-   here (`tails`) and, for a new leader, read from the log or the Minds' status (`tail_of`);
+   journal in one write; on 409 the Engine is read again and the step decided again
+   (`kube.ledger_write`). The object keeps the holders and the head of a long queue
+   (`ledger.bounded`); the rest is kept by `kube.ledger_tails` (for a new leader, read from the
+   log or the Minds' status);
 3. the step's lines appended to the transition log (`kube.transition_log`);
 4. each Mind's `status.grant` and conditions, a projection of her entry, written if changed;
 5. finalizers: a Mind of a served Engine carries `continuum.dev/grant` until her entry has left
@@ -33,10 +34,11 @@ minds are told); one whose review time or grace deadline has come; one whose wri
 Every engine at a leader's first pass (it also recovers every journal), when the MindClasses or
 TokenQuotas change, and every `full_pass_seconds` (60 s), a safety net. What a pass reads of
 every ledger (grace deadlines, tokens held under a quota) is kept per Engine body
-(`_EngineFacts`). The transition log is synced once a pass (group commit).
+(`kube.ledger_facts`). The transition log is synced once a pass (group commit).
 
 Crash points (`kube.crash`) sit between these writes. Neighbours: `kube.ledger` (decides),
-`kube.api` (the adapter), `kube.leader` (who may write).
+`kube.ledger_write` (the ledger's write), `kube.mind_writes` (the Minds' writes), `kube.api`
+(the adapter), `kube.leader` (who may write).
 """
 
 from __future__ import annotations
@@ -48,23 +50,24 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from continuum_operator.core.grants import Grant, MindDemand, Policy
-from continuum_operator.kube import crash, ledger, routing
+from continuum_operator.core.grants import MindDemand, Policy
+from continuum_operator.kube import ledger, routing
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.ledger_facts import LedgerFacts, grace_deadline
+from continuum_operator.kube.ledger_tails import LedgerTails
+from continuum_operator.kube.ledger_write import LedgerWriter
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.mind_cache import MindCache, resource_version
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
 from continuum_operator.kube.mind_writes import Job, MindWrites
 from continuum_operator.kube.quota_use import ClassNotes, QuotaUse, quota_status
 from continuum_operator.kube.transition_log import TransitionLog
-from continuum_operator.model.base import API_VERSION, GROUP, VERSION
-from continuum_operator.model.mind import HOLDING_STATES, GrantState
+from continuum_operator.model.base import GROUP, VERSION
 
 __all__ = ["GrantsLoop"]
 
@@ -109,10 +112,20 @@ class GrantsLoop:
         self.engine_seen: dict[EngineKey, Mapping[str, Any]] = {}
         self.rules_seen: tuple[Any, ...] | None = None
         self.full_at = 0.0
-        self.facts: dict[EngineKey, _EngineFacts] = {}
-        # Each engine's whole ledger as this leader last decided it: what its object leaves out
-        # (`ledger.bounded`) is here, for the next step and for the projections.
-        self.tails: dict[EngineKey, _Tail] = {}
+        self.facts: dict[EngineKey, LedgerFacts] = {}
+        # Each engine's whole ledger as this leader last decided it (`ledger.bounded` leaves
+        # some out of the object); the loop's log as it is now (`run` opens it again).
+        self.tails = LedgerTails(lambda: self.log, minds)
+        self.ledger_writer = LedgerWriter(
+            api,
+            engines,
+            settings,
+            self.policy,
+            self.tails,
+            self.metrics,
+            lambda: self.log,
+            self._demands_of,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         # A new leader: the log as the last one left it, and any step it wrote but did not log
@@ -201,7 +214,7 @@ class GrantsLoop:
     def dirty_engines(
         self,
         engines: Mapping[EngineKey, dict[str, Any]],
-        facts: Mapping[EngineKey, _EngineFacts],
+        facts: Mapping[EngineKey, LedgerFacts],
         rules: tuple[Any, ...],
         wall: float,
     ) -> set[EngineKey]:
@@ -233,21 +246,11 @@ class GrantsLoop:
         self.engine_seen[key] = body
         return False
 
-    def _facts_of(
-        self, engines: Mapping[EngineKey, dict[str, Any]]
-    ) -> dict[EngineKey, _EngineFacts]:
-        old = self.facts
-        self.facts = {
-            k: f if (f := old.get(k)) is not None and f.body is b else _EngineFacts.of(b)
-            for k, b in engines.items()
-        }
-        return self.facts
-
     def _pass(self) -> None:
         classes, default = routing.classes_of(list(self.minds.classes.values()))
         limits = routing.quota_limits(list(self.minds.quotas.values()))
         engines = dict(self.engines.engines)
-        facts = self._facts_of(engines)
+        facts = self.facts = LedgerFacts.of_each(self.facts, engines)
         wall = self.clock()
         dirty = self.dirty_engines(engines, facts, (classes, default, limits), wall)
         done: set[EngineKey] = set()
@@ -262,7 +265,7 @@ class GrantsLoop:
         dirty: set[EngineKey],
         done: set[EngineKey],
         engines: Mapping[EngineKey, dict[str, Any]],
-        facts: Mapping[EngineKey, _EngineFacts],
+        facts: Mapping[EngineKey, LedgerFacts],
         classes: Mapping[str, routing.ClassFacts],
         default: str,
         limits: Mapping[str, routing.QuotaLimit],
@@ -286,13 +289,13 @@ class GrantsLoop:
         # Held over every engine's ledger, not only those stepped (from `facts`: read once per
         # body).
         quotas = QuotaUse(
-            limits, {k: self.entries_of(k, f.body, f.entries) for k, f in facts.items()}
+            limits, {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
         )
 
         def step(key: EngineKey, at: float | None = None) -> dict[str, Any] | None:
             written = self.step_engine(key, engines[key], demands(key), at, quotas.left(key))
             if written is not None:
-                quotas.stepped(key, self.entries_of(key, written))
+                quotas.stepped(key, self.tails.entries_of(key, written))
             return written
 
         stepped: list[tuple[EngineKey, dict[str, Any]]] = []
@@ -367,7 +370,7 @@ class GrantsLoop:
                 self.mind_writes.projection_jobs(
                     key,
                     engine,
-                    self.entries_of(key, engine),
+                    self.tails.entries_of(key, engine),
                     by_engine.get(key, []),
                     refused,
                     notes,
@@ -386,7 +389,7 @@ class GrantsLoop:
             jobs.extend(self.mind_writes.missing_engine_jobs(key, minds))
             self.engine_seen.pop(key, None)
             self.review_at.pop(key, None)
-            self.tails.pop(key, None)
+            self.tails.forget(key)
             done.add(key)
         for qkey, quota in sorted(self.minds.quotas.items()):
             new = quota_status(quota, quotas, self.clock())
@@ -419,46 +422,7 @@ class GrantsLoop:
         self.minds.observe_quota(answer, deleted=False, nudge=False)
 
     def _due(self, body: Mapping[str, Any]) -> float | None:
-        return _deadline((body.get("status") or {}).get("grants") or [])
-
-    def entries_of(
-        self,
-        key: EngineKey,
-        body: Mapping[str, Any],
-        stored: list[dict[str, Any]] | None = None,
-    ) -> list[dict[str, Any]]:
-        """The engine's whole ledger: as this leader last decided it for this body's step, else
-        the entries its object holds."""
-        status = body.get("status") or {}
-        tail = self.tails.get(key)
-        if tail is not None and tail.seq == _seq(status):
-            return tail.entries
-        return stored if stored is not None else list(status.get("grants") or [])
-
-    def tail_of(
-        self, key: EngineKey, body: Mapping[str, Any], demands: Mapping[str, MindDemand]
-    ) -> dict[str, Grant]:
-        """The entries the Engine object left out (`status.grantQueue`): from this leader's
-        memory of the step it last decided there; else as the transition log leaves them (its
-        next lines then follow from the log's, whatever a crash left unwritten); else, with no
-        log, from the Minds' own status."""
-        status = body.get("status") or {}
-        stored = {str(e.get("mind")) for e in status.get("grants") or []}
-        tail = self.tails.get(key)
-        if tail is not None and tail.seq == _seq(status):
-            return {m: g for m, g in tail.grants.items() if m not in stored}
-        waiting = self.log.waiting(f"{key[0]}/{key[1]}")
-        if waiting is not None:
-            return ledger.tail_from_log(waiting, stored)
-        if status.get(ledger.QUEUE_FIELD) is None:
-            return {}  # nothing was left out
-        return ledger.tail_from_minds(self.minds.minds_of([key]).get(key, []), stored, demands)
-
-    def remember(self, key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep) -> None:
-        """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
-        kept = {str(e.get("mind")) for e in s.kept}
-        left_out = {m: g for m, g in s.grants.items() if m not in kept}
-        self.tails[key] = _Tail(_seq(body.get("status") or {}), left_out, s.entries)
+        return grace_deadline((body.get("status") or {}).get("grants") or [])
 
     def step_engine(
         self,
@@ -477,18 +441,18 @@ class GrantsLoop:
                 now = at
             else:
                 now = self.log.time(due if due is not None and due <= wall else wall)
-            tail = self.tail_of(key, body, demands)
+            tail = self.tails.tail_of(key, body, demands)
             s = ledger.step(body, demands, now, self.policy, quota_left, tail)
             if s.review_at is not None:
                 self.review_at[key] = s.review_at
             else:
                 self.review_at.pop(key, None)
             if not s.changed:
-                self.remember(key, body, s)
+                self.tails.remember(key, body, s)
                 return body
             if not self.may_write():
                 return None
-            answer = self.write_ledger(key, body, s, now, quota_left)
+            answer = self.ledger_writer.write(key, body, s, now, quota_left)
             if answer is None:
                 return None
             body = answer
@@ -496,126 +460,6 @@ class GrantsLoop:
             if at is not None or due is None or due > self.clock():
                 return body
         return body
-
-    def write_ledger(
-        self,
-        key: EngineKey,
-        body: dict[str, Any],
-        s: ledger.LedgerStep,
-        now: float,
-        quota_left: Mapping[str, int] | None = None,
-    ) -> dict[str, Any] | None:
-        """Replace the Engine's status with the new ledger, conditioned on resourceVersion."""
-        ns, name = key
-        engine = f"{ns}/{name}"
-        path = crd_path("engines", ns, name, "status")
-        for _attempt in range(self.settings.conflict_retries):
-            # The journal this write replaces is logged first: a step a dead leader wrote and
-            # did not log reaches a new leader here when its cache had not yet seen that write
-            # (the pass's recovery found nothing missing; the write was refused, 409, and the
-            # Engine read back carries it).
-            self.log.recover(engine, ledger.read_journal((body.get("status") or {}).get(
-                ledger.STEP_FIELD)))  # fmt: skip
-            doc, seq, lines = self._ledger_doc(key, body, s, now)
-            crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
-            try:
-                answer = self.api.request("PUT", path, doc)
-            except ApiError as err:
-                if err.status == 404:
-                    return None
-                if err.status != 409:
-                    log.warning("writing the ledger of Engine %s failed: %s", engine, err)
-                    return None
-                # Someone wrote the Engine meanwhile (part 1, the runtime): decide again.
-                self.metrics.record_ledger_conflict()
-                try:
-                    body = self.api.request("GET", crd_path("engines", ns, name))
-                except ApiError as err2:
-                    log.warning("re-reading Engine %s failed: %s", engine, err2)
-                    return None
-                self.engines.observe_engine(body, deleted=False, nudge=False)
-                wanted = self._demands_of(key)
-                tail = self.tail_of(key, body, wanted)
-                s = ledger.step(body, wanted, now, self.policy, quota_left, tail)
-                if not s.changed:
-                    self.remember(key, body, s)
-                    return body
-                continue
-            self._written(key, body, answer, s, seq, lines)
-            return answer
-        log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
-        return None
-
-    def _ledger_doc(
-        self, key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep, now: float
-    ) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
-        """The Engine as its status replace sends it (the ledger, the pool it was made for and
-        the step's journal, in one write), the step's seq and its log lines."""
-        ns, name = key
-        engine = f"{ns}/{name}"
-        status = dict(body.get("status") or {})
-        seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
-        lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
-        status["grants"] = s.kept
-        status[ledger.CAPACITY_FIELD] = s.pool.to_status()
-        kept = {str(e.get("mind")) for e in s.kept}
-        status[ledger.STEP_FIELD] = ledger.journal(seq, now, lines, kept)
-        if s.queue is not None:
-            status[ledger.QUEUE_FIELD] = s.queue
-        else:
-            status.pop(ledger.QUEUE_FIELD, None)
-        doc = {
-            "apiVersion": API_VERSION,
-            "kind": "Engine",
-            "metadata": {
-                "name": name,
-                "namespace": ns,
-                "resourceVersion": body["metadata"]["resourceVersion"],
-            },
-            "spec": body.get("spec") or {},
-            "status": status,
-        }
-        return doc, seq, lines
-
-    def _written(
-        self,
-        key: EngineKey,
-        body: Mapping[str, Any],
-        answer: dict[str, Any],
-        s: ledger.LedgerStep,
-        seq: int,
-        lines: list[dict[str, Any]],
-    ) -> None:
-        """After the ledger write landed: the cache, the log, the metrics and the log lines."""
-        ns, name = key
-        engine = f"{ns}/{name}"
-        crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
-        before = {**self.tail_of(key, body, {}), **ledger.read_grants(
-            (body.get("status") or {}).get("grants"))}  # fmt: skip
-        self.remember(key, answer, s)
-        self.engines.observe_engine(answer, deleted=False, nudge=False)
-        self.log.append(engine, seq, lines)
-        crash.reached(crash.CrashPoint.AFTER_LOG)
-        states = [str(e.get("state")) for e in s.entries]
-        self.metrics.record_grant_step(
-            ns,
-            name,
-            s.transitions(),
-            # The ledger this step started from: when a wait began, when a reclaim did.
-            before,
-            sum(1 for x in states if x in HOLDING_STATES),
-            states.count(GrantState.QUEUED.value),
-        )
-        for tr in s.transitions():
-            log.info(
-                "Engine %s: %s %s -> %s (%s)%s",
-                engine,
-                tr.mind,
-                tr.from_state.value if tr.from_state else "-",
-                tr.to_state.value,
-                tr.reason.value,
-                f" slot {tr.slot}" if tr.slot is not None else "",
-            )
 
     def _demands_of(self, key: EngineKey) -> dict[str, MindDemand]:
         """The minds that want a grant of this Engine, from the caches as they are now (only
@@ -628,51 +472,3 @@ class GrantsLoop:
             default,
         )
         return routing.demands_of(by_engine.get(key, []), classes, default, refused)
-
-    # projections and finalizers
-
-
-# --- what a pass keeps ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _EngineFacts:
-    """What a pass reads of every engine's ledger, not only of those it steps, kept while the
-    body is the same object (bodies are replaced, never changed in place)."""
-
-    body: Mapping[str, Any]
-    due: float | None  # the earliest grace deadline of its ledger
-    entries: list[dict[str, Any]]
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> _EngineFacts:
-        entries = (body.get("status") or {}).get("grants") or []
-        return cls(body, _deadline(entries), entries)
-
-
-@dataclass(frozen=True)
-class _Tail:
-    """An engine's ledger as this leader last decided it, for the step whose journal has `seq`:
-    the grants its object leaves out, and every entry (the projections read them)."""
-
-    seq: int
-    grants: dict[str, Grant]
-    entries: list[dict[str, Any]]
-
-
-def _seq(status: Mapping[str, Any]) -> int:
-    """The journal's seq of the ledger an Engine's status holds (0: never written)."""
-    try:
-        return int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _deadline(entries: Iterable[Mapping[str, Any]]) -> float | None:
-    """The earliest grace deadline of a ledger's entries."""
-    deadlines = [
-        float(e["deadline"])
-        for e in entries
-        if e.get("state") == GrantState.RECLAIMING and isinstance(e.get("deadline"), int | float)
-    ]
-    return min(deadlines) if deadlines else None

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from continuum_operator.core.placements import consumer_name, lane_placement_leases
 from continuum_operator.core.pools import ConsumerKind, Lease
-from continuum_operator.kube.cache import EngineKey, LeaseEntry, Snapshot, placed_leases
+from continuum_operator.kube.cache import EngineKey, Snapshot, placed_leases
+from continuum_operator.kube.lease_renewal import LeaseEntry
 from continuum_operator.model.embedlane import EmbedLanePlacement
 
 __all__ = ["LaneKey", "is_fresh", "lane_leases_in", "lease_is_fresh", "other_leases"]
@@ -27,7 +28,7 @@ def is_fresh(snap: Snapshot, node: str, now: float, default_ttl: float) -> bool:
 
 def lease_is_fresh(lease: LeaseEntry | None, now: float, default_ttl: float) -> bool:
     """Whether an agent Lease vouches for its board now (its own duration, else the default),
-    counted from when this process saw it renewed (`cache.renewal_counted_from`), never from
+    counted from when this process saw it renewed (`lease_renewal.renewal_counted_from`), never from
     the agent's clock."""
     if lease is None:
         return False

@@ -79,7 +79,7 @@ class PodSettings:
     """The most CPUs an engine gets, whatever the node has (whole CPUs; None: no bound)."""
     node_cpus: int | None = None
     """The allocatable CPUs of the node the engine runs on: filled per node by the operator
-    (`kube.reconcile.pods_on`), never set by hand; None: unknown, the engine gets `cpu_min`."""
+    (`kube.engine_pass.pods_on`), never set by hand; None: unknown, the engine gets `cpu_min`."""
     max_restarts: int = 5
     """Restarts of llama-server inside an engine pod allowed in `restart_window_seconds`; the
     next exit stops it, Ready False with why (count; `continuum engine --max-restarts`)."""

@@ -16,7 +16,7 @@ What is decided here is pure and tested as such: `kube.children.mutate` (a pod i
 mutated pod and notes out), `webhook_configuration` (the MutatingWebhookConfiguration for a
 client config) and `Unmarked` (which children lack the mark). `register` wires them into
 kopf. Neighbours: `kube.children` (what a child is), `kube.settings` (`ChildrenSettings`, the
-class in `PodSettings`), `kube.objects` (installs the class), `kube.metrics`, `kube.run`
+class in `PodSettings`), `kube.priority_classes` (the class), `kube.metrics`, `kube.run`
 (`--webhook`).
 """
 
@@ -48,7 +48,8 @@ from continuum_operator.kube.children import (
     mind_of_creator,
     mutate,
 )
-from continuum_operator.kube.objects import MANAGED_BY, priority_classes
+from continuum_operator.kube.objects import MANAGED_BY
+from continuum_operator.kube.priority_classes import priority_classes
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.model.base import GROUP
 
