@@ -371,15 +371,23 @@ def test_an_engine_service_account_adding_a_grant_is_refused_naming_the_rule(
         "--subresource=status", "-n", ns,
     ).stdout.strip() == "no"  # fmt: skip
 
-    def patch_status(patch: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    def patch_status(
+        patch: dict[str, Any], dry_run: bool = False
+    ) -> subprocess.CompletedProcess[str]:
         return kubectl_as(
             cluster, sa, "patch", "engine", "coder", "-n", ns, "--subresource=status",
             "--type=merge", "-p", json.dumps({"status": patch}),
+            *(["--dry-run=server"] if dry_run else []),
         )  # fmt: skip
 
     mallory = {"mind": f"{ns}/mallory", "state": "Granted", "tokens": 4096}
     forged = {"grants": [*ledger["grants"], mallory]}
-    denied = refused_once_active(lambda: patch_status(forged), "the forged grant refused")
+    # Probed by a server-side dry run until the policy is active: a real patch let through
+    # before that lands, and every later try is then a no-op the policy never sees (CI saw
+    # "patched (no change)" for 180 s).
+    refused_once_active(lambda: patch_status(forged, dry_run=True), "the forged grant refused")
+    denied = patch_status(forged)
+    assert denied.returncode != 0, denied.stdout
     for words in (
         "ValidatingAdmissionPolicy 'e2e-continuum-engine-status'",
         f"{sa} may change only status.runtime of its Engine, not status.grants",
