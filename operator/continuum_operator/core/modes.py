@@ -11,16 +11,19 @@ where its reserve is kept, and which pools a device part is charged to (docs/des
   to it.
 
 `rules_of(mode)` gives a mode's `ModeRules`; the plan (`core.plan`) takes its budget, reserves
-and charged pools from them, the lanes (`core.embed`) their charged pools. Adding a memory mode
-is a member of `model.board.MemoryMode` and an entry in `RULES` here (outside planning: the
-board's pool check in `model.board` and the readings that mean it in `core.nodeboard`). Which
-pool a GPU draws from is the board's (`core.pools.Board.device_view`), not the mode's. Pure.
+and charged pools from them, the lanes (`core.embed`) their charged pools, and best fit's
+pre-filter (`core.prefilter`) the same budget over numpy arrays, by the mode's `DeviceBudget`.
+Adding a memory mode is a member of `model.board.MemoryMode` and an entry in `RULES` here
+(outside planning: the board's pool check in `model.board` and the readings that mean it in
+`core.nodeboard`). Which pool a GPU draws from is the board's (`core.pools.Board.device_view`),
+not the mode's. Pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 from continuum_operator.core.plan_reasons import Reason, ReasonCode
 from continuum_operator.core.pools import Board, Pool
@@ -31,6 +34,7 @@ __all__ = [
     "Budget",
     "BudgetAsk",
     "Budgeted",
+    "DeviceBudget",
     "ModeRules",
     "rules_of",
 ]
@@ -71,7 +75,21 @@ class Budgeted:
     notes: tuple[Reason, ...] = ()
 
 
-BudgetRule = Callable[[Board, Pool, BudgetAsk, Available], "Budgeted | Reason"]
+class DeviceBudget(StrEnum):
+    """Where a mode's device budget comes from. The plan's budget (`ModeRules.budget`) and best
+    fit's pre-filter (`core.prefilter`, the same arithmetic over numpy arrays) both follow it, so
+    a mode of an existing kind needs nothing of either."""
+
+    SHARED_POOL = "sharedPool"
+    """The one pool the host part draws on too: one budget for both sides, one reserve (kept
+    on the host side, where the pool is counted), the device part capped per process."""
+    EACH_GPU = "eachGpu"
+    """Each GPU's own pool, after its reserve and bounded by the per-process cap; the host
+    pool has a budget and a reserve of its own. Several GPUs split the device part evenly."""
+    DECLARED = "declared"
+    """Nothing measures the device: its budget is the declared
+    `spec.placement.deviceBudgetBytes` (checked, still ungoverned) or none, and nothing is
+    charged to it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +97,7 @@ class ModeRules:
     """What one memory mode means for planning and for the lanes' charges."""
 
     mode: MemoryMode
-    governed: bool
-    """Device memory is measured: the plan says `governed`, and device parts are charged."""
-    one_pool: bool
-    """Device and host draw on one pool: one reserve, kept on the host side where the pool is
-    counted."""
+    device_budget: DeviceBudget
     auto_falls_back_to_host: bool
     """`offload: auto` tries every layer on the host when the most the device budget takes
     leaves too little for the rest. On a unified board both parts share one budget, and the
@@ -91,13 +105,21 @@ class ModeRules:
     own (discrete, unknown) fewer layers on the device only add to the host part, so the retry
     can change a plan only where a receipt measured every-layer-on-the-host smaller; unknown
     boards retry and discrete ones do not, as they always have."""
-    budget_rule: BudgetRule
+    governed: bool = field(init=False)
+    """Device memory is measured: the plan says `governed`, and device parts are charged."""
+    one_pool: bool = field(init=False)
+    """Device and host draw on one pool: one reserve, kept on the host side."""
+
+    def __post_init__(self) -> None:
+        # Read on every size the plan asks for: kept as fields rather than worked out each time.
+        object.__setattr__(self, "governed", self.device_budget is not DeviceBudget.DECLARED)
+        object.__setattr__(self, "one_pool", self.device_budget is DeviceBudget.SHARED_POOL)
 
     def budget(
         self, board: Board, host: Pool, ask: BudgetAsk, available: Available
     ) -> Budgeted | Reason:
         """The budget of each side, or why the board cannot be planned on at all."""
-        return self.budget_rule(board, host, ask, available)
+        return _BUDGETS[self.device_budget](board, host, ask, available)
 
     def reserves(self, reserve: int, gpus: int, uses_device: bool) -> tuple[int, int]:
         """The reserve kept (device side, host side): one per pool the engine draws on."""
@@ -118,7 +140,7 @@ def _capped(n: int, cap: int | None) -> int:
     return n if cap is None else min(n, cap)
 
 
-def _unified_budget(board: Board, host: Pool, ask: BudgetAsk, available: Available) -> Budgeted:
+def _shared_pool_budget(board: Board, host: Pool, ask: BudgetAsk, available: Available) -> Budgeted:
     cap = board.per_process_cap_bytes
     pool_left = available(host.key) - ask.reserve
     budget = Budget(
@@ -145,7 +167,7 @@ def _chosen_gpus(board: Board, ask: BudgetAsk, available: Available) -> list[Poo
     return by_room[: ask.gpus]
 
 
-def _discrete_budget(
+def _each_gpu_budget(
     board: Board, host: Pool, ask: BudgetAsk, available: Available
 ) -> Budgeted | Reason:
     chosen = _chosen_gpus(board, ask, available)
@@ -169,7 +191,7 @@ def _discrete_budget(
     return Budgeted(budget, gpus, device_checked=True, notes=notes)
 
 
-def _unknown_budget(board: Board, host: Pool, ask: BudgetAsk, available: Available) -> Budgeted:
+def _declared_budget(board: Board, host: Pool, ask: BudgetAsk, available: Available) -> Budgeted:
     cap = board.per_process_cap_bytes
     declared = ask.declared_device
     budget = Budget(
@@ -185,12 +207,20 @@ def _unknown_budget(board: Board, host: Pool, ask: BudgetAsk, available: Availab
     return Budgeted(budget, (0,), device_checked=declared is not None, notes=(note,))
 
 
+BudgetRule = Callable[[Board, Pool, BudgetAsk, Available], "Budgeted | Reason"]
+
+_BUDGETS: dict[DeviceBudget, BudgetRule] = {
+    DeviceBudget.SHARED_POOL: _shared_pool_budget,
+    DeviceBudget.EACH_GPU: _each_gpu_budget,
+    DeviceBudget.DECLARED: _declared_budget,
+}
+
 RULES: dict[MemoryMode, ModeRules] = {
     rules.mode: rules
     for rules in (
-        ModeRules(MemoryMode.UNIFIED, True, True, True, _unified_budget),
-        ModeRules(MemoryMode.DISCRETE, True, False, False, _discrete_budget),
-        ModeRules(MemoryMode.UNKNOWN, False, False, True, _unknown_budget),
+        ModeRules(MemoryMode.UNIFIED, DeviceBudget.SHARED_POOL, auto_falls_back_to_host=True),
+        ModeRules(MemoryMode.DISCRETE, DeviceBudget.EACH_GPU, auto_falls_back_to_host=False),
+        ModeRules(MemoryMode.UNKNOWN, DeviceBudget.DECLARED, auto_falls_back_to_host=True),
     )
 }
 

@@ -8,10 +8,12 @@ what differs is the budget they are held against. So the budgets of every board 
 into numpy arrays (`Boards`), and for one engine `outcome` goes through the plan's stages over
 all of them at once, with the plan's own rules and searches:
 
-- the budget of each side (`core.modes`: unified, discrete, unknown) net of the reserve;
-- the offload level (`_place_layers`: the most layers the device budget takes at minds.min, the
-  fallback to the host where the mode has one, or the level the spec fixes), by the same binary
-  search (`monotone.last_true`) or, where the device bytes grow with the level, its closed form;
+- the budget of each side net of the reserve, by the mode's `modes.DeviceBudget` (the one pool
+  both sides share, each GPU's own pool, or the declared device budget);
+- the offload level (`_place_layers`: the most layers the device budget takes at minds.min,
+  the fallback to the host where the mode's rules have one, or the level the spec fixes), by the
+  same binary search (`monotone.last_true`) or, where the device bytes grow with the level,
+  its closed form;
 - the minds (`_grantable_minds`: the same binary search, board by board);
 - what best fit ranks them by: every layer on the device, the minds, and the bytes the charged
   pools keep free (`bestfit.leftover_bytes`).
@@ -23,8 +25,9 @@ survivor only, checks that its rank is the one computed here, and otherwise plan
 before. For an engine that fits nowhere the same figures give each node's reason and shortfall,
 so the summary names the closest node after one exact plan (`core.unfit`).
 
-Boards this module does not model exactly (another memory mode, pools of unusual names, bytes
-near int64's range) are left out of `Boards` and planned exactly by `bestfit`. Pure.
+Boards this module does not model exactly (a mode whose `DeviceBudget` it has no arithmetic
+for, pools of unusual names, bytes near int64's range) are left out of `Boards` and planned
+exactly by `bestfit`. Pure.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from continuum_operator.core.modes import DeviceBudget, rules_of
 from continuum_operator.core.plan import SizeTable
 from continuum_operator.core.plan_reasons import ReasonCode
 from continuum_operator.core.pools import Board, Ledger, Pool
-from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import EngineSpec
 
 __all__ = ["NO_BUDGET", "Best", "Boards", "Kind", "Outcome", "Shortfalls", "kind_of", "outcome"]
@@ -55,36 +58,38 @@ NO_BUDGET = 2**62
 
 
 class Kind(IntEnum):
-    """How a board is budgeted; the memory modes of `core.modes`, and a board with no host
-    pool, which the plan refuses before any budget."""
+    """How a board is budgeted: its mode's `modes.DeviceBudget`, each named after the mode that
+    has it, and a board with no host pool, which the plan refuses before any budget."""
 
-    UNIFIED = 0
-    DISCRETE = 1
-    UNKNOWN = 2
+    UNIFIED = 0  # DeviceBudget.SHARED_POOL
+    DISCRETE = 1  # DeviceBudget.EACH_GPU
+    UNKNOWN = 2  # DeviceBudget.DECLARED
     NO_HOST = 3
 
 
 def kind_of(board: Board) -> Kind | None:
-    """The board's kind where its pools are the ones its mode's rules read, None otherwise (the
-    plan reads those by name: the host view, the device view of each GPU)."""
-    pools, mode, cap = board.pools, board.memory_mode, board.per_process_cap_bytes
+    """The board's kind where its pools are the ones its mode's budget reads, None otherwise
+    (the plan reads those by name: the host view, the device view of each GPU)."""
+    pools, cap = board.pools, board.per_process_cap_bytes
     host = board.host_view()
     if host is None:
         return Kind.NO_HOST
     if cap is not None and cap > SizeTable.LIMIT:
         return None
-    if mode is MemoryMode.UNIFIED:
-        fits = len(pools) == 1 and host.key == "unified" and host.capacity_bytes <= SizeTable.LIMIT
-        return Kind.UNIFIED if fits else None
+    if any(p.capacity_bytes > SizeTable.LIMIT for p in pools.values()):
+        return None
+    budget = rules_of(board.memory_mode).device_budget
+    if budget is DeviceBudget.SHARED_POOL:
+        # One pool, which both the host view and the device view of any GPU are.
+        return Kind.UNIFIED if len(pools) == 1 and board.device_view(0) is host else None
     if host.key != "host" or host.device is not None or "unified" in pools:
         return None
-    discrete = mode is MemoryMode.DISCRETE
-    for key, p in pools.items():
-        if p.capacity_bytes > SizeTable.LIMIT:
-            return None
-        if discrete and key != "host" and (p.device is None or key != f"device/{p.device}"):
-            return None  # not the pool `Board.device_view` finds for its GPU
-    return Kind.DISCRETE if discrete else Kind.UNKNOWN if mode is MemoryMode.UNKNOWN else None
+    if budget is DeviceBudget.EACH_GPU:
+        for key, p in pools.items():
+            if key != "host" and (p.device is None or key != f"device/{p.device}"):
+                return None  # not the pool `Board.device_view` finds for its GPU
+        return Kind.DISCRETE
+    return Kind.UNKNOWN if budget is DeviceBudget.DECLARED else None
 
 
 def _available(ledger: Ledger, pool: Pool) -> int:
@@ -107,8 +112,10 @@ class Boards:
         hosts: list[int] = []
         caps: list[int] = []
         gpu_rows: list[list[int]] = []
+        falls_back: list[bool] = []
         for ledger, kind in zip(ledgers, kinds, strict=True):
             board = ledger.board
+            falls_back.append(rules_of(board.memory_mode).auto_falls_back_to_host)
             host = board.host_view()
             hosts.append(0 if host is None else _available(ledger, host))
             cap = board.per_process_cap_bytes
@@ -133,11 +140,13 @@ class Boards:
         self.cap = np.asarray(caps, dtype=np.int64)  # the per-process cap, NO_BUDGET if none
         self.gpus = np.asarray([len(r) for r in gpu_rows], dtype=np.int64)  # discrete
         self.gpu_available = gpu_available  # each board's GPUs, most available first
-        self.unified = self.kind == Kind.UNIFIED
-        self.discrete = self.kind == Kind.DISCRETE
-        self.unknown = self.kind == Kind.UNKNOWN
+        self.one_pool = self.kind == Kind.UNIFIED  # both sides draw on the one pool
+        self.each_gpu = self.kind == Kind.DISCRETE  # the device on the GPUs' own pools
+        self.declared = self.kind == Kind.UNKNOWN  # the device budget only as declared
         self.no_host = self.kind == Kind.NO_HOST
-        self.governed = ~self.unknown
+        self.governed = ~self.declared
+        # `offload: auto` tries every layer on the host second (`ModeRules`).
+        self.falls_back = np.asarray(falls_back, dtype=np.bool_)
         self.every = np.ones(len(ledgers), dtype=np.bool_)  # a declared budget is checked
         self._by_gpus: dict[int, tuple[Int64s, Int64s, Bools, Bools]] = {}
 
@@ -157,9 +166,9 @@ class Boards:
             else:
                 weakest = np.zeros(len(self), dtype=np.int64)
             known = self._by_gpus[gpus] = (
-                np.where(self.discrete, weakest, self.host_available),
-                np.where(self.discrete, gpus, 1).astype(np.int64),
-                refused := self.no_host | (self.discrete & (self.gpus < gpus)),
+                np.where(self.each_gpu, weakest, self.host_available),
+                np.where(self.each_gpu, gpus, 1).astype(np.int64),
+                refused := self.no_host | (self.each_gpu & (self.gpus < gpus)),
                 self.governed & ~refused,
             )
         return known
@@ -213,12 +222,12 @@ def _budgets(boards: Boards, spec: EngineSpec) -> _Budgets:
     host = boards.host_available - reserve
     device = np.minimum(drawn - reserve, boards.cap) * times
     if declared is None:
-        device = np.where(boards.unknown, NO_BUDGET, device)
+        device = np.where(boards.declared, NO_BUDGET, device)
         checked, checked_open = boards.governed, governed_open
     else:
-        device = np.where(boards.unknown, np.minimum(declared, boards.cap), device)
+        device = np.where(boards.declared, np.minimum(declared, boards.cap), device)
         checked, checked_open = boards.every, ~refused
-    shared = np.where(boards.unified, host, NO_BUDGET)
+    shared = np.where(boards.one_pool, host, NO_BUDGET)
     return _Budgets(device, host, shared, checked, refused, checked_open)
 
 
@@ -457,7 +466,7 @@ def _place_layers(boards: Boards, sizes: SizeTable, spec: EngineSpec, b: _Budget
             )
         tried = np.where(blind | (top < 0), 0, top)
         # Where the mode falls back to the host, every layer there is the second try.
-        fallback = ~boards.discrete & ~blind & (top >= 0)
+        fallback = boards.falls_back & ~blind & (top >= 0)
         fits_tried = b.fits(dev_at[tried], host_at[tried])
         fits_host = b.fits(dev_at[:1], host_at[:1])
         level = np.where(fits_tried, tried, 0)
@@ -519,7 +528,7 @@ def _leftover(
     reserve) to the host view, the device part split evenly over the GPUs chosen; on a unified
     board both in its one pool; on an unknown one nothing on the device."""
     reserve, gpus = spec.reserve_bytes, spec.placement.gpus
-    one_pool = boards.unified[rows]
+    one_pool = boards.one_pool[rows]
     left: Int64s = np.maximum(
         0, boards.host_available[rows] - (host + reserve) - np.where(one_pool, device, 0)
     )
@@ -529,11 +538,11 @@ def _leftover(
         device_own = device + (reserve * gpus if level > 0 else 0)
         if device_own <= 0:
             return left
-        discrete = np.flatnonzero(boards.discrete[rows])
+        discrete = np.flatnonzero(boards.each_gpu[rows])
         share: Int64s | int = -(-device_own // gpus)
     else:
         owns = device + np.where(np.asarray(level) > 0, reserve * gpus, 0)
-        discrete = np.flatnonzero(boards.discrete[rows] & (owns > 0))
+        discrete = np.flatnonzero(boards.each_gpu[rows] & (owns > 0))
         share = -(-owns[discrete] // gpus)
     if len(discrete):
         chosen = boards.gpu_available[rows[discrete], :gpus]
