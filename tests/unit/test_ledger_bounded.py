@@ -186,13 +186,43 @@ def test_a_leader_killed_before_its_log_append_leaves_a_log_the_next_one_keeps_w
     w.cache.forget("team-a/mind-00010")
     w.loop.pass_once()
     step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
-    assert step["omitted"] == 6 * 2 + 1 and step["lines"] == []
+    assert step["omitted"] == 6 * 2
+    assert [(x["mind"], x["reason"]) for x in step["lines"]] == [
+        ("team-a/mind-00010", "MindDeleted")
+    ]
     new_leader(w, tmp_path)
-    w.loop.pass_once()  # recovers the journal (nothing of the kept minds), then decides
+    w.loop.pass_once()  # recovers the journal (the departure), then decides
     lines = log_lines(tmp_path)
     moves = [(x["mind"][-2:], x["to"], x["reason"]) for x in lines if x["event"] == "transition"]
     assert ("10", "Released", "MindDeleted") in moves
     assert sorted(m for m, _, r in moves if r == "Arrived") == [f"{i:02d}" for i in range(18)]
+    assert checklog.check(lines) == []
+
+
+@pytest.mark.usefixtures("small")
+def test_a_queued_mind_deleted_in_a_step_the_log_missed_leaves_the_log_in_that_step(
+    tmp_path: Path,
+) -> None:
+    """A step whose only line is a departure from beyond the object's head: its journal keeps
+    that line, so the next leader logs the step under its own seq and the log has no gap."""
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(12):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    w.api.objects.pop(f"{BASE}/team-a/minds/mind-00011")
+    w.cache.forget("team-a/mind-00011")
+    w.loop.pass_once()
+    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    assert [(x["mind"], x["to"], x["reason"]) for x in step["lines"]] == [
+        ("team-a/mind-00011", "Released", "MindDeleted")
+    ]
+    new_leader(w, tmp_path)
+    w.loop.pass_once()
+    lines = log_lines(tmp_path)
+    left = [x for x in lines if x.get("mind") == "team-a/mind-00011" and x["to"] == "Released"]
+    assert [x["seq"] for x in left] == [step["seq"]]
     assert checklog.check(lines) == []
 
 

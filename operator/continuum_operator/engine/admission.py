@@ -12,12 +12,11 @@ shown alone without a server:
 
 The gateway never grants on its own: a mind is served only while her entry says `Granted`.
 No aiohttp, no Kubernetes here; the table's parser (`parse_table`) reads the documents both
-grant sources produce.
+grant sources produce, each entry through `model.grant` (the operator's reader's too).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -25,6 +24,7 @@ from typing import Any
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import EnginePhase, GrantReason
+from continuum_operator.model.grant import GrantEntry, parse_entries
 from continuum_operator.model.mind import GrantState
 
 __all__ = [
@@ -137,66 +137,56 @@ class GrantTable:
 # --- reading the table -----------------------------------------------------------------------
 
 
-def _time(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise GrantTableError(f"{where}: expected a time, got {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError as err:
-            raise GrantTableError(f"{where}: not an RFC 3339 time: {value!r}") from err
-        if parsed.tzinfo is None:
-            parsed = parsed.replace(tzinfo=dt.UTC)
-        return parsed.timestamp()
-    raise GrantTableError(f"{where}: expected a time, got {type(value).__name__}")
-
-
-def _int(value: Any, where: str, *, optional: bool = True) -> int | None:
-    if value is None and optional:
-        return None
+def _int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise GrantTableError(f"{where}: expected a non-negative integer, got {value!r}")
     return value
 
 
-def _entry(item: Any, where: str) -> TableEntry:
-    if not isinstance(item, Mapping):
-        raise GrantTableError(f"{where}: expected a mapping, got {type(item).__name__}")
-    mind = item.get("mind")
-    if not isinstance(mind, str) or "/" not in mind:
-        raise GrantTableError(f"{where}.mind: expected namespace/name, got {mind!r}")
-    try:
-        state = GrantState(str(item.get("state")))
-    except ValueError as err:
-        states = ", ".join(s.value for s in GrantState)
-        raise GrantTableError(
-            f"{where}.state: {item.get('state')!r} is not one of {states}"
-        ) from err
-    by = item.get("by")
-    since = item.get("since")
+def _table_entry(e: GrantEntry, reason: str | None = None) -> TableEntry:
     return TableEntry(
-        mind=mind,
-        state=state,
-        reason=str(item.get("reason") or ""),
-        slot=_int(item.get("slot"), f"{where}.slot"),
-        tokens=_int(item.get("tokens", 0), f"{where}.tokens", optional=False) or 0,
-        by=str(by) if by is not None else None,
-        deadline=_time(item.get("deadline"), f"{where}.deadline"),
-        since=str(since) if since is not None else None,
-        asked_tokens=_int(item.get("askedTokens"), f"{where}.askedTokens"),
-        position=_int(item.get("position"), f"{where}.position"),
+        mind=e.mind,
+        state=e.state,
+        reason=reason if reason is not None else e.reason.value if e.reason is not None else "",
+        slot=e.slot,
+        tokens=e.tokens,
+        by=e.by,
+        deadline=e.deadline,
+        since=e.since,
+        asked_tokens=e.asked_tokens,
+        position=e.position,
     )
+
+
+def _entries(grants: list[Any], where: str) -> list[TableEntry]:
+    """The table's entries (`model.grant.parse_entries`). The gateway's policy on an entry it
+    cannot read: the whole table is refused, never served in part (its source keeps the last
+    good one). Except a reason it does not know, relayed as text: an operator newer than this
+    gateway may write one, and the gateway decides by state, slot and tokens, so a new reason
+    must not freeze its table while the operator reclaims slots."""
+    parsed, unread = parse_entries(grants)
+    if not unread:
+        return [_table_entry(e) for e in parsed]
+    reasons: dict[int, str] = {}
+    for u in unread:
+        reason = u.entry.get("reason") if isinstance(u.entry, Mapping) else None
+        if u.fields != ("reason",) or not isinstance(reason, str):
+            raise GrantTableError(f"{where}[{u.index}]: {u.why}")
+        reasons[u.index] = reason
+    read = iter(parsed)
+    return [
+        _table_entry(GrantEntry.model_validate({**item, "reason": None}), reasons[i])
+        if i in reasons
+        else _table_entry(next(read))
+        for i, item in enumerate(grants)
+    ]
 
 
 def parse_table(doc: Any, *, where: str = "grant table") -> GrantTable:
     """A grant table from its document: `{slotTokens, phase, grants: [...]}` (docs/gateway.md)."""
     if not isinstance(doc, Mapping):
         raise GrantTableError(f"{where}: expected a mapping, got {type(doc).__name__}")
-    slot_tokens = _int(doc.get("slotTokens"), f"{where}.slotTokens", optional=False)
+    slot_tokens = _int(doc.get("slotTokens"), f"{where}.slotTokens")
     if not slot_tokens:
         raise GrantTableError(f"{where}.slotTokens: must be a positive number of tokens")
     try:
@@ -210,8 +200,7 @@ def parse_table(doc: Any, *, where: str = "grant table") -> GrantTable:
     if not isinstance(grants, list):
         raise GrantTableError(f"{where}.grants: expected a list")
     entries: dict[str, TableEntry] = {}
-    for i, item in enumerate(grants):
-        e = _entry(item, f"{where}.grants[{i}]")
+    for i, e in enumerate(_entries(grants, f"{where}.grants")):
         if e.mind in entries:
             raise GrantTableError(f"{where}.grants[{i}]: {e.mind} is listed twice")
         entries[e.mind] = e

@@ -1,29 +1,29 @@
 """An Engine's grant ledger as the API server holds it, read into the allocator and written back.
 
 The ledger's one home is the Engine's `status.grants` (docs/design.md "The grant ledger has one
-home"). This module is the translation between that list of plain entries and the pure
-allocator (`core.grants`), with no API calls, so each rule is shown in unit tests:
+home"). This module is the translation between that list of entries and the pure allocator
+(`core.grants`), with no API calls, so each rule is shown in unit tests:
 
-- `read_grants` / `grant_entries`: entries <-> `Grant`s. Entries carry what the gateway reads
-  (docs/gateway.md, "The grant table": mind, state, reason, slot, tokens, by, deadline, since,
-  askedTokens, position) and what the allocator needs back (grantedAt, reclaimedAt, priority,
-  protectionWindow). Times the allocator compares are Unix seconds (floats survive the API
-  server's JSON exactly); `since` is RFC 3339 with microseconds, and names one reclaim.
+- `read_grants` / `grant_entries`: entries <-> `Grant`s. An entry's fields, its parser and its
+  writer are `model.grant` (the gateway parses the same entries); here is the operator's
+  policy on an entry it cannot read. Times the allocator compares are Unix seconds (floats
+  survive the API server's JSON exactly); `since` is RFC 3339 with microseconds, and names one
+  reclaim.
 - `capacity_of`: the pool to allocate from, from the plan and the Ready condition part 1
   writes, and `status.grantCapacity` (what the ledger was last made for, written with it). An
   engine whose launch changed while minds still hold slots of the old one is `Draining`.
-- `journal` / `bounded` / `tail_from_log` / `tail_from_minds`: what the Engine object keeps
-  of a long queue, and what a new leader reads back of the rest.
+- `bounded` / `tail_from_log` / `tail_from_minds`: what the Engine object keeps of a long
+  queue, and what a new leader reads back of the rest; `journal` (`kube.ledger_journal`): the
+  step's log lines kept beside the ledger.
 
 Which Engine each Mind goes to and with what demand is `kube.routing`; a Mind's status from
 her entry, `kube.mind_status`.
 
-Neighbours: `kube.minds` (reads the cache, calls `step`, writes), `core.grants`.
+Neighbours: `kube.minds` (reads the cache, calls `step`, writes), `core.grants`, `model.grant`.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
@@ -43,8 +43,10 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
+from continuum_operator.kube.ledger_journal import journal, read_journal, rfc3339_exact, unix_of
 from continuum_operator.kube.routing import mind_key
 from continuum_operator.kube.transition_log import Place
+from continuum_operator.model.grant import grant_entries, iso_micro, parse_entries
 from continuum_operator.model.mind import HOLDING_STATES, GrantState, ProjectedState
 
 __all__ = [
@@ -65,10 +67,12 @@ __all__ = [
     "read_grants",
     "read_journal",
     "released_of",
+    "rfc3339_exact",
     "step",
     "tail_from_log",
     "tail_from_minds",
     "transition_line",
+    "unix_of",
 ]
 
 #: Beside `status.grants`, written in the same replace: the pool the ledger was made for.
@@ -90,161 +94,26 @@ QUEUE_KEPT = 256
 REFUSED_KEPT = 64
 
 
-# The ledger's times: microseconds in the entries, exact (read back as the same float) in the
-# journaled step, so that a step is logged with the times it was decided at.
-# (Cached: a step writes every entry's `since`, and a long queue's are the same few instants.)
-iso_micro = functools.lru_cache(maxsize=65536)(rfc3339.format_micro)
-rfc3339_exact = rfc3339.format_exact
-unix_of = rfc3339.parse_exact
-
-
-# Times in a journaled step's lines: RFC 3339 in the Engine's status, Unix seconds in the log.
-_JOURNAL_TIMES = ("t", "deadline")
-
-
-def journal(
-    seq: int, t: float, lines: Iterable[Mapping[str, Any]], kept: Collection[str] | None = None
-) -> dict[str, Any]:
-    """`status.grantStep`: a step's seq, time and log lines, times as RFC 3339 for a reader of
-    the Engine (the log keeps Unix seconds; `read_journal` turns them back exactly).
-
-    With `kept` (the minds the object keeps entries of), the lines of the others (queued or
-    refused beyond the object's head, whose entries are not in it either) are counted
-    (`omitted`), not kept: a leader that appends this step after a crash appends what the
-    object holds, and the minds beyond are decided again from what the log holds (docs/grants.md,
-    "Bounded"). A mind who held a slot in the step (a holder released, deleted or preempted) is
-    journaled whether the object keeps her or not: she leaves the object as she leaves her
-    slot, and nothing else would tell the log (at most one such mind a slot)."""
-
-    def text(line: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            k: rfc3339_exact(v) if k in _JOURNAL_TIMES and isinstance(v, int | float) else v
-            for k, v in line.items()
-        }
-
-    every = list(lines)
-    shown = every
-    if kept is not None:
-        journaled = set(kept) | {
-            x.get("mind")
-            for x in every
-            if x.get("from") in HOLDING_STATES or x.get("to") in HOLDING_STATES
-        }
-        shown = [x for x in every if x.get("event") != "transition" or x.get("mind") in journaled]
-    doc: dict[str, Any] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
-    if len(shown) < len(every):
-        doc["omitted"] = len(every) - len(shown)
-    return doc
-
-
-def read_journal(doc: Any) -> dict[str, Any] | None:
-    """The journaled step with the log's Unix seconds again, or None when it cannot be read."""
-    if not isinstance(doc, Mapping) or not isinstance(doc.get("lines"), list):
-        return None
-    lines = []
-    for x in doc["lines"]:
-        if not isinstance(x, Mapping) or unix_of(x.get("t")) is None:
-            return None
-        lines.append({k: unix_of(v) if k in _JOURNAL_TIMES and v is not None else v
-                      for k, v in x.items()})  # fmt: skip
-    return {**doc, "t": unix_of(doc.get("t")), "lines": lines}
-
-
 def _parse_time(text: Any) -> float | None:
     if isinstance(text, int | float) and not isinstance(text, bool):
         return float(text)
     return rfc3339.parse(text)
 
 
-def _num(value: Any) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
-# --- entries <-> grants -----------------------------------------------------------------------
+# --- entries -> grants ------------------------------------------------------------------------
 
 
 def read_grants(entries: Iterable[Mapping[str, Any]] | None) -> dict[str, Grant]:
-    """The allocator's ledger from `status.grants`; entries it cannot read are skipped."""
+    """The allocator's ledger from `status.grants`. The operator's policy on an entry it cannot
+    read (`model.grant.parse_entries`), or that has no reason to allocate from: skip it, and
+    decide the step from the rest (the mind's next demand brings her back)."""
     grants: dict[str, Grant] = {}
-    for e in entries or ():
-        mind = e.get("mind")
-        try:
-            state = GrantState(str(e.get("state")))
-            reason = GrantReason(str(e.get("reason")))
-        except ValueError:
-            continue
-        if not isinstance(mind, str):
-            continue
-        slot = e.get("slot")
-        grants[mind] = Grant(
-            mind=mind,
-            state=state,
-            reason=reason,
-            since=_num(e.get("sinceUnix")) or _parse_time(e.get("since")) or 0.0,
-            tokens=int(e.get("tokens") or 0),
-            slot=slot if isinstance(slot, int) and not isinstance(slot, bool) else None,
-            by=e.get("by") if isinstance(e.get("by"), str) else None,
-            deadline=_num(e.get("deadline")),
-            granted_at=_num(e.get("grantedAt")),
-            reclaimed_at=_num(e.get("reclaimedAt")),
-            priority=int(_num(e.get("priority")) or 0),
-            protection_window=_num(e.get("protectionWindow")) or 0.0,
-        )
+    entries_read, _ = parse_entries(entries)
+    for e in entries_read:
+        g = e.grant()
+        if g is not None:
+            grants[g.mind] = g
     return grants
-
-
-def grant_entries(
-    grants: Mapping[str, Grant],
-    demands: Mapping[str, MindDemand],
-    asked: Mapping[str, int] | None = None,
-) -> list[dict[str, Any]]:
-    """`status.grants` from the allocator's ledger: holders by slot, then the queue in order."""
-    asked = asked or {}
-
-    def rank(g: Grant) -> tuple[int, float, str]:
-        d = demands.get(g.mind)
-        return d.rank() if d is not None else (-g.priority, 0.0, g.mind)
-
-    ordered = sorted(
-        grants.values(),
-        key=lambda g: (
-            0 if g.state in HOLDING_STATES else 1 if g.state is GrantState.QUEUED else 2,
-            g.slot if g.slot is not None else -1,
-            rank(g),
-        ),
-    )
-    out: list[dict[str, Any]] = []
-    position = 0
-    for g in ordered:
-        e: dict[str, Any] = {
-            "mind": g.mind,
-            "state": g.state.value,
-            "reason": g.reason.value,
-            "since": iso_micro(g.since),
-            "sinceUnix": g.since,
-            "tokens": g.tokens,
-            "priority": g.priority,
-            "protectionWindow": g.protection_window,
-        }
-        if g.slot is not None:
-            e["slot"] = g.slot
-        if g.by is not None:
-            e["by"] = g.by
-        if g.deadline is not None:
-            e["deadline"] = g.deadline
-        if g.granted_at is not None:
-            e["grantedAt"] = g.granted_at
-        if g.reclaimed_at is not None:
-            e["reclaimedAt"] = g.reclaimed_at
-        if g.state is GrantState.QUEUED:
-            position += 1
-            e["position"] = position
-        if g.reason in REFUSALS and g.mind in asked:
-            e["askedTokens"] = asked[g.mind]
-        out.append(e)
-    return out
 
 
 def bounded(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:

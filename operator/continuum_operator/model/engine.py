@@ -487,6 +487,15 @@ class ReadFacts(Spec):
     read_at: str | None = Field(default=None, description="When the Job read them (RFC 3339).")
 
 
+def _grant_entries_schema(schema: dict[str, Any]) -> None:
+    """The CRD's `status.grants` items: `model.grant.GrantEntry`. Imported when a schema is
+    made, not with this module: an entry's reason is `core.grants`' enum, and `core.grants`
+    imports this package."""
+    from continuum_operator.model.grant import entry_schema
+
+    schema["items"] = entry_schema()
+
+
 class EngineStatus(Spec):
     """What the operator decided for the engine and what the running engine reports; each part
     has one writer (docs/design.md, "One writer per status field")."""
@@ -499,11 +508,14 @@ class EngineStatus(Spec):
         "pool tokens, minds grantable, and why (`continuum plan -o json`; docs/plan.md).",
     )
     placement: EnginePlacement | None = None
+    # Plain dicts here: each reader parses them through `model.grant` with its own policy on an
+    # entry it cannot read (the operator skips it, the gateway refuses the table), so one bad
+    # entry does not make the whole Engine unreadable. The CRD types each entry.
     grants: list[dict[str, Any]] | None = Field(
         default=None,
         description="The grant ledger of the engine's pool, one entry per Mind (state, tokens, "
         "slot, since, reason), written only by the operator's leader (docs/grants.md).",
-        json_schema_extra={"items": {"x-kubernetes-preserve-unknown-fields": True}},
+        json_schema_extra=_grant_entries_schema,
     )
     enforcement: OpenStatus | None = Field(
         default=None,
