@@ -1,0 +1,63 @@
+"""The house's sizes, checked so they stay true (docs/architecture.md): no module of the shell's
+`kube/` package over 500 lines and no function of the product over 80, so that each module has
+one job a reader can hold and each function one step of it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.builders import ROOT
+
+PACKAGE = ROOT / "operator" / "continuum_operator"
+KUBE_MODULE_LINES = 500
+FUNCTION_LINES = 80
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_no_module_of_the_kube_package_is_over_500_lines() -> None:
+    modules = sorted((PACKAGE / "kube").glob("*.py"))
+    assert len(modules) > 20  # the package as it is, not an empty glob
+    over = {str(p.relative_to(PACKAGE)): _lines(p) for p in modules}
+    assert {k: n for k, n in over.items() if n > KUBE_MODULE_LINES} == {}
+
+
+def long_functions(source: str) -> dict[str, int]:
+    """Each function or method of `source` longer than FUNCTION_LINES, by qualified name."""
+    found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}."
+                if not isinstance(child, ast.ClassDef):
+                    length = (child.end_lineno or child.lineno) - child.lineno + 1
+                    if length > FUNCTION_LINES:
+                        found[name[:-1]] = length
+            visit(child, name)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_the_check_finds_a_long_function_and_a_long_method() -> None:
+    body = [f"x{i} = {i}" for i in range(FUNCTION_LINES)]
+    source = "\n".join(
+        ["def f():", *(f"    {x}" for x in body), "class C:", "    def m(self):"]
+        + [f"        {x}" for x in body]
+    )
+    assert long_functions(source) == {"f": FUNCTION_LINES + 1, "C.m": FUNCTION_LINES + 1}
+    assert long_functions("def g():\n    return 1\n") == {}
+
+
+def test_no_function_of_the_product_is_over_80_lines() -> None:
+    over = {
+        f"{path.relative_to(PACKAGE)}:{name}": n
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, n in long_functions(path.read_text()).items()
+    }
+    assert over == {}
