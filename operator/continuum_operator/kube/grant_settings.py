@@ -1,4 +1,4 @@
-"""Settings of the operator's part 2: grants (`kube.minds`) and leader election (`kube.leader`).
+"""Settings of the operator's grants loop (`kube.minds`) and leader election (`kube.leader`).
 
 Kept apart from `kube.settings` and free of kopf and the Kubernetes client, so the `continuum`
 command's parser stays quick. Every field says its unit, default and why; `continuum operator`

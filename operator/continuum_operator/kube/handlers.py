@@ -58,7 +58,7 @@ def registry_for(
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.peering.standalone = True  # leadership is a coordination Lease (part 2)
+        settings.peering.standalone = True  # leadership is a coordination Lease (kube.leader)
         settings.posting.enabled = False  # events are posted by the loop, on transitions only
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330

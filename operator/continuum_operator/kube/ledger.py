@@ -9,8 +9,8 @@ home"). This module is the translation between that list of entries and the pure
   policy on an entry it cannot read. Times the allocator compares are Unix seconds (floats
   survive the API server's JSON exactly); `since` is RFC 3339 with microseconds, and names one
   reclaim.
-- `capacity_of`: the pool to allocate from, from the plan and the Ready condition part 1
-  writes, and `status.grantCapacity` (what the ledger was last made for, written with it). An
+- `capacity_of`: the pool to allocate from, from the plan and the Ready condition the plan
+  loop writes, and `status.grantCapacity` (what the ledger was last made for, written with it). An
   engine whose launch changed while minds still hold slots of the old one is `Draining`.
 - `bounded` / `tail_from_log` / `tail_from_minds`: what the Engine object keeps of a long
   queue, and what a new leader reads back of the rest; `journal` (`kube.ledger_journal`): the
@@ -287,8 +287,8 @@ class Pool:
 def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
     """The engine's pool as the allocator must see it now.
 
-    - Serving: the pod of the current plan is ready (part 1's `Ready` condition) and the ledger
-      was made for this launch (or holds no slot).
+    - Serving: the pod of the current plan is ready (the plan loop's `Ready` condition) and the
+      ledger was made for this launch (or holds no slot).
     - Draining: the plan's launch changed (a relaunch or a resize: llama.cpp cannot resize its
       KV buffer in place) while minds still hold slots of the old one; the old size stands
       until every slot is released, and the new size decides who is `EngineShrunk`.

@@ -83,7 +83,7 @@ class LedgerWriter:
                 if err.status != 409:
                     log.warning("writing the ledger of Engine %s failed: %s", engine, err)
                     return None
-                # Someone wrote the Engine meanwhile (part 1, the runtime): decide again.
+                # Someone wrote the Engine meanwhile (the plan loop, the runtime): decide again.
                 self.metrics.record_ledger_conflict()
                 try:
                     body = self.api.request("GET", crd_path("engines", ns, name))

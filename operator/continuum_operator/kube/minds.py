@@ -1,7 +1,7 @@
 """Minds reconciled through their engine's grant ledger: the leader's one writer of grants.
 
-Watches feed `MindCache` (Minds, MindClasses and TokenQuotas; Engines come from part 1's
-`kube.cache`). The
+Watches feed `MindCache` (Minds, MindClasses and TokenQuotas; Engines come from the plan
+loop's `kube.cache`). The
 `GrantsLoop` runs only on the leader (`kube.leader`). On every change, on a timer for the next
 grace deadline or protection window (`Allocation.review_at`), and every resync, it takes each
 served Engine something changed for (below), in turn:

@@ -1,7 +1,7 @@
 """`continuum operator`: kopf's watches and the decision loop, together, until stopped.
 
 Runs standalone (no kopf peering: docs/design.md chooses a coordination Lease for leadership, which
-comes with part 2), cluster-wide. Every setting of `kube.settings` that an operator of a cluster
+`kube.leader` holds), cluster-wide. Every setting of `kube.settings` that an operator of a cluster
 would tune has a flag; tests use short timings. kopf and the Kubernetes client are imported
 only when the operator starts, so the other subcommands stay quick.
 """
