@@ -227,6 +227,34 @@ def test_a_queued_mind_deleted_in_a_step_the_log_missed_leaves_the_log_in_that_s
 
 
 @pytest.mark.usefixtures("small")
+def test_a_step_of_arrivals_beyond_the_head_only_leaves_its_seq_in_the_log_after_a_crash(
+    tmp_path: Path,
+) -> None:
+    """Every line of the step is of a mind the object does not keep: the journal still keeps
+    one, so the log's seqs run without a gap, and every arrival is logged once."""
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(12):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    for i in range(12, 15):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    assert step["omitted"] == 3 * 2 - 1 and len(step["lines"]) == 1
+    new_leader(w, tmp_path)
+    w.loop.pass_once()
+    lines = log_lines(tmp_path)
+    seqs = [x["seq"] for x in lines]
+    blocks = [q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q]
+    assert blocks == list(range(blocks[0], blocks[-1] + 1)) and step["seq"] in blocks
+    arrivals = [x["mind"] for x in lines if x["event"] == "transition" and x["reason"] == "Arrived"]
+    assert sorted(arrivals) == [f"team-a/mind-{i:05d}" for i in range(15)]
+    assert checklog.check(lines) == []
+
+
+@pytest.mark.usefixtures("small")
 def test_a_steps_journal_keeps_the_lines_of_the_minds_the_object_keeps_and_counts_the_rest(
     tmp_path: Path,
 ) -> None:

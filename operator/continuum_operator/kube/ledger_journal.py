@@ -70,6 +70,12 @@ def journal(
         ]
         journaled.update(departed[:DEPARTED_KEPT])
         shown = [x for x in every if x.get("event") != "transition" or x.get("mind") in journaled]
+        if not shown and every:
+            # A step of lines beyond the head only (arrivals, a queue reordered) still leaves
+            # its seq in the log after a crash: one line of it is journaled. Any part of the
+            # omitted lines may be: the next leader decides every mind the log is behind on
+            # from the log as it stands.
+            shown = every[:1]
     doc: dict[str, Any] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
     if len(shown) < len(every):
         doc["omitted"] = len(every) - len(shown)
