@@ -1,4 +1,4 @@
-"""docs/plan-output.schema.json describes `continuum plan -o json`, and cannot drift from it."""
+"""model/plan_output.schema.json describes `continuum plan -o json`, and cannot drift from it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import KvCacheType
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_PATH = ROOT / "docs" / "plan-output.schema.json"
+SCHEMA_PATH = ROOT / "operator" / "continuum_operator" / "model" / "plan_output.schema.json"
 BOARDS = sorted((ROOT / "examples" / "boards").glob("*.yaml"))
 ENGINES = sorted((ROOT / "examples" / "engines").glob("*.yaml"))
 

@@ -496,16 +496,33 @@ def _grant_entries_schema(schema: dict[str, Any]) -> None:
     schema["items"] = entry_schema()
 
 
+_PLAN_DESCRIPTION = (
+    "The serving plan on the chosen node: bytes per pool, layers on the device, pool tokens, "
+    "minds grantable, and why (`continuum plan -o json`; docs/plan.md)."
+)
+
+
+def _plan_schema(schema: dict[str, Any]) -> None:
+    """The CRD's `status.plan`: the plan's JSON Schema (`model.plan_status`), in place of the
+    open object pydantic writes for a dict."""
+    from continuum_operator.model.plan_status import plan_status_schema
+
+    schema.clear()
+    schema.update(plan_status_schema(_PLAN_DESCRIPTION))
+
+
 class EngineStatus(Spec):
     """What the operator decided for the engine and what the running engine reports; each part
     has one writer (docs/design.md, "One writer per status field")."""
 
     model_config = Spec.model_config | {"extra": "allow"}
 
-    plan: OpenStatus | None = Field(
+    # A plain dict here, as the plan writes it (`ServingPlan.to_dict`); the CRD types it with
+    # the plan's own JSON Schema (`model.plan_status`).
+    plan: dict[str, Any] | None = Field(
         default=None,
-        description="The serving plan on the chosen node: bytes per pool, layers on the device, "
-        "pool tokens, minds grantable, and why (`continuum plan -o json`; docs/plan.md).",
+        description=_PLAN_DESCRIPTION,
+        json_schema_extra=_plan_schema,
     )
     placement: EnginePlacement | None = None
     # Plain dicts here: each reader parses them through `model.grant` with its own policy on an

@@ -1,0 +1,65 @@
+"""An Engine's `status.plan` as its CRD types it: the plan's JSON Schema (`plan_output.schema.json`
+beside this module, what `continuum plan -o json` prints; tests/unit/test_plan_schema.py holds it
+to the plan) in the structural form the API server takes, with `specGeneration`, the spec
+generation the plan was made for (`kube.engine_pass.plan_status`).
+
+One schema for both, so `kubectl explain engine.status.plan` says what docs/plan.md says, and
+the API server keeps every field the operator writes (a typed object prunes the fields its
+schema does not name: tests/unit/test_plan_status_schema.py checks the plans of every example
+against it). Pure: reads a file of this package.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+__all__ = ["SPEC_GENERATION", "plan_output_schema", "plan_status_schema"]
+
+SPEC_GENERATION = "specGeneration"
+
+# JSON Schema keywords a structural schema has no use for or refuses: the API server prunes
+# unknown fields instead of refusing them (additionalProperties: false), and refuses
+# uniqueItems (quadratic to check); the plan writes each GPU once.
+_DROPPED = {"$schema", "$id", "title", "additionalProperties", "uniqueItems"}
+
+
+@cache
+def plan_output_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of `continuum plan -o json`."""
+    text = resources.files(__package__).joinpath("plan_output.schema.json").read_text()
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+def _structural(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_structural(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _structural(v) for k, v in node.items() if k not in _DROPPED}
+    kind = out.get("type")
+    if isinstance(kind, list):
+        # ["integer", "null"]: OpenAPI v3.0 says nullable instead.
+        (out["type"],) = [t for t in kind if t != "null"]
+        if "null" in kind:
+            out["nullable"] = True
+    if out.get("type") == "object" and "properties" not in out:
+        # An object the plan copies whole (the receipt, docs/receipts.md): kept as written.
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    return out
+
+
+def plan_status_schema(description: str) -> dict[str, Any]:
+    """The CRD schema of `status.plan`, described by `description` (the field's own)."""
+    schema: dict[str, Any] = _structural(plan_output_schema())
+    schema["properties"][SPEC_GENERATION] = {
+        "type": "integer",
+        "minimum": 0,
+        "description": "The Engine's metadata.generation the plan was made for.",
+    }
+    return {**schema, "description": description, "nullable": True}

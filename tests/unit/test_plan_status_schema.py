@@ -1,0 +1,125 @@
+"""The Engine CRD types `status.plan` with the plan's own JSON Schema (`model.plan_status`): the
+API server keeps every field the operator writes there, and refuses what the plan never writes."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+
+from continuum_operator.cli import main
+from continuum_operator.model.plan_status import SPEC_GENERATION, plan_output_schema
+from tests.builders import ROOT
+
+BOARDS = sorted((ROOT / "examples" / "boards").glob("*.yaml"))
+ENGINES = sorted((ROOT / "examples" / "engines").glob("*.yaml"))
+
+
+def crd_plan_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((ROOT / "crds" / "continuum.dev_engines.yaml").read_text())
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    plan: dict[str, Any] = root["properties"]["status"]["properties"]["plan"]
+    return plan
+
+
+def as_json_schema(node: Any) -> Any:
+    """The CRD's schema read as the API server applies it, in JSON Schema: nullable is a null
+    type, and an object with properties keeps nothing else (the server prunes the rest: closed
+    here, so a field it would drop is an error)."""
+    if isinstance(node, list):
+        return [as_json_schema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: as_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+    if out.pop("nullable", False):
+        out["type"] = [out["type"], "null"]
+    if "properties" in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def plans_as_status_holds_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
+    """Every example pair's plan, and an unschedulable one per board, as `continuum plan -o
+    json` prints them (`ServingPlan.to_dict`, what `kube.engine_pass.plan_status` writes) with
+    the spec generation the operator adds."""
+    doc = yaml.safe_load(ENGINES[0].read_text())
+    doc["spec"]["contextTokensPerMind"] = 16_000_000
+    doc["spec"]["minds"] = {"min": 64, "max": 64}
+    huge = tmp_path / "engine.yaml"
+    huge.write_text(yaml.safe_dump(doc))
+    for board in BOARDS:
+        for engine in [*ENGINES, huge]:
+            code = main(["plan", "--board", str(board), "--engine", str(engine), "-o", "json"])
+            out, err = capsys.readouterr()
+            assert code in (0, 3), err
+            yield {**json.loads(out), SPEC_GENERATION: 7}
+
+
+def test_status_plan_is_typed_open_only_where_the_plan_copies_a_receipt_whole() -> None:
+    plan = crd_plan_schema()
+    assert plan["type"] == "object" and "x-kubernetes-preserve-unknown-fields" not in plan
+    open_parts = [
+        name
+        for name, sub in plan["properties"].items()
+        if sub.get("x-kubernetes-preserve-unknown-fields")
+    ]
+    assert open_parts == ["receipt"]
+    assert plan["properties"][SPEC_GENERATION]["type"] == "integer"
+
+
+def test_the_crd_names_every_field_of_the_plans_schema_with_its_type() -> None:
+    def fields(node: dict[str, Any], where: str = "") -> Iterator[tuple[str, Any]]:
+        for name, sub in node.get("properties", {}).items():
+            kind = sub.get("type")
+            kinds = kind if isinstance(kind, list) else [kind]
+            yield f"{where}/{name}", [t for t in kinds if t != "null"]
+            yield from fields(sub, f"{where}/{name}")
+            if "items" in sub:
+                yield from fields(sub["items"], f"{where}/{name}[]")
+
+    crd = dict(fields(as_json_schema(crd_plan_schema())))
+    docs = dict(fields(plan_output_schema()))
+    crd.pop(f"/{SPEC_GENERATION}")
+    # An enum without a type in the plan's schema is a string in the CRD.
+    assert crd == {k: ["string"] if v == [None] else v for k, v in docs.items()}
+
+
+def test_every_plan_as_status_holds_it_passes_the_crd_schema_and_loses_no_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    validator = Draft202012Validator(as_json_schema(crd_plan_schema()))
+    plans = list(plans_as_status_holds_them(tmp_path, capsys))
+    assert len(plans) == len(BOARDS) * (len(ENGINES) + 1)
+    assert any(p["schedulable"] for p in plans) and not all(p["schedulable"] for p in plans)
+    assert any(p["budget"]["device"] is None for p in plans)  # a null kept: nullable
+    faults = {
+        (i, "/".join(map(str, e.absolute_path)), e.message)
+        for i, p in enumerate(plans)
+        for e in validator.iter_errors(p)
+    }
+    assert faults == set()
+
+
+def test_the_crd_schema_refuses_what_the_plan_never_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    validator = Draft202012Validator(as_json_schema(crd_plan_schema()))
+    plan = next(plans_as_status_holds_them(tmp_path, capsys))
+    for path, value in (
+        (("memoryMode",), "shared"),
+        (("layersOnDevice",), -1),
+        (("bytes", "device", "weights"), "1 GiB"),
+        (("charges",), [{"pool": "device/0"}]),
+    ):
+        bad = copy.deepcopy(plan)
+        target = bad
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        assert list(validator.iter_errors(bad)), path
