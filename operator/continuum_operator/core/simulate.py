@@ -8,8 +8,12 @@ judge it from outside. Pure: the scenario comes in as data, the log and summary 
 
 The turn protocol (docs/gateway.md): a turn runs only on a `Granted` grant; when the grant
 turns `Reclaiming` the turn ends at once and the slot is released, so a turn never waits on
-the reclaim of its own grant. `Scenario.old_reclaim_order` replays the seed's broken order
-instead, where the reclaim waited for the turn and the turn for the reclaim.
+the reclaim of its own grant. `Scenario.old_reclaim_order` replays the opposite order, where
+the reclaim waits for the turn and the turn for the reclaim, to show the checker flags it.
+
+The allocator's policy is the operator's (`grants.PriorityPolicy`) unless the scenario turns a
+safeguard off (`honour_protection`, `count_reclaiming`, `old_reclaim_order`): then it is the
+matching policy of `core.broken_policies`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
+from continuum_operator.core.broken_policies import weakened
 from continuum_operator.core.grants import (
     REFUSALS,
     Allocation,
@@ -32,7 +37,6 @@ from continuum_operator.core.grants import (
     Grant,
     GrantReason,
     MindDemand,
-    Policy,
     Transition,
     allocate,
 )
@@ -142,10 +146,11 @@ def _percentile(values: list[float], q: float) -> float:
 class _Simulation:
     def __init__(self, scenario: Scenario) -> None:
         self.sc = scenario
-        self.policy = Policy(
-            grace_seconds=None if scenario.old_reclaim_order else scenario.grace_seconds,
-            honour_protection=scenario.honour_protection,
+        self.policy = weakened(
+            scenario.grace_seconds,
+            protection=scenario.honour_protection,
             count_reclaiming=scenario.count_reclaiming,
+            grace_deadline=not scenario.old_reclaim_order,
         )
         self.now = 0.0
         self.queue: list[tuple[float, int, Callable[[], None]]] = []
@@ -270,7 +275,7 @@ class _Simulation:
             return
         if t.to_state is GrantState.RECLAIMING:
             if m.phase is _MindPhase.TURN and self.sc.old_reclaim_order:
-                # The seed's order: the turn parks until its grant is back, the reclaim waits
+                # The opposite order: the turn parks until its grant is back, the reclaim waits
                 # for the turn to end, and only the turn deadline breaks the cycle.
                 m.phase = _MindPhase.PARKED
                 m.epoch += 1
