@@ -5,8 +5,9 @@ field against the allocator as it was: test_grants_reference.py."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from continuum_operator.checklog import check
 from continuum_operator.core.broken_policies import (
     NoGraceDeadline,
     ReclaimsUncounted,
@@ -25,6 +26,7 @@ from continuum_operator.core.grants import (
     RankKey,
     allocate,
 )
+from continuum_operator.core.simulate import EngineScenario, MindScenario, Scenario, simulate
 from continuum_operator.model.mind import GrantState
 
 G, Q, R = GrantState.GRANTED, GrantState.QUEUED, GrantState.RECLAIMING
@@ -199,3 +201,17 @@ def test_each_broken_policy_is_the_operators_with_one_safeguard_off() -> None:
     assert states(unprotected)["low"] == (R, GrantReason.PREEMPTED)
     assert unprotected.grants["low"].deadline is None
     assert unprotected.review_at is None
+
+
+def test_a_new_policy_runs_through_the_simulator_and_the_checker_judges_it() -> None:
+    # Two minds hold the engine; an urgent one arrives after their protection windows.
+    minds = (
+        MindScenario("low0", "e", priority=0, protection_window=60.0, arrive=0.0),
+        MindScenario("low1", "e", priority=0, protection_window=60.0, arrive=1.0),
+        MindScenario("urgent", "e", priority=9, arrive=300.0, turn_deadline_seconds=600.0),
+    )
+    scenario = Scenario((EngineScenario("e", 2, 4096),), minds, duration=900.0)
+    assert check(simulate(scenario).log) == []
+    arrival_order = replace(scenario, policy=FirstComeFirstServed())
+    # Never preempting, it leaves the urgent mind behind unprotected grants of lower priority.
+    assert {v.invariant for v in check(simulate(arrival_order).log)} == {6}

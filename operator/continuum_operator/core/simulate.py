@@ -13,7 +13,8 @@ the reclaim waits for the turn and the turn for the reclaim, to show the checker
 
 The allocator's policy is the operator's (`grants.PriorityPolicy`) unless the scenario turns a
 safeguard off (`honour_protection`, `count_reclaiming`, `old_reclaim_order`): then it is the
-matching policy of `core.broken_policies`.
+matching policy of `core.broken_policies`. A scenario may also name any `GrantPolicy` of its own
+(`Scenario.policy`), so a new policy runs through the simulator and `continuum check-log`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from continuum_operator.core.grants import (
     Capacity,
     EnginePhase,
     Grant,
+    GrantPolicy,
     GrantReason,
     MindDemand,
     Transition,
@@ -89,6 +91,9 @@ class Scenario:
     honour_protection: bool = True
     count_reclaiming: bool = True
     old_reclaim_order: bool = False
+    # The allocator's policy as it is, the switches above aside (`old_reclaim_order` still
+    # parks turns); None: the operator's, with the safeguards they turn off taken away.
+    policy: GrantPolicy | None = None
 
 
 class _MindPhase(StrEnum):
@@ -146,7 +151,7 @@ def _percentile(values: list[float], q: float) -> float:
 class _Simulation:
     def __init__(self, scenario: Scenario) -> None:
         self.sc = scenario
-        self.policy = weakened(
+        self.policy: GrantPolicy = scenario.policy or weakened(
             scenario.grace_seconds,
             protection=scenario.honour_protection,
             count_reclaiming=scenario.count_reclaiming,
