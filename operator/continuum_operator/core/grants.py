@@ -260,9 +260,10 @@ class PriorityPolicy:
     def preemptions(
         self, queue: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
     ) -> list[tuple[MindDemand, Grant]]:
-        # `queue` is in rank order, so each preemptor's priority is at most the one before's: a
-        # grant passed over (priority too high, or protected) is passed over by all that
-        # follow, and one cursor walks the victims, lowest ranked first, once for the queue.
+        # `queue` is in this policy's rank order, so each preemptor's priority is at most the
+        # one before's: a grant passed over (priority too high, or protected) is passed over by
+        # all that follow, and one cursor walks the victims, lowest ranked first, once for the
+        # queue. (A subclass ranking by anything else than priority first needs its own walk.)
         victims = granted[::-1]
         protected = self.protected
         pairs: list[tuple[MindDemand, Grant]] = []
