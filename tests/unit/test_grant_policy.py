@@ -4,7 +4,7 @@ field against the allocator as it was: test_grants_reference.py."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from continuum_operator.checklog import check
@@ -65,7 +65,11 @@ class FirstComeFirstServed:
         return []
 
     def preemptible_at(
-        self, queued: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
     ) -> float | None:
         return None
 
@@ -146,10 +150,14 @@ class CountingPolicy(PriorityPolicy):
         return PriorityPolicy.preemptions(self, queue, granted, now)
 
     def preemptible_at(
-        self, queued: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
     ) -> float | None:
         self.count("preemptible_at")
-        return PriorityPolicy.preemptible_at(self, queued, granted, now)
+        return PriorityPolicy.preemptible_at(self, queued, ledger, minds, now)
 
 
 def test_the_allocator_asks_the_policy_once_a_mind_and_once_a_step() -> None:

@@ -14,7 +14,7 @@ The last two wrap any policy; `weakened` combines them as a scenario's switches 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from continuum_operator.core.grants import (
@@ -34,7 +34,11 @@ class UnprotectedPolicy(PriorityPolicy):
         return False
 
     def preemptible_at(
-        self, queued: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
     ) -> float | None:
         return None
 
@@ -60,9 +64,13 @@ class _Wrapped:
         return self.inner.preemptions(queue, granted, now)
 
     def preemptible_at(
-        self, queued: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
     ) -> float | None:
-        return self.inner.preemptible_at(queued, granted, now)
+        return self.inner.preemptible_at(queued, ledger, minds, now)
 
 
 @dataclass(frozen=True, slots=True)

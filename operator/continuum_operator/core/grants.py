@@ -219,12 +219,17 @@ class GrantPolicy(Protocol):
         ...
 
     def preemptible_at(
-        self, queued: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
     ) -> float | None:
-        """The earliest instant after `now` at which, nothing else changing, a grant of
-        `granted` becomes one that `preemptions` would take for a mind of `queued` (not empty;
-        both in no particular order), or None. The allocator asks to run again then
-        (`Allocation.review_at`)."""
+        """The earliest instant after `now` at which, nothing else changing, a Granted grant of
+        the `ledger` becomes one that `preemptions` would take for a mind of `queued` (not
+        empty), or None. The allocator asks to run again then (`Allocation.review_at`). Both in
+        no particular order; `minds`: every mind of the step by name. (The ledger as it is, not
+        pairs as `preemptions` has: this runs on every step with a queue.)"""
         ...
 
 
@@ -281,12 +286,22 @@ class PriorityPolicy:
         return pairs
 
     def preemptible_at(
-        self, queued: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
     ) -> float | None:
-        top = max(m.priority for m in queued)
+        top = queued[0].priority
+        for q in queued:
+            if q.priority > top:
+                top = q.priority
         later: float | None = None
-        for m, g in granted:
-            if m.priority >= top:
+        for g in ledger:
+            if g.state is not _GRANTED:
+                continue
+            m = minds.get(g.mind)
+            if m is None or m.priority >= top:
                 continue
             # Preemptible once both windows have lapsed: the later end.
             ends = [
@@ -664,12 +679,7 @@ def _review_at(step: _Step, capacity: Capacity, policy: GrantPolicy) -> float | 
         elif g.state is _QUEUED and (m := minds.get(g.mind)) is not None:
             queued.append(m)
     if capacity.phase is EnginePhase.SERVING and queued:
-        granted = [
-            (m, g)
-            for g in step.grants.values()
-            if g.state is _GRANTED and (m := minds.get(g.mind)) is not None
-        ]
-        end = policy.preemptible_at(queued, granted, now)
+        end = policy.preemptible_at(queued, step.grants.values(), minds, now)
         if end is not None and end > now and (later is None or end < later):
             later = end
     return later
@@ -748,6 +758,9 @@ def _preempt(
     if not uncovered:
         return []
     pairs = policy.preemptions(uncovered, step.in_state(_GRANTED), step.now)
+    if not pairs:
+        still_waiting.extend(uncovered)
+        return []
     for m, victim in pairs:
         _reclaim(step, victim, GrantReason.PREEMPTED, policy, by=m.name)
     preempting = [m for m, _ in pairs]
