@@ -1,7 +1,9 @@
 """The grant allocator as it was before the second scale pass (commit 247c309), kept verbatim
-but for its imports: the reference `bench/grants.py` times beside the real one, and the property
-test (tests/unit/test_grants_reference.py) compares the two on random ledgers. The data types are
-the real module's, so the two answers compare field by field.
+but for its imports and its `Policy`: the reference `bench/grants.py` times beside the real one,
+and the property test (tests/unit/test_grants_reference.py) compares the two on random ledgers.
+The data types are the real module's, so the two answers compare field by field. `Policy` is
+the switches the allocator took then; the real one takes a `GrantPolicy`, and
+`core.broken_policies.weakened` makes the one that answers as the same switches.
 
 Do not optimise this file: it is the plain statement the fast path must agree with.
 """
@@ -9,6 +11,7 @@ Do not optimise this file: it is the plain statement the fast path must agree wi
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 from continuum_operator.core.grants import (
     _WAIT_REASONS,
@@ -19,12 +22,18 @@ from continuum_operator.core.grants import (
     Grant,
     GrantReason,
     MindDemand,
-    Policy,
     Transition,
 )
 from continuum_operator.model.mind import GrantState
 
 _HOLDING = (GrantState.GRANTED, GrantState.RECLAIMING)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    grace_seconds: float | None = 30.0  # None: a reclaim has no deadline
+    honour_protection: bool = True
+    count_reclaiming: bool = True
 
 
 class _Step:
@@ -128,7 +137,7 @@ def allocate(
     now: float,
     *,
     released: Collection[str] = (),
-    policy: Policy = Policy(),  # noqa: B008 (frozen, as in the real module)
+    policy: Policy = Policy(),
     quota_left: Mapping[str, int] | None = None,
 ) -> Allocation:
     """The ledger that should hold now, and the transitions that get there.

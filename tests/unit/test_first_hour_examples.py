@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from continuum_operator.cli_model import TINY_SHAPE, sha256_of
-from continuum_operator.core.grants import Policy
+from continuum_operator.core.grants import PriorityPolicy
 from continuum_operator.gguf import read_facts
 from continuum_operator.kube import ledger, mind_status, routing
 from continuum_operator.manifests import load_all, load_one, parse
@@ -112,7 +112,7 @@ def test_the_minds_examples_do_what_their_comment_says_then_queue_moves_on_a_del
     for m in minds:
         m["metadata"]["creationTimestamp"] = "2026-12-03T06:00:00Z"  # one apply, one second
     classes, default = routing.classes_of(documents(MINDS / "classes.yaml"))
-    policy = Policy(grace_seconds=5.0)
+    policy = PriorityPolicy(grace_seconds=5.0)
 
     def step(now: float, present: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         demands = routing.demands_of(present, classes, default)

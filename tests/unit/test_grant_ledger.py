@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from continuum_operator import checklog
-from continuum_operator.core.grants import EnginePhase, GrantReason, Policy
+from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
 from continuum_operator.engine.admission import table_from_engine
 from continuum_operator.kube import ledger, mind_status, routing
 from continuum_operator.model.mind import GrantState
 
 NS = "minds"
-POLICY = Policy(grace_seconds=30.0)
+POLICY = PriorityPolicy(grace_seconds=30.0)
 
 
 def engine(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from continuum_operator.core.broken_policies import ReclaimsUncounted
 from continuum_operator.core.grants import (
     Allocation,
     Capacity,
@@ -11,7 +12,7 @@ from continuum_operator.core.grants import (
     Grant,
     GrantReason,
     MindDemand,
-    Policy,
+    PriorityPolicy,
     allocate,
 )
 from continuum_operator.model.mind import GrantState
@@ -76,7 +77,7 @@ def test_a_higher_priority_mind_preempts_the_lowest_unprotected_grant_and_keeps_
     )
     victim = later.grants["low-b"]  # arrived last among equals: ranked lowest
     assert (victim.state, victim.reason, victim.by) == (R, GrantReason.PREEMPTED, "vip")
-    assert victim.deadline == 100.0 + (Policy().grace_seconds or 0.0)
+    assert victim.deadline == 100.0 + PriorityPolicy().grace_seconds
     assert later.grants["low-a"].state is G
     assert (later.grants["vip"].state, later.grants["vip"].reason) == (
         Q,
@@ -117,7 +118,7 @@ def test_the_broken_policy_that_ignores_reclaiming_minds_reclaims_needlessly() -
     minds = [mind("l1", 0, 0.0), mind("l2", 0, 1.0), mind("l3", 0, 2.0), mind("v1", 9, 100.0)]
     a = run({}, minds[:3], cap(3), 0.0)
     a = run(a.grants, minds, cap(3), 100.0)
-    broken = run(a.grants, minds, cap(3), 101.0, policy=Policy(count_reclaiming=False))
+    broken = run(a.grants, minds, cap(3), 101.0, policy=ReclaimsUncounted(PriorityPolicy()))
     assert sum(g.state is R for g in broken.grants.values()) == 2
 
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 from dataclasses import FrozenInstanceError, replace
 
 import pytest
+from bench.grants_reference import Policy as ReferencePolicy
 from bench.grants_reference import allocate as reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from continuum_operator.core.broken_policies import weakened
 from continuum_operator.core.grants import (
     Capacity,
     EnginePhase,
     Grant,
+    GrantPolicy,
     MindDemand,
-    Policy,
+    PriorityPolicy,
     allocate,
 )
 from continuum_operator.model.mind import GrantState
@@ -62,12 +65,19 @@ def quotas(draw: st.DrawFn) -> dict[str, int] | None:
 
 
 @st.composite
-def policies(draw: st.DrawFn) -> Policy:
-    return Policy(
-        grace_seconds=draw(st.sampled_from([None, 3.0, 30.0])),
-        honour_protection=draw(st.booleans()),
-        count_reclaiming=draw(st.booleans()),
+def policies(draw: st.DrawFn) -> tuple[GrantPolicy, ReferencePolicy]:
+    """A policy and the reference's switches that answer as it does."""
+    grace = draw(st.sampled_from([None, 3.0, 30.0]))
+    protection, count_reclaiming = draw(st.booleans()), draw(st.booleans())
+    policy = weakened(
+        30.0 if grace is None else grace,
+        protection=protection,
+        count_reclaiming=count_reclaiming,
+        grace_deadline=grace is not None,
     )
+    if grace is not None and protection and count_reclaiming:
+        assert policy == PriorityPolicy(grace)  # the operator's own
+    return policy, ReferencePolicy(grace, protection, count_reclaiming)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,8 +97,9 @@ def policies(draw: st.DrawFn) -> Policy:
 )
 def test_the_allocator_answers_as_its_reference_on_random_runs(
     steps: list[tuple[list[MindDemand], Capacity, dict[str, int] | None, float, list[str]]],
-    policy: Policy,
+    policies: tuple[GrantPolicy, ReferencePolicy],
 ) -> None:
+    policy, switches = policies
     ledger: dict[str, Grant] = {}
     now = 0.0
     for minds, capacity, quota, dt, released in steps:
@@ -97,7 +108,7 @@ def test_the_allocator_answers_as_its_reference_on_random_runs(
             ledger, minds, capacity, now, released=set(released), policy=policy, quota_left=quota
         )
         want = reference(
-            ledger, minds, capacity, now, released=set(released), policy=policy, quota_left=quota
+            ledger, minds, capacity, now, released=set(released), policy=switches, quota_left=quota
         )
         assert got.transitions == want.transitions
         assert got.grants == want.grants

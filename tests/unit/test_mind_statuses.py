@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from continuum_operator import checklog
-from continuum_operator.core.grants import EnginePhase, GrantReason, Policy
+from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
 from continuum_operator.kube import ledger, mind_status, routing
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.board import NodeBoard, capacity_text, gib_text
@@ -22,7 +22,7 @@ from tests.unit.test_tenancy_loop import World, mind
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "team-a"
-POLICY = Policy(grace_seconds=30.0)
+POLICY = PriorityPolicy(grace_seconds=30.0)
 
 
 def conditions(ready: tuple[str, str, str], **others: tuple[str, str]) -> list[dict[str, Any]]:

@@ -13,7 +13,9 @@ Rule 7 in code:
   a released slot is reused. The mind is requeued at once, keeping her place.
 - Higher priority preempts lower; minds already reclaiming count toward what preemptors need,
   so no slot is reclaimed that nobody is waiting for. A grant younger than its mind's
-  protection window is not preempted, nor a mind reclaimed within that window.
+  protection window is not preempted, nor a mind reclaimed within that window. These are the
+  decisions of `PriorityPolicy`, the operator's `GrantPolicy`: another policy (an order, a
+  choice of victims) is another implementation of that protocol, passed to `allocate`.
 - An engine changing size or relaunching drains: every grant is reclaimed (the lowest ranked
   beyond the new size with `EngineShrunk`, the rest `EngineRelaunching`), protection windows
   notwithstanding, because llama.cpp cannot resize a KV buffer in place. Queued minds wait
@@ -32,9 +34,10 @@ lowered below use reclaims nothing (only new grants are held back).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
+from typing import Protocol, cast
 
 from continuum_operator.model.mind import GrantState
 
@@ -179,13 +182,138 @@ class Allocation:
         return [g for g in self.grants.values() if g.state in _HOLDING]
 
 
+# A mind's place in line: minds are served in ascending order of it.
+RankKey = tuple[float | str, ...]
+
+
+class GrantPolicy(Protocol):
+    """What an allocation policy decides: the order the queue is served in, who preempts whom, how
+    many of the queue wait for slots already being reclaimed, and a reclaim's grace deadline.
+    The allocator keeps the rest of rule 7 (refusals, quotas, slots, drains, two-phase reclaims).
+
+    The allocator calls `rank` once a mind and the others once a step, never once a comparison.
+    """
+
+    def rank(self, mind: MindDemand) -> RankKey:
+        """Her sort key, best first. Unique to her (ending with her name, say): the step sorts
+        the minds once and takes every ordered subset it needs as a filter of that order."""
+        ...
+
+    def reclaim_deadline(self, now: float) -> float | None:
+        """When a reclaim begun at `now` is forced (`GraceExpired`); None: never, only the
+        gateway's report of the slot released ends it."""
+        ...
+
+    def served_by_reclaims(self, reclaiming: int) -> int:
+        """How many of the queue, first first, wait for the `reclaiming` slots already being
+        reclaimed (`WaitingForReclaim`) instead of preempting."""
+        ...
+
+    def preemptions(
+        self, queue: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+    ) -> list[tuple[MindDemand, Grant]]:
+        """Which of `queue` (no free slot for them, best ranked first) preempt which of
+        `granted` (the Granted grants with their minds, best ranked first): pairs of preemptor
+        and victim, each victim once, in the order the reclaims are made. The rest of the queue
+        waits with `PoolFull`."""
+        ...
+
+    def preemptible_at(
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
+    ) -> float | None:
+        """The earliest instant after `now` at which, nothing else changing, a Granted grant of
+        the `ledger` becomes one that `preemptions` would take for a mind of `queued` (not
+        empty), or None. The allocator asks to run again then (`Allocation.review_at`). Both in
+        no particular order; `minds`: every mind of the step by name. (The ledger as it is, not
+        pairs as `preemptions` has: this runs on every step with a queue.)"""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
-class Policy:
-    # None is the seed's broken order: a reclaim with no deadline, waiting for the turn to end.
-    grace_seconds: float | None = 30.0
-    # Deliberately broken policies, kept as switches so tests can show the checker flags them.
-    honour_protection: bool = True
-    count_reclaiming: bool = True
+class PriorityPolicy:
+    """The operator's policy (rule 7): higher priority first, then who came first; a preemptor
+    takes the lowest-ranked grant of strictly lower priority that is outside its mind's
+    protection window; the slots already being reclaimed are counted toward the first of the
+    queue, so no slot is reclaimed that nobody is waiting for; a reclaim is forced after
+    `grace_seconds`."""
+
+    grace_seconds: float = 30.0
+
+    # The mind's own sort key, called directly (the step sorts every mind by it, and a wrapper
+    # would be a second call each); typed as any policy's rank, so a subclass may rank by another.
+    rank = staticmethod(cast("Callable[[MindDemand], RankKey]", MindDemand.rank))
+
+    def reclaim_deadline(self, now: float) -> float:
+        return now + self.grace_seconds
+
+    def served_by_reclaims(self, reclaiming: int) -> int:
+        return reclaiming
+
+    def protected(self, g: Grant, m: MindDemand, now: float) -> bool:
+        """Whether her grant is too young to preempt, or she was reclaimed too recently."""
+        # Written as `start + window` so the end agrees, to the bit, with `preemptible_at`.
+        young = g.granted_at is not None and now < g.granted_at + m.protection_window
+        recently_reclaimed = (
+            g.reclaimed_at is not None and now < g.reclaimed_at + m.protection_window
+        )
+        return young or recently_reclaimed
+
+    def preemptions(
+        self, queue: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
+    ) -> list[tuple[MindDemand, Grant]]:
+        # `queue` is in this policy's rank order, so each preemptor's priority is at most the
+        # one before's: a grant passed over (priority too high, or protected) is passed over by
+        # all that follow, and one cursor walks the victims, lowest ranked first, once for the
+        # queue. (A subclass ranking by anything else than priority first needs its own walk.)
+        victims = granted[::-1]
+        protected = self.protected
+        pairs: list[tuple[MindDemand, Grant]] = []
+        at, end = 0, len(victims)
+        for m in queue:
+            while at < end:
+                vm, vg = victims[at]
+                if vm.priority < m.priority and not protected(vg, vm, now):
+                    break
+                at += 1
+            if at == end:
+                break
+            pairs.append((m, victims[at][1]))
+            at += 1
+        return pairs
+
+    def preemptible_at(
+        self,
+        queued: Sequence[MindDemand],
+        ledger: Iterable[Grant],
+        minds: Mapping[str, MindDemand],
+        now: float,
+    ) -> float | None:
+        top = queued[0].priority
+        for q in queued:
+            if q.priority > top:
+                top = q.priority
+        later: float | None = None
+        for g in ledger:
+            if g.state is not _GRANTED:
+                continue
+            m = minds.get(g.mind)
+            if m is None or m.priority >= top:
+                continue
+            # Preemptible once both windows have lapsed: the later end.
+            ends = [
+                t + m.protection_window
+                for t in (g.granted_at, g.reclaimed_at)
+                if t is not None and t + m.protection_window > now
+            ]
+            if ends:
+                end = max(ends)
+                if later is None or end < later:
+                    later = end
+        return later
 
 
 # The states as module globals: reading an enum member off its class goes through the enum's
@@ -351,7 +479,8 @@ class _Step:
         grants: Mapping[str, Grant],
         minds: Mapping[str, MindDemand],
         now: float,
-        quota_left: Mapping[str, int] | None = None,
+        quota_left: Mapping[str, int] | None,
+        rank: Callable[[MindDemand], RankKey],
     ) -> None:
         self.grants = dict(grants)
         self.minds = minds
@@ -360,9 +489,9 @@ class _Step:
         self.transitions: list[Transition] = []
         # The minds best ranked first, sorted once: every ordered subset the step needs (the
         # queue, the grants preemption may take) is a filter of it, never a sort of its own. A
-        # rank ends with the unique name, so filtering a sorted list gives what sorting the
+        # rank is unique to its mind, so filtering a sorted list gives what sorting the
         # filtered one would.
-        self.ranked = sorted(minds.values(), key=MindDemand.rank)
+        self.ranked = sorted(minds.values(), key=rank)
         # Tokens held by namespace: counted on the first quota check, then kept by `move`, so
         # a queue of one namespace does not rescan the ledger for each of its minds.
         self._held: dict[str, int] | None = None
@@ -473,15 +602,16 @@ def allocate(
     now: float,
     *,
     released: Collection[str] = (),
-    policy: Policy = Policy(),
+    policy: GrantPolicy = PriorityPolicy(),
     quota_left: Mapping[str, int] | None = None,
 ) -> Allocation:
     """The ledger that should hold now, and the transitions that get there.
 
+    `policy`: the order the queue is served in and who preempts whom (`GrantPolicy`).
     `quota_left`: by namespace, the most tokens its minds may hold on this engine (absent: no
     limit)."""
     demand = {m.name: m for m in minds}
-    step = _Step(grants, demand, now, quota_left)
+    step = _Step(grants, demand, now, quota_left, policy.rank)
     ledger = step.grants
 
     # 1. Reclaims that ended: reported by the gateway, or forced at their grace deadline. Each
@@ -533,10 +663,11 @@ def allocate(
     return Allocation(step.grants, tuple(step.transitions), review)
 
 
-def _review_at(step: _Step, capacity: Capacity, policy: Policy) -> float | None:
+def _review_at(step: _Step, capacity: Capacity, policy: GrantPolicy) -> float | None:
     now = step.now
+    minds = step.minds
     later: float | None = None
-    top: int | None = None  # the highest priority queued
+    queued: list[MindDemand] = []
     for g in step.grants.values():
         if g.state is _RECLAIMING:
             if (
@@ -545,31 +676,17 @@ def _review_at(step: _Step, capacity: Capacity, policy: Policy) -> float | None:
                 and (later is None or g.deadline < later)
             ):
                 later = g.deadline
-        elif g.state is _QUEUED:
-            m = step.minds.get(g.mind)
-            if m is not None and (top is None or m.priority > top):
-                top = m.priority
-    if capacity.phase is EnginePhase.SERVING and top is not None and policy.honour_protection:
-        for g in step.grants.values():
-            if g.state is not _GRANTED:
-                continue
-            m = step.minds.get(g.mind)
-            if m is None or m.priority >= top:
-                continue
-            ends = [
-                t + m.protection_window
-                for t in (g.granted_at, g.reclaimed_at)
-                if t is not None and t + m.protection_window > now
-            ]
-            if ends:
-                end = max(ends)
-                if end > now and (later is None or end < later):
-                    later = end
+        elif g.state is _QUEUED and (m := minds.get(g.mind)) is not None:
+            queued.append(m)
+    if capacity.phase is EnginePhase.SERVING and queued:
+        end = policy.preemptible_at(queued, step.grants.values(), minds, now)
+        if end is not None and end > now and (later is None or end < later):
+            later = end
     return later
 
 
 def _reclaim(
-    step: _Step, g: Grant, reason: GrantReason, policy: Policy, by: str | None = None
+    step: _Step, g: Grant, reason: GrantReason, policy: GrantPolicy, by: str | None = None
 ) -> None:
     step.move(
         g.mind,
@@ -578,7 +695,7 @@ def _reclaim(
         tokens=g.tokens,
         slot=g.slot,
         by=by,
-        deadline=None if policy.grace_seconds is None else step.now + policy.grace_seconds,
+        deadline=policy.reclaim_deadline(step.now),
     )
 
 
@@ -592,7 +709,7 @@ def _set_wait_reason(step: _Step, names: Iterable[str], reason: GrantReason) -> 
             step.move(name, _QUEUED, reason)
 
 
-def _drain(step: _Step, capacity: Capacity, policy: Policy) -> None:
+def _drain(step: _Step, capacity: Capacity, policy: GrantPolicy) -> None:
     """A relaunch or resize: reclaim every grant, the lowest ranked beyond the new size first."""
     if capacity.phase is EnginePhase.DRAINING:
         granted = [g for _, g in step.in_state(_GRANTED)]
@@ -610,13 +727,6 @@ def _drain(step: _Step, capacity: Capacity, policy: Policy) -> None:
             _reclaim(step, g, reason, policy)
     wait = _WAIT_REASONS.get(capacity.phase, GrantReason.ENGINE_RELAUNCHING)
     _set_wait_reason(step, (m.name for m in _queued(step)), wait)
-
-
-def _protected(g: Grant, m: MindDemand, now: float) -> bool:
-    # Written as `start + window` so the end agrees, to the bit, with `review_at`'s wake-up.
-    young = g.granted_at is not None and now < g.granted_at + m.protection_window
-    recently_reclaimed = g.reclaimed_at is not None and now < g.reclaimed_at + m.protection_window
-    return young or recently_reclaimed
 
 
 def _move_stray(
@@ -641,36 +751,26 @@ def _move_stray(
 
 
 def _preempt(
-    step: _Step, uncovered: list[MindDemand], policy: Policy, still_waiting: list[MindDemand]
+    step: _Step, uncovered: list[MindDemand], policy: GrantPolicy, still_waiting: list[MindDemand]
 ) -> list[MindDemand]:
-    """The minds of `uncovered` that preempt a grant (each now waits for its reclaim); those
-    that cannot are appended to `still_waiting`."""
-    preempting: list[MindDemand] = []
-    # The rest may preempt, highest first, each taking the lowest-ranked unprotected grant of
-    # strictly lower priority. `uncovered` is in rank order, so each preemptor's priority is at
-    # most the one before's: a grant passed over (priority too high, or protected) is passed
-    # over by all that follow, and one cursor walks the victims once for the whole queue.
-    victims = step.in_state(_GRANTED) if uncovered else []
-    victims.reverse()
-    honour = policy.honour_protection
-    now = step.now
-    at = 0
-    for m in uncovered:
-        while at < len(victims):
-            vm, vg = victims[at]
-            if vm.priority < m.priority and not (honour and _protected(vg, vm, now)):
-                break
-            at += 1
-        if at == len(victims):
-            still_waiting.append(m)
-            continue
-        _reclaim(step, victims[at][1], GrantReason.PREEMPTED, policy, by=m.name)
-        at += 1
-        preempting.append(m)
+    """The minds of `uncovered` that preempt a grant, as the policy chooses (each now waits for
+    its reclaim); those that do not are appended to `still_waiting`."""
+    if not uncovered:
+        return []
+    pairs = policy.preemptions(uncovered, step.in_state(_GRANTED), step.now)
+    if not pairs:
+        still_waiting.extend(uncovered)
+        return []
+    for m, victim in pairs:
+        _reclaim(step, victim, GrantReason.PREEMPTED, policy, by=m.name)
+    preempting = [m for m, _ in pairs]
+    if len(preempting) < len(uncovered):
+        chosen = {m.name for m in preempting}
+        still_waiting.extend(m for m in uncovered if m.name not in chosen)
     return preempting
 
 
-def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
+def _serve(step: _Step, capacity: Capacity, policy: GrantPolicy) -> None:
     holders = [g for g in step.grants.values() if g.state in _HOLDING]
     taken = {g.slot for g in holders}
     free_slots = [s for s in range(capacity.slots) if s not in taken]
@@ -711,7 +811,7 @@ def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
 
     # Slots already being reclaimed will come free: the first of the queue wait for those.
     reclaiming = sum(1 for g in step.grants.values() if g.state is _RECLAIMING)
-    covered = reclaiming if policy.count_reclaiming else 0
+    covered = policy.served_by_reclaims(reclaiming)
     waiting_for_reclaim = queue[:covered]
     uncovered = queue[covered:]
 

@@ -8,8 +8,13 @@ judge it from outside. Pure: the scenario comes in as data, the log and summary 
 
 The turn protocol (docs/gateway.md): a turn runs only on a `Granted` grant; when the grant
 turns `Reclaiming` the turn ends at once and the slot is released, so a turn never waits on
-the reclaim of its own grant. `Scenario.old_reclaim_order` replays the seed's broken order
-instead, where the reclaim waited for the turn and the turn for the reclaim.
+the reclaim of its own grant. `Scenario.old_reclaim_order` replays the opposite order, where
+the reclaim waits for the turn and the turn for the reclaim, to show the checker flags it.
+
+The allocator's policy is the operator's (`grants.PriorityPolicy`) unless the scenario turns a
+safeguard off (`honour_protection`, `count_reclaiming`, `old_reclaim_order`): then it is the
+matching policy of `core.broken_policies`. A scenario may also name any `GrantPolicy` of its own
+(`Scenario.policy`), so a new policy runs through the simulator and `continuum check-log`.
 """
 
 from __future__ import annotations
@@ -24,15 +29,16 @@ from enum import StrEnum
 from functools import partial
 from typing import Any
 
+from continuum_operator.core.broken_policies import weakened
 from continuum_operator.core.grants import (
     REFUSALS,
     Allocation,
     Capacity,
     EnginePhase,
     Grant,
+    GrantPolicy,
     GrantReason,
     MindDemand,
-    Policy,
     Transition,
     allocate,
 )
@@ -85,6 +91,9 @@ class Scenario:
     honour_protection: bool = True
     count_reclaiming: bool = True
     old_reclaim_order: bool = False
+    # The allocator's policy as it is, the switches above aside (`old_reclaim_order` still
+    # parks turns); None: the operator's, with the safeguards they turn off taken away.
+    policy: GrantPolicy | None = None
 
 
 class _MindPhase(StrEnum):
@@ -142,10 +151,11 @@ def _percentile(values: list[float], q: float) -> float:
 class _Simulation:
     def __init__(self, scenario: Scenario) -> None:
         self.sc = scenario
-        self.policy = Policy(
-            grace_seconds=None if scenario.old_reclaim_order else scenario.grace_seconds,
-            honour_protection=scenario.honour_protection,
+        self.policy: GrantPolicy = scenario.policy or weakened(
+            scenario.grace_seconds,
+            protection=scenario.honour_protection,
             count_reclaiming=scenario.count_reclaiming,
+            grace_deadline=not scenario.old_reclaim_order,
         )
         self.now = 0.0
         self.queue: list[tuple[float, int, Callable[[], None]]] = []
@@ -270,7 +280,7 @@ class _Simulation:
             return
         if t.to_state is GrantState.RECLAIMING:
             if m.phase is _MindPhase.TURN and self.sc.old_reclaim_order:
-                # The seed's order: the turn parks until its grant is back, the reclaim waits
+                # The opposite order: the turn parks until its grant is back, the reclaim waits
                 # for the turn to end, and only the turn deadline breaks the cycle.
                 m.phase = _MindPhase.PARKED
                 m.epoch += 1

@@ -37,9 +37,9 @@ from continuum_operator.core.grants import (
     Capacity,
     EnginePhase,
     Grant,
+    GrantPolicy,
     GrantReason,
     MindDemand,
-    Policy,
     Transition,
     allocate,
 )
@@ -378,7 +378,7 @@ def step(
     engine: Mapping[str, Any],
     demands: Mapping[str, MindDemand],
     now: float,
-    policy: Policy,
+    policy: GrantPolicy,
     quota_left: Mapping[str, int] | None = None,
     tail: Mapping[str, Grant] | None = None,
 ) -> LedgerStep:

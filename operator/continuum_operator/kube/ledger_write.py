@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from continuum_operator.core.grants import MindDemand, Policy
+from continuum_operator.core.grants import GrantPolicy, MindDemand
 from continuum_operator.kube import crash, ledger
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey
@@ -39,7 +39,7 @@ class LedgerWriter:
         api: KubeApi,
         engines: Cache,
         settings: GrantSettings,
-        policy: Policy,
+        policy: GrantPolicy,
         tails: LedgerTails,
         metrics: OperatorMetrics,
         log: Callable[[], TransitionLog],

@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from continuum_operator.core.grants import MindDemand, Policy
+from continuum_operator.core.grants import MindDemand, PriorityPolicy
 from continuum_operator.kube import ledger, routing
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey
@@ -99,7 +99,7 @@ class GrantsLoop:
         self.resync_seconds = resync_seconds
         self.full_pass_seconds = full_pass_seconds
         self.pod_port = pod_port
-        self.policy = Policy(grace_seconds=settings.grace_seconds)
+        self.policy = PriorityPolicy(grace_seconds=settings.grace_seconds)
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
         self.retry_soon = False
