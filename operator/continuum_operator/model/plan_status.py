@@ -46,6 +46,11 @@ def _structural(node: Any) -> Any:
         (out["type"],) = [t for t in kind if t != "null"]
         if "null" in kind:
             out["nullable"] = True
+    if "required" in out:
+        # A null is written by a merge patch as a deletion (RFC 7386): a field the plan may
+        # write as null is absent from the stored object then, so it cannot be required.
+        props = out.get("properties", {})
+        out["required"] = [k for k in out["required"] if not props.get(k, {}).get("nullable")]
     if out.get("type") == "object" and "properties" not in out:
         # An object the plan copies whole (the receipt, docs/receipts.md): kept as written.
         out["x-kubernetes-preserve-unknown-fields"] = True
