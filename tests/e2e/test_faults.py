@@ -395,16 +395,19 @@ def test_an_engine_on_a_board_whose_agent_stopped_is_not_relaunched_until_it_ret
             log,
             _,
         ):
-            before = wait_for(
-                "Ready", is_condition(cluster, ns, "coder", "Ready", "True"), log=log
-            )["status"]
-            launched = deployment_of(cluster, ns)["metadata"]["generation"]
+            wait_for("Ready", is_condition(cluster, ns, "coder", "Ready", "True"), log=log)
 
             agent.stop()
             stale = wait_for(
                 "BoardStale", is_condition(cluster, ns, "coder", "BoardStale", "True"), log=log
             )
             assert stale["status"]["placement"]["node"] == node  # kept, not released
+            # What held when the board went stale. (Not at Ready: once the pod runs, the static
+            # board's used bytes are read as including the engine's own, so the plan may still
+            # change, by one damped relaunch, while the board is fresh.)
+            before = stale["status"]
+            relaunched = (before.get("relaunches") or {}).get("count", 0)
+            launched = deployment_of(cluster, ns)["metadata"]["generation"]
             # On the stale board: the tenant leaves (a plan that would relaunch), the spec asks
             # for fewer minds and names a new file. Nothing is relaunched on a stale board.
             write_board(cluster, node, discrete_status(24, 0.5))
@@ -419,7 +422,7 @@ def test_an_engine_on_a_board_whose_agent_stopped_is_not_relaunched_until_it_ret
                 now = get_engine(cluster, ns, "coder")["status"]
                 assert now["plan"] == before["plan"]
                 assert now["placement"]["node"] == node
-                assert "relaunches" not in now
+                assert (now.get("relaunches") or {}).get("count", 0) == relaunched
                 assert deployment_of(cluster, ns)["metadata"]["generation"] == launched
             assert condition(get_engine(cluster, ns, "coder"), "BoardStale")["status"] == "True"  # type: ignore[index]
 
@@ -434,7 +437,7 @@ def test_an_engine_on_a_board_whose_agent_stopped_is_not_relaunched_until_it_ret
                 log=log,
             )
             assert after["status"]["plan"]["mindsGrantable"] <= 2
-            assert after["status"]["relaunches"]["count"] == 1
+            assert after["status"]["relaunches"]["count"] == relaunched + 1
             wait_for("Ready", is_condition(cluster, ns, "coder", "Ready", "True"), log=log)
             assert condition(get_engine(cluster, ns, "coder"), "BoardStale")["status"] == "False"  # type: ignore[index]
             command = deployment_of(cluster, ns)["spec"]["template"]["spec"]["containers"][0][
