@@ -142,8 +142,7 @@ def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_mi
     # The granted leave (reclaimed, then released as the gateway reports), each step decided by
     # a leader that never saw the queue beyond the head: it moves up, as it stood.
     for i in (0, 1):
-        w.api.objects.pop(f"{BASE}/team-a/minds/mind-{i:05d}")
-        w.cache.forget(f"team-a/mind-{i:05d}")
+        delete_mind(w, i)
     new_leader(w, tmp_path, log)
     lines += logged(w)
     w.loop.pass_once()
@@ -166,24 +165,35 @@ def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_mi
         assert checklog.check(log_lines(tmp_path)) == []
 
 
+def queue_past_the_head_then_kill_the_log(tmp_path: Path) -> World:
+    """Two slots and twelve minds decided and logged; from here on, each pass's log append
+    never happens (a leader killed at after-ledger-write)."""
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(12):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    return w
+
+
+def delete_mind(w: World, i: int) -> None:
+    w.api.objects.pop(f"{BASE}/team-a/minds/mind-{i:05d}")
+    w.cache.forget(f"team-a/mind-{i:05d}")
+
+
 @pytest.mark.usefixtures("small")
 def test_a_leader_killed_before_its_log_append_leaves_a_log_the_next_one_keeps_whole(
     tmp_path: Path,
 ) -> None:
     """The journal holds the kept minds' lines only; what it left out, the next leader decides
     again from the log: minds it never logged arrive, a deleted one it logged queued leaves."""
-    w = World(tmp_path)
-    w.engine(engine("team-a", "coder", slots=2))
-    for i in range(12):
-        w.mind(mind(i))
-    w.loop.pass_once()
-    # A pass whose log append never happens (killed at after-ledger-write): six minds arrive
-    # beyond the head, one beyond it is deleted.
-    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    w = queue_past_the_head_then_kill_the_log(tmp_path)
+    # The pass whose log append never happens: six minds arrive beyond the head, one beyond it
+    # is deleted.
     for i in range(12, 18):
         w.mind(mind(i))
-    w.api.objects.pop(f"{BASE}/team-a/minds/mind-00010")
-    w.cache.forget("team-a/mind-00010")
+    delete_mind(w, 10)
     w.loop.pass_once()
     step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
     assert step["omitted"] == 6 * 2
@@ -205,14 +215,8 @@ def test_a_queued_mind_deleted_in_a_step_the_log_missed_leaves_the_log_in_that_s
 ) -> None:
     """A step whose only line is a departure from beyond the object's head: its journal keeps
     that line, so the next leader logs the step under its own seq and the log has no gap."""
-    w = World(tmp_path)
-    w.engine(engine("team-a", "coder", slots=2))
-    for i in range(12):
-        w.mind(mind(i))
-    w.loop.pass_once()
-    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
-    w.api.objects.pop(f"{BASE}/team-a/minds/mind-00011")
-    w.cache.forget("team-a/mind-00011")
+    w = queue_past_the_head_then_kill_the_log(tmp_path)
+    delete_mind(w, 11)
     w.loop.pass_once()
     step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
     assert [(x["mind"], x["to"], x["reason"]) for x in step["lines"]] == [
@@ -232,12 +236,7 @@ def test_a_step_of_arrivals_beyond_the_head_only_leaves_its_seq_in_the_log_after
 ) -> None:
     """Every line of the step is of a mind the object does not keep: the journal still keeps
     one, so the log's seqs run without a gap, and every arrival is logged once."""
-    w = World(tmp_path)
-    w.engine(engine("team-a", "coder", slots=2))
-    for i in range(12):
-        w.mind(mind(i))
-    w.loop.pass_once()
-    w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
+    w = queue_past_the_head_then_kill_the_log(tmp_path)
     for i in range(12, 15):
         w.mind(mind(i))
     w.loop.pass_once()
