@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
-from continuum_operator.kube import ledger, mind_status, routing
+from continuum_operator.kube import ledger, ledger_journal, mind_status, routing
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.board import NodeBoard, capacity_text, gib_text
 from continuum_operator.model.mind import Mind
@@ -186,9 +186,9 @@ def test_the_minds_reason_column_shows_without_wide_and_the_message_with_it() ->
 
 @given(st.floats(min_value=0, max_value=4e9, allow_nan=False, allow_infinity=False))
 def test_rfc3339_times_read_back_as_the_same_float(t: float) -> None:
-    text = ledger.rfc3339_exact(t)
+    text = ledger_journal.rfc3339_exact(t)
     assert text.endswith("Z") and "T" in text
-    assert ledger.unix_of(text) == t
+    assert ledger_journal.unix_of(text) == t
 
 
 def test_the_journal_in_the_engines_status_has_no_float_times_and_recovers_exactly(
@@ -207,7 +207,7 @@ def test_the_journal_in_the_engines_status_has_no_float_times_and_recovers_exact
     # A new leader whose log lacks the step appends the same lines the old one would have.
     written = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     other = TransitionLog(tmp_path / "other.jsonl")
-    assert other.recover(f"{NS}/coder", ledger.read_journal(journal)) is True
+    assert other.recover(f"{NS}/coder", ledger_journal.read_journal(journal)) is True
     recovered = [json.loads(x) for x in (tmp_path / "other.jsonl").read_text().splitlines()]
     assert recovered == written
     assert checklog.check(recovered) == []
@@ -215,8 +215,8 @@ def test_the_journal_in_the_engines_status_has_no_float_times_and_recovers_exact
 
 def test_a_journal_written_with_unix_seconds_still_recovers() -> None:
     old = {"seq": 3, "t": 11.5, "lines": [{"t": 11.5, "engine": "a/b", "deadline": None}]}
-    assert ledger.read_journal(old) == old
-    assert ledger.read_journal({"seq": 3, "lines": [{"t": "yesterday"}]}) is None
+    assert ledger_journal.read_journal(old) == old
+    assert ledger_journal.read_journal({"seq": 3, "lines": [{"t": "yesterday"}]}) is None
 
 
 def test_check_log_accepts_the_phases_of_an_engine_not_serving_yet() -> None:

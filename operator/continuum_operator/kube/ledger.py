@@ -43,7 +43,6 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
-from continuum_operator.kube.ledger_journal import journal, read_journal, rfc3339_exact, unix_of
 from continuum_operator.kube.routing import mind_key
 from continuum_operator.kube.transition_log import Place
 from continuum_operator.model.grant import grant_entries, iso_micro, parse_entries
@@ -60,19 +59,13 @@ __all__ = [
     "capacity_line",
     "capacity_of",
     "engine_note",
-    "grant_entries",
-    "iso_micro",
-    "journal",
     "log_lines",
     "read_grants",
-    "read_journal",
     "released_of",
-    "rfc3339_exact",
     "step",
     "tail_from_log",
     "tail_from_minds",
     "transition_line",
-    "unix_of",
 ]
 
 #: Beside `status.grants`, written in the same replace: the pool the ledger was made for.

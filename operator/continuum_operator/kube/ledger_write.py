@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from continuum_operator.core.grants import GrantPolicy, MindDemand
-from continuum_operator.kube import crash, ledger
+from continuum_operator.kube import crash, ledger, ledger_journal
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
@@ -71,8 +71,8 @@ class LedgerWriter:
             # did not log reaches a new leader here when its cache had not yet seen that write
             # (the pass's recovery found nothing missing; the write was refused, 409, and the
             # Engine read back carries it).
-            self._log().recover(engine, ledger.read_journal((body.get("status") or {}).get(
-                ledger.STEP_FIELD)))  # fmt: skip
+            replaced = (body.get("status") or {}).get(ledger.STEP_FIELD)
+            self._log().recover(engine, ledger_journal.read_journal(replaced))
             doc, seq, lines = _ledger_doc(key, body, s, now)
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
             try:
@@ -157,7 +157,7 @@ def _ledger_doc(
     status["grants"] = s.kept
     status[ledger.CAPACITY_FIELD] = s.pool.to_status()
     kept = {str(e.get("mind")) for e in s.kept}
-    status[ledger.STEP_FIELD] = ledger.journal(seq, now, lines, kept)
+    status[ledger.STEP_FIELD] = ledger_journal.journal(seq, now, lines, kept)
     if s.queue is not None:
         status[ledger.QUEUE_FIELD] = s.queue
     else:

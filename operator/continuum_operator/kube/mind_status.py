@@ -10,8 +10,8 @@ from enum import StrEnum
 from typing import Any
 
 from continuum_operator.core.grants import REFUSALS, GrantReason
-from continuum_operator.kube.ledger import iso_micro
 from continuum_operator.kube.routing import Refused, RouteReason
+from continuum_operator.model.grant import iso_micro
 from continuum_operator.model.mind import GrantState, ProjectedState
 
 __all__ = ["MindConditionType", "engine_not_found", "projection", "refused_projection"]

@@ -54,7 +54,7 @@ from functools import partial
 from typing import Any
 
 from continuum_operator.core.grants import MindDemand, PriorityPolicy
-from continuum_operator.kube import ledger, routing
+from continuum_operator.kube import ledger, ledger_journal, routing
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
@@ -348,7 +348,9 @@ class GrantsLoop:
         for key in keys:
             self.log.recover(
                 f"{key[0]}/{key[1]}",
-                ledger.read_journal((engines[key].get("status") or {}).get(ledger.STEP_FIELD)),
+                ledger_journal.read_journal(
+                    (engines[key].get("status") or {}).get(ledger.STEP_FIELD)
+                ),
             )
 
     def _mind_jobs(
