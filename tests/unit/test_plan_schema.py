@@ -34,6 +34,16 @@ def validator(schema: dict[str, Any]) -> Draft202012Validator:
     return Draft202012Validator(schema)
 
 
+def unschedulable_engine(tmp_path: Path) -> Path:
+    """The first example Engine asking more context than any example board holds."""
+    doc = yaml.safe_load(ENGINES[0].read_text())
+    doc["spec"]["contextTokensPerMind"] = 16_000_000
+    doc["spec"]["minds"] = {"min": 64, "max": 64}
+    engine = tmp_path / "engine.yaml"
+    engine.write_text(yaml.safe_dump(doc))
+    return engine
+
+
 def _plan_json(capsys: pytest.CaptureFixture[str], board: Path, engine: Path) -> Any:
     code = main(["plan", "--board", str(board), "--engine", str(engine), "-o", "json"])
     out, err = capsys.readouterr()
@@ -70,13 +80,7 @@ def test_an_unschedulable_plan_matches_the_schema_too(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    doc = yaml.safe_load(ENGINES[0].read_text())
-    doc["spec"]["contextTokensPerMind"] = 16_000_000
-    doc["spec"]["minds"] = {"min": 64, "max": 64}
-    engine = tmp_path / "engine.yaml"
-    engine.write_text(yaml.safe_dump(doc))
-
-    plan = _plan_json(capsys, board, engine)
+    plan = _plan_json(capsys, board, unschedulable_engine(tmp_path))
 
     assert plan["schedulable"] is False
     assert _errors(validator, plan) == []

@@ -16,9 +16,7 @@ from jsonschema import Draft202012Validator
 from continuum_operator.cli import main
 from continuum_operator.model.plan_status import SPEC_GENERATION, plan_output_schema
 from tests.builders import ROOT
-
-BOARDS = sorted((ROOT / "examples" / "boards").glob("*.yaml"))
-ENGINES = sorted((ROOT / "examples" / "engines").glob("*.yaml"))
+from tests.unit.test_plan_schema import BOARDS, ENGINES, unschedulable_engine
 
 
 def crd_plan_schema() -> dict[str, Any]:
@@ -48,11 +46,7 @@ def plans_as_status_holds_them(tmp_path: Path, capsys: pytest.CaptureFixture[str
     """Every example pair's plan, and an unschedulable one per board, as `continuum plan -o
     json` prints them (`ServingPlan.to_dict`, what `kube.engine_pass.plan_status` writes) with
     the spec generation the operator adds."""
-    doc = yaml.safe_load(ENGINES[0].read_text())
-    doc["spec"]["contextTokensPerMind"] = 16_000_000
-    doc["spec"]["minds"] = {"min": 64, "max": 64}
-    huge = tmp_path / "engine.yaml"
-    huge.write_text(yaml.safe_dump(doc))
+    huge = unschedulable_engine(tmp_path)
     for board in BOARDS:
         for engine in [*ENGINES, huge]:
             code = main(["plan", "--board", str(board), "--engine", str(engine), "-o", "json"])
