@@ -1,7 +1,8 @@
 """An Engine's `status.plan` as its CRD types it: the plan's JSON Schema (`plan_output.schema.json`
 beside this module, what `continuum plan -o json` prints; tests/unit/test_plan_schema.py holds it
-to the plan) in the structural form the API server takes, with `specGeneration`, the spec
-generation the plan was made for (`kube.engine_pass.plan_status`).
+to the plan) in the structural form the API server takes (the rest of the translation is
+`model.crdgen`'s, as for every schema), with `specGeneration`, the spec generation the plan was
+made for (`kube.engine_pass.plan_status`).
 
 One schema for both, so `kubectl explain engine.status.plan` says what docs/plan.md says, and
 the API server keeps every field the operator writes (a typed object prunes the fields its
@@ -20,10 +21,10 @@ __all__ = ["SPEC_GENERATION", "plan_output_schema", "plan_status_schema"]
 
 SPEC_GENERATION = "specGeneration"
 
-# JSON Schema keywords a structural schema has no use for or refuses: the API server prunes
-# unknown fields instead of refusing them (additionalProperties: false), and refuses
-# uniqueItems (quadratic to check); the plan writes each GPU once.
-_DROPPED = {"$schema", "$id", "title", "additionalProperties", "uniqueItems"}
+# What `model.crdgen` does not already translate for every schema (titles, `additionalProperties:
+# false`, an enum's type): the document's own keywords, and uniqueItems, which the API server
+# refuses (quadratic to check); the plan writes each GPU once.
+_DROPPED = {"$schema", "$id", "uniqueItems"}
 
 
 @cache
@@ -54,8 +55,6 @@ def _structural(node: Any) -> Any:
     if out.get("type") == "object" and "properties" not in out:
         # An object the plan copies whole (the receipt, docs/receipts.md): kept as written.
         out["x-kubernetes-preserve-unknown-fields"] = True
-    if "enum" in out and "type" not in out:
-        out["type"] = "string"
     return out
 
 
