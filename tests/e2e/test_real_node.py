@@ -30,6 +30,7 @@ import pytest
 
 from continuum_operator import yaml_text
 from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
+from continuum_operator.kube.objects import LAUNCH_ANNOTATION
 from continuum_operator.testing.mind_pod import mind_pod, service_account
 from tests.e2e.conftest import CLUSTER_SCRIPT, ROOT, Cluster
 from tests.helm import CHART, find_helm, helm
@@ -467,15 +468,31 @@ def test_an_embedlanes_pod_embeds(install: Install) -> None:
     )  # fmt: skip
     selector = "continuum.dev/embedlane=notes"
 
-    def ready() -> list[dict[str, Any]]:
-        return [
-            p for p in install.pods(install.apps, selector)
-            if any(c["type"] == "Ready" and c["status"] == "True"
-                   for c in p["status"].get("conditions", []))
-        ]  # fmt: skip
+    def runtime() -> Any:
+        lane = install.get("embedlane", "notes", "-n", install.apps)
+        return (lane.get("status", {}).get("runtime") or {}).get("receipts")
 
-    pod = wait_until("the lane's pod Ready (calibrated)", ready, 300, install.cluster)[0]
+    def calibrated() -> list[dict[str, Any]]:
+        """The lane's one pod, Ready (calibrated), of its Deployment's launch, and receipts."""
+        deployment = install.get("deployment", "embedlane-notes", "-n", install.apps)
+        launch = deployment["spec"]["template"]["metadata"]["annotations"][LAUNCH_ANNOTATION]
+        pods = install.pods(install.apps, selector)
+        ready = [
+            p for p in pods
+            if p["metadata"].get("annotations", {}).get(LAUNCH_ANNOTATION) == launch
+            and not p["metadata"].get("deletionTimestamp")
+            and any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in p["status"].get("conditions", []))
+        ]  # fmt: skip
+        return ready if len(pods) == 1 and runtime() else []
+
+    # The lane's pod reports through its own ServiceAccount (may patch its lane's status only).
+    pod = wait_until("the lane's pod Ready with receipts", calibrated, 300, install.cluster)[0]
     assert pod["spec"]["nodeName"] == install.node
+    # Its calibration (a receipt under the estimate) shrank the lease, not the pod: the first
+    # pod is the one serving, never relaunched (it was, 2 s after start, before the fix).
+    deployment = install.get("deployment", "embedlane-notes", "-n", install.apps)
+    assert deployment["metadata"]["generation"] == 1, deployment["metadata"]
     # The lane serves its namespace's service accounts by a token with its audience (its own
     # account here), refuses no token, and keeps /metrics on its admin port (docs/embedlanes.md).
     token = install.kubectl(
@@ -511,13 +528,6 @@ def test_an_embedlanes_pod_embeds(install: Install) -> None:
     vectors = [item["embedding"] for item in answer["data"]]
     assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 0, answer
     assert vectors[0] != vectors[1]
-
-    def runtime() -> Any:
-        lane = install.get("embedlane", "notes", "-n", install.apps)
-        return (lane.get("status", {}).get("runtime") or {}).get("receipts")
-
-    # The lane's pod reports through its own ServiceAccount (may patch its lane's status only).
-    assert wait_until("the lane's receipts in its status", runtime, 120, install.cluster)
 
 
 HOG = "import time\nwhile True:\n    sum(i * i for i in range(100000))\n"

@@ -9,9 +9,11 @@ from typing import Any
 
 import yaml
 
+from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.embedlanes import LaneWrites, reconcile_lane
 from continuum_operator.kube.engine_pass import Memory
+from continuum_operator.kube.objects import LAUNCH_ANNOTATION
 from continuum_operator.kube.occupancy import lane_leases_in
 from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import OperatorSettings
@@ -207,12 +209,18 @@ SOURCE = {"kind": "hostPath", "path": "/srv/models/embed.gguf"}
 SHA = "b" * 64
 
 
-def host_lane(settings: OperatorSettings = SETTINGS) -> tuple[dict[str, Any], LaneWrites]:
-    """A lane beside an engine with every layer on the host (a model file of its own)."""
+def host_engine() -> tuple[Snapshot, dict[str, Any]]:
+    """A node and an engine placed on it with every layer on the host (a model file)."""
     base = snapshot([discrete("gpu-a", 80)])
     facts = engine_obj()["spec"]["model"]["facts"]
     eng = placed_engine(base, offload="none", model={"source": SOURCE, "sha256": SHA,
                                                      "facts": facts})  # fmt: skip
+    return base, eng
+
+
+def host_lane(settings: OperatorSettings = SETTINGS) -> tuple[dict[str, Any], LaneWrites]:
+    """A lane beside an engine with every layer on the host (a model file of its own)."""
+    base, eng = host_engine()
     lane = lane_obj()
     lane["metadata"]["uid"] = "uid-lane"
     return lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW, settings)
@@ -246,6 +254,48 @@ def test_a_host_resident_lane_gets_a_pod_on_its_node_that_may_write_only_its_run
                                                                ("embedlanes/status",)}  # fmt: skip
     assert all(r["resourceNames"] == ["lane"] for r in role["rules"])
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def with_receipt(lane: dict[str, Any], writes: LaneWrites, host_bytes: int) -> dict[str, Any]:
+    """The lane after its pod calibrated: a receipt at its placed context of `host_bytes`."""
+    out = lane_after(lane, writes)
+    tokens = out["status"]["placement"]["contextTokens"]
+    buffers = [ReceiptBuffer(device="CPU", kind=BufferKind.KV, bytes=host_bytes)]
+    r = Receipt(model_sha256=SHA, context_tokens=tokens, llama_build="b1", buffers=buffers)
+    out["status"]["runtime"] = {"receipts": [r.model_dump(mode="json", by_alias=True)]}
+    return out
+
+
+def pod_memory(writes: LaneWrites) -> tuple[int, str]:
+    assert writes.deployment is not None
+    template = writes.deployment["spec"]["template"]
+    memory = template["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    return int(memory), template["metadata"]["annotations"][LAUNCH_ANNOTATION]
+
+
+def test_a_calibration_below_the_estimate_shrinks_the_lease_but_does_not_relaunch_the_pod() -> None:
+    # Seen on the real node: the first pod's receipt, 60 KB under the estimate, changed its
+    # memory limit, so the lane's pod was replaced 2 s after it started (and a client that
+    # had reached the first one lost it).
+    lane, first = host_lane()
+    placement = lane_after(lane, first)["status"]["placement"]
+    assert placement["bytesSource"] == "estimate"
+    estimated = placement["pools"][0]["bytes"]
+    base, eng = host_engine()
+
+    def again(body: dict[str, Any]) -> LaneWrites:
+        return reconcile_lane(body, with_objects(base, [eng], [body]), NOW, SETTINGS)
+
+    below = with_receipt(lane, first, estimated - 60_000)
+    calibrated = again(below)
+    leased = lane_after(below, calibrated)["status"]["placement"]
+    assert leased["bytesSource"] == "receipt" and leased["pools"][0]["bytes"] < estimated
+    assert pod_memory(calibrated) == pod_memory(first)
+    # A receipt above the estimate grows the pod: its limit never falls under what it holds.
+    above = with_receipt(lane, first, estimated + 8 * MiB)
+    grown = again(above)
+    assert lane_after(above, grown)["status"]["placement"]["pools"][0]["bytes"] > estimated
+    assert pod_memory(grown)[0] >= pod_memory(first)[0] + 8 * MiB
 
 
 def test_a_lanes_pod_of_less_than_a_cpu_gets_that_share_and_one_thread() -> None:

@@ -354,19 +354,23 @@ def _with_workload(
     patch = (writes.status_patch or {}).get("status") or {}
     placement = patch["placement"] if "placement" in patch else p.status.get("placement")
     engine: Engine | None = None
+    facts: ModelFacts | None = None
     if lane.spec.engine is not None:
         body = p.snap.engines.get((p.key[0], lane.spec.engine))
         try:
             engine = Engine.model_validate(dict(body)) if body is not None else None
         except ValidationError:
             engine = None
+        facts = _facts_of_engine(body) if body is not None else None
     why = lane_objects.why_no_pod(lane, placement or {}, engine, settings.pods)
     if why is not None or placement is None:
         return replace(writes, no_pod=why)
     uid = str(p.body["metadata"].get("uid", ""))
     return replace(
         writes,
-        deployment=lane_objects.lane_deployment(lane, uid, placement, engine, settings.pods),
+        deployment=lane_objects.lane_deployment(
+            lane, uid, placement, engine, settings.pods, facts=facts
+        ),
         identity=tuple(lane_objects.lane_identity(lane, uid)),
         network_policy=lane_objects.lane_network_policy(lane, uid, settings.pods),
     )

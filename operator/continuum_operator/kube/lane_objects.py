@@ -25,6 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from continuum_operator.core.embed import LaneSizer
 from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.cache import whole_cpus
 from continuum_operator.kube.settings import PodSettings
@@ -185,15 +186,17 @@ def lane_deployment(
     placement: Mapping[str, Any],
     engine: Engine | None,
     pods: PodSettings,
+    facts: ModelFacts | None = None,
 ) -> Obj:
-    """The lane's Deployment on its node (call only when `why_no_pod` is None).
+    """The lane's Deployment on its node (call only when `why_no_pod` is None). `facts` are
+    the model's when they are known beyond its spec (an engine's facts Job read them).
 
     Memory is requested and limited at the lane's host bytes, the mapped weights (their pages
     are charged to the pod's cgroup) and the process's overhead: the Guaranteed QoS class, as
     engines have, so the kernel never swaps the lane out first.
     """
     model, volume = _model_and_volume(lane, engine)
-    memory = str(_memory_bytes(lane, placement, model))
+    memory = str(_memory_bytes(lane, placement, facts or model.facts))
     ns, name = lane.metadata.namespace, lane.metadata.name
     command = _command(lane, model, volume, pods)
     node = str(placement["node"])
@@ -246,12 +249,22 @@ def _model_and_volume(
     return model, volume
 
 
-def _memory_bytes(lane: EmbedLane, placement: Mapping[str, Any], model: ModelRef) -> int:
-    host = sum(int(p.get("bytes") or 0) for p in placement.get("pools") or [])
-    # A lane with a model of its own has its weights in its charge already; one beside an
+def _memory_bytes(lane: EmbedLane, placement: Mapping[str, Any], facts: ModelFacts | None) -> int:
+    leased = sum(int(p.get("bytes") or 0) for p in placement.get("pools") or [])
+    # A lane with a model of its own has its weights in its lease already; one beside an
     # engine maps the engine's file, whose pages still count against this pod.
-    weights = _weights(model.facts) if lane.spec.model is None else 0
-    return host + weights + RUNTIME_OVERHEAD_BYTES
+    weights = _weights(facts)
+    own = lane.spec.model is not None
+    host = leased if own else leased + weights
+    # The pod is sized at no less than the estimate of its context: the calibration's receipt
+    # (never above the estimate for the models measured, docs/embedlanes.md) then shrinks the
+    # lease but not the pod, which a changed limit would relaunch just after it started (seen
+    # on the real node: a lane's first pod replaced 2 s after start, 60 KB smaller). A receipt
+    # above the estimate still grows the pod.
+    tokens = int(placement.get("contextTokens") or 0)
+    if facts is not None and tokens > 0:
+        host = max(host, LaneSizer(facts).estimate(tokens).total + weights)
+    return host + RUNTIME_OVERHEAD_BYTES
 
 
 def _command(
