@@ -82,10 +82,11 @@ def test_a_ledger_of_20000_minds_on_one_engine_stays_under_1_mib_per_object(
     assert status[ledger.QUEUE_FIELD] == {
         "queued": 19_980, "refused": 0, "keptQueued": ledger.QUEUE_KEPT, "keptRefused": 0
     }  # fmt: skip
-    # Every mind's place is hers, in her own status: the first 20 granted, the last one last.
+    # Every mind's place is hers, in her own status (to 1, 2 or 5 of a power of ten, so that
+    # a move of the queue rewrites few of them): the first 20 granted, the last one last.
     assert grant_of(w, 0)["state"] == "Granted" and grant_of(w, 19)["state"] == "Granted"
     assert grant_of(w, 19_999)["state"] == "Queued"
-    assert grant_of(w, 19_999)["message"].startswith("queued at position 19980 (PoolFull)")
+    assert grant_of(w, 19_999)["message"].startswith("queued (PoolFull), among the first 20,000")
     assert checklog.check(log_lines(tmp_path)) == []
 
 
@@ -132,7 +133,7 @@ def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_mi
     w.loop.pass_once()
     kept = [e["mind"][-2:] for e in w.api.objects[ENGINE]["status"]["grants"]]
     assert kept == ["00", "01", "02", "03", "04", "05", "06"]
-    assert grant_of(w, 11)["message"].startswith("queued at position 10 (PoolFull)")
+    assert grant_of(w, 11)["message"].startswith("queued (PoolFull), among the first 10 in")
     # Its first pass steps every engine: the five beyond the head are where they were (had it
     # taken them for new, they would have arrived again: a write, and lines).
     new_leader(w, tmp_path, log)
@@ -157,7 +158,7 @@ def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_mi
     lines += logged(w)
     w.loop.pass_once()
     assert grant_of(w, 2)["state"] == "Granted" and grant_of(w, 3)["state"] == "Granted"
-    assert grant_of(w, 11)["message"].startswith("queued at position 8 (PoolFull)")
+    assert grant_of(w, 11)["message"].startswith("queued (PoolFull), among the first 10 in")
     arrivals = [x["mind"] for x in lines if x["event"] == "transition" and x["reason"] == "Arrived"]
     assert sorted(arrivals) == [f"team-a/mind-{i:05d}" for i in range(12)]  # once each
     assert checklog.check(lines) == []
@@ -180,6 +181,33 @@ def queue_past_the_head_then_kill_the_log(tmp_path: Path) -> World:
 def delete_mind(w: World, i: int) -> None:
     w.api.objects.pop(f"{BASE}/team-a/minds/mind-{i:05d}")
     w.cache.forget(f"team-a/mind-{i:05d}")
+
+
+def test_when_the_queue_moves_up_one_only_the_minds_whose_place_in_their_status_changed_are_written(
+    tmp_path: Path,
+) -> None:
+    """The head of a queue of 998 leaves: every mind behind her moves up one. Her place in each
+    Mind's status is rounded to 1, 2 or 5 of a power of ten, so the step writes the statuses
+    of the minds crossing such a bound only (997 writes when it was exact)."""
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder", slots=2))
+    for i in range(1_000):
+        w.mind(mind(i))
+    w.loop.pass_once()
+    assert grant_of(w, 2)["message"] == "queued (PoolFull), first in line"
+    before = len(w.api.calls)
+    delete_mind(w, 2)
+    w.loop.pass_once()
+    written = sorted(
+        c.path.split("/")[-2]
+        for c in w.api.calls[before:]
+        if c.method == "PATCH" and "/minds/" in c.path and c.path.endswith("/status")
+    )
+    # Positions 2, 3, 6, 11, 21, 51, 101, 201 and 501 move to 1, 2, 5, 10, 20, 50, ...
+    assert written == [f"mind-{p + 1:05d}" for p in (2, 3, 6, 11, 21, 51, 101, 201, 501)]
+    assert grant_of(w, 3)["message"] == "queued (PoolFull), first in line"
+    assert grant_of(w, 999)["message"] == "queued (PoolFull), among the first 1,000 in line"
+    assert w.ledger("team-a", "coder")["team-a/mind-00004"] == ("Queued", "PoolFull")
 
 
 @pytest.mark.usefixtures("small")

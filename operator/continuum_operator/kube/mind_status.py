@@ -14,7 +14,13 @@ from continuum_operator.kube.routing import Refused, RouteReason
 from continuum_operator.model.grant import iso_micro
 from continuum_operator.model.mind import GrantState, ProjectedState
 
-__all__ = ["MindConditionType", "engine_not_found", "projection", "refused_projection"]
+__all__ = [
+    "MindConditionType",
+    "engine_not_found",
+    "place_in_line",
+    "projection",
+    "refused_projection",
+]
 
 # Queue reasons that are the engine's, not the pool's: the projection says why it is not serving.
 _ENGINE_WAITS = frozenset(
@@ -25,6 +31,24 @@ _ENGINE_WAITS = frozenset(
 class MindConditionType(StrEnum):
     GRANTED = "Granted"
     CONTEXT_TOO_LARGE = "ContextTooLarge"
+
+
+def place_in_line(position: object) -> str:
+    """A queued Mind's place, rounded up to 1, 2 or 5 of a power of ten: when the queue moves
+    up one, only the minds crossing such a bound see a change, so a step rewrites about three
+    Minds' status a decade of the queue rather than every queued one's (as many status writes
+    as minds queued behind, at each move, before). Her exact place is in her Engine's
+    `status.grants` (the head of the queue) and in the gateway's answers."""
+    if not isinstance(position, int) or position < 1:
+        return "in line"
+    if position <= 2:
+        return ("first", "second")[position - 1] + " in line"
+    decade = 1
+    while True:
+        for step in (2, 5, 10):
+            if position <= step * decade:
+                return f"among the first {step * decade:,} in line"
+        decade *= 10
 
 
 def projection(
@@ -61,18 +85,18 @@ def projection(
         message = f"being reclaimed ({reason}{by}): the turn ends now{when}"
     elif state == GrantState.QUEUED and reason == GrantReason.QUOTA_EXCEEDED:
         message = (
-            f"queued at position {entry.get('position')} (QuotaExceeded): {quota_note}; "
+            f"queued (QuotaExceeded), {place_in_line(entry.get('position'))}: {quota_note}; "
             "she is granted when the namespace's minds release enough tokens, or raise the "
             "TokenQuota's spec.maxTokens"
         )
     elif state == GrantState.QUEUED and reason in _ENGINE_WAITS:
         why = f": {engine_note}" if engine_note else ""
         message = (
-            f"queued at position {entry.get('position')} ({reason}): Engine {engine} is not "
-            f"serving{why}"
+            f"queued ({reason}), {place_in_line(entry.get('position'))}: Engine {engine} is "
+            f"not serving{why}"
         )
     elif state == GrantState.QUEUED:
-        message = f"queued at position {entry.get('position')} ({reason})"
+        message = f"queued ({reason}), {place_in_line(entry.get('position'))}"
     elif reason == GrantReason.CONTEXT_TOO_LARGE:
         message = (
             f"asks {asked} tokens but a slot of Engine {engine} holds {slot_tokens}; "
