@@ -26,6 +26,8 @@ from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
 from continuum_operator.kube.facts_job import FACTS_FOR_LABEL
 from continuum_operator.kube.kept import kept
+from continuum_operator.kube.kernel import WorkQueue
+from continuum_operator.kube.lane_index import lane_hold, lane_nodes, lanes_of, lanes_on
 from continuum_operator.kube.lease_renewal import LeaseEntry, renewal_counted_from, renewed_in_time
 from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
@@ -168,6 +170,10 @@ class Cache:
     # with the last body observed without it: the patch is merged over every body observed
     # meanwhile, so the bytes it leases stay counted, and dropped if the write fails.
     _pending: dict[EngineKey, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
+    # EmbedLanes to decide again (`kube.embedlanes`, on `kube.kernel`): a lane that changed, the
+    # lanes of an Engine that changed, those placed on a node whose room changed, and those
+    # that may go to any node (not placed yet, or with a model of their own).
+    lane_queue: WorkQueue[EngineKey] = field(default_factory=WorkQueue)
 
     def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
         """Record a status patch as written before its answer (`settle_status` ends it)."""
@@ -215,9 +221,12 @@ class Cache:
             self._mark_nodes(nodes)
 
     def _mark_nodes(self, nodes: Iterable[str]) -> None:  # under the lock
+        nodes = set(nodes)
         for node in nodes:
             self._dirty.update(self.engines_on.get(node, ()))
             self._dirty_unplaced = True
+        if nodes:
+            self.lane_queue.mark(*lanes_on(self.lanes, nodes))
 
     def snapshot(self) -> Snapshot:
         with self._engines_lock:
@@ -352,6 +361,7 @@ class Cache:
             # Marked even for the loop's own writes: the engine is decided again against what
             # it wrote (a pass that then writes nothing leaves it quiet).
             self._dirty.add(key)
+        self.lane_queue.mark(*lanes_of(self.lanes, key))
         if nudge:
             self._nudge()
 
@@ -365,9 +375,10 @@ class Cache:
         elif known is None or _rv(meta) >= _rv(known["metadata"]):
             self.lanes[key] = kept(obj)
         new = self.lanes.get(key)
-        if _lane_hold(known) != _lane_hold(new):
+        self.lane_queue.mark(key)
+        if lane_hold(known) != lane_hold(new):
             # A lane's bytes are charged on its node, to every engine decided there.
-            self.mark_nodes(_lane_nodes(known) | _lane_nodes(new))
+            self.mark_nodes(lane_nodes(known) | lane_nodes(new))
         if nudge:
             self._nudge()
 
@@ -444,19 +455,6 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             out[k] = merge_patch(out.get(k), v)
     return out
-
-
-def _lane_hold(body: Mapping[str, Any] | None) -> tuple[Any, Any]:
-    """What of a lane the engines' decisions read: its placement, and whether it is measured."""
-    status = (body or {}).get("status") or {}
-    return status.get("placement"), (status.get("runtime") or {}).get("ready")
-
-
-def _lane_nodes(body: Mapping[str, Any] | None) -> set[str]:
-    """The node a lane's placement charges (all its leases are there)."""
-    raw = ((body or {}).get("status") or {}).get("placement") or {}
-    node = raw.get("node") if isinstance(raw, Mapping) else None
-    return {node} if isinstance(node, str) else set()
 
 
 def _job_ended(status: Mapping[str, Any], kind: str) -> bool:

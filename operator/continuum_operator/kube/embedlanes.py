@@ -14,7 +14,7 @@ Floors only rise: the placement's floors are carried from one pass to the next. 
 re-placed on a stale board. The lane's placement is read back into every engine's ledger
 (`core.placements.lane_placement_leases`, through `kube.occupancy.other_leases`), so an engine
 planned on that node accounts for the lane's bytes.
-Neighbours: `core.embed`, `kube.cache` (the snapshot), `kube.loop` (calls `LaneLoop`).
+Neighbours: `core.embed`, `kube.cache` (the snapshot), `kube.kernel` (runs `LaneLoop`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ from continuum_operator.core.embed import (
 from continuum_operator.core.placements import consumer_name, lane_placement_leases
 from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
 from continuum_operator.core.receipts import Receipt
-from continuum_operator.kube import events, lane_objects
+from continuum_operator.kube import events, kernel, lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, Snapshot, format_time
+from continuum_operator.kube.kernel import KernelSettings
 from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION, Condition
@@ -106,6 +107,10 @@ def _engine_leases(snap: Snapshot) -> tuple[list[Lease], list[Lease]]:
     """(every engine's and lane's leases, those of engines whose pods have not started yet)."""
     nobody = ("", "")
     return other_leases(snap, nobody), other_leases(snap, nobody, assumed_only=True)
+
+
+def _deleting(body: Mapping[str, Any]) -> bool:
+    return bool(body["metadata"].get("deletionTimestamp"))
 
 
 def _fresh(snap: Snapshot, node: str, now: float, settings: OperatorSettings) -> bool:
@@ -377,7 +382,9 @@ def _with_workload(
 
 
 class LaneLoop:
-    """Every lane, one after another, after the engines of each pass (`kube.loop`)."""
+    """The lanes' reconciler, on `kube.kernel`: a lane is decided when it, the Engine it follows
+    or the room on its node changed (`kube.cache` marks it), and every lane at each full
+    resync. Its writes: the lane's identity, NetworkPolicy and Deployment, then its status."""
 
     def __init__(
         self, api: KubeApi, settings: OperatorSettings, cache: Cache, clock: Callable[[], float]
@@ -385,16 +392,27 @@ class LaneLoop:
         self.api, self.settings, self.cache, self.clock = api, settings, cache, clock
         self.applied: dict[LaneKey, str] = {}  # what was last applied of each lane's pod
 
-    async def pass_once(self) -> None:
-        """Decisions from the cache, one status patch per changed lane (API calls in a thread)."""
-        for key in sorted(self.cache.lanes):
-            body = self.cache.lanes.get(key)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                continue
-            writes = reconcile_lane(body, self.cache.snapshot(), self.clock(), self.settings)
-            await asyncio.to_thread(self.apply_workload, key, writes)
-            if writes.status_patch is None:
-                continue
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = self.settings.loop
+        every = KernelSettings(
+            resync_seconds=loop.full_resync_seconds, debounce_seconds=loop.debounce_seconds
+        )
+        await kernel.run(self, self.cache.lane_queue, every, stop, clock=self.clock)
+
+    def keys(self) -> list[LaneKey]:
+        return [k for k, b in list(self.cache.lanes.items()) if not _deleting(b)]
+
+    def decide(self, key: LaneKey, now: float) -> LaneWrites | None:
+        body = self.cache.lanes.get(key)
+        if body is None or _deleting(body):
+            return None
+        return reconcile_lane(body, self.cache.snapshot(), now, self.settings)
+
+    async def write(self, key: LaneKey, writes: LaneWrites) -> None:
+        """The pod's objects (in a thread: the client blocks), then one status patch; a
+        failure (but the lane's being gone) has the kernel take the lane again."""
+        applied = await asyncio.to_thread(self.apply_workload, key, writes)
+        if writes.status_patch is not None:
             ns, name = key
             try:
                 answer = await asyncio.to_thread(
@@ -403,39 +421,45 @@ class LaneLoop:
                     writes.status_patch,
                 )
             except ApiError as err:
-                if err.status != 404:
-                    log.warning("writing EmbedLane %s/%s failed: %s", ns, name, err)
-                continue
+                if err.status == 404:
+                    return
+                raise
             # Recorded at once, so the next decision (lane or engine) sees these bytes.
             self.cache.observe_lane(answer, deleted=False, nudge=False)
             for event in writes.events:
                 log.info("EmbedLane %s/%s: %s: %s", ns, name, event.reason, event.message)
                 await asyncio.to_thread(self.post_event, answer, event)
+        if not applied:
+            raise RuntimeError(f"EmbedLane {key[0]}/{key[1]}'s pod was not applied")
 
-    def apply_workload(self, key: LaneKey, writes: LaneWrites) -> None:
+    def apply_workload(self, key: LaneKey, writes: LaneWrites) -> bool:
         """Runs in a thread: the lane's identity and NetworkPolicy, then its Deployment, when
-        they changed (its pod reviews tokens from its start: the binding goes first)."""
+        they changed (its pod reviews tokens from its start: the binding goes first). False
+        when a write failed."""
         if writes.deployment is None:
             if key in self.applied:
                 log.info("EmbedLane %s/%s: no pod: %s", *key, writes.no_pod)
-                self.applied.pop(key)
                 name = lane_objects.name_for(key[1])
                 try:
                     self.api.delete(f"/apis/apps/v1/namespaces/{key[0]}/deployments/{name}")
                 except ApiError as err:
                     if err.status != 404:
                         log.warning("deleting Deployment %s/%s failed: %s", key[0], name, err)
-            return
+                        return False
+                self.applied.pop(key)
+            return True
         digest = repr((writes.identity, writes.network_policy, writes.deployment))
         if self.applied.get(key) == digest:
-            return
+            return True
         policy = () if writes.network_policy is None else (writes.network_policy,)
         try:
             for obj in (*writes.identity, *policy, writes.deployment):
                 self.api.apply(obj)
-            self.applied[key] = digest
         except ApiError as err:
             log.warning("applying EmbedLane %s/%s's pod failed: %s", *key, err)
+            return False
+        self.applied[key] = digest
+        return True
 
     def post_event(self, lane: Mapping[str, Any], event: LaneEvent) -> None:
         meta = lane["metadata"]

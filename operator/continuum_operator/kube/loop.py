@@ -30,7 +30,6 @@ from continuum_operator.core.damping import Outcome
 from continuum_operator.kube import events, ledger, objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
-from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.engine_pass import Event, Memory, Writes
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.occupancy import is_fresh, lease_is_fresh
@@ -79,7 +78,6 @@ class Loop:
         self.fresh: dict[str, bool] = {}
         self.last_full: float | None = None
         self.instance = socket.gethostname()
-        self.lanes = LaneLoop(api, settings, cache, clock)
 
     def install_priority_classes(self) -> None:
         for pc in priority_classes(self.settings.pods):
@@ -261,7 +259,6 @@ class Loop:
             self.metrics.record_runtime_restarts(*key, current.get("status"))
         if writing:
             await asyncio.gather(*writing)
-        await self.lanes.pass_once()  # EmbedLanes, against the leases just written
         live_keys = set(self.cache.engines)
         for gone in set(self.unschedulable) - live_keys:
             del self.unschedulable[gone]

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 from continuum_operator.core.damping import DampingSettings
@@ -305,6 +306,7 @@ async def serve(
 
     from continuum_operator.kube.api import KubeApi
     from continuum_operator.kube.cache import Cache
+    from continuum_operator.kube.embedlanes import LaneLoop
     from continuum_operator.kube.handlers import registry_for
     from continuum_operator.kube.leader import Elector, lead
     from continuum_operator.kube.loop import Loop
@@ -347,7 +349,11 @@ async def serve(
     )
     # Each node's engine and lane pods, told to its agent (which may not list pods itself).
     placed = PlacedPods(api, cache, settings.loop.resync_seconds)
-    decisions = asyncio.create_task(lead(elector, stop, [loop.run, grants_loop.run, placed.run]))
+    # EmbedLanes, on the controller kernel (the other loops are to move onto it).
+    lanes = LaneLoop(api, settings, cache, time.time)
+    decisions = asyncio.create_task(
+        lead(elector, stop, [loop.run, grants_loop.run, placed.run, lanes.run])
+    )
     decisions.add_done_callback(lambda _: stop.set())  # a lost Lease stops this replica
     try:
         await kopf.operator(

@@ -1,0 +1,144 @@
+"""The controller kernel (`kube.kernel`): a keyed work queue with dirty marks, a resync,
+a leader gate and retries with backoff, and the loop that drains it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from continuum_operator.kube import kernel
+from continuum_operator.kube.kernel import KernelSettings, WorkQueue
+
+SETTINGS = KernelSettings(
+    resync_seconds=60, debounce_seconds=0, retry_seconds=1, max_retry_seconds=8
+)
+
+
+@dataclass
+class Recorder:
+    """A reconciler over `every`, recording what it decided and wrote; `failing` keys raise."""
+
+    every: list[str]
+    failing: set[str] = field(default_factory=set)
+    decided: list[str] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)
+
+    def keys(self) -> list[str]:
+        return list(self.every)
+
+    def decide(self, key: str, now: float) -> str | None:
+        self.decided.append(key)
+        return None if key not in self.every else f"{key}@{now:g}"
+
+    async def write(self, key: str, writes: str) -> None:
+        if key in self.failing:
+            raise RuntimeError(f"{key} conflicted")
+        self.written.append(writes)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drain(r: Recorder, q: WorkQueue[str], clock: Clock, leading: bool = True) -> int:
+    return asyncio.run(kernel.drain(r, q, SETTINGS, may_write=lambda: leading, clock=clock))
+
+
+def test_the_first_pass_decides_every_key_then_only_the_marked_ones() -> None:
+    r, q, clock = Recorder(["a", "b", "c"]), WorkQueue[str](), Clock()
+    assert drain(r, q, clock) == 3 and r.written == ["a@100", "b@100", "c@100"]
+    assert drain(r, q, clock) == 0
+    q.mark("c", "a", "c")
+    r.written.clear()
+    assert drain(r, q, clock) == 2 and r.written == ["a@100", "c@100"]
+    q.mark_all()
+    assert drain(r, q, clock) == 3
+
+
+def test_a_key_gone_from_the_cache_is_decided_once_and_writes_nothing() -> None:
+    r, q, clock = Recorder(["a"]), WorkQueue[str](), Clock()
+    drain(r, q, clock)
+    q.mark("gone")
+    r.written.clear()
+    assert drain(r, q, clock) == 1 and r.decided[-1] == "gone" and r.written == []
+
+
+def test_a_failed_write_is_taken_again_after_a_doubling_backoff_without_holding_the_others() -> (
+    None
+):
+    r, q, clock = Recorder(["a", "b"], failing={"a"}), WorkQueue[str](), Clock()
+    drain(r, q, clock)
+    assert r.written == ["b@100"]  # b is written though a failed before it
+    waits = []
+    for _ in range(5):
+        due = q.next_retry()
+        assert due is not None
+        waits.append(due - clock.now)
+        clock.now = due - 0.01
+        assert drain(r, q, clock) == 0  # not yet due
+        clock.now = due
+        assert drain(r, q, clock) == 1  # due: decided again, fails again
+    assert waits == [1, 2, 4, 8, 8]  # doubled up to max_retry_seconds
+    r.failing.clear()
+    clock.now = q.next_retry() or 0
+    assert drain(r, q, clock) == 1 and r.written[-1] == f"a@{clock.now:g}"
+    assert q.next_retry() is None  # a success ends the backoff
+
+
+def test_a_replica_that_does_not_lead_decides_and_writes_nothing_and_keeps_the_marks() -> None:
+    r, q, clock = Recorder(["a", "b"]), WorkQueue[str](), Clock()
+    assert drain(r, q, clock, leading=False) == 0 and r.decided == [] and r.written == []
+    assert drain(r, q, clock, leading=True) == 2  # the first pass's "every key" was kept
+
+
+def test_the_loop_decides_on_a_mark_from_another_thread_and_stops() -> None:
+    r, q = Recorder(["a", "b"]), WorkQueue[str]()
+    fast = KernelSettings(resync_seconds=3600, debounce_seconds=0.01)
+
+    async def scenario() -> list[str]:
+        stop = asyncio.Event()
+        task = asyncio.create_task(kernel.run(r, q, fast, stop))
+        while len(r.written) < 2:  # the first pass: every key
+            await asyncio.sleep(0.01)
+        # A writer's thread records an answer: the mark wakes the loop in its own thread.
+        threading.Thread(target=q.mark, args=("b",)).start()
+        while len(r.written) < 3:
+            await asyncio.sleep(0.01)
+        stop.set()
+        q.mark("a")  # wakes it to see the stop
+        await asyncio.wait_for(task, 5)
+        return r.written
+
+    written = asyncio.run(scenario())
+    assert [w.split("@")[0] for w in written] == ["a", "b", "b"]
+
+
+def test_the_loop_decides_every_key_again_at_each_resync() -> None:
+    r, q = Recorder(["a"]), WorkQueue[str]()
+    quick = KernelSettings(resync_seconds=0.05, debounce_seconds=0)
+
+    async def scenario() -> int:
+        stop = asyncio.Event()
+        task = asyncio.create_task(kernel.run(r, q, quick, stop))
+        await asyncio.sleep(0.4)
+        stop.set()
+        q.mark("a")
+        await asyncio.wait_for(task, 5)
+        return len(r.decided)
+
+    assert asyncio.run(scenario()) >= 3  # no mark after the first pass: the resyncs decided
+
+
+@pytest.mark.parametrize("wait", [1.0, 3.0])
+def test_backoff_starts_at_the_retry_setting(wait: float) -> None:
+    q = WorkQueue[str]()
+    settings = KernelSettings(retry_seconds=wait, max_retry_seconds=60)
+    q.failed("a", 10.0, settings)
+    assert q.next_retry() == 10.0 + wait

@@ -1,0 +1,87 @@
+"""EmbedLanes on the controller kernel: the cache marks a lane when it, the Engine it follows
+or the room on its node changed, and the lanes' reconciler decides only those (it decided
+every lane at every plan pass before, with no dirty set)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from continuum_operator.kube import kernel
+from continuum_operator.kube.cache import Cache
+from continuum_operator.kube.embedlanes import LaneLoop
+from continuum_operator.kube.kernel import KernelSettings
+from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.model.base import API_VERSION
+from tests.fakes import FakeKubeApi
+
+NOW = 1_000.0
+
+
+def lane(name: str, engine: str | None, node: str | None = None, rv: str = "1") -> dict[str, Any]:
+    spec: dict[str, Any] = {"maxContextTokens": 256}
+    if engine is not None:
+        spec["engine"] = engine
+    body: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "kind": "EmbedLane",
+        "metadata": {"namespace": "ns", "name": name, "resourceVersion": rv, "generation": 1},
+        "spec": spec,
+    }
+    if node is not None:
+        body["status"] = {"placement": {"node": node, "pools": [{"pool": "host", "bytes": 1}]}}
+    return body
+
+
+def engine(name: str, ns: str = "ns", rv: str = "1") -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": "Engine",
+            "metadata": {"namespace": ns, "name": name, "resourceVersion": rv},
+            "spec": {}}  # fmt: skip
+
+
+def marked(cache: Cache) -> list[tuple[str, str]]:
+    return cache.lane_queue.take([], NOW)
+
+
+def test_the_cache_marks_the_lanes_a_change_may_move_and_no_others() -> None:
+    cache = Cache()
+    cache.lane_queue.take([], NOW)  # past the first pass's "every lane"
+    for body in (lane("beside-a", "coder", node="n1"), lane("beside-b", "other", node="n2"),
+                 lane("unplaced", "coder"), lane("own", None, node="n2")):  # fmt: skip
+        cache.observe_lane(body, deleted=False, nudge=False)
+    assert len(marked(cache)) == 4  # each lane that changed
+    cache.observe_engine(engine("coder"), deleted=False, nudge=False)
+    assert marked(cache) == [("ns", "beside-a"), ("ns", "unplaced")]  # the lanes beside it
+    cache.observe_engine(engine("coder", ns="elsewhere"), deleted=False, nudge=False)
+    assert marked(cache) == []  # an Engine of the same name in another namespace
+    cache.mark_nodes(["n1"])
+    # Placed on n1, and the lanes that may go anywhere (not placed, a model of their own).
+    assert marked(cache) == [("ns", "beside-a"), ("ns", "own"), ("ns", "unplaced")]
+    cache.mark_nodes([])
+    assert marked(cache) == []
+
+
+def test_the_lanes_reconciler_decides_and_writes_only_the_lanes_marked() -> None:
+    api = FakeKubeApi()
+    cache = Cache()
+    for name in ("a", "b"):
+        body = lane(name, "missing")
+        api.add(body, "embedlanes")
+        cache.observe_lane(body, deleted=False, nudge=False)
+    fake: Any = api
+    lanes = LaneLoop(fake, OperatorSettings(), cache, lambda: NOW)
+    settings = KernelSettings()
+
+    def drain() -> int:
+        return asyncio.run(kernel.drain(lanes, cache.lane_queue, settings, clock=lambda: NOW))
+
+    def patched() -> list[str]:
+        return [c.path.split("/")[-2] for c in api.calls if c.method == "PATCH"]
+
+    assert drain() == 2 and patched() == ["a", "b"]  # EngineNotFound, said once each
+    api.calls.clear()
+    # Their own writes' answers marked them: decided again, nothing to write.
+    assert drain() == 2 and patched() == []
+    assert drain() == 0  # nothing changed, nothing decided
+    cache.observe_engine(engine("missing"), deleted=False, nudge=False)
+    assert drain() == 2  # the Engine they name appeared
