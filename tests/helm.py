@@ -72,9 +72,12 @@ def template(
     release: str = "r1",
     namespace: str = "continuum-system",
     check: bool = True,
+    api_versions: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template` of the chart with `values` (given on stdin as YAML)."""
+    """`helm template` of the chart with `values` (given on stdin as YAML); `api_versions` as
+    a cluster's discovery would list them (helm's offline set lacks the newest)."""
     args = ["template", release, str(CHART), "--namespace", namespace]
+    args += [f"--api-versions={v}" for v in api_versions]
     cmd = [str(binary), *args, *(["-f", "-"] if values else [])]
     proc = subprocess.run(
         cmd,

@@ -132,6 +132,39 @@ def test_install_creates_every_object_of_the_manifest(cluster: Cluster, release:
     assert sa == OPERATOR_SA
 
 
+def test_the_api_server_puts_the_grant_finalizer_on_a_mind_as_she_is_created(
+    cluster: Cluster, release: Release
+) -> None:
+    """The chart's MutatingAdmissionPolicy: the finalizer comes with the create, so the
+    operator does not write it at her grant (docs/grants.md, "Finalizers"); a finalizer of
+    her own is kept beside it."""
+    mind: dict[str, Any] = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "Mind",
+        "metadata": {"name": "finalized", "namespace": release.namespace,
+                     "finalizers": ["example.com/mine"]},
+        "spec": {"engine": "nowhere", "contextTokens": 256},
+    }  # fmt: skip
+
+    def created() -> Any:
+        proc = cluster.kubectl(
+            "create", "--dry-run=server", "-o", "json", "-f", "-",
+            input=yaml_text.dump(mind), check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            return None
+        finalizers = json.loads(proc.stdout)["metadata"].get("finalizers")
+        return finalizers if "continuum.dev/grant" in finalizers else None
+
+    # The policy reaches the admission chain a moment after it is created.
+    finalizers = wait_for("the finalizer added at admission", created, 60, None)
+    assert finalizers == ["example.com/mine", "continuum.dev/grant"]
+    del mind["metadata"]["finalizers"]
+    assert wait_for("the finalizer added at admission", created, 60, None) == [
+        "continuum.dev/grant"
+    ]
+
+
 def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
     cluster: Cluster, release: Release
 ) -> None:

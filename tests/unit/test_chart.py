@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube import engine_identity, lane_objects, objects
+from continuum_operator.kube import engine_identity, lane_objects, mind_writes, objects
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane
 from tests import builders
@@ -717,3 +717,28 @@ def test_values_the_schema_cannot_judge_alone_fail_with_a_sentence(
     proc = template(helm_bin, values, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+MAP = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
+
+
+def test_the_api_server_puts_the_grant_finalizer_on_minds_where_it_can(helm_bin: Path) -> None:
+    """A MutatingAdmissionPolicy (Kubernetes 1.36+) adds the operator's own finalizer to each
+    Mind as she is created; on an API server without that API the chart leaves it out (the
+    operator adds it when she is granted, tests/unit/test_grant_finalizer.py)."""
+    docs = documents(template(helm_bin, api_versions=[MAP]).stdout)
+    policy = one(docs, "MutatingAdmissionPolicy", "-mind-grant-finalizer")
+    binding = one(docs, "MutatingAdmissionPolicyBinding", "-mind-grant-finalizer")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": ["continuum.dev"], "apiVersions": ["*"], "operations": ["CREATE"],
+         "resources": ["minds"]}
+    ]  # fmt: skip
+    expression = policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
+    condition = policy["spec"]["matchConditions"][0]["expression"]
+    assert f'"{mind_writes.FINALIZER}"' in expression and f"'{mind_writes.FINALIZER}'" in condition
+    assert policy["spec"]["failurePolicy"] == "Ignore"  # a Mind is never refused for it
+    assert by_kind(documents(template(helm_bin).stdout), "MutatingAdmissionPolicy") == []
+    off = {"grantFinalizerPolicy": {"enabled": False}}
+    assert by_kind(documents(template(helm_bin, off, api_versions=[MAP]).stdout),
+                   "MutatingAdmissionPolicy") == []  # fmt: skip
