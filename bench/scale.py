@@ -244,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn-rate", type=float, default=5.0, help="minds replaced per second")
     parser.add_argument("--resync", type=float, default=5.0, help="the operator's --resync")
     parser.add_argument("--kubeconfig", default=None, help="an existing cluster (with KWOK)")
+    parser.add_argument(
+        "--grant-finalizer-policy",
+        action="store_true",
+        help="apply the chart's MutatingAdmissionPolicy that puts the grant finalizer on each "
+        "Mind at her creation (as `helm install` does on Kubernetes 1.36+): the operator then "
+        "writes no finalizer at a grant",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
     parser.add_argument(
         "--profile",
@@ -345,6 +352,31 @@ def _in_chunks(items: list[dict[str, Any]], size: int = 250) -> list[list[dict[s
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+def _apply_grant_finalizer_policy(kc: str, path: str) -> None:
+    """The chart's policy as `helm template` renders it for an API server that serves it, and
+    a dry-run Mind created until it carries the finalizer (the policy is then in force)."""
+    from tests.helm import find_helm
+
+    rendered = subprocess.run(
+        [str(find_helm()), "template", "bench", str(ROOT / "charts/continuum"),
+         "--show-only", "templates/mind-grant-finalizer-policy.yaml",
+         "--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    kubectl(kc, path, "apply", "-f", "-", stdin=rendered)
+    body = mind_body("probe", "e0000", "none")
+    body["metadata"]["namespace"] = "default"
+    probe = json.dumps(body)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        out = kubectl(kc, path, "create", "--dry-run=server", "-o", "json", "-f", "-", stdin=probe)
+        if "continuum.dev/grant" in (json.loads(out).get("metadata") or {}).get("finalizers", []):
+            print("the grant finalizer policy is in force", flush=True)
+            return
+        time.sleep(1)
+    raise SystemExit("the grant finalizer policy did not take effect within 60 s")
+
+
 def run(
     args: argparse.Namespace, kubeconfig: str, path: str, work: Path, stop: threading.Event
 ) -> Operator:
@@ -355,6 +387,8 @@ def run(
     kubectl(kc, path, "wait", "--for=condition=established", "--timeout=60s", "-f",
             str(ROOT / "crds"))  # fmt: skip
     kubectl(kc, path, "create", "namespace", ns)
+    if args.grant_finalizer_policy:
+        _apply_grant_finalizer_policy(kc, path)
     api_client = config.new_client_from_config(config_file=kc)
     objects: Any = client.CustomObjectsApi(api_client)
     leases_api: Any = client.CoordinationV1Api(api_client)
