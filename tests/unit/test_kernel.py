@@ -31,6 +31,8 @@ class Recorder:
 
     def decide(self, key: str, now: float) -> str | None:
         self.decided.append(key)
+        if key == "broken":
+            raise ValueError("a decision that raised")
         return None if key not in self.every else f"{key}@{now:g}"
 
     async def write(self, key: str, writes: str) -> None:
@@ -142,3 +144,9 @@ def test_backoff_starts_at_the_retry_setting(wait: float) -> None:
     settings = KernelSettings(retry_seconds=wait, max_retry_seconds=60)
     q.failed("a", 10.0, settings)
     assert q.next_retry() == 10.0 + wait
+
+
+def test_a_decision_that_raises_is_retried_and_stops_nothing() -> None:
+    r, q, clock = Recorder(["a", "broken", "c"]), WorkQueue[str](), Clock()
+    assert drain(r, q, clock) == 3 and r.written == ["a@100", "c@100"]
+    assert q.next_retry() == 101  # taken again after its backoff

@@ -128,14 +128,14 @@ async def drain(
         return 0  # not leading: the marks wait for this replica to lead
     keys = queue.take(reconciler.keys(), clock())
     for key in keys:
-        writes = reconciler.decide(key, clock())
-        if writes is None:
-            queue.succeeded(key)
-            continue
+        # One key's failure (a decision that raised, a write refused) must not stop the others
+        # or the loop: it is taken again after its backoff.
         try:
-            await reconciler.write(key, writes)
-        except Exception:  # one key's failure must not stop the others; it is taken again
-            log.exception("writing %r failed; retrying after a backoff", key)
+            writes = reconciler.decide(key, clock())
+            if writes is not None:
+                await reconciler.write(key, writes)
+        except Exception:
+            log.exception("reconciling %r failed; retrying after a backoff", key)
             queue.failed(key, clock(), settings)
         else:
             queue.succeeded(key)
