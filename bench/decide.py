@@ -253,7 +253,7 @@ def run(
     _change_spec(api, key)
     plan("a pass after one Engine's spec changed")
     settle()
-    loop.last_full = None  # the next pass decides every engine
+    loop.queue.resynced_at = None  # the next pass decides every engine
     plan("the full pass (every engine decided, as every pass was before)")
 
     # The grants loop, over the engines as the plan loop left them.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from continuum_operator.kube import kernel
-from continuum_operator.kube.kernel import KernelSettings, WorkQueue
+from continuum_operator.kube.kernel import KernelSettings, PassHooks, WorkQueue
 
 SETTINGS = KernelSettings(
     resync_seconds=60, debounce_seconds=0, retry_seconds=1, max_retry_seconds=8
@@ -18,7 +18,7 @@ SETTINGS = KernelSettings(
 
 
 @dataclass
-class Recorder:
+class Recorder(PassHooks[str]):
     """A reconciler over `every`, recording what it decided and wrote; `failing` keys raise."""
 
     every: list[str]
@@ -150,3 +150,78 @@ def test_a_decision_that_raises_is_retried_and_stops_nothing() -> None:
     r, q, clock = Recorder(["a", "broken", "c"]), WorkQueue[str](), Clock()
     assert drain(r, q, clock) == 3 and r.written == ["a@100", "c@100"]
     assert q.next_retry() == 101  # taken again after its backoff
+
+
+@dataclass
+class Slow(PassHooks[str]):
+    """A reconciler whose writes take a while and overlap: how many were in flight at once,
+    decisions taken in reverse order, and the passes' hooks recorded."""
+
+    every: list[str]
+    in_flight: int = 0
+    most: int = 0
+    decided: list[str] = field(default_factory=list)
+    hooks: list[str] = field(default_factory=list)
+
+    def keys(self) -> list[str]:
+        return list(self.every)
+
+    def order(self, keys: list[str]) -> list[str]:
+        return sorted(keys, reverse=True)
+
+    def before_pass(self, queue: WorkQueue[str], now: float) -> None:
+        self.hooks.append("before")
+
+    def after_pass(self, now: float) -> None:
+        self.hooks.append(f"after {self.in_flight} in flight")
+
+    def decide(self, key: str, now: float) -> str:
+        self.decided.append(key)
+        return key
+
+    async def write(self, key: str, writes: str) -> None:
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(0.01)
+        self.in_flight -= 1
+
+
+@pytest.mark.parametrize("writers", [1, 3])
+def test_writes_go_out_at_most_writers_at_a_time_and_the_pass_ends_when_all_answered(
+    writers: int,
+) -> None:
+    r, q = Slow([f"k{i}" for i in range(7)]), WorkQueue[str]()
+    settings = KernelSettings(debounce_seconds=0, writers=writers)
+    assert asyncio.run(kernel.drain(r, q, settings, clock=Clock())) == 7
+    assert r.most == writers
+    assert r.decided == [f"k{i}" for i in range(6, -1, -1)]  # the reconciler's order
+    assert r.hooks == ["before", "after 0 in flight"]
+
+
+def test_before_pass_marks_what_the_clock_changed_and_pass_seconds_runs_it_unmarked() -> None:
+    class Deadline(Recorder):
+        """`late` is decided at each pass, marked by the clock alone (a deadline pending)."""
+
+        def before_pass(self, queue: WorkQueue[str], now: float) -> None:
+            queue.mark("late", wake=False)
+
+    r = Deadline(["a", "late"])
+    ticking = KernelSettings(resync_seconds=3600, debounce_seconds=0, pass_seconds=0.05)
+
+    async def scenario(settings: KernelSettings) -> list[str]:
+        r.decided.clear()
+        q = WorkQueue[str]()
+        stop = asyncio.Event()
+        task = asyncio.create_task(kernel.run(r, q, settings, stop))
+        await asyncio.sleep(0.4)
+        stop.set()
+        q.wake()
+        await asyncio.wait_for(task, 5)
+        return r.decided
+
+    decided = asyncio.run(scenario(ticking))
+    assert decided[:2] == ["a", "late"]  # the first pass: every key
+    assert decided.count("late") >= 4 and decided.count("a") == 1
+    # Without pass_seconds nothing wakes the loop after its first pass.
+    decided = asyncio.run(scenario(KernelSettings(resync_seconds=3600, debounce_seconds=0)))
+    assert decided == ["a", "late"]

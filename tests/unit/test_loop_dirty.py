@@ -250,10 +250,20 @@ def test_the_unschedulable_gauge_counts_engines_skipped_as_quiet(world: World) -
     assert world.loop.metrics.unschedulable._value.get() == 1
 
 
+def taken(cache: Cache) -> set[EngineKey]:
+    """What the Engines' next pass takes from the cache's marks (`Loop.before_pass` first
+    marks the engines not placed, if a node's room changed)."""
+    cache.mark_unplaced()
+    return set(cache.engine_queue.take(cache.engines, NOW))
+
+
 def test_cache_marks_by_what_each_observation_can_change() -> None:
     cache = Cache()
-    assert cache.take_dirty() is None  # at first, every engine
-    assert cache.take_dirty() == set()
+    cache.observe_engine(engine_on("z", "n1", 1), deleted=False)
+    assert taken(cache) == {("ns", "z")}  # at first, every engine
+    assert taken(cache) == set()
+    cache.observe_engine(engine_on("z", "n1", 1), deleted=True)
+    taken(cache)
     placed = engine_on("a", "n1", 1)
     placed["status"] = {
         "placement": {"node": "n1", "assumed": False,
@@ -261,20 +271,20 @@ def test_cache_marks_by_what_each_observation_can_change() -> None:
     }  # fmt: skip
     cache.observe_engine(placed, deleted=False)
     cache.observe_engine(engine_on("b", "n2", 2), deleted=False)  # not placed
-    assert cache.take_dirty() == {("ns", "a"), ("ns", "b")}
+    assert taken(cache) == {("ns", "a"), ("ns", "b")}
     cache.observe_board(node_board("n9"), deleted=False)  # no engine there
-    assert cache.take_dirty() == {("ns", "b")}  # those not placed may place there
+    assert taken(cache) == {("ns", "b")}  # those not placed may place there
     cache.observe_node({"metadata": {"name": "n1", "labels": {"x": "y"}}}, deleted=False)
-    assert cache.take_dirty() == {("ns", "a"), ("ns", "b")}
+    assert taken(cache) == {("ns", "a"), ("ns", "b")}
     cache.observe_deployment(
         {"metadata": {"namespace": "ns", "name": "b", "resourceVersion": "3"}}, deleted=False
     )
-    assert cache.take_dirty() == {("ns", "b")}
+    assert taken(cache) == {("ns", "b")}
     cache.observe_job(
         {"metadata": {"namespace": "ns", "name": "j", "labels": {"continuum.dev/facts-for": "a"}}},
         deleted=False,
     )
-    assert cache.take_dirty() == {("ns", "a")}
+    assert taken(cache) == {("ns", "a")}
     lane: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "EmbedLane",
@@ -282,8 +292,8 @@ def test_cache_marks_by_what_each_observation_can_change() -> None:
         "status": {"placement": {"node": "n1", "pools": [{"pool": "host", "bytes": GiB}]}},
     }
     cache.observe_lane(lane, deleted=False)
-    assert cache.take_dirty() == {("ns", "a"), ("ns", "b")}
+    assert taken(cache) == {("ns", "a"), ("ns", "b")}
     cache.observe_lane({**lane, "metadata": {**lane["metadata"], "resourceVersion": "2"}}, False)
-    assert cache.take_dirty() == set()  # its bytes did not move
-    cache.mark_all()
-    assert cache.take_dirty() is None
+    assert taken(cache) == set()  # its bytes did not move
+    cache.engine_queue.mark_all()
+    assert taken(cache) == {("ns", "a"), ("ns", "b")}

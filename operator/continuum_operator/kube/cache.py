@@ -161,11 +161,11 @@ class Cache:
     # Engines are observed from the loop and from the grants loop's threads: their index with
     # them, under one lock, so a snapshot's leases are those of its bodies.
     _engines_lock: threading.Lock = field(default_factory=threading.Lock)
-    # The engines whose inputs changed since the loop last took them (`take_dirty`), under the
-    # same lock: every engine at first, then by what each observation can change.
-    _dirty: set[EngineKey] = field(default_factory=set)
-    _dirty_all: bool = True
-    _dirty_unplaced: bool = False  # every engine not placed yet (a node's room changed)
+    # Engines to decide again (`kube.loop`, on `kube.kernel`), marked by what each observation
+    # can change; every engine not placed yet once a node's room changed (`mark_unplaced`
+    # marks them at the next pass: the loop's own placements change rooms many times a pass).
+    engine_queue: WorkQueue[EngineKey] = field(default_factory=WorkQueue)
+    _unplaced_pending: bool = False
     # Status patches sent and not answered yet ("assumed", as kube-scheduler assumes a pod), each
     # with the last body observed without it: the patch is merged over every body observed
     # meanwhile, so the bytes it leases stay counted, and dropped if the write fails.
@@ -194,39 +194,34 @@ class Cache:
             if pending is not None and answer is None and key in self.engines:
                 self.engines[key] = pending[1]
                 self._index_engine(key, pending[1])
-            self._dirty.add(key)
+            self.engine_queue.mark(key, wake=False)
         if answer is not None:
             self.observe_engine(answer, deleted=False, nudge=False)
 
-    def take_dirty(self) -> set[EngineKey] | None:
-        """The engines whose inputs changed since the last call (None: every engine)."""
+    def mark_unplaced(self) -> None:
+        """Mark every engine not placed yet, if a node's room changed since the last call."""
         with self._engines_lock:
-            if self._dirty_all:
-                taken = None
-            else:
-                taken = self._dirty
-                if self._dirty_unplaced:
-                    taken |= {k for k in self.engines if k not in self.engine_leases}
-            self._dirty, self._dirty_all, self._dirty_unplaced = set(), False, False
-        return taken
+            if self._unplaced_pending:
+                self._unplaced_pending = False
+                unplaced = [k for k in self.engines if k not in self.engine_leases]
+                self.engine_queue.mark(*unplaced, wake=False)
 
-    def mark_all(self) -> None:
-        with self._engines_lock:
-            self._dirty_all = True
-
-    def mark_nodes(self, nodes: Iterable[str]) -> None:
+    def mark_nodes(self, nodes: Iterable[str], wake: bool = True) -> None:
         """Something a placement reads changed on these nodes (board, Lease, Node, leases):
         the engines placed there, and those not placed yet (they may place there)."""
         with self._engines_lock:
-            self._mark_nodes(nodes)
+            self._mark_nodes(nodes, wake)
 
-    def _mark_nodes(self, nodes: Iterable[str]) -> None:  # under the lock
+    def _mark_nodes(self, nodes: Iterable[str], wake: bool) -> None:  # under the lock
         nodes = set(nodes)
+        if not nodes:
+            return
         for node in nodes:
-            self._dirty.update(self.engines_on.get(node, ()))
-            self._dirty_unplaced = True
-        if nodes:
-            self.lane_queue.mark(*lanes_on(self.lanes, nodes))
+            self.engine_queue.mark(*self.engines_on.get(node, ()), wake=False)
+        self._unplaced_pending = True
+        if wake:
+            self.engine_queue.wake()
+        self.lane_queue.mark(*lanes_on(self.lanes, nodes))
 
     def snapshot(self) -> Snapshot:
         with self._engines_lock:
@@ -255,7 +250,7 @@ class Cache:
             self.engine_leases[key] = new
         if old != new:
             # Bytes taken or freed (or no longer assumed): every decision on those nodes reads it.
-            self._mark_nodes(old_nodes | new_nodes)
+            self._mark_nodes(old_nodes | new_nodes, wake=False)
         for node in old_nodes - new_nodes:
             rest = self.engines_on.get(node, frozenset()) - {key}
             if rest:
@@ -360,7 +355,7 @@ class Cache:
                     self._index_engine(key, body)
             # Marked even for the loop's own writes: the engine is decided again against what
             # it wrote (a pass that then writes nothing leaves it quiet).
-            self._dirty.add(key)
+            self.engine_queue.mark(key, wake=nudge)
         self.lane_queue.mark(*lanes_of(self.lanes, key))
         if nudge:
             self._nudge()
@@ -378,7 +373,7 @@ class Cache:
         self.lane_queue.mark(key)
         if lane_hold(known) != lane_hold(new):
             # A lane's bytes are charged on its node, to every engine decided there.
-            self.mark_nodes(lane_nodes(known) | lane_nodes(new))
+            self.mark_nodes(lane_nodes(known) | lane_nodes(new), wake=nudge)
         if nudge:
             self._nudge()
 
@@ -389,8 +384,7 @@ class Cache:
             self.services.discard(key)
         else:
             self.services.add(key)
-        with self._engines_lock:
-            self._dirty.add(key)
+        self.engine_queue.mark(key)
         self._nudge()
 
     def observe_job(self, obj: Mapping[str, Any], deleted: bool) -> None:
@@ -410,8 +404,7 @@ class Cache:
                 succeeded=_job_ended(status, "Complete"),
                 failed=_job_ended(status, "Failed"),
             )
-        with self._engines_lock:
-            self._dirty.add(key)
+        self.engine_queue.mark(key)
         self._nudge()
 
     def observe_deployment(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
@@ -437,8 +430,7 @@ class Cache:
                 replicas=int(status.get("replicas", 0)),
                 resource_version=_rv(meta),
             )
-        with self._engines_lock:
-            self._dirty.add(key)
+        self.engine_queue.mark(key, wake=nudge)
         if nudge:
             self._nudge()
 

@@ -47,7 +47,7 @@ from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import events, kernel, lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import Cache, Snapshot, format_time
-from continuum_operator.kube.kernel import KernelSettings
+from continuum_operator.kube.kernel import KernelSettings, PassHooks
 from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION, Condition
@@ -381,7 +381,7 @@ def _with_workload(
     )
 
 
-class LaneLoop:
+class LaneLoop(PassHooks[LaneKey]):
     """The lanes' reconciler, on `kube.kernel`: a lane is decided when it, the Engine it follows
     or the room on its node changed (`kube.cache` marks it), and every lane at each full
     resync. Its writes: the lane's identity, NetworkPolicy and Deployment, then its status."""

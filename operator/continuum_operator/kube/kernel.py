@@ -8,10 +8,18 @@ period, waits the debounce so a burst of events is one pass, decides only the ke
 (every key at a resync: the safety net for a missed event), writes only while `may_write`
 says this replica leads, and takes a key whose write failed again after a backoff that
 doubles from `retry_seconds` up to `max_retry_seconds` (a conflict, the API server away)
-without holding up the others. One key is decided and written at a time, in key order, so a
-decision sees every write before it (the cache records them at once).
+without holding up the others.
 
-Neighbours: `kube.cache` (the watches, which mark), `kube.embedlanes` (the lanes' reconciler).
+Keys are decided one at a time, in the reconciler's `order`, so a decision sees every decision
+before it: a reconciler whose writes others must see records them in the cache as it decides
+(the Engines' loop assumes its status patch, as kube-scheduler assumes a pod). Their writes go
+out up to `writers` at a time (one per key: a key is decided once a pass) and the pass ends
+when all have answered. A reconciler whose decisions change by the clock alone (a deadline, a
+board going stale) gets a pass at least every `pass_seconds` and marks those keys in
+`before_pass`.
+
+Neighbours: `kube.cache` (the watches, which mark), `kube.loop` (the Engines' reconciler),
+`kube.embedlanes` (the lanes').
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["KernelSettings", "Reconciler", "WorkQueue", "drain", "run"]
+__all__ = ["KernelSettings", "PassHooks", "Reconciler", "WorkQueue", "drain", "run"]
 
 log = logging.getLogger("continuum.kernel")
 
@@ -39,6 +47,8 @@ class KernelSettings:
     debounce_seconds: float = 0.2  # after the first mark, before the pass
     retry_seconds: float = 1.0  # a failed key's first wait; doubled per failure
     max_retry_seconds: float = 60.0
+    pass_seconds: float | None = None  # a pass at least this often, marked or not
+    writers: int = 1  # keys whose writes are in flight at once, within a pass
 
 
 @dataclass
@@ -53,20 +63,25 @@ class WorkQueue(Generic[K]):
     _retry: dict[K, tuple[float, float]] = field(default_factory=dict)  # key -> (due, wait)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _loop: asyncio.AbstractEventLoop | None = None  # the draining loop's, once it runs
+    resynced_at: float | None = None  # when a pass last decided every key
 
-    def mark(self, *keys: K) -> None:
+    def mark(self, *keys: K, wake: bool = True) -> None:
+        """Decide `keys` at the next pass; `wake=False` leaves the pass to its time (the
+        answer of one's own write: the key is decided again, with no pass of its own)."""
         if not keys:
             return
         with self._lock:
             self._dirty.update(keys)
-        self._wake()
+        if wake:
+            self.wake()
 
     def mark_all(self) -> None:
         with self._lock:
             self._all = True
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """A pass soon, with no key marked: for a reconciler whose `before_pass` finds them."""
         # asyncio.Event is not thread-safe: from another thread, set it in its own loop.
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -106,6 +121,14 @@ class Reconciler(Protocol[K, W]):
         """Every key this reconciler governs now (a resync decides them all)."""
         ...
 
+    def before_pass(self, queue: WorkQueue[K], now: float) -> None:
+        """Mark what changed by the clock alone, before the pass takes its keys."""
+        ...
+
+    def order(self, keys: list[K]) -> list[K]:
+        """The order in which a pass decides its keys."""
+        ...
+
     def decide(self, key: K, now: float) -> W | None:
         """What `key` needs, from the cache alone (None: it is gone, nothing to do)."""
         ...
@@ -113,6 +136,24 @@ class Reconciler(Protocol[K, W]):
     async def write(self, key: K, writes: W) -> None:
         """Apply a decision; raise to have the key taken again after a backoff."""
         ...
+
+    def after_pass(self, now: float) -> None:
+        """Once every write of the pass has answered."""
+        ...
+
+
+class PassHooks(Generic[K]):
+    """The hooks of a reconciler that needs none: nothing marked by the clock, keys in the
+    queue's order, nothing to do after a pass."""
+
+    def before_pass(self, queue: WorkQueue[K], now: float) -> None:
+        return None
+
+    def order(self, keys: list[K]) -> list[K]:
+        return keys
+
+    def after_pass(self, now: float) -> None:
+        return None
 
 
 async def drain(
@@ -126,19 +167,47 @@ async def drain(
     """One pass: decide and write every key due now. Returns how many keys it decided."""
     if not may_write():
         return 0  # not leading: the marks wait for this replica to lead
-    keys = queue.take(reconciler.keys(), clock())
-    for key in keys:
-        # One key's failure (a decision that raised, a write refused) must not stop the others
-        # or the loop: it is taken again after its backoff.
+    now = clock()
+    if queue.resynced_at is None or now - queue.resynced_at >= settings.resync_seconds:
+        queue.mark_all()  # the safety net for a missed event
+        queue.resynced_at = now
+    reconciler.before_pass(queue, now)
+    keys = reconciler.order(queue.take(reconciler.keys(), clock()))
+    room = asyncio.Semaphore(max(1, settings.writers))
+    writing: set[asyncio.Task[None]] = set()
+
+    def failed(key: K) -> None:
+        log.exception("reconciling %r failed; retrying after a backoff", key)
+        queue.failed(key, clock(), settings)
+
+    async def write(key: K, writes: W) -> None:
         try:
-            writes = reconciler.decide(key, clock())
-            if writes is not None:
-                await reconciler.write(key, writes)
+            await reconciler.write(key, writes)
         except Exception:
-            log.exception("reconciling %r failed; retrying after a backoff", key)
-            queue.failed(key, clock(), settings)
+            failed(key)
         else:
             queue.succeeded(key)
+        finally:
+            room.release()
+
+    # One key's failure (a decision that raised, a write refused) must not stop the others or
+    # the loop: it is taken again after its backoff.
+    for key in keys:
+        try:
+            writes = reconciler.decide(key, clock())
+        except Exception:
+            failed(key)
+            continue
+        if writes is None:
+            queue.succeeded(key)
+            continue
+        await room.acquire()
+        task = asyncio.create_task(write(key, writes))
+        writing.add(task)
+        task.add_done_callback(writing.discard)
+    if writing:
+        await asyncio.gather(*writing)
+    reconciler.after_pass(clock())
     return len(keys)
 
 
@@ -152,13 +221,16 @@ async def run(
     clock: Callable[[], float] = time.time,
 ) -> None:
     """Drain the queue until `stop`: on a mark (after the debounce), at a retry's due time,
-    and every key at each resync."""
+    at least every `pass_seconds`, and every key at each resync."""
     queue._loop = asyncio.get_running_loop()
-    queue.mark_all()  # a replica that starts to lead decides every key first
-    last_resync = clock()
+    queue.resynced_at = None  # a replica that starts to lead decides every key first
+    queue.mark_all()
+    last_pass = clock()
     while not stop.is_set():
         now = clock()
-        wake = last_resync + settings.resync_seconds
+        wake = (queue.resynced_at or now) + settings.resync_seconds
+        if settings.pass_seconds is not None:
+            wake = min(wake, last_pass + settings.pass_seconds)
         retry = queue.next_retry()
         if retry is not None:
             wake = min(wake, retry)
@@ -166,8 +238,6 @@ async def run(
             await asyncio.wait_for(queue.changed.wait(), max(0.0, wake - now))
         if stop.is_set():
             return
-        if clock() - last_resync >= settings.resync_seconds:
-            queue.mark_all()
-            last_resync = clock()
         await asyncio.sleep(settings.debounce_seconds)
+        last_pass = clock()
         await drain(reconciler, queue, settings, may_write=may_write, clock=clock)

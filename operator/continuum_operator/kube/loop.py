@@ -1,36 +1,41 @@
-"""The operator's one decision loop: every engine, one at a time, from the cache to the API.
+"""The Engines' reconciler, on the controller kernel (`kube.kernel`): every engine, one at a
+time, from the cache to the API.
 
-Watch events (`kube.handlers`) only feed the cache and wake this loop; the loop reconciles each
-engine against a fresh snapshot (`kube.reconcile`, no API calls), then applies the writes: one
-status patch per pass when something changed, the Deployment and Service when their launch
-changed, and the events. Engines are decided one after another, so two engines never lease the
-same bytes: each write is recorded in the cache before the next engine is decided.
+Watch events (`kube.handlers`) only feed the cache, which marks the engines they can change in
+its `engine_queue`; the kernel decides each marked engine against a fresh snapshot
+(`kube.reconcile`, no API calls), then applies the writes: one status patch when something
+changed, the Deployment and Service when their launch changed, and the events. Engines are
+decided one after another, so two engines never lease the same bytes: each decision's status
+patch is assumed in the cache before the next engine is decided, while the writes go out
+WRITERS at a time.
 
-A pass decides only the engines that may decide differently: those whose inputs changed since
-the last pass (`Cache.take_dirty`: their Engine, Deployment, Job or Service, or a board, Lease,
-Node, engine or lane on their node), those whose board went stale or fresh by the clock alone,
-and every engine that is not quiet (`_quiet`: its last pass wrote something, or a deadline may
-still fire). Every `full_resync_seconds` a pass decides every engine, as a safety net.
-Neighbours: `kube.api` (the adapter), `kube.cache`, `kube.reconcile`.
+A pass decides only the engines that may decide differently: those whose inputs changed (their
+Engine, Deployment, Job or Service, or a board, Lease, Node, engine or lane on their node; the
+engines not placed yet when any node's room changed), those whose board went stale or fresh by
+the clock alone, and every engine that is not quiet (`_quiet`: its last pass wrote something,
+or a deadline may still fire), at least every `loop.resync_seconds`. Every
+`full_resync_seconds` a pass decides every engine, as a safety net.
+Neighbours: `kube.api` (the adapter), `kube.cache`, `kube.reconcile`, `kube.facts_read`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from continuum_operator.core.conditions import ConditionType
 from continuum_operator.core.damping import Outcome
-from continuum_operator.kube import events, ledger, objects
+from continuum_operator.kube import events, kernel, ledger, objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.engine_pass import Event, Memory, Writes
+from continuum_operator.kube.facts_read import read_job_facts, read_job_failure
+from continuum_operator.kube.kernel import KernelSettings, WorkQueue
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.occupancy import is_fresh, lease_is_fresh
 from continuum_operator.kube.pool_metrics import PoolMetrics
@@ -38,7 +43,6 @@ from continuum_operator.kube.priority_classes import priority_classes
 from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION
-from continuum_operator.model.engine import ModelFacts
 
 log = logging.getLogger("continuum.operator")
 
@@ -48,6 +52,17 @@ WRITERS = 8  # engines whose writes are in flight at once, within a pass
 DRAIN_HOLD_SECONDS = 180.0
 # What damping said of an engine that nothing but a new board reading can change.
 _SETTLED = (None, Outcome.UNCHANGED, Outcome.GAIN_TOO_SMALL)
+
+
+@dataclass(frozen=True, slots=True)
+class FactsToRead:
+    """An engine's decision waits for what its facts Job found: read it first (the read's
+    answer marks the engine, decided then with the facts or the Job's error)."""
+
+    job: JobEntry
+
+
+EngineWrites = Writes | FactsToRead
 
 
 class Loop:
@@ -76,8 +91,16 @@ class Loop:
         self.quiet: set[EngineKey] = set()
         self.unschedulable: dict[EngineKey, bool] = {}
         self.fresh: dict[str, bool] = {}
-        self.last_full: float | None = None
+        self.facts_unread: set[EngineKey] = set()  # whose facts Job's answer could not be read
         self.instance = socket.gethostname()
+        self.queue: WorkQueue[EngineKey] = cache.engine_queue
+        loop = settings.loop
+        self.kernel = KernelSettings(
+            resync_seconds=loop.full_resync_seconds,
+            debounce_seconds=loop.debounce_seconds,
+            pass_seconds=loop.resync_seconds,
+            writers=WRITERS,
+        )
 
     def install_priority_classes(self) -> None:
         for pc in priority_classes(self.settings.pods):
@@ -91,15 +114,20 @@ class Loop:
             except (ApiError, OSError) as err:
                 log.warning("installing the priority classes failed, retrying: %s", err)
                 await asyncio.sleep(2)
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cache.changed.wait(), self.settings.loop.resync_seconds)
-            await asyncio.sleep(self.settings.loop.debounce_seconds)
-            self.cache.changed.clear()
-            try:
-                await self.pass_once()
-            except Exception:  # one bad pass must not stop the operator; the next retries
-                log.exception("reconcile pass failed")
+        await kernel.run(self.reconciler(), self.queue, self.kernel, stop, clock=self.clock)
+
+    async def pass_once(self) -> None:
+        """One pass of the kernel over the engines marked now."""
+        await kernel.drain(self.reconciler(), self.queue, self.kernel, clock=self.clock)
+
+    def reconciler(self) -> kernel.Reconciler[EngineKey, EngineWrites]:
+        return self
+
+    def keys(self) -> list[EngineKey]:
+        return list(self.cache.engines)
+
+    def order(self, keys: list[EngineKey]) -> list[EngineKey]:
+        return self._order(set(keys))
 
     def _order(self, only: set[EngineKey] | None = None) -> list[EngineKey]:
         """Placed engines first, then the oldest; with `only`, those engines alone."""
@@ -118,11 +146,9 @@ class Loop:
         )
         return [k for k, _ in sorted(items, key=key)]
 
-    def _to_decide(self) -> set[EngineKey] | None:
-        """The engines this pass decides (None: every one)."""
-        now = self.clock()
-        # A board goes stale (or fresh) by the clock alone, with no event: its engines' plans
-        # and conditions change then.
+    def before_pass(self, queue: WorkQueue[EngineKey], now: float) -> None:
+        """Mark what changed by the clock alone: the engines on a board that went stale (or
+        fresh) with no event, and every engine not quiet (a deadline may fire)."""
         leases = dict(self.cache.leases)
         nodes = set(self.cache.boards) | set(leases) | set(self.fresh)
         ttl = self.settings.freshness.default_ttl_seconds
@@ -133,14 +159,9 @@ class Loop:
             if self.fresh.get(node) != fresh[node]:
                 turned.append(node)
         self.fresh = fresh
-        self.cache.mark_nodes(turned)
-        dirty = self.cache.take_dirty()
-        if self.last_full is None or now - self.last_full >= self.settings.loop.full_resync_seconds:
-            dirty = None
-        if dirty is None:
-            self.last_full = now
-            return None
-        return dirty | (set(self.cache.engines) - self.quiet)
+        self.cache.mark_nodes(turned, wake=False)
+        self.cache.mark_unplaced()
+        queue.mark(*(set(self.cache.engines) - self.quiet), wake=False)
 
     def _quiet(self, key: EngineKey, writes: Writes) -> bool:
         """Whether the engine's next pass would decide the same unless its inputs change: this
@@ -205,64 +226,86 @@ class Loop:
         self.metrics.set_boards_fresh({n: is_fresh(snap, n, now, ttl) for n in snap.boards})
         self.pools.record(snap)
 
-    async def pass_once(self) -> None:
-        only = self._to_decide()
-        # No engine waits for another's writes: its status patch (the lease) is assumed in the
-        # cache at once, and each engine's writes (the status patch, then the Service, identity,
-        # Deployment and events once it landed) go out side by side, WRITERS at a time, awaited
-        # at the end of the pass.
-        writing: set[asyncio.Task[None]] = set()
-        room = asyncio.Semaphore(WRITERS)
-        for key in self._order(only):
-            self.quiet.discard(key)
-            body = self.cache.engines.get(key)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                self.unschedulable.pop(key, None)
-                continue
-            uid = str(body["metadata"].get("uid", ""))
-            job = self.cache.jobs.get(key)
-            if job is not None and job.succeeded and not _has_facts(body, job.source):
-                read, error = await asyncio.to_thread(self.read_facts, key, job)
-                if read is not None:
-                    self.cache.observe_engine(read, deleted=False, nudge=False)
-                    body = read
-                memory = self.memory.get(uid, Memory())
-                self.memory[uid] = replace(memory, facts_error=error)
-            elif (
-                job is not None
-                and job.failed
-                and self.memory.get(uid, Memory()).facts_error is None
-            ):
-                # Why it failed (a replaced model's digests), from its pod's last error line.
-                error = await asyncio.to_thread(self.read_facts_failure, key, job)
-                self.memory[uid] = replace(self.memory.get(uid, Memory()), facts_error=error)
-            snap = self.cache.snapshot()
-            writes = reconcile(
-                body, snap, self.memory.get(uid, Memory()), self.clock(), self.settings
-            )
-            self.memory[uid] = writes.memory
-            self.record(key, writes)
-            self.unschedulable[key] = writes.unschedulable
+    def decide(self, key: EngineKey, now: float) -> EngineWrites | None:
+        """The engine's writes from the cache (its facts Job's answer first, when it has one
+        not read yet); its status patch is assumed in the cache at once, so the next engine is
+        decided against the bytes this one leases while the patch is in flight."""
+        self.quiet.discard(key)
+        body = self.cache.engines.get(key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self.unschedulable.pop(key, None)
+            return None
+        uid = str(body["metadata"].get("uid", ""))
+        memory = self.memory.get(uid, Memory())
+        job = self.cache.jobs.get(key)
+        if job is not None and job.succeeded and not _has_facts(body, job.source):
+            # A read that failed is tried again after one decision that says why.
+            if key not in self.facts_unread:
+                return FactsToRead(job)
+            self.facts_unread.discard(key)
+        elif job is not None and job.failed and memory.facts_error is None:
+            return FactsToRead(job)
+        writes = reconcile(body, self.cache.snapshot(), memory, now, self.settings)
+        self.memory[uid] = writes.memory
+        self.record(key, writes)
+        self.unschedulable[key] = writes.unschedulable
+        if writes.status_patch is not None:
+            # A failed patch drops it (`_write_status`).
+            self.cache.assume_status(key, writes.status_patch)
+        if self._quiet(key, writes):
+            self.quiet.add(key)
+        current = self.cache.engines.get(key) or body
+        self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
+        self.metrics.set_estimate_error(*key, current.get("status"))
+        self.metrics.record_runtime_restarts(*key, current.get("status"))
+        return writes
+
+    async def write(self, key: EngineKey, writes: EngineWrites) -> None:
+        """One engine's writes: its status patch, then (once it landed) its workload's."""
+        if isinstance(writes, FactsToRead):
+            await self._read_facts(key, writes.job)
+            return
+        body = self.cache.engines.get(key)
+        try:
+            written, engine = await asyncio.to_thread(self.apply_status, key, writes)
+        except BaseException:
+            # Not an API answer (the connection broke): the patch is not assumed past it.
             if writes.status_patch is not None:
-                # Recorded at once ("assume"): the next engine is decided against the bytes this
-                # one leases while its patch is in flight; a failed patch drops it.
-                self.cache.assume_status(key, writes.status_patch)
-            await room.acquire()
-            task = asyncio.create_task(self._write(key, body, writes, room))
-            writing.add(task)
-            task.add_done_callback(writing.discard)
-            if self._quiet(key, writes):
-                self.quiet.add(key)
-            current = self.cache.engines.get(key) or body
-            self.metrics.set_plan(*key, (current.get("status") or {}).get("plan"))
-            self.metrics.set_estimate_error(*key, current.get("status"))
-            self.metrics.record_runtime_restarts(*key, current.get("status"))
-        if writing:
-            await asyncio.gather(*writing)
+                self.cache.settle_status(key, None)
+            raise
+        if writes.status_patch is not None:
+            self.cache.settle_status(key, engine if written else None)
+        if not written or body is None:
+            return
+        deployment, served = await asyncio.to_thread(self.apply_workload, key, body, writes)
+        if served:
+            self.cache.services.add(key)
+        if deployment is not None:
+            self.cache.observe_deployment(deployment, deleted=False, nudge=False)
+
+    async def _read_facts(self, key: EngineKey, job: JobEntry) -> None:
+        body = self.cache.engines.get(key)
+        if body is None:
+            return
+        uid = str(body["metadata"].get("uid", ""))
+        if job.succeeded:
+            read, error = await asyncio.to_thread(read_job_facts, self.api, key, job, self.clock())
+            if read is not None:
+                self.cache.observe_engine(read, deleted=False)
+            else:
+                self.facts_unread.add(key)
+        else:
+            error = await asyncio.to_thread(read_job_failure, self.api, key, job)
+        self.memory[uid] = replace(self.memory.get(uid, Memory()), facts_error=error)
+        self.queue.mark(key)
+
+    def after_pass(self, now: float) -> None:
+        """What the pass leaves: the gauges, and nothing kept of engines gone."""
         live_keys = set(self.cache.engines)
         for gone in set(self.unschedulable) - live_keys:
             del self.unschedulable[gone]
         self.quiet &= live_keys
+        self.facts_unread &= live_keys
         self.metrics.unschedulable.set(sum(self.unschedulable.values()))
         self.record_boards()
         live = {str(b["metadata"].get("uid", "")) for b in self.cache.engines.values()}
@@ -272,30 +315,6 @@ class Loop:
             self.metrics.forget(*key)
             self.services.pop(key, None)
         self.recorded &= set(self.cache.engines)
-
-    async def _write(
-        self, key: EngineKey, body: dict[str, Any], writes: Writes, room: asyncio.Semaphore
-    ) -> None:
-        """One engine's writes: its status patch, then (once it landed) its workload's."""
-        try:
-            try:
-                written, engine = await asyncio.to_thread(self.apply_status, key, writes)
-            except BaseException:
-                # Not an API answer (the connection broke): the patch is not assumed past it.
-                if writes.status_patch is not None:
-                    self.cache.settle_status(key, None)
-                raise
-            if writes.status_patch is not None:
-                self.cache.settle_status(key, engine if written else None)
-            if not written:
-                return
-            deployment, served = await asyncio.to_thread(self.apply_workload, key, body, writes)
-        finally:
-            room.release()
-        if served:
-            self.cache.services.add(key)
-        if deployment is not None:
-            self.cache.observe_deployment(deployment, deleted=False, nudge=False)
 
     def apply_status(self, key: EngineKey, writes: Writes) -> tuple[bool, dict[str, Any] | None]:
         """Runs in a thread: the status patch, if any. Returns whether the workload's writes may
@@ -368,61 +387,6 @@ class Loop:
         log.warning("Engine %s/%s: drain not over after %d s; relaunching", *key,
                     DRAIN_HOLD_SECONDS)  # fmt: skip
         return False
-
-    def read_facts(self, key: EngineKey, job: JobEntry) -> tuple[dict[str, Any] | None, str | None]:
-        """Runs in a thread: the facts a succeeded Job printed, into status.modelFacts.
-
-        Returns the Engine as written, or why the Job's answer cannot be used.
-        """
-        ns, name = key
-        try:
-            pods = self.api.request(
-                "GET",
-                f"/api/v1/namespaces/{ns}/pods",
-                query=[("labelSelector", f"job-name={job.name}")],
-            )["items"]
-            if not pods:
-                return None, f"no pod of Job {job.name} is left to read"
-            log = self.api.text(f"/api/v1/namespaces/{ns}/pods/{pods[0]['metadata']['name']}/log")
-            facts = ModelFacts.model_validate_json(log)
-            answer = self.api.merge_patch(
-                crd_path("engines", ns, name, "status"),
-                {
-                    "status": {
-                        "modelFacts": {
-                            "source": job.source,
-                            "facts": facts.model_dump(
-                                mode="json", by_alias=True, exclude_none=True
-                            ),
-                            "readAt": format_time(self.clock()),
-                        }
-                    }
-                },
-            )
-            self.api.delete(f"/apis/batch/v1/namespaces/{ns}/jobs/{job.name}")
-            return answer, None
-        except ApiError as err:
-            return None, f"reading its log failed: {err}"
-        except ValueError as err:
-            return None, f"its output is not model facts: {str(err)[:300]}"
-
-    def read_facts_failure(self, key: EngineKey, job: JobEntry) -> str:
-        """Runs in a thread: the error line a failed facts Job's pod printed last."""
-        ns = key[0]
-        try:
-            pods = self.api.request(
-                "GET",
-                f"/api/v1/namespaces/{ns}/pods",
-                query=[("labelSelector", f"job-name={job.name}")],
-            )["items"]
-            if not pods:
-                return "the Job failed (no pod of it is left to read)"
-            log = self.api.text(f"/api/v1/namespaces/{ns}/pods/{pods[-1]['metadata']['name']}/log")
-        except ApiError as err:
-            return f"the Job failed (its log could not be read: {err})"
-        lines = [line for line in log.splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("error:")]
-        return (errors or lines or ["the Job failed"])[-1].removeprefix("error: ")[:500]
 
     def post_event(self, body: dict[str, Any], event: Event) -> None:
         meta = body["metadata"]

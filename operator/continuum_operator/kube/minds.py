@@ -157,6 +157,7 @@ class GrantsLoop:
                 await asyncio.sleep(0.05)  # events within this window are one pass
             first = False
             self.minds.changed.clear()
+            self.engines.changed.clear()  # the Engines' loop wakes on its own queue
             try:
                 await asyncio.to_thread(self.pass_once)
             except Exception:  # one bad pass must not stop the leader; the next retries
