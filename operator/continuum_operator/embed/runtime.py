@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -56,6 +55,7 @@ from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
 from continuum_operator.engine.admission import ServiceAccount, lane_audience
 from continuum_operator.engine.gateway import serve_app
 from continuum_operator.engine.grants_source import TokenReviewer
+from continuum_operator.engine.grants_source import custom_objects as _custom_objects
 from continuum_operator.engine.openai_api import error_body, error_type
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
@@ -448,16 +448,6 @@ async def watch_lane_file(
             except (ValueError, yaml.YAMLError) as err:
                 log.error("%s; keeping the last lease", err)
         await asyncio.sleep(poll_seconds)
-
-
-def _custom_objects() -> Any:
-    client: Any = importlib.import_module("kubernetes.client")
-    config: Any = importlib.import_module("kubernetes.config")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.CustomObjectsApi()
 
 
 class LaneObject:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import sys
@@ -249,14 +248,12 @@ EXIT_OK, EXIT_REFUSED, EXIT_INVALID, EXIT_CUT = 0, 1, 2, 3
 
 def _read_mind(namespace: str, name: str) -> dict[str, Any]:
     """The Mind object (her endpoint and turn deadline), with the kubeconfig or in-cluster."""
-    client: Any = importlib.import_module("kubernetes.client")
-    config: Any = importlib.import_module("kubernetes.config")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    mind: dict[str, Any] = client.CustomObjectsApi().get_namespaced_custom_object(
-        "continuum.dev", "v1alpha1", namespace, "minds", name
+    # Imported here: the turn client itself needs no Kubernetes, only this command does.
+    from continuum_operator.engine.grants_source import custom_objects
+    from continuum_operator.model.base import GROUP, VERSION
+
+    mind: dict[str, Any] = custom_objects().get_namespaced_custom_object(
+        GROUP, VERSION, namespace, "minds", name
     )
     return mind
 
