@@ -20,12 +20,12 @@ import argparse
 import heapq
 import json
 import math
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 
 EXIT_OK = 0
@@ -605,11 +605,9 @@ def cmd_check_log(args: argparse.Namespace) -> int:
         violations = check_file(path)
     except LogFormatError as err:
         where = f"{path}:{err.line}" if err.line else str(path)
-        print(f"error: {where}: {err.message}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"{where}: {err.message}", EXIT_INVALID)
     except OSError as err:
-        print(f"error: {path}: {err.strerror or err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"{path}: {err.strerror or err}", EXIT_INVALID)
     if args.output != "table":
         doc = {"ok": not violations, "violations": [v.to_dict() for v in violations]}
         print(render(doc, args.output))
