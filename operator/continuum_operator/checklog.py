@@ -20,12 +20,12 @@ import argparse
 import heapq
 import json
 import math
-import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 
 EXIT_OK = 0
@@ -163,7 +163,17 @@ class _Engine:
 # --- reading the lines -----------------------------------------------------------------------
 
 
-def _number(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) -> float | None:
+def _field(
+    line: Mapping[str, Any],
+    key: str,
+    n: int,
+    *,
+    null: bool,
+    valid: Callable[[Any], bool],
+    must_be: str,
+) -> Any:
+    """The line's `key`, checked by `valid`; None where it is missing or null and `null` allows
+    that."""
     if key not in line:
         if null:
             return None
@@ -171,9 +181,26 @@ def _number(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) ->
     v = line[key]
     if v is None and null:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise LogFormatError(n, f"`{key}` must be a finite number, not {json.dumps(v)}")
-    return float(v)
+    if not valid(v):
+        raise LogFormatError(n, f"`{key}` must be {must_be}, not {json.dumps(v)}")
+    return v
+
+
+def _finite_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+
+
+def _whole_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 0
+
+
+def _non_empty_string(v: Any) -> bool:
+    return isinstance(v, str) and bool(v)
+
+
+def _number(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) -> float | None:
+    v = _field(line, key, n, null=null, valid=_finite_number, must_be="a finite number")
+    return None if v is None else float(v)
 
 
 def _req_number(line: Mapping[str, Any], key: str, n: int) -> float:
@@ -183,28 +210,16 @@ def _req_number(line: Mapping[str, Any], key: str, n: int) -> float:
 
 
 def _count(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) -> int | None:
-    if key not in line:
-        if null:
-            return None
-        raise LogFormatError(n, f"missing field `{key}`")
-    v = line[key]
-    if v is None and null:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise LogFormatError(n, f"`{key}` must be a whole number >= 0, not {json.dumps(v)}")
+    v: int | None = _field(
+        line, key, n, null=null, valid=_whole_number, must_be="a whole number >= 0"
+    )
     return v
 
 
 def _text(line: Mapping[str, Any], key: str, n: int, *, null: bool = False) -> str | None:
-    if key not in line:
-        if null:
-            return None
-        raise LogFormatError(n, f"missing field `{key}`")
-    v = line[key]
-    if v is None and null:
-        return None
-    if not isinstance(v, str) or not v:
-        raise LogFormatError(n, f"`{key}` must be a non-empty string, not {json.dumps(v)}")
+    v: str | None = _field(
+        line, key, n, null=null, valid=_non_empty_string, must_be="a non-empty string"
+    )
     return v
 
 
@@ -590,11 +605,9 @@ def cmd_check_log(args: argparse.Namespace) -> int:
         violations = check_file(path)
     except LogFormatError as err:
         where = f"{path}:{err.line}" if err.line else str(path)
-        print(f"error: {where}: {err.message}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"{where}: {err.message}", EXIT_INVALID)
     except OSError as err:
-        print(f"error: {path}: {err.strerror or err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"{path}: {err.strerror or err}", EXIT_INVALID)
     if args.output != "table":
         doc = {"ok": not violations, "violations": [v.to_dict() for v in violations]}
         print(render(doc, args.output))

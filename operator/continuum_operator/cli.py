@@ -17,6 +17,7 @@ from typing import Any
 
 from continuum_operator import checklog, cli_facts, cli_model, cli_place, procclass, scenario
 from continuum_operator.agent import cli as agent_cli
+from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
@@ -88,17 +89,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         others = [e for path in args.lease for e in load_all(Engine, path)]
         receipts = load_receipts(args.receipt)
     except (ManifestError, ReceiptFileError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(str(err), EXIT_INVALID)
     facts = engine.spec.model.facts
     if facts is None:
-        print(
-            f"error: {args.engine}: spec.model.facts: this Engine names a model source but no "
+        return fail(
+            f"{args.engine}: spec.model.facts: this Engine names a model source but no "
             "inline facts; run `continuum facts MODEL.gguf` and put its output in "
             "spec.model.facts to plan offline",
-            file=sys.stderr,
+            EXIT_INVALID,
         )
-        return EXIT_INVALID
     me = (engine.metadata.namespace, engine.metadata.name)
     leases = engine_leases(e for e in others if (e.metadata.namespace, e.metadata.name) != me)
     core_board = Board.from_resource(board)

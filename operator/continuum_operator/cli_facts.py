@@ -11,10 +11,10 @@ or whose digest is not the one expected.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.engine.digest import hash_file, mismatch_message
 from continuum_operator.gguf import FactsError, GgufReadError, read_facts
@@ -29,15 +29,12 @@ def cmd_facts(args: argparse.Namespace) -> int:
     try:
         facts = read_facts(args.model)
     except (GgufReadError, FactsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(str(err), EXIT_INVALID)
     doc: dict[str, Any] = facts.model_dump(mode="json", by_alias=True, exclude_defaults=True)
     if args.sha256 or args.expect_sha256:
         digest = hash_file(args.model)
         if args.expect_sha256 and digest != args.expect_sha256:
-            print(f"error: {mismatch_message(args.model, digest, args.expect_sha256)}",
-                  file=sys.stderr)  # fmt: skip
-            return EXIT_INVALID
+            return fail(f"{mismatch_message(args.model, digest, args.expect_sha256)}", EXIT_INVALID)
         if args.sha256:
             doc = {"sha256": digest, "facts": doc}
     print(render(doc, args.output))

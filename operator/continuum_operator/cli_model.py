@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 from pathlib import Path
 from typing import Any
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.testing.tiny_gguf import TinyModelShape, write_tiny_gguf
 
 __all__ = ["TINY_SHAPE", "add_parser", "cmd_model_tiny", "sha256_of"]
@@ -38,17 +38,16 @@ def sha256_of(path: Path) -> str:
 def cmd_model_tiny(args: argparse.Namespace) -> int:
     path: Path = args.path
     if path.is_dir():
-        print(f"error: {path} is a directory; give the file to write, e.g. "
-              f"{path / 'tiny.gguf'}", file=sys.stderr)  # fmt: skip
-        return EXIT_INVALID
+        return fail(
+            f"{path} is a directory; give the file to write, e.g. {path / 'tiny.gguf'}",
+            EXIT_INVALID,
+        )
     if path.exists() and not args.force:
-        print(f"error: {path} exists; pass --force to overwrite it", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"{path} exists; pass --force to overwrite it", EXIT_INVALID)
     try:
         write_tiny_gguf(path, TINY_SHAPE, seed=args.seed)
     except OSError as err:
-        print(f"error: {path}: cannot write it: {err.strerror or err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"{path}: cannot write it: {err.strerror or err}", EXIT_INVALID)
     size = path.stat().st_size
     print(f"path:   {path.resolve()}")
     print(f"size:   {size} bytes ({size / 2**20:.1f} MiB)")

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core import conditions as cond
 from continuum_operator.core import unfit
@@ -176,16 +177,14 @@ def cmd_place(args: argparse.Namespace) -> int:
         others = [e for path in args.lease for e in load_all(Engine, path)]
         receipts = load_receipts(args.receipt)
     except (ManifestError, ReceiptFileError, PlaceError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(str(err), EXIT_INVALID)
     if engine.spec.model.facts is None:
-        print(
-            f"error: {args.engine}: spec.model.facts: this Engine names a model source but no "
+        return fail(
+            f"{args.engine}: spec.model.facts: this Engine names a model source but no "
             "inline facts; run `continuum facts MODEL.gguf` and put its output in "
             "spec.model.facts to place offline",
-            file=sys.stderr,
+            EXIT_INVALID,
         )
-        return EXIT_INVALID
     doc = place_doc(decide(boards, engine, others, receipts))
     print(render(doc, args.output, lambda: place_table(doc)))
     if doc["node"] is None:

@@ -33,6 +33,8 @@ from typing import Any
 
 import psutil
 
+from continuum_operator.cli_errors import fail
+
 __all__ = ["ENV", "ProcessClass", "add_parser", "lower", "lowest_priority", "run"]
 
 ENV = "CONTINUUM_PROCESS_CLASS"
@@ -195,9 +197,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print("error: continuum run: no command given (continuum run -- CMD ...)", file=sys.stderr)
-        return EXIT_USAGE
+        return fail("continuum run: no command given (continuum run -- CMD ...)", EXIT_USAGE)
     if args.sweep <= 0:
-        print("error: continuum run: --sweep must be more than 0 seconds", file=sys.stderr)
-        return EXIT_USAGE
+        return fail("continuum run: --sweep must be more than 0 seconds", EXIT_USAGE)
     return run(cmd, ProcessClass(args.process_class), args.sweep)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.simulate import (
     EngineEvent,
@@ -184,8 +184,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         scenario = load(args.scenario)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(str(err), 2)
     result = simulate(scenario)
     if args.log:
         with args.log.open("w") as out:

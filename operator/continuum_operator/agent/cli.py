@@ -26,6 +26,7 @@ from continuum_operator.agent import probe
 from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
+from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.board_change import Thresholds
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
@@ -63,9 +64,9 @@ def _print_board(agent: Agent, output: str, capture: Path | None) -> int:
                 probe.readings(recorded, agent.settings.probe.configured_cap_bytes)
             )
         except (OSError, ValueError, KeyError, TypeError) as err:
-            print(f"error: {capture}: not a probe capture ({type(err).__name__}: {err})",
-                  file=sys.stderr)  # fmt: skip
-            return EXIT_INVALID
+            return fail(
+                f"{capture}: not a probe capture ({type(err).__name__}: {err})", EXIT_INVALID
+            )
         timings: dict[str, float] = {}
     else:
         status, timings = agent.probe()
@@ -84,27 +85,22 @@ def cmd_agent(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if not 0 <= args.metrics_port <= 65535:
-        print(f"error: --metrics-port {args.metrics_port}: a port is 1-65535 (0: off)",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_INVALID
+        return fail(f"--metrics-port {args.metrics_port}: a port is 1-65535 (0: off)", EXIT_INVALID)
     if args.interval <= 0 or args.lease_seconds <= args.interval:
-        print(
-            f"error: --lease-seconds ({args.lease_seconds}) must exceed --interval "
+        return fail(
+            f"--lease-seconds ({args.lease_seconds}) must exceed --interval "
             f"({args.interval}) > 0, or the Lease lapses between renewals",
-            file=sys.stderr,
+            EXIT_INVALID,
         )
-        return EXIT_INVALID
     settings = _settings(args)
     if args.from_capture is not None and not args.print:
-        print("error: --from-capture goes with --print", file=sys.stderr)
-        return EXIT_INVALID
+        return fail("--from-capture goes with --print", EXIT_INVALID)
     if args.print:
         return _print_board(Agent(settings), args.output, args.from_capture)
     try:
         api_client = connect(args.kubeconfig, in_cluster=args.in_cluster)
     except Exception as err:  # the config loaders raise several unrelated types
-        print(f"error: no cluster configuration: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"no cluster configuration: {err}", EXIT_INVALID)
     api = AgentApi(
         api_client,
         args.node_name,
@@ -118,16 +114,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
         try:
             metrics.serve(args.metrics_port)
         except OSError as err:
-            print(f"error: --metrics-port {args.metrics_port}: cannot listen: {err}",
-                  file=sys.stderr)  # fmt: skip
-            return EXIT_INVALID
+            return fail(f"--metrics-port {args.metrics_port}: cannot listen: {err}", EXIT_INVALID)
     agent = Agent(settings, api, metrics=metrics)
     if args.once:
         try:
             cycle = agent.cycle()
         except AgentApiError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return EXIT_API
+            return fail(str(err), EXIT_API)
         print(
             f"node {args.node_name}: {cycle.status.memory_mode}, board "
             + ("written" if cycle.wrote else "unchanged")

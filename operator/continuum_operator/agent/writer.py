@@ -16,7 +16,7 @@ the last *written* board is what changes are measured against).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -63,6 +63,18 @@ def connect(kubeconfig: str | None, *, in_cluster: bool) -> client.ApiClient:
 def _fail(what: str, err: client.ApiException) -> AgentApiError:
     body = (err.body or "").strip() if isinstance(err.body, str) else err.body
     return AgentApiError(f"{what}: {err.status} {err.reason}: {body}")
+
+
+def _create(what: str, if_missing: str, create: Callable[[], object]) -> None:
+    """Create `what`; one created meanwhile is fine (409). A 404 says that where it would be
+    made is missing (a CRD, a namespace): `if_missing` says what to check."""
+    try:
+        create()
+    except client.ApiException as err:
+        if err.status == 404:
+            raise _fail(f"creating {what} ({if_missing})", err) from err
+        if err.status != 409:
+            raise _fail(f"creating {what}", err) from err
 
 
 class AgentApi:
@@ -178,24 +190,18 @@ class AgentApi:
             "metadata": {"name": self.node, "ownerReferences": self._owner(facts)},
             "spec": {},
         }
-        try:
-            self._custom.create_cluster_custom_object(
+        _create(
+            f"NodeBoard {self.node}",
+            "is the NodeBoard CRD installed? kubectl apply -f crds/",
+            lambda: self._custom.create_cluster_custom_object(
                 GROUP,
                 VERSION,
                 NodeBoard.PLURAL,
                 body,
                 field_manager=FIELD_MANAGER,
                 _request_timeout=_TIMEOUT,
-            )
-        except client.ApiException as err:
-            if err.status == 404:
-                raise _fail(
-                    f"creating NodeBoard {self.node} (is the NodeBoard CRD installed? "
-                    "kubectl apply -f crds/)",
-                    err,
-                ) from err
-            if err.status != 409:  # created meanwhile: fine
-                raise _fail(f"creating NodeBoard {self.node}", err) from err
+            ),
+        )
 
     # --- the Lease -------------------------------------------------------------------------
 
@@ -232,19 +238,13 @@ class AgentApi:
         }
         lease = client.V1Lease.from_dict(body)
         assert lease is not None
-        try:
-            self._coordination.create_namespaced_lease(
+        _create(
+            f"Lease {self.lease_namespace}/{name}",
+            f"does namespace {self.lease_namespace} exist? see --lease-namespace",
+            lambda: self._coordination.create_namespaced_lease(
                 self.lease_namespace,
                 lease,
                 field_manager=FIELD_MANAGER,
                 _request_timeout=_TIMEOUT,
-            )
-        except client.ApiException as err:
-            if err.status == 404:
-                raise _fail(
-                    f"creating Lease {self.lease_namespace}/{name} (does namespace "
-                    f"{self.lease_namespace} exist? see --lease-namespace)",
-                    err,
-                ) from err
-            if err.status != 409:
-                raise _fail(f"creating Lease {self.lease_namespace}/{name}", err) from err
+            ),
+        )

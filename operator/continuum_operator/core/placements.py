@@ -8,32 +8,50 @@ the pool's floor (`core.embed`), so an engine planned on that node sees the lane
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from continuum_operator.core.plan import ServingPlan
 from continuum_operator.core.pools import ConsumerKind, Lease
+from continuum_operator.model.base import ObjectMeta
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine, EnginePlacement, EnginePoolBytes
+
+_P = TypeVar("_P", EnginePlacement, EmbedLanePlacement)
 
 
 def consumer_name(kind: ConsumerKind, namespace: str | None, name: str) -> str:
     return f"{kind}/{namespace}/{name}" if namespace else f"{kind}/{name}"
 
 
-def engine_leases(engines: Iterable[Engine]) -> list[Lease]:
+def _leases_of(
+    kind: ConsumerKind,
+    placed: Iterable[tuple[ObjectMeta, _P | None]],
+    leases_of: Callable[[str, _P], list[Lease]],
+) -> list[Lease]:
+    """The leases of every consumer of `kind` that has a placement, named as the ledger names
+    them (`consumer_name`); `placed`: each one's metadata and placement."""
     leases: list[Lease] = []
-    for engine in engines:
-        placement = engine.status.placement
-        if placement is None:
-            continue
-        consumer = consumer_name(
-            ConsumerKind.ENGINE, engine.metadata.namespace, engine.metadata.name
-        )
-        leases.extend(
-            Lease(consumer, ConsumerKind.ENGINE, placement.node, part.pool, part.bytes)
-            for part in placement.pools
-        )
+    for meta, placement in placed:
+        if placement is not None:
+            leases.extend(leases_of(consumer_name(kind, meta.namespace, meta.name), placement))
     return leases
+
+
+def _engine_placement_leases(consumer: str, placement: EnginePlacement) -> list[Lease]:
+    """The leases of one engine's placement: its bytes per pool."""
+    return [
+        Lease(consumer, ConsumerKind.ENGINE, placement.node, part.pool, part.bytes)
+        for part in placement.pools
+    ]
+
+
+def engine_leases(engines: Iterable[Engine]) -> list[Lease]:
+    return _leases_of(
+        ConsumerKind.ENGINE,
+        ((e.metadata, e.status.placement) for e in engines),
+        _engine_placement_leases,
+    )
 
 
 def placement_of(plan: ServingPlan) -> EnginePlacement:
@@ -63,13 +81,8 @@ def lane_placement_leases(consumer: str, placement: EmbedLanePlacement) -> list[
 
 
 def embedlane_leases(lanes: Iterable[EmbedLane]) -> list[Lease]:
-    leases: list[Lease] = []
-    for lane in lanes:
-        placement = lane.status.placement
-        if placement is None:
-            continue
-        consumer = consumer_name(
-            ConsumerKind.EMBED_LANE, lane.metadata.namespace, lane.metadata.name
-        )
-        leases.extend(lane_placement_leases(consumer, placement))
-    return leases
+    return _leases_of(
+        ConsumerKind.EMBED_LANE,
+        ((lane.metadata, lane.status.placement) for lane in lanes),
+        lane_placement_leases,
+    )

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,13 @@ from typing import Any
 from continuum_operator.core.compute import kv_cells_per_sequence
 from continuum_operator.core.receipts import Receipt, parse_llama_log
 
-__all__ = ["LaneModel", "LoadedContext", "gpu_offload_supported", "llama_build"]
+__all__ = [
+    "LaneModel",
+    "LoadedContext",
+    "captured_llama_log",
+    "gpu_offload_supported",
+    "llama_build",
+]
 
 # llama.cpp's log callback is process-wide: one load captures at a time.
 _log_lock = threading.Lock()
@@ -39,6 +47,30 @@ def _llama_cpp() -> Any:
 def llama_build() -> str:
     """The build receipts are filed under: llama-cpp-python's version (it pins llama.cpp)."""
     return f"llama-cpp-python {_llama_cpp().__version__}"
+
+
+@contextmanager
+def captured_llama_log() -> Iterator[list[str]]:
+    """llama.cpp's log while the block runs, as the chunks it writes (joined, the log text).
+
+    Through `llama_cpp.llama_log_set` with our callback: llama-cpp-python's own logger maps the
+    levels wrongly and drops lines when not verbose. Its logger is put back on leaving."""
+    llama_cpp = _llama_cpp()
+    chunks: list[str] = []
+
+    def on_log(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
+        if text:
+            chunks.append(text.decode("utf-8", "replace"))
+
+    callback = llama_cpp.llama_log_callback(on_log)
+    with _log_lock:
+        llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+        try:
+            yield chunks
+        finally:
+            from llama_cpp import _logger
+
+            llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 def gpu_offload_supported() -> bool:
@@ -117,35 +149,22 @@ class LaneModel:
 
     def _load(self, cells: int) -> LaneModel._Loaded:
         llama_cpp = _llama_cpp()
-        chunks: list[str] = []
-
-        def on_log(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
-            if text:
-                chunks.append(text.decode("utf-8", "replace"))
-
-        callback = llama_cpp.llama_log_callback(on_log)
         # The old context goes first: the lane never holds two (its lease covers one).
         self.close()
-        with _log_lock:
-            llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
-            try:
-                llm = llama_cpp.Llama(
-                    model_path=str(self.model),
-                    n_ctx=cells,
-                    n_batch=cells,
-                    n_ubatch=cells,
-                    n_threads=self.n_threads,
-                    n_gpu_layers=self.n_gpu_layers,
-                    flash_attn=self.flash_attn,
-                    embedding=True,
-                    pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
-                    verbose=False,
-                    seed=0,
-                )
-            finally:
-                from llama_cpp import _logger
-
-                llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+        with captured_llama_log() as chunks:
+            llm = llama_cpp.Llama(
+                model_path=str(self.model),
+                n_ctx=cells,
+                n_batch=cells,
+                n_ubatch=cells,
+                n_threads=self.n_threads,
+                n_gpu_layers=self.n_gpu_layers,
+                flash_attn=self.flash_attn,
+                embedding=True,
+                pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                verbose=False,
+                seed=0,
+            )
         self._llm = llm
         self.cells = cells
         text = "".join(chunks)

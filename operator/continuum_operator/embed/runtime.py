@@ -32,13 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
@@ -56,6 +55,7 @@ from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
 from continuum_operator.engine.admission import ServiceAccount, lane_audience
 from continuum_operator.engine.gateway import serve_app
 from continuum_operator.engine.grants_source import TokenReviewer
+from continuum_operator.engine.grants_source import custom_objects as _custom_objects
 from continuum_operator.engine.openai_api import error_body, error_type
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
@@ -450,16 +450,6 @@ async def watch_lane_file(
         await asyncio.sleep(poll_seconds)
 
 
-def _custom_objects() -> Any:
-    client: Any = importlib.import_module("kubernetes.client")
-    config: Any = importlib.import_module("kubernetes.config")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.CustomObjectsApi()
-
-
 class LaneObject:
     """The EmbedLane in the API: read for its lease, patched for `status.runtime` only."""
 
@@ -587,33 +577,27 @@ def _door(args: argparse.Namespace) -> Door | None:
 def cmd_embed(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if (args.lane is None) == (args.lane_file is None):
-        print("error: give --lane NAMESPACE/NAME or --lane-file FILE (one of them)",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_INVALID
+        return fail("give --lane NAMESPACE/NAME or --lane-file FILE (one of them)", EXIT_INVALID)
     if args.lane is not None and "/" not in args.lane:
-        print(f"error: --lane {args.lane}: expected NAMESPACE/NAME", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"--lane {args.lane}: expected NAMESPACE/NAME", EXIT_INVALID)
     if not args.model.is_file():
-        print(f"error: --model {args.model}: no such file", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"--model {args.model}: no such file", EXIT_INVALID)
     if args.unsafe_no_review and args.review_tokens:
-        print("error: --review-tokens and --unsafe-no-review contradict each other: give one",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_INVALID
+        return fail(
+            "--review-tokens and --unsafe-no-review contradict each other: give one", EXIT_INVALID
+        )
     reviewed = not args.unsafe_no_review
     if reviewed and args.lane is None and not (args.token_audience and args.callers_namespace):
-        print(
-            "error: --lane-file FILE: callers' tokens are reviewed with the API server; give "
+        return fail(
+            "--lane-file FILE: callers' tokens are reviewed with the API server; give "
             "--token-audience AUDIENCE and --callers-namespace NAMESPACE (whose service "
             "accounts are served), or, on a machine of your own, --unsafe-no-review",
-            file=sys.stderr,
+            EXIT_INVALID,
         )
-        return EXIT_INVALID
     try:
         return asyncio.run(serve(args))
     except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(str(err), EXIT_INVALID)
 
 
 def add_parser(sub: Any) -> None:

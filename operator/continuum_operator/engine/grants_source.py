@@ -86,11 +86,12 @@ async def watch_file(
         await asyncio.sleep(poll_seconds)
 
 
-def _custom_objects() -> Any:
-    # The Kubernetes client is untyped: its modules are handled as Any here.
+def custom_objects() -> Any:
+    """The Kubernetes client's CustomObjectsApi, configured in-cluster where the process runs in
+    a pod and from the kubeconfig elsewhere (the engine's and the lane's runtimes, `continuum
+    turn`). Imported on first use: the client is large and untyped (handled as Any here)."""
     client: Any = importlib.import_module("kubernetes.client")
     config: Any = importlib.import_module("kubernetes.config")
-
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -98,12 +99,16 @@ def _custom_objects() -> Any:
     return client.CustomObjectsApi()
 
 
+# The name `EngineStatusWriter` calls it by (that writer is being rewritten; kept until then).
+_custom_objects = custom_objects
+
+
 async def watch_engine(
     namespace: str, name: str, on_table: Callable[[GrantTable], None], *, api: Any = None
 ) -> None:
     """Call `on_table` with the Engine's grant table now and on every change (a watch)."""
     watch: Any = importlib.import_module("kubernetes.watch")
-    objects = api or _custom_objects()
+    objects = api or custom_objects()
     loop = asyncio.get_running_loop()
     stop = threading.Event()
 
@@ -172,7 +177,7 @@ async def watch_engine(
 
 async def read_engine_plan(namespace: str, name: str, *, api: Any = None) -> dict[str, Any]:
     """The Engine's `status.plan` (the estimate its receipt is checked against); {} if none."""
-    objects = api or _custom_objects()
+    objects = api or custom_objects()
     obj = await asyncio.to_thread(
         objects.get_namespaced_custom_object, GROUP, VERSION, namespace, "engines", name
     )
@@ -182,7 +187,7 @@ async def read_engine_plan(namespace: str, name: str, *, api: Any = None) -> dic
 
 async def read_engine_status(namespace: str, name: str, *, api: Any = None) -> dict[str, Any]:
     """The Engine's whole `status` (its plan, and the previous runtime's report); {} if none."""
-    objects = api or _custom_objects()
+    objects = api or custom_objects()
     obj = await asyncio.to_thread(
         objects.get_namespaced_custom_object, GROUP, VERSION, namespace, "engines", name
     )
@@ -206,7 +211,7 @@ class TokenReviewer:
     def _review(self, token: str) -> ServiceAccount | None:
         client: Any = importlib.import_module("kubernetes.client")
         if self.api is None:
-            _custom_objects()  # loads the configuration
+            custom_objects()  # loads the configuration
             self.api = client.AuthenticationV1Api()
         review = client.V1TokenReview(
             spec=client.V1TokenReviewSpec(token=token, audiences=[self.audience])

@@ -46,6 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from continuum_operator import manifests
+from continuum_operator.cli_errors import fail
 from continuum_operator.core import receipts, rfc3339
 from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
 from continuum_operator.engine import digest
@@ -752,26 +753,21 @@ def _reviewer(args: argparse.Namespace) -> TokenReviewer | None:
 def cmd_engine(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if (args.grants is None) == (args.engine is None):
-        print("error: give --grants FILE or --engine NAMESPACE/NAME (one of them)", file=sys.stderr)
-        return EXIT_INVALID
+        return fail("give --grants FILE or --engine NAMESPACE/NAME (one of them)", EXIT_INVALID)
     if args.engine is not None and "/" not in args.engine:
-        print(f"error: --engine {args.engine}: expected NAMESPACE/NAME", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"--engine {args.engine}: expected NAMESPACE/NAME", EXIT_INVALID)
     if not args.model.is_file():
-        print(f"error: --model {args.model}: no such file", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"--model {args.model}: no such file", EXIT_INVALID)
     if not args.unsafe_trust_mind_header and args.engine is None and not args.token_audience:
-        print(
-            "error: --grants FILE: give --token-audience AUDIENCE (minds' tokens are reviewed "
+        return fail(
+            "--grants FILE: give --token-audience AUDIENCE (minds' tokens are reviewed "
             "with the API server) or, on a machine of your own, --unsafe-trust-mind-header",
-            file=sys.stderr,
+            EXIT_INVALID,
         )
-        return EXIT_INVALID
     try:
         return asyncio.run(serve(args))
     except (GrantTableError, PlanFileError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(str(err), EXIT_INVALID)
 
 
 def add_parser(sub: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from continuum_operator.cli_errors import fail
 
 MIND_HEADER = "X-Continuum-Mind"
 TURN_HEADER = "X-Continuum-Turn"
@@ -249,14 +250,12 @@ EXIT_OK, EXIT_REFUSED, EXIT_INVALID, EXIT_CUT = 0, 1, 2, 3
 
 def _read_mind(namespace: str, name: str) -> dict[str, Any]:
     """The Mind object (her endpoint and turn deadline), with the kubeconfig or in-cluster."""
-    client: Any = importlib.import_module("kubernetes.client")
-    config: Any = importlib.import_module("kubernetes.config")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    mind: dict[str, Any] = client.CustomObjectsApi().get_namespaced_custom_object(
-        "continuum.dev", "v1alpha1", namespace, "minds", name
+    # Imported here: the turn client itself needs no Kubernetes, only this command does.
+    from continuum_operator.engine.grants_source import custom_objects
+    from continuum_operator.model.base import GROUP, VERSION
+
+    mind: dict[str, Any] = custom_objects().get_namespaced_custom_object(
+        GROUP, VERSION, namespace, "minds", name
     )
     return mind
 
@@ -302,29 +301,26 @@ async def _take_turn(args: argparse.Namespace, gateway: str, deadline: float) ->
 def cmd_turn(args: argparse.Namespace) -> int:
     namespace, _, name = args.mind.partition("/")
     if not namespace or not name:
-        print(f"error: {args.mind}: expected NAMESPACE/NAME of a Mind", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"{args.mind}: expected NAMESPACE/NAME of a Mind", EXIT_INVALID)
     gateway, deadline = args.gateway, args.deadline
     if gateway is None or deadline is None:
         try:
             mind = _read_mind(namespace, name)
         except Exception as err:  # no cluster, no such Mind: say which and what to give
-            print(
-                f"error: cannot read Mind {args.mind} ({err}); give --gateway URL "
+            return fail(
+                f"cannot read Mind {args.mind} ({err}); give --gateway URL "
                 "(and --deadline SECONDS) to take a turn without the cluster",
-                file=sys.stderr,
+                EXIT_INVALID,
             )
-            return EXIT_INVALID
         gateway = gateway or (mind.get("status") or {}).get("endpoint")
         if deadline is None:
             deadline = float((mind.get("spec") or {}).get("turnDeadlineSeconds", 1500))
         if not gateway:
-            print(
-                f"error: Mind {args.mind} has no status.endpoint yet (no engine serves her); "
+            return fail(
+                f"Mind {args.mind} has no status.endpoint yet (no engine serves her); "
                 "give --gateway URL",
-                file=sys.stderr,
+                EXIT_INVALID,
             )
-            return EXIT_INVALID
     return asyncio.run(_take_turn(args, str(gateway), float(deadline)))
 
 

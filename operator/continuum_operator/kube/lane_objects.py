@@ -64,27 +64,15 @@ def deployment_name(lane: EmbedLane) -> str:
 
 
 def _labels(lane: EmbedLane) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "continuum-embedlane",
-        "app.kubernetes.io/instance": lane.metadata.name,
-        "app.kubernetes.io/managed-by": objects.MANAGED_BY,
-        LANE_LABEL: lane.metadata.name,
-    }
+    return objects.app_labels("continuum-embedlane", LANE_LABEL, lane.metadata.name)
 
 
 def _selector(lane: EmbedLane) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "continuum-embedlane", LANE_LABEL: lane.metadata.name}
+    return objects.app_selector("continuum-embedlane", LANE_LABEL, lane.metadata.name)
 
 
 def _owner(lane: EmbedLane, uid: str) -> Obj:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "EmbedLane",
-        "name": lane.metadata.name,
-        "uid": uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+    return objects.controller_reference("EmbedLane", lane.metadata.name, uid)
 
 
 def _model(lane: EmbedLane, engine: Engine | None) -> ModelRef | None:

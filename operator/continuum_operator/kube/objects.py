@@ -56,28 +56,43 @@ MANAGED_BY = "continuum-operator"
 Obj = dict[str, Any]
 
 
-def labels(engine: Engine) -> dict[str, str]:
+def app_labels(app: str, key: str, name: str) -> dict[str, str]:
+    """The labels of what the operator runs for one resource: `app` names the kind of app,
+    `key` the label that names the resource (the selector's two, and the standard ones)."""
     return {
-        "app.kubernetes.io/name": "continuum-engine",
-        "app.kubernetes.io/instance": engine.metadata.name,
+        "app.kubernetes.io/name": app,
+        "app.kubernetes.io/instance": name,
         "app.kubernetes.io/managed-by": MANAGED_BY,
-        ENGINE_LABEL: engine.metadata.name,
+        key: name,
     }
 
 
-def selector(engine: Engine) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "continuum-engine", ENGINE_LABEL: engine.metadata.name}
+def app_selector(app: str, key: str, name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": app, key: name}
 
 
-def owner_reference(engine: Engine, uid: str) -> Obj:
+def controller_reference(kind: str, name: str, uid: str) -> Obj:
+    """An ownerReference to one of continuum.dev's resources as the controller of the object."""
     return {
         "apiVersion": API_VERSION,
-        "kind": "Engine",
-        "name": engine.metadata.name,
+        "kind": kind,
+        "name": name,
         "uid": uid,
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def labels(engine: Engine) -> dict[str, str]:
+    return app_labels("continuum-engine", ENGINE_LABEL, engine.metadata.name)
+
+
+def selector(engine: Engine) -> dict[str, str]:
+    return app_selector("continuum-engine", ENGINE_LABEL, engine.metadata.name)
+
+
+def owner_reference(engine: Engine, uid: str) -> Obj:
+    return controller_reference("Engine", engine.metadata.name, uid)
 
 
 def _ceil_mib(n: int) -> int:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote
 
+from continuum_operator.cli_errors import fail
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 
 __all__ = [
@@ -179,29 +179,27 @@ def cmd_release_finalizers(args: argparse.Namespace) -> int:
     if args.stop_operator is not None:
         ns, slash, name = str(args.stop_operator).partition("/")
         if not slash or not ns or not name:
-            print(f"error: --stop-operator {args.stop_operator!r}: expected NAMESPACE/NAME of "
-                  "the operator's Deployment", file=sys.stderr)  # fmt: skip
-            return EXIT_INVALID
+            return fail(
+                f"--stop-operator {args.stop_operator!r}: expected NAMESPACE/NAME of "
+                "the operator's Deployment",
+                EXIT_INVALID,
+            )
         stop = (ns, name)
     if args.timeout <= 0:
-        print(f"error: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"--timeout {args.timeout}: must be > 0 seconds", EXIT_INVALID)
     try:
         api = KubeApi(args.kubeconfig)
     except Exception as err:  # the config loaders raise several unrelated types
-        print(f"error: no cluster configuration: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        return fail(f"no cluster configuration: {err}", EXIT_INVALID)
     try:
         if stop is not None:
             pods = stop_operator(api, *stop, timeout=args.timeout)
             print(f"operator {stop[0]}/{stop[1]} stopped ({pods} pod(s) waited for)")
         done = release_finalizers(api)
     except StopTimeout as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_API
+        return fail(str(err), EXIT_API)
     except (ApiError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_API
+        return fail(str(err), EXIT_API)
     for what in done.released:
         print(f"released {what}")
     print(f"{len(done.released)} of {done.seen} object(s) had the operator's finalizer")

@@ -2,35 +2,22 @@
 
 For tests and benches on the CPU: `load_and_log(path, n_ctx=..., ...)` loads the model with
 the settings the engine uses (flash attention, KV type, micro-batch), captures llama.cpp's own
-log through `llama_cpp.llama_log_set` with our callback (llama-cpp-python's logger maps the
-levels wrongly and drops lines when not verbose), frees the model and returns the log text.
+log (`embed.lane.captured_llama_log`), frees the model and returns the log text.
 `core.receipts.parse_llama_log` reads the buffers from it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import threading
+import importlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["llama_build", "load_and_log"]
+from continuum_operator.embed.lane import captured_llama_log, llama_build
 
-_lock = threading.Lock()
+__all__ = ["llama_build", "load_and_log"]
 
 # llama.cpp's kv type names to ggml's type ids (ggml.h: GGML_TYPE_F32 0, F16 1, Q4_0 2, Q8_0 8).
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
-
-
-def _llama_cpp() -> Any:
-    import llama_cpp
-
-    return llama_cpp
-
-
-def llama_build() -> str:
-    """The build a receipt is filed under: llama-cpp-python's version (it pins llama.cpp)."""
-    return f"llama-cpp-python {_llama_cpp().__version__}"
 
 
 def load_and_log(
@@ -45,37 +32,24 @@ def load_and_log(
     decode: bool = False,
 ) -> str:
     """llama.cpp's log of loading `path` at `n_ctx` (and, with `decode`, of one short decode)."""
-    llama_cpp = _llama_cpp()
-    chunks: list[str] = []
-
-    def on_log(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
-        if text:
-            chunks.append(text.decode("utf-8", "replace"))
-
-    callback = llama_cpp.llama_log_callback(on_log)
-    with _lock:
-        llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    llama_cpp: Any = importlib.import_module("llama_cpp")  # an extra: imported on use
+    with captured_llama_log() as chunks:
+        kwargs: dict[str, Any] = {
+            "model_path": str(path),
+            "n_ctx": n_ctx,
+            "n_batch": n_batch,
+            "n_ubatch": n_ubatch,
+            "n_threads": n_threads,
+            "flash_attn": flash_attn,
+            "type_k": _GGML_TYPES[kv_type],
+            "type_v": _GGML_TYPES[kv_type],
+            "verbose": False,
+            "seed": 0,
+        }
+        llm = llama_cpp.Llama(**kwargs)
         try:
-            kwargs: dict[str, Any] = {
-                "model_path": str(path),
-                "n_ctx": n_ctx,
-                "n_batch": n_batch,
-                "n_ubatch": n_ubatch,
-                "n_threads": n_threads,
-                "flash_attn": flash_attn,
-                "type_k": _GGML_TYPES[kv_type],
-                "type_v": _GGML_TYPES[kv_type],
-                "verbose": False,
-                "seed": 0,
-            }
-            llm = llama_cpp.Llama(**kwargs)
-            try:
-                if decode:
-                    llm("hello world", max_tokens=2, temperature=0.0)
-            finally:
-                llm.close()
+            if decode:
+                llm("hello world", max_tokens=2, temperature=0.0)
         finally:
-            from llama_cpp import _logger
-
-            llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+            llm.close()
     return "".join(chunks)
