@@ -83,7 +83,7 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
                 "phase": "Serving",
                 "slotReleases": [
                     SlotRelease(
-                        f"{namespace}/mira", 0, "Preempted", reclaim["since"], 0.0, 0
+                        f"{namespace}/mira", 0, "Preempted", str(reclaim["since"]), 0.0, 0
                     ).to_status()
                 ],
             }
