@@ -15,6 +15,7 @@ from kubernetes import config
 
 from continuum_operator import yaml_text
 from continuum_operator.engine.admission import GrantTable
+from continuum_operator.engine.gateway import SlotRelease
 from continuum_operator.engine.grants_source import EngineStatusWriter, watch_engine
 from continuum_operator.model.mind import GrantState
 from tests.e2e.conftest import Cluster
@@ -80,7 +81,11 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
             writer = EngineStatusWriter(namespace, "coder-8b", api=objects)
             runtime = {
                 "phase": "Serving",
-                "slotReleases": [{"mind": f"{namespace}/mira", "slot": 0, "reason": "Preempted"}],
+                "slotReleases": [
+                    SlotRelease(
+                        f"{namespace}/mira", 0, "Preempted", str(reclaim["since"]), 0.0, 0
+                    ).to_status()
+                ],
             }
             await writer.write(runtime)
             await writer.write(runtime)  # unchanged: no second write

@@ -38,16 +38,11 @@ class Spec(BaseModel):
     )
 
 
-class OpenStatus(BaseModel):
-    """A status part whose fields a later writer owns; kept open so writers can evolve it."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="allow",
-        frozen=True,
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-    )
+def nullable(description: str) -> Any:
+    """An optional status field its writer writes as null where it does not know it: the CRD
+    says `nullable`, so the API server keeps the null (in a list, which a merge patch replaces
+    whole, or in an object written by replace) rather than prune it."""
+    return Field(default=None, description=description, json_schema_extra={"nullable": True})
 
 
 class ObjectMeta(BaseModel):

@@ -16,11 +16,11 @@ from continuum_operator.model.base import (
     LabelNamedMeta,
     Name,
     ObservedGeneration,
-    OpenStatus,
     Resource,
     Spec,
 )
 from continuum_operator.model.engine import ModelRef
+from continuum_operator.model.runtime import LaneRuntimeStatus
 
 
 class EmbedLaneSpec(Spec):
@@ -103,10 +103,8 @@ class EmbedLaneStatus(Spec):
     """Where the lane resides and what it is charged (the operator), what it has embedded (the
     lane runtime)."""
 
-    model_config = Spec.model_config | {"extra": "allow"}
-
     placement: EmbedLanePlacement | None = None
-    runtime: OpenStatus | None = Field(
+    runtime: LaneRuntimeStatus | None = Field(
         default=None,
         description="What the lane runtime reports: the largest context embedded, receipts.",
     )

@@ -20,11 +20,13 @@ from continuum_operator.model.base import (
     Conditions,
     LabelNamedMeta,
     ObservedGeneration,
-    OpenStatus,
     PositiveInt,
     Resource,
     Spec,
+    nullable,
 )
+from continuum_operator.model.kv import KvCacheType as KvCacheType  # re-exported: its home before
+from continuum_operator.model.runtime import EngineRuntimeStatus
 
 GiB = 1024**3
 
@@ -44,25 +46,6 @@ KvPerLayerBytes = Annotated[
     int | list[int],
     Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True, "minimum": 1}),
 ]
-
-
-class KvCacheType(StrEnum):
-    F32 = "f32"
-    F16 = "f16"
-    Q8_0 = "q8_0"
-    Q4_0 = "q4_0"
-
-    @property
-    def bytes_ratio_to_f16(self) -> tuple[int, int]:
-        """Bytes of this type per bytes of f16, as a fraction (llama.cpp block sizes)."""
-        return {
-            KvCacheType.F32: (2, 1),
-            KvCacheType.F16: (1, 1),
-            # q8_0: 34 bytes per block of 32 values, f16: 64 bytes for the same 32.
-            KvCacheType.Q8_0: (34, 64),
-            # q4_0: 18 bytes per block of 32 values.
-            KvCacheType.Q4_0: (18, 64),
-        }[self]
 
 
 class ModelFacts(Spec):
@@ -511,11 +494,100 @@ def _plan_schema(schema: dict[str, Any]) -> None:
     schema.update(plan_status_schema(_PLAN_DESCRIPTION))
 
 
+class EngineEnforcement(Spec):
+    """The per-process caps applied to the engine's pod and their numbers
+    (`kube.objects.enforcement`), written by the operator with the pod it makes."""
+
+    engine_args: bool = Field(description="The plan's arguments bound llama-server's buffers.")
+    memory_limit_bytes: Bytes = Field(description="The container's memory limit (host bytes).")
+    qos_class: str = Field(max_length=32, description="The pod's QoS class.")
+    gpu_sharing: str = Field(
+        max_length=16,
+        description="How device bytes are enforced beyond the arguments: none, "
+        "hami, mps or auto (the operator's --gpu-sharing).",
+    )
+    gpus: int = Field(ge=0, le=64, description="GPUs the pod asks for.")
+    hami_gpumem_mib: int | None = Field(
+        default=None,
+        ge=0,
+        alias="hamiGpumemMiB",
+        description="hami: nvidia.com/gpumem asked per GPU, in MiB.",
+    )
+    mps_pinned_device_mem_limit: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="mps: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT set in the engine's environment.",
+    )
+
+
+class GrantCapacity(Spec):
+    """The pool the grant ledger was last made for (`kube.ledger.Pool`), written with it by the
+    operator's leader: a launch that changed while minds hold slots of the old one drains."""
+
+    phase: str = Field(
+        max_length=32,
+        description="Serving, Draining, Relaunching, Starting or Unschedulable.",
+    )
+    slots: int = Field(ge=0, description="Slots the ledger grants from.")
+    tokens_per_slot: int = Field(ge=0, description="KV tokens of one slot.")
+    launch: str | None = nullable(
+        "The launch (node and engine arguments, hashed) the slots belong to."
+    )
+    target_slots: int | None = Field(
+        default=None, ge=0, description="Draining: the slots of the new launch."
+    )
+
+
+class GrantQueue(Spec):
+    """Written with the ledger only when entries were left out of it: the totals, and what the
+    Engine keeps (docs/grants.md, "Bounded")."""
+
+    queued: int = Field(ge=0, description="Minds queued in all.")
+    refused: int = Field(ge=0, description="Minds refused in all.")
+    kept_queued: int = Field(ge=0, description="Queued entries status.grants keeps.")
+    kept_refused: int = Field(ge=0, description="Refused entries status.grants keeps.")
+
+
+class GrantStepLine(Spec):
+    """One transition log line of the step (docs/transition-log.md): a `capacity` line or a
+    `transition` line, with times as RFC 3339."""
+
+    t: str = Field(max_length=64, description="When the step was decided.")
+    engine: str = Field(max_length=512, description="NAMESPACE/NAME of the Engine.")
+    event: str = Field(max_length=32, description="capacity or transition.")
+    phase: str | None = nullable("capacity: the pool's phase.")
+    slots: int | None = nullable("capacity: its slots.")
+    tokens_per_slot: int | None = nullable("capacity: tokens of one slot.")
+    mind: str | None = nullable("transition: NAMESPACE/NAME of the Mind.")
+    from_: str | None = Field(
+        default=None,
+        alias="from",
+        description="transition: her state before (null: she was not in the ledger).",
+        json_schema_extra={"nullable": True},
+    )
+    to: str | None = nullable("transition: her state after.")
+    reason: str | None = nullable("transition: why.")
+    by: str | None = nullable("transition: the Mind she yields her slot to.")
+    tokens: int | None = nullable("transition: tokens she holds.")
+    slot: int | None = nullable("transition: her slot.")
+    priority: int | None = nullable("transition: her priority.")
+    protection_window: float | None = nullable("transition: her protection window (seconds).")
+    deadline: str | None = nullable("transition: the grace deadline of a reclaim (RFC 3339).")
+
+
+class GrantStep(Spec):
+    """The journal of the ledger's last step (`kube.ledger_journal`), written with it: a leader
+    that died between the ledger write and the log append has its step logged by the next."""
+
+    seq: int = Field(ge=0, description="The step's sequence number.")
+    t: str = Field(max_length=64, description="When it was decided (RFC 3339).")
+    lines: list[GrantStepLine] = Field(description="Its log lines, of the minds the Engine keeps.")
+    omitted: int | None = Field(default=None, ge=0, description="Lines not kept.")
+
+
 class EngineStatus(Spec):
     """What the operator decided for the engine and what the running engine reports; each part
     has one writer (docs/design.md, "One writer per status field")."""
-
-    model_config = Spec.model_config | {"extra": "allow"}
 
     # A plain dict here, as the plan writes it (`ServingPlan.to_dict`); the CRD types it with
     # the plan's own JSON Schema (`model.plan_status`).
@@ -534,11 +606,11 @@ class EngineStatus(Spec):
         "slot, since, reason), written only by the operator's leader (docs/grants.md).",
         json_schema_extra=_grant_entries_schema,
     )
-    enforcement: OpenStatus | None = Field(
-        default=None,
-        description="The per-process caps applied to the engine's pod and their numbers.",
-    )
-    runtime: OpenStatus | None = Field(
+    grant_capacity: GrantCapacity | None = None
+    grant_queue: GrantQueue | None = None
+    grant_step: GrantStep | None = None
+    enforcement: EngineEnforcement | None = None
+    runtime: EngineRuntimeStatus | None = Field(
         default=None,
         description="What the engine runtime reports: receipts, layers actually offloaded, "
         "GPU offload support, slot releases (docs/receipts.md, docs/gateway.md).",
