@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 from continuum_operator.core.bestfit import Decision, Fleet, NodeView, choose  # noqa: E402
 from continuum_operator.core.plan import ServingPlan, plan  # noqa: E402
-from continuum_operator.core.pools import Board, Ledger  # noqa: E402
+from continuum_operator.core.pools import Board, BoardLeases  # noqa: E402
 from continuum_operator.core.unfit import explain  # noqa: E402
 from continuum_operator.manifests import load_one  # noqa: E402
 from continuum_operator.model.board import NodeBoard  # noqa: E402
@@ -54,7 +54,7 @@ def one_plan(runs: int = 1000) -> float:
     engine = load_one(Engine, ROOT / "examples/engines/agent-32b.yaml")
     facts = engine.spec.model.facts
     assert facts is not None
-    ledger = Ledger(board)
+    ledger = BoardLeases(board)
     times = []
     for _ in range(runs):
         t = time.perf_counter()

@@ -228,7 +228,7 @@ def plan_run(
     why = f"continuum plan: exit {r.returncode}: {r.stderr.strip()[-1500:]}"
     try:  # what cmd_plan does, in this process: the CLI's imports (kubernetes) not needed
         from continuum_operator.core.plan import plan
-        from continuum_operator.core.pools import Board, Ledger
+        from continuum_operator.core.pools import Board, BoardLeases
         from continuum_operator.engine.receipts import load_receipts
         from continuum_operator.manifests import load_one
         from continuum_operator.model.board import NodeBoard
@@ -238,7 +238,9 @@ def plan_run(
         spec = load_one(Engine, engine).spec
         assert spec.model.facts is not None
         receipts = load_receipts([receipt] if receipt is not None else [])
-        got = plan(core_board, spec, spec.model.facts, Ledger.of(core_board, []), receipts=receipts)
+        got = plan(
+            core_board, spec, spec.model.facts, BoardLeases.of(core_board, []), receipts=receipts
+        )
         doc = got.to_dict()
         doc["via"] = "library (the CLI failed)"
         return doc, why

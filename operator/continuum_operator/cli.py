@@ -21,7 +21,7 @@ from continuum_operator.cli_errors import fail
 from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import ServingPlan, plan
-from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.core.pools import Board, BoardLeases
 from continuum_operator.embed import runtime as embed_runtime
 from continuum_operator.engine import runtime as engine_runtime
 from continuum_operator.engine import turn as turn_cli
@@ -101,7 +101,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     me = (engine.metadata.namespace, engine.metadata.name)
     leases = engine_leases(e for e in others if (e.metadata.namespace, e.metadata.name) != me)
     core_board = Board.from_resource(board)
-    result = plan(core_board, engine.spec, facts, Ledger.of(core_board, leases), receipts=receipts)
+    result = plan(
+        core_board, engine.spec, facts, BoardLeases.of(core_board, leases), receipts=receipts
+    )
     _print_plan(result, args.output)
     if not result.schedulable:
         for reason in result.reasons:

@@ -30,7 +30,7 @@ from continuum_operator.core.embed import (
     residence,
 )
 from continuum_operator.core.plan import plan
-from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import Receipt, is_host_buffer
 from continuum_operator.embed.lane import LaneModel
 from continuum_operator.embed.runtime import LaneRuntime, LaneState, lane_state_from
@@ -87,7 +87,7 @@ def placed_lane(
     where, why = residence(backend_offloads=offloads, layers_on_device=layers, total_layers=total)
     return place_lane(
         b,
-        Ledger.of(b, leases or []),
+        BoardLeases.of(b, leases or []),
         LaneAsk(LANE, max_ctx, status["largestContextTokens"], floors or {}),
         LaneSizer(facts, receipts_of(status)),
         where=where,
@@ -316,7 +316,7 @@ def test_a_request_too_large_for_the_pool_is_refused_without_disturbing_the_engi
         rt.set_state(lane_state_from({"spec": {"maxContextTokens": 4096},
                                       "status": {"placement": p.to_dict()}}))  # fmt: skip
         before = plan(
-            b, engine, facts, Ledger.of(b, [*eng, *p.leases()]), crediting="Engine/ns/eng"
+            b, engine, facts, BoardLeases.of(b, [*eng, *p.leases()]), crediting="Engine/ns/eng"
         )
 
         code, body = run(rt.embed([" ".join(["memory"] * 900)]))
@@ -338,7 +338,7 @@ def test_a_request_too_large_for_the_pool_is_refused_without_disturbing_the_engi
             max_ctx=4096,
             floors=dict(p.floors),
         )
-        after = plan(b, engine, facts, Ledger.of(b, [*eng, *again.leases()]),
+        after = plan(b, engine, facts, BoardLeases.of(b, [*eng, *again.leases()]),
                      crediting="Engine/ns/eng")  # fmt: skip
     finally:
         model.close()

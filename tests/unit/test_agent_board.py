@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from continuum_operator.agent import nvml, probe
 from continuum_operator.core.nodeboard import board_status
 from continuum_operator.core.plan import plan
-from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.core.pools import Board, BoardLeases
 from continuum_operator.core.readings import (
     Addressing,
     CgroupLimit,
@@ -199,7 +199,7 @@ class TestUnified:
         doc = fixture("apple-m5-unified")
         status = board_of(doc)
         board = Board.from_resource(NodeBoard(metadata={"name": "m5"}, status=status))
-        ledger = Ledger.of(board, [])
+        ledger = BoardLeases.of(board, [])
         device, host = board.device_view(0), board.host_view()
         assert device is not None and host is not None and device is host
         free = ledger.available_bytes(device.key)
@@ -217,7 +217,7 @@ class TestUnified:
         board = Board.from_resource(NodeBoard(metadata={"name": "m5"}, status=status))
         engine = Engine.model_validate(example("engines", "agent-32b"))
         assert engine.spec.model.facts is not None
-        result = plan(board, engine.spec, engine.spec.model.facts, Ledger.of(board, []))
+        result = plan(board, engine.spec, engine.spec.model.facts, BoardLeases.of(board, []))
         assert result.budget.device == status.per_process_cap_bytes
         assert result.layers_on_device == result.total_layers
         assert result.minds_grantable == engine.spec.minds.max

@@ -23,7 +23,7 @@ from continuum_operator.core.embed import (
 )
 from continuum_operator.core.placements import embedlane_leases
 from continuum_operator.core.plan import plan
-from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import ModelFacts
@@ -151,7 +151,7 @@ def test_the_estimate_grows_with_the_context() -> None:
 def place(b: Board, leases: list[Lease], ask: LaneAsk, where: Residence = Residence.HOST,
           sizer: LaneSizer | None = None) -> LanePlacement:  # fmt: skip
     return place_lane(
-        b, Ledger.of(b, leases), ask, sizer or LaneSizer(FACTS), where=where,
+        b, BoardLeases.of(b, leases), ask, sizer or LaneSizer(FACTS), where=where,
         residence_reason=LaneReason.ENGINE_ON_HOST, gpus=[0],
     )  # fmt: skip
 
@@ -211,7 +211,7 @@ def test_a_placed_lane_shows_in_the_node_ledger_and_in_the_engine_plan() -> None
     spec = engine(engine_body(offload="none", reserveBytes=0)).spec
     facts = spec.model.facts
     assert facts is not None
-    alone = plan(b, spec, facts, Ledger(b))
+    alone = plan(b, spec, facts, BoardLeases(b))
     p = place(b, [], LaneAsk(LANE, max_context_tokens=16384))
     lane = EmbedLane.model_validate(
         {
@@ -224,7 +224,7 @@ def test_a_placed_lane_shows_in_the_node_ledger_and_in_the_engine_plan() -> None
     )
     leases = embedlane_leases([lane])
     assert [(x.pool, x.bytes) for x in leases] == [("host", p.charges["host"])]
-    beside = plan(b, spec, facts, Ledger.of(b, leases))
+    beside = plan(b, spec, facts, BoardLeases.of(b, leases))
     assert alone.budget.host is not None and beside.budget.host is not None
     assert alone.budget.host - beside.budget.host == p.charges["host"]
 
@@ -314,7 +314,7 @@ def scenes(draw: st.DrawFn) -> dict[str, Any]:
 @given(scenes())
 def test_a_lane_never_over_commits_a_pool(scene: dict[str, Any]) -> None:
     b, others = scene["board"], scene["others"]
-    ledger = Ledger.of(b, others)
+    ledger = BoardLeases.of(b, others)
     p = place(b, others, LaneAsk(LANE, scene["max"]), scene["where"], scene["sizer"])
     if p.verdict is not Verdict.FITS:
         assert p.leases() == []
@@ -323,7 +323,7 @@ def test_a_lane_never_over_commits_a_pool(scene: dict[str, Any]) -> None:
     for pool, n in p.charges.items():
         available = ledger.available_bytes(pool)
         assert available is not None and n <= available
-    after = Ledger.of(b, [*others, *p.leases()])
+    after = BoardLeases.of(b, [*others, *p.leases()])
     for pool in p.charges:
         assert after.leased_bytes(pool) <= max(
             b.pools[pool].capacity_bytes, ledger.leased_bytes(pool)

@@ -21,7 +21,7 @@ from continuum_operator.core.board_change import board_change
 from continuum_operator.core.gpu_check import GpuVerdict
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import plan
-from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.core.pools import Board, BoardLeases
 from continuum_operator.kube.cache import BoardEntry, Snapshot
 from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
@@ -204,7 +204,7 @@ def _unavailable(body: dict[str, Any], status: NodeBoardStatus) -> dict[str, int
     placement against the board the agent measured."""
     entry = _entry(status, "x")
     assert entry.board is not None
-    ledger = Ledger.of(entry.board, engine_leases([Engine.model_validate(body)]))
+    ledger = BoardLeases.of(entry.board, engine_leases([Engine.model_validate(body)]))
     out = {}
     for key in ("device/0", "device/1"):
         left = ledger.available_bytes(key)

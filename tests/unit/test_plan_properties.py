@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from continuum_operator.core.plan import ServingPlan, plan
-from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger, Pool
+from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease, Pool
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import EngineSpec
 from tests.builders import GiB, MiB, board, board_body, engine, engine_body
@@ -116,7 +116,7 @@ def plan_of(
     b = board(board_doc)
     spec = engine(engine_doc).spec
     assert spec.model.facts is not None
-    return plan(b, spec, spec.model.facts, Ledger.of(b, leases))
+    return plan(b, spec, spec.model.facts, BoardLeases.of(b, leases))
 
 
 def rank(p: ServingPlan) -> tuple[int, int]:
@@ -132,7 +132,7 @@ def test_no_pool_is_charged_past_what_it_has_available(data: st.DataObject) -> N
     if not p.schedulable:
         assert p.charges == () and p.minds_grantable == 0
         return
-    ledger = Ledger.of(b, leases)
+    ledger = BoardLeases.of(b, leases)
     for pool, charged in p.charges:
         available = ledger.available_bytes(pool)
         if available is None:  # unsampled: planned against capacity less leases
@@ -156,7 +156,7 @@ def test_no_pool_is_charged_past_what_it_has_available(data: st.DataObject) -> N
 def test_on_a_unified_board_the_device_and_host_views_always_agree(data: st.DataObject) -> None:
     b = board(data.draw(boards("unified")))
     leases = data.draw(leases_for(b))
-    ledger = Ledger.of(b, leases)
+    ledger = BoardLeases.of(b, leases)
     device, host = b.device_view(0), b.host_view()
     assert device is not None and host is not None
     assert ledger.available_bytes(device.key) == ledger.available_bytes(host.key)
@@ -251,7 +251,7 @@ def test_the_successor_of_a_running_engine_is_credited_its_own_residency() -> No
     spec: EngineSpec = engine(engine_body()).spec
     assert spec.model.facts is not None
     own = Lease("Engine/ns/eng", ConsumerKind.ENGINE, b.node, "unified", 30 * GiB)
-    ledger = Ledger.of(b, [own])
+    ledger = BoardLeases.of(b, [own])
     admitted = plan(b, spec, spec.model.facts, ledger)
     successor = plan(b, spec, spec.model.facts, ledger, crediting="Engine/ns/eng")
     assert successor.budget.shared is not None and admitted.budget.shared is not None
@@ -270,8 +270,8 @@ def test_a_pool_not_yet_sampled_is_planned_against_capacity_and_says_so() -> Non
 
 def test_an_unsampled_pool_reports_unknown_availability_never_full() -> None:
     b = Board("n", MemoryMode.UNIFIED, {"unified": Pool("unified", *_unified(64 * GiB))})
-    assert Ledger(b).available_bytes("unified") is None
-    assert Ledger(b).external_bytes("unified") is None
+    assert BoardLeases(b).available_bytes("unified") is None
+    assert BoardLeases(b).external_bytes("unified") is None
 
 
 def _unified(capacity: int) -> tuple[Any, int, None]:

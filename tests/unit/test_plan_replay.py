@@ -9,7 +9,7 @@ The plan must put every layer on the device and grant all 4 minds.
 from __future__ import annotations
 
 from continuum_operator.core.plan import ReasonCode, plan
-from continuum_operator.core.pools import Ledger
+from continuum_operator.core.pools import BoardLeases
 from continuum_operator.model.board import MemoryMode
 from tests.builders import GB, MiB, board, board_body, engine, example
 
@@ -81,7 +81,7 @@ def test_the_device_view_and_the_host_view_of_the_m5_pool_agree() -> None:
     bd = board(b)
     assert bd.memory_mode is MemoryMode.UNIFIED
     assert bd.device_view(0) is bd.host_view()
-    ledger = Ledger(bd)
+    ledger = BoardLeases(bd)
     pool = bd.host_view()
     assert pool is not None
     assert ledger.available_bytes(pool.key) == 32_299 * MiB

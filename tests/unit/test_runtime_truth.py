@@ -22,7 +22,7 @@ import pytest
 
 from continuum_operator.cli import main
 from continuum_operator.core.plan import plan
-from continuum_operator.core.pools import Ledger
+from continuum_operator.core.pools import BoardLeases
 from continuum_operator.core.receipts import (
     LOG_RESOLUTION_BYTES,
     BufferKind,
@@ -325,17 +325,17 @@ def test_a_plan_says_whether_its_bytes_are_a_receipts_or_an_estimate() -> None:
     assert spec.model.facts is not None
     b = discrete("a", 80).board
     assert b is not None
-    estimate = plan(b, spec, spec.model.facts, Ledger(b))
+    estimate = plan(b, spec, spec.model.facts, BoardLeases(b))
     assert estimate.to_dict()["source"] == "estimate" and estimate.to_dict()["receipt"] is None
     receipt = _receipt_for(estimate.to_dict(), "ab" * 32)
-    measured = plan(b, spec, spec.model.facts, Ledger(b), receipts=[receipt])
+    measured = plan(b, spec, spec.model.facts, BoardLeases(b), receipts=[receipt])
     doc = measured.to_dict()
     assert doc["source"] == "receipt" and doc["receipt"]["modelSha256"] == "ab" * 32
     assert doc["bytes"]["device"]["weights"] == _sum(receipt, False, BufferKind.MODEL)
     assert doc["bytes"]["device"]["kv"] == _sum(receipt, False, BufferKind.KV)
     assert doc["bytes"]["host"]["compute"] == _sum(receipt, True, BufferKind.COMPUTE)
     # Another build than the one running: not this launch's receipt.
-    other = plan(b, spec, spec.model.facts, Ledger(b), receipts=[receipt], llama_build="1 (x)")
+    other = plan(b, spec, spec.model.facts, BoardLeases(b), receipts=[receipt], llama_build="1 (x)")
     assert other.to_dict()["source"] == "estimate"
 
 

@@ -12,7 +12,7 @@ import pytest
 from continuum_operator.core.bestfit import NodeView, choose, leftover_bytes, rank
 from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.core.plan import plan
-from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.kube.api import resource_of
 from continuum_operator.kube.cache import Cache, EngineKey, parse_time
 from continuum_operator.kube.occupancy import other_leases
@@ -183,7 +183,7 @@ def test_nodes_alike_are_planned_once_and_each_gets_the_plan_it_would_alone() ->
     decision = choose(views, spec, spec.model.facts, held)
     ranked = []
     for b, verdict in zip(sorted(boards, key=lambda b: b.node), decision.verdicts, strict=True):
-        ledger = Ledger.of(b, held)
+        ledger = BoardLeases.of(b, held)
         alone = plan(b, spec, spec.model.facts, ledger)
         assert verdict.node == b.node
         assert verdict.plan == alone

@@ -178,7 +178,7 @@ def test_quota_held_waits_pass_the_transition_log_checker() -> None:
     minds = [mind("t/a"), mind("t/b", arrival=1), mind("u/c", arrival=2)]
     a = run({}, minds, cap(3), 0.0, {"t": 1000})
     assert a.grants["t/b"].reason is GrantReason.QUOTA_EXCEEDED
-    pool = ledger.Pool(cap(3), "launch")
+    pool = ledger.GrantPool(cap(3), "launch")
     s = ledger.LedgerStep(a.grants, ((pool, a.transitions),), [], True, None)
     lines = ledger.log_lines(0.0, "ns/e", None, s)
     # A free slot stays while t/b is queued: the checker does not call that a violation, since

@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from continuum_operator.core.plan import ServingPlan, SizeTable, plan
 from continuum_operator.core.plan_reasons import ReasonCode
-from continuum_operator.core.pools import Board, Lease, Ledger
+from continuum_operator.core.pools import Board, BoardLeases, Lease
 from continuum_operator.core.prefilter import NO_BUDGET, Boards, Kind, kind_of, outcome
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.model.engine import EngineSpec, ModelFacts
@@ -183,7 +183,7 @@ def matches(spec: EngineSpec, labels: Mapping[str, str]) -> Exclusion | None:
     return None
 
 
-def leftover_bytes(p: ServingPlan, ledger: Ledger, *, crediting: str | None = None) -> int:
+def leftover_bytes(p: ServingPlan, ledger: BoardLeases, *, crediting: str | None = None) -> int:
     """Bytes the charged pools would still have free after this plan: smaller is tighter."""
     left = 0
     for pool, charge in p.charges:
@@ -242,7 +242,7 @@ class Fleet:
         # planned on (its selectors aside).
         self.late = [_late(view) for view in self.views]
         self.ledgers = [
-            Ledger.of(view.board, on.get(view.board.node, ()))
+            BoardLeases.of(view.board, on.get(view.board.node, ()))
             if view.node_exists and late is None
             else None
             for view, late in zip(self.views, self.late, strict=True)
@@ -350,7 +350,7 @@ class Fleet:
         if self._rows is None:
             read: list[int] = []
             unread: list[int] = []
-            ledgers: list[Ledger] = []
+            ledgers: list[BoardLeases] = []
             kinds: list[Kind] = []
             for i, ledger in enumerate(self.ledgers):
                 if ledger is None:

@@ -41,7 +41,7 @@ from continuum_operator.core.compute import (
 )
 from continuum_operator.core.modes import rules_of
 from continuum_operator.core.monotone import last_true
-from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import BufferKind, Receipt, is_host_buffer
 from continuum_operator.model.engine import KvCacheType, ModelFacts
 
@@ -380,7 +380,7 @@ class _LaneFit:
     every pool it charges holds it beside the other leases (crediting the lane's own)."""
 
     board: Board
-    ledger: Ledger
+    ledger: BoardLeases
     ask: LaneAsk
     sizer: LaneSizer
     where: Residence
@@ -421,7 +421,7 @@ class _LaneFit:
 
 def place_lane(
     board: Board,
-    ledger: Ledger,
+    ledger: BoardLeases,
     ask: LaneAsk,
     sizer: LaneSizer,
     *,

@@ -42,7 +42,7 @@ from continuum_operator.core.compute import (
 from continuum_operator.core.modes import Budget, BudgetAsk, Budgeted, ModeRules, rules_of
 from continuum_operator.core.monotone import last_true
 from continuum_operator.core.plan_reasons import Reason, ReasonCode
-from continuum_operator.core.pools import Board, Ledger
+from continuum_operator.core.pools import Board, BoardLeases
 from continuum_operator.core.receipts import (
     LOG_RESOLUTION_BYTES,
     BufferKind,
@@ -565,7 +565,7 @@ class _Available:
     __slots__ = ("_board", "_crediting", "_ledger", "_reasons", "_seen")
 
     def __init__(
-        self, board: Board, ledger: Ledger, crediting: str | None, reasons: list[Reason]
+        self, board: Board, ledger: BoardLeases, crediting: str | None, reasons: list[Reason]
     ) -> None:
         self._board, self._ledger, self._crediting = board, ledger, crediting
         self._reasons = reasons
@@ -603,7 +603,7 @@ def plan(
     board: Board,
     engine: EngineSpec,
     facts: ModelFacts,
-    ledger: Ledger | None = None,
+    ledger: BoardLeases | None = None,
     *,
     crediting: str | None = None,
     receipts: Sequence[Receipt] = (),
@@ -626,7 +626,7 @@ def plan(
     `sizes`: the engine's `SizeTable` of the same spec, facts, receipts and build, where the
     caller has one (best fit plans many boards for one engine): its sizer is not built again.
     """
-    ledger = ledger if ledger is not None else Ledger(board)
+    ledger = ledger if ledger is not None else BoardLeases(board)
     reasons: list[Reason] = []
     rules = rules_of(board.memory_mode)
     host = board.host_view()

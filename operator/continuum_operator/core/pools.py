@@ -106,14 +106,14 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
-class Ledger:
+class BoardLeases:
     """Leases against one board; every figure is derived, none stored twice."""
 
     board: Board
     leases: tuple[Lease, ...] = field(default_factory=tuple)
 
     @classmethod
-    def of(cls, board: Board, leases: Iterable[Lease]) -> Ledger:
+    def of(cls, board: Board, leases: Iterable[Lease]) -> BoardLeases:
         return cls(board, tuple(lease for lease in leases if lease.node == board.node))
 
     def leased_bytes(self, pool: str, *, excluding: str | None = None) -> int:
@@ -143,7 +143,7 @@ class Ledger:
         leased = self.leased_bytes(pool, excluding=crediting)
         return max(0, p.capacity_bytes - max(leased, used))
 
-    def lease(self, lease: Lease) -> Ledger:
+    def lease(self, lease: Lease) -> BoardLeases:
         """A new ledger with one more lease; the pool must exist on the board."""
         if lease.node != self.board.node:
             raise ValueError(
@@ -151,4 +151,4 @@ class Ledger:
             )
         if lease.pool not in self.board.pools:
             raise KeyError(f"node {self.board.node} has no pool {lease.pool}")
-        return Ledger(self.board, (*self.leases, lease))
+        return BoardLeases(self.board, (*self.leases, lease))

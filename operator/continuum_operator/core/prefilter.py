@@ -43,7 +43,7 @@ import numpy.typing as npt
 from continuum_operator.core.modes import DeviceBudget, rules_of
 from continuum_operator.core.plan import SizeTable
 from continuum_operator.core.plan_reasons import ReasonCode
-from continuum_operator.core.pools import Board, Ledger, Pool
+from continuum_operator.core.pools import Board, BoardLeases, Pool
 from continuum_operator.model.engine import EngineSpec
 
 __all__ = ["NO_BUDGET", "Best", "Boards", "Kind", "Outcome", "Shortfalls", "kind_of", "outcome"]
@@ -92,7 +92,7 @@ def kind_of(board: Board) -> Kind | None:
     return Kind.UNKNOWN if budget is DeviceBudget.DECLARED else None
 
 
-def _available(ledger: Ledger, pool: Pool) -> int:
+def _available(ledger: BoardLeases, pool: Pool) -> int:
     """What the plan's budget reads of a pool (`plan._Available`, nothing credited), and what
     `bestfit.leftover_bytes` reads."""
     if not ledger.leases:  # capacity less what is measured (nothing, before a sample)
@@ -107,7 +107,7 @@ class Boards:
     """The boards of a fleet the pre-filter reads, one row each, in the order given, with what
     each Engine's budgets read of them (`_budgets`) kept by the GPUs it asks for."""
 
-    def __init__(self, ledgers: Sequence[Ledger], kinds: Sequence[Kind]) -> None:
+    def __init__(self, ledgers: Sequence[BoardLeases], kinds: Sequence[Kind]) -> None:
         """One row for each board (with the leases on it), of its `kind_of`."""
         hosts: list[int] = []
         caps: list[int] = []

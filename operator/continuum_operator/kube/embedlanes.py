@@ -42,7 +42,7 @@ from continuum_operator.core.embed import (
     residence,
 )
 from continuum_operator.core.placements import consumer_name, lane_placement_leases
-from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import events, kernel, lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
@@ -214,13 +214,13 @@ class _LanePass:
             weights = sum(own.layer_bytes_list()) + own.input_bytes + own.output_bytes
         return LaneAsk(self.me, lane.spec.max_context_tokens, largest, floors, weights)
 
-    def ledger(self, board: Board) -> tuple[Board, Ledger]:
+    def board_leases(self, board: Board) -> tuple[Board, BoardLeases]:
         """Every engine's and every other lane's leases, and the lane's own (to credit back)."""
         everyone, assumed = _engine_leases(self.snap)
         measured = with_unmeasured(board, [x for x in assumed if x.consumer != self.me])
         mine = lane_placement_leases(self.me, self.held) if self.held is not None else []
         others = [lease for lease in everyone if lease.consumer != self.me]
-        return measured, Ledger.of(measured, [*others, *mine])
+        return measured, BoardLeases.of(measured, [*others, *mine])
 
     def place_on(
         self,
@@ -232,7 +232,7 @@ class _LanePass:
         gpus: list[int],
         sha256: str | None = None,
     ) -> LanePlacement:
-        measured, ledger = self.ledger(board)
+        measured, ledger = self.board_leases(board)
         sizer = LaneSizer(facts, _receipts(self.status, sha256))
         return place_lane(
             measured, ledger, self.ask(lane, board.node), sizer,

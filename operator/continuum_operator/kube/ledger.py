@@ -259,7 +259,7 @@ def engine_note(engine: Mapping[str, Any]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Pool:
+class GrantPool:
     """The capacity to allocate from, and the launch it belongs to (recorded with the ledger)."""
 
     capacity: Capacity
@@ -277,7 +277,7 @@ class Pool:
         return doc
 
 
-def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
+def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> GrantPool:
     """The engine's pool as the allocator must see it now.
 
     - Serving: the pod of the current plan is ready (the plan loop's `Ready` condition) and the
@@ -300,7 +300,7 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
     holding = any(g.state in HOLDING_STATES for g in grants.values())
     old_launch = recorded.get("launch")
     if holding and old_launch is not None and old_launch != launch:
-        return Pool(
+        return GrantPool(
             Capacity(
                 EnginePhase.DRAINING,
                 int(recorded.get("slots") or 0),
@@ -310,14 +310,14 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Pool:
             old_launch,
         )
     if _ready(status) and launch is not None and slots > 0:
-        return Pool(Capacity(EnginePhase.SERVING, slots, tokens), launch)
+        return GrantPool(Capacity(EnginePhase.SERVING, slots, tokens), launch)
     if _unschedulable(status):
         phase = EnginePhase.UNSCHEDULABLE
     elif recorded.get("phase") in _SERVED:
         phase = EnginePhase.RELAUNCHING
     else:
         phase = EnginePhase.STARTING
-    return Pool(Capacity(phase, slots, tokens), launch)
+    return GrantPool(Capacity(phase, slots, tokens), launch)
 
 
 # --- the gateway's releases ----------------------------------------------------------------
@@ -352,7 +352,7 @@ class LedgerStep:
     object holds of it (`bounded`)."""
 
     grants: dict[str, Grant]
-    segments: tuple[tuple[Pool, tuple[Transition, ...]], ...]
+    segments: tuple[tuple[GrantPool, tuple[Transition, ...]], ...]
     entries: list[dict[str, Any]]
     changed: bool
     review_at: float | None
@@ -360,7 +360,7 @@ class LedgerStep:
     queue: dict[str, Any] | None = None
 
     @property
-    def pool(self) -> Pool:
+    def pool(self) -> GrantPool:
         return self.segments[-1][0]
 
     def transitions(self) -> list[Transition]:
@@ -449,7 +449,7 @@ def _pool_key(doc: Mapping[str, Any]) -> tuple[Any, ...]:
     return (doc.get("phase"), doc.get("slots"), doc.get("tokensPerSlot"))
 
 
-def capacity_line(t: float, engine: str, pool: Pool) -> dict[str, Any]:
+def capacity_line(t: float, engine: str, pool: GrantPool) -> dict[str, Any]:
     c = pool.capacity
     return {
         "t": t,

@@ -17,7 +17,7 @@ from continuum_operator.core import gpu_check
 from continuum_operator.core.bestfit import matches, with_unmeasured
 from continuum_operator.core.damping import Damper, Observation, Outcome, PlanShape, step
 from continuum_operator.core.plan import ServingPlan, plan
-from continuum_operator.core.pools import Board, ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.kube import objects, runtime_report
 from continuum_operator.kube.cache import Snapshot, parse_time
 from continuum_operator.kube.engine_pass import (
@@ -219,7 +219,7 @@ def _replan(
     count the reserve as free, and every relaunch would find one reserve more room than the
     last (a ratchet to out-of-memory).
     """
-    # Only this node's leases count (`with_unmeasured`, `Ledger.of`): only they are read.
+    # Only this node's leases count (`with_unmeasured`, `BoardLeases.of`): only they are read.
     assumed = other_leases(p.snap, p.key, assumed_only=True, node=node)
     others = other_leases(p.snap, p.key, node=node)
     measured = with_unmeasured(board, assumed)
@@ -228,7 +228,7 @@ def _replan(
         Lease(p.me, ConsumerKind.ENGINE, node, x["pool"], max(0, x["bytes"] - reserve))
         for x in placement.get("pools", [])
     ]
-    ledger = Ledger.of(measured, [*others, *mine])
+    ledger = BoardLeases.of(measured, [*others, *mine])
     return plan(
         measured,
         p.engine.spec,

@@ -3,9 +3,9 @@ kind), floors, available, and each node's memory mode.
 
 Every figure is derived at each pass of the decision loop (`kube.loop`) from the snapshot it
 decided against: the boards the agents wrote and the leases read off the consumers' placements
-(`core.pools.Ledger`, `kube.occupancy.other_leases`), never stored a second time. `pool_rows` is
-pure (a snapshot in, rows out); `PoolMetrics` only sets gauges, and drops the series of pools and
-nodes that are gone. Served from the operator's registry (`kube.metrics`); docs/metrics.md lists
+(`core.pools.BoardLeases`, `kube.occupancy.other_leases`), never stored a second time.
+`pool_rows` is pure (a snapshot in, rows out); `PoolMetrics` only sets gauges, and drops the
+series of pools and nodes that are gone. Served from the operator's registry (`kube.metrics`); docs/metrics.md lists
 the names.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from continuum_operator.core.pools import ConsumerKind, Lease, Ledger
+from continuum_operator.core.pools import BoardLeases, ConsumerKind, Lease
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.occupancy import other_leases
 from continuum_operator.model.board import MemoryMode
@@ -52,7 +52,7 @@ def pool_rows(snap: Snapshot) -> tuple[list[PoolRow], dict[str, MemoryMode]]:
         if entry.board is None:
             continue
         modes[node] = entry.board.memory_mode
-        ledger = Ledger.of(entry.board, by_node.get(node, ()))
+        ledger = BoardLeases.of(entry.board, by_node.get(node, ()))
         for key, pool in entry.board.pools.items():
             held = [lease for lease in ledger.leases if lease.pool == key]
             rows.append(

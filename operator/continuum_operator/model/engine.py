@@ -521,7 +521,7 @@ class EngineEnforcement(Spec):
 
 
 class GrantCapacity(Spec):
-    """The pool the grant ledger was last made for (`kube.ledger.Pool`), written with it by the
+    """The pool the grant ledger was last made for (`kube.ledger.GrantPool`), written with it by the
     operator's leader: a launch that changed while minds hold slots of the old one drains."""
 
     phase: str = Field(
