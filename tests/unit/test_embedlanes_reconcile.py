@@ -3,14 +3,13 @@ floors carried from pass to pass, and the engine's plan accounting for the lane'
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from typing import Any
 
 import yaml
 
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer
-from continuum_operator.kube.cache import Snapshot
+from continuum_operator.kube.cache import Snapshot, merge_patch
 from continuum_operator.kube.embedlanes import LaneWrites, reconcile_lane
 from continuum_operator.kube.engine_pass import Memory
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
@@ -58,13 +57,8 @@ def with_objects(
 
 
 def lane_after(body: dict[str, Any], writes: LaneWrites) -> dict[str, Any]:
-    out = copy.deepcopy(body)
-    status = out.setdefault("status", {})
-    for k, v in ((writes.status_patch or {}).get("status") or {}).items():
-        if v is None:
-            status.pop(k, None)
-        else:
-            status[k] = v
+    """The lane as the API server holds it after the status patch (a merge patch)."""
+    out: dict[str, Any] = merge_patch(body, writes.status_patch or {})
     return out
 
 

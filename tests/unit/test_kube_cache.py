@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from continuum_operator.kube.cache import Cache
+from hypothesis import given
+from hypothesis import strategies as st
+
+from continuum_operator.kube.cache import Cache, merge_diff, merge_patch
 
 
 def deployment(rv: int, ready: int) -> dict[str, Any]:
@@ -31,3 +34,25 @@ def test_a_newer_deployment_replaces_an_older_one() -> None:
     assert cache.deployments[("minds", "e")].ready_replicas == 1
     cache.observe_deployment(deployment(rv=11, ready=1), deleted=True)
     assert ("minds", "e") not in cache.deployments
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("abcd"), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+# What a status holds: no nulls (a merge patch cannot write one, it deletes).
+_stored = st.recursive(
+    st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("abcd"), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(old=_json, new=_stored)
+def test_the_merge_diff_turns_the_old_into_the_new(old: Any, new: Any) -> None:
+    assert merge_patch(old, merge_diff(old, new)) == new

@@ -15,6 +15,7 @@ from continuum_operator.kube.cache import (
     JobEntry,
     NodeEntry,
     Snapshot,
+    merge_patch,
 )
 from continuum_operator.kube.engine_pass import Memory, Writes, size_text
 from continuum_operator.kube.facts_job import facts_job_name, source_key
@@ -107,13 +108,7 @@ def engine_obj(name: str = "coder", **spec: Any) -> dict[str, Any]:
 
 def after(body: dict[str, Any], writes: Writes) -> dict[str, Any]:
     """The engine as the API server would hold it after the status patch (merge patch)."""
-    out = copy.deepcopy(body)
-    status = out.setdefault("status", {})
-    for k, v in ((writes.status_patch or {}).get("status") or {}).items():
-        if v is None:
-            status.pop(k, None)
-        else:
-            status[k] = v
+    out: dict[str, Any] = merge_patch(body, writes.status_patch or {})
     return out
 
 
@@ -465,6 +460,21 @@ def test_auto_gpu_sharing_applies_what_the_node_offers() -> None:
     assert enforcement["gpuSharing"] == "mps" and "mpsPinnedDeviceMemLimit" in enforcement
     plain = reconcile(engine_obj(), snapshot([discrete("a", 80)]), Memory(), NOW, settings)
     assert after(engine_obj(), plain)["status"]["enforcement"]["gpuSharing"] == "none"
+
+
+def test_a_cap_that_no_longer_applies_leaves_the_status() -> None:
+    # The node stops offering MPS: the Engine's status, patched as the API server merges a
+    # patch, no longer claims the MPS limit (a merge patch alone would have kept the key).
+    offered = replace(discrete("a", 80), cap_mechanisms=("mps",))
+    settings = replace(SETTINGS, pods=replace(SETTINGS.pods, gpu_sharing=GpuSharing.AUTO))
+    capped = after(
+        engine_obj(), reconcile(engine_obj(), snapshot([offered]), Memory(), NOW, settings)
+    )
+    assert "mpsPinnedDeviceMemLimit" in capped["status"]["enforcement"]
+    w = reconcile(capped, snapshot([discrete("a", 80)]), Memory(), NOW + 1, settings)
+    enforcement = after(capped, w)["status"]["enforcement"]
+    assert enforcement["gpuSharing"] == "none"
+    assert "mpsPinnedDeviceMemLimit" not in enforcement
 
 
 def changed_spec(body: dict[str, Any], **spec: Any) -> dict[str, Any]:

@@ -449,6 +449,20 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def merge_diff(old: Any, new: Any) -> Any:
+    """The JSON merge patch that turns `old` into `new` (`merge_patch(old, merge_diff(old,
+    new)) == new`): a key `old` has and `new` has not is sent as null. Without it a status
+    field written as a whole object would keep the keys a later decision dropped (an
+    `enforcement` cap that no longer applies), since a merge patch only adds and replaces."""
+    if not isinstance(new, Mapping) or not isinstance(old, Mapping):
+        return copy.deepcopy(new)
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if k not in old or old[k] != v:
+            out[k] = merge_diff(old.get(k), v)
+    return out
+
+
 def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
     return any(
         c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []

@@ -46,7 +46,7 @@ from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Leas
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import events, kernel, lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
-from continuum_operator.kube.cache import Cache, Snapshot, format_time
+from continuum_operator.kube.cache import Cache, Snapshot, format_time, merge_diff, merge_patch
 from continuum_operator.kube.kernel import KernelSettings, PassHooks
 from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
 from continuum_operator.kube.settings import OperatorSettings
@@ -179,7 +179,9 @@ class _LanePass:
             "conditions": [x.model_dump(by_alias=True, exclude_none=True) for x in conditions],
             "observedGeneration": self.generation,
         }
-        patch = {k: v for k, v in new.items() if self.status.get(k) != v}
+        patch = {
+            k: merge_diff(self.status.get(k), v) for k, v in new.items() if self.status.get(k) != v
+        }
         events = tuple(
             LaneEvent(
                 "Normal" if x.status == "True" or x.reason in _QUIET else "Warning",
@@ -356,8 +358,8 @@ def _with_workload(
     writes: LaneWrites, lane: EmbedLane, p: _LanePass, settings: OperatorSettings
 ) -> LaneWrites:
     """The pod the lane's placement calls for, after this pass's status patch."""
-    patch = (writes.status_patch or {}).get("status") or {}
-    placement = patch["placement"] if "placement" in patch else p.status.get("placement")
+    status = merge_patch(p.status, (writes.status_patch or {}).get("status") or {})
+    placement = status.get("placement")
     engine: Engine | None = None
     facts: ModelFacts | None = None
     if lane.spec.engine is not None:
