@@ -143,6 +143,7 @@ class Resource(BaseModel):
     SHORT_NAMES: ClassVar[tuple[str, ...]] = ()
     NAMESPACED: ClassVar[bool] = True
     CATEGORIES: ClassVar[tuple[str, ...]] = ("continuum",)
+    # `kubectl get` columns before Age: crdgen ends every table with its `AGE_COLUMN`.
     PRINTER_COLUMNS: ClassVar[tuple[dict[str, Any], ...]] = ()
 
     api_version: str = Field(default=API_VERSION, alias="apiVersion", pattern=f"^{API_VERSION}$")

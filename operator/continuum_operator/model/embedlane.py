@@ -130,7 +130,6 @@ class EmbedLane(Resource):
             "type": "string",
             "jsonPath": ".status.conditions[?(@.type=='Placed')].status",
         },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["EmbedLane"] = "EmbedLane"

@@ -660,7 +660,6 @@ class Engine(Resource):
             "jsonPath": ".status.relaunches.count",
             "priority": 1,
         },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["Engine"] = "Engine"
