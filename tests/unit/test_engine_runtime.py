@@ -17,7 +17,6 @@ from typing import Any, cast
 
 from continuum_operator.core.receipts import parse_llama_log
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
-from continuum_operator.engine.receipts import receipt_from_log
 from continuum_operator.engine.runtime import (
     EngineRuntime,
     LaunchSettings,
@@ -122,7 +121,7 @@ def test_a_llama_server_that_dies_is_started_again_and_counted(tmp_path: Path) -
 
 def test_estimate_errors_compare_each_side_that_allocated_something() -> None:
     log = fake_llama.LOAD_LOG.format(ctx=1024, parallel=2, host="h", port=1)
-    receipt = receipt_from_log(log, model_sha256=SHA, context_tokens=1024)
+    receipt = parse_llama_log(log).receipt(model_sha256=SHA, context_tokens=1024)
     plan = {
         "bytes": {
             "device": {"weights": 0, "kv": 0, "compute": 0},
@@ -136,7 +135,7 @@ def test_estimate_errors_compare_each_side_that_allocated_something() -> None:
 
 def test_the_status_document_carries_the_releases_and_the_load() -> None:
     log = fake_llama.LOAD_LOG.format(ctx=1024, parallel=2, host="h", port=1)
-    receipt = receipt_from_log(log, model_sha256=SHA, context_tokens=1024)
+    receipt = parse_llama_log(log).receipt(model_sha256=SHA, context_tokens=1024)
     release = {"mind": "minds/mira", "slot": 0, "reason": "Preempted"}
     doc = runtime_status(
         phase=RuntimePhase.SERVING,

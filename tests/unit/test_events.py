@@ -4,10 +4,14 @@ posted before the builder was their one home, field for field."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from typing import Any
 
+import pytest
+
 from continuum_operator.kube import events, webhook
+from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.embedlanes import LaneEvent, LaneLoop
 from continuum_operator.kube.engine_pass import Event
@@ -105,6 +109,29 @@ def test_the_lanes_loop_posts_an_embed_lanes_event_as_it_always_did() -> None:
     long = "m" * 2000
     loop.post_event({"metadata": meta()}, LaneEvent("Warning", "PodNeverStarted", long))
     assert api.created == [posted_on("EmbedLane", socket.gethostname(), long[:1024])]
+
+
+class _RefusingApi:
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        raise ApiError(403, "Forbidden", "events is forbidden")
+
+
+def test_a_refused_event_is_a_warning_on_the_loops_own_log_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    api: Any = _RefusingApi()
+    loop = Loop(api, OperatorSettings(), Cache(), clock=lambda: NOW)
+    lanes = LaneLoop(api, OperatorSettings(), Cache(), lambda: NOW)
+    with caplog.at_level(logging.WARNING):
+        loop.post_event({"metadata": meta()}, Event("Warning", "PodNeverStarted", "m"))
+        lanes.post_event({"metadata": meta()}, LaneEvent("Warning", "PodNeverStarted", "m"))
+    warned = [(r.name, r.getMessage()) for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        ("continuum.operator", "posting an event on Engine coder failed: 403 Forbidden: "
+         "events is forbidden"),
+        ("continuum.operator.embedlanes", "posting an event on EmbedLane coder failed: "
+         "403 Forbidden: events is forbidden"),
+    ]  # fmt: skip
 
 
 def test_the_webhooks_event_on_an_unmutated_pod_is_as_it_always_was() -> None:

@@ -16,7 +16,7 @@ from continuum_operator.core.receipts import (
     llama_build_of,
     parse_llama_log,
 )
-from continuum_operator.engine.receipts import ReceiptFileError, load_receipts, receipt_from_log
+from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
 from continuum_operator.model.engine import KvCacheType
 from tests.builders import GiB, MiB, board, board_body, engine, engine_body
 
@@ -99,8 +99,8 @@ def test_host_buffers_are_the_cpu_and_pinned_ones() -> None:
 
 def test_a_log_without_a_build_needs_one_named() -> None:
     with pytest.raises(ValueError, match="build"):
-        receipt_from_log(CPU_LOG, model_sha256=SHA, context_tokens=2048)
-    r = receipt_from_log(CPU_LOG, model_sha256=SHA, context_tokens=2048, llama_build="b1")
+        parse_llama_log(CPU_LOG).receipt(model_sha256=SHA, context_tokens=2048)
+    r = parse_llama_log(CPU_LOG).receipt(model_sha256=SHA, context_tokens=2048, llama_build="b1")
     assert r.key.llama_build == "b1" and r.placement.layers_on_device == 0
 
 

@@ -19,11 +19,11 @@ from jsonschema import Draft202012Validator
 from pydantic import BaseModel
 
 from continuum_operator.core.grants import PriorityPolicy
+from continuum_operator.core.receipts import parse_llama_log
 from continuum_operator.embed import runtime as lane_runtime
 from continuum_operator.embed.runtime import LaneRuntime, LaneState
 from continuum_operator.engine import digest
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, SlotRelease
-from continuum_operator.engine.receipts import receipt_from_log
 from continuum_operator.engine.runtime import (
     EngineRuntime,
     LaunchSettings,
@@ -75,7 +75,7 @@ def engine_runtime_documents(tmp_path: Path) -> list[dict[str, Any]]:
     """`status.runtime` as the engine runtime writes it: starting (all unknown), serving with a
     receipt and releases, after a model mismatch, and stopped after too many exits."""
     log = fake_llama.LOAD_LOG.format(ctx=1024, parallel=2, host="h", port=1)
-    receipt = receipt_from_log(log, model_sha256=SHA, context_tokens=1024)
+    receipt = parse_llama_log(log).receipt(model_sha256=SHA, context_tokens=1024)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"model")
     record = digest.VerifiedModel(str(model), SHA, digest.FileStamp.of(model), "n1")
@@ -254,7 +254,7 @@ def test_the_lane_runtimes_document_is_kept_whole(monkeypatch: pytest.MonkeyPatc
 
 def test_the_lane_runtimes_receipts_are_kept_whole() -> None:
     log = fake_llama.LOAD_LOG.format(ctx=1024, parallel=1, host="h", port=1)
-    receipt = receipt_from_log(log, model_sha256=SHA, context_tokens=1024)
+    receipt = parse_llama_log(log).receipt(model_sha256=SHA, context_tokens=1024)
     doc = {"receipts": [receipt.model_dump(mode="json", by_alias=True)]}  # as `status()` dumps
     strictly(LaneRuntimeStatus, doc)
     kept_whole("embedlanes", {"runtime": doc})

@@ -408,32 +408,30 @@ class Gateway:
         tokens = await self._until_cut(flight, self._tokenize(content, add_special=True))
         return len(tokens)
 
-    async def _tokenize(self, content: Any, add_special: bool) -> list[Any]:
+    async def _post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        """POST `body` to llama-server's `path`: the status and the JSON it answered. Not
+        reached, or an answer that is not JSON: `_UpstreamDown`."""
         try:
-            async with self.session.post(
-                f"{self.settings.upstream}/tokenize",
-                json={"content": content, "add_special": add_special},
-            ) as resp:
-                payload = await resp.json(content_type=None)
+            async with self.session.post(f"{self.settings.upstream}{path}", json=body) as resp:
+                return resp.status, await resp.json(content_type=None)
         except (aiohttp.ClientError, ValueError) as err:
             raise _UpstreamDown(str(err)) from err
+
+    async def _tokenize(self, content: Any, add_special: bool) -> list[Any]:
+        status, payload = await self._post_json(
+            "/tokenize", {"content": content, "add_special": add_special}
+        )
         tokens = payload.get("tokens") if isinstance(payload, dict) else None
-        if resp.status != 200 or not isinstance(tokens, list):
-            raise _UpstreamDown(f"tokenize answered {resp.status}: {payload}")
+        if status != 200 or not isinstance(tokens, list):
+            raise _UpstreamDown(f"tokenize answered {status}: {payload}")
         return tokens
 
     async def _apply_template(self, body: dict[str, Any]) -> str:
         """The chat request's prompt after the model's chat template (llama-server's own)."""
-        try:
-            async with self.session.post(
-                f"{self.settings.upstream}/apply-template", json=body
-            ) as resp:
-                payload = await resp.json(content_type=None)
-        except (aiohttp.ClientError, ValueError) as err:
-            raise _UpstreamDown(str(err)) from err
+        status, payload = await self._post_json("/apply-template", body)
         prompt = payload.get("prompt") if isinstance(payload, dict) else None
-        if resp.status != 200 or not isinstance(prompt, str):
-            raise _BadUpstreamRequest(resp.status, payload)
+        if status != 200 or not isinstance(prompt, str):
+            raise _BadUpstreamRequest(status, payload)
         return prompt
 
     async def _until_cut(self, flight: _Flight, work: Awaitable[_T]) -> _T:
@@ -793,15 +791,8 @@ class Gateway:
     async def _plain(
         self, path: str, body: dict[str, Any], flight: _Flight, cap: TokenCap, note: dict[str, Any]
     ) -> web.Response:
-        async def call() -> tuple[int, Any]:
-            try:
-                async with self.session.post(f"{self.settings.upstream}{path}", json=body) as resp:
-                    return resp.status, await resp.json(content_type=None)
-            except (aiohttp.ClientError, ValueError) as err:
-                raise _UpstreamDown(str(err)) from err
-
         # Cancelling the call on a cut closes its connection: llama-server drops the task.
-        status, payload = await self._until_cut(flight, call())
+        status, payload = await self._until_cut(flight, self._post_json(path, body))
         if isinstance(payload, dict) and status == 200:
             prompt, predicted = _usage(payload)
             self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)

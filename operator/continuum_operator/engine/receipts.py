@@ -1,8 +1,8 @@
 """Receipt files: YAML or JSON documents of `core.receipts.Receipt`, read for `--receipt`.
 
 A file holds one receipt, several YAML documents, or a list (JSON or YAML); docs/receipts.md
-describes the format. `receipt_from_log` files a captured llama.cpp log under its key, for the
-engine runtime and the benchmarks. The parsing itself is pure (`core.receipts`).
+describes the format. A captured llama.cpp log is filed under its key by `core.receipts`
+(`parse_llama_log(text).receipt(...)`), which is pure.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from continuum_operator.core.receipts import Receipt, parse_llama_log
+from continuum_operator.core.receipts import Receipt
 from continuum_operator.manifests import ManifestError, yaml_documents
 
-__all__ = ["ReceiptFileError", "load_receipts", "receipt_from_log"]
+__all__ = ["ReceiptFileError", "load_receipts"]
 
 
 class ReceiptFileError(ValueError):
@@ -41,22 +41,3 @@ def load_receipts(paths: Iterable[str | Path]) -> list[Receipt]:
                 where = ".".join(str(x) for x in first["loc"]) or "(document)"
                 raise ReceiptFileError(f"{p}: receipt {i}: {where}: {first['msg']}") from err
     return receipts
-
-
-def receipt_from_log(
-    log_text: str,
-    *,
-    model_sha256: str,
-    context_tokens: int,
-    llama_build: str | None = None,
-    gpus: int = 0,
-    source: str = "",
-) -> Receipt:
-    """File the buffers of one load's log under (model, context, KV type, placement, build)."""
-    return parse_llama_log(log_text).receipt(
-        model_sha256=model_sha256,
-        context_tokens=context_tokens,
-        llama_build=llama_build,
-        gpus=gpus,
-        source=source,
-    )

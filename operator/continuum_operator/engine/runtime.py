@@ -59,7 +59,6 @@ from continuum_operator.engine.grants_source import (
     watch_engine,
     watch_file,
 )
-from continuum_operator.engine.receipts import receipt_from_log
 from continuum_operator.kube.objects import LAUNCH_ENV
 
 __all__ = [
@@ -536,8 +535,7 @@ class EngineRuntime:
             return None
         try:
             text = "\n".join(self.load_log)
-            return receipt_from_log(
-                text,
+            return parse_llama_log(text).receipt(
                 model_sha256=sha,
                 context_tokens=self.launch.context_tokens(),
                 llama_build=self.launch.llama_build or llama_build(text),

@@ -465,18 +465,13 @@ class LaneLoop(PassHooks[LaneKey]):
 
     def post_event(self, lane: Mapping[str, Any], event: LaneEvent) -> None:
         meta = lane["metadata"]
-        now = format_time(self.clock())
-        try:
-            self.api.create(
-                events.event(
-                    events.reference(API_VERSION, "EmbedLane", meta),
-                    event.type,
-                    event.reason,
-                    event.message,
-                    component=events.COMPONENT,
-                    instance=socket.gethostname(),
-                    now=now,
-                )
-            )
-        except ApiError as err:
-            log.warning("posting an event on EmbedLane %s failed: %s", meta["name"], err)
+        events.post(
+            self.api,
+            events.reference(API_VERSION, "EmbedLane", meta),
+            event.type,
+            event.reason,
+            event.message,
+            instance=socket.gethostname(),
+            now=format_time(self.clock()),
+            log=log,
+        )

@@ -1,17 +1,22 @@
 """The body of a Kubernetes Event (core/v1) the operator posts on an object it governs.
 
 One builder for every Event: the loop's on Engines, the lanes' loop's on EmbedLanes, the
-webhook's on pods admitted without it. `kubectl describe` and `kubectl get events` read the
+webhook's on pods admitted without it; `post` creates one for the two loops, whose failure to
+post is only logged. `kubectl describe` and `kubectl get events` read the
 `involvedObject`, `reason`, `message`, `type`, and the counts and timestamps of the old core/v1
 fields; the `reporting*` fields are what events.k8s.io/v1 readers group by.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["COMPONENT", "MESSAGE_LIMIT", "event", "reference"]
+if TYPE_CHECKING:
+    from continuum_operator.kube.api import KubeApi
+
+__all__ = ["COMPONENT", "MESSAGE_LIMIT", "event", "post", "reference"]
 
 #: The component the operator reports its Events as (`source.component`, `reportingComponent`).
 COMPONENT = "continuum-operator"
@@ -67,3 +72,28 @@ def event(
         "lastTimestamp": now,
         "count": 1,
     }
+
+
+def post(
+    api: KubeApi,
+    involved: Mapping[str, Any],
+    event_type: str,
+    reason: str,
+    message: str,
+    *,
+    instance: str,
+    now: str,
+    log: logging.Logger,
+) -> None:
+    """Create an `event` on `involved` (a `reference`) as the operator's component. An Event is a
+    note beside the work, never part of it: a refused create is a warning on `log`, not raised."""
+    # kube.api imports the Kubernetes client: only once an Event is posted.
+    from continuum_operator.kube.api import ApiError
+
+    body = event(
+        involved, event_type, reason, message, component=COMPONENT, instance=instance, now=now
+    )
+    try:
+        api.create(body)
+    except ApiError as err:
+        log.warning("posting an event on %s %s failed: %s", involved["kind"], involved["name"], err)

@@ -393,21 +393,16 @@ class Loop:
         log.info(
             "Engine %s/%s: %s: %s", meta["namespace"], meta["name"], event.reason, event.message
         )
-        now = format_time(self.clock())
-        try:
-            self.api.create(
-                events.event(
-                    events.reference(API_VERSION, "Engine", meta),
-                    event.type,
-                    event.reason,
-                    event.message,
-                    component=events.COMPONENT,
-                    instance=self.instance,
-                    now=now,
-                )
-            )
-        except ApiError as err:
-            log.warning("posting an event on Engine %s failed: %s", meta["name"], err)
+        events.post(
+            self.api,
+            events.reference(API_VERSION, "Engine", meta),
+            event.type,
+            event.reason,
+            event.message,
+            instance=self.instance,
+            now=format_time(self.clock()),
+            log=log,
+        )
 
 
 def _service_digest(writes: Writes) -> str:

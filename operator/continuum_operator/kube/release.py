@@ -196,9 +196,7 @@ def cmd_release_finalizers(args: argparse.Namespace) -> int:
             pods = stop_operator(api, *stop, timeout=args.timeout)
             print(f"operator {stop[0]}/{stop[1]} stopped ({pods} pod(s) waited for)")
         done = release_finalizers(api)
-    except StopTimeout as err:
-        return fail(str(err), EXIT_API)
-    except (ApiError, OSError) as err:
+    except (StopTimeout, ApiError, OSError) as err:
         return fail(str(err), EXIT_API)
     for what in done.released:
         print(f"released {what}")

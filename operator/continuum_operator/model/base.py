@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 GROUP = "continuum.dev"
 VERSION = "v1alpha1"
@@ -36,6 +37,15 @@ class Spec(BaseModel):
         extra="forbid",
         frozen=True,
     )
+
+
+def spec_config_with_rules(*rules: JsonDict) -> ConfigDict:
+    """`Spec`'s model config plus CEL rules the API server checks on the object, each
+    `{"rule": CEL, "message": why}` as the CRD's `x-kubernetes-validations` lists them (the
+    model's own validators check the same in Python)."""
+    config = Spec.model_config.copy()
+    config["json_schema_extra"] = {"x-kubernetes-validations": list(rules)}
+    return config
 
 
 def nullable(description: str) -> Any:
@@ -143,6 +153,7 @@ class Resource(BaseModel):
     SHORT_NAMES: ClassVar[tuple[str, ...]] = ()
     NAMESPACED: ClassVar[bool] = True
     CATEGORIES: ClassVar[tuple[str, ...]] = ("continuum",)
+    # `kubectl get` columns before Age: crdgen ends every table with its `AGE_COLUMN`.
     PRINTER_COLUMNS: ClassVar[tuple[dict[str, Any], ...]] = ()
 
     api_version: str = Field(default=API_VERSION, alias="apiVersion", pattern=f"^{API_VERSION}$")

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from continuum_operator.model.base import Bytes, Conditions, ObjectMeta, Resource, Spec
+from continuum_operator.model.base import Bytes, Conditions, Resource, Spec
 
 
 class MemoryMode(StrEnum):
@@ -332,10 +332,8 @@ class NodeBoard(Resource):
         {"name": "Mode", "type": "string", "jsonPath": ".status.memoryMode"},
         {"name": "Capacity", "type": "string", "jsonPath": ".status.capacity"},
         {"name": "Cap", "type": "string", "jsonPath": ".status.perProcessCap", "priority": 1},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["NodeBoard"] = "NodeBoard"
-    metadata: ObjectMeta
     spec: NodeBoardSpec = Field(default_factory=NodeBoardSpec)
     status: NodeBoardStatus = Field(default_factory=NodeBoardStatus)

@@ -50,6 +50,9 @@ KIND_DESCRIPTION = (
     f"CamelCase. More info: {_CONVENTIONS}#types-kinds"
 )
 
+#: The last `kubectl get` column of every resource: how long ago it was made.
+AGE_COLUMN = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
     if isinstance(node, list):
@@ -164,7 +167,8 @@ def crd(resource: type[Resource]) -> dict[str, Any]:
     if "status" in fields:
         version["subresources"] = {"status": {}}
     if resource.PRINTER_COLUMNS:
-        version["additionalPrinterColumns"] = [dict(c) for c in resource.PRINTER_COLUMNS]
+        columns = (*resource.PRINTER_COLUMNS, AGE_COLUMN)
+        version["additionalPrinterColumns"] = [dict(c) for c in columns]
     names: dict[str, Any] = {
         "kind": resource.KIND,
         "listKind": f"{resource.KIND}List",

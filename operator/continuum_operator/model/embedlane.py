@@ -18,6 +18,7 @@ from continuum_operator.model.base import (
     ObservedGeneration,
     Resource,
     Spec,
+    spec_config_with_rules,
 )
 from continuum_operator.model.engine import ModelRef
 from continuum_operator.model.runtime import LaneRuntimeStatus
@@ -26,16 +27,12 @@ from continuum_operator.model.runtime import LaneRuntimeStatus
 class EmbedLaneSpec(Spec):
     """Beside which engine (or with which model) the lane embeds, and its largest context."""
 
-    model_config = Spec.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.engine) != has(self.model)",
-                    "message": "an EmbedLane names exactly one of engine or model",
-                }
-            ]
-        }
-    }
+    model_config = spec_config_with_rules(
+        {
+            "rule": "has(self.engine) != has(self.model)",
+            "message": "an EmbedLane names exactly one of engine or model",
+        },
+    )
 
     engine: Name | None = Field(default=None, description="Engine whose backend the lane shares.")
     model: ModelRef | None = Field(default=None, description="A model of the lane's own.")
@@ -130,7 +127,6 @@ class EmbedLane(Resource):
             "type": "string",
             "jsonPath": ".status.conditions[?(@.type=='Placed')].status",
         },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["EmbedLane"] = "EmbedLane"

@@ -24,6 +24,7 @@ from continuum_operator.model.base import (
     Resource,
     Spec,
     nullable,
+    spec_config_with_rules,
 )
 from continuum_operator.model.kv import KvCacheType as KvCacheType  # re-exported: its home before
 from continuum_operator.model.runtime import EngineRuntimeStatus
@@ -208,28 +209,24 @@ class ModelSource(Spec):
     """Where the model's GGUF file is; the engine pod mounts it read-only and a short Job on the
     node reads its facts when spec.model.facts is absent."""
 
-    model_config = Spec.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.kind != 'pvc' || has(self.claimName)",
-                    "message": "a pvc source names its PersistentVolumeClaim in claimName",
-                },
-                {
-                    "rule": "self.kind != 'image' || has(self.image)",
-                    "message": "an image source names its image reference in image",
-                },
-                {
-                    "rule": "self.kind != 'hostPath' || self.path.startsWith('/')",
-                    "message": "a hostPath source's path is absolute (/models/model.gguf)",
-                },
-                {
-                    "rule": f"!self.path.matches('{_CLIMBS}')",
-                    "message": "path has a '..' segment; name the file's own directory",
-                },
-            ]
-        }
-    }
+    model_config = spec_config_with_rules(
+        {
+            "rule": "self.kind != 'pvc' || has(self.claimName)",
+            "message": "a pvc source names its PersistentVolumeClaim in claimName",
+        },
+        {
+            "rule": "self.kind != 'image' || has(self.image)",
+            "message": "an image source names its image reference in image",
+        },
+        {
+            "rule": "self.kind != 'hostPath' || self.path.startsWith('/')",
+            "message": "a hostPath source's path is absolute (/models/model.gguf)",
+        },
+        {
+            "rule": f"!self.path.matches('{_CLIMBS}')",
+            "message": "path has a '..' segment; name the file's own directory",
+        },
+    )
 
     kind: ModelSourceKind
     claim_name: str | None = Field(
@@ -270,16 +267,12 @@ class ModelSource(Spec):
 class ModelRef(Spec):
     """The model: its file's source and digest, or its facts inline (at least one of the two)."""
 
-    model_config = Spec.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.facts) || has(self.source)",
-                    "message": "give the model's facts inline, or a source to read them from",
-                }
-            ]
-        }
-    }
+    model_config = spec_config_with_rules(
+        {
+            "rule": "has(self.facts) || has(self.source)",
+            "message": "give the model's facts inline, or a source to read them from",
+        },
+    )
 
     source: ModelSource | None = None
     sha256: str | None = Field(
@@ -304,13 +297,9 @@ class ModelRef(Spec):
 class Minds(Spec):
     """How many minds the engine serves at once: one slot each."""
 
-    model_config = Spec.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": "self.min <= self.max", "message": "minds.min must not exceed minds.max"}
-            ]
-        }
-    }
+    model_config = spec_config_with_rules(
+        {"rule": "self.min <= self.max", "message": "minds.min must not exceed minds.max"},
+    )
 
     min: int = Field(
         default=1,
@@ -660,7 +649,6 @@ class Engine(Resource):
             "jsonPath": ".status.relaunches.count",
             "priority": 1,
         },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["Engine"] = "Engine"

@@ -14,7 +14,6 @@ from pydantic import Field
 from continuum_operator.model.base import (
     Conditions,
     Name,
-    ObjectMeta,
     ObservedGeneration,
     Resource,
     Spec,
@@ -108,10 +107,8 @@ class Mind(Resource):
         {"name": "Tokens", "type": "integer", "jsonPath": ".status.grant.tokens"},
         {"name": "Reason", "type": "string", "jsonPath": ".status.grant.reason"},
         {"name": "Message", "type": "string", "jsonPath": ".status.grant.message", "priority": 1},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["Mind"] = "Mind"
-    metadata: ObjectMeta
     spec: MindSpec
     status: MindStatus = Field(default_factory=MindStatus)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from continuum_operator.model.base import Name, ObjectMeta, Resource, Spec
+from continuum_operator.model.base import Name, Resource, Spec
 
 
 class MindClassSpec(Spec):
@@ -45,9 +45,7 @@ class MindClass(Resource):
         {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority"},
         {"name": "Max-Tokens", "type": "integer", "jsonPath": ".spec.maxTokens"},
         {"name": "Default", "type": "boolean", "jsonPath": ".spec.default"},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["MindClass"] = "MindClass"
-    metadata: ObjectMeta
     spec: MindClassSpec

@@ -15,7 +15,6 @@ from pydantic import Field
 from continuum_operator.model.base import (
     Conditions,
     Name,
-    ObjectMeta,
     ObservedGeneration,
     Resource,
     Spec,
@@ -60,10 +59,8 @@ class TokenQuota(Resource):
         {"name": "Used", "type": "integer", "jsonPath": ".status.usedTokens"},
         {"name": "Held", "type": "integer", "jsonPath": ".status.mindsHeld"},
         {"name": "Queued", "type": "integer", "jsonPath": ".status.mindsQueued"},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     )
 
     kind: Literal["TokenQuota"] = "TokenQuota"
-    metadata: ObjectMeta
     spec: TokenQuotaSpec
     status: TokenQuotaStatus = Field(default_factory=TokenQuotaStatus)
