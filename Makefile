@@ -68,6 +68,7 @@ bench: install
 	$(PY) bench/plan.py
 	$(PY) bench/grants.py
 	$(PY) bench/cache_memory.py
+	$(PY) bench/unschedulable.py
 	$(PY) bench/agent.py
 	$(PY) bench/estimate.py
 	$(PY) bench/gateway.py

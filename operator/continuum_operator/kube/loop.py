@@ -13,7 +13,8 @@ A pass decides only the engines that may decide differently: those whose inputs 
 Engine, Deployment, Job or Service, or a board, Lease, Node, engine or lane on their node; the
 engines not placed yet when any node's room changed), those whose board went stale or fresh by
 the clock alone, and every engine that is not quiet (`_quiet`: its last pass wrote something,
-or a deadline may still fire), at least every `loop.resync_seconds`. Every
+or a deadline may still fire; an engine that fits nowhere is quiet, as every change of a
+node's room marks it), at least every `loop.resync_seconds`. Every
 `full_resync_seconds` a pass decides every engine, as a safety net.
 Neighbours: `kube.api` (the adapter), `kube.cache`, `kube.reconcile`, `kube.facts_read`.
 """
@@ -165,7 +166,8 @@ class Loop:
 
     def _quiet(self, key: EngineKey, writes: Writes) -> bool:
         """Whether the engine's next pass would decide the same unless its inputs change: this
-        one wrote nothing, its pod is ready on its own plan, and no deadline is pending (pod
+        one wrote nothing, its pod is ready on its own plan (or it fits nowhere), and no
+        deadline is pending (pod
         start timeout, node-gone hold, relaunch cooldown or evidence, drain hold, facts Job)."""
         if writes.status_patch is not None or writes.events:
             return False
@@ -184,7 +186,10 @@ class Loop:
             c.get("type") == ConditionType.READY and c.get("status") == "True"
             for c in status.get("conditions") or []
         )
-        if not ready:
+        # An engine that fits nowhere decides again only when a node's room changes, and every
+        # such change marks the engines not placed (`Cache.mark_unplaced`): thousands that fit
+        # nowhere cost nothing a pass.
+        if not ready and not writes.unschedulable:
             return False
         if self._launch_pending(key, writes) or self._service_pending(key, writes):
             return False
