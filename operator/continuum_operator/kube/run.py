@@ -326,7 +326,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     registry = registry_for(cache, engine_labels)
-    # Part 2: Minds through their engine's ledger; only the leader decides and writes.
+    # Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
     # A pod her service account creates is her child (`children.mind_of_creator`).
     webhook.register(
