@@ -5,8 +5,8 @@ Every figure is derived at each pass of the decision loop (`kube.loop`) from the
 decided against: the boards the agents wrote and the leases read off the consumers' placements
 (`core.pools.BoardLeases`, `kube.occupancy.other_leases`), never stored a second time.
 `pool_rows` is pure (a snapshot in, rows out); `PoolMetrics` only sets gauges, and drops the
-series of pools and nodes that are gone. Served from the operator's registry (`kube.metrics`); docs/metrics.md lists
-the names.
+series of pools and nodes that are gone. Served from the operator's registry (`kube.metrics`);
+docs/metrics.md lists the names.
 """
 
 from __future__ import annotations
