@@ -7,6 +7,7 @@ order, projections first; and the loop run by `kernel.run`, woken by the watches
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -206,3 +207,43 @@ async def until(done: Any, seconds: float = 10.0) -> None:
     while not done():
         assert time.monotonic() < end, "not in time"
         await asyncio.sleep(0.02)
+
+
+def test_a_due_engines_release_is_logged_at_its_deadline_though_others_write_beside_it(
+    tmp_path: Path,
+) -> None:
+    """The due engine's write is slow; the other engine's, decided after it, waits for it to
+    land, so the release keeps its deadline as `t` (the log would put it no earlier than a
+    later line written first)."""
+    w = World(tmp_path)
+    clock = Clock()
+    w.loop.clock = clock
+    w.engine(engine("team-a", "due", slots=1))
+    w.engine(engine("team-a", "free", slots=2))
+    w.mind(mind("team-a", "ann", "due"))
+    w.loop.pass_once()
+    gone = dict(w.api.objects[f"{BASE}/team-a/minds/ann"])
+    gone["metadata"] = {**gone["metadata"], "deletionTimestamp": "2026-12-03T07:00:00Z",
+                        "resourceVersion": "50"}  # fmt: skip
+    w.api.add(gone, "minds")
+    w.cache.observe_mind(gone, deleted=False)
+    w.loop.pass_once()
+    [entry] = w.api.objects[f"{BASE}/team-a/engines/due"]["status"]["grants"]
+    deadline = float(entry["deadline"])
+    clock.now = deadline + 5
+    w.mind(mind("team-a", "bob", "free", second=3))
+    real = w.api.request
+
+    def request(method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
+        if method == "PUT" and "/engines/due/" in path:
+            time.sleep(0.3)
+        return real(method, path, body, **kw)
+
+    w.api.request = request  # type: ignore[method-assign]
+    w.loop.pass_once()
+    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    released = [x for x in lines if x.get("mind") == "team-a/ann" and x.get("to") == "Released"]
+    assert [x["t"] for x in released] == [deadline]
+    arrived = [x for x in lines if x.get("mind") == "team-a/bob"]
+    assert arrived and all(x["t"] == clock.now for x in arrived)
+    assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)

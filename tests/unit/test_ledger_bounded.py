@@ -16,6 +16,7 @@ from continuum_operator import checklog
 from continuum_operator.engine.admission import BEYOND_TABLE, Refusal, admit_turn, table_from_engine
 from continuum_operator.kube import ledger
 from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.mind_writer import Write
 from continuum_operator.kube.minds import GrantsLoop
 from tests.unit.test_tenancy_loop import BASE, World, engine
 
@@ -68,7 +69,12 @@ def test_a_ledger_of_20000_minds_on_one_engine_stays_under_1_mib_per_object(
     # Of the 20,000 Minds' writes, those of the three read below run (the rest cost time only).
     read = {f"team-a/mind-{i:05d}" for i in (0, 19, 19_999)}
     submit = w.loop.writer.submit
-    w.loop.writer.submit = lambda p, key, job: submit(p, key, job) if key in read else None  # type: ignore[method-assign]
+
+    def only_read(priority: int, key: str, write: Write) -> None:
+        if key in read:
+            submit(priority, key, write)
+
+    w.loop.writer.submit = only_read  # type: ignore[method-assign]
     w.engine(engine("team-a", "coder", slots=20))
     for i in range(20_000):
         w.mind(mind(i))
