@@ -8,15 +8,16 @@ runs it at a tiny size and checks that a pass at rest decides fewer engines than
    engine; a pass at rest (nothing changed); a pass after one NodeBoard changed; a pass after
    one Engine's spec changed; a full pass (every engine decided, as every pass was before the
    dirty set; the loop runs one every `full_resync_seconds`).
-2. The grants loop (`kube.minds.GrantsLoop.pass_once`) over the engines the plan loop placed:
+2. The grants loop (`kube.minds.GrantsLoop.pass_once`, on `kube.kernel` too) over the engines
+   the plan loop placed:
    the first pass, granting every Mind; a pass after one Mind created; a pass with nothing
    changed; a full pass (every engine's ledger stepped, as every pass was before).
 
-CPU is `time.process_time` around the pass alone: every thread of this process (the loops' own
-writer threads and the in-memory API server's work included). The watch events that the
-writes cause (their echoes) are handed to the caches between passes, as kopf would, untimed.
-Mind writes (projections, finalizers) run inline rather than in the grants loop's writer
-threads, so they are in the pass's figure.
+CPU is `time.process_time` around the pass alone: every thread of this process (the threads the
+loops' API calls run in, `asyncio.to_thread`, and the in-memory API server's work included).
+The watch events that the writes cause (their echoes) are handed to the caches between passes,
+as kopf would, untimed. A grants pass here waits for the Mind writes (projections, finalizers)
+it queued (`GrantsLoop.drain`), so they are in the pass's figure.
 """
 
 from __future__ import annotations
@@ -182,9 +183,9 @@ class CountingGrants(GrantsLoop):
 
     stepped = 0
 
-    def step_engine(self, key: EngineKey, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    def decide(self, key: EngineKey, now: float) -> Any:
         self.stepped += 1
-        return super().step_engine(key, *args, **kwargs)
+        return super().decide(key, now)
 
 
 class Clock:
@@ -284,7 +285,7 @@ def run(
         _add_mind(api, mcache, minds, engines)  # (as its watch event)
         grant("a pass after one Mind created")
         grant("a pass with nothing changed")
-        grants.full_at = 0.0  # the next pass steps every engine
+        grants.queue.resynced_at = None  # the next pass steps every engine
         grant("the full pass (every engine stepped, as every pass was before)")
     return figures
 
@@ -350,8 +351,6 @@ def _grants_world(
     fake: Any = api
     real: KubeApi = fake
     grants = CountingGrants(real, GrantSettings(transition_log=glog), cache, mcache, clock=clock)
-    # Mind writes inline, in the pass (the writer's threads would do them after it returns).
-    grants.writer.submit = lambda priority, key, job: job()  # type: ignore[method-assign]
     for i in range(minds):
         _add_mind(api, mcache, i, engines)
     return grants, mcache

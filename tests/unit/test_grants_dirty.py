@@ -15,6 +15,7 @@ import pytest
 
 from continuum_operator.kube import ledger
 from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.cache import EngineKey
 from continuum_operator.kube.mind_cache import MindCache
 from continuum_operator.kube.minds import GrantsLoop
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind
@@ -173,7 +174,7 @@ def test_a_grace_deadline_forces_the_release_on_time_with_no_event(
 
 
 def test_a_ledger_write_that_failed_is_stepped_again(tmp_path: Path, steps: list[str]) -> None:
-    w, _ = world(tmp_path)
+    w, clock = world(tmp_path)
     real = w.api.request
     failures = [ApiError(500, "InternalError", "etcd is slow")]
 
@@ -187,7 +188,10 @@ def test_a_ledger_write_that_failed_is_stepped_again(tmp_path: Path, steps: list
     w.loop.pass_once()
     assert "team-a/new" not in w.ledger("team-a", "e2")
     steps.clear()
-    w.loop.pass_once()  # no event: the engine stays marked until its write succeeds
+    w.loop.pass_once()  # no event, and its backoff (the kernel's) not over: not yet
+    assert steps == []
+    clock.now += w.loop.kernel.retry_seconds
+    w.loop.pass_once()  # no event: the engine is taken again once its backoff is over
     assert steps == ["e2"]
     assert w.ledger("team-a", "e2")["team-a/new"] == ("Granted", "SlotFree")
 
@@ -213,17 +217,22 @@ def test_a_new_leader_recovers_every_engines_journal_at_its_first_pass(tmp_path:
         w.cache,
         clock=w.loop.clock,
     )
-    successor.writer.submit = lambda priority, key, job: job()  # type: ignore[method-assign]
     successor.pass_once()
     logged = {(x["engine"], x["seq"]) for x in map(json.loads, path.read_text().splitlines())}
     assert logged == {(f"team-a/e{e}", 1) for e in range(N)}
 
 
+def marked(cache: MindCache) -> set[EngineKey]:
+    """The engines marked on the grants loop's queue since the last call; the marks cleared."""
+    return set(cache.queue.take((), 0.0))
+
+
 def test_what_marks_a_minds_engine_in_the_cache() -> None:
     cache = MindCache()
+    marked(cache)  # a new queue's first take is of every key (here none)
     body = mind("team-a", "ann", "coder")
     cache.observe_mind(body, deleted=False)
-    assert cache.take_dirty() == {("team-a", "coder")}
+    assert marked(cache) == {("team-a", "coder")}
     # Our own write's answer: a finalizer or a status marks nothing; its watch echo (the same
     # resourceVersion) neither.
     ours = copy.deepcopy(body)
@@ -231,25 +240,25 @@ def test_what_marks_a_minds_engine_in_the_cache() -> None:
     ours["status"] = {"grant": {"state": "Granted"}}
     cache.observe_mind(ours, deleted=False, nudge=False)
     cache.observe_mind(ours, deleted=False)
-    assert cache.take_dirty() == set()
+    assert marked(cache) == set()
     # A newer version from the watch (someone else wrote her) marks her engine.
     theirs = copy.deepcopy(ours)
     theirs["metadata"]["resourceVersion"] = "3"
     theirs["status"] = {}
     cache.observe_mind(theirs, deleted=False)
-    assert cache.take_dirty() == {("team-a", "coder")}
+    assert marked(cache) == {("team-a", "coder")}
     # Moved to another engine (in another namespace): both; the groups follow her.
     moved = copy.deepcopy(theirs)
     moved["metadata"]["resourceVersion"] = "4"
     moved["spec"].update(engine="big", engineNamespace="shared")
     cache.observe_mind(moved, deleted=False, nudge=False)
-    assert cache.take_dirty() == {("team-a", "coder"), ("shared", "big")}
+    assert marked(cache) == {("team-a", "coder"), ("shared", "big")}
     assert cache.minds_of([("team-a", "coder"), ("shared", "big")]) == {("shared", "big"): [moved]}
     # Her deletion starting marks her engine even as our own write's answer.
     going = copy.deepcopy(moved)
     going["metadata"].update(resourceVersion="5", deletionTimestamp="2026-12-03T06:10:00Z")
     cache.observe_mind(going, deleted=False, nudge=False)
-    assert cache.take_dirty() == {("shared", "big")}
+    assert marked(cache) == {("shared", "big")}
     cache.observe_mind(going, deleted=True)
-    assert cache.take_dirty() == {("shared", "big")}
+    assert marked(cache) == {("shared", "big")}
     assert cache.engine_keys() == set()

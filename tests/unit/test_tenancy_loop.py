@@ -65,8 +65,6 @@ class World:
             self.cache,
             clock=lambda: 1_000.0,
         )
-        # The Mind writes run here, in order, rather than in the writer's threads.
-        self.loop.writer.submit = lambda priority, key, job: job()  # type: ignore[method-assign]
 
     def engine(self, body: dict[str, Any]) -> None:
         self.api.add(body, "engines")

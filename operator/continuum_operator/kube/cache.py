@@ -158,8 +158,9 @@ class Cache:
     clock: Callable[[], float] = time.time  # the loop's: when a Lease's renewal was seen
     engine_leases: dict[EngineKey, PlacedLeases] = field(default_factory=dict)
     engines_on: dict[str, frozenset[EngineKey]] = field(default_factory=dict)
-    # Engines are observed from the loop and from the grants loop's threads: their index with
-    # them, under one lock, so a snapshot's leases are those of its bodies.
+    # Engines, their index and assumed patches change together under one lock. Every observer
+    # runs on the event loop now (the grants loop records its ledger writes' answers there), so
+    # nothing contends for it; it is left for a change of its own.
     _engines_lock: threading.Lock = field(default_factory=threading.Lock)
     # Engines to decide again (`kube.loop`, on `kube.kernel`), marked by what each observation
     # can change; every engine not placed yet once a node's room changed (`mark_unplaced`
@@ -174,6 +175,9 @@ class Cache:
     # lanes of an Engine that changed, those placed on a node whose room changed, and those
     # that may go to any node (not placed yet, or with a model of their own).
     lane_queue: WorkQueue[EngineKey] = field(default_factory=WorkQueue)
+    # The grants loop's queue (`kube.minds` sets it), woken by an Engine's watch event: its pass
+    # finds which engines changed by comparing their bodies with those it last stepped.
+    grants_queue: WorkQueue[EngineKey] | None = None
 
     def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
         """Record a status patch as written before its answer (`settle_status` ends it)."""
@@ -359,6 +363,8 @@ class Cache:
         self.lane_queue.mark(*lanes_of(self.lanes, key))
         if nudge:
             self._nudge()
+            if self.grants_queue is not None:
+                self.grants_queue.wake()
 
     def observe_lane(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         """An EmbedLane (`kube.embedlanes`); its placement is in every engine's ledger."""

@@ -31,8 +31,9 @@ class GrantSettings:
     cannot serve (an engine runtime run as a local process: the API server refuses loopback
     addresses in EndpointSlices). Others: `http://NAME.NAMESPACE.svc:PORT`."""
     write_workers: int = 8
-    """Threads writing side by side: Engines' ledgers (each Engine's by one thread, all
-    stepped at one time) and Minds' projections and finalizers (each one Mind's own)."""
+    """Writes in flight at once: Engines' ledgers in a pass (the kernel's `writers`, one per
+    Engine) and, apart, Minds' projections and finalizers (`kube.mind_writer`, one Mind's at a
+    time)."""
     conflict_retries: int = 8
     """Re-reads of an Engine after a 409 before the step is left to the next pass."""
 
@@ -55,7 +56,7 @@ def _grant_arguments(p: argparse.ArgumentParser) -> None:
         "--write-workers",
         type=int,
         default=d.write_workers,
-        help="threads writing Engines' ledgers (one engine each) and Minds' projections",
+        help="writes in flight at once: Engines' ledgers (one engine each), Minds' projections",
     )
     p.add_argument(
         "--engine-address",

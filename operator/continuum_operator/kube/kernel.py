@@ -19,7 +19,7 @@ board going stale) gets a pass at least every `pass_seconds` and marks those key
 `before_pass`.
 
 Neighbours: `kube.cache` (the watches, which mark), `kube.loop` (the Engines' reconciler),
-`kube.embedlanes` (the lanes').
+`kube.embedlanes` (the lanes'), `kube.minds` (the grants', on the leader).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Minds, MindClasses and TokenQuotas as the watches last saw them, for the grants loop
 (`kube.minds`): Minds grouped by the Engine they name, and the engines whose minds changed
-since the loop last took them. Neighbours: `kube.ledger` (a Mind's keys)."""
+marked on the grants loop's work queue (`kube.kernel`). Neighbours: `kube.ledger` (a Mind's
+keys)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -13,11 +13,13 @@ from typing import Any, cast
 import kopf
 
 from continuum_operator.kube import routing
+from continuum_operator.kube.api import ApiError, KubeApi
 from continuum_operator.kube.cache import EngineKey
 from continuum_operator.kube.kept import kept
+from continuum_operator.kube.kernel import WorkQueue
 from continuum_operator.model.base import GROUP, VERSION
 
-__all__ = ["MindCache", "register", "resource_version"]
+__all__ = ["MindCache", "register", "resource_version", "seed"]
 
 # --- watches ----------------------------------------------------------------------------------
 
@@ -25,50 +27,48 @@ __all__ = ["MindCache", "register", "resource_version"]
 @dataclass
 class MindCache:
     """Minds, MindClasses and TokenQuotas as the watches last saw them; Minds also grouped by
-    the Engine they name, and the engines whose minds changed since the grants loop last took
-    them (`take_dirty`), so a pass steps only those.
+    the Engine they name. The engines whose minds changed are marked on `queue`, the grants
+    loop's work queue, so a pass steps only those; a class or quota changed wakes it (the loop
+    compares them with those it last stepped with).
 
-    Minds are observed from the event loop (watches) and from the writer threads (the answers
-    of our own writes): the groups and the dirty set under one lock. `minds` itself is read
-    without it (a dict's get is atomic; bodies are replaced, never changed in place)."""
+    Touched only from the event loop (the watches, the grants loop, the answers of its writes,
+    which come back to the loop from their `asyncio.to_thread` calls): no lock."""
 
     minds: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
     classes: dict[str, dict[str, Any]] = field(default_factory=dict)
     quotas: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
     groups: dict[EngineKey, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    dirty: set[EngineKey] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    queue: WorkQueue[EngineKey] = field(default_factory=WorkQueue)
 
     def observe_mind(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         """`nudge` False: the answer of our own write (or the leader's list): her engine is
         marked only if what the ledger reads of her changed; a watch event of a newer version
         marks it whatever changed (her status may need writing again)."""
         key = routing.mind_key(obj)
-        body = None if deleted else kept(obj)  # (outside the lock)
-        with self.lock:
-            known = self.minds.get(key)
-            if body is None:
-                if known is not None:
-                    self._put(key, known, None)
-            elif known is None or resource_version(body) >= resource_version(known):
-                if (
-                    known is None
-                    or _demand_facts(known) != _demand_facts(body)
-                    or (nudge and resource_version(body) != resource_version(known))
-                ):
-                    self._put(key, known, body)
-                else:  # the same engine, nothing it reads changed
-                    self.minds[key] = body
-                    self.groups.setdefault(routing.engine_key_of(body), {})[key] = body
-        if nudge:
-            self.changed.set()
+        body = None if deleted else kept(obj)
+        known = self.minds.get(key)
+        if body is None:
+            if known is not None:
+                self._put(key, known, None, nudge)
+        elif known is None or resource_version(body) >= resource_version(known):
+            if (
+                known is None
+                or _demand_facts(known) != _demand_facts(body)
+                or (nudge and resource_version(body) != resource_version(known))
+            ):
+                self._put(key, known, body, nudge)
+            else:  # the same engine, nothing it reads changed
+                self.minds[key] = body
+                self.groups.setdefault(routing.engine_key_of(body), {})[key] = body
 
-    def _put(self, key: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
-        """Replace a Mind (under the lock), marking the engine she named and the one she names."""
+    def _put(
+        self, key: str, old: dict[str, Any] | None, new: dict[str, Any] | None, wake: bool
+    ) -> None:
+        """Replace a Mind, marking the engine she named and the one she names (`wake`: a pass
+        soon; False leaves the marks to the next pass)."""
         if old is not None:
             was = routing.engine_key_of(old)
-            self.dirty.add(was)
+            self.queue.mark(was, wake=wake)
             group = self.groups.get(was)
             if group is not None:
                 group.pop(key, None)
@@ -78,44 +78,28 @@ class MindCache:
             self.minds.pop(key, None)
             return
         now = routing.engine_key_of(new)
-        self.dirty.add(now)
+        self.queue.mark(now, wake=wake)
         self.minds[key] = new
         self.groups.setdefault(now, {})[key] = new
 
     def forget(self, key: str) -> None:
         """Drop a Mind the API no longer has (deleted while no watch was looking)."""
-        with self.lock:
-            known = self.minds.get(key)
-            if known is not None:
-                self._put(key, known, None)
+        known = self.minds.get(key)
+        if known is not None:
+            self._put(key, known, None, wake=False)
 
-    def mark(self, keys: Iterable[EngineKey]) -> None:
-        """Mark engines to be stepped at the next pass (a write that failed, a pass cut short)."""
-        with self.lock:
-            self.dirty.update(keys)
-
-    def mark_mind(self, key: str) -> None:
-        """Mark the engine a Mind names (a write of hers failed: the next pass redoes it)."""
-        with self.lock:
-            known = self.minds.get(key)
-            if known is not None:
-                self.dirty.add(routing.engine_key_of(known))
-
-    def take_dirty(self) -> set[EngineKey]:
-        """The engines marked since the last call; the mark is cleared."""
-        with self.lock:
-            dirty, self.dirty = self.dirty, set()
-        return dirty
+    def engine_of(self, key: str) -> EngineKey | None:
+        """The engine a Mind names, as the cache has her (None: she is not known)."""
+        known = self.minds.get(key)
+        return routing.engine_key_of(known) if known is not None else None
 
     def minds_of(self, keys: Iterable[EngineKey]) -> dict[EngineKey, list[dict[str, Any]]]:
         """The Minds naming each of these engines (those with any)."""
-        with self.lock:
-            return {k: list(g.values()) for k in keys if (g := self.groups.get(k))}
+        return {k: list(g.values()) for k in keys if (g := self.groups.get(k))}
 
     def engine_keys(self) -> set[EngineKey]:
         """Every engine some Mind names."""
-        with self.lock:
-            return set(self.groups)
+        return set(self.groups)
 
     def observe_class(self, obj: Mapping[str, Any], deleted: bool) -> None:
         # (A class changes what every engine's minds demand: the loop compares the classes
@@ -125,7 +109,7 @@ class MindCache:
             self.classes.pop(name, None)
         else:
             self.classes[name] = kept(obj)
-        self.changed.set()
+        self.queue.wake()
 
     def observe_quota(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         key = routing.mind_key(obj)
@@ -136,7 +120,42 @@ class MindCache:
             if known is None or resource_version(obj) >= resource_version(known):
                 self.quotas[key] = kept(obj)
         if nudge:
-            self.changed.set()
+            self.queue.wake()
+
+
+async def seed(api: KubeApi, cache: MindCache) -> None:
+    """List MindClasses, TokenQuotas and Minds into the cache (a new leader, before its first
+    step); watch events go on after. The lists in a thread (the adapter blocks), the cache
+    filled back on the event loop."""
+    classes, quotas, minds = await asyncio.to_thread(_lists, api)
+    for obj in classes.get("items") or []:
+        cache.classes[str(obj["metadata"]["name"])] = kept(obj)
+    for obj in quotas.get("items") or []:
+        cache.observe_quota(obj, deleted=False, nudge=False)
+    listed = set()
+    for obj in minds.get("items") or []:
+        cache.observe_mind(obj, deleted=False, nudge=False)
+        listed.add(routing.mind_key(obj))
+    # A Mind the cache has but the list has not was deleted before the list was taken.
+    for key in set(cache.minds) - listed:
+        known = cache.minds.get(key)
+        if known is not None and resource_version(known) <= int(
+            minds["metadata"]["resourceVersion"]
+        ):
+            cache.forget(key)
+
+
+def _lists(api: KubeApi) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    base = f"/apis/{GROUP}/{VERSION}"
+    classes = api.request("GET", f"{base}/mindclasses")
+    minds = api.request("GET", f"{base}/minds")
+    try:
+        quotas = api.request("GET", f"{base}/tokenquotas")
+    except ApiError as err:
+        if err.status != 404:  # 404: the TokenQuota CRD is not installed; no quotas
+            raise
+        quotas = {}
+    return classes, quotas, minds
 
 
 def _demand_facts(mind: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -1,15 +1,16 @@
 """The Minds' side of a grants pass: each Mind's `status.grant` and conditions projected from
 her Engine's ledger (`kube.mind_status`) and written when they differ, and the grant finalizer
 on a Mind holding a slot (her deletion must release it first) and off a deleted one once the
-ledger no longer holds her. The loop (`kube.minds`) decides; this builds and runs the writes
-(in the writer's threads, `kube.mind_writer`). Neighbours: `kube.mind_cache` (the Minds as last
-seen, and our writes' answers fed back to it).
+ledger no longer holds her. The loop (`kube.minds`) decides; this builds the writes, run as
+asyncio tasks by `kube.mind_writer` (each API call in `asyncio.to_thread`: the adapter blocks;
+its answer is recorded in the cache back on the event loop). Neighbours: `kube.mind_cache` (the
+Minds as last seen, and our writes' answers fed back to it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -19,7 +20,7 @@ from continuum_operator.kube.api import ApiError, KubeApi, crd_path
 from continuum_operator.kube.cache import EngineKey, format_time
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_cache import MindCache
-from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE
+from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, Write
 from continuum_operator.kube.quota_use import ClassNotes
 from continuum_operator.model.mind import HOLDING_STATES
 
@@ -30,7 +31,7 @@ log = logging.getLogger("continuum.grants")
 FINALIZER = "continuum.dev/grant"
 
 #: A write for the writer: its priority, the key its writes are ordered by, and the write.
-Job = tuple[int, str, Callable[[], None]]
+Job = tuple[int, str, Write]
 
 
 def _without_nulls(value: Any) -> Any:
@@ -58,11 +59,19 @@ class MindWrites:
         self.settings = settings
         self.clock = clock
         self.pod_port = pod_port
-        # A finalizer patch that met a conflict: the loop's next pass comes soon (read and
-        # cleared by the loop; set from the writer's threads).
-        self.retry_soon = False
-        self._lock = threading.Lock()
         self.projections_written = 0
+
+    async def write_quota(self, quota: Mapping[str, Any], status: dict[str, Any]) -> None:
+        """A TokenQuota's status (`kube.quota_use.quota_status`); a failure raises."""
+        meta = quota["metadata"]
+        path = crd_path("tokenquotas", meta["namespace"], meta["name"], "status")
+        try:
+            answer = await asyncio.to_thread(self.api.merge_patch, path, {"status": status})
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            return
+        self.minds.observe_quota(answer, deleted=False, nudge=False)
 
     def endpoint(self, key: EngineKey) -> str:
         ns, name = key
@@ -134,31 +143,31 @@ class MindWrites:
             (PROJECTION_WRITE, f"engine:{key[0]}/{key[1]}", partial(self.tell_missing, key, stale))
         ]
 
-    def tell_missing(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
+    async def tell_missing(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
         ns, name = key
         try:
-            self.api.request("GET", crd_path("engines", ns, name))
+            await asyncio.to_thread(self.api.request, "GET", crd_path("engines", ns, name))
             return  # it exists: not this operator's (its selector), so not for it to say
         except ApiError as err:
             if err.status != 404:
                 raise
         grant, conds = mind_status.refused_projection(mind_status.engine_not_found(key))
         for m in minds:
-            self.project_one(routing.mind_key(m), grant, conds, None)
+            await self.project_one(routing.mind_key(m), grant, conds, None)
 
-    def add_finalizer_to(self, mkey: str) -> None:
+    async def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""
         mind = self.minds.minds.get(mkey)
         if mind is None or mind["metadata"].get("deletionTimestamp"):
             return
         if FINALIZER not in (mind["metadata"].get("finalizers") or []):
-            self.add_finalizer(mind)
+            await self.add_finalizer(mind)
 
-    def finalize(self, mind: dict[str, Any]) -> None:
+    async def finalize(self, mind: dict[str, Any]) -> None:
         crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
-        self.drop_finalizer(mind)
+        await self.drop_finalizer(mind)
 
-    def project_one(
+    async def project_one(
         self,
         mkey: str,
         grant: dict[str, Any] | None,
@@ -168,13 +177,11 @@ class MindWrites:
         mind = self.minds.minds.get(mkey)  # as the cache has her now
         if mind is None:
             return
-        answer = self.write_projection(mind, grant, conds, endpoint)
+        answer = await self.write_projection(mind, grant, conds, endpoint)
         if answer is None:
             return
-        with self._lock:
-            self.projections_written += 1
-            first = self.projections_written == 1
-        if first:
+        self.projections_written += 1
+        if self.projections_written == 1:
             crash.reached(crash.CrashPoint.MID_PROJECTIONS)
 
     def projection_differs(
@@ -221,14 +228,15 @@ class MindWrites:
             return None
         return new
 
-    def write_projection(
+    async def write_projection(
         self,
         mind: dict[str, Any],
         grant: dict[str, Any] | None,
         conds: Mapping[str, tuple[bool, str, str]],
         endpoint: str | None,
     ) -> dict[str, Any] | None:
-        """Write the Mind's projection if it differs; the Mind as written, or None."""
+        """Write the Mind's projection if it differs; the Mind as written, or None. A failure
+        (but her being gone) raises: the writer has her engine decided again."""
         new = self._projection(mind, grant, conds, endpoint)
         if new is None:
             return None
@@ -236,41 +244,40 @@ class MindWrites:
         patch = {"status": new}
         path = crd_path("minds", meta["namespace"], meta["name"], "status")
         try:
-            answer = self.api.merge_patch(path, patch)
+            answer = await asyncio.to_thread(self.api.merge_patch, path, patch)
         except ApiError as err:
             if err.status != 404:
-                log.warning("writing Mind %s's grant failed: %s", routing.mind_key(mind), err)
-                self.minds.mark_mind(routing.mind_key(mind))  # the next pass writes it again
+                raise
             return None
         self.minds.observe_mind(answer, deleted=False, nudge=False)
         return answer
 
-    def add_finalizer(self, mind: dict[str, Any]) -> None:
+    async def add_finalizer(self, mind: dict[str, Any]) -> None:
         meta = mind["metadata"]
         finalizers = [*(meta.get("finalizers") or []), FINALIZER]
-        self._patch_finalizers(mind, finalizers)
+        await self._patch_finalizers(mind, finalizers)
 
-    def drop_finalizer(self, mind: dict[str, Any]) -> None:
+    async def drop_finalizer(self, mind: dict[str, Any]) -> None:
         meta = mind["metadata"]
         if FINALIZER not in (meta.get("finalizers") or []):
             return
         finalizers = [f for f in meta.get("finalizers") or [] if f != FINALIZER]
-        self._patch_finalizers(mind, finalizers)
+        await self._patch_finalizers(mind, finalizers)
 
-    def _patch_finalizers(self, mind: dict[str, Any], finalizers: list[str]) -> None:
+    async def _patch_finalizers(self, mind: dict[str, Any], finalizers: list[str]) -> None:
+        """Patch her finalizers, conditioned on her resourceVersion. A failure (but her being
+        gone) raises: a 409 (she changed meanwhile) or another, her engine is decided again
+        after a backoff, from her as the cache has her then."""
         meta = mind["metadata"]
         patch = {
             "metadata": {"finalizers": finalizers, "resourceVersion": meta.get("resourceVersion")}
         }
+        path = crd_path("minds", meta["namespace"], meta["name"])
         try:
-            answer = self.api.merge_patch(crd_path("minds", meta["namespace"], meta["name"]), patch)
+            answer = await asyncio.to_thread(self.api.merge_patch, path, patch)
         except ApiError as err:
-            if err.status not in (404, 409):  # 409: changed meanwhile; the next pass retries
-                log.warning("finalizers of Mind %s: %s", routing.mind_key(mind), err)
-            if err.status == 409:
-                self.retry_soon = True  # not the Event: this runs in a worker thread
             if err.status != 404:
-                self.minds.mark_mind(routing.mind_key(mind))  # the next pass decides it again
+                raise
             return
         if answer.get("metadata", {}).get("deletionTimestamp") and not finalizers:
             self.minds.observe_mind(answer, deleted=True, nudge=False)

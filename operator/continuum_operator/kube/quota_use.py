@@ -4,7 +4,6 @@ steps engines, and the TokenQuota's status from it (docs/tenancy.md). Neighbours
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -20,7 +19,9 @@ __all__ = ["ClassNotes", "QuotaConditionType", "QuotaUse", "quota_status"]
 
 class QuotaUse:
     """Tokens each namespace under a TokenQuota holds, over every engine's ledger, kept up to
-    date as the pass steps engines (thread-safe: quota-free engines step side by side)."""
+    date as the pass decides engines: a decision is assumed at once (`assume`: the next
+    decision of the pass sees it, though its write is still in flight), and what its write
+    landed replaces it (`stepped`). Touched only from the event loop: no lock."""
 
     def __init__(
         self,
@@ -28,7 +29,6 @@ class QuotaUse:
         entries: Mapping[EngineKey, list[dict[str, Any]]],
     ) -> None:
         self.limits = dict(limits)
-        self.lock = threading.Lock()
         self.entries = dict(entries)
         # Summed only where a quota reads them (without quotas, nothing does).
         self.by_engine = (
@@ -38,50 +38,72 @@ class QuotaUse:
         for held in self.by_engine.values():
             for ns, n in held.items():
                 self.totals[ns] = self.totals.get(ns, 0) + n
+        self.freed: set[str] = set()  # namespaces a landed write left holding less than assumed
 
     def binds(self, demands: Mapping[str, MindDemand]) -> bool:
         return any(d.namespace in self.limits for d in demands.values())
 
     def used(self, namespace: str) -> int:
-        with self.lock:
-            return self.totals.get(namespace, 0)
+        return self.totals.get(namespace, 0)
 
     def left(self, key: EngineKey) -> dict[str, int] | None:
         """What each quota'd namespace may hold on this engine: its limit less what it holds on
         the others (possibly below zero: a quota lowered under use reclaims nothing)."""
         if not self.limits:
             return None
-        with self.lock:
-            mine = self.by_engine.get(key, {})
-            return {
-                ns: lim.max_tokens - (self.totals.get(ns, 0) - mine.get(ns, 0))
-                for ns, lim in self.limits.items()
-            }
+        mine = self.by_engine.get(key, {})
+        return {
+            ns: lim.max_tokens - (self.totals.get(ns, 0) - mine.get(ns, 0))
+            for ns, lim in self.limits.items()
+        }
+
+    def assume(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
+        """A step decided and not yet written: until its write lands, the engine holds, in each
+        namespace, the more of what it held and what the step holds. A grant counts at once; a
+        release only once written (should the write fail, nobody granted on tokens that were
+        never given back)."""
+        held = routing.tokens_held(entries) if self.limits else {}
+        before = self.by_engine.get(key, {})
+        self._put(key, {ns: max(n, before.get(ns, 0)) for ns, n in {**before, **held}.items()})
+        self.entries[key] = entries
 
     def stepped(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
-        """The engine's whole ledger after its step (not only what its object keeps)."""
+        """The engine's whole ledger as written (not only what its object keeps)."""
         held = routing.tokens_held(entries) if self.limits else {}
-        with self.lock:
-            for ns, n in self.by_engine.get(key, {}).items():
-                self.totals[ns] -= n
-            for ns, n in held.items():
-                self.totals[ns] = self.totals.get(ns, 0) + n
-            self.by_engine[key] = held
-            self.entries[key] = entries
+        before = self.by_engine.get(key, {})
+        self.freed.update(ns for ns, n in before.items() if held.get(ns, 0) < n)
+        self._put(key, held)
+        self.entries[key] = entries
+
+    def _put(self, key: EngineKey, held: dict[str, int]) -> None:
+        for ns, n in self.by_engine.get(key, {}).items():
+            self.totals[ns] -= n
+        for ns, n in held.items():
+            self.totals[ns] = self.totals.get(ns, 0) + n
+        self.by_engine[key] = held
+
+    def held_back(self, namespaces: set[str]) -> set[EngineKey]:
+        """The engines with a mind of these namespaces queued by their quota."""
+        return {
+            key
+            for key, entries in self.entries.items()
+            for e in entries
+            if e.get("reason") == GrantReason.QUOTA_EXCEEDED.value
+            and str(e.get("mind") or "").partition("/")[0] in namespaces
+        }
 
     def minds(self, namespace: str) -> tuple[int, list[str]]:
         """Minds of the namespace holding a grant, and those the quota holds back (by name)."""
         held, queued = 0, []
-        with self.lock:
-            for entries in self.entries.values():
-                for e in entries:
-                    ns, _, name = str(e.get("mind") or "").partition("/")
-                    if ns != namespace:
-                        continue
-                    if e.get("state") in HOLDING_STATES:
-                        held += 1
-                    elif e.get("reason") == GrantReason.QUOTA_EXCEEDED.value:
-                        queued.append(name)
+        for entries in self.entries.values():
+            for e in entries:
+                ns, _, name = str(e.get("mind") or "").partition("/")
+                if ns != namespace:
+                    continue
+                if e.get("state") in HOLDING_STATES:
+                    held += 1
+                elif e.get("reason") == GrantReason.QUOTA_EXCEEDED.value:
+                    queued.append(name)
         return held, sorted(queued)
 
 

@@ -349,7 +349,7 @@ async def serve(
     )
     # Each node's engine and lane pods, told to its agent (which may not list pods itself).
     placed = PlacedPods(api, cache, settings.loop.resync_seconds)
-    # EmbedLanes, on the controller kernel (the other loops are to move onto it).
+    # EmbedLanes, on the controller kernel (as the Engines' and the grants' loops are).
     lanes = LaneLoop(api, settings, cache, time.time)
     decisions = asyncio.create_task(
         lead(elector, stop, [loop.run, grants_loop.run, placed.run, lanes.run])

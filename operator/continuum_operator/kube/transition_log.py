@@ -56,7 +56,9 @@ class TransitionLog:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.lock = threading.Lock()  # steps of several engines are written side by side
+        # Steps are appended from the grants loop's event loop, and synced from a thread (once a
+        # pass, in `asyncio.to_thread`, its fsync off the loop) while the next pass appends.
+        self.lock = threading.Lock()
         self.last_t = 0.0
         self.seqs: dict[str, int] = {}  # engine -> last step seq in the file
         self.places: dict[str, dict[str, Place]] = {}  # engine -> waiting mind -> her last line
