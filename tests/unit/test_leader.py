@@ -4,12 +4,15 @@ clock: no sleeps."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from urllib3.exceptions import MaxRetryError
 
 from continuum_operator.kube.grant_settings import LeaderSettings
-from continuum_operator.kube.leader import Elector
+from continuum_operator.kube.leader import Elector, lead
 from tests.fakes import FakeKubeApi
 
 
@@ -153,3 +156,31 @@ def test_a_standby_counts_a_lease_it_first_sees_as_renewed_then() -> None:
     assert two.try_acquire_or_renew() is False
     clock.now += 0.2
     assert two.try_acquire_or_renew() is True
+
+
+def test_the_lease_is_taken_while_every_shared_thread_is_busy() -> None:
+    # Every API call of the loops runs in the shared executor; the Lease's must not queue
+    # behind them (a renewal late past the Lease's duration loses the lead mid-write).
+    _, _, one, _ = electors()
+
+    async def scenario() -> int:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(2))
+        gate = threading.Event()
+        busy = [asyncio.ensure_future(asyncio.to_thread(gate.wait)) for _ in range(4)]
+        stop, working = asyncio.Event(), asyncio.Event()
+
+        async def work(_: asyncio.Event) -> None:
+            working.set()
+            await stop.wait()
+
+        leading = asyncio.create_task(lead(one, stop, [work]))
+        try:
+            await asyncio.wait_for(working.wait(), 2.0)
+        finally:
+            stop.set()
+            gate.set()
+            await asyncio.gather(*busy)
+        return await leading
+
+    assert asyncio.run(scenario()) == 0

@@ -31,6 +31,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from urllib3.exceptions import HTTPError as TransportError
@@ -191,10 +192,27 @@ async def lead(
     Returns 0 on a clean stop, 1 when leadership was lost (the caller exits: a replica that
     lost the Lease never writes again in this process).
     """
+    # The Lease's calls have a thread of their own: in the shared executor they would queue
+    # behind the loops' writes (every API call leaves the event loop), and a renewal late by
+    # more than the Lease's duration hands the lead to another replica mid-write.
+    renewals = ThreadPoolExecutor(1, thread_name_prefix="leader-lease")
+    try:
+        return await _lead(elector, stop, work, renewals)
+    finally:
+        renewals.shutdown(wait=False)
+
+
+async def _lead(
+    elector: Elector,
+    stop: asyncio.Event,
+    work: list[Callable[[asyncio.Event], Coroutine[Any, Any, None]]],
+    renewals: ThreadPoolExecutor,
+) -> int:
     s = elector.settings
+    loop = asyncio.get_running_loop()
     if s.enabled:
         while not stop.is_set():
-            if await asyncio.to_thread(elector.try_acquire_or_renew):
+            if await loop.run_in_executor(renewals, elector.try_acquire_or_renew):
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), s.renew_seconds)
@@ -211,7 +229,7 @@ async def lead(
                 await asyncio.wait_for(stop.wait(), s.renew_seconds)
             if stop.is_set() or not s.enabled:
                 continue
-            renewed = await asyncio.to_thread(elector.try_acquire_or_renew)
+            renewed = await loop.run_in_executor(renewals, elector.try_acquire_or_renew)
             if not renewed and not elector.is_leader():
                 log.error("lost the leader Lease %s: stopping", s.name)
                 lost = True
@@ -220,5 +238,5 @@ async def lead(
         working.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         if not lost:
-            await asyncio.to_thread(elector.release)
+            await loop.run_in_executor(renewals, elector.release)
     return 1 if lost else 0

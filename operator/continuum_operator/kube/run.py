@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from continuum_operator.core.damping import DampingSettings
@@ -309,6 +310,7 @@ async def serve(
     from continuum_operator.kube.embedlanes import LaneLoop
     from continuum_operator.kube.handlers import registry_for
     from continuum_operator.kube.leader import Elector, lead
+    from continuum_operator.kube.loop import WRITERS as ENGINE_WRITERS
     from continuum_operator.kube.loop import Loop
     from continuum_operator.kube.metrics import OperatorMetrics
     from continuum_operator.kube.mind_cache import MindCache
@@ -316,6 +318,14 @@ async def serve(
     from continuum_operator.kube.minds import GrantsLoop
     from continuum_operator.kube.placed_pods import PlacedPods
 
+    grants = grants or grant_settings.GrantSettings()
+    # Every API call leaves the event loop in a thread (`kube.api` blocks): the default
+    # executor's min(32, CPUs + 4) threads, 6 on two CPUs, would hold the loops' writes to 6
+    # at once. As many as may be in flight: the Engines' loop's, the grants loop's ledgers and
+    # Minds' writes, and one each for the lanes, the placed pods and the seeds.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(ENGINE_WRITERS + 2 * grants.write_workers + 3, "kube-api")
+    )
     cache = Cache(lease_namespace=settings.freshness.lease_namespace)
     metrics = OperatorMetrics()
     if metrics_port:
@@ -339,7 +349,7 @@ async def serve(
     )
     grants_loop = GrantsLoop(
         api,
-        grants or grant_settings.GrantSettings(),
+        grants,
         cache,
         mind_cache,
         may_write=elector.is_leader,
