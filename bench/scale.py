@@ -120,6 +120,9 @@ class Watched:
         self.objects: Any = client.CustomObjectsApi(api_client)
         self.namespace, self.plural, self.tests = namespace, plural, tests
         self.first: dict[str, dict[str, float]] = {t: {} for t in tests}
+        # Each Mind, when her entry in an Engine's ledger first said Granted (Engines only):
+        # the gateway serves her turns from then, before her own status says so.
+        self.ledger_granted: dict[str, float] = {}
         self.latest: dict[str, dict[str, Any]] = {}
         self.stop = threading.Event()
         self.ready = threading.Event()
@@ -137,6 +140,10 @@ class Watched:
         for t, test in self.tests.items():
             if name not in self.first[t] and test(obj):
                 self.first[t][name] = now
+        for entry in _status(obj).get("grants") or []:
+            if entry.get("state") == "Granted":
+                mind = str(entry.get("mind", "")).rpartition("/")[2]
+                self.ledger_granted.setdefault(mind, now)
 
     def _run(self) -> None:
         rv = ""
@@ -236,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minds", type=int, default=1000)
     parser.add_argument("--burst", type=int, default=250, help="minds created per burst")
     parser.add_argument("--burst-gap", type=float, default=2.0, help="seconds between bursts")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="minds created at this many a second, each at its own time (instead of bursts)",
+    )
     parser.add_argument("--slots", type=int, default=8, help="minds.max of each engine")
     parser.add_argument("--clients", type=int, default=8, help="threads creating minds")
     parser.add_argument("--renew", type=float, default=20.0, help="seconds between renewals")
@@ -329,6 +342,18 @@ def _engine(tag: str, ns: str, i: int, slots: int) -> dict[str, Any]:
                  "contextTokensPerMind": 4096, "minds": {"min": 1, "max": slots},
                  "placement": {"nodeSelector": selector}},
     }  # fmt: skip
+
+
+def paced(pool: ThreadPoolExecutor, create: Callable[[int], None], count: int, rate: float) -> None:
+    """Create `count` minds at `rate` a second, each sent at its own time (i / rate after the
+    first) whatever the answers' pace, as independent clients would; then wait for them all."""
+    start = time.monotonic()
+    sent = []
+    for i in range(count):
+        time.sleep(max(0.0, start + i / rate - time.monotonic()))
+        sent.append(pool.submit(create, i))
+    for future in sent:
+        future.result()
 
 
 def _status(obj: dict[str, Any]) -> dict[str, Any]:
@@ -541,7 +566,11 @@ def run(
     op.mark("minds")
     first_create = time.time()
     with ThreadPoolExecutor(args.clients) as pool:
-        for b in range(0, args.minds, args.burst):
+        if args.rate:
+            paced(pool, create, args.minds, args.rate)
+            print(f"  {args.minds} minds created in {time.time() - first_create:.1f} s "
+                  f"(paced at {args.rate:g}/s); granted {len(minds.first['granted'])}")  # fmt: skip
+        for b in range(0, 0 if args.rate else args.minds, args.burst):
             list(pool.map(create, range(b, min(args.minds, b + args.burst))))
             print(f"  burst: {min(args.minds, b + args.burst)}/{args.minds} minds created; "
                   f"granted {len(minds.first['granted'])}", flush=True)  # fmt: skip
@@ -564,6 +593,8 @@ def run(
     op.mark("held")
     held_s = max(minds.first["held"].values()) - first_create
     lat = [granted[n] - applied[n] for n in granted if n in applied]
+    in_ledger = dict(engines.ledger_granted)
+    ledger_lat = [in_ledger[n] - applied[n] for n in in_ledger if n in applied]
     granted_s = max(granted.values()) - first_create
 
     # At rest: only the Leases are renewed.
@@ -605,14 +636,19 @@ def run(
     churn = op.phase("rested", "churned")
     whole = op.phase("start", "churned")
     print()
+    arrivals = f"at {args.rate:g}/s" if args.rate else f"bursts of {args.burst}"
     print(f"size: {args.nodes} nodes, {args.engines} engines, {args.minds} minds "
-          f"(bursts of {args.burst}), {slots} slots")  # fmt: skip
+          f"({arrivals}), {slots} slots")  # fmt: skip
     print(f"engines applied -> all planned: {planned_s:.1f} s; -> all serving: {serving_s:.1f} s "
           f"(the apply itself: {applied_s:.1f} s)")  # fmt: skip
     print(f"first mind created -> all {expect} granted: {granted_s:.1f} s; "
           f"-> finalizers on all: {held_s:.1f} s")  # fmt: skip
     print(f"apply-to-granted: p50 {percentile(lat, 0.5):.2f} s, p99 {percentile(lat, 0.99):.2f} s, "
           f"max {max(lat):.2f} s")  # fmt: skip
+    if ledger_lat:
+        print(f"apply-to-granted in the ledger (the gateway serves her from then): "
+              f"p50 {percentile(ledger_lat, 0.5):.2f} s, p99 {percentile(ledger_lat, 0.99):.2f} s, "
+              f"max {max(ledger_lat):.2f} s ({len(ledger_lat)} minds)")  # fmt: skip
     print(
         f"operator CPU: engines up {cpu_share(up)}; minds applied {cpu_share(apply_minds)}; "
         f"at rest {cpu_share(rest)}; churn {cpu_share(churn)}; whole run {whole[1]:.0f} s"
