@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import grimp
+
 from tests.builders import ROOT
 
 PACKAGE = ROOT / "operator" / "continuum_operator"
@@ -61,3 +63,53 @@ def test_no_function_of_the_product_is_over_80_lines() -> None:
         for name, n in long_functions(path.read_text()).items()
     }
     assert over == {}
+
+
+def import_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (Tarjan's
+    strongly connected components of more than one module, or one that imports itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(imports.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == module:
+                    break
+            if len(group) > 1 or module in imports.get(module, ()):
+                cycles.append(sorted(group))
+
+    for module in sorted(imports):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_third_module() -> None:
+    imports = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(imports) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_two_modules_of_the_product_import_each_other() -> None:
+    # Imports inside functions count too: a cycle hidden in a function is still one idea
+    # split across two modules that need each other.
+    graph = grimp.build_graph("continuum_operator", exclude_type_checking_imports=True)
+    imports = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    assert import_cycles(imports) == []

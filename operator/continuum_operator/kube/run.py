@@ -294,6 +294,16 @@ def parse_selector(text: str) -> dict[str, str]:
     return labels
 
 
+def api_threads(grants: grant_settings.GrantSettings) -> ThreadPoolExecutor:
+    """The threads the API calls run in (`kube.api` blocks; each call leaves the event loop).
+    The default executor's min(32, CPUs + 4), 6 on two CPUs, would hold the loops' writes to
+    6 at once: as many as may be in flight, the Engines' loop's, the grants loop's ledgers
+    and Minds' writes, and one each for the lanes, the placed pods and the seeds."""
+    from continuum_operator.kube.loop import WRITERS as ENGINE_WRITERS
+
+    return ThreadPoolExecutor(ENGINE_WRITERS + 2 * grants.write_workers + 3, "kube-api")
+
+
 async def serve(
     settings: OperatorSettings,
     kubeconfig: str | None,
@@ -310,7 +320,6 @@ async def serve(
     from continuum_operator.kube.embedlanes import LaneLoop
     from continuum_operator.kube.handlers import registry_for
     from continuum_operator.kube.leader import Elector, lead
-    from continuum_operator.kube.loop import WRITERS as ENGINE_WRITERS
     from continuum_operator.kube.loop import Loop
     from continuum_operator.kube.metrics import OperatorMetrics
     from continuum_operator.kube.mind_cache import MindCache
@@ -319,13 +328,7 @@ async def serve(
     from continuum_operator.kube.placed_pods import PlacedPods
 
     grants = grants or grant_settings.GrantSettings()
-    # Every API call leaves the event loop in a thread (`kube.api` blocks): the default
-    # executor's min(32, CPUs + 4) threads, 6 on two CPUs, would hold the loops' writes to 6
-    # at once. As many as may be in flight: the Engines' loop's, the grants loop's ledgers and
-    # Minds' writes, and one each for the lanes, the placed pods and the seeds.
-    asyncio.get_running_loop().set_default_executor(
-        ThreadPoolExecutor(ENGINE_WRITERS + 2 * grants.write_workers + 3, "kube-api")
-    )
+    asyncio.get_running_loop().set_default_executor(api_threads(grants))
     cache = Cache(lease_namespace=settings.freshness.lease_namespace)
     metrics = OperatorMetrics()
     if metrics_port:
