@@ -191,7 +191,8 @@ def _add_loop_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None
         "--full-resync",
         type=float,
         default=d.loop.full_resync_seconds,
-        help="seconds between passes that decide every engine, changed or not",
+        help="seconds between passes that decide every engine, changed or not (each "
+        "Engine's placement, and each Engine's grant ledger)",
     )
     p.add_argument(
         "--engine-selector",
@@ -358,6 +359,7 @@ async def serve(
         may_write=elector.is_leader,
         metrics=metrics,
         resync_seconds=settings.loop.resync_seconds,
+        full_pass_seconds=settings.loop.full_resync_seconds,
         pod_port=settings.pods.port,
     )
     # Each node's engine and lane pods, told to its agent (which may not list pods itself).
