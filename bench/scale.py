@@ -576,6 +576,7 @@ def run(
                   f"granted {len(minds.first['granted'])}", flush=True)  # fmt: skip
             if b + args.burst < args.minds:
                 time.sleep(args.burst_gap)
+    last_create = time.time()
     expect = min(args.minds, slots)
     progress(
         "grants",
@@ -642,7 +643,8 @@ def run(
     print(f"engines applied -> all planned: {planned_s:.1f} s; -> all serving: {serving_s:.1f} s "
           f"(the apply itself: {applied_s:.1f} s)")  # fmt: skip
     print(f"first mind created -> all {expect} granted: {granted_s:.1f} s; "
-          f"-> finalizers on all: {held_s:.1f} s")  # fmt: skip
+          f"-> finalizers on all: {held_s:.1f} s; last created -> all granted: "
+          f"{max(granted.values()) - last_create:.1f} s")  # fmt: skip
     print(f"apply-to-granted: p50 {percentile(lat, 0.5):.2f} s, p99 {percentile(lat, 0.99):.2f} s, "
           f"max {max(lat):.2f} s")  # fmt: skip
     if ledger_lat:
