@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn", type=float, default=60.0, help="seconds measured in churn")
     parser.add_argument("--churn-rate", type=float, default=5.0, help="minds replaced per second")
     parser.add_argument("--resync", type=float, default=5.0, help="the operator's --resync")
+    parser.add_argument(
+        "--write-workers", type=int, default=0, help="the operator's --write-workers (0: its own)"
+    )
     parser.add_argument("--kubeconfig", default=None, help="an existing cluster (with KWOK)")
     parser.add_argument(
         "--grant-finalizer-policy",
@@ -480,7 +483,8 @@ def run(
             [*runner, "-m", "continuum_operator.cli", "operator", "--kubeconfig", kc,
              "--resync", str(args.resync), "--engine-image", "continuum-engine:bench",
              "--engine-selector", f"bench={tag}", "--metrics-port", str(port),
-             "--transition-log", str(work / "transitions.jsonl")],
+             "--transition-log", str(work / "transitions.jsonl"),
+             *(["--write-workers", str(args.write_workers)] if args.write_workers else [])],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PATH": path},
         )  # fmt: skip
     op = Operator(proc, port)
