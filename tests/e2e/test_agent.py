@@ -8,6 +8,7 @@ is checked against the generated CRD schema by the API server itself.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -121,7 +122,7 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
         api.write_board(NodeBoardStatus(), api.node_facts())  # the agent makes its board
     cache = Cache()
     cache.observe_board(cluster.get_json("nodeboard", gpu_node), deleted=False)
-    PlacedPods(KubeApi(str(cluster.kubeconfig)), cache).publish_once()
+    asyncio.run(PlacedPods(KubeApi(str(cluster.kubeconfig)), cache).publish_once())
     mine = [p for p in api.placed_pods() if p["uid"] == pod_uid]
     assert mine == [{"uid": pod_uid, "kind": "Engine", "namespace": namespace, "name": "llama-70b"}]
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from continuum_operator.kube.cache import Cache
@@ -63,18 +64,18 @@ def test_only_boards_whose_list_changed_are_written_and_a_missing_board_is_skipp
 
     # gpu-1 gets its pod; gpu-2's board was deleted meanwhile (404, skipped); gpu-3 has none
     # and already says none.
-    assert publisher.publish_once() == 1
+    assert asyncio.run(publisher.publish_once()) == 1
     assert api.patched == [(
         "/apis/continuum.dev/v1alpha1/nodeboards/gpu-1",
         {"spec": {"placed": [{"uid": "u1", "kind": "Engine", "namespace": "team-a",
                               "name": "coder"}]}},
     )]  # fmt: skip
-    assert publisher.publish_once() == 0  # nothing changed: nothing written
+    assert asyncio.run(publisher.publish_once()) == 0  # nothing changed: nothing written
 
     pods[0]["status"]["phase"] = "Failed"  # its pod ended: the board says so
-    assert publisher.publish_once() == 1
+    assert asyncio.run(publisher.publish_once()) == 1
     assert api.patched[-1][1] == {"spec": {"placed": []}}
 
     # The watch echo of the operator's own write compares equal.
     cache.observe_board(board("gpu-1", []), deleted=False)
-    assert publisher.publish_once() == 0
+    assert asyncio.run(publisher.publish_once()) == 0

@@ -80,9 +80,10 @@ class PlacedPods:
             found.extend((label, kind, pod) for pod in doc.get("items") or [])
         return found
 
-    def publish_once(self) -> int:
-        """One round: the boards written."""
-        wanted = placed_by_node(self.list_pods())
+    async def publish_once(self) -> int:
+        """One round: the boards written. Only the API calls leave the event loop: the cache
+        is read and recorded on it, where its watches change it."""
+        wanted = placed_by_node(await asyncio.to_thread(self.list_pods))
         written = 0
         for node in sorted(self.cache.boards):
             placed = wanted.get(node, [])
@@ -90,7 +91,7 @@ class PlacedPods:
                 continue
             path = f"/apis/{GROUP}/{VERSION}/{NodeBoard.PLURAL}/{quote(node)}"
             try:
-                self.api.merge_patch(path, {"spec": {"placed": placed}})
+                await asyncio.to_thread(self.api.merge_patch, path, {"spec": {"placed": placed}})
             except ApiError as err:
                 if err.status != 404:  # deleted meanwhile: its node went
                     log.warning("writing NodeBoard %s spec.placed failed: %s", node, err)
@@ -102,7 +103,7 @@ class PlacedPods:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await asyncio.to_thread(self.publish_once)
+                await self.publish_once()
             except (ApiError, OSError) as err:
                 log.warning("listing the engine and lane pods failed, retrying: %s", err)
             except Exception:  # one bad round must not stop the operator; the next retries
