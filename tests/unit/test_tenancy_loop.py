@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from continuum_operator.core.grants import MindDemand
 from continuum_operator.kube import routing
-from continuum_operator.kube.cache import Cache
+from continuum_operator.kube.cache import Cache, format_time
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_cache import MindCache
 from continuum_operator.kube.minds import GrantsLoop
+from continuum_operator.kube.quota_use import QuotaUse, quota_status
 from tests.fakes import FakeKubeApi
 
 BASE = "/apis/continuum.dev/v1alpha1/namespaces"
@@ -322,3 +323,17 @@ def test_passes_over_several_engines_never_take_a_namespace_past_its_quota(
             assert held.get(ns, 0) <= limit, (ns, held, quotas)
             reported = w.status("tokenquotas", ns, "q")["usedTokens"]
             assert reported == held.get(ns, 0)
+
+
+def test_a_quota_condition_without_a_transition_time_gets_one() -> None:
+    quota = {
+        "metadata": {"namespace": "team", "name": "q", "generation": 1},
+        "spec": {"maxTokens": 1000},
+        "status": {
+            "conditions": [{"type": "Limiting", "status": "False", "reason": "WithinQuota"}]
+        },
+    }
+    use = QuotaUse(routing.quota_limits([quota]), {})
+    new = quota_status(quota, use, 1_800_000_000.0)
+    assert new is not None
+    assert new["conditions"][0]["lastTransitionTime"] == format_time(1_800_000_000.0)

@@ -161,9 +161,12 @@ def quota_status(quota: Mapping[str, Any], use: QuotaUse, now: float) -> dict[st
         "status": status,
         "reason": reason,
         "message": message,
-        "lastTransitionTime": (prev or {}).get("lastTransitionTime")
-        if (prev or {}).get("status") == status
-        else format_time(now),
+        # Kept while the status holds; a condition that lacks one (written by hand, or before
+        # the time was kept) gets now rather than a null.
+        "lastTransitionTime": (
+            (prev or {}).get("lastTransitionTime") if (prev or {}).get("status") == status else None
+        )
+        or format_time(now),
     }
     if generation is not None:
         condition["observedGeneration"] = generation
