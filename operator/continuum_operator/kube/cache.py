@@ -469,6 +469,12 @@ def merge_diff(old: Any, new: Any) -> Any:
     return out
 
 
+def status_patch(status: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch of the status fields one writer decided (`new`), from what `status`
+    holds to `new`; the fields `new` does not name are other writers' and left as they are."""
+    return {k: merge_diff(status.get(k), v) for k, v in new.items() if status.get(k) != v}
+
+
 def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
     return any(
         c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []

@@ -46,7 +46,7 @@ from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Leas
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import events, kernel, lane_objects
 from continuum_operator.kube.api import ApiError, KubeApi, crd_path
-from continuum_operator.kube.cache import Cache, Snapshot, format_time, merge_diff, merge_patch
+from continuum_operator.kube.cache import Cache, Snapshot, format_time, merge_patch, status_patch
 from continuum_operator.kube.kernel import KernelSettings, PassHooks
 from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
 from continuum_operator.kube.settings import OperatorSettings
@@ -179,9 +179,7 @@ class _LanePass:
             "conditions": [x.model_dump(by_alias=True, exclude_none=True) for x in conditions],
             "observedGeneration": self.generation,
         }
-        patch = {
-            k: merge_diff(self.status.get(k), v) for k, v in new.items() if self.status.get(k) != v
-        }
+        patch = status_patch(self.status, new)
         events = tuple(
             LaneEvent(
                 "Normal" if x.status == "True" or x.reason in _QUIET else "Warning",

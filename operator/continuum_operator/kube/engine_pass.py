@@ -19,7 +19,7 @@ from continuum_operator.core.plan import ServingPlan
 from continuum_operator.core.pools import ConsumerKind
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import engine_identity, objects, runtime_report
-from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, merge_diff, parse_time
+from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time, status_patch
 from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
@@ -217,9 +217,7 @@ class EnginePass:
             if claim is not None:  # before the Deployment, as its pods name it
                 identity = (*identity, claim)
             new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
-        patch = {
-            k: merge_diff(self.status.get(k), v) for k, v in new.items() if self.status.get(k) != v
-        }
+        patch = status_patch(self.status, new)
         return Writes(
             status_patch={"status": patch} if patch else None,
             deployment=deployment,

@@ -276,9 +276,7 @@ class GrantsLoop:
             self.review_at.pop(key, None)
             self.tails.forget(key)
             return GrantWrites(None, None, now, None, False, minds, {}) if minds else None
-        by_engine, refused = routing.route_minds(minds, {key: body}, view.classes, view.default)
-        routed = by_engine.get(key, [])
-        demands = routing.demands_of(routed, view.classes, view.default, refused)
+        routed, refused, demands = _wanted(key, body, minds, view.classes, view.default)
         due = self._due(body)
         # Due by the pass's time (`view.at`, when the rest are stepped), so its `t` comes first.
         is_due = due is not None and due <= view.at and not view.rest_started
@@ -459,10 +457,21 @@ class GrantsLoop:
         """The minds that want a grant of this Engine, from the caches as they are now (only
         hers: `MindCache` keeps them grouped by engine)."""
         classes, default = routing.classes_of(list(self.minds.classes.values()))
-        by_engine, refused = routing.route_minds(
-            self.minds.minds_of([key]).get(key, []),
-            {key: e} if (e := self.engines.engines.get(key)) is not None else {},
-            classes,
-            default,
-        )
-        return routing.demands_of(by_engine.get(key, []), classes, default, refused)
+        minds = self.minds.minds_of([key]).get(key, [])
+        return _wanted(key, self.engines.engines.get(key), minds, classes, default)[2]
+
+
+def _wanted(
+    key: EngineKey,
+    body: dict[str, Any] | None,
+    minds: list[dict[str, Any]],
+    classes: Mapping[str, routing.ClassFacts],
+    default: str,
+) -> tuple[list[dict[str, Any]], Mapping[str, routing.Refused], dict[str, MindDemand]]:
+    """The minds naming this Engine that go to it, those refused and why, and what each that
+    goes wants of its ledger."""
+    by_engine, refused = routing.route_minds(
+        minds, {key: body} if body is not None else {}, classes, default
+    )
+    routed = by_engine.get(key, [])
+    return routed, refused, routing.demands_of(routed, classes, default, refused)
