@@ -19,6 +19,7 @@ from continuum_operator.engine.gateway import SlotRelease
 from continuum_operator.engine.grants_source import EngineStatusWriter, watch_engine
 from continuum_operator.model.mind import GrantState
 from tests.e2e.conftest import Cluster
+from tests.waiting import until
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +60,7 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
             watch_engine(namespace, "coder-8b", tables.append, api=objects)
         )
         try:
-            await _until(lambda: bool(tables))
+            await until(lambda: bool(tables), timeout=30.0)
             assert tables[-1].slot_tokens == 32768
             entry = tables[-1].entry(f"{namespace}/mira")
             assert entry is not None and entry.state is GrantState.GRANTED
@@ -72,11 +73,12 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
                 "since": "2026-12-03T06:59:30Z",
             }
             await asyncio.to_thread(_patch_grants, cluster, namespace, [reclaim])
-            await _until(
+            await until(
                 lambda: (
                     (e := tables[-1].entry(f"{namespace}/mira")) is not None
                     and e.state is GrantState.RECLAIMING
-                )
+                ),
+                timeout=30.0,
             )
             writer = EngineStatusWriter(namespace, "coder-8b", api=objects)
             runtime = {
@@ -98,13 +100,6 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
     status = cluster.get_json("engine", "coder-8b", "-n", namespace)["status"]
     assert status["runtime"]["slotReleases"][0]["mind"] == f"{namespace}/mira"
     assert status["grants"][0]["state"] == "Reclaiming"  # the operator's field, untouched
-
-
-async def _until(check: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_only(

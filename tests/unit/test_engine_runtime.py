@@ -28,6 +28,7 @@ from continuum_operator.engine.runtime import (
     runtime_status,
 )
 from tests.unit import fake_llama
+from tests.waiting import until
 
 MODEL_BYTES = b"GGUF"
 SHA = hashlib.sha256(MODEL_BYTES).hexdigest()  # the model files' digest: checked before a launch
@@ -39,13 +40,6 @@ def fake_server(tmp_path: Path) -> str:
     script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake_llama.__file__}" "$@"\n')
     script.chmod(0o755)
     return str(script)
-
-
-async def until(check: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def with_runtime(
@@ -84,7 +78,7 @@ def with_runtime(
 
 def test_the_runtime_starts_llama_server_and_reports_its_load(tmp_path: Path) -> None:
     async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
-        await until(lambda: bool(published) and published[-1]["phase"] == "Serving")
+        await until(lambda: bool(published) and published[-1]["phase"] == "Serving", timeout=60.0)
         doc = published[-1]
         assert doc["ready"] is True
         assert (doc["slots"], doc["slotTokens"]) == (2, 512)
@@ -106,14 +100,16 @@ def test_the_runtime_starts_llama_server_and_reports_its_load(tmp_path: Path) ->
 
 def test_a_llama_server_that_dies_is_started_again_and_counted(tmp_path: Path) -> None:
     async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
-        await until(lambda: runtime.phase == "Serving")
+        await until(lambda: runtime.phase == "Serving", timeout=60.0)
         first = runtime.process
         assert first is not None
         first.kill()
-        await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving")
+        await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving", timeout=60.0)
         assert runtime.process is not first
         # Published after the phase changes (the next status write), not with it.
-        await until(lambda: published[-1]["restarts"] == 1 and published[-1]["ready"] is True)
+        await until(
+            lambda: published[-1]["restarts"] == 1 and published[-1]["ready"] is True, timeout=60.0
+        )
         assert published[-1]["phase"] == "Serving"
 
     with_runtime(tmp_path, body)

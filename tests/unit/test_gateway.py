@@ -25,6 +25,7 @@ from continuum_operator.engine.grants_source import watch_file
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER, TurnCut, turn
 from continuum_operator.model.mind import GrantState
 from tests.unit.fake_llama import FakeLlama, serve
+from tests.waiting import until
 
 MIRA, VIP = "minds/mira", "minds/vip"
 
@@ -105,13 +106,6 @@ def run(
 
     asyncio.run(main())
     return fake
-
-
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 class TestServingGrantedMinds:

@@ -23,6 +23,7 @@ from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_ap
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 from tests.unit.fake_llama import FakeLlama, serve
+from tests.waiting import until
 
 MIRA, BOB, VIP = "minds/mira", "minds/bob", "minds/vip"
 #: The tokens the stand-in review knows: each is a service account's.
@@ -116,13 +117,6 @@ def run(
 
     asyncio.run(main())
     return fake
-
-
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]

@@ -16,6 +16,7 @@ from typing import Any
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind, quota
+from tests.waiting import until
 
 
 class Clock:
@@ -188,25 +189,18 @@ def test_the_loop_runs_on_the_kernel_seeded_first_and_woken_by_the_watches(
     async def scenario() -> None:
         stop = asyncio.Event()
         run = asyncio.create_task(w.loop.run(stop))
-        await until(lambda: w.ledger("team-a", "coder").get("team-a/ann") is not None)
+        await until(lambda: w.ledger("team-a", "coder").get("team-a/ann") is not None, timeout=10.0)
         assert w.ledger("team-a", "coder")["team-a/ann"][0] == "Granted"
         body = mind("team-a", "bob", "coder", second=2)
         w.api.add(body, "minds")
         w.cache.observe_mind(body, deleted=False)  # her watch event wakes the loop
-        await until(lambda: "grant" in w.status("minds", "team-a", "bob"))
+        await until(lambda: "grant" in w.status("minds", "team-a", "bob"), timeout=10.0)
         assert w.status("minds", "team-a", "bob")["grant"]["state"] == "Granted"
         stop.set()
         await run
 
     asyncio.run(scenario())
     assert f"{BASE}/team-a/engines/coder" in w.api.objects
-
-
-async def until(done: Any, seconds: float = 10.0) -> None:
-    end = time.monotonic() + seconds
-    while not done():
-        assert time.monotonic() < end, "not in time"
-        await asyncio.sleep(0.02)
 
 
 def test_a_due_engines_release_is_logged_at_its_deadline_though_others_write_beside_it(

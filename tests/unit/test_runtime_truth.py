@@ -46,7 +46,7 @@ from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, engine, engine_body
-from tests.unit.test_engine_runtime import fake_server, until
+from tests.unit.test_engine_runtime import fake_server
 from tests.unit.test_reconcile import (
     NOW,
     SETTINGS,
@@ -58,6 +58,7 @@ from tests.unit.test_reconcile import (
     ready,
     snapshot,
 )
+from tests.waiting import until
 
 MiB = 1 << 20
 BYTES = b"GGUF" + b"\0" * 1000
@@ -182,7 +183,9 @@ def test_a_model_file_of_another_digest_is_never_served_nor_receipted(tmp_path: 
     )
 
     async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
-        await until(lambda: bool(published) and published[-1]["phase"] == "ModelMismatch")
+        await until(
+            lambda: bool(published) and published[-1]["phase"] == "ModelMismatch", timeout=60.0
+        )
         await asyncio.sleep(0.3)  # time enough to start llama-server, were it to
         doc = published[-1]
         assert runtime.process is None
@@ -209,7 +212,7 @@ def test_the_model_checked_is_receipted_under_its_digest_with_threads_set(
     )
 
     async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
-        await until(lambda: bool(published) and published[-1]["phase"] == "Serving")
+        await until(lambda: bool(published) and published[-1]["phase"] == "Serving", timeout=60.0)
         doc = published[-1]
         assert doc["receipts"][0]["modelSha256"] == sha(BYTES)
         assert doc["modelFile"]["verdict"] == "Hashed"
@@ -249,7 +252,7 @@ def test_a_llama_server_that_keeps_failing_is_stopped_after_n_restarts_saying_wh
     )
 
     async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
-        await until(lambda: bool(published) and published[-1]["phase"] == "Stopped")
+        await until(lambda: bool(published) and published[-1]["phase"] == "Stopped", timeout=60.0)
         doc = published[-1]
         assert doc["restarts"] == 2 and doc["ready"] is False
         assert doc["lastExit"]["code"] == 1
