@@ -20,12 +20,12 @@ import copy
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from continuum_operator.kube.api import ApiError, path_of
 from continuum_operator.model.base import API_VERSION
 
-__all__ = ["Awaited", "Call", "FakeKubeApi", "SyncApi", "collection_path", "object_path"]
+__all__ = ["Awaited", "Call", "FakeKubeApi", "collection_path", "object_path"]
 
 T = TypeVar("T")
 
@@ -122,37 +122,13 @@ def _merge_into(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
             target[key] = copy.deepcopy(value)
 
 
-class SyncApi(Protocol):
-    """`kube.api.KubeApi`'s calls, as a double answers them."""
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        query: Sequence[tuple[str, str]] = (),
-        content_type: str = "application/json",
-    ) -> dict[str, Any]: ...
-
-    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
-
-    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
-
-    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
-
-    def delete(self, path: str) -> None: ...
-
-    def text(self, path: str, query: Sequence[tuple[str, str]] = ()) -> str: ...
-
-
 class Awaited:
     """`kube.async_api.AsyncKubeApi`'s surface over a double's blocking calls: each awaited
     call is the double's, answered at once on the event loop (no thread, no await inside), so
     what the double does (its store, its log of calls, a subclass's failures) is the answer."""
 
-    def __init__(self, api: SyncApi) -> None:
-        self.api = api
+    def __init__(self, api: FakeKubeApi) -> None:
+        self.api = api  # or any object with its calls (the benches' server in memory)
 
     async def request(
         self,

@@ -197,10 +197,6 @@ class KubeApi:
             config.load_incluster_config(client_configuration=configuration)
         else:
             config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        # The client's default pool is 5 connections a CPU; the loops write from more threads
-        # than that (`--write-workers` for ledgers, as many for Minds, the loop's own), and a
-        # connection past the pool is dropped after one request: a TLS handshake for each.
-        configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize, 64)
         self._client = client.ApiClient(configuration)
 
     def send(self, r: Request) -> Any:
