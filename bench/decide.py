@@ -13,8 +13,9 @@ runs it at a tiny size and checks that a pass at rest decides fewer engines than
    the first pass, granting every Mind; a pass after one Mind created; a pass with nothing
    changed; a full pass (every engine's ledger stepped, as every pass was before).
 
-CPU is `time.process_time` around the pass alone: every thread of this process (the threads the
-loops' API calls run in, `asyncio.to_thread`, and the in-memory API server's work included).
+CPU is `time.process_time` around the pass alone: every thread of this process (the loops' API
+calls are awaited on the event loop, `kube.async_api`'s surface over the in-memory server
+(`tests.fakes.Awaited`), whose work is included).
 The watch events that the writes cause (their echoes) are handed to the caches between passes,
 as kopf would, untimed. A grants pass here waits for the Mind writes (projections, finalizers)
 it queued (`GrantsLoop.drain`), so they are in the pass's figure.
@@ -34,9 +35,11 @@ from typing import Any
 
 from bench.kube_bench import GROUP, VERSION, micro, mind_body
 from bench.scale import KINDS, _engine, _nodes
+from tests.fakes import Awaited
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
-from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
+from continuum_operator.kube.api import ApiError, crd_path, path_of
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey, merge_patch
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.loop import Loop
@@ -295,8 +298,9 @@ def _plan_world(
 ) -> tuple[Cache, CountingLoop, Clock]:
     cache = Cache()
     clock = Clock(time.time())
-    fake: Any = api
-    real: KubeApi = fake
+    sync: Any = api
+    fake: Any = Awaited(sync)
+    real: AsyncKubeApi = fake
     loop = CountingLoop(real, OperatorSettings(), cache, clock=clock)
     for name, kind in _nodes("d", nodes):
         labels = {"bench": "d", "bench-kind": kind}
@@ -348,8 +352,9 @@ def _grants_world(
         mcache.observe_class({"metadata": {"name": f"d-{cls}"},
                               "spec": {"priority": priority, "protectionWindowSeconds": 300}},
                              deleted=False)  # fmt: skip
-    fake: Any = api
-    real: KubeApi = fake
+    sync: Any = api
+    fake: Any = Awaited(sync)
+    real: AsyncKubeApi = fake
     grants = CountingGrants(real, GrantSettings(transition_log=glog), cache, mcache, clock=clock)
     for i in range(minds):
         _add_mind(api, mcache, i, engines)

@@ -8,6 +8,10 @@ call is logged (`calls`) for the tests' assertions.
 
 A test that needs the server to do something else (a flaky write, pods that go while it waits)
 subclasses it; an API of another shape (the node agent's, a TokenReview client) is not this one.
+
+The loops take the async adapter (`kube.async_api.AsyncKubeApi`): `Awaited` is its surface over
+this one's (or any object with `KubeApi`'s calls: the benches' server in memory), each call
+answered at once on the event loop, as a fast server would; `FakeKubeApi.aio` is it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, TypeVar
 from continuum_operator.kube.api import ApiError, path_of
 from continuum_operator.model.base import API_VERSION
 
-__all__ = ["Call", "FakeKubeApi", "collection_path", "object_path"]
+__all__ = ["Awaited", "Call", "FakeKubeApi", "collection_path", "object_path"]
 
 T = TypeVar("T")
 
@@ -118,6 +122,41 @@ def _merge_into(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
             target[key] = copy.deepcopy(value)
 
 
+class Awaited:
+    """`kube.async_api.AsyncKubeApi`'s surface over a double's blocking calls: each awaited
+    call is the double's, answered at once on the event loop (no thread, no await inside), so
+    what the double does (its store, its log of calls, a subclass's failures) is the answer."""
+
+    def __init__(self, api: FakeKubeApi) -> None:
+        self.api = api  # or any object with its calls (the benches' server in memory)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Sequence[tuple[str, str]] = (),
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        return self.api.request(method, path, body, query=query, content_type=content_type)
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self.api.merge_patch(path, patch)
+
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        return self.api.apply(obj)
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        return self.api.create(obj)
+
+    async def delete(self, path: str) -> None:
+        self.api.delete(path)
+
+    async def text(self, path: str, query: Sequence[tuple[str, str]] = ()) -> str:
+        return self.api.text(path, query)
+
+
 class FakeKubeApi:
     """An API server in memory, objects by path (`objects`), every call logged (`calls`).
 
@@ -132,6 +171,8 @@ class FakeKubeApi:
         self.logs: dict[str, str] = {}
         self._meanwhile: dict[str, list[Callable[[dict[str, Any]], None]]] = {}
         self._names = itertools.count(1)
+        #: The same server, as the loops' async adapter answers.
+        self.aio = Awaited(self)
         for obj in objects:
             self.add(obj)
 

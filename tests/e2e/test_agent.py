@@ -23,7 +23,7 @@ from continuum_operator.agent import nvml
 from continuum_operator.agent.run import Agent, AgentSettings
 from continuum_operator.agent.writer import AgentApi, connect
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name, node_of_lease
-from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.placed_pods import PlacedPods
 from continuum_operator.model.board import NodeBoard, NodeBoardStatus
@@ -122,7 +122,15 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
         api.write_board(NodeBoardStatus(), api.node_facts())  # the agent makes its board
     cache = Cache()
     cache.observe_board(cluster.get_json("nodeboard", gpu_node), deleted=False)
-    asyncio.run(PlacedPods(KubeApi(str(cluster.kubeconfig)), cache).publish_once())
+
+    async def publish() -> None:
+        api = await AsyncKubeApi.connect(str(cluster.kubeconfig))
+        try:
+            await PlacedPods(api, cache).publish_once()
+        finally:
+            await api.close()
+
+    asyncio.run(publish())
     mine = [p for p in api.placed_pods() if p["uid"] == pod_uid]
     assert mine == [{"uid": pod_uid, "kind": "Engine", "namespace": namespace, "name": "llama-70b"}]
 

@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
-from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, format_time
 from continuum_operator.kube.loop import Loop
 from continuum_operator.kube.metrics import OperatorMetrics
@@ -26,7 +26,7 @@ def _cache() -> Cache:
 
 def _loop(cache: Cache, metrics: OperatorMetrics, clock: list[float]) -> Loop:
     fake: Any = object()  # record_boards makes no API call
-    api: KubeApi = fake
+    api: AsyncKubeApi = fake
     return Loop(api, OperatorSettings(), cache, clock=lambda: clock[0], metrics=metrics)
 
 

@@ -373,7 +373,11 @@ class TestTheOperatorsPod:
         from continuum_operator.kube.embedlanes import LaneLoop, LaneWrites
 
         applied: list[str] = []
-        api = SimpleNamespace(apply=lambda obj: applied.append(obj["kind"]))
+
+        async def apply(obj: dict[str, Any]) -> None:
+            applied.append(obj["kind"])
+
+        api = SimpleNamespace(apply=apply)
         loop = LaneLoop(api, None, None, lambda: 0.0)  # type: ignore[arg-type]
         writes = LaneWrites(
             None,
@@ -381,7 +385,7 @@ class TestTheOperatorsPod:
             identity=tuple(lane_objects.lane_identity(lane(), "u")),
             network_policy=lane_objects.lane_network_policy(lane(), "u", PodSettings()),
         )
-        loop.apply_workload((NS, LANE), writes)
+        asyncio.run(loop.apply_workload((NS, LANE), writes))
         assert applied == [
             "ServiceAccount",
             "Role",

@@ -4,6 +4,7 @@ posted before the builder was their one home, field for field."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from typing import Any
@@ -95,24 +96,25 @@ def test_the_message_is_cut_at_the_limit_unless_told_otherwise() -> None:
 
 def test_the_loop_posts_an_engines_event_as_it_always_did() -> None:
     api = FakeKubeApi()
-    fake: Any = api
+    fake: Any = api.aio
     loop = Loop(fake, OperatorSettings(), Cache(), clock=lambda: NOW)
     long = "m" * 2000
-    loop.post_event({"metadata": meta()}, Event("Warning", "PodNeverStarted", long))
+    asyncio.run(loop.post_event({"metadata": meta()}, Event("Warning", "PodNeverStarted", long)))
     assert api.created == [posted_on("Engine", socket.gethostname(), long[:1024])]
 
 
 def test_the_lanes_loop_posts_an_embed_lanes_event_as_it_always_did() -> None:
     api = FakeKubeApi()
-    fake: Any = api
+    fake: Any = api.aio
     loop = LaneLoop(fake, OperatorSettings(), Cache(), lambda: NOW)
     long = "m" * 2000
-    loop.post_event({"metadata": meta()}, LaneEvent("Warning", "PodNeverStarted", long))
+    event = LaneEvent("Warning", "PodNeverStarted", long)
+    asyncio.run(loop.post_event({"metadata": meta()}, event))
     assert api.created == [posted_on("EmbedLane", socket.gethostname(), long[:1024])]
 
 
 class _RefusingApi:
-    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(403, "Forbidden", "events is forbidden")
 
 
@@ -123,8 +125,9 @@ def test_a_refused_event_is_a_warning_on_the_loops_own_log_not_an_error(
     loop = Loop(api, OperatorSettings(), Cache(), clock=lambda: NOW)
     lanes = LaneLoop(api, OperatorSettings(), Cache(), lambda: NOW)
     with caplog.at_level(logging.WARNING):
-        loop.post_event({"metadata": meta()}, Event("Warning", "PodNeverStarted", "m"))
-        lanes.post_event({"metadata": meta()}, LaneEvent("Warning", "PodNeverStarted", "m"))
+        asyncio.run(loop.post_event({"metadata": meta()}, Event("Warning", "PodNeverStarted", "m")))
+        event = LaneEvent("Warning", "PodNeverStarted", "m")
+        asyncio.run(lanes.post_event({"metadata": meta()}, event))
     warned = [(r.name, r.getMessage()) for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [
         ("continuum.operator", "posting an event on Engine coder failed: 403 Forbidden: "

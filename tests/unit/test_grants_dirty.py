@@ -211,7 +211,7 @@ def test_a_new_leader_recovers_every_engines_journal_at_its_first_pass(tmp_path:
     # A machine crash lost the lines of the last steps (not yet synced): here, all of them.
     path.write_text("")
     successor = GrantsLoop(
-        w.api,  # type: ignore[arg-type]
+        w.api.aio,  # type: ignore[arg-type]
         w.loop.settings,
         w.engines,
         w.cache,

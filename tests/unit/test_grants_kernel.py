@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,15 +38,15 @@ def test_quota_bound_engines_written_side_by_side_do_not_overshoot_the_quota(
             w.mind(mind("team-a", f"{name}-{j}", name, second=2 * i + j))
     # The two ledger writes wait for each other: they are in flight at once, so neither
     # decision could have waited for the other's write to land.
-    together = threading.Barrier(2, timeout=10)
-    real = w.api.request
+    together = asyncio.Barrier(2)
+    real = w.api.aio.request
 
-    def request(method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
+    async def request(method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
         if method == "PUT":
-            together.wait()
-        return real(method, path, body, **kw)
+            await asyncio.wait_for(together.wait(), 10)
+        return await real(method, path, body, **kw)
 
-    w.api.request = request  # type: ignore[method-assign]
+    w.api.aio.request = request  # type: ignore[method-assign]
     w.loop.pass_once()
     held = [
         m
@@ -226,14 +225,14 @@ def test_a_due_engines_release_is_logged_at_its_deadline_though_others_write_bes
     deadline = float(entry["deadline"])
     clock.now = deadline + 5
     w.mind(mind("team-a", "bob", "free", second=3))
-    real = w.api.request
+    real = w.api.aio.request
 
-    def request(method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
+    async def request(method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
         if method == "PUT" and "/engines/due/" in path:
-            time.sleep(0.3)
-        return real(method, path, body, **kw)
+            await asyncio.sleep(0.3)
+        return await real(method, path, body, **kw)
 
-    w.api.request = request  # type: ignore[method-assign]
+    w.api.aio.request = request  # type: ignore[method-assign]
     w.loop.pass_once()
     lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     released = [x for x in lines if x.get("mind") == "team-a/ann" and x.get("to") == "Released"]

@@ -59,7 +59,7 @@ def setup(tmp_path: Path, *minds: dict[str, Any]) -> tuple[FakeKubeApi, GrantsLo
         cache.classes[name] = {"metadata": {"name": name}, "spec": spec}
     clock = Clock()
     settings = GrantSettings(transition_log=tmp_path / "log.jsonl", write_workers=1)
-    loop = GrantsLoop(api, settings, engines, cache, clock=clock)  # type: ignore[arg-type]
+    loop = GrantsLoop(api.aio, settings, engines, cache, clock=clock)  # type: ignore[arg-type]
     return api, loop, clock
 
 

@@ -4,7 +4,6 @@ a leader gate and retries with backoff, and the loop that drains it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -100,7 +99,7 @@ def test_a_replica_that_does_not_lead_decides_and_writes_nothing_and_keeps_the_m
     assert drain(r, q, clock, leading=True) == 2  # the first pass's "every key" was kept
 
 
-def test_the_loop_decides_on_a_mark_from_another_thread_and_stops() -> None:
+def test_the_loop_decides_on_a_mark_made_while_it_waits_and_stops() -> None:
     r, q = Recorder(["a", "b"]), WorkQueue[str]()
     fast = KernelSettings(resync_seconds=3600, debounce_seconds=0.01)
 
@@ -109,8 +108,8 @@ def test_the_loop_decides_on_a_mark_from_another_thread_and_stops() -> None:
         task = asyncio.create_task(kernel.run(r, q, fast, stop))
         while len(r.written) < 2:  # the first pass: every key
             await asyncio.sleep(0.01)
-        # A writer's thread records an answer: the mark wakes the loop in its own thread.
-        threading.Thread(target=q.mark, args=("b",)).start()
+        # A write's answer (or a watch event), recorded on the loop while it waits.
+        asyncio.get_running_loop().call_soon(q.mark, "b")
         while len(r.written) < 3:
             await asyncio.sleep(0.01)
         stop.set()

@@ -68,7 +68,7 @@ def test_the_lanes_reconciler_decides_and_writes_only_the_lanes_marked() -> None
         body = lane(name, "missing")
         api.add(body, "embedlanes")
         cache.observe_lane(body, deleted=False, nudge=False)
-    fake: Any = api
+    fake: Any = api.aio
     lanes = LaneLoop(fake, OperatorSettings(), cache, lambda: NOW)
     settings = KernelSettings()
 

@@ -109,7 +109,7 @@ def new_leader(w: World, tmp_path: Path, log: bool = True) -> None:
     none of the last one's memory."""
     path = tmp_path / "log.jsonl" if log else None
     settings = GrantSettings(transition_log=path, write_workers=2)
-    w.loop = GrantsLoop(w.api, settings, w.engines, w.cache, clock=lambda: 1_000.0)  # type: ignore[arg-type]
+    w.loop = GrantsLoop(w.api.aio, settings, w.engines, w.cache, clock=lambda: 1_000.0)  # type: ignore[arg-type]
 
 
 def logged(w: World) -> list[dict[str, Any]]:

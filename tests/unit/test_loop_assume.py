@@ -5,14 +5,15 @@ failed patch dropped (`Cache.settle_status`)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Mapping
 from typing import Any
 
-from continuum_operator.kube.api import ApiError, KubeApi
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, merge_patch
 from continuum_operator.kube.loop import Loop
 from continuum_operator.kube.settings import OperatorSettings
+from tests.fakes import Awaited
 from tests.unit.test_loop_dirty import NOW, FakeApi, agent_lease, engine_on, node_board
 
 GiB = 2**30
@@ -29,34 +30,43 @@ def device_leased(cache: Cache) -> int:
     )
 
 
-class SideBySideApi(FakeApi):
-    """Status patches wait at a barrier until `parties` of them are in flight together (a loop
-    that awaits each patch before deciding the next never gets there: the barrier breaks); the
-    patch of each engine in `failing` fails."""
+class SideBySideApi(Awaited):
+    """Status patches wait together until `parties` of them are in flight at once (a loop that
+    awaits each patch before deciding the next never gets there: the wait gives up, and
+    `broken` says so); the patch of each engine in `failing` fails."""
 
     def __init__(self, cache: Cache, parties: int, failing: set[str]) -> None:
-        super().__init__(cache)
-        self.barrier = threading.Barrier(parties, timeout=30)
+        self.server = FakeApi(cache)
+        super().__init__(self.server)
+        self.parties = parties
         self.failing = failing
         self.broken = False
+        self._barrier: tuple[asyncio.AbstractEventLoop, asyncio.Barrier] | None = None
 
-    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        if self.barrier is not None:
+    def barrier(self) -> asyncio.Barrier:
+        """One barrier per event loop (each `asyncio.run` is a loop of its own)."""
+        loop = asyncio.get_running_loop()
+        if self._barrier is None or self._barrier[0] is not loop:
+            self._barrier = (loop, asyncio.Barrier(self.parties))
+        return self._barrier[1]
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        if self.parties > 1:
             try:
-                self.barrier.wait()
-            except threading.BrokenBarrierError:
+                await asyncio.wait_for(self.barrier().wait(), 10)
+            except (asyncio.BrokenBarrierError, TimeoutError):
                 self.broken = True
         name = path.split("/")[-2]
         if name in self.failing:
             raise ApiError(500, "InternalError", "etcd is away")
-        return super().merge_patch(path, patch)
+        return await super().merge_patch(path, patch)
 
 
 def world(engines: int, parties: int, failing: set[str]) -> tuple[Loop, Cache, SideBySideApi]:
     cache = Cache()
     api = SideBySideApi(cache, parties, failing)
     fake: Any = api
-    real: KubeApi = fake
+    real: AsyncKubeApi = fake
     loop = Loop(real, OperatorSettings(), cache, clock=lambda: NOW)
     cache.observe_node(
         {"metadata": {"name": "n0", "labels": {"node": "n0"}},
@@ -70,7 +80,7 @@ def world(engines: int, parties: int, failing: set[str]) -> tuple[Loop, Cache, S
         cache.observe_engine(engine_on(f"e{i}", "n0", i), deleted=False)
         # Pods never start: every lease stays assumed, its bytes counted over the board's (a
         # running pod's are in the board, which this world never measures again).
-        api.never_ready.add(f"e{i}")
+        api.server.never_ready.add(f"e{i}")
     return loop, cache, api
 
 
@@ -98,7 +108,7 @@ def test_a_failed_status_patch_drops_its_lease_and_the_next_pass_places_again() 
     assert device_leased(cache) <= (80 - FREE_FROM) * GiB
     assert ("ns", "e0") in cache.engine_queue.take(cache.engines, 0)  # decided again
     api.failing.clear()
-    api.barrier = threading.Barrier(1)
+    api.parties = 1
     asyncio.run(loop.pass_once())
     assert "e0" in placed(cache) or "Insufficient" in str(cache.engines[("ns", "e0")]["status"])
     assert device_leased(cache) <= (80 - FREE_FROM) * GiB
@@ -147,7 +157,7 @@ def test_a_merge_patch_removes_nulls_and_merges_objects() -> None:
 def test_a_status_patch_that_raises_no_api_error_is_not_assumed_past_it() -> None:
     loop, cache, api = world(engines=1, parties=1, failing=set())
 
-    def broken(path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+    async def broken(path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         raise ConnectionResetError("the API server went away")
 
     api.merge_patch = broken  # type: ignore[method-assign]

@@ -13,7 +13,7 @@ import pytest
 
 from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.kube import loop as loop_module
-from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey, format_time, merge_patch
 from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.loop import Loop
@@ -105,8 +105,8 @@ class World:
         self.now = NOW
         self.cache = Cache()
         self.api = FakeApi(self.cache)
-        fake: Any = self.api
-        real: KubeApi = fake
+        fake: Any = self.api.aio
+        real: AsyncKubeApi = fake
         settings = OperatorSettings(loop=LoopSettings(full_resync_seconds=full_resync))
         self.loop = Loop(real, settings, self.cache, clock=lambda: self.now)
         for node in NODES:

@@ -4,10 +4,11 @@ pod before its gateway reports the releases, and they would only be forced at gr
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from continuum_operator.kube import ledger
-from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, DeploymentEntry
 from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.loop import DRAIN_HOLD_SECONDS, Loop
@@ -50,8 +51,8 @@ class World:
         cache = Cache()
         cache.observe_engine(body, deleted=False, nudge=False)
         cache.deployments[("ns", "coder")] = DeploymentEntry("old-launch", 1, 1, 1, 1, 1)
-        fake: Any = self.api
-        real: KubeApi = fake
+        fake: Any = self.api.aio
+        real: AsyncKubeApi = fake
         self.loop = Loop(real, OperatorSettings(), cache, clock=lambda: self.now)
         self.body = body
 
@@ -64,7 +65,7 @@ class World:
             events=(),
             memory=Memory(),
         )
-        self.loop.apply_workload(("ns", "coder"), self.body, writes)
+        asyncio.run(self.loop.apply_workload(("ns", "coder"), self.body, writes))
         return self.api.applied
 
 

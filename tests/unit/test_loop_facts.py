@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.kube import loop as loop_module
-from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry
 from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.facts_read import read_job_facts
@@ -35,9 +35,9 @@ def facts_api(log: str | None, pods: int = 1) -> FakeKubeApi:
 
 
 def read_job(api: FakeKubeApi, key: EngineKey) -> tuple[dict[str, Any] | None, str | None]:
-    fake: Any = api
-    real: KubeApi = fake
-    return read_job_facts(real, key, JOB, 1_800_000_000.0)
+    fake: Any = api.aio
+    real: AsyncKubeApi = fake
+    return asyncio.run(read_job_facts(real, key, JOB, 1_800_000_000.0))
 
 
 JOB = JobEntry("eng-facts-1", "pvc:models/m.gguf@-", succeeded=True, failed=False)
@@ -75,8 +75,8 @@ class FactsWorld:
     decisions it makes recorded (`decided`: the modelFacts and facts error each one saw)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, api: FakeKubeApi, job: JobEntry) -> None:
-        fake: Any = api
-        real: KubeApi = fake
+        fake: Any = api.aio
+        real: AsyncKubeApi = fake
         self.cache = Cache()
         self.loop = Loop(real, OperatorSettings(), self.cache, clock=lambda: 1_800_000_000.0)
         body = api.objects["/apis/continuum.dev/v1alpha1/namespaces/ns/engines/eng"]

@@ -60,7 +60,7 @@ def test_only_boards_whose_list_changed_are_written_and_a_missing_board_is_skipp
     cache = Cache()
     for name in ("gpu-1", "gpu-2", "gpu-3"):
         cache.observe_board(board(name), deleted=False)
-    publisher = PlacedPods(api, cache)  # type: ignore[arg-type]
+    publisher = PlacedPods(api.aio, cache)  # type: ignore[arg-type]
 
     # gpu-1 gets its pod; gpu-2's board was deleted meanwhile (404, skipped); gpu-3 has none
     # and already says none.

@@ -60,7 +60,7 @@ class World:
         self.cache = MindCache()
         settings = GrantSettings(transition_log=tmp_path / "log.jsonl", write_workers=2)
         self.loop = GrantsLoop(
-            self.api,  # type: ignore[arg-type]
+            self.api.aio,  # type: ignore[arg-type]
             settings,
             self.engines,
             self.cache,

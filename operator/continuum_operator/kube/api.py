@@ -1,8 +1,11 @@
-"""The one adapter that talks to the API server for the operator's writes (kopf watches).
+"""What both adapters to the API server share (the request each verb sends, what an answer
+means), and the blocking adapter (`KubeApi`), for the CLI and anything outside the event loop.
 
-Raw paths and plain dicts, on the `kubernetes` client's transport (its configuration, TLS and
-credentials from the kubeconfig), so objects built by `kube.objects` go out as they are: no
-generated model classes in between. Calls are blocking; the loop runs them in a thread.
+Raw paths and plain dicts, so objects built by `kube.objects` go out as they are: no generated
+model classes in between. `KubeApi` runs on the `kubernetes` client's transport (its
+configuration, TLS and credentials from the kubeconfig); the operator's loops use
+`kube.async_api.AsyncKubeApi`, the same verbs awaited on the event loop. Each verb is built once
+here (`Request`) and each answer read once (`answer`), whichever transport carried it.
 
 Errors: `ApiError` carries the HTTP status and the server's message; 404 and 409 are told apart
 by `status` where a caller cares.
@@ -14,14 +17,29 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 from kubernetes import client, config
 
-__all__ = ["ApiError", "KubeApi", "crd_path", "resource_of"]
+__all__ = [
+    "ApiError",
+    "KubeApi",
+    "Request",
+    "answer",
+    "crd_path",
+    "in_cluster",
+    "path_of",
+    "resource_of",
+]
 
 FIELD_MANAGER = "continuum-operator"
+#: Seconds a request may take, answer read included.
+TIMEOUT_SECONDS = 30
+#: The one credential the adapters send: the kubeconfig's or the ServiceAccount's token (a
+#: client certificate, when the kubeconfig has one, is the transport's).
+AUTH_SETTINGS = ["BearerToken"]
 
 
 class ApiError(Exception):
@@ -78,8 +96,95 @@ def resource_of(path: str) -> str:
     return parts[0] + (f"/{parts[2]}" if len(parts) > 2 else "")
 
 
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One call as either adapter sends it. `content_type` None: no body (its header is left
+    out); `gone_ok`: a 404 is the answer wanted (a delete of what is already gone)."""
+
+    method: str
+    path: str
+    body: Any = None
+    query: tuple[tuple[str, str], ...] = ()
+    content_type: str | None = "application/json"
+    accept: str = "application/json"
+    gone_ok: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        headers = {"Accept": self.accept}
+        if self.content_type is not None:
+            headers["Content-Type"] = self.content_type
+        return headers
+
+    @property
+    def plain(self) -> bool:
+        """The answer is text (a pod's log), not a JSON document."""
+        return not self.accept.startswith("application/json")
+
+
+def call(
+    method: str,
+    path: str,
+    body: Any = None,
+    query: Sequence[tuple[str, str]] = (),
+    content_type: str = "application/json",
+) -> Request:
+    return Request(method, path, body, tuple(query), content_type)
+
+
+def apply_request(obj: Mapping[str, Any]) -> Request:
+    """Server-side apply, forced: fields this operator dropped are removed."""
+    query = (("fieldManager", FIELD_MANAGER), ("force", "true"))
+    return Request("PATCH", path_of(obj), dict(obj), query, "application/apply-patch+yaml")
+
+
+def merge_patch_request(path: str, patch: Mapping[str, Any]) -> Request:
+    return Request("PATCH", path, dict(patch), content_type="application/merge-patch+json")
+
+
+def delete_request(path: str) -> Request:
+    """A delete in the background; what is already gone is not an error."""
+    return Request("DELETE", path, query=(("propagationPolicy", "Background"),), gone_ok=True)
+
+
+def text_request(path: str, query: Sequence[tuple[str, str]] = ()) -> Request:
+    """A plain-text answer (a pod's log). JSON accepted too: the API server answers an error as
+    a Status object, and with text/plain alone it says only "406 Not Acceptable", hiding it."""
+    return Request("GET", path, None, tuple(query), None, "text/plain, application/json")
+
+
+def create_request(obj: Mapping[str, Any]) -> Request:
+    return Request("POST", path_of(obj, collection=True), dict(obj))
+
+
+def answer(request: Request, status: int, data: bytes | None) -> Any:
+    """What a request's answer means: the document (or the text, for `text_request`), or the
+    `ApiError` the server's Status object says."""
+    text = data.decode() if data else ""
+    if 200 <= status <= 299:
+        if request.plain:
+            return text
+        return json.loads(text) if text else {}
+    if status == 404 and request.gone_ok:
+        return {}
+    reason, message = "Error", text[:500]
+    with contextlib.suppress(ValueError, AttributeError):
+        doc = json.loads(text)
+        reason = str(doc.get("reason") or reason)
+        message = str(doc.get("message") or message)
+    raise ApiError(status, reason, message)
+
+
+def in_cluster(kubeconfig: str | None) -> bool:
+    """Whether to log in as the pod's ServiceAccount: in a pod, with no kubeconfig named (the
+    chart runs the operator so); else the kubeconfig (`--kubeconfig`, $KUBECONFIG, ~/.kube)."""
+    in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    return kubeconfig is None and not os.environ.get("KUBECONFIG") and in_pod
+
+
 class KubeApi:
-    """`on_request(verb, resource)` is called before each request (the operator counts them)."""
+    """Blocking. `on_request(verb, resource)` is called before each request (the operator
+    counts them)."""
 
     def __init__(
         self,
@@ -88,16 +193,26 @@ class KubeApi:
     ) -> None:
         self.on_request = on_request
         configuration = client.Configuration()
-        in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-        if kubeconfig is None and not os.environ.get("KUBECONFIG") and in_pod:
+        if in_cluster(kubeconfig):
             config.load_incluster_config(client_configuration=configuration)
         else:
             config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        # The client's default pool is 5 connections a CPU; the loops write from more threads
-        # than that (`--write-workers` for ledgers, as many for Minds, the loop's own), and a
-        # connection past the pool is dropped after one request: a TLS handshake for each.
-        configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize, 64)
         self._client = client.ApiClient(configuration)
+
+    def send(self, r: Request) -> Any:
+        if self.on_request is not None:
+            self.on_request(r.method, resource_of(r.path))
+        prepared = self._client.param_serialize(
+            r.method,
+            r.path,
+            query_params=list(r.query),
+            header_params=r.headers,
+            body=r.body,
+            auth_settings=AUTH_SETTINGS,
+        )
+        response = self._client.call_api(*prepared, _request_timeout=TIMEOUT_SECONDS)
+        response.read()
+        return answer(r, response.status, response.data)
 
     def request(
         self,
@@ -108,69 +223,25 @@ class KubeApi:
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
     ) -> dict[str, Any]:
-        if self.on_request is not None:
-            self.on_request(method, resource_of(path))
-        request = self._client.param_serialize(
-            method,
-            path,
-            query_params=list(query),
-            header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = self._client.call_api(*request, _request_timeout=30)
-        response.read()
-        text = response.data.decode() if response.data else ""
-        if not 200 <= response.status <= 299:
-            try:
-                doc = json.loads(text)
-                raise ApiError(response.status, str(doc.get("reason")), str(doc.get("message")))
-            except ValueError:
-                raise ApiError(response.status, "Error", text) from None
-        return json.loads(text) if text else {}
+        result: dict[str, Any] = self.send(call(method, path, body, query, content_type))
+        return result
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply, forced: fields this operator dropped are removed."""
-        return self.request(
-            "PATCH",
-            path_of(obj),
-            dict(obj),
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
-            content_type="application/apply-patch+yaml",
-        )
+        result: dict[str, Any] = self.send(apply_request(obj))
+        return result
 
     def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        return self.request("PATCH", path, dict(patch), content_type="application/merge-patch+json")
+        result: dict[str, Any] = self.send(merge_patch_request(path, patch))
+        return result
 
     def delete(self, path: str) -> None:
-        try:
-            self.request("DELETE", path, query=[("propagationPolicy", "Background")])
-        except ApiError as err:
-            if err.status != 404:
-                raise
+        self.send(delete_request(path))
 
     def text(self, path: str, query: Sequence[tuple[str, str]] = ()) -> str:
         """A plain-text answer (a pod's log)."""
-        if self.on_request is not None:
-            self.on_request("GET", resource_of(path))
-        # JSON accepted too: the API server answers an error as a Status object, and with
-        # text/plain alone it says only "406 Not Acceptable", hiding the error itself.
-        request = self._client.param_serialize(
-            "GET", path, query_params=list(query),
-            header_params={"Accept": "text/plain, application/json"},
-            auth_settings=["BearerToken"],
-        )  # fmt: skip
-        response = self._client.call_api(*request, _request_timeout=30)
-        response.read()
-        text = response.data.decode() if response.data else ""
-        if not 200 <= response.status <= 299:
-            reason, message = "Error", text[:500]
-            with contextlib.suppress(ValueError, AttributeError):
-                status = json.loads(text)
-                reason = str(status.get("reason") or reason)
-                message = str(status.get("message") or message)
-            raise ApiError(response.status, reason, message)
-        return text
+        return str(self.send(text_request(path, query)))
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        return self.request("POST", path_of(obj, collection=True), dict(obj))
+        result: dict[str, Any] = self.send(create_request(obj))
+        return result

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -158,10 +157,9 @@ class Cache:
     clock: Callable[[], float] = time.time  # the loop's: when a Lease's renewal was seen
     engine_leases: dict[EngineKey, PlacedLeases] = field(default_factory=dict)
     engines_on: dict[str, frozenset[EngineKey]] = field(default_factory=dict)
-    # Engines, their index and assumed patches change together under one lock. Every observer
-    # runs on the event loop now (the grants loop records its ledger writes' answers there), so
-    # nothing contends for it; it is left for a change of its own.
-    _engines_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Engines, their index and assumed patches change together, with no lock: every observer,
+    # every reader and every write's answer runs on the event loop (the loops' API calls are
+    # awaited there, `kube.async_api`), and none awaits between its reads and its changes.
     # Engines to decide again (`kube.loop`, on `kube.kernel`), marked by what each observation
     # can change; every engine not placed yet once a node's room changed (`mark_unplaced`
     # marks them at the next pass: the loop's own placements change rooms many times a pass).
@@ -181,42 +179,35 @@ class Cache:
 
     def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
         """Record a status patch as written before its answer (`settle_status` ends it)."""
-        with self._engines_lock:
-            known = self.engines.get(key)
-            if known is None:
-                return
-            self._pending[key] = (patch, known)
-            body = merge_patch(known, patch)
-            self.engines[key] = body
-            self._index_engine(key, body)
+        known = self.engines.get(key)
+        if known is None:
+            return
+        self._pending[key] = (patch, known)
+        body = merge_patch(known, patch)
+        self.engines[key] = body
+        self._index_engine(key, body)
 
     def settle_status(self, key: EngineKey, answer: Mapping[str, Any] | None) -> None:
         """The answer of an assumed status patch; None: it failed, and the engine is as observed
         without it (decided again at the next pass)."""
-        with self._engines_lock:
-            pending = self._pending.pop(key, None)
-            if pending is not None and answer is None and key in self.engines:
-                self.engines[key] = pending[1]
-                self._index_engine(key, pending[1])
-            self.engine_queue.mark(key, wake=False)
+        pending = self._pending.pop(key, None)
+        if pending is not None and answer is None and key in self.engines:
+            self.engines[key] = pending[1]
+            self._index_engine(key, pending[1])
+        self.engine_queue.mark(key, wake=False)
         if answer is not None:
             self.observe_engine(answer, deleted=False, nudge=False)
 
     def mark_unplaced(self) -> None:
         """Mark every engine not placed yet, if a node's room changed since the last call."""
-        with self._engines_lock:
-            if self._unplaced_pending:
-                self._unplaced_pending = False
-                unplaced = [k for k in self.engines if k not in self.engine_leases]
-                self.engine_queue.mark(*unplaced, wake=False)
+        if self._unplaced_pending:
+            self._unplaced_pending = False
+            unplaced = [k for k in self.engines if k not in self.engine_leases]
+            self.engine_queue.mark(*unplaced, wake=False)
 
     def mark_nodes(self, nodes: Iterable[str], wake: bool = True) -> None:
         """Something a placement reads changed on these nodes (board, Lease, Node, leases):
         the engines placed there, and those not placed yet (they may place there)."""
-        with self._engines_lock:
-            self._mark_nodes(nodes, wake)
-
-    def _mark_nodes(self, nodes: Iterable[str], wake: bool) -> None:  # under the lock
         nodes = set(nodes)
         if not nodes:
             return
@@ -228,10 +219,9 @@ class Cache:
         self.lane_queue.mark(*lanes_on(self.lanes, nodes))
 
     def snapshot(self) -> Snapshot:
-        with self._engines_lock:
-            engines = dict(self.engines)  # bodies are replaced, never changed in place
-            engine_leases = dict(self.engine_leases)
-            engines_on = dict(self.engines_on)
+        engines = dict(self.engines)  # bodies are replaced, never changed in place
+        engine_leases = dict(self.engine_leases)
+        engines_on = dict(self.engines_on)
         return Snapshot(
             boards=dict(self.boards),
             leases=dict(self.leases),
@@ -245,7 +235,7 @@ class Cache:
         )
 
     def _index_engine(self, key: EngineKey, body: Mapping[str, Any] | None) -> None:
-        """Keep `engine_leases` and `engines_on` in line with `engines[key]` (under the lock)."""
+        """Keep `engine_leases` and `engines_on` in line with `engines[key]`."""
         old = self.engine_leases.pop(key, None)
         new = placed_leases(key, body) if body is not None else None
         old_nodes = {x.node for x in old.leases} if old else set()
@@ -254,7 +244,7 @@ class Cache:
             self.engine_leases[key] = new
         if old != new:
             # Bytes taken or freed (or no longer assumed): every decision on those nodes reads it.
-            self._mark_nodes(old_nodes | new_nodes, wake=False)
+            self.mark_nodes(old_nodes | new_nodes, wake=False)
         for node in old_nodes - new_nodes:
             rest = self.engines_on.get(node, frozenset()) - {key}
             if rest:
@@ -339,27 +329,26 @@ class Cache:
     def observe_engine(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
-        with self._engines_lock:
-            pending = self._pending.get(key)
-            if deleted:
-                self.engines.pop(key, None)
-                self._pending.pop(key, None)
-                self._index_engine(key, None)
-            else:
-                known = self.engines.get(key)
-                # A watch event older than the answer of our own write must not undo it. (An
-                # assumed body keeps the version it was assumed over.)
-                if known is None or _rv(meta) >= _rv(known["metadata"]):
-                    body = kept(obj)
-                    if pending is not None:
-                        # Another write landed while ours is in flight: ours still holds.
-                        self._pending[key] = (pending[0], body)
-                        body = merge_patch(body, pending[0])
-                    self.engines[key] = body
-                    self._index_engine(key, body)
-            # Marked even for the loop's own writes: the engine is decided again against what
-            # it wrote (a pass that then writes nothing leaves it quiet).
-            self.engine_queue.mark(key, wake=nudge)
+        pending = self._pending.get(key)
+        if deleted:
+            self.engines.pop(key, None)
+            self._pending.pop(key, None)
+            self._index_engine(key, None)
+        else:
+            known = self.engines.get(key)
+            # A watch event older than the answer of our own write must not undo it. (An
+            # assumed body keeps the version it was assumed over.)
+            if known is None or _rv(meta) >= _rv(known["metadata"]):
+                body = kept(obj)
+                if pending is not None:
+                    # Another write landed while ours is in flight: ours still holds.
+                    self._pending[key] = (pending[0], body)
+                    body = merge_patch(body, pending[0])
+                self.engines[key] = body
+                self._index_engine(key, body)
+        # Marked even for the loop's own writes: the engine is decided again against what
+        # it wrote (a pass that then writes nothing leaves it quiet).
+        self.engine_queue.mark(key, wake=nudge)
         self.lane_queue.mark(*lanes_of(self.lanes, key))
         if nudge:
             self._nudge()

@@ -45,7 +45,8 @@ from continuum_operator.core.placements import consumer_name, lane_placement_lea
 from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import events, kernel, lane_objects
-from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.api import ApiError, crd_path
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, Snapshot, format_time, merge_patch, status_patch
 from continuum_operator.kube.kernel import KernelSettings, PassHooks
 from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
@@ -387,7 +388,11 @@ class LaneLoop(PassHooks[LaneKey]):
     resync. Its writes: the lane's identity, NetworkPolicy and Deployment, then its status."""
 
     def __init__(
-        self, api: KubeApi, settings: OperatorSettings, cache: Cache, clock: Callable[[], float]
+        self,
+        api: AsyncKubeApi,
+        settings: OperatorSettings,
+        cache: Cache,
+        clock: Callable[[], float],
     ) -> None:
         self.api, self.settings, self.cache, self.clock = api, settings, cache, clock
         self.applied: dict[LaneKey, str] = {}  # what was last applied of each lane's pod
@@ -409,16 +414,14 @@ class LaneLoop(PassHooks[LaneKey]):
         return reconcile_lane(body, self.cache.snapshot(), now, self.settings)
 
     async def write(self, key: LaneKey, writes: LaneWrites) -> None:
-        """The pod's objects (in a thread: the client blocks), then one status patch; a
-        failure (but the lane's being gone) has the kernel take the lane again."""
-        applied = await asyncio.to_thread(self.apply_workload, key, writes)
+        """The pod's objects, then one status patch; a failure (but the lane's being gone) has
+        the kernel take the lane again."""
+        applied = await self.apply_workload(key, writes)
         if writes.status_patch is not None:
             ns, name = key
             try:
-                answer = await asyncio.to_thread(
-                    self.api.merge_patch,
-                    crd_path("embedlanes", ns, name, "status"),
-                    writes.status_patch,
+                answer = await self.api.merge_patch(
+                    crd_path("embedlanes", ns, name, "status"), writes.status_patch
                 )
             except ApiError as err:
                 if err.status == 404:
@@ -428,12 +431,12 @@ class LaneLoop(PassHooks[LaneKey]):
             self.cache.observe_lane(answer, deleted=False, nudge=False)
             for event in writes.events:
                 log.info("EmbedLane %s/%s: %s: %s", ns, name, event.reason, event.message)
-                await asyncio.to_thread(self.post_event, answer, event)
+                await self.post_event(answer, event)
         if not applied:
             raise RuntimeError(f"EmbedLane {key[0]}/{key[1]}'s pod was not applied")
 
-    def apply_workload(self, key: LaneKey, writes: LaneWrites) -> bool:
-        """Runs in a thread: the lane's identity and NetworkPolicy, then its Deployment, when
+    async def apply_workload(self, key: LaneKey, writes: LaneWrites) -> bool:
+        """The lane's identity and NetworkPolicy, then its Deployment, when
         they changed (its pod reviews tokens from its start: the binding goes first). False
         when a write failed."""
         if writes.deployment is None:
@@ -441,7 +444,7 @@ class LaneLoop(PassHooks[LaneKey]):
                 log.info("EmbedLane %s/%s: no pod: %s", *key, writes.no_pod)
                 name = lane_objects.name_for(key[1])
                 try:
-                    self.api.delete(f"/apis/apps/v1/namespaces/{key[0]}/deployments/{name}")
+                    await self.api.delete(f"/apis/apps/v1/namespaces/{key[0]}/deployments/{name}")
                 except ApiError as err:
                     if err.status != 404:
                         log.warning("deleting Deployment %s/%s failed: %s", key[0], name, err)
@@ -454,16 +457,16 @@ class LaneLoop(PassHooks[LaneKey]):
         policy = () if writes.network_policy is None else (writes.network_policy,)
         try:
             for obj in (*writes.identity, *policy, writes.deployment):
-                self.api.apply(obj)
+                await self.api.apply(obj)
         except ApiError as err:
             log.warning("applying EmbedLane %s/%s's pod failed: %s", *key, err)
             return False
         self.applied[key] = digest
         return True
 
-    def post_event(self, lane: Mapping[str, Any], event: LaneEvent) -> None:
+    async def post_event(self, lane: Mapping[str, Any], event: LaneEvent) -> None:
         meta = lane["metadata"]
-        events.post(
+        await events.post(
             self.api,
             events.reference(API_VERSION, "EmbedLane", meta),
             event.type,

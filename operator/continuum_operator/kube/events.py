@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from continuum_operator.kube.api import KubeApi
+    from continuum_operator.kube.async_api import AsyncKubeApi
 
 __all__ = ["COMPONENT", "MESSAGE_LIMIT", "event", "post", "reference"]
 
@@ -74,8 +74,8 @@ def event(
     }
 
 
-def post(
-    api: KubeApi,
+async def post(
+    api: AsyncKubeApi,
     involved: Mapping[str, Any],
     event_type: str,
     reason: str,
@@ -94,6 +94,6 @@ def post(
         involved, event_type, reason, message, component=COMPONENT, instance=instance, now=now
     )
     try:
-        api.create(body)
+        await api.create(body)
     except ApiError as err:
         log.warning("posting an event on %s %s failed: %s", involved["kind"], involved["name"], err)

@@ -1,7 +1,7 @@
 """What a facts Job found, read into its Engine's `status.modelFacts` (`kube.facts_job` makes
 the Job): the facts its pod printed, or, when it failed, the error line it printed last.
 
-Both run in a thread (the client blocks). Neighbours: `kube.loop` (which reads them as an
+Both on the event loop, their calls awaited. Neighbours: `kube.loop` (which reads them as an
 Engine's write), `kube.facts_job`.
 """
 
@@ -9,20 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.api import ApiError, crd_path
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import EngineKey, JobEntry, format_time
 from continuum_operator.model.engine import ModelFacts
 
 
-def _pods(api: KubeApi, ns: str, job: JobEntry) -> list[dict[str, Any]]:
-    answer = api.request(
+async def _pods(api: AsyncKubeApi, ns: str, job: JobEntry) -> list[dict[str, Any]]:
+    answer = await api.request(
         "GET", f"/api/v1/namespaces/{ns}/pods", query=[("labelSelector", f"job-name={job.name}")]
     )
     return list(answer["items"])
 
 
-def read_job_facts(
-    api: KubeApi, key: EngineKey, job: JobEntry, now: float
+async def read_job_facts(
+    api: AsyncKubeApi, key: EngineKey, job: JobEntry, now: float
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The facts a succeeded Job printed, into status.modelFacts; the Job is deleted after.
 
@@ -30,12 +31,12 @@ def read_job_facts(
     """
     ns, name = key
     try:
-        pods = _pods(api, ns, job)
+        pods = await _pods(api, ns, job)
         if not pods:
             return None, f"no pod of Job {job.name} is left to read"
-        log = api.text(f"/api/v1/namespaces/{ns}/pods/{pods[0]['metadata']['name']}/log")
+        log = await api.text(f"/api/v1/namespaces/{ns}/pods/{pods[0]['metadata']['name']}/log")
         facts = ModelFacts.model_validate_json(log)
-        answer = api.merge_patch(
+        answer = await api.merge_patch(
             crd_path("engines", ns, name, "status"),
             {
                 "status": {
@@ -47,7 +48,7 @@ def read_job_facts(
                 }
             },
         )
-        api.delete(f"/apis/batch/v1/namespaces/{ns}/jobs/{job.name}")
+        await api.delete(f"/apis/batch/v1/namespaces/{ns}/jobs/{job.name}")
         return answer, None
     except ApiError as err:
         return None, f"reading its log failed: {err}"
@@ -55,14 +56,14 @@ def read_job_facts(
         return None, f"its output is not model facts: {str(err)[:300]}"
 
 
-def read_job_failure(api: KubeApi, key: EngineKey, job: JobEntry) -> str:
+async def read_job_failure(api: AsyncKubeApi, key: EngineKey, job: JobEntry) -> str:
     """The error line a failed facts Job's pod printed last (a replaced model's digests)."""
     ns = key[0]
     try:
-        pods = _pods(api, ns, job)
+        pods = await _pods(api, ns, job)
         if not pods:
             return "the Job failed (no pod of it is left to read)"
-        log = api.text(f"/api/v1/namespaces/{ns}/pods/{pods[-1]['metadata']['name']}/log")
+        log = await api.text(f"/api/v1/namespaces/{ns}/pods/{pods[-1]['metadata']['name']}/log")
     except ApiError as err:
         return f"the Job failed (its log could not be read: {err})"
     lines = [line for line in log.splitlines() if line.strip()]

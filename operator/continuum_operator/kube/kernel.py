@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -53,16 +52,14 @@ class KernelSettings:
 
 @dataclass
 class WorkQueue(Generic[K]):
-    """Dirty keys, a resync flag and the keys waiting out a retry. Marks may come from the
-    event loop or from a writer's thread (the caches record writes' answers there); the loop
-    takes them all at once."""
+    """Dirty keys, a resync flag and the keys waiting out a retry; the loop takes them all at
+    once. Touched only on the event loop (the watches, the writes' answers, the clock's
+    wake-ups): no lock, and a mark sets `changed` directly."""
 
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     _dirty: set[K] = field(default_factory=set)
     _all: bool = True  # the first pass decides every key
     _retry: dict[K, tuple[float, float]] = field(default_factory=dict)  # key -> (due, wait)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _loop: asyncio.AbstractEventLoop | None = None  # the draining loop's, once it runs
     resynced_at: float | None = None  # when a pass last decided every key
 
     def mark(self, *keys: K, wake: bool = True) -> None:
@@ -70,36 +67,25 @@ class WorkQueue(Generic[K]):
         answer of one's own write: the key is decided again, with no pass of its own)."""
         if not keys:
             return
-        with self._lock:
-            self._dirty.update(keys)
+        self._dirty.update(keys)
         if wake:
             self.wake()
 
     def mark_all(self) -> None:
-        with self._lock:
-            self._all = True
+        self._all = True
         self.wake()
 
     def wake(self) -> None:
         """A pass soon, with no key marked: for a reconciler whose `before_pass` finds them."""
-        # asyncio.Event is not thread-safe: from another thread, set it in its own loop.
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if self._loop is None or running is self._loop:
-            self.changed.set()
-        else:
-            self._loop.call_soon_threadsafe(self.changed.set)
+        self.changed.set()
 
     def take(self, every: Iterable[K], now: float) -> list[K]:
         """The keys to decide now, in order: the marked (every key after `mark_all`) and the
         retries that are due; the marks are cleared."""
-        with self._lock:
-            keys = set(every) if self._all else set(self._dirty)
-            keys |= {k for k, (due, _) in self._retry.items() if due <= now}
-            self._dirty, self._all = set(), False
-            self.changed.clear()
+        keys = set(every) if self._all else set(self._dirty)
+        keys |= {k for k, (due, _) in self._retry.items() if due <= now}
+        self._dirty, self._all = set(), False
+        self.changed.clear()
         return sorted(keys, key=repr)
 
     def failed(self, key: K, now: float, settings: KernelSettings) -> None:
@@ -222,7 +208,6 @@ async def run(
 ) -> None:
     """Drain the queue until `stop`: on a mark (after the debounce), at a retry's due time,
     at least every `pass_seconds`, and every key at each resync."""
-    queue._loop = asyncio.get_running_loop()
     queue.resynced_at = None  # a replica that starts to lead decides every key first
     queue.mark_all()
     last_pass = clock()

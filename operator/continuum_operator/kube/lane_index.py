@@ -23,7 +23,7 @@ def lanes_on(lanes: Mapping[EngineKey, Mapping[str, Any]], nodes: set[str]) -> l
     """The lanes a change of room on `nodes` may move: placed there, or free to go anywhere."""
     return [
         key
-        for key, body in list(lanes.items())  # a copy: observed from the writers' threads too
+        for key, body in lanes.items()
         if not (body.get("spec") or {}).get("engine") or not lane_nodes(body)
         or lane_nodes(body) & nodes
     ]  # fmt: skip

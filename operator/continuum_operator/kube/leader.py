@@ -17,6 +17,11 @@ clocks from the same write (the holder's from before it sent it, the standby's f
 read it), so the holder always stops first. The cost: a standby that first sees a Lease waits a
 full duration, even when the holder died long before. `renewTime` is written for people only.
 
+The Lease's calls are blocking (`kube.api.KubeApi`), from a thread of its own, while the loops'
+are awaited on the event loop (`kube.async_api`): a renewal must not wait for the loop, which
+runs each pass's decisions without a pause (a full pass of the Engines' loop at 2,000 engines
+took 3.7 s of CPU, docs/performance.md; more on a starved machine), and kopf's watches beside.
+
 Neighbours: `kube.run` (starts the work under `lead`), `kube.api` (the adapter).
 """
 
@@ -192,8 +197,8 @@ async def lead(
     Returns 0 on a clean stop, 1 when leadership was lost (the caller exits: a replica that
     lost the Lease never writes again in this process).
     """
-    # The Lease's calls have a thread of their own: in the shared executor they would queue
-    # behind the loops' writes (every API call leaves the event loop), and a renewal late by
+    # The Lease's calls have a thread of their own: on the event loop a renewal would wait for
+    # whatever runs there (a full pass decides every engine without a pause), and one late by
     # more than the Lease's duration hands the lead to another replica mid-write.
     renewals = ThreadPoolExecutor(1, thread_name_prefix="leader-lease")
     try:

@@ -2,23 +2,22 @@
 conditioned on its resourceVersion (never a blind merge), carrying the ledger, the pool it was
 made for and the step's journal in one write. On 409 the Engine is read again and the step
 decided again from the caches as they are now. Once a write lands: the cache, the transition
-log, the metrics and the log lines. Only the API calls leave the event loop (`asyncio.to_thread`:
-the adapter blocks); the step decided again, the caches and the log are the loop's. Crash points
-(`kube.crash`) sit before and after it.
+log, the metrics and the log lines, all on the event loop (the API calls awaited there). Crash
+points (`kube.crash`) sit before and after it.
 Neighbours: `kube.minds` (the loop that steps and calls this), `kube.ledger` (decides, and the
 journal), `kube.ledger_tails` (what the object leaves out), `kube.transition_log`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from continuum_operator.core.grants import GrantPolicy, MindDemand
 from continuum_operator.kube import crash, ledger, ledger_journal
-from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.api import ApiError, crd_path
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.ledger_tails import LedgerTails
@@ -39,7 +38,7 @@ class LedgerWriter:
 
     def __init__(
         self,
-        api: KubeApi,
+        api: AsyncKubeApi,
         engines: Cache,
         settings: GrantSettings,
         policy: GrantPolicy,
@@ -79,7 +78,7 @@ class LedgerWriter:
             doc, seq, lines = _ledger_doc(key, body, s, now)
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
             try:
-                answer = await asyncio.to_thread(self.api.request, "PUT", path, doc)
+                answer = await self.api.request("PUT", path, doc)
             except ApiError as err:
                 if err.status == 404:
                     return None
@@ -89,9 +88,7 @@ class LedgerWriter:
                 # Someone wrote the Engine meanwhile (the plan loop, the runtime): decide again.
                 self.metrics.record_ledger_conflict()
                 try:
-                    body = await asyncio.to_thread(
-                        self.api.request, "GET", crd_path("engines", ns, name)
-                    )
+                    body = await self.api.request("GET", crd_path("engines", ns, name))
                 except ApiError as err2:
                     log.warning("re-reading Engine %s failed: %s", engine, err2)
                     return None

@@ -16,7 +16,7 @@ the clock alone, and every engine that is not quiet (`_quiet`: its last pass wro
 or a deadline may still fire; an engine that fits nowhere is quiet, as every change of a
 node's room marks it), at least every `loop.resync_seconds`. Every
 `full_resync_seconds` a pass decides every engine, as a safety net.
-Neighbours: `kube.api` (the adapter), `kube.cache`, `kube.reconcile`, `kube.facts_read`.
+Neighbours: `kube.async_api` (the adapter), `kube.cache`, `kube.reconcile`, `kube.facts_read`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Any
 from continuum_operator.core.conditions import ConditionType
 from continuum_operator.core.damping import Outcome
 from continuum_operator.kube import events, kernel, ledger, objects
-from continuum_operator.kube.api import ApiError, KubeApi, crd_path, path_of
+from continuum_operator.kube.api import ApiError, crd_path, path_of
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey, JobEntry, format_time
 from continuum_operator.kube.engine_pass import Event, Memory, Writes
 from continuum_operator.kube.facts_read import read_job_facts, read_job_failure
@@ -69,7 +70,7 @@ EngineWrites = Writes | FactsToRead
 class Loop:
     def __init__(
         self,
-        api: KubeApi,
+        api: AsyncKubeApi,
         settings: OperatorSettings,
         cache: Cache,
         clock: Callable[[], float] = time.time,
@@ -103,14 +104,14 @@ class Loop:
             writers=WRITERS,
         )
 
-    def install_priority_classes(self) -> None:
+    async def install_priority_classes(self) -> None:
         for pc in priority_classes(self.settings.pods):
-            self.api.apply(pc)
+            await self.api.apply(pc)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await asyncio.to_thread(self.install_priority_classes)
+                await self.install_priority_classes()
                 break
             except (ApiError, OSError) as err:
                 log.warning("installing the priority classes failed, retrying: %s", err)
@@ -272,7 +273,7 @@ class Loop:
             return
         body = self.cache.engines.get(key)
         try:
-            written, engine = await asyncio.to_thread(self.apply_status, key, writes)
+            written, engine = await self.apply_status(key, writes)
         except BaseException:
             # Not an API answer (the connection broke): the patch is not assumed past it.
             if writes.status_patch is not None:
@@ -282,7 +283,7 @@ class Loop:
             self.cache.settle_status(key, engine if written else None)
         if not written or body is None:
             return
-        deployment, served = await asyncio.to_thread(self.apply_workload, key, body, writes)
+        deployment, served = await self.apply_workload(key, body, writes)
         if served:
             self.cache.services.add(key)
         if deployment is not None:
@@ -294,13 +295,13 @@ class Loop:
             return
         uid = str(body["metadata"].get("uid", ""))
         if job.succeeded:
-            read, error = await asyncio.to_thread(read_job_facts, self.api, key, job, self.clock())
+            read, error = await read_job_facts(self.api, key, job, self.clock())
             if read is not None:
                 self.cache.observe_engine(read, deleted=False)
             else:
                 self.facts_unread.add(key)
         else:
-            error = await asyncio.to_thread(read_job_failure, self.api, key, job)
+            error = await read_job_failure(self.api, key, job)
         self.memory[uid] = replace(self.memory.get(uid, Memory()), facts_error=error)
         self.queue.mark(key)
 
@@ -321,25 +322,28 @@ class Loop:
             self.services.pop(key, None)
         self.recorded &= set(self.cache.engines)
 
-    def apply_status(self, key: EngineKey, writes: Writes) -> tuple[bool, dict[str, Any] | None]:
-        """Runs in a thread: the status patch, if any. Returns whether the workload's writes may
-        follow (not after a failed status write), and the engine as written."""
+    async def apply_status(
+        self, key: EngineKey, writes: Writes
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The status patch, if any. Returns whether the workload's writes may follow (not
+        after a failed status write), and the engine as written."""
         ns, name = key
         if writes.status_patch is None:
             return True, None
         try:
             path = crd_path("engines", ns, name, "status")
-            return True, self.api.merge_patch(path, writes.status_patch)
+            return True, await self.api.merge_patch(path, writes.status_patch)
         except ApiError as err:
             if err.status != 404:  # 404: the engine was deleted meanwhile
                 log.warning("writing Engine %s/%s failed: %s", ns, name, err)
             return False, None
 
-    def apply_workload(
+    async def apply_workload(
         self, key: EngineKey, body: dict[str, Any], writes: Writes
     ) -> tuple[dict[str, Any] | None, bool]:
-        """Runs in a thread: the workload's writes and the events. Returns the Deployment as
-        written and whether the Service was applied."""
+        """The workload's writes and the events. Returns the Deployment as written and whether
+        the Service was applied. On the event loop, as the cache it reads (the Deployment and
+        facts Job known) is: between two of its writes the watches may have changed it."""
         ns, name = key
         deployment = None
         served = False
@@ -347,7 +351,7 @@ class Loop:
             if writes.service is not None and self._service_pending(key, writes):
                 # Before the Deployment: its pods are refused until their ServiceAccount exists.
                 for obj in (*writes.identity, writes.service):
-                    self.api.apply(obj)
+                    await self.api.apply(obj)
                 self.services[key] = _service_digest(writes)
                 served = True
             if writes.deployment is not None and self._launch_pending(key, writes):
@@ -355,21 +359,21 @@ class Loop:
                     pass  # a pass after the drain applies it
                 else:
                     self.drain_held.pop(key, None)
-                    deployment = self.api.apply(writes.deployment)
+                    deployment = await self.api.apply(writes.deployment)
             if writes.facts_job is not None:
                 known = self.cache.jobs.get(key)
                 if known is None or known.name != writes.facts_job["metadata"]["name"]:
                     try:
-                        self.api.create(writes.facts_job)
+                        await self.api.create(writes.facts_job)
                     except ApiError as err:
                         if err.status != 409:  # 409: created by an earlier pass
                             raise
             if writes.delete_workload and key in self.cache.deployments:
-                self.api.delete(path_of({**_stub("apps/v1", "Deployment", ns, name)}))
-                self.api.delete(path_of({**_stub("v1", "Service", ns, name)}))
+                await self.api.delete(path_of({**_stub("apps/v1", "Deployment", ns, name)}))
+                await self.api.delete(path_of({**_stub("v1", "Service", ns, name)}))
                 self.services.pop(key, None)
             for event in writes.events:
-                self.post_event(body, event)
+                await self.post_event(body, event)
         except ApiError as err:
             if err.status != 404:  # 404: the engine was deleted meanwhile
                 log.warning("writing Engine %s/%s failed: %s", ns, name, err)
@@ -393,12 +397,12 @@ class Loop:
                     DRAIN_HOLD_SECONDS)  # fmt: skip
         return False
 
-    def post_event(self, body: dict[str, Any], event: Event) -> None:
+    async def post_event(self, body: dict[str, Any], event: Event) -> None:
         meta = body["metadata"]
         log.info(
             "Engine %s/%s: %s: %s", meta["namespace"], meta["name"], event.reason, event.message
         )
-        events.post(
+        await events.post(
             self.api,
             events.reference(API_VERSION, "Engine", meta),
             event.type,

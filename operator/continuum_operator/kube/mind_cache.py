@@ -5,7 +5,6 @@ keys)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -13,7 +12,8 @@ from typing import Any, cast
 import kopf
 
 from continuum_operator.kube import routing
-from continuum_operator.kube.api import ApiError, KubeApi
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import EngineKey
 from continuum_operator.kube.kept import kept
 from continuum_operator.kube.kernel import WorkQueue
@@ -32,7 +32,7 @@ class MindCache:
     compares them with those it last stepped with).
 
     Touched only from the event loop (the watches, the grants loop, the answers of its writes,
-    which come back to the loop from their `asyncio.to_thread` calls): no lock."""
+    awaited there): no lock."""
 
     minds: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ns/name" -> body
     classes: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -123,11 +123,10 @@ class MindCache:
             self.queue.wake()
 
 
-async def seed(api: KubeApi, cache: MindCache) -> None:
+async def seed(api: AsyncKubeApi, cache: MindCache) -> None:
     """List MindClasses, TokenQuotas and Minds into the cache (a new leader, before its first
-    step); watch events go on after. The lists in a thread (the adapter blocks), the cache
-    filled back on the event loop."""
-    classes, quotas, minds = await asyncio.to_thread(_lists, api)
+    step); watch events go on after."""
+    classes, quotas, minds = await _lists(api)
     for obj in classes.get("items") or []:
         cache.classes[str(obj["metadata"]["name"])] = kept(obj)
     for obj in quotas.get("items") or []:
@@ -145,12 +144,12 @@ async def seed(api: KubeApi, cache: MindCache) -> None:
             cache.forget(key)
 
 
-def _lists(api: KubeApi) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+async def _lists(api: AsyncKubeApi) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     base = f"/apis/{GROUP}/{VERSION}"
-    classes = api.request("GET", f"{base}/mindclasses")
-    minds = api.request("GET", f"{base}/minds")
+    classes = await api.request("GET", f"{base}/mindclasses")
+    minds = await api.request("GET", f"{base}/minds")
     try:
-        quotas = api.request("GET", f"{base}/tokenquotas")
+        quotas = await api.request("GET", f"{base}/tokenquotas")
     except ApiError as err:
         if err.status != 404:  # 404: the TokenQuota CRD is not installed; no quotas
             raise

@@ -20,7 +20,7 @@ log = logging.getLogger("continuum.grants")
 # Write priorities: a grant is seen before its finalizer lands.
 PROJECTION_WRITE, FINALIZER_WRITE = 0, 1
 
-#: One write: a coroutine function (its blocking API calls in `asyncio.to_thread`).
+#: One write: a coroutine function (its API calls awaited, `kube.async_api`).
 Write = Callable[[], Awaitable[None]]
 
 

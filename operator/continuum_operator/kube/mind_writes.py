@@ -2,21 +2,21 @@
 her Engine's ledger (`kube.mind_status`) and written when they differ, and the grant finalizer
 on a Mind holding a slot (her deletion must release it first) and off a deleted one once the
 ledger no longer holds her. The loop (`kube.minds`) decides; this builds the writes, run as
-asyncio tasks by `kube.mind_writer` (each API call in `asyncio.to_thread`: the adapter blocks;
-its answer is recorded in the cache back on the event loop). Neighbours: `kube.mind_cache` (the
+asyncio tasks by `kube.mind_writer` (each API call awaited on the event loop, where its answer
+is recorded in the cache). Neighbours: `kube.mind_cache` (the
 Minds as last seen, and our writes' answers fed back to it).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 from continuum_operator.kube import crash, ledger, mind_status, routing
-from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.api import ApiError, crd_path
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import EngineKey, format_time
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_cache import MindCache
@@ -48,7 +48,7 @@ class MindWrites:
 
     def __init__(
         self,
-        api: KubeApi,
+        api: AsyncKubeApi,
         minds: MindCache,
         settings: GrantSettings,
         clock: Callable[[], float],
@@ -66,7 +66,7 @@ class MindWrites:
         meta = quota["metadata"]
         path = crd_path("tokenquotas", meta["namespace"], meta["name"], "status")
         try:
-            answer = await asyncio.to_thread(self.api.merge_patch, path, {"status": status})
+            answer = await self.api.merge_patch(path, {"status": status})
         except ApiError as err:
             if err.status != 404:
                 raise
@@ -146,7 +146,7 @@ class MindWrites:
     async def tell_missing(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
         ns, name = key
         try:
-            await asyncio.to_thread(self.api.request, "GET", crd_path("engines", ns, name))
+            await self.api.request("GET", crd_path("engines", ns, name))
             return  # it exists: not this operator's (its selector), so not for it to say
         except ApiError as err:
             if err.status != 404:
@@ -244,7 +244,7 @@ class MindWrites:
         patch = {"status": new}
         path = crd_path("minds", meta["namespace"], meta["name"], "status")
         try:
-            answer = await asyncio.to_thread(self.api.merge_patch, path, patch)
+            answer = await self.api.merge_patch(path, patch)
         except ApiError as err:
             if err.status != 404:
                 raise
@@ -274,7 +274,7 @@ class MindWrites:
         }
         path = crd_path("minds", meta["namespace"], meta["name"])
         try:
-            answer = await asyncio.to_thread(self.api.merge_patch, path, patch)
+            answer = await self.api.merge_patch(path, patch)
         except ApiError as err:
             if err.status != 404:
                 raise

@@ -43,8 +43,8 @@ written one after another; then the engines with minds of a namespace under a To
 the rest, all stepped at one time after the due ones' writes, so the log's `t` stays in order.
 
 Crash points (`kube.crash`) sit between these writes. Neighbours: `kube.ledger` (decides),
-`kube.ledger_write` (the ledger's write), `kube.mind_writes` (the Minds' writes), `kube.api`
-(the adapter), `kube.leader` (who may write).
+`kube.ledger_write` (the ledger's write), `kube.mind_writes` (the Minds' writes),
+`kube.async_api` (the adapter), `kube.leader` (who may write).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from typing import Any
 
 from continuum_operator.core.grants import MindDemand, PriorityPolicy
 from continuum_operator.kube import kernel, ledger, routing
-from continuum_operator.kube.api import ApiError, KubeApi
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_pass import (
     GrantWrites,
@@ -90,7 +91,7 @@ RETRY_SECONDS = 0.5  # a failed engine's first backoff (doubled per failure in a
 class GrantsLoop:
     def __init__(
         self,
-        api: KubeApi,
+        api: AsyncKubeApi,
         settings: GrantSettings,
         engines: Cache,
         minds: MindCache,
@@ -164,7 +165,7 @@ class GrantsLoop:
             try:
                 await seed(self.api, self.minds)
                 break
-            except ApiError as err:
+            except (ApiError, OSError) as err:
                 log.warning("listing Minds failed, retrying: %s", err)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)

@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
-from continuum_operator.kube.api import ApiError, KubeApi
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.lane_objects import LANE_LABEL
 from continuum_operator.kube.objects import ENGINE_LABEL
@@ -68,22 +69,21 @@ def placed_by_node(pods: Iterable[tuple[str, str, Mapping[str, Any]]]) -> dict[s
 class PlacedPods:
     """Keeps every NodeBoard's `spec.placed` equal to the operator's pods on that node."""
 
-    def __init__(self, api: KubeApi, cache: Cache, interval: float = 5.0) -> None:
+    def __init__(self, api: AsyncKubeApi, cache: Cache, interval: float = 5.0) -> None:
         self.api = api
         self.cache = cache
         self.interval = interval
 
-    def list_pods(self) -> list[tuple[str, str, dict[str, Any]]]:
+    async def list_pods(self) -> list[tuple[str, str, dict[str, Any]]]:
         found: list[tuple[str, str, dict[str, Any]]] = []
         for label, kind in CONSUMER_LABELS:
-            doc = self.api.request("GET", "/api/v1/pods", query=[("labelSelector", label)])
+            doc = await self.api.request("GET", "/api/v1/pods", query=[("labelSelector", label)])
             found.extend((label, kind, pod) for pod in doc.get("items") or [])
         return found
 
     async def publish_once(self) -> int:
-        """One round: the boards written. Only the API calls leave the event loop: the cache
-        is read and recorded on it, where its watches change it."""
-        wanted = placed_by_node(await asyncio.to_thread(self.list_pods))
+        """One round: the boards written."""
+        wanted = placed_by_node(await self.list_pods())
         written = 0
         for node in sorted(self.cache.boards):
             placed = wanted.get(node, [])
@@ -91,7 +91,7 @@ class PlacedPods:
                 continue
             path = f"/apis/{GROUP}/{VERSION}/{NodeBoard.PLURAL}/{quote(node)}"
             try:
-                await asyncio.to_thread(self.api.merge_patch, path, {"spec": {"placed": placed}})
+                await self.api.merge_patch(path, {"spec": {"placed": placed}})
             except ApiError as err:
                 if err.status != 404:  # deleted meanwhile: its node went
                     log.warning("writing NodeBoard %s spec.placed failed: %s", node, err)

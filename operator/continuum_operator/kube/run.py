@@ -14,8 +14,7 @@ import logging
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from continuum_operator.core.damping import DampingSettings
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
@@ -29,6 +28,11 @@ from continuum_operator.kube.settings import (
     PlacementSettings,
     PodSettings,
 )
+
+if TYPE_CHECKING:
+    from continuum_operator.kube.api import KubeApi
+    from continuum_operator.kube.async_api import AsyncKubeApi
+    from continuum_operator.kube.metrics import OperatorMetrics
 
 __all__ = ["add_parser", "serve"]
 
@@ -295,16 +299,6 @@ def parse_selector(text: str) -> dict[str, str]:
     return labels
 
 
-def api_threads(grants: grant_settings.GrantSettings) -> ThreadPoolExecutor:
-    """The threads the API calls run in (`kube.api` blocks; each call leaves the event loop).
-    The default executor's min(32, CPUs + 4), 6 on two CPUs, would hold the loops' writes to
-    6 at once: as many as may be in flight, the Engines' loop's, the grants loop's ledgers
-    and Minds' writes, and one each for the lanes, the placed pods and the seeds."""
-    from continuum_operator.kube.loop import WRITERS as ENGINE_WRITERS
-
-    return ThreadPoolExecutor(ENGINE_WRITERS + 2 * grants.write_workers + 3, "kube-api")
-
-
 async def serve(
     settings: OperatorSettings,
     kubeconfig: str | None,
@@ -314,27 +308,49 @@ async def serve(
     leadership: grant_settings.LeaderSettings | None = None,
 ) -> int:
     # Imported here: `continuum plan` and friends need not load kopf and the Kubernetes client.
+    from continuum_operator.kube.api import KubeApi
+    from continuum_operator.kube.async_api import AsyncKubeApi
+    from continuum_operator.kube.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    if metrics_port:
+        metrics.serve(metrics_port)
+    # The loops' calls are awaited on the event loop (`kube.async_api`); the leader Lease's
+    # go out blocking, from a thread of its own (`kube.leader.lead`), so that no stretch of
+    # work on the loop can delay a renewal.
+    api = await AsyncKubeApi.connect(kubeconfig, on_request=metrics.record_api_request)
+    lease_api = KubeApi(kubeconfig, on_request=metrics.record_api_request)
+    try:
+        return await _operate(
+            settings, api, lease_api, metrics, engine_labels,
+            grants or grant_settings.GrantSettings(), leadership,
+        )  # fmt: skip
+    finally:
+        await api.close()
+
+
+async def _operate(
+    settings: OperatorSettings,
+    api: AsyncKubeApi,
+    lease_api: KubeApi,
+    metrics: OperatorMetrics,
+    engine_labels: dict[str, str] | None,
+    grants: grant_settings.GrantSettings,
+    leadership: grant_settings.LeaderSettings | None,
+) -> int:
     import kopf
 
-    from continuum_operator.kube.api import KubeApi
     from continuum_operator.kube.cache import Cache
     from continuum_operator.kube.embedlanes import LaneLoop
     from continuum_operator.kube.handlers import registry_for
     from continuum_operator.kube.leader import Elector, lead
     from continuum_operator.kube.loop import Loop
-    from continuum_operator.kube.metrics import OperatorMetrics
     from continuum_operator.kube.mind_cache import MindCache
     from continuum_operator.kube.mind_cache import register as register_minds
     from continuum_operator.kube.minds import GrantsLoop
     from continuum_operator.kube.placed_pods import PlacedPods
 
-    grants = grants or grant_settings.GrantSettings()
-    asyncio.get_running_loop().set_default_executor(api_threads(grants))
     cache = Cache(lease_namespace=settings.freshness.lease_namespace)
-    metrics = OperatorMetrics()
-    if metrics_port:
-        metrics.serve(metrics_port)
-    api = KubeApi(kubeconfig, on_request=metrics.record_api_request)
     loop = Loop(api, settings, cache, metrics=metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -349,7 +365,7 @@ async def serve(
     )  # fmt: skip
     register_minds(registry, mind_cache)
     elector = Elector(
-        api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader
+        lease_api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader
     )
     grants_loop = GrantsLoop(
         api,

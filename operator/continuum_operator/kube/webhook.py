@@ -30,7 +30,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,7 @@ from continuum_operator.model.base import GROUP
 if TYPE_CHECKING:  # imported when the operator starts: `continuum plan` loads neither
     import kopf
 
-    from continuum_operator.kube.api import KubeApi
+    from continuum_operator.kube.async_api import AsyncKubeApi
     from continuum_operator.kube.metrics import OperatorMetrics
 
 __all__ = [
@@ -324,13 +324,15 @@ def settings_from(args: Any) -> ChildrenSettings:
 class _Installing:
     """kopf's webhook server, installing our configuration each time it (re)starts serving."""
 
-    def __init__(self, server: Any, install: Callable[[Mapping[str, Any]], None]) -> None:
+    def __init__(
+        self, server: Any, install: Callable[[Mapping[str, Any]], Awaitable[None]]
+    ) -> None:
         self.server = server
         self.install = install
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         async for client_config in self.server(fn):
-            await asyncio.to_thread(self.install, client_config)
+            await self.install(client_config)
             yield client_config
 
 
@@ -350,8 +352,11 @@ def _server(children: ChildrenSettings) -> Any:
     )
 
 
-def install_webhook(
-    api: KubeApi, pods: PodSettings, children: ChildrenSettings, client_config: Mapping[str, Any]
+async def install_webhook(
+    api: AsyncKubeApi,
+    pods: PodSettings,
+    children: ChildrenSettings,
+    client_config: Mapping[str, Any],
 ) -> None:
     """The children's priority class, then the MutatingWebhookConfiguration pointing at this
     operator (kopf's admission server calls it with its client config)."""
@@ -364,20 +369,20 @@ def install_webhook(
             # The class first: a pod naming a class that does not exist is refused, so no
             # child is sent to the webhook before its class is there.
             for priority_class in priority_classes(pods):
-                api.apply(priority_class)
-            api.apply(webhook_configuration(client_config, children))
+                await api.apply(priority_class)
+            await api.apply(webhook_configuration(client_config, children))
             break
         except (ApiError, OSError) as err:
             if attempt == INSTALL_ATTEMPTS - 1:
                 raise
             log.warning("installing the children's webhook failed (%s); retrying", err)
-            time.sleep(2.0 * (attempt + 1))
+            await asyncio.sleep(2.0 * (attempt + 1))
     log.info("MutatingWebhookConfiguration %s installed", children.webhook_name)
 
 
 def register(
     registry: kopf.OperatorRegistry,
-    api: KubeApi,
+    api: AsyncKubeApi,
     pods: PodSettings,
     children: ChildrenSettings,
     metrics: OperatorMetrics,
@@ -392,10 +397,10 @@ def register(
     unmarked = Unmarked()
     instance = socket.gethostname()
 
-    def post(pod: Mapping[str, Any]) -> None:
+    async def post(pod: Mapping[str, Any]) -> None:
         now = rfc3339.format_seconds(time.time())
         try:
-            api.create(unmutated_event(pod, pods, instance, now))
+            await api.create(unmutated_event(pod, pods, instance, now))
         except ApiError as err:
             if err.status != 409:  # 409: posted already, by this operator before a restart
                 log.warning("posting ChildNotMutated on %s failed: %s", pod["metadata"], err)
@@ -415,14 +420,14 @@ def register(
         if unmarked.observe(pod, deleted):
             log.warning("child pod %s/%s of mind %s is unmutated", ns, meta["name"], mind_of(pod))
             metrics.record_child_unmutated(ns)
-            await asyncio.to_thread(post, pod)
+            await post(pod)
         metrics.set_children_unmutated(ns, unmarked.count(ns))
 
     if not children.webhook:
         return
 
-    def install(client_config: Mapping[str, Any]) -> None:
-        install_webhook(api, pods, children, client_config)
+    async def install(client_config: Mapping[str, Any]) -> None:
+        await install_webhook(api, pods, children, client_config)
 
     @kopf.on.startup(registry=registry)
     def admission(settings: kopf.OperatorSettings, **_: Any) -> None:

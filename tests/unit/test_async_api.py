@@ -1,0 +1,186 @@
+"""`AsyncKubeApi` against an HTTP server on this machine: each verb sends what the blocking
+adapter sends (method, path, query, headers, the token), on the event loop, and an answer
+means the same (the server's Status raised as `ApiError`, a 404 on a delete taken as done, a
+log as text); a server that cannot be reached is an `OSError`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from continuum_operator.kube.api import ApiError
+from continuum_operator.kube.async_api import AsyncKubeApi, login
+
+TOKEN = "the-token"
+
+# Each request the server saw: method, path, query, headers, body.
+Seen = list[tuple[str, str, dict[str, str], Mapping[str, str], str]]
+
+
+def kubeconfig(path: Path, port: int) -> str:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+async def serve(request: web.Request, seen: Seen) -> web.Response:
+    body = await request.text()
+    seen.append((request.method, request.path, dict(request.query), request.headers, body))
+    status = {"kind": "Status", "reason": "Conflict", "message": "the object has been modified"}
+    if request.path.endswith("/log"):
+        return web.Response(text="line one\n", content_type="text/plain")
+    if request.method == "DELETE":
+        return web.json_response({"kind": "Status", "reason": "NotFound"}, status=404)
+    if request.method == "PUT":
+        return web.json_response(status, status=409)
+    return web.json_response({"kind": "Thing", "echo": json.loads(body) if body else None})
+
+
+@asynccontextmanager
+async def server(tmp_path: Path) -> AsyncIterator[tuple[AsyncKubeApi, Seen, list[str]]]:
+    seen: Seen = []
+
+    async def handler(request: web.Request) -> web.Response:
+        return await serve(request, seen)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    counted: list[str] = []
+    api = await AsyncKubeApi.connect(
+        kubeconfig(tmp_path / "kubeconfig", port), lambda verb, res: counted.append(f"{verb} {res}")
+    )
+    try:
+        yield api, seen, counted
+    finally:
+        await api.close()
+        await runner.cleanup()
+
+
+def run(
+    tmp_path: Path, body: Callable[[AsyncKubeApi, Seen, list[str]], Coroutine[Any, Any, None]]
+) -> None:
+    async def main() -> None:
+        async with server(tmp_path) as (api, seen, counted):
+            await body(api, seen, counted)
+
+    asyncio.run(main())
+
+
+def test_each_verb_sends_what_the_blocking_adapter_sends(tmp_path: Path) -> None:
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "ns"},
+    }
+
+    async def body(api: AsyncKubeApi, seen: Seen, counted: list[str]) -> None:
+        applied = await api.apply(deployment)
+        assert applied["echo"] == deployment
+        await api.merge_patch("/apis/continuum.dev/v1alpha1/namespaces/ns/engines/e/status",
+                              {"status": {"x": 1}})  # fmt: skip
+        await api.create({**deployment, "kind": "Deployment"})
+        listed = await api.request("GET", "/api/v1/pods", query=[("labelSelector", "a=b")])
+        assert listed["kind"] == "Thing"
+        await api.delete("/apis/apps/v1/namespaces/ns/deployments/d")  # 404: already gone
+        assert await api.text("/api/v1/namespaces/ns/pods/p/log") == "line one\n"
+        methods = [(m, p) for m, p, *_ in seen]
+        assert methods == [
+            ("PATCH", "/apis/apps/v1/namespaces/ns/deployments/d"),
+            ("PATCH", "/apis/continuum.dev/v1alpha1/namespaces/ns/engines/e/status"),
+            ("POST", "/apis/apps/v1/namespaces/ns/deployments"),
+            ("GET", "/api/v1/pods"),
+            ("DELETE", "/apis/apps/v1/namespaces/ns/deployments/d"),
+            ("GET", "/api/v1/namespaces/ns/pods/p/log"),
+        ]
+        apply_query, apply_headers = seen[0][2], seen[0][3]
+        assert apply_query == {"fieldManager": "continuum-operator", "force": "true"}
+        assert apply_headers["Content-Type"] == "application/apply-patch+yaml"
+        assert seen[1][3]["Content-Type"] == "application/merge-patch+json"
+        assert seen[3][2] == {"labelSelector": "a=b"}
+        assert seen[4][2] == {"propagationPolicy": "Background"}
+        assert seen[5][3]["Accept"] == "text/plain, application/json"
+        assert {h["Authorization"] for *_, h, _ in seen} == {f"Bearer {TOKEN}"}
+        assert counted == [
+            "PATCH deployments", "PATCH engines/status", "POST deployments", "GET pods",
+            "DELETE deployments", "GET pods/log",
+        ]  # fmt: skip
+
+    run(tmp_path, body)
+
+
+def test_the_servers_status_is_raised_with_its_code_and_reason(tmp_path: Path) -> None:
+    async def body(api: AsyncKubeApi, seen: Seen, counted: list[str]) -> None:
+        with pytest.raises(ApiError) as raised:
+            await api.request("PUT", "/apis/coordination.k8s.io/v1/namespaces/n/leases/l", {})
+        assert raised.value.status == 409
+        assert raised.value.reason == "Conflict"
+        assert "has been modified" in str(raised.value)
+
+    run(tmp_path, body)
+
+
+def test_a_server_that_cannot_be_reached_is_an_os_error(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> None:
+        api = await AsyncKubeApi.connect(kubeconfig(tmp_path / "kubeconfig", port))
+        try:
+            with pytest.raises(OSError):
+                await api.request("GET", "/api/v1/pods")
+        finally:
+            await api.close()
+
+    asyncio.run(main())
+
+
+def test_in_a_pod_without_a_kubeconfig_the_service_account_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "token").write_text(TOKEN)
+    (sa / "ca.crt").write_text("not a real certificate")
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    module = "kubernetes_asyncio.config.incluster_config"
+    monkeypatch.setattr(f"{module}.SERVICE_TOKEN_FILENAME", str(sa / "token"))
+    monkeypatch.setattr(f"{module}.SERVICE_CERT_FILENAME", str(sa / "ca.crt"))
+
+    async def main() -> None:
+        configuration = await login(None)
+        assert configuration.host == "https://10.0.0.1:443"
+        auth = await configuration.auth_settings()
+        assert auth["BearerToken"]["value"] == f"Bearer {TOKEN}"
+
+    asyncio.run(main())
+
+
+def test_outside_a_pod_a_missing_kubeconfig_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(Exception, match="kube-config"):
+        asyncio.run(login(str(tmp_path / "missing")))
