@@ -165,17 +165,16 @@ def test_in_a_pod_without_a_kubeconfig_the_service_account_is_used(
     monkeypatch.delenv("KUBECONFIG", raising=False)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    module = "kubernetes_asyncio.config.incluster_config"
+    module = "kubernetes.config.incluster_config"
     monkeypatch.setattr(f"{module}.SERVICE_TOKEN_FILENAME", str(sa / "token"))
     monkeypatch.setattr(f"{module}.SERVICE_CERT_FILENAME", str(sa / "ca.crt"))
 
-    async def main() -> None:
-        configuration = await login(None)
-        assert configuration.host == "https://10.0.0.1:443"
-        auth = await configuration.auth_settings()
-        assert auth["BearerToken"]["value"] == f"Bearer {TOKEN}"
-
-    asyncio.run(main())
+    configuration = login(None)
+    assert configuration.host == "https://10.0.0.1:443"
+    # The token as each request reads it (through the refresh hook that rereads the file as
+    # the kubelet rotates it).
+    assert configuration.refresh_api_key_hook is not None
+    assert configuration.auth_settings()["BearerToken"]["value"].lower() == f"bearer {TOKEN}"
 
 
 def test_outside_a_pod_a_missing_kubeconfig_is_named(
@@ -183,4 +182,4 @@ def test_outside_a_pod_a_missing_kubeconfig_is_named(
 ) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(Exception, match="kube-config"):
-        asyncio.run(login(str(tmp_path / "missing")))
+        login(str(tmp_path / "missing"))

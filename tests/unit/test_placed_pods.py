@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from continuum_operator.kube.async_api import LIST_PAGE
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.placed_pods import PlacedPods, placed_by_node
 from continuum_operator.model.board import NodeBoardSpec
@@ -79,3 +80,24 @@ def test_only_boards_whose_list_changed_are_written_and_a_missing_board_is_skipp
     # The watch echo of the operator's own write compares equal.
     cache.observe_board(board("gpu-1", []), deleted=False)
     assert asyncio.run(publisher.publish_once()) == 0
+
+
+def test_pods_are_listed_a_page_at_a_time_and_kept_only_as_far_as_placement_reads() -> None:
+    # More engine pods than a page: every one is placed, no answer carries more than a page,
+    # and what a round keeps of a pod is its uid, namespace, labels, node and phase.
+    n = LIST_PAGE + 7
+    pods = [pod("team-a", f"u{i:03d}", f"gpu-{i % 3}", {ENGINE: f"e{i}"}) for i in range(n)]
+    for p in pods:
+        p["spec"]["containers"] = [{"name": "engine", "image": "continuum-engine", "args": ["-"]}]
+    api = FakeKubeApi(pods)
+    publisher = PlacedPods(api.aio, Cache())  # type: ignore[arg-type]
+
+    listed = asyncio.run(publisher.list_pods())
+
+    asked = [dict(c.query) for c in api.calls if c.method == "GET"]
+    engine_lists = [q for q in asked if q.get("labelSelector") == ENGINE]
+    assert [q.get("continue", "") for q in engine_lists] == ["", str(LIST_PAGE)]
+    assert all(q["limit"] == str(LIST_PAGE) for q in engine_lists)
+    assert sorted(p["metadata"]["uid"] for _, _, p in listed) == [f"u{i:03d}" for i in range(n)]
+    assert all("containers" not in p["spec"] and "name" not in p["metadata"] for _, _, p in listed)
+    assert sum(len(v) for v in placed_by_node(listed).values()) == n

@@ -30,6 +30,7 @@ __all__ = [
     "answer",
     "crd_path",
     "in_cluster",
+    "login",
     "path_of",
     "resource_of",
 ]
@@ -182,6 +183,19 @@ def in_cluster(kubeconfig: str | None) -> bool:
     return kubeconfig is None and not os.environ.get("KUBECONFIG") and in_pod
 
 
+def login(kubeconfig: str | None) -> client.Configuration:
+    """Where the API server is and how to show who we are, for both adapters: as the pod's
+    ServiceAccount (its token read again as the kubelet rotates it, through the configuration's
+    refresh hook) or from the kubeconfig (its certificates written to files, an exec plugin
+    run). Blocking: it may read files and run a plugin."""
+    configuration = client.Configuration()
+    if in_cluster(kubeconfig):
+        config.load_incluster_config(client_configuration=configuration)
+    else:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    return configuration
+
+
 class KubeApi:
     """Blocking. `on_request(verb, resource)` is called before each request (the operator
     counts them)."""
@@ -192,12 +206,7 @@ class KubeApi:
         on_request: Callable[[str, str], None] | None = None,
     ) -> None:
         self.on_request = on_request
-        configuration = client.Configuration()
-        if in_cluster(kubeconfig):
-            config.load_incluster_config(client_configuration=configuration)
-        else:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        self._client = client.ApiClient(configuration)
+        self._client = client.ApiClient(login(kubeconfig))
 
     def send(self, r: Request) -> Any:
         if self.on_request is not None:

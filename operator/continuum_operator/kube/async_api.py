@@ -1,12 +1,15 @@
 """The adapter the operator's loops talk to the API server through, on the event loop: the verbs
 of `kube.api.KubeApi` (request, apply, merge_patch, delete, text, create), awaited.
 
-The transport is `kubernetes_asyncio`'s (the asyncio port of the `kubernetes` client, on aiohttp
-as kopf is): its configuration, TLS, credentials and their refresh (a ServiceAccount token read
-again as the kubelet rotates it, an exec plugin's run without blocking the loop), and its
-connection pool. Only its `ApiClient.call_api` is used, with the answer left unread
-(`_preload_content=False`): the request each verb sends and what an answer means are
-`kube.api`'s, shared with the blocking adapter, so no generated model class comes in between.
+The transport is an aiohttp session (kopf's HTTP stack, so no second one) over the `kubernetes`
+client's configuration, loaded as the blocking adapter loads it (`kube.api.login`): the host,
+the TLS files and server name, the proxy, and the token, read from the configuration at each
+request so that its refresh hook runs (the pod's ServiceAccount token is read again as the
+kubelet rotates it). The request each verb sends and what an answer means are `kube.api`'s,
+shared with the blocking adapter.
+
+Not `kubernetes_asyncio`: kopf imports its generated client whenever it is installed, and that
+was 32 MiB of the operator's memory for a transport that sends plain dicts (docs/architecture.md).
 
 A transport failure (refused, reset, timed out) is raised as an `OSError`, as the blocking
 adapter's socket errors are, so the callers' `except (ApiError, OSError)` holds for both.
@@ -14,14 +17,16 @@ adapter's socket errors are, so the callers' `except (ApiError, OSError)` holds 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio import client, config
+from kubernetes import client
 
 from continuum_operator.kube.api import (
-    AUTH_SETTINGS,
     TIMEOUT_SECONDS,
     Request,
     answer,
@@ -29,68 +34,86 @@ from continuum_operator.kube.api import (
     call,
     create_request,
     delete_request,
-    in_cluster,
+    login,
     merge_patch_request,
     resource_of,
     text_request,
 )
 
-__all__ = ["AsyncKubeApi", "login"]
+__all__ = ["LIST_PAGE", "AsyncKubeApi", "login", "pages"]
 
 #: Connections to the API server at once: the loops' writes in flight (the Engines' 8, the
 #: grants loop's ledgers and Minds' writes, `--write-workers` each, the lanes', the seeds');
 #: a request past it waits for one, it is not refused.
 CONNECTIONS = 64
 
+#: Objects a list asks for at once. A list answered whole is parsed whole: every engine pod of
+#: a 2,000-engine cluster was the operator's largest allocation, about 250 MB of parsed JSON
+#: every five seconds (`bench/scale.py --memray`, docs/performance.md); a page at a time, a
+#: caller keeps what it reads of each page and lets the page go.
+LIST_PAGE = 250
 
-async def login(kubeconfig: str | None) -> Any:
-    """The client's configuration: as the pod's ServiceAccount or from the kubeconfig, as the
-    blocking adapter decides (`kube.api.in_cluster`)."""
-    configuration = client.Configuration()
-    if in_cluster(kubeconfig):
-        config.load_incluster_config(client_configuration=configuration)
-    else:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    return configuration
+
+def tls_of(configuration: client.Configuration) -> ssl.SSLContext:
+    """The TLS the configuration asks for: its CA (else the system's), its client certificate,
+    and no verification only where the kubeconfig says `insecure-skip-tls-verify`."""
+    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
+    if configuration.cert_file:
+        context.load_cert_chain(configuration.cert_file, configuration.key_file or None)
+    if not configuration.verify_ssl:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 class AsyncKubeApi:
     """`on_request(verb, resource)` is called before each request (the operator counts them).
-    Made by `connect` (the configuration loads, and the session opens, on the running loop);
-    `close` ends the session."""
+    Made by `connect` (on the running loop, where its session lives); `close` ends it."""
 
     def __init__(
-        self, api_client: Any, on_request: Callable[[str, str], None] | None = None
+        self,
+        configuration: client.Configuration,
+        session: aiohttp.ClientSession,
+        on_request: Callable[[str, str], None] | None = None,
     ) -> None:
-        self._client = api_client
+        self._config = configuration
+        self._session = session
+        self._host = str(configuration.host).rstrip("/")
         self.on_request = on_request
 
     @classmethod
     async def connect(
         cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None
     ) -> AsyncKubeApi:
-        configuration = await login(kubeconfig)
-        configuration.connection_pool_maxsize = CONNECTIONS
-        return cls(client.ApiClient(configuration), on_request)
+        # In a thread: the loader reads files and may run a kubeconfig's exec plugin.
+        configuration = await asyncio.to_thread(login, kubeconfig)
+        connector = aiohttp.TCPConnector(limit=CONNECTIONS, ssl=tls_of(configuration))
+        timeout = aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return cls(configuration, session, on_request)
 
     async def close(self) -> None:
-        await self._client.close()
+        await self._session.close()
+
+    def _credentials(self) -> dict[str, str]:
+        # Asked for at each request: `auth_settings` runs the configuration's refresh hook.
+        token = self._config.auth_settings().get("BearerToken")
+        return {"Authorization": str(token["value"])} if token and token.get("value") else {}
 
     async def send(self, r: Request) -> Any:
         if self.on_request is not None:
             self.on_request(r.method, resource_of(r.path))
+        body = None if r.body is None else json.dumps(r.body).encode()
         try:
-            response = await self._client.call_api(
-                r.path,
+            async with self._session.request(
                 r.method,
-                query_params=list(r.query),
-                header_params=r.headers,
-                body=r.body,
-                auth_settings=AUTH_SETTINGS,
-                _preload_content=False,
-                _request_timeout=TIMEOUT_SECONDS,
-            )
-            async with response:
+                self._host + r.path,
+                params=list(r.query),
+                data=body,
+                headers={**r.headers, **self._credentials()},
+                proxy=self._config.proxy or None,
+                server_hostname=self._config.tls_server_name or None,
+            ) as response:
                 data = await response.read()
         except aiohttp.ClientError as err:
             if isinstance(err, OSError):
@@ -129,3 +152,19 @@ class AsyncKubeApi:
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = await self.send(create_request(obj))
         return result
+
+
+async def pages(
+    api: AsyncKubeApi, path: str, query: Sequence[tuple[str, str]] = (), limit: int = LIST_PAGE
+) -> AsyncIterator[dict[str, Any]]:
+    """A collection's list, a page at a time (`limit` and `continue`): each page is one answer
+    with `items` and `metadata`; all pages are of one snapshot (the first page's
+    resourceVersion)."""
+    token = ""
+    while True:
+        asked = [*query, ("limit", str(limit)), *([("continue", token)] if token else [])]
+        page = await api.request("GET", path, query=asked)
+        yield page
+        token = str((page.get("metadata") or {}).get("continue") or "")
+        if not token:
+            return

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.async_api import AsyncKubeApi
+from continuum_operator.kube.async_api import AsyncKubeApi, pages
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.lane_objects import LANE_LABEL
 from continuum_operator.kube.objects import ENGINE_LABEL
@@ -66,6 +66,15 @@ def placed_by_node(pods: Iterable[tuple[str, str, Mapping[str, Any]]]) -> dict[s
     return out
 
 
+def _placed_fields(pod: Mapping[str, Any]) -> dict[str, Any]:
+    meta = pod.get("metadata") or {}
+    return {
+        "metadata": {k: meta.get(k) for k in ("uid", "namespace", "labels")},
+        "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
+        "status": {"phase": (pod.get("status") or {}).get("phase")},
+    }
+
+
 class PlacedPods:
     """Keeps every NodeBoard's `spec.placed` equal to the operator's pods on that node."""
 
@@ -75,10 +84,12 @@ class PlacedPods:
         self.interval = interval
 
     async def list_pods(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """The engine and lane pods, a page at a time, each cut to what `placed_by_node` reads
+        as its page arrives (a whole pod is kilobytes of spec and managed fields)."""
         found: list[tuple[str, str, dict[str, Any]]] = []
         for label, kind in CONSUMER_LABELS:
-            doc = await self.api.request("GET", "/api/v1/pods", query=[("labelSelector", label)])
-            found.extend((label, kind, pod) for pod in doc.get("items") or [])
+            async for page in pages(self.api, "/api/v1/pods", [("labelSelector", label)]):
+                found.extend((label, kind, _placed_fields(pod)) for pod in page.get("items") or [])
         return found
 
     async def publish_once(self) -> int:
