@@ -275,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         help="sample the operator's threads (bench/sampler.py) and write the hot spots here",
     )
     parser.add_argument(
+        "--memray",
+        default=None,
+        metavar="FILE",
+        help="record the operator's allocations with memray (`pip install memray`) into FILE; "
+        "`bench/memray_peak.py FILE` then says who held the memory at its high-water mark",
+    )
+    parser.add_argument(
         "--decide-only",
         action="store_true",
         help="no cluster: the operator's plan and grants loops in-process, against an API "
@@ -397,7 +404,11 @@ def _apply_grant_finalizer_policy(kc: str, path: str) -> None:
     probe = json.dumps(body)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        out = kubectl(kc, path, "create", "--dry-run=server", "-o", "json", "-f", "-", stdin=probe)
+        try:
+            out = kubectl(kc, path, "create", "--dry-run=server", "-o", "json", "-f", "-",
+                          stdin=probe)  # fmt: skip
+        except subprocess.CalledProcessError:
+            out = "{}"  # the policy (or the Mind CRD) not served yet: try again
         if "continuum.dev/grant" in (json.loads(out).get("metadata") or {}).get("finalizers", []):
             print("the grant finalizer policy is in force", flush=True)
             return
@@ -478,6 +489,8 @@ def run(
     runner = [sys.executable]
     if args.profile:
         runner += [str(ROOT / "bench/sampler.py"), str(Path(args.profile).resolve())]
+    elif args.memray:
+        runner += ["-m", "memray", "run", "--force", "-o", str(Path(args.memray).resolve())]
     with (work / "operator.log").open("ab") as out:
         proc = subprocess.Popen(
             [*runner, "-m", "continuum_operator.cli", "operator", "--kubeconfig", kc,
