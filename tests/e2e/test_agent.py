@@ -29,6 +29,7 @@ from continuum_operator.kube.placed_pods import PlacedPods
 from continuum_operator.model.board import NodeBoard, NodeBoardStatus
 from continuum_operator.testing.fake_nvml import FakeNvml
 from tests.e2e.conftest import ROOT, Cluster
+from tests.waiting import until
 
 pytestmark = pytest.mark.e2e
 
@@ -101,21 +102,20 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
     doc: dict[str, Any] = json.loads((FIXTURES / "a100x8.json").read_text())
     # An engine pod the operator placed on this node: the operator tells the agent of it in the
     # board's spec (the agent lists no pods).
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": "llama-70b-0",
-                "namespace": namespace,
-                "labels": {"continuum.dev/engine": "llama-70b"},
-            },
-            "spec": {
-                "nodeName": gpu_node,
-                "containers": [{"name": "engine", "image": "example.invalid/engine:0"}],
-            },
-        }
-    )
+    engine_pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "llama-70b-0",
+            "namespace": namespace,
+            "labels": {"continuum.dev/engine": "llama-70b"},
+        },
+        "spec": {
+            "nodeName": gpu_node,
+            "containers": [{"name": "engine", "image": "example.invalid/engine:0"}],
+        },
+    }
+    cluster.apply(engine_pod)
     pod_uid = cluster.get_json("pod", "-n", namespace, "llama-70b-0")["metadata"]["uid"]
     api = AgentApi(connect(str(cluster.kubeconfig), in_cluster=False), gpu_node, identity="e2e")
     if not cluster.kubectl("get", "nodeboard", gpu_node, "--ignore-not-found", "-o", "name").stdout:
@@ -123,11 +123,26 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
     cache = Cache()
     cache.observe_board(cluster.get_json("nodeboard", gpu_node), deleted=False)
 
+    def uids_placed() -> set[str]:
+        return {p["uid"] for p in cache.board_placed.get(gpu_node) or []}
+
     async def publish() -> None:
+        # The placed pods as the leader runs them: listed, then watched, the board written as
+        # they change. A second engine pod, made after the list, reaches the board by the watch.
         api = await AsyncKubeApi.connect(str(cluster.kubeconfig))
+        stop = asyncio.Event()
+        task = asyncio.create_task(PlacedPods(api, cache, interval=0.2).run(stop))
         try:
-            await PlacedPods(api, cache).publish_once()
+            await until(lambda: pod_uid in uids_placed(), timeout=30)
+            later = {**engine_pod, "metadata": {**engine_pod["metadata"], "name": "llama-70b-1"}}
+            await asyncio.to_thread(cluster.apply, later)
+            await until(lambda: len(uids_placed()) == 2, timeout=30)
+            await asyncio.to_thread(cluster.kubectl, "delete", "pod", "-n", namespace,
+                                    "llama-70b-1", "--grace-period=0", "--force")  # fmt: skip
+            await until(lambda: uids_placed() == {pod_uid}, timeout=30)
         finally:
+            stop.set()
+            await task
             await api.close()
 
     asyncio.run(publish())

@@ -38,9 +38,14 @@ def kubeconfig(path: Path, port: int) -> str:
     return str(path)
 
 
-async def serve(request: web.Request, seen: Seen) -> web.Response:
+BIG = "x" * 100_000  # an object larger than aiohttp's readline takes
+
+
+async def serve(request: web.Request, seen: Seen) -> web.StreamResponse:
     body = await request.text()
     seen.append((request.method, request.path, dict(request.query), request.headers, body))
+    if request.query.get("watch") == "1":
+        return await stream_events(request)
     status = {"kind": "Status", "reason": "Conflict", "message": "the object has been modified"}
     if request.path.endswith("/log"):
         return web.Response(text="line one\n", content_type="text/plain")
@@ -51,11 +56,31 @@ async def serve(request: web.Request, seen: Seen) -> web.Response:
     return web.json_response({"kind": "Thing", "echo": json.loads(body) if body else None})
 
 
+async def stream_events(request: web.Request) -> web.StreamResponse:
+    """Two events, the second split across writes and larger than a readline; then 410."""
+    response = web.StreamResponse()
+    await response.prepare(request)
+    added = {"type": "ADDED", "object": {"metadata": {"uid": "u1", "resourceVersion": "5"}}}
+    modified = {
+        "type": "MODIFIED",
+        "object": {"metadata": {"uid": "u1", "resourceVersion": "6"}, "note": BIG},
+    }
+    gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                        "message": "too old resource version"}}  # fmt: skip
+    await response.write(json.dumps(added).encode() + b"\n")
+    line = json.dumps(modified).encode() + b"\n"
+    await response.write(line[:70_000])
+    await response.write(line[70_000:])
+    await response.write(json.dumps(gone).encode() + b"\n")
+    await response.write_eof()
+    return response
+
+
 @asynccontextmanager
 async def server(tmp_path: Path) -> AsyncIterator[tuple[AsyncKubeApi, Seen, list[str]]]:
     seen: Seen = []
 
-    async def handler(request: web.Request) -> web.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
         return await serve(request, seen)
 
     app = web.Application()
@@ -124,6 +149,23 @@ def test_each_verb_sends_what_the_blocking_adapter_sends(tmp_path: Path) -> None
             "PATCH deployments", "PATCH engines/status", "POST deployments", "GET pods",
             "DELETE deployments", "GET pods/log",
         ]  # fmt: skip
+
+    run(tmp_path, body)
+
+
+def test_a_watch_yields_each_event_and_raises_the_servers_error(tmp_path: Path) -> None:
+    async def body(api: AsyncKubeApi, seen: Seen, counted: list[str]) -> None:
+        events: list[dict[str, Any]] = []
+        with pytest.raises(ApiError) as raised:
+            async for event in api.watch("/api/v1/pods", [("labelSelector", "a")], "4"):
+                events.append(event)
+        assert [e["type"] for e in events] == ["ADDED", "MODIFIED"]
+        assert events[1]["object"]["note"] == BIG
+        assert raised.value.status == 410
+        query = seen[0][2]
+        assert query["resourceVersion"] == "4" and query["labelSelector"] == "a"
+        assert query["watch"] == "1" and query["allowWatchBookmarks"] == "true"
+        assert counted == ["WATCH pods"]
 
     run(tmp_path, body)
 

@@ -28,6 +28,7 @@ from kubernetes import client
 
 from continuum_operator.kube.api import (
     TIMEOUT_SECONDS,
+    ApiError,
     Request,
     answer,
     apply_request,
@@ -121,6 +122,43 @@ class AsyncKubeApi:
             raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
         return answer(r, response.status, data)
 
+    async def watch(
+        self, path: str, query: Sequence[tuple[str, str]], since: str, seconds: int = 300
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A collection's changes after resourceVersion `since`, an event (`type`, `object`)
+        at a time, bookmarks included, until the server ends the stream (after `seconds`).
+        An `ERROR` event is raised as `ApiError` with its code (410: `since` is too old; list
+        again)."""
+        if self.on_request is not None:
+            self.on_request("WATCH", resource_of(path))
+        asked = [*query, ("watch", "1"), ("resourceVersion", since),
+                 ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(seconds))]  # fmt: skip
+        # No total deadline: the stream is meant to stay open; a silent one is cut.
+        timeout = aiohttp.ClientTimeout(sock_connect=TIMEOUT_SECONDS, sock_read=seconds + 30)
+        try:
+            async with self._session.get(
+                self._host + path,
+                params=asked,
+                headers={"Accept": "application/json", **self._credentials()},
+                timeout=timeout,
+                proxy=self._config.proxy or None,
+                server_hostname=self._config.tls_server_name or None,
+            ) as response:
+                if response.status != 200:
+                    answer(call("GET", path), response.status, await response.read())
+                # Lines split here, not by the reader's readline: its line limit (64 KiB) is
+                # smaller than an object may be.
+                rest = b""
+                async for chunk in response.content.iter_any():
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield _event(line)
+        except aiohttp.ClientError as err:
+            if isinstance(err, OSError):
+                raise
+            raise ConnectionError(f"WATCH {path}: {err!r}") from err
+
     async def request(
         self,
         method: str,
@@ -152,6 +190,16 @@ class AsyncKubeApi:
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = await self.send(create_request(obj))
         return result
+
+
+def _event(line: bytes) -> dict[str, Any]:
+    event: dict[str, Any] = json.loads(line)
+    if event.get("type") == "ERROR":
+        status = event.get("object") or {}
+        raise ApiError(
+            int(status.get("code") or 500), str(status.get("reason")), str(status.get("message"))
+        )
+    return event
 
 
 async def pages(

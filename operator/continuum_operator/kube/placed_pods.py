@@ -9,6 +9,12 @@ the agent's only read is its own board (docs/security.md, "The node agent").
 One writer: the leader, every `interval` seconds, patches only the boards whose list changed.
 A board that does not exist yet (a node whose agent has not started) is skipped: the agent
 creates it, and the next round fills it.
+
+The pods are listed once (a page at a time) and then watched, each kept only as far as
+placement reads it. They were listed whole every round: at 2,000 engines, megabytes of pods
+parsed every 5 s, the largest allocation the operator made (docs/performance.md). Not a kopf
+watch: kopf takes one label selector per resource, and pods already have one (the Minds'
+children, `kube.webhook`); a watch without one would carry every pod of the cluster.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 
 #: Pods of these labels are the operator's consumers (the label's value names the object).
 CONSUMER_LABELS = ((ENGINE_LABEL, "Engine"), (LANE_LABEL, "EmbedLane"))
+PODS = "/api/v1/pods"
 #: What a board's spec holds at most (the CRD's bound): more pods than that on one node is not
 #: a layout this operator makes; the rest go unattributed, said in the log.
 PLACED_MAX = 1024
@@ -82,19 +89,65 @@ class PlacedPods:
         self.api = api
         self.cache = cache
         self.interval = interval
+        self.pods: dict[str, tuple[str, str, dict[str, Any]]] = {}  # uid -> label, kind, pod
+        self.listed: set[str] = set()  # the labels whose pods have been listed
 
-    async def list_pods(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """The engine and lane pods, a page at a time, each cut to what `placed_by_node` reads
-        as its page arrives (a whole pod is kilobytes of spec and managed fields)."""
-        found: list[tuple[str, str, dict[str, Any]]] = []
-        for label, kind in CONSUMER_LABELS:
-            async for page in pages(self.api, "/api/v1/pods", [("labelSelector", label)]):
-                found.extend((label, kind, _placed_fields(pod)) for pod in page.get("items") or [])
-        return found
+    async def relist(self, label: str, kind: str) -> str:
+        """The label's pods, listed into `pods` (those gone since dropped); the list's
+        resourceVersion, to watch from."""
+        found: dict[str, tuple[str, str, dict[str, Any]]] = {}
+        version = ""
+        async for page in pages(self.api, PODS, [("labelSelector", label)]):
+            version = str((page.get("metadata") or {}).get("resourceVersion") or version)
+            for pod in page.get("items") or []:
+                cut = _placed_fields(pod)
+                found[str(cut["metadata"]["uid"])] = (label, kind, cut)
+        for uid in [u for u, (lab, _, _) in self.pods.items() if lab == label]:
+            self.pods.pop(uid)
+        self.pods.update(found)
+        self.listed.add(label)
+        return version
+
+    def observe(self, label: str, kind: str, event: Mapping[str, Any]) -> None:
+        """A watch event: the pod kept (cut) or dropped."""
+        pod = event.get("object") or {}
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if event.get("type") == "BOOKMARK" or not uid:
+            return
+        if event.get("type") == "DELETED":
+            self.pods.pop(uid, None)
+        else:
+            self.pods[uid] = (label, kind, _placed_fields(pod))
+
+    async def follow(self, label: str, kind: str, stop: asyncio.Event) -> None:
+        """List, then watch from the list's version for as long as this replica leads; a
+        version too old (410) lists again, a lost stream watches again from the last seen."""
+        since = ""
+        while not stop.is_set():
+            try:
+                if not since:
+                    since = await self.relist(label, kind)
+                async for event in self.api.watch(PODS, [("labelSelector", label)], since):
+                    self.observe(label, kind, event)
+                    meta = (event.get("object") or {}).get("metadata") or {}
+                    since = str(meta.get("resourceVersion") or since)
+            except ApiError as err:
+                if err.status != 410:
+                    log.warning("watching the %s pods failed, listing again: %s", kind, err)
+                since = ""
+            except OSError as err:
+                log.warning("watching the %s pods failed, retrying: %s", kind, err)
+            else:
+                continue  # the server ended the stream (its timeout): watch on
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
 
     async def publish_once(self) -> int:
-        """One round: the boards written."""
-        wanted = placed_by_node(await self.list_pods())
+        """One round: the boards written (none before every kind of pod has been listed: an
+        empty list then is not news)."""
+        if len(self.listed) < len(CONSUMER_LABELS):
+            return 0
+        wanted = placed_by_node(self.pods.values())
         written = 0
         for node in sorted(self.cache.boards):
             placed = wanted.get(node, [])
@@ -112,12 +165,17 @@ class PlacedPods:
         return written
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.publish_once()
-            except (ApiError, OSError) as err:
-                log.warning("listing the engine and lane pods failed, retrying: %s", err)
-            except Exception:  # one bad round must not stop the operator; the next retries
-                log.exception("publishing the placed pods failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+        watches = [asyncio.create_task(self.follow(label, kind, stop))
+                   for label, kind in CONSUMER_LABELS]  # fmt: skip
+        try:
+            while not stop.is_set():
+                try:
+                    await self.publish_once()
+                except Exception:  # one bad round must not stop the operator; the next retries
+                    log.exception("publishing the placed pods failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval)
+        finally:
+            for task in watches:
+                task.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
