@@ -16,7 +16,7 @@ from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.kernel import KernelSettings
 from continuum_operator.kube.objects import ENGINE_LABEL
-from continuum_operator.kube.placed_pods import PlacedPods
+from continuum_operator.kube.placed_pods import CONSUMER_LABELS, PlacedPods
 from continuum_operator.kube.settings import OperatorSettings
 from tests.fakes import FakeKubeApi
 from tests.unit.test_lanes_on_kernel import lane
@@ -95,7 +95,13 @@ def test_the_placed_pods_reach_their_board_without_a_thread() -> None:
     api.add(board, "nodeboards")
     cache.observe_board(board, deleted=False)
     publisher = PlacedPods(api.aio, cache)  # type: ignore[arg-type]
-    written, asked = without_threads(publisher.publish_once)
+
+    async def listed_then_published() -> int:
+        for label, kind in CONSUMER_LABELS:
+            await publisher.relist(label, kind)
+        return await publisher.publish_once()
+
+    written, asked = without_threads(listed_then_published)
     assert (written, asked) == (1, [])
     assert api.objects["/apis/continuum.dev/v1alpha1/nodeboards/n0"]["spec"]["placed"] == [
         {"uid": "u1", "kind": "Engine", "namespace": "ns", "name": "coder"}
