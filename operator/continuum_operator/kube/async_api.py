@@ -18,6 +18,7 @@ adapter's socket errors are, so the callers' `except (ApiError, OSError)` holds 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -101,9 +102,12 @@ class AsyncKubeApi:
         token = self._config.auth_settings().get("BearerToken")
         return {"Authorization": str(token["value"])} if token and token.get("value") else {}
 
-    async def send(self, r: Request) -> Any:
-        if self.on_request is not None:
-            self.on_request(r.method, resource_of(r.path))
+    @contextlib.asynccontextmanager
+    async def _opened(
+        self, r: Request, timeout: aiohttp.ClientTimeout | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`r` sent (within the session's deadline, or `timeout`), its answer open to be read
+        inside; a transport failure, sending or reading, raised as an `OSError`."""
         body = None if r.body is None else json.dumps(r.body).encode()
         try:
             async with self._session.request(
@@ -114,12 +118,19 @@ class AsyncKubeApi:
                 headers={**r.headers, **self._credentials()},
                 proxy=self._config.proxy or None,
                 server_hostname=self._config.tls_server_name or None,
+                timeout=timeout or self._session.timeout,
             ) as response:
-                data = await response.read()
+                yield response
         except aiohttp.ClientError as err:
             if isinstance(err, OSError):
                 raise
             raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
+
+    async def send(self, r: Request) -> Any:
+        if self.on_request is not None:
+            self.on_request(r.method, resource_of(r.path))
+        async with self._opened(r) as response:
+            data = await response.read()
         return answer(r, response.status, data)
 
     async def watch(
@@ -131,33 +142,22 @@ class AsyncKubeApi:
         again)."""
         if self.on_request is not None:
             self.on_request("WATCH", resource_of(path))
-        asked = [*query, ("watch", "1"), ("resourceVersion", since),
-                 ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(seconds))]  # fmt: skip
+        asked = (*query, ("watch", "1"), ("resourceVersion", since),
+                 ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(seconds)))  # fmt: skip
+        r = Request("GET", path, query=asked, content_type=None)
         # No total deadline: the stream is meant to stay open; a silent one is cut.
         timeout = aiohttp.ClientTimeout(sock_connect=TIMEOUT_SECONDS, sock_read=seconds + 30)
-        try:
-            async with self._session.get(
-                self._host + path,
-                params=asked,
-                headers={"Accept": "application/json", **self._credentials()},
-                timeout=timeout,
-                proxy=self._config.proxy or None,
-                server_hostname=self._config.tls_server_name or None,
-            ) as response:
-                if response.status != 200:
-                    answer(call("GET", path), response.status, await response.read())
-                # Lines split here, not by the reader's readline: its line limit (64 KiB) is
-                # smaller than an object may be.
-                rest = b""
-                async for chunk in response.content.iter_any():
-                    *lines, rest = (rest + chunk).split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield _event(line)
-        except aiohttp.ClientError as err:
-            if isinstance(err, OSError):
-                raise
-            raise ConnectionError(f"WATCH {path}: {err!r}") from err
+        async with self._opened(r, timeout) as response:
+            if response.status != 200:
+                answer(r, response.status, await response.read())
+            # Lines split here, not by the reader's readline: its line limit (64 KiB) is
+            # smaller than an object may be.
+            rest = b""
+            async for chunk in response.content.iter_any():
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield _event(line)
 
     async def request(
         self,
