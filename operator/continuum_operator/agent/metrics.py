@@ -15,9 +15,10 @@ import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
 from continuum_operator.core.pools import pool_key
+from continuum_operator.metric_families import MetricSet, counter, gauge, histogram
 from continuum_operator.model.board import MemoryMode, NodeBoardStatus
 
 __all__ = ["CYCLE_BUCKETS", "AgentMetrics"]
@@ -26,58 +27,56 @@ __all__ = ["CYCLE_BUCKETS", "AgentMetrics"]
 #: interval (10 s) means the Lease is at risk.
 CYCLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
+#: The labels of a pool's two gauges: a GPU that goes away leaves both (`record_cycle`).
+_POOL_SERIES = ["node", "pool"]
+
 
 @dataclass
-class AgentMetrics:
+class AgentMetrics(MetricSet):
     node: str
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     _pools: set[str] = field(default_factory=set)
 
+    capacity = gauge(
+        "continuum_agent_pool_capacity_bytes",
+        "A pool's capacity as the agent measured it at its last cycle.",
+        _POOL_SERIES,
+    )
+    used = gauge(
+        "continuum_agent_pool_used_bytes",
+        "A pool's measured use at the agent's last cycle; absent while unsampled.",
+        _POOL_SERIES,
+    )
+    mode = gauge(
+        "continuum_agent_memory_mode",
+        "1 for the memory mode the agent reported at its last cycle, 0 for the others.",
+        ["node", "mode"],
+    )
+    cycle_seconds = histogram(
+        "continuum_agent_cycle_seconds",
+        "Seconds one agent cycle took: probe, board write if any, Lease renewal.",
+        ["node"],
+        buckets=CYCLE_BUCKETS,
+    )
+    probe_seconds = gauge(
+        "continuum_agent_probe_seconds",
+        "Seconds each probe took at the last cycle (nvml, host, metal, attribution).",
+        ["node", "probe"],
+    )
+    board_writes = counter(
+        "continuum_agent_board_writes",
+        "NodeBoard status writes (usage moved past the thresholds, or a first write).",
+        ["node"],
+    )
+    cycle_failures = counter(
+        "continuum_agent_cycle_failures",
+        "Cycles that failed (probe or API error): the Lease was not renewed that time.",
+        ["node"],
+    )
+
     def __post_init__(self) -> None:
-        r = self.registry
-        self.capacity = Gauge(
-            "continuum_agent_pool_capacity_bytes",
-            "A pool's capacity as the agent measured it at its last cycle.",
-            ["node", "pool"],
-            registry=r,
-        )
-        self.used = Gauge(
-            "continuum_agent_pool_used_bytes",
-            "A pool's measured use at the agent's last cycle; absent while unsampled.",
-            ["node", "pool"],
-            registry=r,
-        )
-        self.mode = Gauge(
-            "continuum_agent_memory_mode",
-            "1 for the memory mode the agent reported at its last cycle, 0 for the others.",
-            ["node", "mode"],
-            registry=r,
-        )
-        self.cycle_seconds = Histogram(
-            "continuum_agent_cycle_seconds",
-            "Seconds one agent cycle took: probe, board write if any, Lease renewal.",
-            ["node"],
-            buckets=CYCLE_BUCKETS,
-            registry=r,
-        )
-        self.probe_seconds = Gauge(
-            "continuum_agent_probe_seconds",
-            "Seconds each probe took at the last cycle (nvml, host, metal, attribution).",
-            ["node", "probe"],
-            registry=r,
-        )
-        self.board_writes = Counter(
-            "continuum_agent_board_writes",
-            "NodeBoard status writes (usage moved past the thresholds, or a first write).",
-            ["node"],
-            registry=r,
-        )
-        self.cycle_failures = Counter(
-            "continuum_agent_cycle_failures",
-            "Cycles that failed (probe or API error): the Lease was not renewed that time.",
-            ["node"],
-            registry=r,
-        )
+        super().__post_init__()
+        # This node's counters, present from the start at 0.
         self.board_writes.labels(self.node)
         self.cycle_failures.labels(self.node)
 
@@ -102,9 +101,9 @@ class AgentMetrics:
             else:
                 self.used.labels(self.node, key).set(p.used_bytes)
         for key in self._pools - pools:  # a GPU that went away
-            for gauge in (self.capacity, self.used):
+            for family in (self.capacity, self.used):
                 with contextlib.suppress(KeyError):
-                    gauge.remove(self.node, key)
+                    family.remove(self.node, key)
         self._pools = pools
         for mode in MemoryMode:
             self.mode.labels(self.node, mode.value).set(1 if mode is status.memory_mode else 0)

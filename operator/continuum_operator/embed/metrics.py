@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from continuum_operator.core.embed import LaneReason
+from continuum_operator.metric_families import MetricSet, counter, gauge
 
 __all__ = ["CONTENT_TYPE_LATEST", "REFUSALS", "LaneMetrics"]
 
@@ -30,54 +31,33 @@ REFUSALS = (
 
 
 @dataclass
-class LaneMetrics:
+class LaneMetrics(MetricSet):
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
-    def __post_init__(self) -> None:
-        r = self.registry
-        self.served = Counter(
-            "continuum_lane_requests_served",
-            "Embedding requests the lane answered.",
-            registry=r,
-        )
-        self.inputs = Counter(
-            "continuum_lane_inputs_embedded",
-            "Inputs (texts) embedded: one vector each.",
-            registry=r,
-        )
-        self.tokens = Counter(
-            "continuum_lane_tokens_embedded",
-            "Tokens of the inputs embedded.",
-            registry=r,
-        )
-        self.waited = Counter(
-            "continuum_lane_requests_waited",
-            "Requests that waited for a larger lease before they were served or refused.",
-            registry=r,
-        )
-        self.refusals = Counter(
-            "continuum_lane_refusals",
-            "Requests the lane refused, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.largest = Gauge(
-            "continuum_lane_largest_context_tokens",
-            "The largest context the lane has embedded (its floor in the pool).",
-            registry=r,
-        )
-        self.context = Gauge(
-            "continuum_lane_context_tokens",
-            "The context the lane holds now (llama.cpp cells).",
-            registry=r,
-        )
-        self.leased = Gauge(
-            "continuum_lane_leased_context_tokens",
-            "The context the lane's lease (status.placement) holds room for.",
-            registry=r,
-        )
-        for reason in REFUSALS:
-            self.refusals.labels(reason)
+    served = counter("continuum_lane_requests_served", "Embedding requests the lane answered.")
+    inputs = counter("continuum_lane_inputs_embedded", "Inputs (texts) embedded: one vector each.")
+    tokens = counter("continuum_lane_tokens_embedded", "Tokens of the inputs embedded.")
+    waited = counter(
+        "continuum_lane_requests_waited",
+        "Requests that waited for a larger lease before they were served or refused.",
+    )
+    refusals = counter(
+        "continuum_lane_refusals",
+        "Requests the lane refused, by reason.",
+        ["reason"],
+        present=[[reason] for reason in REFUSALS],
+    )
+    largest = gauge(
+        "continuum_lane_largest_context_tokens",
+        "The largest context the lane has embedded (its floor in the pool).",
+    )
+    context = gauge(
+        "continuum_lane_context_tokens", "The context the lane holds now (llama.cpp cells)."
+    )
+    leased = gauge(
+        "continuum_lane_leased_context_tokens",
+        "The context the lane's lease (status.placement) holds room for.",
+    )
 
     def served_request(self, inputs: int, tokens: int, largest: int, context: int) -> None:
         self.served.inc()

@@ -10,87 +10,66 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from continuum_operator.engine.admission import Refusal
+from continuum_operator.metric_families import MetricSet, counter, gauge
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 
 
 @dataclass
-class EngineMetrics:
+class EngineMetrics(MetricSet):
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
-    def __post_init__(self) -> None:
-        r = self.registry
-        self.refusals = Counter(
-            "continuum_gateway_refusals",
-            "Requests the gateway refused, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.requests = Counter(
-            "continuum_gateway_slot_requests",
-            "Requests forwarded to llama-server, by slot.",
-            ["slot"],
-            registry=r,
-        )
-        self.busy = Gauge(
-            "continuum_gateway_slot_busy",
-            "Requests in flight on each slot (0 or 1 when minds keep to one at a time).",
-            ["slot"],
-            registry=r,
-        )
-        self.busy_seconds = Counter(
-            "continuum_gateway_slot_busy_seconds",
-            "Seconds each slot spent serving requests.",
-            ["slot"],
-            registry=r,
-        )
-        self.tokens = Counter(
-            "continuum_gateway_slot_tokens",
-            "Tokens each slot evaluated (prompt) and generated (predicted).",
-            ["slot", "kind"],
-            registry=r,
-        )
-        self.capped = Counter(
-            "continuum_gateway_capped_requests",
-            "Requests whose n_predict was cut to fit the grant.",
-            ["slot"],
-            registry=r,
-        )
-        self.turns_cut = Counter(
-            "continuum_gateway_turns_cut",
-            "Turns the gateway cut because the grant was no longer held, by grant reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.releases = Counter(
-            "continuum_gateway_slot_releases",
-            "Reclaimed slots erased and reported released, by grant reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.ready = Gauge(
-            "continuum_engine_ready", "1 while llama-server answers /health.", registry=r
-        )
-        self.restarts = Counter(
-            "continuum_engine_restarts", "Times llama-server was started again.", registry=r
-        )
-        self.layers_offloaded = Gauge(
-            "continuum_engine_layers_offloaded",
-            "Layers llama.cpp reports offloaded to the device.",
-            registry=r,
-        )
-        self.estimate_error = Gauge(
-            "continuum_engine_estimate_error_ratio",
-            "(planned - allocated) / allocated bytes, per pool side, from the load's receipt.",
-            ["pool"],
-            registry=r,
-        )
-        for reason in Refusal:
-            self.refusals.labels(reason.value)
+    refusals = counter(
+        "continuum_gateway_refusals",
+        "Requests the gateway refused, by reason.",
+        ["reason"],
+        present=[[reason.value] for reason in Refusal],
+    )
+    requests = counter(
+        "continuum_gateway_slot_requests", "Requests forwarded to llama-server, by slot.", ["slot"]
+    )
+    busy = gauge(
+        "continuum_gateway_slot_busy",
+        "Requests in flight on each slot (0 or 1 when minds keep to one at a time).",
+        ["slot"],
+    )
+    busy_seconds = counter(
+        "continuum_gateway_slot_busy_seconds", "Seconds each slot spent serving requests.", ["slot"]
+    )
+    tokens = counter(
+        "continuum_gateway_slot_tokens",
+        "Tokens each slot evaluated (prompt) and generated (predicted).",
+        ["slot", "kind"],
+    )
+    capped = counter(
+        "continuum_gateway_capped_requests",
+        "Requests whose n_predict was cut to fit the grant.",
+        ["slot"],
+    )
+    turns_cut = counter(
+        "continuum_gateway_turns_cut",
+        "Turns the gateway cut because the grant was no longer held, by grant reason.",
+        ["reason"],
+    )
+    releases = counter(
+        "continuum_gateway_slot_releases",
+        "Reclaimed slots erased and reported released, by grant reason.",
+        ["reason"],
+    )
+    ready = gauge("continuum_engine_ready", "1 while llama-server answers /health.")
+    restarts = counter("continuum_engine_restarts", "Times llama-server was started again.")
+    layers_offloaded = gauge(
+        "continuum_engine_layers_offloaded", "Layers llama.cpp reports offloaded to the device."
+    )
+    estimate_error = gauge(
+        "continuum_engine_estimate_error_ratio",
+        "(planned - allocated) / allocated bytes, per pool side, from the load's receipt.",
+        ["pool"],
+    )
 
     def refused(self, reason: Refusal) -> None:
         self.refusals.labels(reason.value).inc()

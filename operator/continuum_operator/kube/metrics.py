@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
 from continuum_operator.core.damping import Outcome
 from continuum_operator.core.grants import Grant, GrantReason, Transition
 from continuum_operator.core.receipts import is_host_buffer
+from continuum_operator.metric_families import MetricSet, counter, gauge, histogram
 from continuum_operator.model.mind import GrantState
 
 __all__ = [
@@ -41,6 +42,10 @@ CYCLE_WINDOWS = 2.0
 
 _EngineMind = tuple[str, str, str]
 
+#: The labels of the three gauges of an engine's plan: `set_plan` moves them together when the
+#: plan's node changes.
+_PLAN_SERIES = ["namespace", "engine", "node"]
+
 
 class RelaunchCause(StrEnum):
     """The `cause` label of `continuum_engine_relaunches_total`."""
@@ -50,7 +55,7 @@ class RelaunchCause(StrEnum):
 
 
 @dataclass
-class OperatorMetrics:
+class OperatorMetrics(MetricSet):
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     boards_seen: set[str] = field(default_factory=set)
     # Minds queued now, by (namespace, engine, mind): when this leader saw her wait begin, and
@@ -59,162 +64,128 @@ class OperatorMetrics:
     estimated: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     # The runtime restarts last seen per engine: (launch, count), to count what is new.
     restarts_seen: dict[tuple[str, str], tuple[str | None, int]] = field(default_factory=dict)
+    # The node each engine's plan series are labelled with, to drop them when it changes.
+    planned_on: dict[tuple[str, str], str] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        r = self.registry
-        # Every request of the operator's own adapter (kube.api); kopf's watches are not in it.
-        self.api_requests = Counter(
-            "continuum_operator_api_requests",
-            "API requests the operator made through its adapter, by verb and resource.",
-            ["verb", "resource"],
-            registry=r,
-        )
-        self._add_engine_metrics(r)
-        self._add_children_metrics(r)
-        self._add_grant_metrics(r)
-        self.leader = Gauge(
-            "continuum_operator_leader",
-            "1 while this replica holds the leader Lease.",
-            registry=r,
-        )
+    # The families, in the order /metrics lists them (they are created in this order).
+    # Every request of the operator's own adapter (kube.api); kopf's watches are not in it.
+    api_requests = counter(
+        "continuum_operator_api_requests",
+        "API requests the operator made through its adapter, by verb and resource.",
+        ["verb", "resource"],
+    )
 
-    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
-        """Engines: their relaunches, placements and plans, and the boards they are planned on."""
-        self.relaunches = Counter(
-            "continuum_engine_relaunches",
-            "Relaunches of an engine: of its pod, by the operator (damped; cause Planned), and "
-            "of llama-server inside its pod, by the runtime (cause Crashed).",
-            ["namespace", "engine", "cause"],
-            registry=r,
-        )
-        self.weighed = Counter(
-            "continuum_engine_replans_weighed",
-            "Re-plans weighed by relaunch damping, by outcome.",
-            ["outcome"],
-            registry=r,
-        )
-        self.placements = Counter(
-            "continuum_engine_placements",
-            "Assumed leases written (an engine placed on a node).",
-            registry=r,
-        )
-        self.pod_start_timeouts = Counter(
-            "continuum_engine_pod_start_timeouts",
-            "Assumed leases released because the engine pod was not ready in time.",
-            registry=r,
-        )
-        self.unschedulable = Gauge(
-            "continuum_engines_unschedulable",
-            "Engines no node takes, at the last pass.",
-            registry=r,
-        )
-        self.memory_mode_unknown = Gauge(
-            "continuum_engine_memory_mode_unknown",
-            "1 while an engine runs on a node of unknown memory mode (device ungoverned).",
-            ["namespace", "engine"],
-            registry=r,
-        )
-        self.plan_layers = Gauge(
-            "continuum_engine_plan_layers_on_device",
-            "Layers the engine's current plan puts on the device (llama.cpp -ngl).",
-            ["namespace", "engine", "node"],
-            registry=r,
-        )
-        self.plan_pool_tokens = Gauge(
-            "continuum_engine_plan_pool_tokens",
-            "KV-cache tokens in the engine's current plan, over all its slots.",
-            ["namespace", "engine", "node"],
-            registry=r,
-        )
-        self.plan_slots = Gauge(
-            "continuum_engine_plan_slots",
-            "Slots (minds grantable at once) in the engine's current plan.",
-            ["namespace", "engine", "node"],
-            registry=r,
-        )
-        self.planned_on: dict[tuple[str, str], str] = {}
-        self.board_fresh = Gauge(
-            "continuum_node_board_fresh",
-            "1 while a node's board is fresh (its agent's Lease renewed in time), 0 when stale.",
-            ["node"],
-            registry=r,
-        )
+    # Engines: their relaunches, placements and plans, and the boards they are planned on.
+    relaunches = counter(
+        "continuum_engine_relaunches",
+        "Relaunches of an engine: of its pod, by the operator (damped; cause Planned), and "
+        "of llama-server inside its pod, by the runtime (cause Crashed).",
+        ["namespace", "engine", "cause"],
+    )
+    weighed = counter(
+        "continuum_engine_replans_weighed",
+        "Re-plans weighed by relaunch damping, by outcome.",
+        ["outcome"],
+    )
+    placements = counter(
+        "continuum_engine_placements", "Assumed leases written (an engine placed on a node)."
+    )
+    pod_start_timeouts = counter(
+        "continuum_engine_pod_start_timeouts",
+        "Assumed leases released because the engine pod was not ready in time.",
+    )
+    unschedulable = gauge(
+        "continuum_engines_unschedulable", "Engines no node takes, at the last pass."
+    )
+    memory_mode_unknown = gauge(
+        "continuum_engine_memory_mode_unknown",
+        "1 while an engine runs on a node of unknown memory mode (device ungoverned).",
+        ["namespace", "engine"],
+    )
+    plan_layers = gauge(
+        "continuum_engine_plan_layers_on_device",
+        "Layers the engine's current plan puts on the device (llama.cpp -ngl).",
+        _PLAN_SERIES,
+    )
+    plan_pool_tokens = gauge(
+        "continuum_engine_plan_pool_tokens",
+        "KV-cache tokens in the engine's current plan, over all its slots.",
+        _PLAN_SERIES,
+    )
+    plan_slots = gauge(
+        "continuum_engine_plan_slots",
+        "Slots (minds grantable at once) in the engine's current plan.",
+        _PLAN_SERIES,
+    )
+    board_fresh = gauge(
+        "continuum_node_board_fresh",
+        "1 while a node's board is fresh (its agent's Lease renewed in time), 0 when stale.",
+        ["node"],
+    )
 
-    def _add_children_metrics(self, r: CollectorRegistry) -> None:
-        """A mind's child pods (kube.webhook, docs/children.md)."""
-        self.children_mutated = Counter(
-            "continuum_mind_children_mutated",
-            "Child pods of minds given the children's class by the webhook.",
-            ["namespace"],
-            registry=r,
-        )
-        self.children_unmutated_seen = Counter(
-            "continuum_mind_children_unmutated",
-            "Child pods of minds seen without the webhook's mark (admitted unmutated).",
-            ["namespace"],
-            registry=r,
-        )
-        self.children_unmutated = Gauge(
-            "continuum_mind_children_unmutated_live",
-            "Child pods of minds present now without the webhook's mark.",
-            ["namespace"],
-            registry=r,
-        )
+    # A mind's child pods (kube.webhook, docs/children.md).
+    children_mutated = counter(
+        "continuum_mind_children_mutated",
+        "Child pods of minds given the children's class by the webhook.",
+        ["namespace"],
+    )
+    children_unmutated_seen = counter(
+        "continuum_mind_children_unmutated",
+        "Child pods of minds seen without the webhook's mark (admitted unmutated).",
+        ["namespace"],
+    )
+    children_unmutated = gauge(
+        "continuum_mind_children_unmutated_live",
+        "Child pods of minds present now without the webhook's mark.",
+        ["namespace"],
+    )
 
-    def _add_grant_metrics(self, r: CollectorRegistry) -> None:
-        """Grants (kube.minds, docs/grants.md): docs/design.md rule 7 counts and exports
-        reclaims."""
-        self.grant_transitions = Counter(
-            "continuum_grant_transitions",
-            "Grant ledger transitions the leader wrote, by the state entered and the reason.",
-            ["to", "reason"],
-            registry=r,
-        )
-        self.reclaims = Counter(
-            "continuum_grant_reclaims",
-            "Reclaims begun (Granted -> Reclaiming), by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.grants_held = Gauge(
-            "continuum_grants_held",
-            "Slots held (Granted or Reclaiming) in an engine's ledger, at its last step.",
-            ["namespace", "engine"],
-            registry=r,
-        )
-        self.grants_queued = Gauge(
-            "continuum_grants_queued",
-            "Minds queued in an engine's ledger, at its last step.",
-            ["namespace", "engine"],
-            registry=r,
-        )
-        self.grant_waits = Histogram(
-            "continuum_grant_wait_seconds",
-            "Seconds a mind waited Queued before Granted, by the reason she last waited for.",
-            ["namespace", "engine", "reason"],
-            buckets=WAIT_BUCKETS,
-            registry=r,
-        )
-        self.reclaim_cycles = Counter(
-            "continuum_grant_reclaim_cycles",
-            "Minds reclaimed again within twice their protection window of their last reclaim.",
-            ["namespace", "engine", "reason"],
-            registry=r,
-        )
-        # An engine's, but registered here so that /metrics lists the families in the order
-        # it always has.
-        self.estimate_error = Gauge(
-            "continuum_engine_plan_estimate_error_ratio",
-            "(planned - allocated) / allocated bytes per pool side: the plan against the "
-            "running engine's receipt of the same placement.",
-            ["namespace", "engine", "pool"],
-            registry=r,
-        )
-        self.ledger_conflicts = Counter(
-            "continuum_grant_ledger_conflicts",
-            "Ledger writes refused for a stale resourceVersion (409), decided again.",
-            registry=r,
-        )
+    # Grants (kube.minds, docs/grants.md): docs/design.md rule 7 counts and exports reclaims.
+    grant_transitions = counter(
+        "continuum_grant_transitions",
+        "Grant ledger transitions the leader wrote, by the state entered and the reason.",
+        ["to", "reason"],
+    )
+    reclaims = counter(
+        "continuum_grant_reclaims",
+        "Reclaims begun (Granted -> Reclaiming), by reason.",
+        ["reason"],
+    )
+    grants_held = gauge(
+        "continuum_grants_held",
+        "Slots held (Granted or Reclaiming) in an engine's ledger, at its last step.",
+        ["namespace", "engine"],
+    )
+    grants_queued = gauge(
+        "continuum_grants_queued",
+        "Minds queued in an engine's ledger, at its last step.",
+        ["namespace", "engine"],
+    )
+    grant_waits = histogram(
+        "continuum_grant_wait_seconds",
+        "Seconds a mind waited Queued before Granted, by the reason she last waited for.",
+        ["namespace", "engine", "reason"],
+        buckets=WAIT_BUCKETS,
+    )
+    reclaim_cycles = counter(
+        "continuum_grant_reclaim_cycles",
+        "Minds reclaimed again within twice their protection window of their last reclaim.",
+        ["namespace", "engine", "reason"],
+    )
+    # An engine's, but declared here so that /metrics lists the families in the order it
+    # always has.
+    estimate_error = gauge(
+        "continuum_engine_plan_estimate_error_ratio",
+        "(planned - allocated) / allocated bytes per pool side: the plan against the "
+        "running engine's receipt of the same placement.",
+        ["namespace", "engine", "pool"],
+    )
+    ledger_conflicts = counter(
+        "continuum_grant_ledger_conflicts",
+        "Ledger writes refused for a stale resourceVersion (409), decided again.",
+    )
+
+    leader = gauge("continuum_operator_leader", "1 while this replica holds the leader Lease.")
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
@@ -267,9 +238,9 @@ class OperatorMetrics:
         node = str(plan.get("node") or "") if plan else ""
         old = self.planned_on.get(key)
         if old is not None and old != node:
-            for gauge in (self.plan_layers, self.plan_pool_tokens, self.plan_slots):
+            for family in (self.plan_layers, self.plan_pool_tokens, self.plan_slots):
                 with contextlib.suppress(KeyError):
-                    gauge.remove(namespace, engine, old)
+                    family.remove(namespace, engine, old)
             del self.planned_on[key]
         if not plan or not node:
             return

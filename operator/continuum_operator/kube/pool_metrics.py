@@ -21,11 +21,15 @@ from prometheus_client import CollectorRegistry, Gauge
 from continuum_operator.core.pools import BoardLeases, ConsumerKind, Lease
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.occupancy import other_leases
+from continuum_operator.metric_families import MetricSet, gauge
 from continuum_operator.model.board import MemoryMode
 
 __all__ = ["PoolMetrics", "PoolRow", "pool_rows"]
 
 Labels = tuple[str, ...]
+
+#: A pool's series: by node and pool key.
+_POOL = ["node", "pool"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,46 +77,36 @@ def pool_rows(snap: Snapshot) -> tuple[list[PoolRow], dict[str, MemoryMode]]:
 
 
 @dataclass
-class PoolMetrics:
+class PoolMetrics(MetricSet):
     registry: CollectorRegistry
     _seen: dict[str, dict[Labels, float]] = field(default_factory=dict)  # as last set
 
-    def __post_init__(self) -> None:
-        r = self.registry
-        pool = ["node", "pool"]
-        self.capacity = Gauge(
-            "continuum_pool_capacity_bytes", "A pool's capacity (its board).", pool, registry=r
-        )
-        self.used = Gauge(
-            "continuum_pool_used_bytes",
-            "A pool's measured use (its board); absent until the agent has sampled it.",
-            pool,
-            registry=r,
-        )
-        self.leased = Gauge(
-            "continuum_pool_leased_bytes",
-            "Bytes leased in a pool by the placements of one kind of consumer.",
-            [*pool, "consumer_kind"],
-            registry=r,
-        )
-        self.floor = Gauge(
-            "continuum_pool_floor_bytes",
-            "Bytes of a pool under consumers' floors (an embedding lane's largest context).",
-            pool,
-            registry=r,
-        )
-        self.available = Gauge(
-            "continuum_pool_available_bytes",
-            "capacity - max(leased, measured use); absent while the pool is unsampled.",
-            pool,
-            registry=r,
-        )
-        self.mode = Gauge(
-            "continuum_node_memory_mode",
-            "1 for a node's memory mode (unified, discrete, unknown), 0 for the others.",
-            ["node", "mode"],
-            registry=r,
-        )
+    capacity = gauge("continuum_pool_capacity_bytes", "A pool's capacity (its board).", _POOL)
+    used = gauge(
+        "continuum_pool_used_bytes",
+        "A pool's measured use (its board); absent until the agent has sampled it.",
+        _POOL,
+    )
+    leased = gauge(
+        "continuum_pool_leased_bytes",
+        "Bytes leased in a pool by the placements of one kind of consumer.",
+        [*_POOL, "consumer_kind"],
+    )
+    floor = gauge(
+        "continuum_pool_floor_bytes",
+        "Bytes of a pool under consumers' floors (an embedding lane's largest context).",
+        _POOL,
+    )
+    available = gauge(
+        "continuum_pool_available_bytes",
+        "capacity - max(leased, measured use); absent while the pool is unsampled.",
+        _POOL,
+    )
+    mode = gauge(
+        "continuum_node_memory_mode",
+        "1 for a node's memory mode (unified, discrete, unknown), 0 for the others.",
+        ["node", "mode"],
+    )
 
     def record(self, snap: Snapshot) -> None:
         rows, modes = pool_rows(snap)
@@ -133,13 +127,13 @@ class PoolMetrics:
             for each in MemoryMode:
                 values["mode"][(node, str(each))] = 1 if each is mode else 0
         for name, wanted in values.items():
-            gauge: Gauge = getattr(self, name)
+            family: Gauge = getattr(self, name)
             last = self._seen.get(name, {})
             for gone in set(last) - set(wanted):
                 with contextlib.suppress(KeyError):
-                    gauge.remove(*gone)
+                    family.remove(*gone)
             # Only the series whose value changed: a pass sets a dozen gauges a pool otherwise.
             for labels, value in wanted.items():
                 if last.get(labels) != value:
-                    gauge.labels(*labels).set(value)
+                    family.labels(*labels).set(value)
             self._seen[name] = wanted
