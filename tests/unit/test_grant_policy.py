@@ -211,6 +211,21 @@ def test_each_broken_policy_is_the_operators_with_one_safeguard_off() -> None:
     assert unprotected.review_at is None
 
 
+def test_protection_ends_with_the_later_window_and_both_questions_read_that_end() -> None:
+    low, vip = mind("low", 0, 0.0), mind("vip", 9, 1.0)  # windows of 60 s
+    reclaimed = Grant(
+        "low", G, GrantReason.SLOT_FREE, 30.0, tokens=100, slot=0, granted_at=0.0,
+        reclaimed_at=30.0,
+    )  # fmt: skip
+    policy = PriorityPolicy()
+    assert policy.protected_until(reclaimed, low, 10.0) == 90.0
+    assert policy.protected(reclaimed, low, 89.0) and not policy.protected(reclaimed, low, 90.0)
+    assert policy.preemptible_at([vip], [reclaimed], {"low": low}, 10.0) == 90.0
+    unprotected = UnprotectedPolicy()
+    assert not unprotected.protected(reclaimed, low, 10.0)
+    assert unprotected.preemptible_at([vip], [reclaimed], {"low": low}, 10.0) is None
+
+
 def test_a_new_policy_runs_through_the_simulator_and_the_checker_judges_it() -> None:
     # Two minds hold the engine; an urgent one arrives after their protection windows.
     minds = (

@@ -14,63 +14,38 @@ The last two wrap any policy; `weakened` combines them as a scenario's switches 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from continuum_operator.core.grants import (
     Grant,
     GrantPolicy,
     MindDemand,
     PriorityPolicy,
-    RankKey,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class UnprotectedPolicy(PriorityPolicy):
-    """The priority policy with no protection window: any grant of lower priority is a victim."""
+    """The priority policy with no protection window: any grant of lower priority is a victim
+    (so no window's end is ever a time to allocate again: `preemptible_at` is None)."""
 
-    def protected(self, g: Grant, m: MindDemand, now: float) -> bool:
-        return False
-
-    def preemptible_at(
-        self,
-        queued: Sequence[MindDemand],
-        ledger: Iterable[Grant],
-        minds: Mapping[str, MindDemand],
-        now: float,
-    ) -> float | None:
+    def protected_until(self, g: Grant, m: MindDemand, now: float) -> float | None:
         return None
 
 
 @dataclass(frozen=True, slots=True)
 class _Wrapped:
-    """`inner`'s decisions, each override aside."""
+    """`inner`'s decisions, each override aside.
+
+    Whatever a subclass does not define is looked up on `inner` (`__getattr__` is asked only
+    for what the wrapper lacks), so every decision of the `GrantPolicy` protocol, and any it
+    gains, is `inner`'s with its own signature, not a copy of it kept in step by hand."""
 
     inner: GrantPolicy
 
-    def rank(self, mind: MindDemand) -> RankKey:
-        return self.inner.rank(mind)
-
-    def reclaim_deadline(self, now: float) -> float | None:
-        return self.inner.reclaim_deadline(now)
-
-    def served_by_reclaims(self, reclaiming: int) -> int:
-        return self.inner.served_by_reclaims(reclaiming)
-
-    def preemptions(
-        self, queue: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
-    ) -> list[tuple[MindDemand, Grant]]:
-        return self.inner.preemptions(queue, granted, now)
-
-    def preemptible_at(
-        self,
-        queued: Sequence[MindDemand],
-        ledger: Iterable[Grant],
-        minds: Mapping[str, MindDemand],
-        now: float,
-    ) -> float | None:
-        return self.inner.preemptible_at(queued, ledger, minds, now)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 @dataclass(frozen=True, slots=True)

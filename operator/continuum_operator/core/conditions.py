@@ -120,155 +120,119 @@ def planned_message(node: str, layers_on_device: int, total_layers: int, minds: 
     return f"{layers_on_device}/{total_layers} layers on the device of {node}, {minds} minds"
 
 
-def _c(t: ConditionType, status: bool, reason: Reason, message: str, gen: int | None) -> Condition:
-    return Condition(
-        type=str(t),
-        status="True" if status else "False",
-        reason=str(reason),
-        message=message,
-        observed_generation=gen,
-    )
+#: One condition decided: its status, reason and message. `engine_conditions` gives each its
+#: type and the generation, which are the same whatever the condition decides.
+_Verdict = tuple[bool, Reason, str]
 
 
 def engine_conditions(f: EngineFacts) -> list[Condition]:
     """Every condition type, always present, in a fixed order."""
     # A refusal belongs to the launch of a plan in force; without one there is nothing it refused.
     refused = f.runtime.refused if f.planned is not None else None
+    T = ConditionType
+    verdicts = (
+        (T.PLANNED, _planned(f)),
+        (T.READY, _ready(f, refused)),
+        (T.DEGRADED, _degraded(f, refused)),
+        (T.MEMORY_MODE_UNKNOWN, _memory_mode_unknown(f)),
+        (T.BOARD_STALE, _board_stale(f)),
+        (T.UNSCHEDULABLE, _unschedulable(f)),
+    )
     return [
-        _planned(f),
-        _ready(f, refused),
-        _degraded(f, refused),
-        _memory_mode_unknown(f),
-        _board_stale(f),
-        _unschedulable(f),
+        Condition(
+            type=str(t),
+            status="True" if status else "False",
+            reason=str(reason),
+            message=message,
+            observed_generation=f.generation,
+        )
+        for t, (status, reason, message) in verdicts
     ]
 
 
-def _planned(f: EngineFacts) -> Condition:
-    gen = f.generation
+def _planned(f: EngineFacts) -> _Verdict:
     p = f.planned
     if f.problem is not None:
-        return _c(ConditionType.PLANNED, False, f.problem.reason, f.problem.message, gen)
+        return False, f.problem.reason, f.problem.message
     if p is None:
-        return _c(
-            ConditionType.PLANNED, False, Reason.NOT_PLACED, "no node takes this engine yet", gen
-        )
+        return False, Reason.NOT_PLACED, "no node takes this engine yet"
     message = planned_message(p.node, p.layers_on_device, p.total_layers, p.minds_grantable)
-    return _c(ConditionType.PLANNED, True, Reason.PLANNED, message, gen)
+    return True, Reason.PLANNED, message
 
 
-def _ready(f: EngineFacts, refused: Problem | None) -> Condition:
-    gen = f.generation
-    T = ConditionType
+def _ready(f: EngineFacts, refused: Problem | None) -> _Verdict:
     if refused is not None:
-        return _c(T.READY, False, refused.reason, refused.message, gen)
+        return False, refused.reason, refused.message
     if f.pod is PodPhase.READY:
-        return _c(T.READY, True, Reason.POD_READY, "the engine pod is ready", gen)
+        return True, Reason.POD_READY, "the engine pod is ready"
     if f.pod is PodPhase.RELAUNCHING:
-        return _c(T.READY, False, Reason.RELAUNCHING, "the engine is relaunching", gen)
+        return False, Reason.RELAUNCHING, "the engine is relaunching"
     if f.pod is PodPhase.PENDING:
-        return _c(T.READY, False, Reason.POD_PENDING, "the engine pod has not started yet", gen)
+        return False, Reason.POD_PENDING, "the engine pod has not started yet"
     why = f.problem or f.unschedulable
-    return _c(
-        T.READY,
-        False,
-        why.reason if why else Reason.NOT_PLACED,
-        why.message if why else "not placed yet",
-        gen,
-    )
+    if why is None:
+        return False, Reason.NOT_PLACED, "not placed yet"
+    return False, why.reason, why.message
 
 
-def _degraded(f: EngineFacts, refused: Problem | None) -> Condition:
+def _degraded(f: EngineFacts, refused: Problem | None) -> _Verdict:
     """The first of the reasons, most severe first, why the engine serves less than asked."""
-    gen = f.generation
-    T = ConditionType
     p = f.planned
     if refused is not None:
-        return _c(T.DEGRADED, True, refused.reason, refused.message, gen)
+        return True, refused.reason, refused.message
     if p is None:
-        return _c(T.DEGRADED, False, Reason.AS_PLANNED, "", gen)
+        return False, Reason.AS_PLANNED, ""
     if f.runtime.restarted:
-        return _c(T.DEGRADED, True, Reason.ENGINE_RESTARTED, f.runtime.restarted, gen)
+        return True, Reason.ENGINE_RESTARTED, f.runtime.restarted
     if not f.board_fresh:
-        return _c(
-            T.DEGRADED,
+        return (
             True,
             Reason.LEASE_EXPIRED,
             f"the board of {p.node} is stale: the engine keeps its plan, nothing re-plans there",
-            gen,
         )
     if f.no_longer_fits:
-        return _c(
-            T.DEGRADED,
+        return (
             True,
             Reason.NO_LONGER_FITS,
             f"{p.node} no longer holds this engine as planned: {f.no_longer_fits}",
-            gen,
         )
     if f.damping in (Outcome.GATHERING_EVIDENCE, Outcome.COOLING_DOWN):
-        return _c(T.DEGRADED, True, Reason.RELAUNCH_DEFERRED, f.damping_message, gen)
+        return True, Reason.RELAUNCH_DEFERRED, f.damping_message
     if p.minds_grantable < p.minds_max:
-        return _c(
-            T.DEGRADED,
-            True,
-            Reason.MINDS_LIMITED,
-            f"{p.minds_grantable} of {p.minds_max} minds fit on {p.node}",
-            gen,
-        )
+        message = f"{p.minds_grantable} of {p.minds_max} minds fit on {p.node}"
+        return True, Reason.MINDS_LIMITED, message
     if p.layers_on_device < p.total_layers and p.memory_mode != MemoryMode.UNKNOWN:
-        return _c(
-            T.DEGRADED,
-            True,
-            Reason.LAYERS_LIMITED,
-            f"{p.layers_on_device}/{p.total_layers} layers fit on the device of {p.node}",
-            gen,
-        )
-    return _c(T.DEGRADED, False, Reason.AS_PLANNED, "", gen)
+        message = f"{p.layers_on_device}/{p.total_layers} layers fit on the device of {p.node}"
+        return True, Reason.LAYERS_LIMITED, message
+    return False, Reason.AS_PLANNED, ""
 
 
-def _memory_mode_unknown(f: EngineFacts) -> Condition:
-    gen = f.generation
+def _memory_mode_unknown(f: EngineFacts) -> _Verdict:
     p = f.planned
     if p is not None and p.memory_mode == MemoryMode.UNKNOWN:
-        return _c(
-            ConditionType.MEMORY_MODE_UNKNOWN,
+        return (
             True,
             Reason.MODE_UNKNOWN,
             f"node {p.node} reports no memory mode: host memory is governed, device memory "
             "is not; declare spec.placement.deviceBudgetBytes or run the agent with a GPU "
             "backend",
-            gen,
         )
-    return _c(ConditionType.MEMORY_MODE_UNKNOWN, False, Reason.MODE_REPORTED, "", gen)
+    return False, Reason.MODE_REPORTED, ""
 
 
-def _board_stale(f: EngineFacts) -> Condition:
-    gen = f.generation
+def _board_stale(f: EngineFacts) -> _Verdict:
     p = f.planned
     if p is not None and not f.board_fresh:
-        return _c(
-            ConditionType.BOARD_STALE,
-            True,
-            Reason.LEASE_EXPIRED,
-            f"node {p.node}'s Lease has expired: no new plans or relaunches there",
-            gen,
-        )
-    return _c(ConditionType.BOARD_STALE, False, Reason.BOARD_FRESH, "", gen)
+        message = f"node {p.node}'s Lease has expired: no new plans or relaunches there"
+        return True, Reason.LEASE_EXPIRED, message
+    return False, Reason.BOARD_FRESH, ""
 
 
-def _unschedulable(f: EngineFacts) -> Condition:
-    gen = f.generation
+def _unschedulable(f: EngineFacts) -> _Verdict:
     p = f.planned
     if f.unschedulable is not None and p is None:
-        return _c(
-            ConditionType.UNSCHEDULABLE,
-            True,
-            f.unschedulable.reason,
-            f.unschedulable.message,
-            gen,
-        )
-    reason = Reason.PLACED if p else Reason.NOT_PLACED
-    return _c(ConditionType.UNSCHEDULABLE, False, reason, "", gen)
+        return True, f.unschedulable.reason, f.unschedulable.message
+    return False, Reason.PLACED if p else Reason.NOT_PLACED, ""
 
 
 def merge(old: Sequence[Condition], new: Sequence[Condition], now: str) -> list[Condition]:

@@ -253,14 +253,24 @@ class PriorityPolicy:
     def served_by_reclaims(self, reclaiming: int) -> int:
         return reclaiming
 
+    def protected_until(self, g: Grant, m: MindDemand, now: float) -> float | None:
+        """While her grant is too young to preempt, or she was reclaimed too recently: when that
+        protection ends (the later of the windows still running). None: she may be preempted
+        at `now`. The one place protection is decided: `protected` (which `preemptions` asks)
+        and `preemptible_at` both read it, so they agree to the bit, and a policy with other
+        windows overrides only this."""
+        window = m.protection_window
+        until: float | None = None
+        for start in (g.granted_at, g.reclaimed_at):
+            if start is not None:
+                end = start + window
+                if end > now and (until is None or end > until):
+                    until = end
+        return until
+
     def protected(self, g: Grant, m: MindDemand, now: float) -> bool:
         """Whether her grant is too young to preempt, or she was reclaimed too recently."""
-        # Written as `start + window` so the end agrees, to the bit, with `preemptible_at`.
-        young = g.granted_at is not None and now < g.granted_at + m.protection_window
-        recently_reclaimed = (
-            g.reclaimed_at is not None and now < g.reclaimed_at + m.protection_window
-        )
-        return young or recently_reclaimed
+        return self.protected_until(g, m, now) is not None
 
     def preemptions(
         self, queue: Sequence[MindDemand], granted: Sequence[tuple[MindDemand, Grant]], now: float
@@ -296,6 +306,7 @@ class PriorityPolicy:
         for q in queued:
             if q.priority > top:
                 top = q.priority
+        protected_until = self.protected_until
         later: float | None = None
         for g in ledger:
             if g.state is not _GRANTED:
@@ -303,16 +314,9 @@ class PriorityPolicy:
             m = minds.get(g.mind)
             if m is None or m.priority >= top:
                 continue
-            # Preemptible once both windows have lapsed: the later end.
-            ends = [
-                t + m.protection_window
-                for t in (g.granted_at, g.reclaimed_at)
-                if t is not None and t + m.protection_window > now
-            ]
-            if ends:
-                end = max(ends)
-                if later is None or end < later:
-                    later = end
+            end = protected_until(g, m, now)
+            if end is not None and (later is None or end < later):
+                later = end
         return later
 
 

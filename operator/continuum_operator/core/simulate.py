@@ -42,6 +42,7 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
+from continuum_operator.core.transition_lines import capacity_line, transition_line
 from continuum_operator.model.mind import GrantState
 
 
@@ -218,30 +219,13 @@ class _Simulation:
         )
 
     def capacity_line(self, e: _Engine) -> None:
-        self.line(
-            e.spec.name,
-            "capacity",
-            phase=str(e.phase),
-            slots=e.slots,
-            tokensPerSlot=e.spec.tokens_per_slot,
-        )
+        capacity = Capacity(e.phase, e.slots, e.spec.tokens_per_slot)
+        self.log.append(capacity_line(self.now, e.spec.name, capacity))
 
     def transition_line(self, engine: str, t: Transition) -> None:
-        self.line(
-            engine,
-            "transition",
-            mind=t.mind,
-            **{"from": None if t.from_state is None else str(t.from_state)},
-            to=str(t.to_state),
-            reason=str(t.reason),
-            by=t.by,
-            tokens=t.tokens,
-            slot=t.slot,
-            priority=t.priority,
-            protectionWindow=t.protection_window,
-            deadline=t.deadline,
-        )
-        self.transition_lines.append(self.log[-1])  # for the summary, without rescanning the log
+        line = transition_line(self.now, engine, t)
+        self.log.append(line)
+        self.transition_lines.append(line)  # for the summary, without rescanning the log
 
     # --- engines ----------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from continuum_operator.core.grants import (
     Transition,
     allocate,
 )
+from continuum_operator.core.transition_lines import capacity_line, transition_line
 from continuum_operator.kube.routing import mind_key
 from continuum_operator.kube.transition_log import Place
 from continuum_operator.model.grant import grant_entries, iso_micro, parse_entries
@@ -56,7 +57,6 @@ __all__ = [
     "STEP_FIELD",
     "LedgerStep",
     "bounded",
-    "capacity_line",
     "capacity_of",
     "engine_note",
     "log_lines",
@@ -65,7 +65,6 @@ __all__ = [
     "step",
     "tail_from_log",
     "tail_from_minds",
-    "transition_line",
 ]
 
 #: Beside `status.grants`, written in the same replace: the pool the ledger was made for.
@@ -439,7 +438,7 @@ def log_lines(
     for pool, transitions in s.segments:
         doc = pool.to_status()
         if before is None or _pool_key(before) != _pool_key(doc):
-            lines.append(capacity_line(t, engine, pool))
+            lines.append(capacity_line(t, engine, pool.capacity))
         before = doc
         lines.extend(transition_line(t, engine, tr) for tr in transitions)
     return lines
@@ -447,33 +446,3 @@ def log_lines(
 
 def _pool_key(doc: Mapping[str, Any]) -> tuple[Any, ...]:
     return (doc.get("phase"), doc.get("slots"), doc.get("tokensPerSlot"))
-
-
-def capacity_line(t: float, engine: str, pool: GrantPool) -> dict[str, Any]:
-    c = pool.capacity
-    return {
-        "t": t,
-        "engine": engine,
-        "event": "capacity",
-        "phase": c.phase.value,
-        "slots": c.slots,
-        "tokensPerSlot": c.tokens_per_slot,
-    }
-
-
-def transition_line(t: float, engine: str, tr: Transition) -> dict[str, Any]:
-    return {
-        "t": t,
-        "engine": engine,
-        "event": "transition",
-        "mind": tr.mind,
-        "from": tr.from_state.value if tr.from_state is not None else None,
-        "to": tr.to_state.value,
-        "reason": tr.reason.value,
-        "by": tr.by,
-        "tokens": tr.tokens,
-        "slot": tr.slot,
-        "priority": tr.priority,
-        "protectionWindow": tr.protection_window,
-        "deadline": tr.deadline,
-    }
