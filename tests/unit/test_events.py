@@ -14,7 +14,7 @@ import pytest
 from continuum_operator.kube import events, webhook
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.embedlanes import LaneEvent, LaneLoop
+from continuum_operator.kube.embedlanes import LaneLoop
 from continuum_operator.kube.engine_pass import Event
 from continuum_operator.kube.loop import Loop
 from continuum_operator.kube.settings import OperatorSettings, PodSettings
@@ -108,7 +108,7 @@ def test_the_lanes_loop_posts_an_embed_lanes_event_as_it_always_did() -> None:
     fake: Any = api.aio
     loop = LaneLoop(fake, OperatorSettings(), Cache(), lambda: NOW)
     long = "m" * 2000
-    event = LaneEvent("Warning", "PodNeverStarted", long)
+    event = Event("Warning", "PodNeverStarted", long)
     asyncio.run(loop.post_event({"metadata": meta()}, event))
     assert api.created == [posted_on("EmbedLane", socket.gethostname(), long[:1024])]
 
@@ -126,7 +126,7 @@ def test_a_refused_event_is_a_warning_on_the_loops_own_log_not_an_error(
     lanes = LaneLoop(api, OperatorSettings(), Cache(), lambda: NOW)
     with caplog.at_level(logging.WARNING):
         asyncio.run(loop.post_event({"metadata": meta()}, Event("Warning", "PodNeverStarted", "m")))
-        event = LaneEvent("Warning", "PodNeverStarted", "m")
+        event = Event("Warning", "PodNeverStarted", "m")
         asyncio.run(lanes.post_event({"metadata": meta()}, event))
     warned = [(r.name, r.getMessage()) for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [

@@ -57,7 +57,6 @@ from continuum_operator.model.engine import Engine, ModelFacts
 
 __all__ = [
     "LaneConditionType",
-    "LaneEvent",
     "LaneLoop",
     "LaneWrites",
     "lane_leases_in",
@@ -82,13 +81,6 @@ class LaneWaitReason(StrEnum):
     BOARD_STALE = "BoardStale"
 
 
-@dataclass(frozen=True, slots=True)
-class LaneEvent:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
 #: Reasons a person need not look at: the lane waits for something that is on its way.
 _QUIET = frozenset({LaneWaitReason.ENGINE_NOT_PLACED.value, LaneReason.POOL_UNSAMPLED.value})
 
@@ -96,7 +88,7 @@ _QUIET = frozenset({LaneWaitReason.ENGINE_NOT_PLACED.value, LaneReason.POOL_UNSA
 @dataclass(frozen=True, slots=True)
 class LaneWrites:
     status_patch: dict[str, Any] | None
-    events: tuple[LaneEvent, ...] = ()
+    events: tuple[events.Event, ...] = ()
     deployment: dict[str, Any] | None = None  # the lane's pod (`kube.lane_objects`), wanted
     #: its ServiceAccount, Role, RoleBinding, and ClusterRoleBinding (token review)
     identity: tuple[dict[str, Any], ...] = ()
@@ -181,15 +173,15 @@ class _LanePass:
             "observedGeneration": self.generation,
         }
         patch = status_patch(self.status, new)
-        events = tuple(
-            LaneEvent(
+        notes = tuple(
+            events.Event(
                 "Normal" if x.status == "True" or x.reason in _QUIET else "Warning",
                 x.reason,
                 x.message,
             )
             for x in cond.transitions(self.old_conditions, conditions)
         )
-        return LaneWrites({"status": patch} if patch else None, events)
+        return LaneWrites({"status": patch} if patch else None, notes)
 
     def keep(self, reason: str, message: str) -> LaneWrites:
         """Keep what the lane holds (its bytes are still resident), and say why."""
@@ -464,14 +456,12 @@ class LaneLoop(PassHooks[LaneKey]):
         self.applied[key] = digest
         return True
 
-    async def post_event(self, lane: Mapping[str, Any], event: LaneEvent) -> None:
+    async def post_event(self, lane: Mapping[str, Any], event: events.Event) -> None:
         meta = lane["metadata"]
         await events.post(
             self.api,
             events.reference(API_VERSION, "EmbedLane", meta),
-            event.type,
-            event.reason,
-            event.message,
+            event,
             instance=socket.gethostname(),
             now=format_time(self.clock()),
             log=log,

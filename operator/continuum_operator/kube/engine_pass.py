@@ -20,6 +20,7 @@ from continuum_operator.core.pools import ConsumerKind
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import engine_identity, objects, runtime_report
 from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time, status_patch
+from continuum_operator.kube.events import Event
 from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
@@ -47,13 +48,6 @@ class Memory:
     backoff_until: Mapping[str, float] = field(default_factory=dict)
     facts_error: str | None = None  # why the facts Job's answer could not be used
     node_gone_since: float | None = None  # when the placed engine's Node was first seen missing
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True, slots=True)

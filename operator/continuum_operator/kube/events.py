@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from continuum_operator.kube.async_api import AsyncKubeApi
 
-__all__ = ["COMPONENT", "MESSAGE_LIMIT", "event", "post", "reference"]
+__all__ = ["COMPONENT", "MESSAGE_LIMIT", "Event", "event", "post", "reference"]
 
 #: The component the operator reports its Events as (`source.component`, `reportingComponent`).
 COMPONENT = "continuum-operator"
 #: The longest message the loops post (events.k8s.io/v1's limit on an Event's note, 1 kB).
 MESSAGE_LIMIT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What a loop has to say about an object it governs: the Event's type, reason, message."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
 
 
 def reference(api_version: str, kind: str, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,21 +87,26 @@ def event(
 async def post(
     api: AsyncKubeApi,
     involved: Mapping[str, Any],
-    event_type: str,
-    reason: str,
-    message: str,
+    note: Event,
     *,
     instance: str,
     now: str,
     log: logging.Logger,
 ) -> None:
-    """Create an `event` on `involved` (a `reference`) as the operator's component. An Event is a
-    note beside the work, never part of it: a refused create is a warning on `log`, not raised."""
+    """Create an `event` saying `note` on `involved` (a `reference`) as the operator's component.
+    An Event is a note beside the work, never part of it: a refused create is a warning on
+    `log`, not raised."""
     # kube.api imports the Kubernetes client: only once an Event is posted.
     from continuum_operator.kube.api import ApiError
 
     body = event(
-        involved, event_type, reason, message, component=COMPONENT, instance=instance, now=now
+        involved,
+        note.type,
+        note.reason,
+        note.message,
+        component=COMPONENT,
+        instance=instance,
+        now=now,
     )
     try:
         await api.create(body)

@@ -405,9 +405,7 @@ class Loop:
         await events.post(
             self.api,
             events.reference(API_VERSION, "Engine", meta),
-            event.type,
-            event.reason,
-            event.message,
+            event,
             instance=self.instance,
             now=format_time(self.clock()),
             log=log,
