@@ -620,15 +620,7 @@ def cmd_check_log(args: argparse.Namespace) -> int:
     return EXIT_VIOLATIONS if violations else EXIT_OK
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register `continuum check-log FILE [-o table|json|yaml]` on the CLI's subparsers."""
-    p = subparsers.add_parser(
-        "check-log",
-        help="check the grant invariants over a transition log",
-        description="Check a grant transition log (JSON lines, docs/transition-log.md) against "
-        "the invariants of docs/design.md rule 7. Exits 0 when they hold, 1 with violations, 2 for "
-        "an unreadable, malformed, empty or truncated log.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum check-log` (cli.py declares the command)."""
     p.add_argument("file", type=Path, metavar="FILE", help="a transition log, JSON lines")
     add_output_argument(p, table="one line per violation, or ok")
-    p.set_defaults(func=cmd_check_log)

@@ -19,7 +19,7 @@ from continuum_operator.cli_output import add_output_argument, render
 from continuum_operator.engine.digest import hash_file, mismatch_message
 from continuum_operator.gguf import FactsError, GgufReadError, read_facts
 
-__all__ = ["add_parser", "cmd_facts"]
+__all__ = ["add_arguments", "cmd_facts"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -41,14 +41,8 @@ def cmd_facts(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> None:
-    """Register `facts` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "facts",
-        help="print a GGUF model's facts for spec.model.facts",
-        description="Read a GGUF file's header and tensor index (never its weights) and print "
-        "the facts an Engine's spec.model.facts holds.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum facts` (cli.py declares the command)."""
     p.add_argument("model", type=Path, help="a GGUF model file")
     # yaml by default: the output is pasted into an Engine's spec.model.facts.
     add_output_argument(p, default="yaml", table="one row per fact")
@@ -63,7 +57,6 @@ def add_parser(sub: Any) -> None:
         type=_sha256,
         help="hash the file and refuse it (exit 2) unless its sha256 is HEX",
     )
-    p.set_defaults(func=cmd_facts)
 
 
 def _sha256(text: str) -> str:

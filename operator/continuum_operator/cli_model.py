@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 from pathlib import Path
-from typing import Any
 
 from continuum_operator.cli_errors import fail
 from continuum_operator.testing.tiny_gguf import TinyModelShape, write_tiny_gguf
 
-__all__ = ["TINY_SHAPE", "add_parser", "cmd_model_tiny", "sha256_of"]
+__all__ = ["TINY_SHAPE", "add_arguments", "cmd_model_tiny", "sha256_of"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -64,13 +63,8 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> None:
-    """Register `model tiny` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "model",
-        help="write a model file to try Engines with",
-        description="Model files to try Engines with (nothing is downloaded).",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommands of `continuum model` (cli.py declares the command): `model tiny`."""
     models = p.add_subparsers(dest="model_command", required=True, metavar="KIND")
     tiny = models.add_parser(
         "tiny",

@@ -36,7 +36,7 @@ from continuum_operator.manifests import ManifestError, load_all, load_one
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import Engine
 
-__all__ = ["add_parser", "cmd_place", "place_doc"]
+__all__ = ["add_arguments", "cmd_place", "place_doc"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -211,14 +211,8 @@ def add_placed_inputs(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parser(sub: Any) -> None:
-    """Register `place` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "place",
-        help="place an Engine by best fit across many boards, offline",
-        description="Choose the node the operator would place an Engine on, from a directory "
-        "of NodeBoards, and print the condition message it would write.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum place` (cli.py declares the command)."""
     p.add_argument(
         "--boards",
         type=Path,
@@ -229,4 +223,3 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--engine", type=Path, required=True, help="an Engine YAML file")
     add_placed_inputs(p)
     add_output_argument(p, table="the chosen node, the condition, one row per node")
-    p.set_defaults(func=cmd_place)

@@ -35,7 +35,7 @@ import psutil
 
 from continuum_operator.cli_errors import fail
 
-__all__ = ["ENV", "ProcessClass", "add_parser", "lower", "lowest_priority", "run"]
+__all__ = ["ENV", "ProcessClass", "add_arguments", "lower", "lowest_priority", "run"]
 
 ENV = "CONTINUUM_PROCESS_CLASS"
 UNIX_LOWEST = 19
@@ -164,17 +164,8 @@ def _default_class() -> str:
     return value if value in {str(c) for c in ProcessClass} else str(ProcessClass.NORMAL)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "run",
-        help="run a command (and all it starts) in a process class",
-        description=(
-            "Run CMD and every process it starts at a process class: `background` is the "
-            "OS's lowest ordinary priority (nice 19 on Unix, IDLE_PRIORITY_CLASS on Windows), "
-            "for a mind's own work beside the engine that serves her (docs/design.md rule 8)."
-        ),
-        usage="continuum run [--class {normal,background}] [--sweep SECONDS] -- CMD [ARGS...]",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum run` (cli.py declares the command)."""
     p.add_argument(
         "--class",
         dest="process_class",
@@ -189,7 +180,6 @@ def add_parser(sub: Any) -> None:
         help="seconds between passes that lower descendants running above the class",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
-    p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

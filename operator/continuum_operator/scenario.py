@@ -207,13 +207,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "simulate",
-        help="simulate engines and minds in virtual time through the real allocator",
-        description="Discrete-event simulation of grants, reclaims, relaunches and turns.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum simulate` (cli.py declares the command)."""
     p.add_argument("scenario", type=Path, help="a scenario YAML file (docs/simulate.md)")
     p.add_argument("--log", type=Path, help="write the transition log here (JSON lines)")
     add_output_argument(p, table="the summary's figures, one line each")
-    p.set_defaults(func=cmd_simulate)

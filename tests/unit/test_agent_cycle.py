@@ -14,10 +14,10 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from continuum_operator.agent import cli as agent_cli
 from continuum_operator.agent import nvml
 from continuum_operator.agent.run import Agent, AgentSettings
 from continuum_operator.agent.writer import AgentApiError, NodeFacts
+from continuum_operator.cli import build_parser
 from continuum_operator.core.board_change import Thresholds, board_change
 from continuum_operator.core.heartbeat import (
     NODE_ANNOTATION,
@@ -233,9 +233,7 @@ class TestHeartbeat:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    agent_cli.add_parser(parser.add_subparsers())
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 class TestCommand:

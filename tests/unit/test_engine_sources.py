@@ -4,17 +4,17 @@ the file rather than from the tenant."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from continuum_operator.cli import build_parser
 from continuum_operator.kube import facts_job, lane_objects, objects
 from continuum_operator.kube.engine_pass import Memory
 from continuum_operator.kube.reconcile import facts_disagreements, reconcile
-from continuum_operator.kube.run import add_parser, settings_from
+from continuum_operator.kube.run import settings_from
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine, ModelFacts
@@ -93,8 +93,7 @@ def test_an_allowed_host_path_is_read_by_a_job_mounting_only_the_file_read_only(
 
 
 def test_the_operator_flag_is_repeatable_and_refuses_relative_or_climbing_directories() -> None:
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    parser = build_parser()
     args = parser.parse_args(
         ["operator", "--allowed-host-path-prefix", "/srv/models/",
          "--allowed-host-path-prefix", "/data"]

@@ -32,7 +32,7 @@ from continuum_operator.core.board_change import Thresholds
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.core.nodeboard import board_status
 
-__all__ = ["add_parser", "cmd_agent"]
+__all__ = ["add_arguments", "cmd_agent"]
 
 EXIT_OK = 0
 EXIT_API = 1
@@ -134,14 +134,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> None:
-    """Register `agent` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "agent",
-        help="run the node agent: probe memory, write the NodeBoard, renew the node's Lease",
-        description="Probe this node's GPUs (NVML, Metal) and host memory (psutil, cgroups), "
-        "write its NodeBoard when it changed past a threshold, and renew its Lease.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum agent` (cli.py declares the command)."""
     p.add_argument(
         "--node-name",
         default=os.environ.get("NODE_NAME") or socket.gethostname(),
@@ -204,4 +198,3 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--threshold-fraction", type=float, default=Thresholds().used_fraction)
     p.add_argument("--threshold-mib", type=int, default=Thresholds().used_min_bytes // MiB)
-    p.set_defaults(func=cmd_agent)

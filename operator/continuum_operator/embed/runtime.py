@@ -53,7 +53,7 @@ from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
 from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
 from continuum_operator.engine.admission import ServiceAccount, lane_audience
-from continuum_operator.engine.gateway import serve_app
+from continuum_operator.engine.gateway import admin_application, serve_app
 from continuum_operator.engine.grants_source import TokenReviewer
 from continuum_operator.engine.grants_source import custom_objects as _custom_objects
 from continuum_operator.engine.openai_api import error_body, error_type
@@ -65,7 +65,7 @@ __all__ = [
     "LaneRuntime",
     "LaneState",
     "RuntimePhase",
-    "add_parser",
+    "add_arguments",
     "lane_state_from",
     "refuse_caller",
 ]
@@ -340,12 +340,9 @@ class LaneRuntime:
     def admin_app(self) -> web.Application:
         """What is served to the cluster's operators, never to callers, on a port of its own
         (as the engine's `Gateway.admin_app`): `/metrics`, `/v1/runtime`, and the probes."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/v1/runtime", self._runtime)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        return app
+        return admin_application(
+            self._metrics, self._healthz, self._readyz, {"/v1/runtime": self._runtime}
+        )
 
     async def _refused(self, request: web.Request) -> web.Response | None:
         """The answer to a caller the door does not let in, or None."""
@@ -600,15 +597,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
         return fail(str(err), EXIT_INVALID)
 
 
-def add_parser(sub: Any) -> None:
-    """Register `embed` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "embed",
-        help="serve embeddings for an EmbedLane within its lease (an embed lane's process)",
-        description="llama-cpp-python in embedding mode (mean pooling): calibrates at the "
-        "lane's largest context, admits requests against status.placement, and writes "
-        "status.runtime (docs/embedlanes.md).",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum embed` (cli.py declares the command)."""
     p.add_argument("--model", type=Path, required=True, help="the GGUF model file")
     p.add_argument("--model-sha256", "--sha256", dest="model_sha256", help="the model's digest")
     p.add_argument("--lane", help="NAMESPACE/NAME: read its lease, write its status.runtime")
@@ -645,4 +635,3 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--status-file", type=Path, help="also write status.runtime here (JSON)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between EmbedLane reads")
-    p.set_defaults(func=cmd_embed)

@@ -22,7 +22,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -63,7 +63,7 @@ from continuum_operator.engine.openai_api import (
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 
-__all__ = ["Gateway", "GatewaySettings", "SlotRelease", "serve_app"]
+__all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
 
 log = logging.getLogger(__name__)
 
@@ -224,12 +224,12 @@ class Gateway:
     def admin_app(self) -> web.Application:
         """What is served to the cluster's operators, not to minds, on a port of its own:
         `/metrics`, `/v1/releases` (and the runtime's `/v1/runtime`), and the probes."""
-        app = web.Application()
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/v1/releases", self.releases_endpoint)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/readyz", self.readyz)
-        return app
+        return admin_application(
+            self.metrics_endpoint,
+            self.healthz,
+            self.readyz,
+            {"/v1/releases": self.releases_endpoint},
+        )
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener` whenever the releases to report change (the runtime's status)."""
@@ -863,6 +863,24 @@ class Gateway:
 
 
 _T = TypeVar("_T")
+
+#: An aiohttp request handler.
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def admin_application(
+    metrics: Handler, healthz: Handler, readyz: Handler, reports: Mapping[str, Handler]
+) -> web.Application:
+    """The admin port's application of a runtime (the engine's gateway, an embed lane): what is
+    served to the cluster's operators and never to the runtime's callers. `/metrics`, the
+    runtime's own `reports` (a path each), and the probes `/healthz` and `/readyz`."""
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    for path, handler in reports.items():
+        app.router.add_get(path, handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
 
 
 async def serve_app(

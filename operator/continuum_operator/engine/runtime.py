@@ -46,6 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from continuum_operator import manifests
+from continuum_operator.cli_args import at_least_one
 from continuum_operator.cli_errors import fail
 from continuum_operator.core import receipts, rfc3339
 from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
@@ -66,7 +67,7 @@ __all__ = [
     "LaunchSettings",
     "PlanFileError",
     "RuntimePhase",
-    "add_parser",
+    "add_arguments",
     "estimate_errors",
     "gateway_args",
     "load_plan",
@@ -768,15 +769,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
         return fail(str(err), EXIT_INVALID)
 
 
-def add_parser(sub: Any) -> None:
-    """Register `engine` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "engine",
-        help="run llama-server behind the grant gateway (an engine pod's process)",
-        description="Start llama-server with the plan's arguments, capture its load receipt, "
-        "and serve the grant gateway of docs/gateway.md in front of it. Arguments after `--` "
-        "go to llama-server instead of the plan's engineArgs.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum engine` (cli.py declares the command)."""
     p.add_argument("--model", type=Path, required=True, help="the GGUF model file")
     p.add_argument(
         "--model-sha256",
@@ -847,17 +841,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
     p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
-    p.set_defaults(func=cmd_engine)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
-    return value
+#: llama-server's counts (threads, restarts): 1 or more.
+_positive_int = at_least_one("a positive count")
 
 
 def parse_llama_args(values: Sequence[str]) -> tuple[str, ...]:

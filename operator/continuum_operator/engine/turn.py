@@ -324,16 +324,8 @@ def cmd_turn(args: argparse.Namespace) -> int:
     return asyncio.run(_take_turn(args, str(gateway), float(deadline)))
 
 
-def add_parser(sub: Any) -> None:
-    """Register `turn` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "turn",
-        help="take a turn as a mind: stream a chat reply, with the grant, slot and any cut-off",
-        description="Open a turn for the Mind on her engine's gateway (waiting, with the "
-        "reason, up to her spec.turnDeadlineSeconds), stream one chat reply to stdout, and say "
-        "the grant, the slot and any cut-off on stderr. Exit 0 done, 1 refused or no grant by "
-        "the deadline, 2 bad arguments, 3 the turn was cut (her grant is being reclaimed).",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum turn` (cli.py declares the command)."""
     p.add_argument("mind", help="NAMESPACE/NAME of the Mind")
     p.add_argument("prompt", help="what to say")
     p.add_argument("--gateway", help="the engine's URL (default: the Mind's status.endpoint)")
@@ -349,4 +341,3 @@ def add_parser(sub: Any) -> None:
         type=float,
         help="seconds to wait for a grant (default: the Mind's spec.turnDeadlineSeconds)",
     )
-    p.set_defaults(func=cmd_turn)

@@ -11,8 +11,10 @@ import argparse
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
 
 __all__ = ["GrantSettings", "LeaderSettings", "add_arguments", "grant_settings", "leader_settings"]
 
@@ -38,33 +40,36 @@ class GrantSettings:
     """Re-reads of an Engine after a 409 before the step is left to the next pass."""
 
 
-def _grant_arguments(p: argparse.ArgumentParser) -> None:
-    d = GrantSettings()
-    p.add_argument(
+#: The flags that set GrantSettings, in the order `--help` shows them.
+_GRANT_FLAGS = (
+    SettingFlag(
         "--grace",
+        "grace_seconds",
+        "seconds a reclaimed slot has to be released before the release is forced",
         type=float,
-        default=d.grace_seconds,
-        help="seconds a reclaimed slot has to be released before the release is forced",
-    )
-    p.add_argument(
+    ),
+    SettingFlag(
         "--transition-log",
+        "transition_log",
+        "append every ledger change to this JSON-lines file (docs/transition-log.md)",
         type=Path,
-        default=None,
-        help="append every ledger change to this JSON-lines file (docs/transition-log.md)",
-    )
-    p.add_argument(
+    ),
+    SettingFlag(
         "--write-workers",
+        None,  # grant_settings takes at least 1
+        "writes in flight at once: Engines' ledgers (one engine each), Minds' projections",
         type=int,
-        default=d.write_workers,
-        help="writes in flight at once: Engines' ledgers (one engine each), Minds' projections",
-    )
-    p.add_argument(
+        default=GrantSettings().write_workers,
+    ),
+    SettingFlag(
         "--engine-address",
-        action="append",
+        None,  # grant_settings checks each and makes the map
+        "where minds reach an Engine's gateway instead of its Service (repeatable)",
         default=[],
+        action="append",
         metavar="NS/NAME=URL",
-        help="where minds reach an Engine's gateway instead of its Service (repeatable)",
-    )
+    ),
+)
 
 
 def grant_settings(args: argparse.Namespace) -> GrantSettings:
@@ -74,9 +79,8 @@ def grant_settings(args: argparse.Namespace) -> GrantSettings:
         if not eq or "/" not in key or not url:
             raise SystemExit(f"error: --engine-address: {item!r} is not NAMESPACE/NAME=URL")
         addresses[key] = url.rstrip("/")
-    return GrantSettings(
-        grace_seconds=args.grace,
-        transition_log=args.transition_log,
+    return replace(
+        settings_from_flags(GrantSettings(), _GRANT_FLAGS, args),
         engine_addresses=addresses,
         write_workers=max(1, args.write_workers),
     )
@@ -99,37 +103,46 @@ class LeaderSettings:
     """How often the leader renews and a standby looks (seconds)."""
 
 
-def _leader_arguments(p: argparse.ArgumentParser) -> None:
-    d = LeaderSettings()
-    p.add_argument(
-        "--leader-election",
-        action=argparse.BooleanOptionalAction,
-        default=d.enabled,
-        help="elect a leader with a coordination.k8s.io Lease (standby replicas wait)",
-    )
-    p.add_argument(
-        "--leader-namespace",
-        default=os.environ.get("POD_NAMESPACE", d.namespace),
-        help="namespace of the leader Lease (default: $POD_NAMESPACE, else default)",
-    )
-    p.add_argument("--leader-lease", default="", help="name of the leader Lease")
-    p.add_argument(
-        "--leader-lease-duration",
-        type=float,
-        default=d.duration_seconds,
-        help="seconds an unrenewed leader Lease keeps its holder",
-    )
-    p.add_argument(
-        "--leader-renew",
-        type=float,
-        default=d.renew_seconds,
-        help="seconds between renewals (and a standby's looks)",
+def _leader_flags() -> tuple[SettingFlag, ...]:
+    """The flags that set LeaderSettings, in the order `--help` shows them (a function: the
+    default of --leader-namespace is read from the environment when the parser is made)."""
+    return (
+        SettingFlag(
+            "--leader-election",
+            "enabled",
+            "elect a leader with a coordination.k8s.io Lease (standby replicas wait)",
+            action=argparse.BooleanOptionalAction,
+        ),
+        SettingFlag(
+            "--leader-namespace",
+            "namespace",
+            "namespace of the leader Lease (default: $POD_NAMESPACE, else default)",
+            default=os.environ.get("POD_NAMESPACE", LeaderSettings().namespace),
+        ),
+        SettingFlag(
+            "--leader-lease",
+            None,  # leader_settings names the Lease: the default, with the selector's digest
+            "name of the leader Lease",
+            default="",
+        ),
+        SettingFlag(
+            "--leader-lease-duration",
+            "duration_seconds",
+            "seconds an unrenewed leader Lease keeps its holder",
+            type=float,
+        ),
+        SettingFlag(
+            "--leader-renew",
+            "renew_seconds",
+            "seconds between renewals (and a standby's looks)",
+            type=float,
+        ),
     )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    _grant_arguments(p)
-    _leader_arguments(p)
+    add_flags(p, _GRANT_FLAGS, GrantSettings())
+    add_flags(p, _leader_flags(), LeaderSettings())
 
 
 def leader_settings(args: argparse.Namespace, engine_labels: Mapping[str, str]) -> LeaderSettings:
@@ -137,10 +150,4 @@ def leader_settings(args: argparse.Namespace, engine_labels: Mapping[str, str]) 
     if not args.leader_lease and engine_labels:
         text = ",".join(f"{k}={v}" for k, v in sorted(engine_labels.items()))
         name = f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
-    return LeaderSettings(
-        enabled=args.leader_election,
-        namespace=args.leader_namespace,
-        name=name,
-        duration_seconds=args.leader_lease_duration,
-        renew_seconds=args.leader_renew,
-    )
+    return replace(settings_from_flags(LeaderSettings(), _leader_flags(), args), name=name)

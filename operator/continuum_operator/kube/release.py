@@ -35,7 +35,7 @@ __all__ = [
     "FINALIZED",
     "Released",
     "StopTimeout",
-    "add_parser",
+    "add_arguments",
     "release_finalizers",
     "stop_operator",
 ]
@@ -204,15 +204,8 @@ def cmd_release_finalizers(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> None:
-    """Register `release-finalizers` on the `continuum` command's subparsers."""
-    p = sub.add_parser(
-        "release-finalizers",
-        help="take the operator's finalizers off Minds (before uninstalling the operator)",
-        description="Stop the operator (optional), then remove continuum.dev/grant from every "
-        "Mind, so that Minds deleted with no operator running do not stay Terminating. The "
-        "chart runs it as a pre-delete hook.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum release-finalizers` (cli.py declares the command)."""
     p.add_argument("--kubeconfig", help="default: in a pod its ServiceAccount, else $KUBECONFIG")
     p.add_argument(
         "--stop-operator",
@@ -223,4 +216,3 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to wait for its pods to go"
     )
-    p.set_defaults(func=cmd_release_finalizers)

@@ -14,213 +14,24 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from continuum_operator.core.damping import DampingSettings
+from continuum_operator.cli_args import SettingFlag, add_flags, at_least_one, settings_from_flags
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.kube import grant_settings, lane_objects, webhook
-from continuum_operator.kube.settings import (
-    FreshnessSettings,
-    GpuClaims,
-    GpuSharing,
-    LoopSettings,
-    OperatorSettings,
-    PlacementSettings,
-    PodSettings,
-)
+from continuum_operator.kube.settings import GpuClaims, GpuSharing, OperatorSettings
 
 if TYPE_CHECKING:
     from continuum_operator.kube.api import KubeApi
     from continuum_operator.kube.async_api import AsyncKubeApi
     from continuum_operator.kube.metrics import OperatorMetrics
 
-__all__ = ["add_parser", "serve"]
+__all__ = ["add_arguments", "cmd_operator", "serve", "settings_from"]
 
 
-def add_parser(sub: Any) -> None:
-    d = OperatorSettings()
-    p = sub.add_parser(
-        "operator",
-        help="run the operator against a cluster",
-        description="Place, plan and run Engines from NodeBoards (docs/design.md) until stopped.",
-    )
-    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
-    _add_pod_arguments(p, d)
-    _add_freshness_arguments(p, d)
-    _add_placement_arguments(p, d)
-    _add_damping_arguments(p, d)
-    _add_loop_arguments(p, d)
-    webhook.add_arguments(p)
-    grant_settings.add_arguments(p)
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.set_defaults(func=cmd_operator)  # fmt: skip
-
-
-def _add_pod_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
-    """How engine and lane pods are made: image, CPUs, GPUs, restarts, model paths."""
-    p.add_argument("--engine-image", default=d.pods.image, help="image of `continuum engine`")
-    p.add_argument(
-        "--lane-cpu",
-        "--engine-cpu",  # its first name, kept: it never sized an engine's pod
-        dest="lane_cpu",
-        type=_cpu_quantity,
-        default=d.pods.cpu,
-        help="CPU of an EmbedLane's pod (request = limit; its llama.cpp threads follow it)",
-    )
-    p.add_argument(
-        "--gpu-claims",
-        choices=[str(c) for c in GpuClaims],
-        default=str(d.pods.gpu_claims),
-        help="how an engine pod asks for its planned GPUs: nvidia.com/gpu (device-plugin) or "
-        "a DRA ResourceClaim for the planned devices by index (dra)",
-    )
-    p.add_argument(
-        "--dra-device-class",
-        default=d.pods.dra_device_class,
-        help="the DeviceClass of --gpu-claims dra",
-    )
-    p.add_argument(
-        "--dra-driver",
-        default=d.pods.dra_driver,
-        help="the DRA driver whose device attribute index the claim selects by",
-    )
-    p.add_argument(
-        "--engine-cpu-min",
-        type=_whole_cpus,
-        default=d.pods.cpu_min,
-        help="CPUs of an engine with every layer on the device (request=limit)",
-    )
-    p.add_argument(
-        "--engine-cpu-share",
-        type=_share,
-        default=d.pods.cpu_share,
-        help="most of a node's allocatable CPUs an engine with every layer on the host gets",
-    )
-    p.add_argument(
-        "--engine-cpu-max", type=_whole_cpus, default=d.pods.cpu_max, help="most CPUs of any engine"
-    )
-    p.add_argument(
-        "--engine-max-restarts",
-        type=_whole_cpus,
-        default=d.pods.max_restarts,
-        help="restarts of llama-server in an engine pod allowed in --engine-restart-window",
-    )
-    p.add_argument(
-        "--engine-restart-window",
-        type=float,
-        default=d.pods.restart_window_seconds,
-        help="seconds over which --engine-max-restarts are counted",
-    )
-    p.add_argument(
-        "--gpu-sharing",
-        choices=[str(g) for g in GpuSharing],
-        default=str(d.pods.gpu_sharing),
-        help="per-process GPU memory caps to apply besides the engine's arguments",
-    )
-    p.add_argument(
-        "--allowed-host-path-prefix",
-        dest="allowed_host_path_prefixes",
-        action="append",
-        type=_host_directory,
-        default=[],
-        metavar="DIR",
-        help="a host directory whose files hostPath model sources may name; repeatable "
-        "(default: none, every hostPath source is refused)",
-    )
-
-
-def _add_freshness_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
-    """When a node's board counts as fresh, and where its Lease is."""
-    p.add_argument(
-        "--board-ttl",
-        type=float,
-        default=d.freshness.default_ttl_seconds,
-        help="seconds a node Lease without leaseDurationSeconds stays fresh",
-    )
-    p.add_argument(
-        "--agent-lease-namespace",
-        default=os.environ.get("POD_NAMESPACE") or LEASE_NAMESPACE,
-        help="namespace of the node agents' Leases, their --lease-namespace "
-        f"(default: $POD_NAMESPACE, else {LEASE_NAMESPACE})",
-    )
-
-
-def _add_placement_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
-    """How long a placement waits for its pod, and what a failed one costs."""
-    p.add_argument(
-        "--pod-start-timeout",
-        type=float,
-        default=d.placement.pod_start_timeout_seconds,
-        help="seconds before an assumed lease whose pod is not ready is released",
-    )
-    p.add_argument(
-        "--backoff",
-        type=float,
-        default=d.placement.backoff_seconds,
-        help="seconds a node where a pod never started is skipped for that engine",
-    )
-
-
-def _add_damping_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
-    """When a better plan is worth relaunching an engine for."""
-    p.add_argument(
-        "--damping-readings",
-        type=int,
-        default=d.damping.readings_required,
-        help="consecutive board readings a new plan must hold before a relaunch",
-    )
-    p.add_argument(
-        "--damping-min-gain",
-        type=float,
-        default=d.damping.min_gain,
-        help="least relative gain (tokens or layers) worth a relaunch",
-    )
-    p.add_argument(
-        "--relaunch-cooldown",
-        type=float,
-        default=d.damping.cooldown_seconds,
-        help="seconds after a relaunch before the next",
-    )
-
-
-def _add_loop_arguments(p: argparse.ArgumentParser, d: OperatorSettings) -> None:
-    """How often the loop passes, over which Engines, and its metrics."""
-    p.add_argument(
-        "--resync",
-        type=float,
-        default=d.loop.resync_seconds,
-        help="seconds between passes when nothing changes",
-    )
-    p.add_argument(
-        "--full-resync",
-        type=float,
-        default=d.loop.full_resync_seconds,
-        help="seconds between passes that decide every engine, changed or not (each "
-        "Engine's placement, and each Engine's grant ledger)",
-    )
-    p.add_argument(
-        "--engine-selector",
-        default="",
-        metavar="KEY=VALUE[,KEY=VALUE]",
-        help="serve only the Engines with these labels (default: every Engine)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="serve Prometheus metrics on this port (0: not served)",
-    )
-
-
-def _whole_cpus(text: str) -> int:
-    """A count of 1 or more (whole CPUs keep an engine pod in the Guaranteed class)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
-    return value
+#: A count of 1 or more (whole CPUs keep an engine pod in the Guaranteed class).
+_whole_cpus = at_least_one("1 or more")
 
 
 def _cpu_quantity(text: str) -> str:
@@ -255,37 +66,186 @@ def _host_directory(text: str) -> str:
     return path
 
 
-def settings_from(args: argparse.Namespace) -> OperatorSettings:
-    return OperatorSettings(
-        freshness=FreshnessSettings(
-            lease_namespace=args.agent_lease_namespace, default_ttl_seconds=args.board_ttl
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum operator`."""
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+    add_flags(p, _flags(), OperatorSettings())
+    webhook.add_arguments(p)
+    grant_settings.add_arguments(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _flags() -> tuple[SettingFlag, ...]:
+    """The flags that set OperatorSettings, in the order `--help` shows them."""
+    return (*_POD_FLAGS, *_freshness_flags(), *_PLACEMENT_FLAGS, *_DAMPING_FLAGS, *_LOOP_FLAGS)
+
+
+#: How engine and lane pods are made: image, CPUs, GPUs, restarts, model paths.
+_POD_FLAGS = (
+    SettingFlag("--engine-image", "pods.image", "image of `continuum engine`"),
+    SettingFlag(
+        # --engine-cpu, its first name, kept: it never sized an engine's pod
+        ("--lane-cpu", "--engine-cpu"),
+        "pods.cpu",
+        "CPU of an EmbedLane's pod (request = limit; its llama.cpp threads follow it)",
+        type=_cpu_quantity,
+    ),
+    SettingFlag(
+        "--gpu-claims",
+        "pods.gpu_claims",
+        "how an engine pod asks for its planned GPUs: nvidia.com/gpu (device-plugin) or "
+        "a DRA ResourceClaim for the planned devices by index (dra)",
+        choices=GpuClaims,
+    ),
+    SettingFlag(
+        "--dra-device-class", "pods.dra_device_class", "the DeviceClass of --gpu-claims dra"
+    ),
+    SettingFlag(
+        "--dra-driver",
+        "pods.dra_driver",
+        "the DRA driver whose device attribute index the claim selects by",
+    ),
+    SettingFlag(
+        "--engine-cpu-min",
+        "pods.cpu_min",
+        "CPUs of an engine with every layer on the device (request=limit)",
+        type=_whole_cpus,
+    ),
+    SettingFlag(
+        "--engine-cpu-share",
+        "pods.cpu_share",
+        "most of a node's allocatable CPUs an engine with every layer on the host gets",
+        type=_share,
+    ),
+    SettingFlag("--engine-cpu-max", "pods.cpu_max", "most CPUs of any engine", type=_whole_cpus),
+    SettingFlag(
+        "--engine-max-restarts",
+        "pods.max_restarts",
+        "restarts of llama-server in an engine pod allowed in --engine-restart-window",
+        type=_whole_cpus,
+    ),
+    SettingFlag(
+        "--engine-restart-window",
+        "pods.restart_window_seconds",
+        "seconds over which --engine-max-restarts are counted",
+        type=float,
+    ),
+    SettingFlag(
+        "--gpu-sharing",
+        "pods.gpu_sharing",
+        "per-process GPU memory caps to apply besides the engine's arguments",
+        choices=GpuSharing,
+    ),
+    SettingFlag(
+        "--allowed-host-path-prefix",
+        "pods.allowed_host_path_prefixes",
+        "a host directory whose files hostPath model sources may name; repeatable "
+        "(default: none, every hostPath source is refused)",
+        type=_host_directory,
+        action="append",
+        metavar="DIR",
+        dest="allowed_host_path_prefixes",
+    ),
+)
+
+
+def _freshness_flags() -> tuple[SettingFlag, ...]:
+    """When a node's board counts as fresh, and where its Lease is (a function: the default of
+    --agent-lease-namespace is read from the environment when the parser is made)."""
+    return (
+        SettingFlag(
+            "--board-ttl",
+            "freshness.default_ttl_seconds",
+            "seconds a node Lease without leaseDurationSeconds stays fresh",
+            type=float,
         ),
-        placement=PlacementSettings(
-            pod_start_timeout_seconds=args.pod_start_timeout, backoff_seconds=args.backoff
+        SettingFlag(
+            "--agent-lease-namespace",
+            "freshness.lease_namespace",
+            "namespace of the node agents' Leases, their --lease-namespace "
+            f"(default: $POD_NAMESPACE, else {LEASE_NAMESPACE})",
+            default=os.environ.get("POD_NAMESPACE") or LEASE_NAMESPACE,
         ),
-        pods=PodSettings(
-            image=args.engine_image,
-            cpu=args.lane_cpu,
-            gpu_claims=GpuClaims(args.gpu_claims),
-            dra_device_class=args.dra_device_class,
-            dra_driver=args.dra_driver,
-            cpu_min=args.engine_cpu_min,
-            cpu_share=args.engine_cpu_share,
-            cpu_max=args.engine_cpu_max,
-            max_restarts=args.engine_max_restarts,
-            restart_window_seconds=args.engine_restart_window,
-            gpu_sharing=GpuSharing(args.gpu_sharing),
-            allowed_host_path_prefixes=tuple(args.allowed_host_path_prefixes),
-            children_priority_class=args.children_priority_class,
-        ),
-        damping=DampingSettings(
-            readings_required=args.damping_readings,
-            min_gain=args.damping_min_gain,
-            cooldown_seconds=args.relaunch_cooldown,
-        ),
-        loop=LoopSettings(resync_seconds=args.resync, full_resync_seconds=args.full_resync),
-        children=webhook.settings_from(args),
     )
+
+
+#: How long a placement waits for its pod, and what a failed one costs.
+_PLACEMENT_FLAGS = (
+    SettingFlag(
+        "--pod-start-timeout",
+        "placement.pod_start_timeout_seconds",
+        "seconds before an assumed lease whose pod is not ready is released",
+        type=float,
+    ),
+    SettingFlag(
+        "--backoff",
+        "placement.backoff_seconds",
+        "seconds a node where a pod never started is skipped for that engine",
+        type=float,
+    ),
+)
+
+
+#: When a better plan is worth relaunching an engine for.
+_DAMPING_FLAGS = (
+    SettingFlag(
+        "--damping-readings",
+        "damping.readings_required",
+        "consecutive board readings a new plan must hold before a relaunch",
+        type=int,
+    ),
+    SettingFlag(
+        "--damping-min-gain",
+        "damping.min_gain",
+        "least relative gain (tokens or layers) worth a relaunch",
+        type=float,
+    ),
+    SettingFlag(
+        "--relaunch-cooldown",
+        "damping.cooldown_seconds",
+        "seconds after a relaunch before the next",
+        type=float,
+    ),
+)
+
+
+#: How often the loop passes, over which Engines, and its metrics.
+_LOOP_FLAGS = (
+    SettingFlag(
+        "--resync",
+        "loop.resync_seconds",
+        "seconds between passes when nothing changes",
+        type=float,
+    ),
+    SettingFlag(
+        "--full-resync",
+        "loop.full_resync_seconds",
+        "seconds between passes that decide every engine, changed or not (each "
+        "Engine's placement, and each Engine's grant ledger)",
+        type=float,
+    ),
+    SettingFlag(
+        "--engine-selector",
+        None,  # parse_selector reads it: kopf's label filters
+        "serve only the Engines with these labels (default: every Engine)",
+        default="",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+    ),
+    SettingFlag(
+        "--metrics-port",
+        None,  # serve starts the metrics' server
+        "serve Prometheus metrics on this port (0: not served)",
+        type=int,
+        default=0,
+    ),
+)
+
+
+def settings_from(args: argparse.Namespace) -> OperatorSettings:
+    settings = settings_from_flags(OperatorSettings(), _flags(), args)
+    # The children's priority class is a flag of the webhook's (`webhook.add_arguments`).
+    pods = replace(settings.pods, children_priority_class=args.children_priority_class)
+    return replace(settings, pods=pods, children=webhook.settings_from(args))
 
 
 def parse_selector(text: str) -> dict[str, str]:

@@ -22,6 +22,7 @@ class in `PodSettings`), `kube.priority_classes` (the class), `kube.metrics`, `k
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import ipaddress
@@ -31,10 +32,11 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.core import rfc3339
 from continuum_operator.kube import events
 from continuum_operator.kube.children import (
@@ -242,50 +244,57 @@ def _is_ip(name: str) -> bool:
 # `continuum operator` flags
 
 
-def add_arguments(p: Any) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """The children's flags of `continuum operator` (`kube.run`)."""
-    d, pods = ChildrenSettings(), PodSettings()
-    p.add_argument(
+    add_flags(p, _FLAGS, ChildrenSettings())
+
+
+#: The flags that set ChildrenSettings, in the order `--help` shows them.
+_FLAGS = (
+    SettingFlag(
         "--children-priority-class",
-        default=pods.children_priority_class,
-        help="PriorityClass of a mind's child pods (installed by the operator)",
-    )
-    p.add_argument(
+        None,  # a field of PodSettings: `kube.run.settings_from` sets it
+        "PriorityClass of a mind's child pods (installed by the operator)",
+        default=PodSettings().children_priority_class,
+    ),
+    SettingFlag(
         "--webhook",
+        "webhook",
+        "serve the children's mutating webhook and install its configuration",
         action="store_true",
-        help="serve the children's mutating webhook and install its configuration",
-    )
-    p.add_argument("--webhook-name", default=d.webhook_name, help="its configuration's name")
-    p.add_argument("--webhook-listen", default=d.listen, help="address the webhook listens on")
-    p.add_argument("--webhook-port", type=int, default=d.port, help="port the webhook listens on")
-    p.add_argument(
-        "--webhook-host", default=d.host, help="host or IP the API server calls the webhook at"
-    )
-    p.add_argument(
+    ),
+    SettingFlag("--webhook-name", "webhook_name", "its configuration's name"),
+    SettingFlag("--webhook-listen", "listen", "address the webhook listens on"),
+    SettingFlag("--webhook-port", "port", "port the webhook listens on", type=int),
+    SettingFlag("--webhook-host", "host", "host or IP the API server calls the webhook at"),
+    SettingFlag(
         "--webhook-service",
-        metavar="NAMESPACE/NAME",
-        help="the Service in front of the webhook: the configuration names it instead of a URL "
+        None,  # settings_from checks it and sets `service`
+        "the Service in front of the webhook: the configuration names it instead of a URL "
         "(the API server then needs no cluster DNS); its certificate must name "
         "NAME.NAMESPACE.svc (give that as --webhook-host for a self-signed one)",
-    )
-    p.add_argument(
-        "--webhook-service-port",
-        type=int,
         default=None,
-        help="the Service's port for the webhook (default: --webhook-port)",
-    )
-    p.add_argument("--webhook-certfile", help="serving certificate (default: self-signed)")
-    p.add_argument("--webhook-keyfile", help="its private key")
-    p.add_argument("--webhook-cafile", help="CA bundle for the API server (cert-manager ca.crt)")
-    p.add_argument(
-        "--webhook-timeout",
+        metavar="NAMESPACE/NAME",
+    ),
+    SettingFlag(
+        "--webhook-service-port",
+        "service_port",
+        "the Service's port for the webhook (default: --webhook-port)",
         type=int,
-        default=d.timeout_seconds,
-        help="seconds the API server waits before admitting a child unmutated (1-30)",
-    )
+    ),
+    SettingFlag("--webhook-certfile", "certfile", "serving certificate (default: self-signed)"),
+    SettingFlag("--webhook-keyfile", "keyfile", "its private key"),
+    SettingFlag("--webhook-cafile", "cafile", "CA bundle for the API server (cert-manager ca.crt)"),
+    SettingFlag(
+        "--webhook-timeout",
+        "timeout_seconds",
+        "seconds the API server waits before admitting a child unmutated (1-30)",
+        type=int,
+    ),
+)
 
 
-def settings_from(args: Any) -> ChildrenSettings:
+def settings_from(args: argparse.Namespace) -> ChildrenSettings:
     if not 1 <= args.webhook_timeout <= 30:
         raise SystemExit("error: --webhook-timeout: the API server takes 1 to 30 seconds")
     if (args.webhook_certfile is None) != (args.webhook_keyfile is None):
@@ -302,19 +311,7 @@ def settings_from(args: Any) -> ChildrenSettings:
         service = (namespace, name)
     if args.webhook_service_port is not None and not 1 <= args.webhook_service_port <= 65535:
         raise SystemExit("error: --webhook-service-port: a port is 1 to 65535")
-    return ChildrenSettings(
-        webhook=args.webhook,
-        service=service,
-        service_port=args.webhook_service_port,
-        webhook_name=args.webhook_name,
-        listen=args.webhook_listen,
-        port=args.webhook_port,
-        host=args.webhook_host,
-        certfile=args.webhook_certfile,
-        keyfile=args.webhook_keyfile,
-        cafile=args.webhook_cafile,
-        timeout_seconds=args.webhook_timeout,
-    )
+    return replace(settings_from_flags(ChildrenSettings(), _FLAGS, args), service=service)
 
 
 # --------------------------------------------------------------------------------------------
