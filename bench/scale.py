@@ -614,6 +614,10 @@ def run(
     in_ledger = dict(engines.ledger_granted)
     ledger_lat = [in_ledger[n] - applied[n] for n in in_ledger if n in applied]
     granted_s = max(granted.values()) - first_create
+    # Each mind's times (created, in her Engine's ledger, her own status Granted), for splitting
+    # the latency against the transition log's step times (`t`) in the same directory.
+    (work / "minds.json").write_text(json.dumps(
+        {n: [applied[n], in_ledger.get(n), granted.get(n)] for n in applied}))  # fmt: skip
 
     # At rest: only the Leases are renewed.
     print(f"all {expect} granted in {granted_s:.1f} s; at rest for {args.rest:.0f} s", flush=True)
