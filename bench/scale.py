@@ -186,7 +186,7 @@ class Operator:
         self.proc = proc
         self.ps = psutil.Process(proc.pid)
         self.port = metrics_port
-        self.marks: list[tuple[str, float, float, dict[tuple[str, str], float]]] = []
+        self.marks: list[tuple[str, float, float, dict[tuple[str, ...], float]]] = []
 
     def cpu(self) -> float:
         t = self.ps.cpu_times()
@@ -201,29 +201,37 @@ class Operator:
     def rss_mib(self) -> float:
         return float(self.ps.memory_info().rss) / MiB
 
-    def requests(self) -> dict[tuple[str, str], float]:
+    def requests(self) -> dict[tuple[str, ...], float]:
+        """Requests made by (verb, resource), and the seconds they took to be answered, summed,
+        by (verb, resource, "seconds") (`continuum_operator_api_request_duration_seconds`)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
                 text = r.read().decode()
         except OSError:
             return {}
-        counts: dict[tuple[str, str], float] = {}
+        counts: dict[tuple[str, ...], float] = {}
+        series = {
+            "continuum_operator_api_requests_total{": (),
+            "continuum_operator_api_request_duration_seconds_sum{": ("seconds",),
+        }
         for line in text.splitlines():
-            if not line.startswith("continuum_operator_api_requests_total{"):
+            kind = next((k for p, k in series.items() if line.startswith(p)), None)
+            if kind is None:
                 continue
             labels, _, value = line.rpartition(" ")
             parts = dict(
                 kv.split("=", 1) for kv in labels[labels.index("{") + 1 : -1].split(",") if kv
             )
-            key = (parts["verb"].strip('"'), parts["resource"].strip('"'))
+            key = (parts["verb"].strip('"'), parts["resource"].strip('"'), *kind)
             counts[key] = float(value)
         return counts
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.time(), self.cpu(), self.requests()))
 
-    def phase(self, start: str, end: str) -> tuple[float, float, dict[tuple[str, str], float]]:
-        """Wall seconds, CPU seconds and requests by (verb, resource) between two marks."""
+    def phase(self, start: str, end: str) -> tuple[float, float, dict[tuple[str, ...], float]]:
+        """Wall seconds, CPU seconds, and requests by (verb, resource) (and the seconds they
+        took by (verb, resource, "seconds")) between two marks."""
         a = next(m for m in self.marks if m[0] == start)
         b = next(m for m in self.marks if m[0] == end)
         reqs = {k: v - a[3].get(k, 0.0) for k, v in b[3].items() if v - a[3].get(k, 0.0) > 0}
@@ -646,10 +654,10 @@ def run(
     minds.stop.set()
 
     # Figures.
-    def per_min(phase: tuple[float, float, dict[tuple[str, str], float]]) -> float:
-        return sum(phase[2].values()) / phase[0] * 60
+    def per_min(phase: tuple[float, float, dict[tuple[str, ...], float]]) -> float:
+        return sum(n for k, n in phase[2].items() if len(k) == 2) / phase[0] * 60
 
-    def cpu_share(phase: tuple[float, float, dict[tuple[str, str], float]]) -> str:
+    def cpu_share(phase: tuple[float, float, dict[tuple[str, ...], float]]) -> str:
         return f"{phase[1]:.1f} s ({100 * phase[1] / phase[0]:.0f}% of a core)"
 
     up = op.phase("engines", "serving")
@@ -683,9 +691,14 @@ def run(
           f"{per_min(apply_minds):.0f}, at rest {per_min(rest):.0f}, "
           f"churn {per_min(churn):.0f}")  # fmt: skip
     for label, phase in (("at rest", rest), ("churn", churn), ("minds applied", apply_minds)):
-        top = sorted(phase[2].items(), key=lambda kv: -kv[1])[:6]
-        print(f"  {label}: " + ", ".join(f"{v} {r} {n / phase[0] * 60:.0f}/min"
-                                         for (v, r), n in top))  # fmt: skip
+        made = {k: n for k, n in phase[2].items() if len(k) == 2}
+        top = sorted(made.items(), key=lambda kv: -kv[1])[:6]
+        # The mean time each took to be answered: the API server's latency as the operator
+        # saw it, queueing on its side included.
+        print(f"  {label}: " + ", ".join(
+            f"{v} {r} {n / phase[0] * 60:.0f}/min "
+            f"({1000 * phase[2].get((v, r, 'seconds'), 0.0) / n:.0f} ms)"
+            for (v, r), n in top))  # fmt: skip
     api_client.close()
     return op
 

@@ -34,7 +34,7 @@ class FakeClient:
 
 def api_with(status: int, data: bytes) -> tuple[KubeApi, FakeClient]:
     api = KubeApi.__new__(KubeApi)
-    api.on_request = None
+    api.meter = None
     fake = FakeClient(status, data)
     api._client = fake  # type: ignore[assignment]
     return api, fake

@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from kubernetes import client, config
@@ -196,21 +197,28 @@ def login(kubeconfig: str | None) -> client.Configuration:
     return configuration
 
 
-class KubeApi:
-    """Blocking. `on_request(verb, resource)` is called before each request (the operator
-    counts them)."""
+class RequestMeter(Protocol):
+    """What records the requests an adapter sends (the operator's metrics): each counted as it
+    goes, and timed to its answer (an answer refused with a status too; not a transport
+    failure)."""
 
-    def __init__(
-        self,
-        kubeconfig: str | None = None,
-        on_request: Callable[[str, str], None] | None = None,
-    ) -> None:
-        self.on_request = on_request
+    def record_api_request(self, verb: str, resource: str) -> None: ...
+
+    def record_api_answer(self, verb: str, resource: str, seconds: float) -> None: ...
+
+
+class KubeApi:
+    """Blocking. `meter` records each request (the operator's metrics)."""
+
+    def __init__(self, kubeconfig: str | None = None, meter: RequestMeter | None = None) -> None:
+        self.meter = meter
         self._client = client.ApiClient(login(kubeconfig))
 
     def send(self, r: Request) -> Any:
-        if self.on_request is not None:
-            self.on_request(r.method, resource_of(r.path))
+        resource = resource_of(r.path)
+        if self.meter is not None:
+            self.meter.record_api_request(r.method, resource)
+        started = time.monotonic()
         prepared = self._client.param_serialize(
             r.method,
             r.path,
@@ -221,6 +229,8 @@ class KubeApi:
         )
         response = self._client.call_api(*prepared, _request_timeout=TIMEOUT_SECONDS)
         response.read()
+        if self.meter is not None:
+            self.meter.record_api_answer(r.method, resource, time.monotonic() - started)
         return answer(r, response.status, response.data)
 
     def request(

@@ -21,7 +21,8 @@ import asyncio
 import contextlib
 import json
 import ssl
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,7 @@ from continuum_operator.kube.api import (
     TIMEOUT_SECONDS,
     ApiError,
     Request,
+    RequestMeter,
     answer,
     apply_request,
     call,
@@ -69,30 +71,30 @@ def tls_of(configuration: client.Configuration) -> ssl.SSLContext:
 
 
 class AsyncKubeApi:
-    """`on_request(verb, resource)` is called before each request (the operator counts them).
-    Made by `connect` (on the running loop, where its session lives); `close` ends it."""
+    """`meter` records each request (the operator's metrics). Made by `connect` (on the running
+    loop, where its session lives); `close` ends it."""
 
     def __init__(
         self,
         configuration: client.Configuration,
         session: aiohttp.ClientSession,
-        on_request: Callable[[str, str], None] | None = None,
+        meter: RequestMeter | None = None,
     ) -> None:
         self._config = configuration
         self._session = session
         self._host = str(configuration.host).rstrip("/")
-        self.on_request = on_request
+        self.meter = meter
 
     @classmethod
     async def connect(
-        cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None
+        cls, kubeconfig: str | None = None, meter: RequestMeter | None = None
     ) -> AsyncKubeApi:
         # In a thread: the loader reads files and may run a kubeconfig's exec plugin.
         configuration = await asyncio.to_thread(login, kubeconfig)
         connector = aiohttp.TCPConnector(limit=CONNECTIONS, ssl=tls_of(configuration))
         timeout = aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)
         session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        return cls(configuration, session, on_request)
+        return cls(configuration, session, meter)
 
     async def close(self) -> None:
         await self._session.close()
@@ -127,10 +129,14 @@ class AsyncKubeApi:
             raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
 
     async def send(self, r: Request) -> Any:
-        if self.on_request is not None:
-            self.on_request(r.method, resource_of(r.path))
+        resource = resource_of(r.path)
+        if self.meter is not None:
+            self.meter.record_api_request(r.method, resource)
+        started = time.monotonic()
         async with self._opened(r) as response:
             data = await response.read()
+        if self.meter is not None:
+            self.meter.record_api_answer(r.method, resource, time.monotonic() - started)
         return answer(r, response.status, data)
 
     async def watch(
@@ -140,8 +146,8 @@ class AsyncKubeApi:
         at a time, bookmarks included, until the server ends the stream (after `seconds`).
         An `ERROR` event is raised as `ApiError` with its code (410: `since` is too old; list
         again)."""
-        if self.on_request is not None:
-            self.on_request("WATCH", resource_of(path))
+        if self.meter is not None:
+            self.meter.record_api_request("WATCH", resource_of(path))
         asked = (*query, ("watch", "1"), ("resourceVersion", since),
                  ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(seconds)))  # fmt: skip
         r = Request("GET", path, query=asked, content_type=None)

@@ -33,6 +33,9 @@ __all__ = [
 #: Seconds: a turn wait is anything from none (granted on arrival) to a mind parked for half an
 #: hour behind a relaunch; the top buckets are there to see that happen.
 WAIT_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+#: client-go's request latency buckets (rest_client_request_duration_seconds), up to the adapter's
+#: 30 s deadline.
+API_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 #: A reclaim cycle: a mind reclaimed again within this many protection windows of the start of
 #: her previous reclaim (docs/metrics.md). The allocator never preempts within one window
@@ -73,6 +76,13 @@ class OperatorMetrics(MetricSet):
         "continuum_operator_api_requests",
         "API requests the operator made through its adapter, by verb and resource.",
         ["verb", "resource"],
+    )
+    api_request_seconds = histogram(
+        "continuum_operator_api_request_duration_seconds",
+        "Seconds from sending a request through the adapter to reading its answer, by verb "
+        "and resource (watches not included).",
+        ["verb", "resource"],
+        buckets=API_BUCKETS,
     )
 
     # Engines: their relaunches, placements and plans, and the boards they are planned on.
@@ -192,6 +202,9 @@ class OperatorMetrics(MetricSet):
 
     def record_api_request(self, verb: str, resource: str) -> None:
         self.api_requests.labels(verb, resource).inc()
+
+    def record_api_answer(self, verb: str, resource: str, seconds: float) -> None:
+        self.api_request_seconds.labels(verb, resource).observe(seconds)
 
     def record_relaunch(self, namespace: str, engine: str) -> None:
         self.relaunches.labels(namespace, engine, RelaunchCause.PLANNED).inc()

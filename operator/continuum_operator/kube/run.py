@@ -278,8 +278,8 @@ async def serve(
     # The loops' calls are awaited on the event loop (`kube.async_api`); the leader Lease's
     # go out blocking, from a thread of its own (`kube.leader.lead`), so that no stretch of
     # work on the loop can delay a renewal.
-    api = await AsyncKubeApi.connect(kubeconfig, on_request=metrics.record_api_request)
-    lease_api = KubeApi(kubeconfig, on_request=metrics.record_api_request)
+    api = await AsyncKubeApi.connect(kubeconfig, meter=metrics)
+    lease_api = KubeApi(kubeconfig, meter=metrics)
     try:
         return await _operate(
             settings, api, lease_api, metrics, engine_labels,
