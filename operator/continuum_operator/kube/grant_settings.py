@@ -32,10 +32,12 @@ class GrantSettings:
     """`namespace/name` -> the URL minds reach that Engine's gateway at, where its Service
     cannot serve (an engine runtime run as a local process: the API server refuses loopback
     addresses in EndpointSlices). Others: `http://NAME.NAMESPACE.svc:PORT`."""
-    write_workers: int = 8
+    write_workers: int = 32
     """Writes in flight at once: Engines' ledgers in a pass (the kernel's `writers`, one per
     Engine) and, apart, Minds' projections and finalizers (`kube.mind_writer`, one Mind's at a
-    time)."""
+    time). Each waits on the API server's answer, so the writes a second are at most this many
+    over its answer time: at 8, 10,000 minds in bursts had both kinds of write at that ceiling
+    (docs/performance.md)."""
     conflict_retries: int = 8
     """Re-reads of an Engine after a 409 before the step is left to the next pass."""
 
