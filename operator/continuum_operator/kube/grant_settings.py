@@ -36,7 +36,7 @@ class GrantSettings:
     """Writes in flight at once: Engines' ledgers in a pass (the kernel's `writers`, one per
     Engine) and, apart, Minds' projections and finalizers (`kube.mind_writer`, one Mind's at a
     time). Each waits on the API server's answer, so the writes a second are at most this many
-    over its answer time: at 8, 10,000 minds in bursts had both kinds of write at that ceiling
+    over its answer time: at 8, 10,000 minds in bursts had both kinds of write near that ceiling
     (docs/performance.md)."""
     conflict_retries: int = 8
     """Re-reads of an Engine after a 409 before the step is left to the next pass."""
