@@ -29,9 +29,11 @@ __all__ = [
     "KubeApi",
     "Request",
     "answer",
+    "continue_token",
     "crd_path",
     "in_cluster",
     "login",
+    "page_query",
     "path_of",
     "resource_of",
 ]
@@ -82,6 +84,18 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
     ns = obj["metadata"].get("namespace")
     path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"
     return path if collection else f"{path}/{quote(obj['metadata']['name'])}"
+
+
+def page_query(query: Sequence[tuple[str, str]], limit: int, token: str) -> list[tuple[str, str]]:
+    """One page of a list: `query` with `limit`, and the `continue` token the page before gave
+    ("" for the first page). Both adapters' pagers ask with it (`continue_token` reads the
+    answer)."""
+    return [*query, ("limit", str(limit)), *([("continue", token)] if token else [])]
+
+
+def continue_token(page: Mapping[str, Any]) -> str:
+    """The token of a list's next page ("": that was the last)."""
+    return str((page.get("metadata") or {}).get("continue") or "")
 
 
 def resource_of(path: str) -> str:

@@ -36,10 +36,12 @@ from continuum_operator.kube.api import (
     answer,
     apply_request,
     call,
+    continue_token,
     create_request,
     delete_request,
     login,
     merge_patch_request,
+    page_query,
     resource_of,
     text_request,
 )
@@ -216,9 +218,8 @@ async def pages(
     resourceVersion)."""
     token = ""
     while True:
-        asked = [*query, ("limit", str(limit)), *([("continue", token)] if token else [])]
-        page = await api.request("GET", path, query=asked)
+        page = await api.request("GET", path, query=page_query(query, limit, token))
         yield page
-        token = str((page.get("metadata") or {}).get("continue") or "")
+        token = continue_token(page)
         if not token:
             return

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from continuum_operator.cli_errors import fail
-from continuum_operator.kube.api import ApiError, KubeApi, crd_path
+from continuum_operator.kube.api import ApiError, KubeApi, continue_token, crd_path, page_query
 
 __all__ = [
     "FINALIZED",
@@ -122,10 +122,9 @@ def _items(api: Api, path: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     token = ""
     while True:
-        query = [("limit", str(PAGE))] + ([("continue", token)] if token else [])
-        page = api.request("GET", path, query=query)
+        page = api.request("GET", path, query=page_query((), PAGE, token))
         items += page.get("items") or []
-        token = str((page.get("metadata") or {}).get("continue") or "")
+        token = continue_token(page)
         if not token:
             return items
 
