@@ -25,6 +25,7 @@ few minutes. Figures, not a pass/fail gate; docs/performance.md has the figures 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -180,13 +181,21 @@ class Watched:
 
 
 class Operator:
-    """The operator process: its CPU, peak memory and API request counter, phase by phase."""
+    """The operator process: its CPU, peak memory and API request counter, phase by phase; and
+    the CPU of the control plane's processes beside it (`neighbours`), when the bench runs them."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], metrics_port: int) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        metrics_port: int,
+        neighbours: dict[str, psutil.Process] | None = None,
+    ) -> None:
         self.proc = proc
         self.ps = psutil.Process(proc.pid)
         self.port = metrics_port
+        self.neighbours = neighbours or {}
         self.marks: list[tuple[str, float, float, dict[tuple[str, ...], float]]] = []
+        self.neighbour_marks: dict[str, dict[str, float]] = {}
 
     def cpu(self) -> float:
         t = self.ps.cpu_times()
@@ -228,6 +237,16 @@ class Operator:
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.time(), self.cpu(), self.requests()))
+        self.neighbour_marks[name] = {}
+        for who, ps in self.neighbours.items():
+            with contextlib.suppress(psutil.Error):
+                t = ps.cpu_times()
+                self.neighbour_marks[name][who] = float(t.user + t.system)
+
+    def neighbour_cpu(self, start: str, end: str) -> dict[str, float]:
+        """CPU seconds of each control-plane process between two marks."""
+        a, b = self.neighbour_marks[start], self.neighbour_marks[end]
+        return {who: b[who] - a[who] for who in b if who in a}
 
     def phase(self, start: str, end: str) -> tuple[float, float, dict[tuple[str, ...], float]]:
         """Wall seconds, CPU seconds, and requests by (verb, resource) (and the seconds they
@@ -236,6 +255,36 @@ class Operator:
         b = next(m for m in self.marks if m[0] == end)
         reqs = {k: v - a[3].get(k, 0.0) for k, v in b[3].items() if v - a[3].get(k, 0.0) > 0}
         return b[1] - a[1], b[2] - a[2], reqs
+
+
+def _profile_apiserver(kc: str, path: str, args: argparse.Namespace, out: Path) -> None:
+    """A CPU profile of the API server over the first seconds of the minds' arrival (at most
+    30), written to `out` in the background; `go tool pprof -top OUT` reads it."""
+    seconds = max(1, min(30, round(args.minds / args.rate) if args.rate else 30))
+
+    def fetch() -> None:
+        with out.open("wb") as fh:
+            done = subprocess.run(
+                ["kubectl", "--kubeconfig", kc, "get", "--raw",
+                 f"/debug/pprof/profile?seconds={seconds}"],
+                stdout=fh, stderr=subprocess.PIPE, env={**os.environ, "PATH": path}, check=False,
+            )  # fmt: skip
+        if done.returncode:
+            print(f"the API server's profile failed: {done.stderr.decode().strip()}", flush=True)
+        else:
+            print(f"the API server's CPU profile ({seconds} s) is in {out}", flush=True)
+
+    threading.Thread(target=fetch, daemon=True).start()
+
+
+def control_plane(state: Path) -> dict[str, psutil.Process]:
+    """The processes of a control plane `tools/cluster` runs in `state` (its pid files)."""
+    found = {}
+    for who in ("kube-apiserver", "etcd", "kwok"):
+        pid = state / "pids" / f"{who}.pid"
+        with contextlib.suppress(OSError, ValueError, psutil.Error):
+            found[who] = psutil.Process(int(pid.read_text().strip()))
+    return found
 
 
 def _free_port() -> int:
@@ -283,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sample the operator's threads (bench/sampler.py) and write the hot spots here",
     )
     parser.add_argument(
+        "--apiserver-profile",
+        metavar="FILE",
+        help="the bench's own control plane started with profiling on: a CPU profile of the API "
+        "server over the minds' arrival (up to 30 s) written here (`go tool pprof -top FILE`)",
+    )
+    parser.add_argument(
         "--memray",
         default=None,
         metavar="FILE",
@@ -311,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"starting a control plane in {state} ...", flush=True)
         # A Service an engine: more than the default 254 ClusterIPs.
-        kubeconfig, exports = cluster_up(state, CONTINUUM_SERVICE_CIDR="10.0.0.0/16")
+        kubeconfig, exports = cluster_up(
+            state,
+            CONTINUUM_SERVICE_CIDR="10.0.0.0/16",
+            CONTINUUM_APISERVER_PROFILING="true" if args.apiserver_profile else "false",
+        )
         path = exports.get("PATH", path)
     op: Operator | None = None
     stop = threading.Event()
@@ -508,7 +567,9 @@ def run(
              *(["--write-workers", str(args.write_workers)] if args.write_workers else [])],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PATH": path},
         )  # fmt: skip
-    op = Operator(proc, port)
+    # The control plane's CPU beside the operator's, when it is the bench's own (the API server
+    # shares this machine's CPUs with the operator and the bench).
+    op = Operator(proc, port, None if args.kubeconfig else control_plane(work / "cluster"))
     deadline = time.monotonic() + 60
     while not op.requests() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
@@ -589,6 +650,8 @@ def run(
         objects.create_namespaced_custom_object(GROUP, VERSION, ns, "minds", body)
 
     op.mark("minds")
+    if args.apiserver_profile:
+        _profile_apiserver(kc, path, args, Path(args.apiserver_profile))
     first_create = time.time()
     with ThreadPoolExecutor(args.clients) as pool:
         if args.rate:
@@ -684,6 +747,11 @@ def run(
         f"operator CPU: engines up {cpu_share(up)}; minds applied {cpu_share(apply_minds)}; "
         f"at rest {cpu_share(rest)}; churn {cpu_share(churn)}; whole run {whole[1]:.0f} s"
     )
+    plane = op.neighbour_cpu("minds", "held")
+    if plane:
+        print("control plane CPU, minds applied: " + ", ".join(
+            f"{who} {cpu:.1f} s ({100 * cpu / apply_minds[0]:.0f}% of a core)"
+            for who, cpu in plane.items()))  # fmt: skip
     print(f"operator peak memory (VmHWM): {peak:.0f} MiB")
     print(f"fake nodes not ready (the test cluster's health), most seen at once: "
           f"{max(worst_not_ready[0], nodes_not_ready())}")  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.core.heartbeat import agent_lease_metadata
+from continuum_operator.kube import ledger
 from continuum_operator.kube import loop as loop_module
 from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey, format_time, merge_patch
@@ -189,8 +190,48 @@ def test_an_engine_watch_event_decides_that_engine(world: World) -> None:
     key = sorted(world.on["n2"])[0]
     changed = copy.deepcopy(world.cache.engines[key])
     changed["metadata"]["resourceVersion"] = "9999"
+    changed["metadata"].setdefault("annotations", {})["team"] = "b"
     world.cache.observe_engine(changed, deleted=False)
     assert world.pass_once() == {key}
+
+
+def _ledger_written(body: Mapping[str, Any], launch: str, state: str) -> dict[str, Any]:
+    """`body` as the grants loop's replace leaves it: a ledger of one mind, for `launch`."""
+    written = copy.deepcopy(dict(body))
+    written["metadata"]["resourceVersion"] = "9999"
+    written["status"]["grants"] = [{"mind": "ns/m0", "state": state, "tokens": 4096, "slot": 0}]
+    written["status"]["grantCapacity"] = {"phase": "Serving", "slots": 4, "launch": launch}
+    written["status"]["grantStep"] = {"seq": 1, "t": "2027-01-15T08:00:00Z", "lines": []}
+    return written
+
+
+def test_a_ledger_write_alone_decides_no_plan(world: World) -> None:
+    # The grants loop writes an Engine once a granted mind, and no plan reads the ledger:
+    # deciding the engine again for each would cost the plan loop a pass per grant.
+    world.settle()
+    key = sorted(world.on["n2"])[0]
+    body = world.cache.engines[key]
+    launch = ledger.launch_of(body["status"].get("plan") or {})
+    assert launch is not None
+    world.cache.observe_engine(_ledger_written(body, launch, "Granted"), deleted=False)
+    assert world.pass_once() == set()
+
+
+def test_a_ledger_write_decides_the_plan_while_a_relaunch_waits_for_the_drain(
+    world: World,
+) -> None:
+    # A relaunch's Deployment waits while the ledger holds grants of the old launch: the write
+    # that releases the last of them is what lets it go (`Loop.held_for_drain`).
+    world.settle()
+    key = sorted(world.on["n2"])[0]
+    held = _ledger_written(world.cache.engines[key], "old-launch", "Granted")
+    world.cache.observe_engine(held, deleted=False)
+    assert key in world.pass_once()
+    world.pass_once()
+    released = _ledger_written(world.cache.engines[key], "old-launch", "Released")
+    released["metadata"]["resourceVersion"] = "10000"
+    world.cache.observe_engine(released, deleted=False)
+    assert key in world.pass_once()
 
 
 def test_an_engine_deleted_decides_the_engines_left_on_its_node(world: World) -> None:

@@ -23,6 +23,7 @@ from continuum_operator.core import rfc3339
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, node_of_lease
 from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
+from continuum_operator.kube import ledger
 from continuum_operator.kube.facts_job import FACTS_FOR_LABEL
 from continuum_operator.kube.kept import kept
 from continuum_operator.kube.kernel import WorkQueue
@@ -330,12 +331,12 @@ class Cache:
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
         pending = self._pending.get(key)
+        known = self.engines.get(key)
         if deleted:
             self.engines.pop(key, None)
             self._pending.pop(key, None)
             self._index_engine(key, None)
         else:
-            known = self.engines.get(key)
             # A watch event older than the answer of our own write must not undo it. (An
             # assumed body keeps the version it was assumed over.)
             if known is None or _rv(meta) >= _rv(known["metadata"]):
@@ -347,8 +348,11 @@ class Cache:
                 self.engines[key] = body
                 self._index_engine(key, body)
         # Marked even for the loop's own writes: the engine is decided again against what
-        # it wrote (a pass that then writes nothing leaves it quiet).
-        self.engine_queue.mark(key, wake=nudge)
+        # it wrote (a pass that then writes nothing leaves it quiet). Not for a ledger write
+        # alone (one a granted mind): no plan reads the ledger, but a relaunch waiting for the
+        # drain of the old launch's grants.
+        if not _ledger_write(known, self.engines.get(key)):
+            self.engine_queue.mark(key, wake=nudge)
         self.lane_queue.mark(*lanes_of(self.lanes, key))
         if nudge:
             self._nudge()
@@ -467,6 +471,15 @@ def status_patch(status: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str,
 def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
     return any(
         c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+
+
+def _ledger_write(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> bool:
+    """Whether an Engine changed in its ledger alone, with no relaunch waiting on its drain."""
+    if before is None or after is None or before is after:
+        return False
+    return ledger.only_ledger_changed(before, after) and not any(
+        ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)
     )
 
 

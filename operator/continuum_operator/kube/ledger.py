@@ -51,6 +51,7 @@ from continuum_operator.model.mind import HOLDING_STATES, GrantState, ProjectedS
 
 __all__ = [
     "CAPACITY_FIELD",
+    "LEDGER_FIELDS",
     "QUEUE_FIELD",
     "QUEUE_KEPT",
     "REFUSED_KEPT",
@@ -60,6 +61,7 @@ __all__ = [
     "capacity_of",
     "engine_note",
     "log_lines",
+    "only_ledger_changed",
     "read_grants",
     "released_of",
     "step",
@@ -210,6 +212,23 @@ def launch_of(plan: Mapping[str, Any]) -> str | None:
         return None
     key = {"node": plan.get("node"), "args": plan.get("engineArgs")}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: What the grants loop's replace writes (`kube.ledger_write`): the ledger and its companions.
+LEDGER_FIELDS = frozenset({"grants", CAPACITY_FIELD, STEP_FIELD, QUEUE_FIELD})
+
+
+def only_ledger_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether two bodies of one Engine differ at most in its ledger (and resourceVersion): the
+    grants loop's own write, which no plan decision reads but a relaunch's wait for the drain
+    (`holds_another_launch`)."""
+
+    def rest(body: Mapping[str, Any]) -> dict[str, Any]:
+        meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "resourceVersion"}
+        status = {k: v for k, v in (body.get("status") or {}).items() if k not in LEDGER_FIELDS}
+        return {**body, "metadata": meta, "status": status}
+
+    return rest(old) == rest(new)
 
 
 def holds_another_launch(status: Mapping[str, Any]) -> bool:
