@@ -1,11 +1,14 @@
-"""What the benches that run on a real control plane share: the cluster, kubectl, percentiles.
+"""What the benches that run on a real control plane share: the cluster (and its processes),
+kubectl, percentiles.
 
-Used by `bench/reconcile.py` and `bench/scale.py`. The cluster is `tools/cluster` (etcd,
-kube-apiserver, controller-manager, scheduler, KWOK) in a directory of its own.
+Used by `bench/reconcile.py`, `bench/scale.py` and `bench/write_cost.py`. The cluster is
+`tools/cluster` (etcd, kube-apiserver, controller-manager, scheduler, KWOK) in a directory of
+its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -13,6 +16,8 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
@@ -46,6 +51,16 @@ def cluster_up(state: Path, **extra: str) -> tuple[str, dict[str, str]]:
             k, _, v = line[len("export ") :].partition("=")
             exports[k] = v.replace("$PATH", os.environ.get("PATH", ""))
     return exports["KUBECONFIG"], exports
+
+
+def control_plane(state: Path) -> dict[str, psutil.Process]:
+    """The processes of a control plane `tools/cluster` runs in `state` (its pid files)."""
+    found = {}
+    for who in ("kube-apiserver", "etcd", "kwok"):
+        pid = state / "pids" / f"{who}.pid"
+        with contextlib.suppress(OSError, ValueError, psutil.Error):
+            found[who] = psutil.Process(int(pid.read_text().strip()))
+    return found
 
 
 def cluster_down(state: Path) -> None:

@@ -53,6 +53,7 @@ from bench.kube_bench import (
     GiB,
     cluster_down,
     cluster_up,
+    control_plane,
     kubectl,
     micro,
     mind_body,
@@ -275,16 +276,6 @@ def _profile_apiserver(kc: str, path: str, args: argparse.Namespace, out: Path) 
             print(f"the API server's CPU profile ({seconds} s) is in {out}", flush=True)
 
     threading.Thread(target=fetch, daemon=True).start()
-
-
-def control_plane(state: Path) -> dict[str, psutil.Process]:
-    """The processes of a control plane `tools/cluster` runs in `state` (its pid files)."""
-    found = {}
-    for who in ("kube-apiserver", "etcd", "kwok"):
-        pid = state / "pids" / f"{who}.pid"
-        with contextlib.suppress(OSError, ValueError, psutil.Error):
-            found[who] = psutil.Process(int(pid.read_text().strip()))
-    return found
 
 
 def _free_port() -> int:

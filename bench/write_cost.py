@@ -12,7 +12,7 @@ writes made by `--writers` clients at once:
 - `engine status, as the grants loop writes it`: an Engine of `bench/scale.py`'s 100/s run with
   16 grants (`bench/data/engine_granted.json`), its whole status replaced, the ledger changed;
 - `engine status, the ledger alone`: the same replace of an Engine whose status holds only the
-  ledger and its companions (grants, grantCapacity, grantStep): what the ledger's write would cost
+  ledger and its companions (`kube.ledger.LEDGER_FIELDS`): what the ledger's write would cost
   in an object without the plan, placement and conditions;
 - `engine status, the ledger as a merge patch`: the first Engine, its ledger sent as a merge
   patch conditioned on its resourceVersion instead of the whole status replaced;
@@ -30,7 +30,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,11 +38,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` and `continuum_operator`
 
 import psutil
-from bench.kube_bench import GROUP, ROOT, VERSION, cluster_down, cluster_up, kubectl
+from bench.kube_bench import (
+    GROUP,
+    ROOT,
+    VERSION,
+    cluster_down,
+    cluster_up,
+    control_plane,
+    kubectl,
+)
 from kubernetes import client, config
 
+from continuum_operator.kube.ledger import LEDGER_FIELDS
+
 DATA = ROOT / "bench/data"
-LEDGER_ONLY = ("grants", "grantCapacity", "grantStep")
+Write = Callable[[str, dict[str, Any], int], dict[str, Any]]
 
 
 def _changed_engine(status: dict[str, Any], i: int) -> dict[str, Any]:
@@ -54,9 +64,17 @@ def _changed_engine(status: dict[str, Any], i: int) -> dict[str, Any]:
     return new
 
 
+def _ledger_alone(status: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of an Engine's status the grants loop writes (`kube.ledger.LEDGER_FIELDS`)."""
+    return {k: v for k, v in status.items() if k in LEDGER_FIELDS}
+
+
 class Bench:
-    def __init__(self, kubeconfig: str, path: str, apiserver: psutil.Process) -> None:
+    def __init__(
+        self, kubeconfig: str, path: str, apiserver: psutil.Process, writes: int, writers: int
+    ) -> None:
         self.kc, self.path, self.apiserver = kubeconfig, path, apiserver
+        self.writes, self.writers = writes, writers
         self.objects: Any = client.CustomObjectsApi(config.new_client_from_config(kubeconfig))
         self.made = 0
 
@@ -64,11 +82,35 @@ class Bench:
         t = self.apiserver.cpu_times()
         return float(t.user + t.system)
 
-    def _namespace(self) -> str:
+    def measure(
+        self,
+        plural: str,
+        fixture: str,
+        write: Write,
+        status_of: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+    ) -> tuple[float, float, int]:
+        """`writers` objects made from `fixture` (its status through `status_of`), each written
+        by `write` in a client of its own, `writes` times in all: the API server's CPU seconds
+        and the wall seconds a write, and one object's size as stored."""
+        body = json.loads((DATA / fixture).read_text())
+        body["status"] = status_of(body["status"])
         self.made += 1
         ns = f"write-cost-{self.made}"
         kubectl(self.kc, self.path, "create", "namespace", ns)
-        return ns
+        made = [self._create(plural, ns, f"x{w}", body) for w in range(self.writers)]
+
+        def writer(obj: dict[str, Any]) -> None:
+            for i in range(self.writes // self.writers):
+                obj = write(ns, obj, i)
+
+        time.sleep(1)  # the creates' watch events and GC settle
+        cpu, t = self.cpu(), time.monotonic()
+        with ThreadPoolExecutor(self.writers) as pool:
+            list(pool.map(writer, made))
+        cpu, t = self.cpu() - cpu, time.monotonic() - t
+        stored = json.loads(kubectl(self.kc, self.path, "get", plural, "-n", ns, "-o", "json",
+                                    "--show-managed-fields"))["items"][0]  # fmt: skip
+        return cpu / self.writes, t / self.writes, len(json.dumps(stored, separators=(",", ":")))
 
     def _create(self, plural: str, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         doc = copy.deepcopy(body)
@@ -82,75 +124,28 @@ class Bench:
             )
         )
 
-    def engines(self, status_of: Callable[[dict[str, Any]], dict[str, Any]], writes: int,
-                writers: int) -> tuple[float, float, int]:  # fmt: skip
-        """Replace the status of `writers` Engines, `writes` times in all."""
-        body = json.loads((DATA / "engine_granted.json").read_text())
-        body["status"] = status_of(body["status"])
-        ns = self._namespace()
-        made = [self._create("engines", ns, f"e{w}", body) for w in range(writers)]
+    def replace_engine(self, ns: str, obj: dict[str, Any], i: int) -> dict[str, Any]:
+        """The grants loop's write: the whole status replaced, on the object's version."""
+        obj["status"] = _changed_engine(obj["status"], i)
+        return dict(self.objects.replace_namespaced_custom_object_status(
+            GROUP, VERSION, ns, "engines", obj["metadata"]["name"], obj))  # fmt: skip
 
-        def writer(obj: dict[str, Any]) -> None:
-            for i in range(writes // writers):
-                obj["status"] = _changed_engine(obj["status"], i)
-                obj = self.objects.replace_namespaced_custom_object_status(
-                    GROUP, VERSION, ns, "engines", obj["metadata"]["name"], obj
-                )
+    def patch_ledger(self, ns: str, obj: dict[str, Any], i: int) -> dict[str, Any]:
+        """The ledger alone as a merge patch, conditioned on resourceVersion as the replace is."""
+        patch = {
+            "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
+            "status": _ledger_alone(_changed_engine(obj["status"], i)),
+        }
+        return dict(self.objects.patch_namespaced_custom_object_status(
+            GROUP, VERSION, ns, "engines", obj["metadata"]["name"], patch))  # fmt: skip
 
-        return self._timed(lambda: self._run(writer, made, writers), writes, "engines", ns)
-
-    def ledger_patches(self, writes: int, writers: int) -> tuple[float, float, int]:
-        """Merge-patch the ledger of `writers` Engines (conditioned on resourceVersion, as the
-        replace is), `writes` times in all."""
-        body = json.loads((DATA / "engine_granted.json").read_text())
-        ns = self._namespace()
-        made = [self._create("engines", ns, f"e{w}", body) for w in range(writers)]
-
-        def writer(obj: dict[str, Any]) -> None:
-            for i in range(writes // writers):
-                status = _changed_engine(obj["status"], i)
-                patch = {
-                    "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
-                    "status": {k: status[k] for k in LEDGER_ONLY},
-                }
-                obj = self.objects.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, ns, "engines", obj["metadata"]["name"], patch
-                )
-
-        return self._timed(lambda: self._run(writer, made, writers), writes, "engines", ns)
-
-    def minds(self, writes: int, writers: int) -> tuple[float, float, int]:
-        """Merge-patch the status of `writers` Minds, `writes` times in all."""
-        body = json.loads((DATA / "mind_granted.json").read_text())
-        ns = self._namespace()
-        made = [self._create("minds", ns, f"m{w}", body) for w in range(writers)]
-
-        def writer(obj: dict[str, Any]) -> None:
-            status = copy.deepcopy(obj["status"])
-            for i in range(writes // writers):
-                status["grant"]["slot"] = i % 16
-                status["grant"]["message"] = f"slot {i % 16}, 4096 tokens"
-                self.objects.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, ns, "minds", obj["metadata"]["name"], {"status": status}
-                )
-
-        return self._timed(lambda: self._run(writer, made, writers), writes, "minds", ns)
-
-    @staticmethod
-    def _run(writer: Callable[[dict[str, Any]], None], made: list[dict[str, Any]],
-             writers: int) -> None:  # fmt: skip
-        with ThreadPoolExecutor(writers) as pool:
-            list(pool.map(writer, made))
-
-    def _timed(self, run: Callable[[], None], writes: int, plural: str,
-               ns: str) -> tuple[float, float, int]:  # fmt: skip
-        time.sleep(1)  # the creates' watch events and GC settle
-        cpu, t = self.cpu(), time.monotonic()
-        run()
-        cpu, t = self.cpu() - cpu, time.monotonic() - t
-        stored = json.loads(kubectl(self.kc, self.path, "get", plural, "-n", ns, "-o", "json",
-                                    "--show-managed-fields"))["items"][0]  # fmt: skip
-        return cpu / writes, t / writes, len(json.dumps(stored, separators=(",", ":")))
+    def patch_mind(self, ns: str, obj: dict[str, Any], i: int) -> dict[str, Any]:
+        """The operator's projection: the Mind's status as a merge patch."""
+        status = copy.deepcopy(obj["status"])
+        status["grant"]["slot"] = i % 16
+        status["grant"]["message"] = f"slot {i % 16}, 4096 tokens"
+        return dict(self.objects.patch_namespaced_custom_object_status(
+            GROUP, VERSION, ns, "minds", obj["metadata"]["name"], {"status": status}))  # fmt: skip
 
 
 def main() -> int:
@@ -170,18 +165,18 @@ def main() -> int:
         kubectl(kc, path, "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
         kubectl(kc, path, "wait", "--for=condition=established", "--timeout=60s", "-f",
                 str(ROOT / "crds"))  # fmt: skip
-        apiserver = psutil.Process(int((state / "pids/kube-apiserver.pid").read_text()))
-        bench = Bench(kc, path, apiserver)
+        bench = Bench(kc, path, control_plane(state)["kube-apiserver"], args.writes,
+                      args.writers)  # fmt: skip
+        engine, mind = "engine_granted.json", "mind_granted.json"
         kinds: list[tuple[str, Callable[[], tuple[float, float, int]]]] = [
             ("engine status, as the grants loop writes it",
-             lambda: bench.engines(lambda s: s, args.writes, args.writers)),
+             lambda: bench.measure("engines", engine, bench.replace_engine)),
             ("engine status, the ledger alone",
-             lambda: bench.engines(lambda s: {k: s[k] for k in LEDGER_ONLY},
-                                   args.writes, args.writers)),
+             lambda: bench.measure("engines", engine, bench.replace_engine, _ledger_alone)),
             ("engine status, the ledger as a merge patch",
-             lambda: bench.ledger_patches(args.writes, args.writers)),
+             lambda: bench.measure("engines", engine, bench.patch_ledger)),
             ("mind status, as the operator patches it",
-             lambda: bench.minds(args.writes, args.writers)),
+             lambda: bench.measure("minds", mind, bench.patch_mind)),
         ]  # fmt: skip
         print(f"{args.writes} writes a kind, {args.writers} writers at once; API server CPU per "
               f"write, mean answer, stored size")  # fmt: skip
