@@ -40,9 +40,10 @@ from tests.fakes import Awaited
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from continuum_operator.kube.api import ApiError, crd_path, path_of
 from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, EngineKey, merge_patch
+from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.loop import Loop
+from continuum_operator.kube.merge_patch import merge_patch
 from continuum_operator.kube.mind_cache import MindCache
 from continuum_operator.kube.minds import GrantsLoop
 from continuum_operator.kube.settings import OperatorSettings

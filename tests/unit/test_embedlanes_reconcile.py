@@ -9,9 +9,10 @@ from typing import Any
 import yaml
 
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer
-from continuum_operator.kube.cache import Snapshot, merge_patch
+from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.embedlanes import LaneWrites, reconcile_lane
 from continuum_operator.kube.engine_pass import Memory
+from continuum_operator.kube.merge_patch import merge_patch
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
 from continuum_operator.kube.occupancy import lane_leases_in
 from continuum_operator.kube.reconcile import reconcile

@@ -11,12 +11,15 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from continuum_operator.core.grants import Grant, GrantReason
 from continuum_operator.engine.admission import GrantTableError, Refusal, admit_turn, parse_table
 from continuum_operator.kube import ledger
+from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import Engine
 from continuum_operator.model.grant import GrantEntry, grant_entries, parse_entries
+from continuum_operator.model.grant_ledger import GrantLedger
 from continuum_operator.model.mind import GrantState
 from tests.builders import ROOT, engine_body
 
@@ -101,11 +104,22 @@ class TestTheCrdSchema:
         deadline = crd_entry_schema()["properties"]["deadline"]
         assert "type" not in deadline and deadline["x-kubernetes-preserve-unknown-fields"]
 
-    def test_the_engine_model_keeps_entries_as_they_are_for_each_reader_to_parse(self) -> None:
+    def test_the_ledger_model_keeps_entries_as_they_are_for_each_reader_to_parse(self) -> None:
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": "GrantLedger",
+            "metadata": {"name": "coder", "namespace": "minds"},
+            "status": {"grants": [{"mind": "no-namespace", "state": "Held"}]},
+        }
+        # One bad entry does not make the whole ledger unreadable (each reader skips or refuses).
+        assert GrantLedger.model_validate(body).status.grants == body["status"]["grants"]
+
+    def test_an_engine_names_no_ledger_field(self) -> None:
+        # The ledger is a GrantLedger's: an Engine's status that carries one is refused.
         body = engine_body()
-        body["status"] = {"grants": [{"mind": "no-namespace", "state": "Held"}]}
-        # One bad entry does not make the whole Engine unreadable (the lanes read it).
-        assert Engine.model_validate(body).status.grants == body["status"]["grants"]
+        body["status"] = {"grants": [{"mind": "minds/a", "state": "Held"}]}
+        with pytest.raises(ValidationError):
+            Engine.model_validate(body)
 
     def test_the_model_package_does_not_import_the_entry_whose_reason_is_cores(self) -> None:
         # core.grants imports model.mind, so model/__init__ importing model.grant (and through

@@ -10,8 +10,9 @@ from typing import Any
 
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, merge_patch
+from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.loop import Loop
+from continuum_operator.kube.merge_patch import merge_patch
 from continuum_operator.kube.settings import OperatorSettings
 from tests.fakes import Awaited
 from tests.unit.test_loop_dirty import NOW, FakeApi, agent_lease, engine_on, node_board

@@ -15,9 +15,10 @@ from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.kube import ledger
 from continuum_operator.kube import loop as loop_module
 from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, EngineKey, format_time, merge_patch
+from continuum_operator.kube.cache import Cache, EngineKey, format_time
 from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.loop import Loop
+from continuum_operator.kube.merge_patch import merge_patch
 from continuum_operator.kube.reconcile import reconcile
 from continuum_operator.kube.settings import LoopSettings, OperatorSettings
 from continuum_operator.model.base import API_VERSION

@@ -15,11 +15,11 @@ from continuum_operator.kube.cache import (
     JobEntry,
     NodeEntry,
     Snapshot,
-    merge_patch,
 )
 from continuum_operator.kube.engine_pass import Memory, Writes, size_text
 from continuum_operator.kube.facts_job import facts_job_name, source_key
 from continuum_operator.kube.lease_renewal import LeaseEntry
+from continuum_operator.kube.merge_patch import merge_patch
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
 from continuum_operator.kube.placed_engine import NODE_GONE_HOLD_SECONDS
 from continuum_operator.kube.reconcile import reconcile

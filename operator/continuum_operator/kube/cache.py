@@ -11,7 +11,6 @@ Neighbours: `kube.reconcile` (decides from a Snapshot), `kube.handlers` (feeds t
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,12 +22,13 @@ from continuum_operator.core import rfc3339
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, node_of_lease
 from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
-from continuum_operator.kube import ledger
+from continuum_operator.kube import ledger, ledger_object
 from continuum_operator.kube.facts_job import FACTS_FOR_LABEL
 from continuum_operator.kube.kept import kept
 from continuum_operator.kube.kernel import WorkQueue
 from continuum_operator.kube.lane_index import lane_hold, lane_nodes, lanes_of, lanes_on
 from continuum_operator.kube.lease_renewal import LeaseEntry, renewal_counted_from, renewed_in_time
+from continuum_operator.kube.merge_patch import merge_patch
 from continuum_operator.kube.objects import GPU_RESOURCE, LAUNCH_ANNOTATION
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import EnginePlacement
@@ -147,7 +147,10 @@ class Cache:
     boards: dict[str, BoardEntry] = field(default_factory=dict)
     leases: dict[str, LeaseEntry] = field(default_factory=dict)
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
+    # Engines, each with its GrantLedger's status merged in (`kube.ledger_object`); the
+    # GrantLedgers themselves by their Engine's key.
     engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    ledgers: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
@@ -340,7 +343,7 @@ class Cache:
             # A watch event older than the answer of our own write must not undo it. (An
             # assumed body keeps the version it was assumed over.)
             if known is None or _rv(meta) >= _rv(known["metadata"]):
-                body = kept(obj)
+                body = ledger_object.merged(kept(obj), self.ledgers.get(key))
                 if pending is not None:
                     # Another write landed while ours is in flight: ours still holds.
                     self._pending[key] = (pending[0], body)
@@ -348,16 +351,47 @@ class Cache:
                 self.engines[key] = body
                 self._index_engine(key, body)
         # Marked even for the loop's own writes: the engine is decided again against what
-        # it wrote (a pass that then writes nothing leaves it quiet). Not for a ledger write
-        # alone (one a granted mind): no plan reads the ledger, but a relaunch waiting for the
-        # drain of the old launch's grants.
-        if not _ledger_write(known, self.engines.get(key)):
-            self.engine_queue.mark(key, wake=nudge)
+        # it wrote (a pass that then writes nothing leaves it quiet).
+        self.engine_queue.mark(key, wake=nudge)
         self.lane_queue.mark(*lanes_of(self.lanes, key))
         if nudge:
             self._nudge()
             if self.grants_queue is not None:
                 self.grants_queue.wake()
+
+    def observe_ledger(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+        """An Engine's GrantLedger, merged into the Engine's cached body. No plan reads the
+        ledger but a relaunch's wait for the drain of the old launch's grants: only then is the
+        Engine marked for the plan loop (one mark per grant was a plan decide per grant)."""
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"])
+        known = self.ledgers.get(key)
+        if deleted:
+            if known is None or known["metadata"].get("uid") != meta.get("uid"):
+                return  # an earlier ledger of the name, already replaced
+            self.ledgers.pop(key)
+        elif (
+            known is None
+            or known["metadata"].get("uid") != meta.get("uid")
+            or _rv(meta) >= _rv(known["metadata"])
+        ):
+            self.ledgers[key] = kept(obj)
+        else:
+            return  # older than the answer of our own write
+        before = self.engines.get(key)
+        if before is not None:
+            after = ledger_object.merged(before, self.ledgers.get(key))
+            pending = self._pending.get(key)
+            if pending is not None:
+                self._pending[key] = (
+                    pending[0],
+                    ledger_object.merged(pending[1], self.ledgers.get(key)),
+                )
+            self.engines[key] = after
+            if any(ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)):
+                self.engine_queue.mark(key, wake=nudge)
+        if nudge and self.grants_queue is not None:
+            self.grants_queue.wake()
 
     def observe_lane(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
         """An EmbedLane (`kube.embedlanes`); its placement is in every engine's ledger."""
@@ -434,52 +468,9 @@ class Cache:
             self._nudge()
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """A JSON merge patch (RFC 7386) applied as the API server applies it; `target` is not
-    changed (bodies in the cache are replaced, never changed in place)."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
-
-
-def merge_diff(old: Any, new: Any) -> Any:
-    """The JSON merge patch that turns `old` into `new` (`merge_patch(old, merge_diff(old,
-    new)) == new`): a key `old` has and `new` has not is sent as null. Without it a status
-    field written as a whole object would keep the keys a later decision dropped (an
-    `enforcement` cap that no longer applies), since a merge patch only adds and replaces."""
-    if not isinstance(new, Mapping) or not isinstance(old, Mapping):
-        return copy.deepcopy(new)
-    out: dict[str, Any] = {k: None for k in old if k not in new}
-    for k, v in new.items():
-        if k not in old or old[k] != v:
-            out[k] = merge_diff(old.get(k), v)
-    return out
-
-
-def status_patch(status: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge patch of the status fields one writer decided (`new`), from what `status`
-    holds to `new`; the fields `new` does not name are other writers' and left as they are."""
-    return {k: merge_diff(status.get(k), v) for k, v in new.items() if status.get(k) != v}
-
-
 def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
     return any(
         c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []
-    )
-
-
-def _ledger_write(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> bool:
-    """Whether an Engine changed in its ledger alone, with no relaunch waiting on its drain."""
-    if before is None or after is None or before is after:
-        return False
-    return ledger.only_ledger_changed(before, after) and not any(
-        ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)
     )
 
 

@@ -47,8 +47,10 @@ from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import events, kernel, lane_objects
 from continuum_operator.kube.api import ApiError, crd_path
 from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, Snapshot, format_time, merge_patch, status_patch
+from continuum_operator.kube.cache import Cache, Snapshot, format_time
 from continuum_operator.kube.kernel import KernelSettings, PassHooks
+from continuum_operator.kube.ledger_object import engine_only
+from continuum_operator.kube.merge_patch import merge_patch, status_patch
 from continuum_operator.kube.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
 from continuum_operator.kube.settings import OperatorSettings
 from continuum_operator.model.base import API_VERSION, Condition
@@ -356,7 +358,7 @@ def _with_workload(
     if lane.spec.engine is not None:
         body = p.snap.engines.get((p.key[0], lane.spec.engine))
         try:
-            engine = Engine.model_validate(dict(body)) if body is not None else None
+            engine = Engine.model_validate(engine_only(body)) if body is not None else None
         except ValidationError:
             engine = None
         facts = _facts_of_engine(body) if body is not None else None

@@ -19,8 +19,9 @@ from continuum_operator.core.plan import ServingPlan
 from continuum_operator.core.pools import ConsumerKind
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.kube import engine_identity, objects, runtime_report
-from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time, status_patch
+from continuum_operator.kube.cache import EngineKey, Snapshot, format_time, parse_time
 from continuum_operator.kube.events import Event
+from continuum_operator.kube.merge_patch import status_patch
 from continuum_operator.kube.settings import OperatorSettings, PodSettings, resolve_sharing
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode

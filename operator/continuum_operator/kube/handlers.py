@@ -1,8 +1,9 @@
 """kopf watch handlers: each one only records what it saw in the cache and wakes the loop.
 
-The operator watches Engines, EmbedLanes, NodeBoards, the agents' Leases, Nodes, and the
-Deployments, Services and facts Jobs it owns. No handler decides or writes anything (the loop does,
-`kube.loop`), so kopf keeps no state on the objects: no finalizers, no progress annotations.
+The operator watches Engines and their GrantLedgers, EmbedLanes, NodeBoards, the agents' Leases,
+Nodes, and the Deployments, Services and facts Jobs it owns. No handler decides or writes
+anything (the loops do, `kube.loop`, `kube.minds`), so kopf keeps no state on the objects: no
+finalizers, no progress annotations.
 Handlers are coroutines, so the cache is only touched from the event loop.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, cast
 import kopf
 
 from continuum_operator.core.heartbeat import AGENT_LEASE_SELECTOR
+from continuum_operator.kube import ledger_object
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.objects import MANAGED_BY
 from continuum_operator.model.base import GROUP, VERSION
@@ -73,6 +75,10 @@ def registry_for(
     )
     async def engine(event: kopf.RawEvent, **_: Any) -> None:
         cache.observe_engine(_obj(event), _deleted(event))
+
+    @kopf.on.event(group=GROUP, version=VERSION, plural=ledger_object.PLURAL, registry=registry)
+    async def grantledger(event: kopf.RawEvent, **_: Any) -> None:
+        cache.observe_ledger(_obj(event), _deleted(event))
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="embedlanes", registry=registry)
     async def embedlane(event: kopf.RawEvent, **_: Any) -> None:

@@ -61,7 +61,6 @@ __all__ = [
     "capacity_of",
     "engine_note",
     "log_lines",
-    "only_ledger_changed",
     "read_grants",
     "released_of",
     "step",
@@ -214,21 +213,9 @@ def launch_of(plan: Mapping[str, Any]) -> str | None:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-#: What the grants loop's replace writes (`kube.ledger_write`): the ledger and its companions.
+#: What the grants loop's replace of a GrantLedger's status writes (`kube.ledger_write`): the
+#: ledger and its companions, merged into the cached Engine body (`kube.ledger_object`).
 LEDGER_FIELDS = frozenset({"grants", CAPACITY_FIELD, STEP_FIELD, QUEUE_FIELD})
-
-
-def only_ledger_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """Whether two bodies of one Engine differ at most in its ledger (and resourceVersion): the
-    grants loop's own write, which no plan decision reads but a relaunch's wait for the drain
-    (`holds_another_launch`)."""
-
-    def rest(body: Mapping[str, Any]) -> dict[str, Any]:
-        meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "resourceVersion"}
-        status = {k: v for k, v in (body.get("status") or {}).items() if k not in LEDGER_FIELDS}
-        return {**body, "metadata": meta, "status": status}
-
-    return rest(old) == rest(new)
 
 
 def holds_another_launch(status: Mapping[str, Any]) -> bool:

@@ -1,11 +1,13 @@
-"""The grants loop's write of one Engine's ledger: a replace of its status subresource
-conditioned on its resourceVersion (never a blind merge), carrying the ledger, the pool it was
-made for and the step's journal in one write. On 409 the Engine is read again and the step
-decided again from the caches as they are now. Once a write lands: the cache, the transition
-log, the metrics and the log lines, all on the event loop (the API calls awaited there). Crash
-points (`kube.crash`) sit before and after it.
+"""The grants loop's write of one Engine's ledger: a replace of its GrantLedger's status
+(`model.grant_ledger`) conditioned on the resourceVersion its step was decided from (never a
+blind merge), carrying the ledger, the pool it was made for and the step's journal in one write.
+The GrantLedger is created on an Engine's first step, owned by the Engine. On 409 the ledger
+is read again and the step decided again from the caches as they are now. Once a write lands:
+the cache, the transition log, the metrics and the log lines, all on the event loop (the API
+calls awaited there). Crash points (`kube.crash`) sit before and after it.
 Neighbours: `kube.minds` (the loop that steps and calls this), `kube.ledger` (decides, and the
-journal), `kube.ledger_tails` (what the object leaves out), `kube.transition_log`.
+journal), `kube.ledger_object` (the ledger inside the cached Engine body), `kube.ledger_tails`
+(what the object leaves out), `kube.transition_log`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from continuum_operator.core.grants import GrantPolicy, MindDemand
-from continuum_operator.kube import crash, ledger, ledger_journal
+from continuum_operator.kube import crash, ledger, ledger_journal, ledger_object
 from continuum_operator.kube.api import ApiError, crd_path
-from continuum_operator.kube.async_api import AsyncKubeApi
+from continuum_operator.kube.async_api import AsyncKubeApi, pages
 from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.ledger_tails import LedgerTails
@@ -26,7 +28,7 @@ from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.mind import HOLDING_STATES, GrantState
 
-__all__ = ["LedgerWriter"]
+__all__ = ["LedgerWriter", "seed_ledgers"]
 
 log = logging.getLogger("continuum.grants")
 
@@ -64,35 +66,37 @@ class LedgerWriter:
         now: float,
         quota_left: Mapping[str, int] | None = None,
     ) -> dict[str, Any] | None:
-        """Replace the Engine's status with the new ledger, conditioned on resourceVersion."""
+        """Replace the GrantLedger's status with the new ledger, conditioned on the version the
+        step was decided from; the Engine's body with it (None: not written)."""
         ns, name = key
         engine = f"{ns}/{name}"
-        path = crd_path("engines", ns, name, "status")
+        path = crd_path(ledger_object.PLURAL, ns, name, "status")
         for _attempt in range(self.settings.conflict_retries):
             # The journal this write replaces is logged first: a step a dead leader wrote and
             # did not log reaches a new leader here when its cache had not yet seen that write
             # (the pass's recovery found nothing missing; the write was refused, 409, and the
-            # Engine read back carries it).
+            # ledger read back carries it).
             replaced = (body.get("status") or {}).get(ledger.STEP_FIELD)
             self._log().recover(engine, ledger_journal.read_journal(replaced))
             doc, seq, lines = _ledger_doc(key, body, s, now)
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
             try:
+                version = ledger_object.version_of(body) or await self._create(body)
+                doc["metadata"]["resourceVersion"] = version
                 answer = await self.api.request("PUT", path, doc)
             except ApiError as err:
                 if err.status == 404:
-                    return None
+                    return None  # the Engine (and with it its ledger) is gone
                 if err.status != 409:
                     log.warning("writing the ledger of Engine %s failed: %s", engine, err)
                     return None
-                # Someone wrote the Engine meanwhile (the plan loop, the runtime): decide again.
+                # Another leader wrote the ledger meanwhile, or it exists and this cache has not
+                # seen it yet (a create over it is refused too): decide again from it.
                 self.metrics.record_ledger_conflict()
-                try:
-                    body = await self.api.request("GET", crd_path("engines", ns, name))
-                except ApiError as err2:
-                    log.warning("re-reading Engine %s failed: %s", engine, err2)
+                fresh = await self._read_again(key)
+                if fresh is None:
                     return None
-                self.engines.observe_engine(body, deleted=False, nudge=False)
+                body = fresh
                 wanted = self._demands_of(key)
                 tail = self.tails.tail_of(key, body, wanted)
                 s = ledger.step(body, wanted, now, self.policy, quota_left, tail)
@@ -100,10 +104,55 @@ class LedgerWriter:
                     self.tails.remember(key, body, s)
                     return body
                 continue
-            self._written(key, body, answer, s, seq, lines)
-            return answer
+            self.engines.observe_ledger(answer, deleted=False, nudge=False)
+            written = ledger_object.merged(self.engines.engines.get(key) or body, answer)
+            self._written(key, body, written, s, seq, lines)
+            return written
         log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
         return None
+
+    async def _create(self, body: Mapping[str, Any]) -> str:
+        """The Engine's GrantLedger, made empty and owned by it: its resourceVersion. 409 if it
+        exists (this cache has not seen it, or it is an earlier Engine's: `_read_again`)."""
+        ns = body["metadata"]["namespace"]
+        made = await self.api.request(
+            "POST", crd_path(ledger_object.PLURAL, ns), ledger_object.new_ledger(body)
+        )
+        self.engines.observe_ledger(made, deleted=False, nudge=False)
+        return str(made["metadata"]["resourceVersion"])
+
+    async def _read_again(self, key: EngineKey) -> dict[str, Any] | None:
+        """After a 409: the GrantLedger read into the cache, and the Engine's body with it. A
+        ledger an earlier Engine of this name left (another owner) is deleted, on its uid, so
+        the next try makes this one's. None: the Engine is gone, or the read failed."""
+        ns, name = key
+        try:
+            fresh = await self.api.request("GET", crd_path(ledger_object.PLURAL, ns, name))
+        except ApiError as err:
+            if err.status != 404:
+                log.warning("re-reading the ledger of Engine %s/%s failed: %s", ns, name, err)
+                return None
+            fresh = None
+        engine = self.engines.engines.get(key)
+        if engine is None:
+            return None
+        if fresh is not None and not ledger_object.owned_by(fresh, engine):
+            uid = fresh["metadata"].get("uid")
+            log.info("Engine %s/%s: replacing the GrantLedger of an earlier Engine", ns, name)
+            try:
+                await self.api.request(
+                    "DELETE",
+                    crd_path(ledger_object.PLURAL, ns, name),
+                    {"preconditions": {"uid": uid}},
+                )
+            except ApiError as err:
+                if err.status not in (404, 409):
+                    log.warning("deleting a stale ledger of %s/%s failed: %s", ns, name, err)
+                    return None
+            self.engines.observe_ledger(fresh, deleted=True, nudge=False)
+        elif fresh is not None:
+            self.engines.observe_ledger(fresh, deleted=False, nudge=False)
+        return self.engines.engines.get(key)
 
     def _written(
         self,
@@ -121,7 +170,6 @@ class LedgerWriter:
         before = {**self.tails.tail_of(key, body, {}), **ledger.read_grants(
             (body.get("status") or {}).get("grants"))}  # fmt: skip
         self.tails.remember(key, answer, s)
-        self.engines.observe_engine(answer, deleted=False, nudge=False)
         self._log().append(engine, seq, lines)
         crash.reached(crash.CrashPoint.AFTER_LOG)
         states = [str(e.get("state")) for e in s.entries]
@@ -149,11 +197,12 @@ class LedgerWriter:
 def _ledger_doc(
     key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep, now: float
 ) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
-    """The Engine as its status replace sends it (the ledger, the pool it was made for and the
-    step's journal, in one write), the step's seq and its log lines."""
+    """The GrantLedger as its status replace sends it (the ledger, the pool it was made for and
+    the step's journal, in one write; its resourceVersion is set by the caller), the step's
+    seq and its log lines."""
     ns, name = key
     engine = f"{ns}/{name}"
-    status = dict(body.get("status") or {})
+    status = {k: v for k, v in (body.get("status") or {}).items() if k in ledger.LEDGER_FIELDS}
     seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
     lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
     status["grants"] = s.kept
@@ -166,13 +215,28 @@ def _ledger_doc(
         status.pop(ledger.QUEUE_FIELD, None)
     doc = {
         "apiVersion": API_VERSION,
-        "kind": "Engine",
-        "metadata": {
-            "name": name,
-            "namespace": ns,
-            "resourceVersion": body["metadata"]["resourceVersion"],
-        },
-        "spec": body.get("spec") or {},
+        "kind": ledger_object.KIND,
+        "metadata": {"name": name, "namespace": ns},
         "status": status,
     }
     return doc, seq, lines
+
+
+async def seed_ledgers(api: AsyncKubeApi, engines: Cache) -> None:
+    """List every GrantLedger into the cache (a new leader, before its first step; the watch
+    goes on after), a page at a time. Without it an Engine whose ledger the watch had not
+    delivered yet would be stepped from an empty ledger: its write would be refused (the
+    create of an existing ledger is a 409) and decided again, but at a cost per Engine."""
+    listed: set[EngineKey] = set()
+    version = 0
+    async for page in pages(api, f"/apis/{API_VERSION}/{ledger_object.PLURAL}"):
+        version = int((page.get("metadata") or {}).get("resourceVersion") or version)
+        for obj in page.get("items") or []:
+            engines.observe_ledger(obj, deleted=False, nudge=False)
+            meta = obj["metadata"]
+            listed.add((meta["namespace"], meta["name"]))
+    # A ledger the cache has but the list has not was deleted before the list was taken.
+    for key in set(engines.ledgers) - listed:
+        known = engines.ledgers[key]
+        if int(known["metadata"].get("resourceVersion") or 0) <= version:
+            engines.observe_ledger(known, deleted=True, nudge=False)

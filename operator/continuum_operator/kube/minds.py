@@ -72,7 +72,7 @@ from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.kernel import KernelSettings, WorkQueue
 from continuum_operator.kube.ledger_facts import LedgerFacts, grace_deadline
 from continuum_operator.kube.ledger_tails import LedgerTails
-from continuum_operator.kube.ledger_write import LedgerWriter
+from continuum_operator.kube.ledger_write import LedgerWriter, seed_ledgers
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.mind_cache import MindCache, resource_version, seed
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
@@ -160,13 +160,14 @@ class GrantsLoop:
         self.rules_seen = None
         # Every Mind and MindClass listed before the first step: a leader that started a moment
         # ago may not have all of them from its watches yet, and a Mind missing from the cache
-        # would be taken for a deleted one (her grant reclaimed).
+        # would be taken for a deleted one (her grant reclaimed); every GrantLedger likewise.
         while not stop.is_set():
             try:
                 await seed(self.api, self.minds)
+                await seed_ledgers(self.api, self.engines)
                 break
             except (ApiError, OSError) as err:
-                log.warning("listing Minds failed, retrying: %s", err)
+                log.warning("listing Minds and GrantLedgers failed, retrying: %s", err)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
         self._running = True

@@ -21,12 +21,14 @@ from continuum_operator.model.base import GROUP, VERSION, ObjectMeta, Resource
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
+from continuum_operator.model.grant_ledger import GrantLedger
 from continuum_operator.model.mind import Mind
 from continuum_operator.model.mindclass import MindClass
 from continuum_operator.model.tokenquota import TokenQuota
 
 RESOURCES: tuple[type[Resource], ...] = (
     Engine,
+    GrantLedger,
     Mind,
     EmbedLane,
     NodeBoard,

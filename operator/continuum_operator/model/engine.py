@@ -3,8 +3,9 @@
 The spec says what to serve and how much of it (context per mind, minds min..max, offload,
 KV type, reserve, placement); the plan (`core.plan`) turns it into layers on the device and a
 pool size against one node's board. Status parts are written by their one writer each
-(docs/design.md "One writer per status field"): `plan`, `placement`, `grants`, `enforcement` and
-`conditions` by the operator, `runtime` by the engine runtime.
+(docs/design.md "One writer per status field"): `plan`, `placement`, `enforcement` and
+`conditions` by the operator, `runtime` by the engine runtime. Its grant ledger is an object of
+its own, `model.grant_ledger.GrantLedger`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from continuum_operator.model.base import (
     PositiveInt,
     Resource,
     Spec,
-    nullable,
     spec_config_with_rules,
 )
 from continuum_operator.model.kv import KvCacheType as KvCacheType  # re-exported: its home before
@@ -459,15 +459,6 @@ class ReadFacts(Spec):
     read_at: str | None = Field(default=None, description="When the Job read them (RFC 3339).")
 
 
-def _grant_entries_schema(schema: dict[str, Any]) -> None:
-    """The CRD's `status.grants` items: `model.grant.GrantEntry`. Imported when a schema is
-    made, not with this module: an entry's reason is `core.grants`' enum, and `core.grants`
-    imports this package."""
-    from continuum_operator.model.grant import entry_schema
-
-    schema["items"] = entry_schema()
-
-
 _PLAN_DESCRIPTION = (
     "The serving plan on the chosen node: bytes per pool, layers on the device, pool tokens, "
     "minds grantable, and why (`continuum plan -o json`; docs/plan.md)."
@@ -509,71 +500,6 @@ class EngineEnforcement(Spec):
     )
 
 
-class GrantCapacity(Spec):
-    """The pool the grant ledger was last made for (`kube.ledger.GrantPool`), written with it by the
-    operator's leader: a launch that changed while minds hold slots of the old one drains."""
-
-    phase: str = Field(
-        max_length=32,
-        description="Serving, Draining, Relaunching, Starting or Unschedulable.",
-    )
-    slots: int = Field(ge=0, description="Slots the ledger grants from.")
-    tokens_per_slot: int = Field(ge=0, description="KV tokens of one slot.")
-    launch: str | None = nullable(
-        "The launch (node and engine arguments, hashed) the slots belong to."
-    )
-    target_slots: int | None = Field(
-        default=None, ge=0, description="Draining: the slots of the new launch."
-    )
-
-
-class GrantQueue(Spec):
-    """Written with the ledger only when entries were left out of it: the totals, and what the
-    Engine keeps (docs/grants.md, "Bounded")."""
-
-    queued: int = Field(ge=0, description="Minds queued in all.")
-    refused: int = Field(ge=0, description="Minds refused in all.")
-    kept_queued: int = Field(ge=0, description="Queued entries status.grants keeps.")
-    kept_refused: int = Field(ge=0, description="Refused entries status.grants keeps.")
-
-
-class GrantStepLine(Spec):
-    """One transition log line of the step (docs/transition-log.md): a `capacity` line or a
-    `transition` line, with times as RFC 3339."""
-
-    t: str = Field(max_length=64, description="When the step was decided.")
-    engine: str = Field(max_length=512, description="NAMESPACE/NAME of the Engine.")
-    event: str = Field(max_length=32, description="capacity or transition.")
-    phase: str | None = nullable("capacity: the pool's phase.")
-    slots: int | None = nullable("capacity: its slots.")
-    tokens_per_slot: int | None = nullable("capacity: tokens of one slot.")
-    mind: str | None = nullable("transition: NAMESPACE/NAME of the Mind.")
-    from_: str | None = Field(
-        default=None,
-        alias="from",
-        description="transition: her state before (null: she was not in the ledger).",
-        json_schema_extra={"nullable": True},
-    )
-    to: str | None = nullable("transition: her state after.")
-    reason: str | None = nullable("transition: why.")
-    by: str | None = nullable("transition: the Mind she yields her slot to.")
-    tokens: int | None = nullable("transition: tokens she holds.")
-    slot: int | None = nullable("transition: her slot.")
-    priority: int | None = nullable("transition: her priority.")
-    protection_window: float | None = nullable("transition: her protection window (seconds).")
-    deadline: str | None = nullable("transition: the grace deadline of a reclaim (RFC 3339).")
-
-
-class GrantStep(Spec):
-    """The journal of the ledger's last step (`kube.ledger_journal`), written with it: a leader
-    that died between the ledger write and the log append has its step logged by the next."""
-
-    seq: int = Field(ge=0, description="The step's sequence number.")
-    t: str = Field(max_length=64, description="When it was decided (RFC 3339).")
-    lines: list[GrantStepLine] = Field(description="Its log lines, of the minds the Engine keeps.")
-    omitted: int | None = Field(default=None, ge=0, description="Lines not kept.")
-
-
 class EngineStatus(Spec):
     """What the operator decided for the engine and what the running engine reports; each part
     has one writer (docs/design.md, "One writer per status field")."""
@@ -586,18 +512,6 @@ class EngineStatus(Spec):
         json_schema_extra=_plan_schema,
     )
     placement: EnginePlacement | None = None
-    # Plain dicts here: each reader parses them through `model.grant` with its own policy on an
-    # entry it cannot read (the operator skips it, the gateway refuses the table), so one bad
-    # entry does not make the whole Engine unreadable. The CRD types each entry.
-    grants: list[dict[str, Any]] | None = Field(
-        default=None,
-        description="The grant ledger of the engine's pool, one entry per Mind (state, tokens, "
-        "slot, since, reason), written only by the operator's leader (docs/grants.md).",
-        json_schema_extra=_grant_entries_schema,
-    )
-    grant_capacity: GrantCapacity | None = None
-    grant_queue: GrantQueue | None = None
-    grant_step: GrantStep | None = None
     enforcement: EngineEnforcement | None = None
     runtime: EngineRuntimeStatus | None = Field(
         default=None,

@@ -1,0 +1,96 @@
+"""An Engine's GrantLedger (`model.grant_ledger`) as the operator's decisions see it: inside the
+cached Engine body.
+
+The ledger lives in an object of its own, named as its Engine and owned by it, so a grant
+does not rewrite the Engine (docs/grants.md, "Where the ledger lives"). The decisions were
+written against the Engine's status and still read it there: the cache (`kube.cache`) merges
+each GrantLedger's status into its Engine's cached body (`merged`), with the ledger's own
+metadata beside it under `LEDGER_META`, so that a ledger write is conditioned on the version
+of the ledger its step was decided from, never on a newer one seen meanwhile. Pure: no API
+calls.
+
+A GrantLedger left by an earlier Engine of the same name (deleted and made again before the
+garbage collector removed its ledger) is owned by another uid: it is never merged (`owned_by`),
+and the writer replaces it (`kube.ledger_write`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from continuum_operator.kube.ledger import LEDGER_FIELDS
+from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.grant_ledger import GrantLedger
+
+__all__ = [
+    "KIND",
+    "LEDGER_META",
+    "PLURAL",
+    "engine_only",
+    "merged",
+    "new_ledger",
+    "owned_by",
+    "version_of",
+]
+
+PLURAL = GrantLedger.PLURAL
+KIND = GrantLedger.KIND
+#: The key of a cached Engine body that holds its GrantLedger's metadata (absent: none yet).
+LEDGER_META = "grantLedger"
+
+
+def owned_by(ledger: Mapping[str, Any], engine: Mapping[str, Any]) -> bool:
+    """Whether `ledger` is this Engine's: its owner is the Engine's uid (either side without a
+    uid, as bodies built by hand in tests: yes)."""
+    uid = (engine.get("metadata") or {}).get("uid")
+    owners = [
+        o.get("uid")
+        for o in (ledger.get("metadata") or {}).get("ownerReferences") or []
+        if o.get("kind") == "Engine"
+    ]
+    return not uid or not owners or uid in owners
+
+
+def merged(engine: Mapping[str, Any], ledger: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The Engine body with `ledger`'s status as its ledger fields and its metadata under
+    `LEDGER_META`; None or another Engine's ledger: an Engine with no ledger yet. Whatever
+    ledger fields the Engine body carried (another one's merge) are replaced, not mixed."""
+    status = {k: v for k, v in (engine.get("status") or {}).items() if k not in LEDGER_FIELDS}
+    body = {k: v for k, v in engine.items() if k != LEDGER_META}
+    if ledger is not None and owned_by(ledger, engine):
+        status.update({k: v for k, v in (ledger.get("status") or {}).items() if k in LEDGER_FIELDS})
+        body[LEDGER_META] = dict(ledger.get("metadata") or {})
+    body["status"] = status
+    return body
+
+
+def engine_only(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The Engine as the API server holds it, from a cached body (`model.engine.Engine`
+    validates it: its status names no ledger field)."""
+    return merged(body, None)
+
+
+def version_of(body: Mapping[str, Any]) -> str | None:
+    """The resourceVersion of the GrantLedger merged into this body (None: no ledger yet)."""
+    meta = body.get(LEDGER_META)
+    return str(meta["resourceVersion"]) if meta and meta.get("resourceVersion") else None
+
+
+def new_ledger(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The GrantLedger the writer creates for an Engine: its name and namespace, owned by it
+    (the garbage collector deletes it with the Engine). No status: a create ignores it (the
+    status subresource); the ledger is written next, conditioned on the new version."""
+    meta = engine["metadata"]
+    out: dict[str, Any] = {"name": meta["name"], "namespace": meta["namespace"]}
+    if meta.get("uid"):
+        out["ownerReferences"] = [
+            {
+                "apiVersion": API_VERSION,
+                "kind": "Engine",
+                "name": meta["name"],
+                "uid": meta["uid"],
+                "controller": True,
+            }
+        ]
+    return {"apiVersion": API_VERSION, "kind": GrantLedger.KIND, "metadata": out}
