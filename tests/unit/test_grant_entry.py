@@ -105,14 +105,15 @@ class TestTheCrdSchema:
         assert "type" not in deadline and deadline["x-kubernetes-preserve-unknown-fields"]
 
     def test_the_ledger_model_keeps_entries_as_they_are_for_each_reader_to_parse(self) -> None:
-        body = {
+        entries = [{"mind": "no-namespace", "state": "Held"}]
+        body: dict[str, Any] = {
             "apiVersion": API_VERSION,
             "kind": "GrantLedger",
             "metadata": {"name": "coder", "namespace": "minds"},
-            "status": {"grants": [{"mind": "no-namespace", "state": "Held"}]},
+            "status": {"grants": entries},
         }
         # One bad entry does not make the whole ledger unreadable (each reader skips or refuses).
-        assert GrantLedger.model_validate(body).status.grants == body["status"]["grants"]
+        assert GrantLedger.model_validate(body).status.grants == entries
 
     def test_an_engine_names_no_ledger_field(self) -> None:
         # The ledger is a GrantLedger's: an Engine's status that carries one is refused.
