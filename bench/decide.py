@@ -149,6 +149,8 @@ class MemoryApi:
                 raise ApiError(409, "Conflict", f"{base} was changed")
             new = {**obj, "status": copy.deepcopy(body["status"])} if status else body
             return self.replace(base, copy.deepcopy(new))
+        if method == "POST":
+            return self.create(body)
         raise ApiError(405, "MethodNotAllowed", f"{method} {path}")
 
     def text(self, path: str) -> str:
@@ -161,6 +163,8 @@ class MemoryApi:
             kind = obj.get("kind")
             if kind == "Engine":
                 cache.observe_engine(obj, deleted=False)
+            elif kind == "GrantLedger":
+                cache.observe_ledger(obj, deleted=False)
             elif kind == "Deployment":
                 cache.observe_deployment(obj, deleted=False)
             elif kind == "NodeBoard":

@@ -63,3 +63,44 @@ def board(body: dict[str, Any]) -> Board:
 
 def engine(body: dict[str, Any]) -> Engine:
     return Engine.model_validate(body)
+
+
+LEDGERS = "/apis/continuum.dev/v1alpha1/namespaces/{ns}/grantledgers/{name}"
+
+
+def split_ledger(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """An Engine body a test wrote with its ledger in its status (as the operator's cache merges
+    it), split into the Engine as stored and its GrantLedger (None: no ledger field in it)."""
+    from continuum_operator.kube.ledger import LEDGER_FIELDS
+
+    status = body.get("status") or {}
+    engine = {**body, "status": {k: v for k, v in status.items() if k not in LEDGER_FIELDS}}
+    fields = {k: v for k, v in status.items() if k in LEDGER_FIELDS}
+    if not fields:
+        return engine, None
+    meta = body["metadata"]
+    ledger = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "GrantLedger",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "resourceVersion": str(meta.get("resourceVersion") or "1"),
+        },
+        "status": fields,
+    }
+    return engine, ledger
+
+
+def stored_ledger(objects: dict[str, dict[str, Any]], ns: str, name: str) -> dict[str, Any]:
+    """The status of an Engine's GrantLedger in a fake API server's objects ({}: none yet)."""
+    return dict((objects.get(LEDGERS.format(ns=ns, name=name)) or {}).get("status") or {})
+
+
+def observe_with_ledger(cache: Any, body: dict[str, Any], deleted: bool = False) -> None:
+    """A test's Engine body (its ledger in its status) into an operator cache as the watches
+    deliver it: the Engine, and its GrantLedger."""
+    engine, ledger = split_ledger(body)
+    cache.observe_engine(engine, deleted=deleted, nudge=False)
+    if ledger is not None:
+        cache.observe_ledger(ledger, deleted=deleted, nudge=False)

@@ -1,10 +1,12 @@
 """The engine runtime's Kubernetes shell on the real API server: the grant table read from the
-Engine's `status.grants` by a watch, and `status.runtime` written by its one writer."""
+Engine's GrantLedger by a watch, and the Engine's `status.runtime` written by its one writer.
+The test's admin stands in for the operator: it makes the GrantLedger and writes its status."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +16,11 @@ import yaml
 from kubernetes import config
 
 from continuum_operator import yaml_text
+from continuum_operator.engine import grants_source
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.gateway import SlotRelease
-from continuum_operator.engine.grants_source import EngineStatusWriter, watch_engine
+from continuum_operator.engine.grants_source import EngineStatusWriter, watch_ledger
+from continuum_operator.kube import ledger_object
 from continuum_operator.model.mind import GrantState
 from tests.e2e.conftest import Cluster
 from tests.waiting import until
@@ -32,23 +36,38 @@ def _engine(namespace: str) -> dict[str, Any]:
     return doc
 
 
-def _patch_grants(cluster: Cluster, namespace: str, grants: list[dict[str, Any]]) -> None:
+def _install_crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
     cluster.kubectl(
-        "patch", "engine", "coder-8b", "-n", namespace, "--subresource=status",
-        "--type=merge", "-p", json.dumps({"status": {"grants": grants}}),
+        "wait", "--for=condition=Established", "--timeout=60s",
+        "crd/engines.continuum.dev", "crd/grantledgers.continuum.dev",
     )  # fmt: skip
 
 
-def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
-    cluster: Cluster, namespace: str
+def _make_ledger(cluster: Cluster, namespace: str) -> None:
+    """The Engine's GrantLedger as the operator makes it at its first grant step: named as the
+    Engine, owned by it, no status yet."""
+    engine = cluster.get_json("engine", "coder-8b", "-n", namespace)
+    cluster.apply(ledger_object.new_ledger(engine))
+
+
+def _write_ledger(
+    cluster: Cluster, namespace: str, grants: list[dict[str, Any]], tokens_per_slot: int = 32768
 ) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    """The ledger's status, through its status subresource, with the pool it was made for."""
+    capacity = {"phase": "Serving", "slots": 2, "tokensPerSlot": tokens_per_slot}
     cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/engines.continuum.dev"
-    )
+        "patch", "grantledger", "coder-8b", "-n", namespace, "--subresource=status",
+        "--type=merge", "-p", json.dumps({"status": {"grants": grants, "grantCapacity": capacity}}),
+    )  # fmt: skip
+
+
+def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
+    cluster: Cluster, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _install_crds(cluster)
     cluster.apply(_engine(namespace))
-    granted = {"mind": f"{namespace}/mira", "state": "Granted", "slot": 0, "tokens": 32768}
-    _patch_grants(cluster, namespace, [granted])
+    granted = {"mind": f"{namespace}/mira", "state": "Granted", "slot": 0, "tokens": 16384}
     api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     from kubernetes import client
 
@@ -57,11 +76,19 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
 
     async def main() -> None:
         watcher = asyncio.create_task(
-            watch_engine(namespace, "coder-8b", tables.append, api=objects)
+            watch_ledger(namespace, "coder-8b", tables.append, api=objects)
         )
         try:
+            # Before the operator's first step there is no ledger, then one with no status:
+            # the watch waits (no table: every turn refused) until the ledger is written.
+            await asyncio.sleep(2.5)
+            await asyncio.to_thread(_make_ledger, cluster, namespace)
+            await asyncio.sleep(1.5)
+            assert tables == []
+            await asyncio.to_thread(_write_ledger, cluster, namespace, [granted], 16384)
             await until(lambda: bool(tables), timeout=30.0)
-            assert tables[-1].slot_tokens == 32768
+            # the slot size of the launch the ledger was made for, not the Engine's spec's
+            assert tables[-1].slot_tokens == 16384
             entry = tables[-1].entry(f"{namespace}/mira")
             assert entry is not None and entry.state is GrantState.GRANTED
             reclaim = {
@@ -72,7 +99,7 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
                 "deadline": "2026-12-03T07:00:00Z",
                 "since": "2026-12-03T06:59:30Z",
             }
-            await asyncio.to_thread(_patch_grants, cluster, namespace, [reclaim])
+            await asyncio.to_thread(_write_ledger, cluster, namespace, [reclaim], 16384)
             await until(
                 lambda: (
                     (e := tables[-1].entry(f"{namespace}/mira")) is not None
@@ -95,11 +122,18 @@ def test_the_engine_shell_watches_grants_and_writes_only_status_runtime(
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
 
-    asyncio.run(main())
+    with caplog.at_level(logging.INFO, logger=grants_source.log.name):
+        asyncio.run(main())
     api_client.close()
+    # Each wait told once, at INFO: a pod started before its ledger is not an error each second.
+    told = [r for r in caplog.records if r.name == grants_source.log.name]
+    assert [r.levelno for r in told] == [logging.INFO] * 2, [r.getMessage() for r in told]
+    assert told[0].getMessage().startswith(f"no GrantLedger {namespace}/coder-8b yet")
     status = cluster.get_json("engine", "coder-8b", "-n", namespace)["status"]
     assert status["runtime"]["slotReleases"][0]["mind"] == f"{namespace}/mira"
-    assert status["grants"][0]["state"] == "Reclaiming"  # the operator's field, untouched
+    assert "grants" not in status  # the ledger is an object of its own
+    ledger = cluster.get_json("grantledger", "coder-8b", "-n", namespace)["status"]
+    assert ledger["grants"][0]["state"] == "Reclaiming"  # the operator's, untouched
 
 
 def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_only(
@@ -206,23 +240,22 @@ def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status
     cluster: Cluster, namespace: str, llama_server_bin: Path, tiny_model: Any, tmp_path: Path
 ) -> None:
     """`continuum engine --engine NS/NAME` with the real llama-server and the real API server:
-    the operator's grants (patched here by hand) decide who is served, and the reclaim's
-    release lands in the Engine's status.runtime, beside the receipt of the load."""
+    the operator's grants (its GrantLedger's, written here by hand) decide who is served, and
+    the reclaim's release lands in the Engine's status.runtime, beside the receipt of the
+    load."""
     import subprocess
     import sys
 
     from tests.e2e.llama_fixtures import free_port, http_json
 
-    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/engines.continuum.dev"
-    )
+    _install_crds(cluster)
     cluster.apply(_engine(namespace))
     from continuum_operator.engine.admission import engine_audience
 
     mira = f"{namespace}/mira"
     granted = {"mind": mira, "state": "Granted", "slot": 0, "tokens": 32768, "since": "t0"}
-    _patch_grants(cluster, namespace, [granted])
+    _make_ledger(cluster, namespace)
+    _write_ledger(cluster, namespace, [granted])
     # Review is on by default: her projected token, with this engine's audience.
     cluster.kubectl("create", "serviceaccount", "mira", "-n", namespace)
     token = cluster.kubectl(
@@ -280,7 +313,7 @@ def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status
             )
             assert (code, reply["id_slot"]) == (200, 0)
             reclaim = {**granted, "state": "Reclaiming", "reason": "Preempted", "since": "t1"}
-            _patch_grants(cluster, namespace, [reclaim])
+            _write_ledger(cluster, namespace, [reclaim])
             wait(lambda: bool(runtime_status().get("slotReleases")), "no release reported")
             assert post("/v1/turns", {}, **mind)[0] == 409
         finally:
@@ -298,8 +331,8 @@ def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status
     [receipt] = runtime["receipts"]
     assert receipt["contextTokens"] == 2048 and receipt["parallel"] == 2
     assert runtime["slots"] == 2 and runtime["layersOffloaded"] == 0
-    grants = cluster.get_json("engine", "coder-8b", "-n", namespace)["status"]["grants"]
-    assert grants[0]["state"] == "Reclaiming"  # the operator's field, untouched
+    grants = cluster.get_json("grantledger", "coder-8b", "-n", namespace)["status"]["grants"]
+    assert grants[0]["state"] == "Reclaiming"  # the operator's, untouched
 
 
 def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_tokens(
@@ -307,7 +340,9 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
 ) -> None:
     """What the operator applies for an engine, applied to the real API server: its
     ServiceAccount may create TokenReviews (through system:auth-delegator) and nothing of the
-    kind before; the NetworkPolicy is a valid one admitting the namespaces it names."""
+    kind before; it may read its own GrantLedger and write no ledger (RBAC is the ledger's
+    guard: the operator writes it alone); the NetworkPolicy is a valid one admitting the
+    namespaces it names."""
     from continuum_operator.kube import engine_identity, objects
     from continuum_operator.kube.settings import PodSettings
     from continuum_operator.model.engine import Engine
@@ -322,6 +357,14 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
         found = cluster.kubectl("auth", "can-i", "create", "tokenreviews", who, check=False)
         return str(found.stdout).strip()
 
+    def can(verb: str, what: str, *flags: str) -> str:
+        found = cluster.kubectl(
+            "auth", "can-i", verb, what, who, "-n", namespace, *flags, check=False
+        )
+        return str(found.stdout).strip()
+
+    own = f"grantledgers.continuum.dev/{engine.metadata.name}"
+
     assert can_review() == "no"
     built = [
         *engine_identity.engine_rbac(engine, "uid"),
@@ -334,6 +377,13 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
     cluster.kubectl("apply", "--server-side", "--field-manager=e2e", "-f", str(path))
     try:
         assert can_review() == "yes"
+        for verb in ("get", "list", "watch"):
+            assert can(verb, own) == "yes", verb
+        assert can("get", "grantledgers.continuum.dev/other") == "no"
+        for verb in ("create", "update", "patch", "delete"):
+            assert can(verb, own) == "no", verb
+        for verb in ("update", "patch"):
+            assert can(verb, own, "--subresource=status") == "no", verb
         policy = cluster.get_json("networkpolicy", engine.metadata.name, "-n", namespace)
         [expr] = policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"]
         assert expr["values"] == sorted([namespace, "team-b"])

@@ -476,9 +476,16 @@ def test_the_operator_has_no_wildcards_no_secrets_and_no_deletes_beyond_its_work
         assert "*" not in (group, resource, verb)
         assert resource != "secrets"
         if verb == "delete":
-            assert resource in {"deployments", "services", "jobs"}, resource
+            assert resource in {"deployments", "services", "jobs", "grantledgers"}, resource
         if group == "continuum.dev" and not resource.endswith("/status"):
-            assert verb in {"get", "list", "watch", "patch"}, (resource, verb)  # no create/delete
+            # No create/delete of what users declare; the GrantLedgers are the operator's own
+            # record (made at an Engine's first step, a stale one deleted on its uid).
+            allowed = {"get", "list", "watch", "patch"}
+            if resource == "grantledgers":
+                allowed = {"get", "list", "watch", "create", "delete"}
+            assert verb in allowed, (resource, verb)
+    assert allows(rules, "continuum.dev", "grantledgers/status", "update")
+    assert not allows(rules, "continuum.dev", "engines/status", "update")  # patches only
     # A board's spec.placed (the pods it placed there) is the operator's, its status the agent's.
     assert allows(rules, "continuum.dev", "nodeboards", "patch")
     assert not allows(rules, "continuum.dev", "nodeboards/status", "patch")

@@ -190,13 +190,19 @@ def test_a_minds_children_rank_below_every_class_and_ordinary_pods_and_never_pre
     assert children["globalDefault"] is False
 
 
-def test_the_engine_pod_may_read_its_own_engine_and_write_its_status_only() -> None:
+def test_the_engine_pod_may_read_its_own_engine_and_ledger_and_write_its_status_only() -> None:
     e, p = planned()
     account, role, binding, _review = engine_identity.engine_rbac(e, "u")
     assert account["kind"] == "ServiceAccount"
     assert {tuple(r["resourceNames"]) for r in role["rules"]} == {("eng",)}
     verbs = {r["resources"][0]: set(r["verbs"]) for r in role["rules"]}
-    assert verbs == {"engines": {"get", "list", "watch"}, "engines/status": {"get", "patch"}}
+    # Its GrantLedger is read (watched by name) and never written: the operator's alone.
+    assert verbs == {
+        "engines": {"get", "list", "watch"},
+        "engines/status": {"get", "patch"},
+        "grantledgers": {"get", "list", "watch"},
+    }
+    assert all(len(r["resources"]) == 1 for r in role["rules"])
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
     d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
     assert d["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]

@@ -28,7 +28,7 @@ from continuum_operator.engine.admission import (
     reconcile,
     service_account,
     still_reported,
-    table_from_engine,
+    table_from_ledger,
     token_cap,
 )
 from continuum_operator.model.mind import GrantState
@@ -278,19 +278,69 @@ class TestReadingTheTable:
         with pytest.raises(GrantTableError, match=where):
             parse_table(doc)
 
-    def test_an_engine_object_gives_its_status_grants_and_slot_size(self) -> None:
-        obj = {
-            "metadata": {"namespace": "minds", "name": "e"},
-            "spec": {"contextTokensPerMind": 1024},
-            "status": {
-                "grants": [{"mind": "minds/a", "state": "Queued", "reason": "EngineRelaunching"}],
-            },
+    def test_a_grant_ledger_gives_its_status_grants_and_slot_size(self) -> None:
+        status: dict[str, Any] = {
+            "grants": [{"mind": "minds/a", "state": "Queued", "reason": "EngineRelaunching"}],
+            "grantCapacity": {"phase": "Relaunching", "slots": 0, "tokensPerSlot": 1024},
         }
-        t = table_from_engine(obj)
-        assert (t.slot_tokens, list(t.entries)) == (1024, ["minds/a"])
+        obj = {
+            "kind": "GrantLedger",
+            "metadata": {"namespace": "minds", "name": "e"},
+            "status": status,
+        }
+        t = table_from_ledger(obj)
+        assert (t.slot_tokens, list(t.entries), t.left_out) == (1024, ["minds/a"], False)
         # a drain shows in her reason: she is told the engine relaunches
         assert admit_turn(t, "minds/a").status == 503
+        # the head of a long queue: a mind it does not list waits behind it
+        queue = {"queued": 9, "refused": 0, "keptQueued": 1, "keptRefused": 0}
+        left_out = table_from_ledger({**obj, "status": {**status, "grantQueue": queue}})
+        assert left_out.left_out and admit_turn(left_out, "minds/z").status == 429
 
-    def test_an_engine_without_a_slot_size_is_an_error_naming_it(self) -> None:
-        with pytest.raises(GrantTableError, match=r"Engine minds/e status\.slotTokens"):
-            table_from_engine({"metadata": {"namespace": "minds", "name": "e"}})
+    def test_a_ledgers_slot_size_is_its_launchs_not_the_engines_plan(self) -> None:
+        """Draining: the granted minds hold slots of the old process, the one the gateway runs
+        in, so its turns are capped by the old slot size the ledger was made for."""
+        obj = {
+            "metadata": {"namespace": "minds", "name": "e"},
+            # an Engine body with the ledger merged in (the operator's cache) reads the same
+            "spec": {"contextTokensPerMind": 4096},
+            "status": {
+                "plan": {"contextTokensPerMind": 4096},
+                "grants": [{"mind": "minds/a", "state": "Granted", "slot": 0, "tokens": 2048}],
+                "grantCapacity": {
+                    "phase": "Draining",
+                    "slots": 2,
+                    "tokensPerSlot": 2048,
+                    "launch": "old",
+                    "targetSlots": 1,
+                },
+            },
+        }
+        t = table_from_ledger(obj)
+        assert t.slot_tokens == 2048
+        assert admit_turn(t, "minds/a").slot == 0
+
+    @pytest.mark.parametrize(
+        "status",
+        [{}, {"grants": []}, {"grantCapacity": {"phase": "Serving", "slots": 1}}],
+    )
+    def test_a_ledger_without_a_slot_size_is_refused_naming_the_field(
+        self, status: dict[str, Any]
+    ) -> None:
+        with pytest.raises(
+            GrantTableError,
+            match=r"GrantLedger minds/e status\.grantCapacity\.tokensPerSlot: missing.*"
+            r"refused until the operator's next grant step writes",
+        ):
+            table_from_ledger({"metadata": {"namespace": "minds", "name": "e"}, "status": status})
+
+    def test_a_ledgers_bad_slot_size_names_the_ledgers_field(self) -> None:
+        obj = {
+            "metadata": {"namespace": "minds", "name": "e"},
+            "status": {"grantCapacity": {"phase": "Serving", "slots": 1, "tokensPerSlot": 0}},
+        }
+        with pytest.raises(
+            GrantTableError,
+            match=r"GrantLedger minds/e status\.grantCapacity\.tokensPerSlot: must be a positive",
+        ):
+            table_from_ledger(obj)

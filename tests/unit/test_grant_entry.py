@@ -46,7 +46,7 @@ def written() -> list[dict[str, Any]]:
 
 
 def crd_entry_schema() -> dict[str, Any]:
-    crd = yaml.safe_load((ROOT / "crds" / "continuum.dev_engines.yaml").read_text())
+    crd = yaml.safe_load((ROOT / "crds" / "continuum.dev_grantledgers.yaml").read_text())
     root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     items: dict[str, Any] = root["properties"]["status"]["properties"]["grants"]["items"]
     return items

@@ -8,7 +8,7 @@ from typing import Any
 
 from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
-from continuum_operator.engine.admission import table_from_engine
+from continuum_operator.engine.admission import table_from_ledger
 from continuum_operator.kube import ledger, mind_status, routing
 from continuum_operator.model.mind import GrantState
 
@@ -101,7 +101,7 @@ def test_minds_are_granted_in_priority_order_up_to_the_slots_and_the_gateway_rea
     assert run.entry("a")["state"] == "Granted"  # type: ignore[index]
     assert run.entry("c")["state"] == "Queued"  # type: ignore[index]
     assert run.entry("c")["position"] == 1  # type: ignore[index]
-    table = table_from_engine(run.body)
+    table = table_from_ledger(run.body)
     assert table.slot_tokens == 4096
     assert table.entry(f"{NS}/b").state is GrantState.GRANTED  # type: ignore[union-attr]
     assert {table.entry(f"{NS}/{m}").slot for m in "ab"} == {0, 1}  # type: ignore[union-attr]
@@ -187,7 +187,7 @@ def test_a_mind_asking_more_than_a_slot_is_refused_and_told_why() -> None:
     assert grant is not None and grant["state"] == "Refused"  # never granted: not "Released"
     ok, reason, message = conds[mind_status.MindConditionType.CONTEXT_TOO_LARGE]
     assert ok and reason == "ContextTooLarge" and "8192" in message and "4096" in message
-    table = table_from_engine(run.body)
+    table = table_from_ledger(run.body)
     assert table.entry(f"{NS}/big").asked_tokens == 8192  # type: ignore[union-attr]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
+from tests.builders import stored_ledger
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind, quota
 from tests.waiting import until
 
@@ -221,14 +222,14 @@ def test_a_due_engines_release_is_logged_at_its_deadline_though_others_write_bes
     w.api.add(gone, "minds")
     w.cache.observe_mind(gone, deleted=False)
     w.loop.pass_once()
-    [entry] = w.api.objects[f"{BASE}/team-a/engines/due"]["status"]["grants"]
+    [entry] = stored_ledger(w.api.objects, "team-a", "due")["grants"]
     deadline = float(entry["deadline"])
     clock.now = deadline + 5
     w.mind(mind("team-a", "bob", "free", second=3))
     real = w.api.aio.request
 
     async def request(method: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
-        if method == "PUT" and "/engines/due/" in path:
+        if method == "PUT" and "/grantledgers/due/" in path:
             await asyncio.sleep(0.3)
         return await real(method, path, body, **kw)
 

@@ -1,27 +1,34 @@
-"""The leader's ledger writes (`kube.minds.GrantsLoop`) against a stand-in API server: a replace
-of the Engine's status carrying its resourceVersion, never a blind merge; on 409 the Engine is
-read again and the step decided again on what it now says."""
+"""The leader's ledger writes (`kube.minds.GrantsLoop`, `kube.ledger_write`) against a stand-in
+API server: the Engine's GrantLedger made at its first step, owned by it; each step a replace of
+the ledger's status carrying its resourceVersion, never a blind merge; on 409 the ledger is read
+again and the step decided again on what it now says; a ledger an earlier Engine of the name
+left is replaced, never read as this one's."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.ledger_write import seed_ledgers
 from continuum_operator.kube.mind_cache import MindCache
 from continuum_operator.kube.minds import GrantsLoop
+from tests.builders import LEDGERS
 from tests.fakes import FakeKubeApi
 
 NS = "minds"
-ENGINE_PATH = f"/apis/continuum.dev/v1alpha1/namespaces/{NS}/engines/coder"
+BASE = f"/apis/continuum.dev/v1alpha1/namespaces/{NS}"
+ENGINE_PATH = f"{BASE}/engines/coder"
+LEDGER_PATH = LEDGERS.format(ns=NS, name="coder")
 
 
 def engine_body() -> dict[str, Any]:
     return {
         "apiVersion": "continuum.dev/v1alpha1",
         "kind": "Engine",
-        "metadata": {"namespace": NS, "name": "coder", "resourceVersion": "10"},
+        "metadata": {"namespace": NS, "name": "coder", "resourceVersion": "10", "uid": "u-1"},
         "spec": {"contextTokensPerMind": 512},
         "status": {
             "plan": {"node": "n", "engineArgs": ["-np", "1"], "mindsGrantable": 1,
@@ -46,12 +53,15 @@ class Clock:
         return self.now
 
 
-def setup(tmp_path: Path, *minds: dict[str, Any]) -> tuple[FakeKubeApi, GrantsLoop, Clock]:
+def setup(
+    tmp_path: Path, *minds: dict[str, Any], api: FakeKubeApi | None = None
+) -> tuple[FakeKubeApi, GrantsLoop, Clock]:
     """One Engine with a resourceVersion, and no Mind at the API server: their projections
     are not under test here (each write of one is a 404)."""
-    api = FakeKubeApi([engine_body()])
+    api = api or FakeKubeApi()
+    api.add(engine_body(), "engines")
     engines, cache = Cache(), MindCache()
-    engines.observe_engine(the_engine(api), deleted=False, nudge=False)
+    engines.observe_engine(api.objects[ENGINE_PATH], deleted=False, nudge=False)
     for m in minds:
         cache.observe_mind(m, deleted=False, nudge=False)
     for name, priority in (("low", 0), ("high", 10)):
@@ -63,25 +73,40 @@ def setup(tmp_path: Path, *minds: dict[str, Any]) -> tuple[FakeKubeApi, GrantsLo
     return api, loop, clock
 
 
-def the_engine(api: FakeKubeApi) -> dict[str, Any]:
-    return api.objects[ENGINE_PATH]
+def the_ledger(api: FakeKubeApi) -> dict[str, Any]:
+    return api.objects[LEDGER_PATH]
 
 
 def states(api: FakeKubeApi) -> dict[str, tuple[str, str]]:
-    return {e["mind"]: (e["state"], e["reason"]) for e in the_engine(api)["status"]["grants"]}
+    return {e["mind"]: (e["state"], e["reason"]) for e in the_ledger(api)["status"]["grants"]}
 
 
-def test_the_ledger_is_written_as_a_replace_carrying_the_resource_version(tmp_path: Path) -> None:
+def test_the_first_step_makes_the_ledger_owned_by_the_engine_then_replaces_its_status(
+    tmp_path: Path,
+) -> None:
     api, loop, _ = setup(tmp_path, mind("a", "low", 1))
     loop.pass_once()
+    [made] = api.created
+    assert made["metadata"]["ownerReferences"] == [
+        {"apiVersion": "continuum.dev/v1alpha1", "kind": "Engine", "name": "coder",
+         "uid": "u-1", "controller": True}
+    ]  # fmt: skip
     [put] = api.puts
-    assert put["metadata"]["resourceVersion"] == "10"
-    assert put["status"]["plan"]["mindsGrantable"] == 1  # the whole status, others' parts kept
+    written = [(m, p) for m, p in api.requests if m in ("PUT", "PATCH") and "/minds/a" not in p]
+    assert written == [("PUT", f"{LEDGER_PATH}/status")]  # a grant no longer rewrites the Engine
+    assert int(put["metadata"]["resourceVersion"]) == 1  # the version the create answered
+    assert set(put["status"]) == {"grants", "grantCapacity", "grantStep"}  # the ledger alone
     assert states(api) == {f"{NS}/a": ("Granted", "SlotFree")}
-    assert the_engine(api)["status"]["grantStep"]["seq"] == 1
+    assert the_ledger(api)["status"]["grantStep"]["seq"] == 1
+    assert "grants" not in api.objects[ENGINE_PATH]["status"]
+    # The next step replaces the ledger made: no second create.
+    loop.minds.observe_mind(mind("b", "low", 2), deleted=False, nudge=False)
+    loop.pass_once()
+    assert len(api.created) == 1 and len(api.puts) == 2
+    assert states(api)[f"{NS}/b"] == ("Queued", "PoolFull")
 
 
-def test_a_conflict_is_read_again_and_decided_again_on_what_the_engine_now_says(
+def test_a_conflict_is_read_again_and_decided_again_on_what_the_ledger_now_says(
     tmp_path: Path,
 ) -> None:
     api, loop, clock = setup(tmp_path, mind("a", "low", 1))
@@ -90,25 +115,64 @@ def test_a_conflict_is_read_again_and_decided_again_on_what_the_engine_now_says(
     clock.now += 1
     loop.pass_once()  # a is preempted: Reclaiming
     assert states(api)[f"{NS}/a"] == ("Reclaiming", "Preempted")
-    since = next(e["since"] for e in the_engine(api)["status"]["grants"] if e["mind"] == f"{NS}/a")
 
-    def gateway_reports_release(engine: dict[str, Any]) -> None:
-        engine["status"]["runtime"] = {
-            "slotReleases": [{"mind": f"{NS}/a", "slot": 0, "grantSince": since}]
-        }  # (the double bumps its resourceVersion, as this write would)
+    def deposed_leader_writes(ledger: dict[str, Any]) -> None:
+        # A leader that lost its Lease and had not noticed: its late write gave vip the slot.
+        status = ledger["status"]
+        status["grants"] = [
+            {**e, "state": "Granted", "reason": "SlotFree", "slot": 0}
+            for e in status["grants"] if e["mind"] == f"{NS}/vip"
+        ]  # (the double bumps its resourceVersion, as that write would)
 
-    # Another pass while the gateway writes its release report between our read and our write.
-    loop.engines.observe_engine({**the_engine(api), "metadata": {**the_engine(api)["metadata"]}},
-                                deleted=False, nudge=False)  # fmt: skip
+    # This leader's cache has not seen that write when its next pass decides.
     loop.minds.observe_mind(mind("b", "low", 3), deleted=False, nudge=False)
-    api.meanwhile(ENGINE_PATH, gateway_reports_release)  # just before our next write lands
+    api.meanwhile(LEDGER_PATH, deposed_leader_writes)  # just before our next write lands
     clock.now += 1
     loop.pass_once()
     first, second = api.puts[-2:]
     assert (
         int(second["metadata"]["resourceVersion"]) == int(first["metadata"]["resourceVersion"]) + 1
     )
-    # Decided again on the re-read Engine: the release is recorded, vip takes the slot.
-    assert states(api)[f"{NS}/a"] == ("Queued", "PoolFull")
+    assert f"{LEDGER_PATH}" in api.gets  # read again after the 409
+    # Decided again on the re-read ledger: vip holds the slot, a and b wait.
     assert states(api)[f"{NS}/vip"] == ("Granted", "SlotFree")
-    assert the_engine(api)["status"]["runtime"]["slotReleases"]  # the runtime's part, kept
+    assert states(api)[f"{NS}/a"][0] == "Queued"
+    assert states(api)[f"{NS}/b"][0] == "Queued"
+
+
+def test_a_ledger_an_earlier_engine_of_the_name_left_is_replaced_not_read(
+    tmp_path: Path,
+) -> None:
+    api = FakeKubeApi()
+    stale = {
+        "apiVersion": "continuum.dev/v1alpha1",
+        "kind": "GrantLedger",
+        "metadata": {"namespace": NS, "name": "coder", "resourceVersion": "3", "uid": "l-old",
+                     "ownerReferences": [{"kind": "Engine", "name": "coder", "uid": "u-0"}]},
+        "status": {"grants": [{"mind": f"{NS}/old", "state": "Granted", "slot": 0,
+                               "tokens": 512}]},
+    }  # fmt: skip
+    api.add(stale, "grantledgers")
+    api, loop, _ = setup(tmp_path, mind("a", "low", 1), api=api)
+    asyncio.run(seed_ledgers(api.aio, loop.engines))  # type: ignore[arg-type]
+    assert "grantLedger" not in loop.engines.engines[(NS, "coder")]  # another owner: not merged
+    loop.pass_once()
+    assert ("DELETE", LEDGER_PATH) in api.requests
+    owners = the_ledger(api)["metadata"]["ownerReferences"]
+    assert [o["uid"] for o in owners] == ["u-1"]
+    assert states(api) == {f"{NS}/a": ("Granted", "SlotFree")}  # the old mind's slot is not hers
+
+
+def test_a_new_leader_reads_the_ledgers_before_its_first_step(tmp_path: Path) -> None:
+    api, loop, _ = setup(tmp_path, mind("a", "low", 1))
+    loop.pass_once()
+    written = len(api.puts)
+    # A new leader: a cache with the Engine and its Minds, not (yet) the ledger's watch event.
+    engines = Cache()
+    engines.observe_engine(api.objects[ENGINE_PATH], deleted=False, nudge=False)
+    settings = GrantSettings(transition_log=tmp_path / "log2.jsonl", write_workers=1)
+    again = GrantsLoop(api.aio, settings, engines, loop.minds, clock=loop.clock)  # type: ignore[arg-type]
+    asyncio.run(seed_ledgers(api.aio, engines))  # type: ignore[arg-type]
+    again.pass_once()
+    assert len(api.created) == 1 and len(api.puts) == written  # nothing to change, nothing written
+    assert states(api) == {f"{NS}/a": ("Granted", "SlotFree")}

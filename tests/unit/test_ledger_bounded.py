@@ -13,15 +13,17 @@ from typing import Any
 import pytest
 
 from continuum_operator import checklog
-from continuum_operator.engine.admission import BEYOND_TABLE, Refusal, admit_turn, table_from_engine
+from continuum_operator.engine.admission import BEYOND_TABLE, Refusal, admit_turn, table_from_ledger
 from continuum_operator.kube import ledger
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_writer import Write
 from continuum_operator.kube.minds import GrantsLoop
+from tests.builders import LEDGERS
 from tests.unit.test_tenancy_loop import BASE, World, engine
 
 MiB = 2**20
 ENGINE = f"{BASE}/team-a/engines/coder"
+LEDGER = LEDGERS.format(ns="team-a", name="coder")
 
 
 def mind(i: int, cls: str = "") -> dict[str, Any]:
@@ -36,7 +38,7 @@ def mind(i: int, cls: str = "") -> dict[str, Any]:
 
 
 class Writes:
-    """The Engine status replaces the loop sends, serialised as the Kubernetes client sends
+    """The GrantLedger status replaces the loop sends, serialised as the Kubernetes client sends
     them (`json.dumps` of the body)."""
 
     def __init__(self, w: World) -> None:
@@ -81,7 +83,7 @@ def test_a_ledger_of_20000_minds_on_one_engine_stays_under_1_mib_per_object(
     w.loop.pass_once()
 
     assert writes.sizes and max(writes.sizes) < MiB
-    obj = w.api.objects[ENGINE]
+    obj = w.api.objects[LEDGER]
     assert len(json.dumps(obj).encode()) < MiB
     status = obj["status"]
     states = [e["state"] for e in status["grants"]]
@@ -137,7 +139,7 @@ def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_mi
         w.mind(mind(i))
     lines = logged(w)
     w.loop.pass_once()
-    kept = [e["mind"][-2:] for e in w.api.objects[ENGINE]["status"]["grants"]]
+    kept = [e["mind"][-2:] for e in w.api.objects[LEDGER]["status"]["grants"]]
     assert kept == ["00", "01", "02", "03", "04", "05", "06"]
     assert grant_of(w, 11)["message"].startswith("queued (PoolFull), among the first 10 in")
     # Its first pass steps every engine: the five beyond the head are where they were (had it
@@ -154,7 +156,7 @@ def test_a_new_leader_takes_the_queue_the_object_left_out_from_the_log_or_the_mi
     lines += logged(w)
     w.loop.pass_once()
     body = w.api.objects[ENGINE]
-    reclaimed = [e for e in body["status"]["grants"] if e["state"] == "Reclaiming"]
+    reclaimed = [e for e in w.api.objects[LEDGER]["status"]["grants"] if e["state"] == "Reclaiming"]
     assert [e["reason"] for e in reclaimed] == ["MindDeleted", "MindDeleted"]
     releases = [{"mind": e["mind"], "slot": e["slot"], "grantSince": e["since"]} for e in reclaimed]
     body["status"]["runtime"] = {"slotReleases": releases}
@@ -229,7 +231,7 @@ def test_a_leader_killed_before_its_log_append_leaves_a_log_the_next_one_keeps_w
         w.mind(mind(i))
     delete_mind(w, 10)
     w.loop.pass_once()
-    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
     assert step["omitted"] == 6 * 2
     assert [(x["mind"], x["reason"]) for x in step["lines"]] == [
         ("team-a/mind-00010", "MindDeleted")
@@ -252,7 +254,7 @@ def test_a_queued_mind_deleted_in_a_step_the_log_missed_leaves_the_log_in_that_s
     w = queue_past_the_head_then_kill_the_log(tmp_path)
     delete_mind(w, 11)
     w.loop.pass_once()
-    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
     assert [(x["mind"], x["to"], x["reason"]) for x in step["lines"]] == [
         ("team-a/mind-00011", "Released", "MindDeleted")
     ]
@@ -274,7 +276,7 @@ def test_a_step_of_arrivals_beyond_the_head_only_leaves_its_seq_in_the_log_after
     for i in range(12, 15):
         w.mind(mind(i))
     w.loop.pass_once()
-    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
+    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
     assert step["omitted"] == 3 * 2 - 1 and len(step["lines"]) == 1
     new_leader(w, tmp_path)
     w.loop.pass_once()
@@ -301,8 +303,8 @@ def test_a_steps_journal_keeps_the_lines_of_the_minds_the_object_keeps_and_count
     body["metadata"]["resourceVersion"] = "999"
     w.engines.observe_engine(body, deleted=False, nudge=False)
     w.loop.pass_once()  # not ready: eighteen queued minds told why they wait
-    step = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]
-    kept = {e["mind"] for e in w.api.objects[ENGINE]["status"]["grants"]}
+    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
+    kept = {e["mind"] for e in w.api.objects[LEDGER]["status"]["grants"]}
     journaled = [x for x in step["lines"] if x["event"] == "transition"]
     in_log = [x for x in log_lines(tmp_path) if x.get("seq") == step["seq"]]
     assert step["omitted"] == len(in_log) - len(step["lines"]) > 0
@@ -317,11 +319,12 @@ def test_a_mind_the_table_does_not_list_is_queued_behind_its_head_when_it_lists_
     body = engine("team-a", "coder", slots=1)
     body["status"]["grants"] = [{"mind": "team-a/a", "state": "Granted", "reason": "SlotFree",
                                  "slot": 0, "tokens": 1000}]  # fmt: skip
-    answer = admit_turn(table_from_engine(body), "team-a/z")
+    body["status"][ledger.CAPACITY_FIELD] = {"phase": "Serving", "slots": 1, "tokensPerSlot": 1000}
+    answer = admit_turn(table_from_ledger(body), "team-a/z")
     assert (answer.status, answer.refusal) == (403, Refusal.FORBIDDEN)
     body["status"][ledger.QUEUE_FIELD] = {"queued": 300, "refused": 0, "keptQueued": 256,
                                           "keptRefused": 0}  # fmt: skip
-    answer = admit_turn(table_from_engine(body), "team-a/z")
+    answer = admit_turn(table_from_ledger(body), "team-a/z")
     assert (answer.status, answer.refusal) == (429, Refusal.QUEUED)
     assert answer.body["reason"] == BEYOND_TABLE and "status.grant" in answer.body["message"]
 
@@ -371,12 +374,12 @@ def test_a_step_the_log_missed_is_logged_when_a_new_leader_writes_over_it_from_a
     w.engine(engine("team-a", "coder", slots=1))
     w.mind(mind(0))
     w.loop.pass_once()
-    stale = json.loads(json.dumps(w.api.objects[ENGINE]))
+    stale = json.loads(json.dumps(w.engines.engines[("team-a", "coder")]))
     # One more mind; this leader writes her step (she queues) and dies before its log append.
     w.mind(mind(1))
     w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
     w.loop.pass_once()
-    lost = w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]["seq"]
+    lost = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]["seq"]
     new_leader(w, tmp_path)
     # The new leader's cache still holds the Engine from before that write (its watch event
     # not yet seen).
@@ -386,5 +389,5 @@ def test_a_step_the_log_missed_is_logged_when_a_new_leader_writes_over_it_from_a
     seqs = [x["seq"] for x in log_lines(tmp_path)]
     assert lost in seqs
     blocks = [q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q]
-    assert blocks == list(range(1, w.api.objects[ENGINE]["status"][ledger.STEP_FIELD]["seq"] + 1))
+    assert blocks == list(range(1, w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]["seq"] + 1))
     assert checklog.check(log_lines(tmp_path)) == []

@@ -122,13 +122,19 @@ def test_a_watch_event_while_a_patch_is_in_flight_keeps_the_patch() -> None:
     lease = {"node": "n0", "assumed": True, "pools": [{"pool": "device/0", "bytes": GiB}]}
     cache.assume_status(("ns", "a"), {"status": {"placement": lease}})
     assert cache.engines_on == {"n0": frozenset({("ns", "a")})}
-    # The grants loop wrote the engine's ledger meanwhile: a newer body, without the placement.
-    other = merge_patch(body, {"metadata": {"resourceVersion": "7"}, "status": {"grants": []}})
+    # Meanwhile the runtime wrote the Engine (a newer body, without the placement) and the grants
+    # loop its GrantLedger.
+    other = merge_patch(body, {"metadata": {"resourceVersion": "7"},
+                               "status": {"runtime": {"slotReleases": []}}})  # fmt: skip
     cache.observe_engine(other, deleted=False)
+    ledger = {"metadata": {"namespace": "ns", "name": "a", "resourceVersion": "8"},
+              "status": {"grants": []}}  # fmt: skip
+    cache.observe_ledger(ledger, deleted=False)
     held = cache.engines[("ns", "a")]
     assert held["status"]["placement"] == lease and held["status"]["grants"] == []
+    assert held["status"]["runtime"] == {"slotReleases": []}
     cache.settle_status(("ns", "a"), None)  # the patch failed
-    assert cache.engines[("ns", "a")] == other
+    assert cache.engines[("ns", "a")]["status"] == {**other["status"], "grants": []}
     assert cache.engines_on == {}
 
 

@@ -196,25 +196,30 @@ def test_an_engine_watch_event_decides_that_engine(world: World) -> None:
     assert world.pass_once() == {key}
 
 
-def _ledger_written(body: Mapping[str, Any], launch: str, state: str) -> dict[str, Any]:
-    """`body` as the grants loop's replace leaves it: a ledger of one mind, for `launch`."""
-    written = copy.deepcopy(dict(body))
-    written["metadata"]["resourceVersion"] = "9999"
-    written["status"]["grants"] = [{"mind": "ns/m0", "state": state, "tokens": 4096, "slot": 0}]
-    written["status"]["grantCapacity"] = {"phase": "Serving", "slots": 4, "launch": launch}
-    written["status"]["grantStep"] = {"seq": 1, "t": "2027-01-15T08:00:00Z", "lines": []}
-    return written
+def _ledger(body: Mapping[str, Any], launch: str, state: str, version: int) -> dict[str, Any]:
+    """The GrantLedger of `body`'s Engine as the grants loop writes it: one mind, for `launch`."""
+    meta = body["metadata"]
+    return {
+        "metadata": {"namespace": meta["namespace"], "name": meta["name"],
+                     "resourceVersion": str(version)},
+        "status": {
+            "grants": [{"mind": "ns/m0", "state": state, "tokens": 4096, "slot": 0}],
+            "grantCapacity": {"phase": "Serving", "slots": 4, "launch": launch},
+            "grantStep": {"seq": 1, "t": "2027-01-15T08:00:00Z", "lines": []},
+        },
+    }  # fmt: skip
 
 
 def test_a_ledger_write_alone_decides_no_plan(world: World) -> None:
-    # The grants loop writes an Engine once a granted mind, and no plan reads the ledger:
-    # deciding the engine again for each would cost the plan loop a pass per grant.
+    # The grants loop writes an Engine's GrantLedger once a granted mind, and no plan reads the
+    # ledger: deciding the engine again for each would cost the plan loop a pass per grant.
     world.settle()
     key = sorted(world.on["n2"])[0]
     body = world.cache.engines[key]
     launch = ledger.launch_of(body["status"].get("plan") or {})
     assert launch is not None
-    world.cache.observe_engine(_ledger_written(body, launch, "Granted"), deleted=False)
+    world.cache.observe_ledger(_ledger(body, launch, "Granted", 1), deleted=False)
+    assert world.cache.engines[key]["status"]["grants"][0]["state"] == "Granted"  # merged
     assert world.pass_once() == set()
 
 
@@ -225,13 +230,12 @@ def test_a_ledger_write_decides_the_plan_while_a_relaunch_waits_for_the_drain(
     # that releases the last of them is what lets it go (`Loop.held_for_drain`).
     world.settle()
     key = sorted(world.on["n2"])[0]
-    held = _ledger_written(world.cache.engines[key], "old-launch", "Granted")
-    world.cache.observe_engine(held, deleted=False)
+    world.cache.observe_ledger(_ledger(world.cache.engines[key], "old-launch", "Granted", 1),
+                               deleted=False)  # fmt: skip
     assert key in world.pass_once()
     world.pass_once()
-    released = _ledger_written(world.cache.engines[key], "old-launch", "Released")
-    released["metadata"]["resourceVersion"] = "10000"
-    world.cache.observe_engine(released, deleted=False)
+    world.cache.observe_ledger(_ledger(world.cache.engines[key], "old-launch", "Released", 2),
+                               deleted=False)  # fmt: skip
     assert key in world.pass_once()
 
 

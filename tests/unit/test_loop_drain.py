@@ -14,6 +14,7 @@ from continuum_operator.kube.engine_pass import Memory, Writes
 from continuum_operator.kube.loop import DRAIN_HOLD_SECONDS, Loop
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
 from continuum_operator.kube.settings import OperatorSettings
+from tests.builders import observe_with_ledger
 from tests.fakes import FakeKubeApi
 
 OLD_PLAN = {"node": "n1", "engineArgs": ["-np", "2"], "mindsGrantable": 2}
@@ -49,7 +50,7 @@ class World:
         self.now = 1_000.0
         self.api = FakeKubeApi()
         cache = Cache()
-        cache.observe_engine(body, deleted=False, nudge=False)
+        observe_with_ledger(cache, body)
         cache.deployments[("ns", "coder")] = DeploymentEntry("old-launch", 1, 1, 1, 1, 1)
         fake: Any = self.api.aio
         real: AsyncKubeApi = fake
@@ -86,7 +87,7 @@ def test_a_relaunch_waits_for_the_drain_then_goes_out() -> None:
     # Drained: the grants loop wrote the ledger for the new launch.
     drained = engine(NEW_PLAN, NEW_PLAN, ["Queued", "Queued"])
     drained["metadata"]["resourceVersion"] = "6"
-    w.loop.cache.observe_engine(drained, deleted=False, nudge=False)
+    observe_with_ledger(w.loop.cache, drained)
     applied = w.apply()
     assert [d["metadata"]["annotations"][LAUNCH_ANNOTATION] for d in applied] == ["new-launch"]
 

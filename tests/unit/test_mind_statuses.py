@@ -72,7 +72,7 @@ def test_a_mind_of_an_unschedulable_engine_says_so_not_that_it_relaunches(tmp_pa
     state, reason, message = shown(w, "ann")
     assert (state, reason) == ("Queued", "EngineUnschedulable")
     assert "Engine team-a/coder is not serving: InsufficientMemory: node a100-01" in message
-    pool = w.status("engines", NS, "coder")[ledger.CAPACITY_FIELD]
+    pool = w.status("grantledgers", NS, "coder")[ledger.CAPACITY_FIELD]
     assert pool["phase"] == "Unschedulable"
 
 
@@ -87,7 +87,7 @@ def test_an_engine_never_launched_is_starting_then_serving_then_relaunching(tmp_
     w.engine(engine(PLACED_NOT_READY))
     w.mind(mind(NS, "ann", "coder"))
     w.loop.pass_once()
-    assert w.status("engines", NS, "coder")[ledger.CAPACITY_FIELD]["phase"] == "Starting"
+    assert w.status("grantledgers", NS, "coder")[ledger.CAPACITY_FIELD]["phase"] == "Starting"
     state, reason, message = shown(w, "ann")
     assert (state, reason) == ("Queued", "EngineStarting")
     assert "PodPending: the engine pod has not started yet" in message
@@ -102,7 +102,7 @@ def test_an_engine_never_launched_is_starting_then_serving_then_relaunching(tmp_
     w.engine({**body, "status": {**body["status"], **PLACED_NOT_READY}})
     w.mind(mind(NS, "bob", "coder", second=2))
     w.loop.pass_once()
-    assert w.status("engines", NS, "coder")[ledger.CAPACITY_FIELD]["phase"] == "Relaunching"
+    assert w.status("grantledgers", NS, "coder")[ledger.CAPACITY_FIELD]["phase"] == "Relaunching"
     assert shown(w, "bob")[:2] == ("Queued", "EngineRelaunching")
 
 
@@ -191,14 +191,14 @@ def test_rfc3339_times_read_back_as_the_same_float(t: float) -> None:
     assert ledger_journal.unix_of(text) == t
 
 
-def test_the_journal_in_the_engines_status_has_no_float_times_and_recovers_exactly(
+def test_the_journal_in_the_ledgers_status_has_no_float_times_and_recovers_exactly(
     tmp_path: Path,
 ) -> None:
     w = World(tmp_path)
     w.engine(engine(SERVING))
     w.mind(mind(NS, "ann", "coder"))
     w.loop.pass_once()
-    journal = w.status("engines", NS, "coder")[ledger.STEP_FIELD]
+    journal = w.status("grantledgers", NS, "coder")[ledger.STEP_FIELD]
     floats = [
         (k, v) for line in [journal, *journal["lines"]] for k, v in line.items()
         if k in ("t", "deadline") and isinstance(v, float)

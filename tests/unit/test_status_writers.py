@@ -35,6 +35,7 @@ from continuum_operator.kube.embedlanes import reconcile_lane
 from continuum_operator.kube.settings import GpuSharing, PodSettings
 from continuum_operator.model.embedlane import EmbedLaneStatus
 from continuum_operator.model.engine import EngineStatus
+from continuum_operator.model.grant_ledger import GrantLedgerStatus
 from continuum_operator.model.runtime import EngineRuntimeStatus, LaneRuntimeStatus
 from tests.builders import ROOT
 from tests.unit import fake_llama
@@ -157,11 +158,11 @@ def test_the_enforcement_is_kept_whole(sharing: GpuSharing, gpus: list[int]) -> 
     kept_whole("engines", {"enforcement": doc})
 
 
-# --- the operator's leader: grants, grantCapacity, grantQueue, grantStep -----------------------
+# --- the operator's leader: a GrantLedger's grants, grantCapacity, grantQueue, grantStep -------
 
 
 def test_the_ledgers_write_is_kept_whole() -> None:
-    """The status replace of a ledger step (`kube.ledger_write`), through a preemption (a
+    """The GrantLedger's status replace of a ledger step (`kube.ledger_write`), through a preemption (a
     reclaim with its deadline and by), a drain (targetSlots) and a queue longer than the
     object keeps (grantQueue)."""
     ns = "minds"
@@ -211,7 +212,7 @@ def test_the_ledgers_write_is_kept_whole() -> None:
         s = ledger.step(body, wanted, 100.0 + t, policy)
         doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t)
         written.append(doc["status"])
-        body = {**body, "status": doc["status"]}
+        body = {**body, "status": {**body["status"], **doc["status"]}}
     step = [w[ledger.STEP_FIELD] for w in written]
     lines = [x for s in step for x in s["lines"]]
     assert {x["event"] for x in lines} == {"capacity", "transition"}
@@ -220,9 +221,9 @@ def test_the_ledgers_write_is_kept_whole() -> None:
     assert any("targetSlots" in w[ledger.CAPACITY_FIELD] for w in written), "a drain"
     assert ledger.QUEUE_FIELD in written[-1]
     for status in written:
-        part = {k: v for k, v in status.items() if k != "plan"}  # a plan of a few fields
-        strictly(EngineStatus, part)
-        kept_whole("engines", part)
+        assert set(status) <= ledger.LEDGER_FIELDS  # the ledger alone: the Engine's is not sent
+        strictly(GrantLedgerStatus, status)
+        kept_whole("grantledgers", status)
 
 
 # --- the lane runtime and the operator: an EmbedLane's status ----------------------------------

@@ -18,6 +18,7 @@ from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_cache import MindCache
 from continuum_operator.kube.minds import GrantsLoop
 from continuum_operator.kube.quota_use import QuotaUse, quota_status
+from tests.builders import stored_ledger
 from tests.fakes import FakeKubeApi
 
 BASE = "/apis/continuum.dev/v1alpha1/namespaces"
@@ -83,7 +84,7 @@ class World:
         self.cache.classes[name] = {"metadata": {"name": name}, "spec": {"priority": 0, **spec}}
 
     def ledger(self, ns: str, name: str) -> dict[str, tuple[str, str]]:
-        status = self.api.objects[f"{BASE}/{ns}/engines/{name}"].get("status") or {}
+        status = stored_ledger(self.api.objects, ns, name)
         return {e["mind"]: (e["state"], e["reason"]) for e in status.get("grants") or []}
 
     def status(self, plural: str, ns: str, name: str) -> dict[str, Any]:
@@ -199,7 +200,7 @@ def test_the_default_class_limit_applies_to_minds_that_name_none(tmp_path: Path)
     w.engine(engine("team-a", "coder"))
     w.mind(mind("team-a", "ann", "coder"))
     w.loop.pass_once()
-    entry = w.api.objects[f"{BASE}/team-a/engines/coder"]["status"]["grants"][0]
+    entry = stored_ledger(w.api.objects, "team-a", "coder")["grants"][0]
     assert (entry["state"], entry["tokens"]) == ("Granted", 600)
 
 
@@ -316,7 +317,7 @@ def test_passes_over_several_engines_never_take_a_namespace_past_its_quota(
             w.loop.pass_once()
         held: dict[str, int] = {}
         for name in ("one", "two", "three"):
-            status = w.api.objects[f"{BASE}/shared/engines/{name}"].get("status") or {}
+            status = stored_ledger(w.api.objects, "shared", name)
             for ns, tokens in routing.tokens_held(status.get("grants")).items():
                 held[ns] = held.get(ns, 0) + tokens
         for ns, limit in quotas.items():

@@ -1,7 +1,7 @@
 """What the gateway decides, without doing any of it: pure, plain values in, typed answers out.
 
-The engine gateway (`engine.gateway`) enforces the grant table the operator writes (the
-Engine's `status.grants`, docs/gateway.md). Everything it decides is here, so each rule can be
+The engine gateway (`engine.gateway`) enforces the grant table the operator writes (the status
+of the Engine's GrantLedger, docs/gateway.md). Everything it decides is here, so each rule can be
 shown alone without a server:
 
 - `admit_turn`: the answer to `POST /v1/turns` for a mind, from her entry in the table.
@@ -50,7 +50,7 @@ __all__ = [
     "reconcile",
     "service_account",
     "still_reported",
-    "table_from_engine",
+    "table_from_ledger",
     "token_cap",
 ]
 
@@ -112,7 +112,7 @@ class GrantTable:
     slot_tokens: int
     phase: EnginePhase = EnginePhase.SERVING
     entries: Mapping[str, TableEntry] = field(default_factory=dict)
-    # The Engine object lists only the head of a long queue (`status.grantQueue`, docs/grants.md
+    # The GrantLedger lists only the head of a long queue (`status.grantQueue`, docs/grants.md
     # "Bounded"): a mind it does not list may be queued behind it.
     left_out: bool = False
 
@@ -182,13 +182,23 @@ def _entries(grants: list[Any], where: str) -> list[TableEntry]:
     ]
 
 
+def _slot_tokens(value: Any, where: str) -> int:
+    slot_tokens = _int(value, where)
+    if not slot_tokens:
+        raise GrantTableError(f"{where}: must be a positive number of tokens")
+    return slot_tokens
+
+
 def parse_table(doc: Any, *, where: str = "grant table") -> GrantTable:
     """A grant table from its document: `{slotTokens, phase, grants: [...]}` (docs/gateway.md)."""
     if not isinstance(doc, Mapping):
         raise GrantTableError(f"{where}: expected a mapping, got {type(doc).__name__}")
-    slot_tokens = _int(doc.get("slotTokens"), f"{where}.slotTokens")
-    if not slot_tokens:
-        raise GrantTableError(f"{where}.slotTokens: must be a positive number of tokens")
+    return _table(doc, _slot_tokens(doc.get("slotTokens"), f"{where}.slotTokens"), where=where)
+
+
+def _table(doc: Mapping[str, Any], slot_tokens: int, *, where: str) -> GrantTable:
+    """The table of a document's `phase`, `grants` and `queue`, its slot size already read (each
+    source names the field it keeps it in)."""
     try:
         phase = EnginePhase(doc.get("phase") or EnginePhase.SERVING)
     except ValueError as err:
@@ -208,20 +218,32 @@ def parse_table(doc: Any, *, where: str = "grant table") -> GrantTable:
     return GrantTable(slot_tokens=slot_tokens, phase=phase, entries=entries, left_out=left_out)
 
 
-def table_from_engine(obj: Mapping[str, Any]) -> GrantTable:
-    """The grant table of an Engine object: its `status.grants` and its slot size."""
+def table_from_ledger(obj: Mapping[str, Any]) -> GrantTable:
+    """The grant table of a GrantLedger object: its `status.grants`, and its slot size from
+    `status.grantCapacity.tokensPerSlot`.
+
+    The slot size is the one of the launch the ledger was made for, not the Engine's plan:
+    while a changed launch drains, the minds still granted hold slots of the old process, the
+    one this gateway runs in. A ledger that names no slot size gives no table: the gateway
+    keeps refusing turns as it does before its first table.
+    """
     meta = obj.get("metadata") or {}
-    where = f"Engine {meta.get('namespace')}/{meta.get('name')}"
-    spec = obj.get("spec") or {}
+    where = f"GrantLedger {meta.get('namespace')}/{meta.get('name')} status"
     status = obj.get("status") or {}
-    plan = status.get("plan") or {}
+    capacity = status.get("grantCapacity")
+    if not isinstance(capacity, Mapping) or capacity.get("tokensPerSlot") is None:
+        raise GrantTableError(
+            f"{where}.grantCapacity.tokensPerSlot: missing, so no slot size to cap turns by; "
+            "turns are refused until the operator's next grant step writes the ledger's "
+            "grantCapacity (its logs say why it has not)"
+        )
+    slot_tokens = _slot_tokens(capacity["tokensPerSlot"], f"{where}.grantCapacity.tokensPerSlot")
     doc = {
-        "slotTokens": plan.get("contextTokensPerMind") or spec.get("contextTokensPerMind"),
         # A draining or relaunching engine shows in its entries (EngineRelaunching reasons).
         "grants": status.get("grants") or [],
         "queue": status.get("grantQueue"),
     }
-    return parse_table(doc, where=f"{where} status")
+    return _table(doc, slot_tokens, where=where)
 
 
 # --- admission -------------------------------------------------------------------------------
@@ -325,7 +347,7 @@ def admit_turn(
         )
     entry = table.entry(mind)
     if entry is None and table.left_out:
-        # Not in the head of the queue the Engine lists: queued behind it, as far as the
+        # Not in the head of the queue the ledger lists: queued behind it, as far as the
         # gateway can tell (her Mind's status.grant says her place).
         return _refuse(
             Refusal.QUEUED,

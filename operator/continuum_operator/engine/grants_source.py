@@ -1,16 +1,19 @@
-"""Where the gateway's grant table comes from: a file (local use) or the Engine (a cluster).
+"""Where the gateway's grant table comes from: a file (local use) or the Engine's GrantLedger
+(a cluster).
 
 The gateway never grants on its own; it enforces the table the operator wrote. Two sources:
 
 - `watch_file`: a YAML or JSON file of `{slotTokens, phase, grants}` (docs/gateway.md), read
   again whenever it changes. For running an engine by hand, and for the tests.
-- `watch_engine`: the Engine's `status.grants` (with its slot size and phase), through a watch
-  of that one object with the Kubernetes client. A thin shell: `admission.table_from_engine`
-  reads the object.
+- `watch_ledger`: the status of the Engine's GrantLedger (`model.grant_ledger`: its grants and
+  the slot size of the launch they were made for), through a watch of that one object with the
+  Kubernetes client. A thin shell: `admission.table_from_ledger` reads the object. The pod's
+  Role lets it read its own ledger and write none (`kube.engine_identity`).
 
 Both call `on_table` with every new table and keep the last good one when a document cannot be
-read (logged, never guessed). `EngineStatusWriter` is the other half of the Engine shell: it
-writes `status.runtime`, whose one writer is the engine runtime.
+read (logged, never guessed). The Engine itself is still read for its plan and status
+(`read_engine_plan`, `read_engine_status`), and `EngineStatusWriter` writes its
+`status.runtime`, whose one writer is the engine runtime.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from continuum_operator.engine.admission import (
     ServiceAccount,
     parse_table,
     service_account,
-    table_from_engine,
+    table_from_ledger,
 )
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
+from continuum_operator.model.grant_ledger import GrantLedger
 
 __all__ = [
     "EngineStatusWriter",
@@ -42,13 +46,15 @@ __all__ = [
     "read_engine_plan",
     "read_engine_status",
     "read_table_file",
-    "watch_engine",
     "watch_file",
+    "watch_ledger",
 ]
 
 log = logging.getLogger(__name__)
 #: Seconds to connect to and hear from the API server for one TokenReview.
 REVIEW_TIMEOUT = (5.0, 10.0)
+#: Seconds between reads of a GrantLedger not made yet, and after a dropped watch.
+RETRY_SECONDS = 1.0
 
 
 def read_table_file(path: Path) -> GrantTable:
@@ -103,21 +109,40 @@ def custom_objects() -> Any:
 _custom_objects = custom_objects
 
 
-async def watch_engine(
+async def watch_ledger(
     namespace: str, name: str, on_table: Callable[[GrantTable], None], *, api: Any = None
 ) -> None:
-    """Call `on_table` with the Engine's grant table now and on every change (a watch)."""
+    """Call `on_table` with the grant table of the Engine's GrantLedger (of the same name) now
+    and on every change (a watch).
+
+    The operator makes the ledger at its first grant step for the Engine, so a pod may start
+    before it exists, and it is made with no status before its first write: both are a wait
+    (no table, so every turn is refused), told once at INFO, not an error each second.
+    """
     watch: Any = importlib.import_module("kubernetes.watch")
     objects = api or custom_objects()
     loop = asyncio.get_running_loop()
     stop = threading.Event()
+    ledger = f"GrantLedger {namespace}/{name}"
+    told: str | None = None  # the wait last told, so each is told once
+
+    def wait_told(message: str) -> None:
+        nonlocal told
+        if message != told:
+            log.info("%s", message)
+            told = message
 
     def deliver(obj: dict[str, Any]) -> None:
+        nonlocal told
+        if not obj.get("status"):
+            wait_told(f"{ledger} made, its status not written yet; refusing turns until it is")
+            return
         try:
-            table = table_from_engine(obj)
+            table = table_from_ledger(obj)
         except GrantTableError as err:
             log.error("%s; keeping the last good grant table", err)
             return
+        told = None
         loop.call_soon_threadsafe(on_table, table)
 
     def run() -> None:
@@ -126,7 +151,7 @@ async def watch_engine(
             try:
                 if not version:
                     obj = objects.get_namespaced_custom_object(
-                        GROUP, VERSION, namespace, "engines", name
+                        GROUP, VERSION, namespace, GrantLedger.PLURAL, name
                     )
                     version = obj["metadata"]["resourceVersion"]
                     deliver(obj)
@@ -136,7 +161,7 @@ async def watch_engine(
                     GROUP,
                     VERSION,
                     namespace,
-                    "engines",
+                    GrantLedger.PLURAL,
                     field_selector=f"metadata.name={name}",
                     resource_version=version,
                     timeout_seconds=30,
@@ -148,13 +173,23 @@ async def watch_engine(
                     version = obj.get("metadata", {}).get("resourceVersion", version)
                     if event["type"] in ("ADDED", "MODIFIED"):
                         deliver(obj)
-            except Exception as err:  # a dropped watch or an expired version: list again
-                log.warning("watch of Engine %s/%s: %s; starting again", namespace, name, err)
+            except Exception as err:  # not made yet, a dropped watch, an expired version
+                if getattr(err, "status", None) == 404 and not version:
+                    wait_told(f"no {ledger} yet; refusing turns until the operator writes one")
+                else:
+                    log.warning("watch of %s: %s; starting again", ledger, err)
                 version = ""
-                stop.wait(1.0)
+                stop.wait(RETRY_SECONDS)
 
-    # A daemon thread, not the loop's executor: a watch blocked in a read must not hold up the
-    # loop's shutdown; it ends at its next event or timeout once `stop` is set.
+    await _in_daemon_thread(run, stop, f"watch-{namespace}-{name}")
+
+
+async def _in_daemon_thread(run: Callable[[], None], stop: threading.Event, name: str) -> None:
+    """Await `run` in a thread of its own, which ends once `stop` is set (this cancelled).
+
+    A daemon thread, not the loop's executor: a watch blocked in a read must not hold up the
+    loop's shutdown; it ends at its next event or timeout once `stop` is set."""
+    loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
     def finish() -> None:
@@ -168,7 +203,7 @@ async def watch_engine(
             with contextlib.suppress(RuntimeError):  # the loop has already closed
                 loop.call_soon_threadsafe(finish)
 
-    threading.Thread(target=thread, name=f"watch-{namespace}-{name}", daemon=True).start()
+    threading.Thread(target=thread, name=name, daemon=True).start()
     try:
         await done
     finally:

@@ -57,8 +57,8 @@ from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
     TokenReviewer,
     read_engine_status,
-    watch_engine,
     watch_file,
+    watch_ledger,
 )
 from continuum_operator.kube.objects import LAUNCH_ENV
 
@@ -641,7 +641,7 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         assert args.engine is not None
         engine_ns, _, engine_name = args.engine.partition("/")
-        source = asyncio.create_task(watch_engine(engine_ns, engine_name, gateway.set_table))
+        source = asyncio.create_task(watch_ledger(engine_ns, engine_name, gateway.set_table))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(runtime.stop()))
@@ -808,7 +808,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plan", type=Path, help="the serving plan (plan -o json, or an Engine)")
     p.add_argument("--grants", type=Path, help="a grant table file, watched for changes")
-    p.add_argument("--engine", help="NAMESPACE/NAME: watch its status.grants, write status.runtime")
+    p.add_argument(
+        "--engine",
+        help="NAMESPACE/NAME: enforce its GrantLedger's grants, write its status.runtime",
+    )
     p.add_argument("--listen", default="0.0.0.0:8080", help="the gateway's address (host:port)")
     p.add_argument("--port", type=int, help="the gateway's port on all addresses (for --listen)")
     p.add_argument("--llama-server", default="llama-server", help="the llama-server binary")

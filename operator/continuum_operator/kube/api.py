@@ -73,6 +73,7 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "Lease": "leases",
         "Node": "nodes",
         "Job": "jobs",
+        "GrantLedger": "grantledgers",
         "ServiceAccount": "serviceaccounts",
         "Role": "roles",
         "RoleBinding": "rolebindings",

@@ -1,15 +1,18 @@
 """An engine pod's identity and its doors, as Kubernetes objects: plain dicts, no API calls.
 
-Its ServiceAccount may read its own Engine and write only its `status.runtime` (a Role bound by
-name); a ClusterRoleBinding to `system:auth-delegator` lets its gateway review minds' tokens; a
-NetworkPolicy admits its serving port to the namespaces it serves and its admin port to
-labelled monitoring namespaces (docs/gateway.md, docs/security.md). The embed lanes use the same
-binding and policy (`kube.lane_objects`). Neighbours: `kube.objects` (labels, owner, ports).
+Its ServiceAccount may read its own Engine and its own GrantLedger and write only the Engine's
+`status.runtime` (a Role bound by name). It may not write the ledger at all: the operator's
+leader alone does, and this Role is what stops a compromised engine from granting minds slots
+(docs/security.md "The ledger"). A ClusterRoleBinding to `system:auth-delegator` lets its
+gateway review minds' tokens; a NetworkPolicy admits its serving port to the namespaces it
+serves and its admin port to labelled monitoring namespaces (docs/gateway.md,
+docs/security.md). The embed lanes use the same binding and policy (`kube.lane_objects`).
+Neighbours: `kube.objects` (labels, owner, ports).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from continuum_operator.kube.objects import (
@@ -23,6 +26,7 @@ from continuum_operator.kube.objects import (
 )
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.engine import Engine
+from continuum_operator.model.grant_ledger import GrantLedger
 
 __all__ = [
     "door_policy",
@@ -37,12 +41,20 @@ __all__ = [
 Obj = dict[str, Any]
 
 
-def own_account(meta: Obj, plural: str, name: str, read_verbs: list[str]) -> list[Obj]:
+def own_account(
+    meta: Obj, plural: str, name: str, read_verbs: list[str], *, also_reads: Sequence[str] = ()
+) -> list[Obj]:
     """A pod's ServiceAccount, a Role that reads one object of `plural` by name and gets and
     patches its status (a Role restricted by resourceNames: RBAC allows a watch with a field
     selector on that name), and their binding, all with `meta` (name, namespace, labels,
-    owner)."""
+    owner). `also_reads`: plurals of objects of the same name it reads with `read_verbs` and
+    may not write (nor their status), as an engine its GrantLedger."""
     account, ns = meta["name"], meta["namespace"]
+    reads = [
+        {"apiGroups": ["continuum.dev"], "resources": [other], "resourceNames": [name],
+         "verbs": list(read_verbs)}
+        for other in also_reads
+    ]  # fmt: skip
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
         {
@@ -54,6 +66,7 @@ def own_account(meta: Obj, plural: str, name: str, read_verbs: list[str]) -> lis
                  "verbs": read_verbs},
                 {"apiGroups": ["continuum.dev"], "resources": [f"{plural}/status"],
                  "resourceNames": [name], "verbs": ["get", "patch"]},
+                *reads,
             ],
         },
         {
@@ -67,11 +80,13 @@ def own_account(meta: Obj, plural: str, name: str, read_verbs: list[str]) -> lis
 
 
 def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
-    """The engine pod's identity: it reads its own Engine (grants) and writes status.runtime.
+    """The engine pod's identity: it reads its own Engine (plan) and GrantLedger (grants) and
+    writes the Engine's status.runtime.
 
-    A ServiceAccount, a Role limited to this one Engine by name, and their binding, all owned
-    by the Engine. `continuum engine --engine NS/NAME` watches the Engine with a field selector
-    on its name, which RBAC allows for a Role restricted by resourceNames. And a
+    A ServiceAccount, a Role limited by name to this one Engine and its GrantLedger (of the
+    same name), and their binding, all owned by the Engine. `continuum engine --engine NS/NAME`
+    watches the GrantLedger with a field selector on its name, which RBAC allows for a Role
+    restricted by resourceNames; the Role has no verb that writes the ledger. And a
     ClusterRoleBinding to `system:auth-delegator` (TokenReviews are cluster-scoped): the
     gateway reviews each mind's token. A cluster-scoped object cannot be owned by a namespaced
     one, so the binding carries the engine's labels instead of an owner.
@@ -84,7 +99,13 @@ def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
         "ownerReferences": [owner_reference(engine, uid)],
     }
     return [
-        *own_account(meta, "engines", engine.metadata.name, ["get", "list", "watch"]),
+        *own_account(
+            meta,
+            "engines",
+            engine.metadata.name,
+            ["get", "list", "watch"],
+            also_reads=[GrantLedger.PLURAL],
+        ),
         token_review_binding(
             token_review_binding_name(engine),
             {**labels(engine), "continuum.dev/engine-namespace": engine.metadata.namespace},
