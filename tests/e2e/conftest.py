@@ -80,6 +80,13 @@ class Cluster:
     def get_json(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", "-o", "json", *args).stdout)
 
+    def ledger_status(self, ns: str, name: str) -> dict[str, Any]:
+        """The status of an Engine's GrantLedger ({} before the operator's first step made it)."""
+        out = self.kubectl(
+            "get", "grantledger", name, "-n", ns, "-o", "json", "--ignore-not-found"
+        ).stdout
+        return dict(json.loads(out).get("status") or {}) if out.strip() else {}
+
     def apply(
         self, manifest: str | Mapping[str, Any] | Sequence[Mapping[str, Any]], *args: str
     ) -> str:

@@ -328,7 +328,59 @@ def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is
 # The ledger: written by the operator alone (docs/security.md "The ledger")
 
 
-def test_an_engine_service_account_adding_a_grant_is_refused_naming_the_rule(
+def test_an_engine_service_account_reads_its_ledger_and_writing_it_is_refused_by_rbac(
+    cluster: Cluster, crds: None, tag: str
+) -> None:
+    ns = scoped_namespace(cluster, tag)
+    body = engine_body("coder", {"kind": "pvc", "claimName": "models", "path": "m.gguf"})
+    cluster.apply(body, "-n", ns)
+    made = cluster.get_json("engine", "coder", "-n", ns)
+    engine = Engine.model_validate(made)
+    cluster.apply(engine_identity.engine_rbac(engine, made["metadata"]["uid"]))
+    cluster.apply(engine_body("other"), "-n", ns)
+    # The ledgers as the operator makes and writes them (the test's admin stands in for it).
+    ledger = {"grants": [{"mind": f"{ns}/ann", "state": "Granted", "tokens": 1024}],
+              "grantStep": {"seq": 3, "t": "2026-12-03T06:00:00Z", "lines": []}}  # fmt: skip
+    for name in ("coder", "other"):
+        cluster.apply(
+            {"apiVersion": "continuum.dev/v1alpha1", "kind": "GrantLedger",
+             "metadata": {"name": name, "namespace": ns}},
+        )  # fmt: skip
+        cluster.kubectl(
+            "patch", "grantledger", name, "-n", ns, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": ledger}),
+        )  # fmt: skip
+
+    sa = f"system:serviceaccount:{ns}:{objects.service_account_name(engine)}"
+    # Its gateway reads its own ledger (a watch, by name), no other, and writes none.
+    mine = kubectl_as(cluster, sa, "get", "grantledger", "coder", "-n", ns, "-o", "json")
+    assert mine.returncode == 0 and json.loads(mine.stdout)["status"]["grants"] == ledger["grants"]
+    assert can(cluster, sa, "watch", "grantledgers.continuum.dev/coder", ns) is True
+    assert can(cluster, sa, "get", "grantledgers.continuum.dev/other", ns) is False
+    for verb in ("update", "patch"):
+        for target in ("coder", "other"):
+            assert can(
+                cluster, sa, verb, f"grantledgers.continuum.dev/{target}", ns,
+                "--subresource=status",
+            ) is False  # fmt: skip
+    for verb in ("create", "delete", "update", "patch"):
+        assert can(cluster, sa, verb, "grantledgers.continuum.dev/coder", ns) is False
+
+    mallory = {"mind": f"{ns}/mallory", "state": "Granted", "tokens": 4096}
+    forged = {"status": {"grants": [*ledger["grants"], mallory]}}
+    denied = kubectl_as(
+        cluster, sa, "patch", "grantledger", "coder", "-n", ns, "--subresource=status",
+        "--type=merge", "-p", json.dumps(forged),
+    )  # fmt: skip
+    assert denied.returncode != 0, denied.stdout
+    assert 'cannot patch resource "grantledgers/status"' in denied.stderr, denied.stderr
+    gone = kubectl_as(cluster, sa, "delete", "grantledger", "coder", "-n", ns)
+    assert gone.returncode != 0 and "forbidden" in gone.stderr.lower(), gone.stderr
+    after = cluster.ledger_status(ns, "coder")
+    assert after["grants"] == ledger["grants"] and after["grantStep"] == ledger["grantStep"]
+
+
+def test_an_engine_service_account_changing_its_engines_plan_is_refused_naming_the_rule(
     cluster: Cluster,
     crds: None,
     tag: str,
@@ -350,12 +402,11 @@ def test_an_engine_service_account_adding_a_grant_is_refused_naming_the_rule(
     cluster.apply(engine_identity.engine_rbac(engine, made["metadata"]["uid"]))
     other = engine_body("other")
     cluster.apply(other, "-n", ns)
-    # The ledger as the operator wrote it (the test's admin stands in for the operator).
-    ledger = {"grants": [{"mind": f"{ns}/ann", "state": "Granted", "tokens": 1024}],
-              "grantStep": {"seq": 3, "t": "2026-12-03T06:00:00Z", "lines": []}}  # fmt: skip
+    # What the operator wrote (the test's admin stands in for the operator).
+    relaunches = {"count": 2, "lastReason": "the plan changed"}
     cluster.kubectl(
         "patch", "engine", "coder", "-n", ns, "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": ledger}),
+        "-p", json.dumps({"status": {"relaunches": relaunches}}),
     )  # fmt: skip
 
     sa = f"system:serviceaccount:{ns}:{objects.service_account_name(engine)}"
@@ -380,37 +431,37 @@ def test_an_engine_service_account_adding_a_grant_is_refused_naming_the_rule(
             *(["--dry-run=server"] if dry_run else []),
         )  # fmt: skip
 
-    mallory = {"mind": f"{ns}/mallory", "state": "Granted", "tokens": 4096}
-    forged = {"grants": [*ledger["grants"], mallory]}
+    # An engine claiming it is Ready (so that its minds are granted before it is).
+    ready = {"conditions": [{"type": "Ready", "status": "True", "reason": "PodReady",
+                             "message": "forged"}]}  # fmt: skip
     # Probed by a server-side dry run until the policy is active: a real patch let through
     # before that lands, and every later try is then a no-op the policy never sees (CI saw
     # "patched (no change)" for 180 s).
-    refused_once_active(lambda: patch_status(forged, dry_run=True), "the forged grant refused")
-    denied = patch_status(forged)
+    refused_once_active(lambda: patch_status(ready, dry_run=True), "the forged condition refused")
+    denied = patch_status(ready)
     assert denied.returncode != 0, denied.stdout
     for words in (
         "ValidatingAdmissionPolicy 'e2e-continuum-engine-status'",
-        f"{sa} may change only status.runtime of its Engine, not status.grants",
+        f"{sa} may change only status.runtime of its Engine, not status.conditions",
         "written by the continuum operator alone",
     ):
         assert words in denied.stderr, denied.stderr
-    # A journal rewritten, or dropped: refused the same.
-    for patch in (
-        {"grantStep": {"seq": 4, "t": "2026-12-03T06:00:01Z", "lines": []}},
-        {"grantStep": None},
-    ):
+    # What the operator wrote, rewritten or dropped: refused the same.
+    for patch in ({"relaunches": {"count": 0}}, {"relaunches": None}):
         answer = patch_status(patch)
-        assert answer.returncode != 0 and "not status.grantStep" in answer.stderr, answer.stderr
-    # A field the schema does not name: the status is typed, so the API server prunes it
-    # (never stored, checked below) and says so.
-    answer = patch_status({"forged": True, "runtime": {"phase": "Serving"}})
-    assert 'unknown field "status.forged"' in answer.stderr, answer.stderr
+        assert answer.returncode != 0 and "not status.relaunches" in answer.stderr, answer.stderr
+    # A field the schema does not name (the ledger's among them: it is a GrantLedger's now): the
+    # status is typed, so the API server prunes it (never stored, checked below) and says so.
+    answer = patch_status({"grants": [{"mind": f"{ns}/m", "state": "Granted"}],
+                           "runtime": {"phase": "Serving"}})  # fmt: skip
+    assert 'unknown field "status.grants"' in answer.stderr, answer.stderr
     # Its own report is what it may write.
     reported = patch_status({"runtime": {"phase": "Serving"}})
     assert reported.returncode == 0, reported.stderr
     after = cluster.get_json("engine", "coder", "-n", ns)["status"]
-    assert after["grants"] == ledger["grants"] and after["grantStep"] == ledger["grantStep"]
-    assert after["runtime"] == {"phase": "Serving"} and "forged" not in after
+    assert after["relaunches"] == {**relaunches}
+    assert after["runtime"] == {"phase": "Serving"} and "grants" not in after
+    assert not [c for c in after.get("conditions") or [] if c.get("message") == "forged"]
 
 
 # ============================================================================================

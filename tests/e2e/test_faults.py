@@ -104,8 +104,7 @@ def settled(cluster: Cluster, ns: str, engine: str = "coder") -> Callable[[], An
         minds = live_minds(cluster, ns)
         if any(m["metadata"].get("deletionTimestamp") for m in minds.values()):
             return None
-        body = cluster.get_json("engine", engine, "-n", ns)
-        status = body.get("status") or {}
+        status = cluster.ledger_status(ns, engine)
         pool = status.get("grantCapacity") or {}
         entries = {e["mind"].split("/", 1)[1]: e for e in status.get("grants") or []}
         if pool.get("phase") != "Serving" or set(entries) != set(minds):
@@ -119,7 +118,7 @@ def settled(cluster: Cluster, ns: str, engine: str = "coder") -> Callable[[], An
             projected = ((minds[name].get("status") or {}).get("grant")) or {}
             if (projected.get("state"), projected.get("slot")) != (e["state"], e.get("slot")):
                 return None
-        return body
+        return status
 
     return probe
 
@@ -129,7 +128,7 @@ def assert_invariants(cluster: Cluster, ns: str, log: Path, engine: str = "coder
     checked = check_log(log)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert_no_grant_doubled(cluster, ns, engine)  # one slot per holder, projections agree
-    status = cluster.get_json("engine", engine, "-n", ns)["status"]
+    status = cluster.ledger_status(ns, engine)
     pool = status["grantCapacity"]
     entries = status["grants"]
     held = [e for e in entries if e["state"] in ("Granted", "Reclaiming")]
@@ -268,7 +267,7 @@ def test_the_operator_killed_at_random_points_many_times_loses_or_doubles_no_gra
     # Each ledger write is in the log once: the steps' seq run without a gap or a repeat.
     seqs = [x["seq"] for x in log_lines(transitions)]
     blocks = [q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q]
-    journal = cluster.get_json("engine", "coder", "-n", ns)["status"]["grantStep"]
+    journal = cluster.ledger_status(ns, "coder")["grantStep"]
     assert blocks == list(range(blocks[0], journal["seq"] + 1)), blocks
 
 

@@ -1,9 +1,9 @@
 """Grants on the real control plane: `continuum operator` as a subprocess writes each Engine's
-ledger (`status.grants`, a replace conditioned on resourceVersion), projects it into the Minds,
-and reclaims through the engine gateway: a real `continuum engine` runtime (llama-server behind
-the gateway) run as a local process, reached through `--engine-address`, or, where the test
-plays the gateway, releases written into `status.runtime.slotReleases` as the gateway would.
-Every run's transition log is judged by `continuum check-log`."""
+ledger (its GrantLedger's status, a replace conditioned on resourceVersion), projects it into the
+Minds, and reclaims through the engine gateway: a real `continuum engine` runtime (llama-server
+behind the gateway) run as a local process, reached through `--engine-address`, or, where the test
+plays the gateway, releases written into `status.runtime.slotReleases` as the gateway would. Every
+run's transition log is judged by `continuum check-log`."""
 
 from __future__ import annotations
 
@@ -181,8 +181,8 @@ def check_log(path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def ledger(cluster: Cluster, ns: str, name: str = "coder") -> dict[str, dict[str, Any]]:
-    body = cluster.get_json("engine", name, "-n", ns)
-    return {e["mind"].split("/", 1)[1]: e for e in (body.get("status") or {}).get("grants") or []}
+    status = cluster.ledger_status(ns, name)
+    return {e["mind"].split("/", 1)[1]: e for e in status.get("grants") or []}
 
 
 def states(cluster: Cluster, ns: str, name: str = "coder") -> dict[str, str]:
@@ -196,8 +196,7 @@ def grant_of(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
 
 def serving(cluster: Cluster, ns: str, slots: int, name: str = "coder") -> Callable[[], bool]:
     def probe() -> bool:
-        status = cluster.get_json("engine", name, "-n", ns).get("status") or {}
-        pool = status.get("grantCapacity") or {}
+        pool = cluster.ledger_status(ns, name).get("grantCapacity") or {}
         return pool.get("phase") == "Serving" and pool.get("slots") == slots
 
     return probe
@@ -206,8 +205,7 @@ def serving(cluster: Cluster, ns: str, slots: int, name: str = "coder") -> Calla
 def assert_no_grant_doubled(cluster: Cluster, ns: str, name: str = "coder") -> None:
     """The live ledger: each held slot held once, within the pool; each Mind's projection
     agrees with her entry."""
-    body = cluster.get_json("engine", name, "-n", ns)
-    status = body["status"]
+    status = cluster.ledger_status(ns, name)
     pool = status["grantCapacity"]
     held = [e for e in status["grants"] if e["state"] in ("Granted", "Reclaiming")]
     slots = [e["slot"] for e in held]
@@ -540,7 +538,7 @@ def test_the_operator_killed_at_a_crash_point_and_restarted_loses_or_doubles_no_
     # to the one the Engine's journal holds now.
     seqs = [x["seq"] for x in lines]
     blocks = [q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q]
-    journal = cluster.get_json("engine", "coder", "-n", namespace)["status"]["grantStep"]
+    journal = cluster.ledger_status(namespace, "coder")["grantStep"]
     assert blocks == list(range(blocks[0], journal["seq"] + 1)), blocks
 
 

@@ -233,7 +233,7 @@ def test_a_mind_naming_an_engine_that_does_not_serve_her_namespace_gets_a_condit
                 lambda: grant_of(cluster, guest, "ann").get("state") == "Granted",
                 log=log,
             )
-            ledger = cluster.get_json("engine", "coder", "-n", home)["status"]["grants"]
+            ledger = cluster.ledger_status(home, "coder")["grants"]
             assert [e["mind"] for e in ledger] == [f"{guest}/ann"]
             endpoint = cluster.get_json("mind", "ann", "-n", guest)["status"]["endpoint"]
             assert endpoint == f"http://coder.{home}.svc:8080"
@@ -266,7 +266,7 @@ def test_a_namespace_over_its_token_quota_queues_its_minds_with_the_reason(
             cluster.apply(mind("second", name), "-n", ns)
 
             def held_back() -> bool:
-                entry = cluster.get_json("engine", "coder", "-n", ns)["status"]["grants"]
+                entry = cluster.ledger_status(ns, "coder").get("grants") or []
                 reasons = {e["mind"].split("/")[1]: (e["state"], e["reason"]) for e in entry}
                 return reasons.get("second") == ("Queued", "QuotaExceeded")
 

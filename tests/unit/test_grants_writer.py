@@ -121,7 +121,8 @@ def test_a_conflict_is_read_again_and_decided_again_on_what_the_ledger_now_says(
         status = ledger["status"]
         status["grants"] = [
             {**e, "state": "Granted", "reason": "SlotFree", "slot": 0}
-            for e in status["grants"] if e["mind"] == f"{NS}/vip"
+            for e in status["grants"]
+            if e["mind"] == f"{NS}/vip"
         ]  # (the double bumps its resourceVersion, as that write would)
 
     # This leader's cache has not seen that write when its next pass decides.

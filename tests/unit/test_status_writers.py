@@ -162,9 +162,9 @@ def test_the_enforcement_is_kept_whole(sharing: GpuSharing, gpus: list[int]) -> 
 
 
 def test_the_ledgers_write_is_kept_whole() -> None:
-    """The GrantLedger's status replace of a ledger step (`kube.ledger_write`), through a preemption (a
-    reclaim with its deadline and by), a drain (targetSlots) and a queue longer than the
-    object keeps (grantQueue)."""
+    """The GrantLedger's status replace of a ledger step (`kube.ledger_write`), through a
+    preemption (a reclaim with its deadline and by), a drain (targetSlots) and a queue longer
+    than the object keeps (grantQueue)."""
     ns = "minds"
     classes, default = routing.classes_of(
         [

@@ -2,7 +2,7 @@
 
 - `admission`: what the gateway decides (admission, token caps, table changes); pure.
 - `gateway`: the aiohttp gateway in front of llama-server that enforces the grant table.
-- `grants_source`: the grant table from a file or the Engine's `status.grants`; the
+- `grants_source`: the grant table from a file or the Engine's GrantLedger; the
   `status.runtime` writer.
 - `runtime`: `continuum engine`, llama-server kept running, its load receipted.
 - `metrics`: the runtime's Prometheus metrics.

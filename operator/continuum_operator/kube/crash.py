@@ -24,7 +24,7 @@ class CrashPoint(StrEnum):
     LEADER_ACQUIRED = "leader-acquired"
     """The Lease was won; nothing written yet as leader."""
     BEFORE_LEDGER_WRITE = "before-ledger-write"
-    """An allocation step was decided; the Engine's status.grants not yet replaced."""
+    """An allocation step was decided; the GrantLedger's status.grants not yet replaced."""
     AFTER_LEDGER_WRITE = "after-ledger-write"
     """status.grants (and the step's journal) written; the transition log not yet appended."""
     AFTER_LOG = "after-log"

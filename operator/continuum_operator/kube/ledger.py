@@ -1,8 +1,9 @@
 """An Engine's grant ledger as the API server holds it, read into the allocator and written back.
 
-The ledger's one home is the Engine's `status.grants` (docs/design.md "The grant ledger has one
-home"). This module is the translation between that list of entries and the pure allocator
-(`core.grants`), with no API calls, so each rule is shown in unit tests:
+The ledger's one home is the Engine's GrantLedger, `status.grants` (docs/design.md "The grant ledger
+has one home"), merged into the cached Engine body (`kube.ledger_object`). This module is the
+translation between that list of entries and the pure allocator (`core.grants`), with no API calls,
+so each rule is shown in unit tests:
 
 - `read_grants` / `grant_entries`: entries <-> `Grant`s. An entry's fields, its parser and its
   writer are `model.grant` (the gateway parses the same entries); here is the operator's

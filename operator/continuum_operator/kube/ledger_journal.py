@@ -25,7 +25,7 @@ rfc3339_exact = rfc3339.format_exact
 unix_of = rfc3339.parse_exact
 
 
-# Times in a journaled step's lines: RFC 3339 in the Engine's status, Unix seconds in the log.
+# Times in a journaled step's lines: RFC 3339 in the GrantLedger, Unix seconds in the log.
 _JOURNAL_TIMES = ("t", "deadline")
 
 

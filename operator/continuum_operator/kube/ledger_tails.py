@@ -85,7 +85,7 @@ class LedgerTails:
 
 
 def _seq(status: Mapping[str, Any]) -> int:
-    """The journal's seq of the ledger an Engine's status holds (0: never written)."""
+    """The journal's seq of the ledger an Engine's GrantLedger holds (0: never written)."""
     try:
         return int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0)
     except (TypeError, ValueError):

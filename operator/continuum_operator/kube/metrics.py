@@ -290,7 +290,7 @@ class OperatorMetrics(MetricSet):
         queued: int,
     ) -> None:
         """One ledger step written: its transitions, the ledger it started from (`before`, read
-        from the Engine's status) and the counts of the ledger after it.
+        from its GrantLedger) and the counts of the ledger after it.
 
         A wait starts when a mind enters Queued and ends when she is Granted; its reason is the
         last one she was queued with (PoolFull, WaitingForReclaim, EngineRelaunching, ...).

@@ -3,15 +3,16 @@ reconciler on the controller kernel (`kube.kernel`) whose keys are engines.
 
 Watches feed `MindCache` (Minds, MindClasses and TokenQuotas; Engines come from the plan loop's
 `kube.cache`). The `GrantsLoop` runs only on the leader (`kube.leader`): a new leader first
-lists every Mind, MindClass and TokenQuota (`mind_cache.seed`), then the kernel runs it. For
+lists every Mind, MindClass and TokenQuota (`mind_cache.seed`) and every GrantLedger
+(`ledger_write.seed_ledgers`), then the kernel runs it. For
 each engine a pass takes, in turn:
 
-1. one allocation step (`kube.ledger.step`: pure) from the Engine's `status.grants`, the minds
+1. one allocation step (`kube.ledger.step`: pure) from the Engine's GrantLedger, the minds
    that want a grant, the gateway's slot releases (`status.runtime.slotReleases`) and the time,
    decided from the caches as they are now (`decide`, no API calls);
-2. if the ledger changed, a replace of the Engine's status subresource conditioned on its
+2. if the ledger changed, a replace of the GrantLedger's status subresource conditioned on its
    resourceVersion (never a blind merge): the ledger, the pool it was made for and the step's
-   journal in one write; on 409 the Engine is read again and the step decided again
+   journal in one write; on 409 the ledger is read again and the step decided again
    (`kube.ledger_write`). The object keeps the holders and the head of a long queue
    (`ledger.bounded`); the rest is kept by `kube.ledger_tails` (for a new leader, read from the
    log or the Minds' status);

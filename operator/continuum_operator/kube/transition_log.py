@@ -14,8 +14,8 @@ engine, appends them again.
 
 Two rules keep the log checkable across crashes and leaders:
 - `t` never goes backwards: a step is logged at no earlier than the file's last line.
-- A step is the ledger write's, not the log's: the lines are also kept in the Engine's status
-  (`status.grantStep`, written with the ledger). `recover` appends a journaled step the log
+- A step is the ledger write's, not the log's: the lines are also kept in the GrantLedger's
+  status (`status.grantStep`, written with the ledger). `recover` appends a journaled step the log
   lacks, found by its `seq` (a leader died between the ledger write and the append).
 
 The log also knows, for each engine, the minds whose last line left them waiting: queued, or

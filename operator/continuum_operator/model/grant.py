@@ -1,5 +1,5 @@
-"""One entry of an Engine's grant ledger (`status.grants`) as the wire carries it: its schema,
-its one parser, and its writer from the allocator's `Grant`s.
+"""One entry of an Engine's grant ledger (a GrantLedger's `status.grants`) as the wire carries
+it: its schema, its one parser, and its writer from the allocator's `Grant`s.
 
 The operator's leader writes the entries (`grant_entries`); two readers parse them through
 `parse_entries`, each with its own policy on an entry it cannot read: the operator's next step

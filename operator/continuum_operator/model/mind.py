@@ -1,7 +1,7 @@
 """Mind: an agent that takes turns on an engine while it holds a grant of the engine's pool.
 
-The grant's one home is the Engine's `status.grants`; a Mind's `status.grant` is only a
-projection of it, written by the operator (docs/design.md "The grant ledger has one home").
+The grant's one home is the Engine's GrantLedger (`status.grants`); a Mind's `status.grant` is
+only a projection of it, written by the operator (docs/design.md "The grant ledger has one home").
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class MindSpec(Spec):
 
 
 class GrantProjection(Spec):
-    """Her grant as the Engine's ledger (`status.grants`) holds it; the operator copies it here."""
+    """Her grant as the Engine's GrantLedger (`status.grants`) holds it; the operator copies it
+    here."""
 
     state: ProjectedState
     tokens: int = Field(default=0, ge=0, description="KV tokens she holds (Granted, Reclaiming).")
