@@ -169,7 +169,7 @@ def run(
     operator = start_operator()
     t0 = time.monotonic()
     while True:
-        items = objects.list_namespaced_custom_object(GROUP, VERSION, ns, "engines")["items"]
+        items = objects.list_namespaced_custom_object(GROUP, VERSION, ns, "grantledgers")["items"]
         serving = [
             e for e in items
             if ((e.get("status") or {}).get("grantCapacity") or {}).get("phase") == "Serving"

@@ -122,7 +122,7 @@ class Watched:
         self.objects: Any = client.CustomObjectsApi(api_client)
         self.namespace, self.plural, self.tests = namespace, plural, tests
         self.first: dict[str, dict[str, float]] = {t: {} for t in tests}
-        # Each Mind, when her entry in an Engine's ledger first said Granted (Engines only):
+        # Each Mind, when her entry in an Engine's ledger first said Granted (GrantLedgers only):
         # the gateway serves her turns from then, before her own status says so.
         self.ledger_granted: dict[str, float] = {}
         self.latest: dict[str, dict[str, Any]] = {}
@@ -567,8 +567,8 @@ def run(
     op.mark("start")
 
     engines = Watched(api_client, ns, "engines",
-                      {"planned": lambda o: bool(_status(o).get("plan")),
-                       "serving": _serving})  # fmt: skip
+                      {"planned": lambda o: bool(_status(o).get("plan"))})  # fmt: skip
+    ledgers = Watched(api_client, ns, "grantledgers", {"serving": _serving})
     minds = Watched(api_client, ns, "minds", {"granted": _granted, "held": _held})
 
     core: Any = client.CoreV1Api(api_client)
@@ -615,17 +615,17 @@ def run(
 
     def engines_line() -> str:
         return (f"planned {len(engines.first['planned'])}/{args.engines}, "
-                f"serving {len(engines.first['serving'])}/{args.engines}")  # fmt: skip
+                f"serving {len(ledgers.first['serving'])}/{args.engines}")  # fmt: skip
 
     progress("plans", lambda: len(engines.first["planned"]) >= args.engines, engines_line)
     planned_s = max(engines.first["planned"].values()) - t_engines
     op.mark("planned")
-    progress("serving", lambda: len(engines.first["serving"]) >= args.engines, engines_line)
-    serving_s = max(engines.first["serving"].values()) - t_engines
+    progress("serving", lambda: len(ledgers.first["serving"]) >= args.engines, engines_line)
+    serving_s = max(ledgers.first["serving"].values()) - t_engines
     op.mark("serving")
     slots = sum(
         int((_status(e).get("grantCapacity") or {}).get("slots") or 0)
-        for e in list(engines.latest.values())
+        for e in list(ledgers.latest.values())
     )
     print(f"all planned in {planned_s:.1f} s, all serving in {serving_s:.1f} s "
           f"({slots} slots)", flush=True)  # fmt: skip
@@ -673,7 +673,7 @@ def run(
     op.mark("held")
     held_s = max(minds.first["held"].values()) - first_create
     lat = [granted[n] - applied[n] for n in granted if n in applied]
-    in_ledger = dict(engines.ledger_granted)
+    in_ledger = dict(ledgers.ledger_granted)
     ledger_lat = [in_ledger[n] - applied[n] for n in in_ledger if n in applied]
     granted_s = max(granted.values()) - first_create
     # Each mind's times (created, in her Engine's ledger, her own status Granted), for splitting
@@ -705,6 +705,7 @@ def run(
     op.mark("churned")
     peak = op.rss_peak_mib()
     engines.stop.set()
+    ledgers.stop.set()
     minds.stop.set()
 
     # Figures.

@@ -3,19 +3,19 @@
 
 Usage: bench/write_cost.py [--writes 400] [--writers 8] [--rounds 2]
 
-The operator's writes per granted mind are one replace of her Engine's status (the ledger,
-amortised over the minds a pass decides on that Engine) and one merge patch of her Mind's status.
+The operator's writes per granted mind are one replace of her Engine's GrantLedger's status (the
+ledger, amortised over the minds a pass decides on that Engine) and one merge patch of her Mind's
+status.
 On a small machine the API server, not the operator, is what they wait on (docs/performance.md):
 this bench measures the CPU kube-apiserver spends on each kind, read from /proc around `--writes`
 writes made by `--writers` clients at once:
 
-- `engine status, as the grants loop writes it`: an Engine of `bench/scale.py`'s 100/s run with
-  16 grants (`bench/data/engine_granted.json`), its whole status replaced, the ledger changed;
-- `engine status, the ledger alone`: the same replace of an Engine whose status holds only the
-  ledger and its companions (`kube.ledger.LEDGER_FIELDS`): what the ledger's write would cost
-  in an object without the plan, placement and conditions;
-- `engine status, the ledger as a merge patch`: the first Engine, its ledger sent as a merge
-  patch conditioned on its resourceVersion instead of the whole status replaced;
+- `grant ledger status, as the grants loop writes it`: the GrantLedger of an Engine of
+  `bench/scale.py`'s 100/s run with 16 grants (the ledger fields of
+  `bench/data/engine_granted.json`, captured when the ledger was still in the Engine's status),
+  its whole status replaced, the ledger changed;
+- `grant ledger status, as a merge patch`: the same ledger sent as a merge patch conditioned on
+  its resourceVersion instead of the whole status replaced;
 - `mind status, as the operator patches it` (`bench/data/mind_granted.json`).
 
 Each line: API server CPU per write, the mean answer time, and the object's size as stored
@@ -55,7 +55,7 @@ DATA = ROOT / "bench/data"
 Write = Callable[[str, dict[str, Any], int], dict[str, Any]]
 
 
-def _changed_engine(status: dict[str, Any], i: int) -> dict[str, Any]:
+def _changed_ledger(status: dict[str, Any], i: int) -> dict[str, Any]:
     """The status with a new step: every grant's tokens and the journal's seq moved on."""
     new = copy.deepcopy(status)
     for entry in new.get("grants") or []:
@@ -64,9 +64,12 @@ def _changed_engine(status: dict[str, Any], i: int) -> dict[str, Any]:
     return new
 
 
-def _ledger_alone(status: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of an Engine's status the grants loop writes (`kube.ledger.LEDGER_FIELDS`)."""
-    return {k: v for k, v in status.items() if k in LEDGER_FIELDS}
+def _as_ledger(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The GrantLedger of a captured Engine: the part of its status the grants loop writes
+    (`kube.ledger.LEDGER_FIELDS`), in an object of its own."""
+    status = {k: v for k, v in (engine.get("status") or {}).items() if k in LEDGER_FIELDS}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GrantLedger",
+            "metadata": dict(engine["metadata"]), "status": status}  # fmt: skip
 
 
 class Bench:
@@ -87,13 +90,12 @@ class Bench:
         plural: str,
         fixture: str,
         write: Write,
-        status_of: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+        shape: Callable[[dict[str, Any]], dict[str, Any]] = dict,
     ) -> tuple[float, float, int]:
-        """`writers` objects made from `fixture` (its status through `status_of`), each written
-        by `write` in a client of its own, `writes` times in all: the API server's CPU seconds
-        and the wall seconds a write, and one object's size as stored."""
-        body = json.loads((DATA / fixture).read_text())
-        body["status"] = status_of(body["status"])
+        """`writers` objects made from `fixture` (through `shape`), each written by `write` in a
+        client of its own, `writes` times in all: the API server's CPU seconds and the wall
+        seconds a write, and one object's size as stored."""
+        body = shape(json.loads((DATA / fixture).read_text()))
         self.made += 1
         ns = f"write-cost-{self.made}"
         kubectl(self.kc, self.path, "create", "namespace", ns)
@@ -124,20 +126,20 @@ class Bench:
             )
         )
 
-    def replace_engine(self, ns: str, obj: dict[str, Any], i: int) -> dict[str, Any]:
+    def replace_ledger(self, ns: str, obj: dict[str, Any], i: int) -> dict[str, Any]:
         """The grants loop's write: the whole status replaced, on the object's version."""
-        obj["status"] = _changed_engine(obj["status"], i)
+        obj["status"] = _changed_ledger(obj["status"], i)
         return dict(self.objects.replace_namespaced_custom_object_status(
-            GROUP, VERSION, ns, "engines", obj["metadata"]["name"], obj))  # fmt: skip
+            GROUP, VERSION, ns, "grantledgers", obj["metadata"]["name"], obj))  # fmt: skip
 
     def patch_ledger(self, ns: str, obj: dict[str, Any], i: int) -> dict[str, Any]:
-        """The ledger alone as a merge patch, conditioned on resourceVersion as the replace is."""
+        """The ledger as a merge patch, conditioned on resourceVersion as the replace is."""
         patch = {
             "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
-            "status": _ledger_alone(_changed_engine(obj["status"], i)),
+            "status": _changed_ledger(obj["status"], i),
         }
         return dict(self.objects.patch_namespaced_custom_object_status(
-            GROUP, VERSION, ns, "engines", obj["metadata"]["name"], patch))  # fmt: skip
+            GROUP, VERSION, ns, "grantledgers", obj["metadata"]["name"], patch))  # fmt: skip
 
     def patch_mind(self, ns: str, obj: dict[str, Any], i: int) -> dict[str, Any]:
         """The operator's projection: the Mind's status as a merge patch."""
@@ -169,12 +171,10 @@ def main() -> int:
                       args.writers)  # fmt: skip
         engine, mind = "engine_granted.json", "mind_granted.json"
         kinds: list[tuple[str, Callable[[], tuple[float, float, int]]]] = [
-            ("engine status, as the grants loop writes it",
-             lambda: bench.measure("engines", engine, bench.replace_engine)),
-            ("engine status, the ledger alone",
-             lambda: bench.measure("engines", engine, bench.replace_engine, _ledger_alone)),
-            ("engine status, the ledger as a merge patch",
-             lambda: bench.measure("engines", engine, bench.patch_ledger)),
+            ("grant ledger status, as the grants loop writes it",
+             lambda: bench.measure("grantledgers", engine, bench.replace_ledger, _as_ledger)),
+            ("grant ledger status, as a merge patch",
+             lambda: bench.measure("grantledgers", engine, bench.patch_ledger, _as_ledger)),
             ("mind status, as the operator patches it",
              lambda: bench.measure("minds", mind, bench.patch_mind)),
         ]  # fmt: skip
@@ -189,7 +189,7 @@ def main() -> int:
                 print(f"  round {r + 1}: {label}: {1000 * cpu:.2f} ms CPU, "
                       f"{answer_ms:.0f} ms answer, {size} B", flush=True)  # fmt: skip
         whole = min(seen[kinds[0][0]])
-        print("best of the rounds, as a share of the Engine's write as it is:")
+        print("best of the rounds, as a share of the ledger's write as it is:")
         for label, cpus in seen.items():
             print(f"  {label}: {1000 * min(cpus):.2f} ms ({min(cpus) / whole:.2f})")
     finally:

@@ -237,6 +237,9 @@ def test_a_ledger_write_decides_the_plan_while_a_relaunch_waits_for_the_drain(
     world.cache.observe_ledger(_ledger(world.cache.engines[key], "old-launch", "Released", 2),
                                deleted=False)  # fmt: skip
     assert key in world.pass_once()
+    # Decided with the ledger merged into its body: planned as before, not an invalid spec.
+    planned = [c for c in world.cache.engines[key]["status"]["conditions"] if c["type"] == "Planned"]
+    assert planned and planned[0]["status"] == "True", planned
 
 
 def test_an_engine_deleted_decides_the_engines_left_on_its_node(world: World) -> None:

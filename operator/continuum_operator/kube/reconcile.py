@@ -42,6 +42,7 @@ from continuum_operator.kube.engine_pass import (
     pods_on,
     size_text,
 )
+from continuum_operator.kube.ledger_object import engine_only
 from continuum_operator.kube.occupancy import is_fresh, other_leases
 from continuum_operator.kube.placed_engine import placed
 from continuum_operator.kube.settings import OperatorSettings
@@ -134,7 +135,7 @@ def reconcile(
     """The writes one pass over one Engine needs (`Writes.status_patch` None: nothing changed)."""
     p = EnginePass(body, snap, memory, now, settings)
     try:
-        engine = parse(Engine, dict(body), f"Engine {p.key[0]}/{p.key[1]}")
+        engine = parse(Engine, engine_only(body), f"Engine {p.key[0]}/{p.key[1]}")
     except ManifestError as err:
         problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
         return p.finish(replace(p.facts_in, problem=problem), None, None)
