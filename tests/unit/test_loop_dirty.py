@@ -238,7 +238,8 @@ def test_a_ledger_write_decides_the_plan_while_a_relaunch_waits_for_the_drain(
                                deleted=False)  # fmt: skip
     assert key in world.pass_once()
     # Decided with the ledger merged into its body: planned as before, not an invalid spec.
-    planned = [c for c in world.cache.engines[key]["status"]["conditions"] if c["type"] == "Planned"]
+    conditions = world.cache.engines[key]["status"]["conditions"]
+    planned = [c for c in conditions if c["type"] == "Planned"]
     assert planned and planned[0]["status"] == "True", planned
 
 
