@@ -366,14 +366,20 @@ def test_an_engine_service_account_reads_its_ledger_and_writing_it_is_refused_by
     for verb in ("create", "delete", "update", "patch"):
         assert can(cluster, sa, verb, "grantledgers.continuum.dev/coder", ns) is False
 
+    # Its ledger with one more grant, sent as the operator sends it (a replace of the status).
+    forged = json.loads(mine.stdout)
     mallory = {"mind": f"{ns}/mallory", "state": "Granted", "tokens": 4096}
-    forged = {"status": {"grants": [*ledger["grants"], mallory]}}
+    forged["status"]["grants"].append(mallory)
     denied = kubectl_as(
-        cluster, sa, "patch", "grantledger", "coder", "-n", ns, "--subresource=status",
-        "--type=merge", "-p", json.dumps(forged),
-    )  # fmt: skip
+        cluster, sa, "replace", "--subresource=status", "-f", "-", input=json.dumps(forged)
+    )
     assert denied.returncode != 0, denied.stdout
-    assert 'cannot patch resource "grantledgers/status"' in denied.stderr, denied.stderr
+    assert 'cannot update resource "grantledgers/status"' in denied.stderr, denied.stderr
+    patched = kubectl_as(
+        cluster, sa, "patch", "grantledger", "coder", "-n", ns, "--subresource=status",
+        "--type=merge", "-p", json.dumps({"status": {"grants": forged["status"]["grants"]}}),
+    )  # fmt: skip
+    assert patched.returncode != 0 and "forbidden" in patched.stderr.lower(), patched.stderr
     gone = kubectl_as(cluster, sa, "delete", "grantledger", "coder", "-n", ns)
     assert gone.returncode != 0 and "forbidden" in gone.stderr.lower(), gone.stderr
     after = cluster.ledger_status(ns, "coder")
