@@ -274,6 +274,9 @@ def start() -> int:
     print()
     print(kubectl("get", "engines", "-A", "-o", "wide"), end="")
     print()
+    # Each Engine's grant ledger, made at its first grant step (docs/grants.md).
+    print(kubectl("get", "grantledgers", "-A"), end="")
+    print()
     print(kubectl("get", "deployments,pods", "-n", "minds", "-o", "wide"), end="")
     env = f"CONTINUUM_CLUSTER_DIR={STATE}"
     metrics_port = METRICS_PORT_FILE.read_text().strip()

@@ -10,6 +10,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.ledger_write import seed_ledgers
@@ -177,3 +180,24 @@ def test_a_new_leader_reads_the_ledgers_before_its_first_step(tmp_path: Path) ->
     again.pass_once()
     assert len(api.created) == 1 and len(api.puts) == written  # nothing to change, nothing written
     assert states(api) == {f"{NS}/a": ("Granted", "SlotFree")}
+
+
+def test_an_api_server_without_the_grantledger_kind_is_told_how_to_install_it(
+    tmp_path: Path, caplog: Any
+) -> None:
+    api, loop, _ = setup(tmp_path, mind("a", "low", 1))
+    real = api.aio.request
+
+    async def without_the_crd(method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        if "/grantledgers" in path:
+            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        return await real(method, path, body, **kw)
+
+    api.aio.request = without_the_crd  # type: ignore[method-assign]
+    with pytest.raises(ApiError) as listed:
+        asyncio.run(seed_ledgers(api.aio, loop.engines))  # type: ignore[arg-type]
+    assert "apply this release's CRDs" in str(listed.value)
+    with caplog.at_level("ERROR", logger="continuum.grants"):
+        asyncio.run(loop.drain())  # the kernel retries the Engine after its backoff
+    assert "no GrantLedger kind (grantledgers.continuum.dev)" in caplog.text
+    assert "helm upgrade" in caplog.text

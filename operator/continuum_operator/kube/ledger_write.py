@@ -31,6 +31,12 @@ from continuum_operator.model.mind import HOLDING_STATES, GrantState
 __all__ = ["LedgerWriter", "seed_ledgers"]
 
 log = logging.getLogger("continuum.grants")
+#: What a 404 on the GrantLedgers' collection means, and what to do.
+MISSING_CRD = (
+    "the API server has no GrantLedger kind (grantledgers.continuum.dev): apply this release's "
+    "CRDs (`kubectl apply --server-side -f crds/`, or `helm upgrade` the chart) and the "
+    "grants loop goes on"
+)
 
 
 class LedgerWriter:
@@ -81,12 +87,17 @@ class LedgerWriter:
             doc, seq, lines = _ledger_doc(key, body, s, now)
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
             try:
-                version = ledger_object.version_of(body) or await self._create(body)
+                version = ledger_object.version_of(body)
+                if version is None:
+                    version = await self._create(body)
                 doc["metadata"]["resourceVersion"] = version
                 answer = await self.api.request("PUT", path, doc)
             except ApiError as err:
+                if err.status == 404 and version is None:
+                    log.error("Engine %s: %s", engine, MISSING_CRD)
+                    return None
                 if err.status == 404:
-                    return None  # the Engine (and with it its ledger) is gone
+                    return None  # the ledger is gone (deleted with its Engine): nothing to write
                 if err.status != 409:
                     log.warning("writing the ledger of Engine %s failed: %s", engine, err)
                     return None
@@ -229,12 +240,17 @@ async def seed_ledgers(api: AsyncKubeApi, engines: Cache) -> None:
     create of an existing ledger is a 409) and decided again, but at a cost per Engine."""
     listed: set[EngineKey] = set()
     version = 0
-    async for page in pages(api, f"/apis/{API_VERSION}/{ledger_object.PLURAL}"):
-        version = int((page.get("metadata") or {}).get("resourceVersion") or version)
-        for obj in page.get("items") or []:
-            engines.observe_ledger(obj, deleted=False, nudge=False)
-            meta = obj["metadata"]
-            listed.add((meta["namespace"], meta["name"]))
+    try:
+        async for page in pages(api, f"/apis/{API_VERSION}/{ledger_object.PLURAL}"):
+            version = int((page.get("metadata") or {}).get("resourceVersion") or version)
+            for obj in page.get("items") or []:
+                engines.observe_ledger(obj, deleted=False, nudge=False)
+                meta = obj["metadata"]
+                listed.add((meta["namespace"], meta["name"]))
+    except ApiError as err:
+        if err.status == 404:  # the collection itself: its CRD is not installed
+            raise ApiError(404, "NotFound", MISSING_CRD) from err
+        raise
     # A ledger the cache has but the list has not was deleted before the list was taken.
     for key in set(engines.ledgers) - listed:
         known = engines.ledgers[key]
