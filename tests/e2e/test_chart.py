@@ -175,7 +175,12 @@ def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
         ("list", "engines.continuum.dev", "--all-namespaces"),
         ("watch", "minds.continuum.dev", "--all-namespaces"),
         ("patch", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),
-        ("update", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),
+        # The grant ledgers: made at an Engine's first step, their status replaced, a stale one
+        # deleted on its uid.
+        ("watch", "grantledgers.continuum.dev", "--all-namespaces"),
+        ("create", "grantledgers.continuum.dev", "-n", "any-ns"),
+        ("update", "grantledgers.continuum.dev", "--subresource=status", "-n", "any-ns"),
+        ("delete", "grantledgers.continuum.dev", "-n", "any-ns"),
         ("patch", "minds.continuum.dev", "-n", "any-ns"),
         ("patch", "embedlanes.continuum.dev", "--subresource=status", "-n", "any-ns"),
         ("watch", "tokenquotas.continuum.dev", "--all-namespaces"),
@@ -200,6 +205,8 @@ def test_the_operators_service_account_can_do_its_work_and_nothing_broader(
         ("get", "secrets", "-n", ns),
         ("list", "secrets", "--all-namespaces"),
         ("create", "engines.continuum.dev", "-n", "any-ns"),
+        ("update", "engines.continuum.dev", "--subresource=status", "-n", "any-ns"),  # patches
+        ("patch", "grantledgers.continuum.dev", "-n", "any-ns"),
         ("delete", "minds.continuum.dev", "-n", "any-ns"),
         ("patch", "tokenquotas.continuum.dev", "-n", "any-ns"),
         ("create", "tokenquotas.continuum.dev", "-n", "any-ns"),
