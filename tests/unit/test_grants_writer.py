@@ -201,3 +201,21 @@ def test_an_api_server_without_the_grantledger_kind_is_told_how_to_install_it(
         asyncio.run(loop.drain())  # the kernel retries the Engine after its backoff
     assert "no GrantLedger kind (grantledgers.continuum.dev)" in caplog.text
     assert "helm upgrade" in caplog.text
+
+
+def test_a_late_event_of_a_replaced_ledger_does_not_undo_its_successor() -> None:
+    engines = Cache()
+    engines.observe_engine(engine_body(), deleted=False, nudge=False)
+
+    def ledger(uid: str, version: str, holder: str) -> dict[str, Any]:
+        meta = {"namespace": NS, "name": "coder", "uid": uid, "resourceVersion": version}
+        return {"metadata": meta, "status": {"grants": [{"mind": holder, "state": "Granted"}]}}
+
+    new = ledger("l-new", "90", f"{NS}/a")
+    engines.observe_ledger(new, deleted=False, nudge=False)
+    # The watch still delivers the earlier ledger's last change, then its deletion.
+    engines.observe_ledger(ledger("l-old", "70", f"{NS}/old"), deleted=False, nudge=False)
+    engines.observe_ledger(ledger("l-old", "80", f"{NS}/old"), deleted=True, nudge=False)
+    body = engines.engines[(NS, "coder")]
+    assert body["status"]["grants"] == new["status"]["grants"]
+    assert body["grantLedger"]["uid"] == "l-new"

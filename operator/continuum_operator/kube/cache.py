@@ -370,11 +370,9 @@ class Cache:
             if known is None or known["metadata"].get("uid") != meta.get("uid"):
                 return  # an earlier ledger of the name, already replaced
             self.ledgers.pop(key)
-        elif (
-            known is None
-            or known["metadata"].get("uid") != meta.get("uid")
-            or _rv(meta) >= _rv(known["metadata"])
-        ):
+        elif known is None or _rv(meta) >= _rv(known["metadata"]):
+            # By resourceVersion alone: a late event of an earlier ledger of the name (replaced
+            # since) is older than the ledger made after its deletion.
             self.ledgers[key] = kept(obj)
         else:
             return  # older than the answer of our own write
