@@ -4,8 +4,8 @@ A mind takes turns on an engine only while it holds a grant, one slot of the poo
 (slots are uniform: docs/design.md). `allocate` takes the ledger as it stands, the minds that want
 grants, the engine's phase and capacity, the slot releases the engine gateway reported and the
 time, and returns the ledger that should hold with every transition that gets there, each with
-its reason. The operator writes the result to the Engine's `status.grants`; the simulator
-replays it in virtual time; `continuum check-log` checks its log from outside.
+its reason. The operator writes the result to the Engine's GrantLedger (`status.grants`); the
+simulator replays it in virtual time; `continuum check-log` checks its log from outside.
 
 Rule 7 in code:
 - A reclaim is two-phase: `Granted -> Reclaiming` with a grace deadline, then `Released` when
