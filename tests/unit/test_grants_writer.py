@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from continuum_operator.engine.admission import table_from_ledger
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.grant_settings import GrantSettings
@@ -219,3 +220,15 @@ def test_a_late_event_of_a_replaced_ledger_does_not_undo_its_successor() -> None
     body = engines.engines[(NS, "coder")]
     assert body["status"]["grants"] == new["status"]["grants"]
     assert body["grantLedger"]["uid"] == "l-new"
+
+
+def test_an_engine_with_no_mind_gets_its_ledger_so_its_gateway_has_a_table(
+    tmp_path: Path,
+) -> None:
+    # The gateway has no table (and its pod is not ready) until the ledger names a slot size:
+    # the first step writes the pool even with no mind to grant.
+    api, loop, _ = setup(tmp_path)
+    loop.pass_once()
+    table = table_from_ledger(the_ledger(api))
+    assert table.slot_tokens == 512 and dict(table.entries) == {}
+    assert the_ledger(api)["status"]["grantCapacity"]["phase"] == "Serving"
