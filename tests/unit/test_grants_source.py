@@ -24,8 +24,9 @@ NS, NAME = "minds", "coder"
 CAPACITY = {"phase": "Serving", "slots": 2, "tokensPerSlot": 2048}
 
 
-def ledger(version: int, status: dict[str, Any]) -> dict[str, Any]:
-    meta = {"namespace": NS, "name": NAME, "resourceVersion": str(version)}
+def ledger(version: int, status: dict[str, Any], owner: str = "u-1") -> dict[str, Any]:
+    meta = {"namespace": NS, "name": NAME, "resourceVersion": str(version),
+            "ownerReferences": [{"kind": "Engine", "name": NAME, "uid": owner}]}  # fmt: skip
     return {"kind": GrantLedger.KIND, "metadata": meta, "status": status}
 
 
@@ -50,8 +51,9 @@ class FakeLedgers:
     """The GrantLedger API of one namespace: 404 until `absent_gets` gets have been answered,
     then the ledger as made (no status); its watch then brings the operator's first write."""
 
-    def __init__(self, absent_gets: int) -> None:
+    def __init__(self, absent_gets: int, owner: str = "u-1") -> None:
         self.absent_gets = absent_gets
+        self.owner = owner  # the uid the ledgers name as their Engine's
         self.gets: list[tuple[str, ...]] = []
         self.watches: list[dict[str, Any]] = []
         self.idle = threading.Event()
@@ -59,10 +61,12 @@ class FakeLedgers:
     def get_namespaced_custom_object(
         self, group: str, version: str, namespace: str, plural: str, name: str
     ) -> dict[str, Any]:
+        if plural == "engines":  # the Engine itself: its uid
+            return {"metadata": {"namespace": NS, "name": NAME, "uid": "u-1"}}
         self.gets.append((group, version, namespace, plural, name))
         if len(self.gets) <= self.absent_gets:
             raise client.ApiException(status=404, reason="Not Found")
-        return ledger(1, {})
+        return ledger(1, {}, self.owner)
 
     def list_namespaced_custom_object(
         self, group: str, version: str, namespace: str, plural: str, **kwargs: Any
@@ -71,7 +75,7 @@ class FakeLedgers:
         if len(self.watches) > 1:
             self.idle.wait(0.05)  # a quiet watch that ends, as at its timeout
             return Stream([])
-        written = ledger(2, {"grants": [], "grantCapacity": CAPACITY})
+        written = ledger(2, {"grants": [], "grantCapacity": CAPACITY}, self.owner)
         return Stream([{"type": "MODIFIED", "object": written}])
 
 
@@ -105,4 +109,28 @@ def test_a_ledger_not_made_yet_is_waited_for_quietly_then_watched(
     assert [r.getMessage() for r in told] == [
         f"no GrantLedger {NS}/{NAME} yet; refusing turns until the operator writes one",
         f"GrantLedger {NS}/{NAME} made, its status not written yet; refusing turns until it is",
+    ]
+
+
+def test_a_ledger_an_earlier_engine_of_the_name_left_gives_no_table(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
+    api = FakeLedgers(absent_gets=0, owner="u-0")  # owned by the Engine deleted before
+    tables: list[GrantTable] = []
+
+    async def main() -> None:
+        task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
+        await until(lambda: len(api.watches) >= 2)  # its first write delivered, and passed
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger=grants_source.log.name):
+        asyncio.run(main())
+    api.idle.set()
+    assert tables == []
+    told = [r.getMessage() for r in caplog.records if r.name == grants_source.log.name]
+    assert told == [
+        f"GrantLedger {NS}/{NAME} belongs to an earlier Engine of that name; refusing turns "
+        "until the operator replaces it"
     ]

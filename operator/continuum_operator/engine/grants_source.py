@@ -38,7 +38,7 @@ from continuum_operator.engine.admission import (
 )
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
-from continuum_operator.model.grant_ledger import GrantLedger
+from continuum_operator.model.grant_ledger import GrantLedger, engine_owners
 
 __all__ = [
     "EngineStatusWriter",
@@ -125,6 +125,7 @@ async def watch_ledger(
     stop = threading.Event()
     ledger = f"GrantLedger {namespace}/{name}"
     told: str | None = None  # the wait last told, so each is told once
+    owner = ""  # the Engine's uid: a ledger owned by another is not its grants
 
     def wait_told(message: str) -> None:
         nonlocal told
@@ -134,6 +135,12 @@ async def watch_ledger(
 
     def deliver(obj: dict[str, Any]) -> None:
         nonlocal told
+        if owner and owner not in engine_owners(obj):
+            # Left by an earlier Engine of this name (deleted and made again before the garbage
+            # collector took its ledger): not this Engine's grants. The operator replaces it.
+            wait_told(f"{ledger} belongs to an earlier Engine of that name; refusing turns "
+                      "until the operator replaces it")  # fmt: skip
+            return
         if not obj.get("status"):
             wait_told(f"{ledger} made, its status not written yet; refusing turns until it is")
             return
@@ -146,10 +153,15 @@ async def watch_ledger(
         loop.call_soon_threadsafe(on_table, table)
 
     def run() -> None:
+        nonlocal owner
         version = ""
         while not stop.is_set():
             try:
                 if not version:
+                    engine = objects.get_namespaced_custom_object(
+                        GROUP, VERSION, namespace, "engines", name
+                    )
+                    owner = str((engine.get("metadata") or {}).get("uid") or "")
                     obj = objects.get_namespaced_custom_object(
                         GROUP, VERSION, namespace, GrantLedger.PLURAL, name
                     )

@@ -21,7 +21,7 @@ from typing import Any
 
 from continuum_operator.kube.ledger import LEDGER_FIELDS
 from continuum_operator.model.base import API_VERSION
-from continuum_operator.model.grant_ledger import GrantLedger
+from continuum_operator.model.grant_ledger import GrantLedger, engine_owners
 
 __all__ = [
     "KIND",
@@ -44,11 +44,7 @@ def owned_by(ledger: Mapping[str, Any], engine: Mapping[str, Any]) -> bool:
     """Whether `ledger` is this Engine's: its owner is the Engine's uid (either side without a
     uid, as bodies built by hand in tests: yes)."""
     uid = (engine.get("metadata") or {}).get("uid")
-    owners = [
-        o.get("uid")
-        for o in (ledger.get("metadata") or {}).get("ownerReferences") or []
-        if o.get("kind") == "Engine"
-    ]
+    owners = engine_owners(ledger)
     return not uid or not owners or uid in owners
 
 

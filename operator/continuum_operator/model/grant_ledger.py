@@ -11,6 +11,7 @@ to read its ledger is RBAC's (a Role by resource name) with no right to write it
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field
@@ -24,6 +25,7 @@ __all__ = [
     "GrantQueue",
     "GrantStep",
     "GrantStepLine",
+    "engine_owners",
 ]
 
 
@@ -142,3 +144,10 @@ class GrantLedger(Resource):
     kind: Literal["GrantLedger"] = "GrantLedger"
     metadata: LabelNamedMeta  # the Engine's name
     status: GrantLedgerStatus = Field(default_factory=GrantLedgerStatus)
+
+
+def engine_owners(ledger: Mapping[str, Any]) -> list[str]:
+    """The uids of the Engines a GrantLedger object names as its owners: the operator makes each
+    owned by its Engine, so one of another uid is an earlier Engine's of the same name."""
+    refs = (ledger.get("metadata") or {}).get("ownerReferences") or []
+    return [str(r.get("uid")) for r in refs if r.get("kind") == "Engine" and r.get("uid")]
