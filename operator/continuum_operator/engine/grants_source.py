@@ -135,14 +135,9 @@ async def watch_ledger(
 
     def deliver(obj: dict[str, Any]) -> None:
         nonlocal told
-        if owner and owner not in engine_owners(obj):
-            # Left by an earlier Engine of this name (deleted and made again before the garbage
-            # collector took its ledger): not this Engine's grants. The operator replaces it.
-            wait_told(f"{ledger} belongs to an earlier Engine of that name; refusing turns "
-                      "until the operator replaces it")  # fmt: skip
-            return
-        if not obj.get("status"):
-            wait_told(f"{ledger} made, its status not written yet; refusing turns until it is")
+        waiting = _not_yet_a_table(obj, owner, ledger)
+        if waiting is not None:
+            wait_told(waiting)
             return
         try:
             table = table_from_ledger(obj)
@@ -194,6 +189,20 @@ async def watch_ledger(
                 stop.wait(RETRY_SECONDS)
 
     await _in_daemon_thread(run, stop, f"watch-{namespace}-{name}")
+
+
+def _not_yet_a_table(obj: dict[str, Any], owner: str, ledger: str) -> str | None:
+    """Why a GrantLedger object gives no table yet, in words (None: it gives one)."""
+    if owner and owner not in engine_owners(obj):
+        # Left by an earlier Engine of this name (deleted and made again before the garbage
+        # collector took its ledger): not this Engine's grants. The operator replaces it.
+        return (
+            f"{ledger} belongs to an earlier Engine of that name; refusing turns until the "
+            "operator replaces it"
+        )
+    if not obj.get("status"):
+        return f"{ledger} made, its status not written yet; refusing turns until it is"
+    return None
 
 
 async def _in_daemon_thread(run: Callable[[], None], stop: threading.Event, name: str) -> None:
