@@ -65,19 +65,23 @@ def engine(body: dict[str, Any]) -> Engine:
     return Engine.model_validate(body)
 
 
-LEDGERS = "/apis/continuum.dev/v1alpha1/namespaces/{ns}/grantledgers/{name}"
+def ledger_path(ns: str, name: str) -> str:
+    """Where a fake API server keeps an Engine's GrantLedger (its path, as the operator's)."""
+    from continuum_operator.kube.api import crd_path
+    from continuum_operator.model.grant_ledger import GrantLedger
+
+    return crd_path(GrantLedger.PLURAL, ns, name)
 
 
 def split_ledger(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """An Engine body a test wrote with its ledger in its status (as the operator's cache merges
     it), split into the Engine as stored and its GrantLedger (None: no ledger field in it)."""
     from continuum_operator.kube.ledger import LEDGER_FIELDS
+    from continuum_operator.kube.ledger_object import engine_only
 
-    status = body.get("status") or {}
-    engine = {**body, "status": {k: v for k, v in status.items() if k not in LEDGER_FIELDS}}
-    fields = {k: v for k, v in status.items() if k in LEDGER_FIELDS}
+    fields = {k: v for k, v in (body.get("status") or {}).items() if k in LEDGER_FIELDS}
     if not fields:
-        return engine, None
+        return engine_only(body), None
     meta = body["metadata"]
     ledger = {
         "apiVersion": "continuum.dev/v1alpha1",
@@ -89,12 +93,12 @@ def split_ledger(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] |
         },
         "status": fields,
     }
-    return engine, ledger
+    return engine_only(body), ledger
 
 
 def stored_ledger(objects: dict[str, dict[str, Any]], ns: str, name: str) -> dict[str, Any]:
     """The status of an Engine's GrantLedger in a fake API server's objects ({}: none yet)."""
-    return dict((objects.get(LEDGERS.format(ns=ns, name=name)) or {}).get("status") or {})
+    return dict((objects.get(ledger_path(ns, name)) or {}).get("status") or {})
 
 
 def observe_with_ledger(cache: Any, body: dict[str, Any], deleted: bool = False) -> None:

@@ -19,13 +19,13 @@ from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.ledger_write import seed_ledgers
 from continuum_operator.kube.mind_cache import MindCache
 from continuum_operator.kube.minds import GrantsLoop
-from tests.builders import LEDGERS
+from tests.builders import ledger_path
 from tests.fakes import FakeKubeApi
 
 NS = "minds"
 BASE = f"/apis/continuum.dev/v1alpha1/namespaces/{NS}"
 ENGINE_PATH = f"{BASE}/engines/coder"
-LEDGER_PATH = LEDGERS.format(ns=NS, name="coder")
+LEDGER_PATH = ledger_path(NS, "coder")
 
 
 def engine_body() -> dict[str, Any]:

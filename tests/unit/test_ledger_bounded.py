@@ -18,12 +18,12 @@ from continuum_operator.kube import ledger
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_writer import Write
 from continuum_operator.kube.minds import GrantsLoop
-from tests.builders import LEDGERS
+from tests.builders import ledger_path
 from tests.unit.test_tenancy_loop import BASE, World, engine
 
 MiB = 2**20
 ENGINE = f"{BASE}/team-a/engines/coder"
-LEDGER = LEDGERS.format(ns="team-a", name="coder")
+LEDGER = ledger_path("team-a", "coder")
 
 
 def mind(i: int, cls: str = "") -> dict[str, Any]:

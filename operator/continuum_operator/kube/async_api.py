@@ -22,8 +22,8 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 from kubernetes import client
@@ -45,8 +45,9 @@ from continuum_operator.kube.api import (
     resource_of,
     text_request,
 )
+from continuum_operator.kube.kept import resource_version
 
-__all__ = ["LIST_PAGE", "AsyncKubeApi", "login", "pages"]
+__all__ = ["LIST_PAGE", "AsyncKubeApi", "login", "pages", "relist"]
 
 #: Connections to the API server at once: the loops' writes in flight (the Engines' 8, the
 #: grants loop's ledgers and Minds' writes, `--write-workers` each, the lanes', the seeds');
@@ -223,3 +224,31 @@ async def pages(
         token = continue_token(page)
         if not token:
             return
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+async def relist(
+    api: AsyncKubeApi,
+    path: str,
+    observe: Callable[[dict[str, Any]], None],
+    key_of: Callable[[Mapping[str, Any]], K],
+    known: Mapping[K, Mapping[str, Any]],
+    forget: Callable[[K], None],
+) -> None:
+    """A collection listed into a cache, a page at a time (`observe` each object), as a new
+    leader does before its first pass; then what the cache (`known`) has and the list has not,
+    and is no newer than the list, `forget`: deleted before the list was taken. (A newer one
+    came from a watch event after the list: kept.)"""
+    listed: set[K] = set()
+    version = 0
+    async for page in pages(api, path):
+        version = int((page.get("metadata") or {}).get("resourceVersion") or version)
+        for obj in page.get("items") or []:
+            observe(obj)
+            listed.add(key_of(obj))
+    for key in set(known) - listed:
+        obj = known.get(key)
+        if obj is not None and resource_version(obj) <= version:
+            forget(key)

@@ -376,15 +376,12 @@ class Cache:
             self.ledgers[key] = kept(obj)
         else:
             return  # older than the answer of our own write
-        before = self.engines.get(key)
+        before, current = self.engines.get(key), self.ledgers.get(key)
         if before is not None:
-            after = ledger_object.merged(before, self.ledgers.get(key))
+            after = ledger_object.merged(before, current)
             pending = self._pending.get(key)
             if pending is not None:
-                self._pending[key] = (
-                    pending[0],
-                    ledger_object.merged(pending[1], self.ledgers.get(key)),
-                )
+                self._pending[key] = (pending[0], ledger_object.merged(pending[1], current))
             self.engines[key] = after
             if any(ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)):
                 self.engine_queue.mark(key, wake=nudge)

@@ -14,7 +14,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LAST_APPLIED", "kept"]
+__all__ = ["LAST_APPLIED", "kept", "resource_version"]
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
@@ -30,3 +30,11 @@ def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
             slim["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
         body["metadata"] = slim
     return body
+
+
+def resource_version(obj: Mapping[str, Any]) -> int:
+    """An object's resourceVersion as a number, to order what the caches keep (0: none)."""
+    try:
+        return int(obj["metadata"].get("resourceVersion", 0))
+    except (TypeError, ValueError):
+        return 0

@@ -19,7 +19,7 @@ from typing import Any
 from continuum_operator.core.grants import GrantPolicy, MindDemand
 from continuum_operator.kube import crash, ledger, ledger_journal, ledger_object
 from continuum_operator.kube.api import ApiError, crd_path
-from continuum_operator.kube.async_api import AsyncKubeApi, pages
+from continuum_operator.kube.async_api import AsyncKubeApi, relist
 from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.ledger_tails import LedgerTails
@@ -238,21 +238,16 @@ async def seed_ledgers(api: AsyncKubeApi, engines: Cache) -> None:
     goes on after), a page at a time. Without it an Engine whose ledger the watch had not
     delivered yet would be stepped from an empty ledger: its write would be refused (the
     create of an existing ledger is a 409) and decided again, but at a cost per Engine."""
-    listed: set[EngineKey] = set()
-    version = 0
     try:
-        async for page in pages(api, f"/apis/{API_VERSION}/{ledger_object.PLURAL}"):
-            version = int((page.get("metadata") or {}).get("resourceVersion") or version)
-            for obj in page.get("items") or []:
-                engines.observe_ledger(obj, deleted=False, nudge=False)
-                meta = obj["metadata"]
-                listed.add((meta["namespace"], meta["name"]))
+        await relist(
+            api,
+            f"/apis/{API_VERSION}/{ledger_object.PLURAL}",
+            lambda obj: engines.observe_ledger(obj, deleted=False, nudge=False),
+            lambda obj: (obj["metadata"]["namespace"], obj["metadata"]["name"]),
+            engines.ledgers,
+            lambda key: engines.observe_ledger(engines.ledgers[key], deleted=True, nudge=False),
+        )
     except ApiError as err:
         if err.status == 404:  # the collection itself: its CRD is not installed
             raise ApiError(404, "NotFound", MISSING_CRD) from err
         raise
-    # A ledger the cache has but the list has not was deleted before the list was taken.
-    for key in set(engines.ledgers) - listed:
-        known = engines.ledgers[key]
-        if int(known["metadata"].get("resourceVersion") or 0) <= version:
-            engines.observe_ledger(known, deleted=True, nudge=False)

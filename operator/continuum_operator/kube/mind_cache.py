@@ -13,13 +13,13 @@ import kopf
 
 from continuum_operator.kube import routing
 from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.async_api import AsyncKubeApi, pages
+from continuum_operator.kube.async_api import AsyncKubeApi, pages, relist
 from continuum_operator.kube.cache import EngineKey
-from continuum_operator.kube.kept import kept
+from continuum_operator.kube.kept import kept, resource_version
 from continuum_operator.kube.kernel import WorkQueue
 from continuum_operator.model.base import GROUP, VERSION
 
-__all__ = ["MindCache", "register", "resource_version", "seed"]
+__all__ = ["MindCache", "register", "seed"]
 
 # --- watches ----------------------------------------------------------------------------------
 
@@ -138,17 +138,14 @@ async def seed(api: AsyncKubeApi, cache: MindCache) -> None:
     except ApiError as err:
         if err.status != 404:  # 404: the TokenQuota CRD is not installed; no quotas
             raise
-    listed, version = set(), 0
-    async for page in pages(api, f"{base}/minds"):
-        version = int((page.get("metadata") or {}).get("resourceVersion") or version)
-        for obj in page.get("items") or []:
-            cache.observe_mind(obj, deleted=False, nudge=False)
-            listed.add(routing.mind_key(obj))
-    # A Mind the cache has but the list has not was deleted before the list was taken.
-    for key in set(cache.minds) - listed:
-        known = cache.minds.get(key)
-        if known is not None and resource_version(known) <= version:
-            cache.forget(key)
+    await relist(
+        api,
+        f"{base}/minds",
+        lambda obj: cache.observe_mind(obj, deleted=False, nudge=False),
+        routing.mind_key,
+        cache.minds,
+        cache.forget,
+    )
 
 
 def _demand_facts(mind: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -164,13 +161,6 @@ def _demand_facts(mind: Mapping[str, Any]) -> tuple[Any, ...]:
         meta.get("creationTimestamp"),
         meta.get("generation"),
     )
-
-
-def resource_version(obj: Mapping[str, Any]) -> int:
-    try:
-        return int(obj["metadata"].get("resourceVersion", 0))
-    except (TypeError, ValueError):
-        return 0
 
 
 def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:

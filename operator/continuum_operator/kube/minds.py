@@ -70,12 +70,13 @@ from continuum_operator.kube.grant_pass import (
     recover_journals,
 )
 from continuum_operator.kube.grant_settings import GrantSettings
+from continuum_operator.kube.kept import resource_version
 from continuum_operator.kube.kernel import KernelSettings, WorkQueue
 from continuum_operator.kube.ledger_facts import LedgerFacts, grace_deadline
 from continuum_operator.kube.ledger_tails import LedgerTails
 from continuum_operator.kube.ledger_write import LedgerWriter, seed_ledgers
 from continuum_operator.kube.metrics import OperatorMetrics
-from continuum_operator.kube.mind_cache import MindCache, resource_version, seed
+from continuum_operator.kube.mind_cache import MindCache, seed
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
 from continuum_operator.kube.mind_writes import MindWrites
 from continuum_operator.kube.quota_use import ClassNotes, QuotaUse, quota_status
