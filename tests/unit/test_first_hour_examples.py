@@ -124,7 +124,7 @@ def test_the_minds_examples_do_what_their_comment_says_then_queue_moves_on_a_del
     entries = step(100.0, minds)
     shown = {}
     for name, e in entries.items():
-        grant, _ = mind_status.projection(e, "minds/tiny-chat", 1024, 0)
+        grant = mind_status.projection(e, "minds/tiny-chat", 1024, 0).grant
         assert grant is not None
         shown[name] = (grant["state"], grant["tokens"], grant["reason"])
     expected = seen_in_comment()

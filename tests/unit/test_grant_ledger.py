@@ -183,7 +183,8 @@ def test_a_mind_asking_more_than_a_slot_is_refused_and_told_why() -> None:
         "ContextTooLarge",
         8192,
     )
-    grant, conds = mind_status.projection(e, "minds/coder", 4096, 8192)
+    projected = mind_status.projection(e, "minds/coder", 4096, 8192)
+    grant, conds = projected.grant, projected.conditions
     assert grant is not None and grant["state"] == "Refused"  # never granted: not "Released"
     ok, reason, message = conds[mind_status.MindConditionType.CONTEXT_TOO_LARGE]
     assert ok and reason == "ContextTooLarge" and "8192" in message and "4096" in message

@@ -166,7 +166,8 @@ def test_every_ledger_entry_projects_to_a_state_a_reason_and_a_message(
 ) -> None:
     entry = {"mind": f"{NS}/a", "state": state, "reason": reason.value, "position": 1,
              "slot": 0, "tokens": 10, "since": "2026-12-03T06:00:00.000000Z"}  # fmt: skip
-    grant, conds = mind_status.projection(entry, f"{NS}/coder", 1000, 10, engine_note="X: y")
+    projected = mind_status.projection(entry, f"{NS}/coder", 1000, 10, engine_note="X: y")
+    grant, conds = projected.grant, projected.conditions
     assert grant is not None and grant["state"] and grant["reason"] and grant["message"]
     Mind.model_validate({"metadata": {"name": "a", "namespace": NS},
                          "spec": {"engine": "coder", "contextTokens": 10},

@@ -18,7 +18,7 @@ grant sources produce, each entry through `model.grant` (the operator's reader's
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -143,19 +143,15 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
+#: What a table entry takes of the ledger's entry as it is: every field but the reason, which
+#: the gateway keeps as text (a reason newer than it is relayed, not refused).
+_AS_READ = {f.name for f in fields(TableEntry)} - {"reason"}
+
+
 def _table_entry(e: GrantEntry, reason: str | None = None) -> TableEntry:
-    return TableEntry(
-        mind=e.mind,
-        state=e.state,
-        reason=reason if reason is not None else e.reason.value if e.reason is not None else "",
-        slot=e.slot,
-        tokens=e.tokens,
-        by=e.by,
-        deadline=e.deadline,
-        since=e.since,
-        asked_tokens=e.asked_tokens,
-        position=e.position,
-    )
+    if reason is None:
+        reason = e.reason.value if e.reason is not None else ""
+    return TableEntry(reason=reason, **e.model_dump(include=_AS_READ))
 
 
 def _entries(grants: list[Any], where: str) -> list[TableEntry]:

@@ -6,6 +6,7 @@ from why she is not in one). No API calls. Neighbours: `kube.ledger` (the entrie
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -16,6 +17,7 @@ from continuum_operator.model.mind import GrantState, ProjectedState
 
 __all__ = [
     "MindConditionType",
+    "Projection",
     "engine_not_found",
     "place_in_line",
     "projection",
@@ -31,6 +33,23 @@ _ENGINE_WAITS = frozenset(
 class MindConditionType(StrEnum):
     GRANTED = "Granted"
     CONTEXT_TOO_LARGE = "ContextTooLarge"
+
+
+#: A condition as projected: its status, reason and message, by condition type.
+Conditions = Mapping[str, tuple[bool, str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """What the operator says in a Mind's status: her `status.grant` (None: the ledger does not
+    hold her), her conditions, and the address her turns are served at (None: no engine)."""
+
+    grant: dict[str, Any] | None
+    conditions: Conditions
+    endpoint: str | None = None
+
+    def at(self, endpoint: str | None) -> Projection:
+        return replace(self, endpoint=endpoint)
 
 
 def place_in_line(position: object) -> str:
@@ -60,20 +79,28 @@ def projection(
     class_note: str = "",
     quota_note: str = "",
     engine_note: str = "",
-) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
+) -> Projection:
     """A Mind's `status.grant` from her ledger entry, and her conditions (type -> status,
-    reason, message). None when the ledger does not (or no longer) hold her. `class_note`
-    names her class and its limit (for `ClassLimit`); `quota_note` her namespace's quota, its
-    use and limit (for `QuotaExceeded`); `engine_note` why the engine is not serving (for
-    the reasons a queue waits on the engine with).
+    reason, message); no endpoint (the writer knows it). The grant is None when the ledger
+    does not (or no longer) hold her. `class_note` names her class and its limit (for
+    `ClassLimit`); `quota_note` her namespace's quota, its use and limit (for
+    `QuotaExceeded`); `engine_note` why the engine is not serving (for the reasons a queue
+    waits on the engine with).
 
     A refusal is `Released` in the ledger (the allocator's state table) but `Refused` in her
     projection: she was never granted, and `kubectl get minds` should not say she was."""
     if entry is None:
-        return None, {
-            MindConditionType.GRANTED: (False, "NotInLedger", f"not in Engine {engine}'s ledger"),
-            MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
-        }
+        return Projection(
+            None,
+            {
+                MindConditionType.GRANTED: (
+                    False,
+                    "NotInLedger",
+                    f"not in Engine {engine}'s ledger",
+                ),
+                MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
+            },
+        )
     state = str(entry.get("state"))
     reason = str(entry.get("reason") or "")
     if state == GrantState.GRANTED:
@@ -126,7 +153,7 @@ def projection(
             message if too_large else "",
         ),
     }
-    return grant, conditions
+    return Projection(grant, conditions)
 
 
 def engine_not_found(key: tuple[str, str]) -> Refused:
@@ -139,9 +166,7 @@ def engine_not_found(key: tuple[str, str]) -> Refused:
     )
 
 
-def refused_projection(
-    refused: Refused,
-) -> tuple[dict[str, Any] | None, dict[str, tuple[bool, str, str]]]:
+def refused_projection(refused: Refused) -> Projection:
     """The projection of a Mind kept out of the allocator: `Refused`, holding nothing, and why
     (in `kubectl get minds` as in her Granted condition)."""
     grant = {
@@ -152,7 +177,10 @@ def refused_projection(
         "reason": refused.reason.value,
         "message": refused.message,
     }
-    return grant, {
-        MindConditionType.GRANTED: (False, refused.reason.value, refused.message),
-        MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
-    }
+    return Projection(
+        grant,
+        {
+            MindConditionType.GRANTED: (False, refused.reason.value, refused.message),
+            MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
+        },
+    )

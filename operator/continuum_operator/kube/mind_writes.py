@@ -20,6 +20,7 @@ from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import EngineKey, format_time
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.mind_cache import MindCache
+from continuum_operator.kube.mind_status import Projection
 from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, Write
 from continuum_operator.kube.quota_use import ClassNotes
 from continuum_operator.model.mind import HOLDING_STATES
@@ -108,9 +109,9 @@ class MindWrites:
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
             refusal = (refused or {}).get(mkey)
             if refusal is not None:
-                grant, conds = mind_status.refused_projection(refusal)
+                projected = mind_status.refused_projection(refusal)
             else:
-                grant, conds = mind_status.projection(
+                projected = mind_status.projection(
                     entry,
                     name,
                     slot_tokens,
@@ -119,9 +120,9 @@ class MindWrites:
                     quota_note=notes.quota_note(meta["namespace"]) if notes else "",
                     engine_note=ledger.engine_note(engine),
                 )
-            if self.projection_differs(m, grant, conds, self.endpoint(key)):
-                job = partial(self.project_one, mkey, grant, conds, self.endpoint(key))
-                jobs.append((PROJECTION_WRITE, mkey, job))
+            projected = projected.at(self.endpoint(key))
+            if self._projection(m, projected) is not None:
+                jobs.append((PROJECTION_WRITE, mkey, partial(self.project_one, mkey, projected)))
             holding = entry is not None and entry.get("state") in HOLDING_STATES
             if holding and FINALIZER not in (meta.get("finalizers") or []):
                 jobs.append((FINALIZER_WRITE, mkey, partial(self.add_finalizer_to, mkey)))
@@ -130,12 +131,12 @@ class MindWrites:
     def missing_engine_jobs(self, key: EngineKey, minds: list[dict[str, Any]]) -> list[Job]:
         """Projections saying EngineNotFound, for Minds of an Engine the cache lacks whose
         status does not say so yet (the Engine is read once per job, only then)."""
-        grant, conds = mind_status.refused_projection(mind_status.engine_not_found(key))
+        projected = mind_status.refused_projection(mind_status.engine_not_found(key))
         stale = [
             m
             for m in sorted(minds, key=routing.mind_key)
             if not m["metadata"].get("deletionTimestamp")
-            and self.projection_differs(m, grant, conds, None)
+            and self._projection(m, projected) is not None
         ]
         if not stale:
             return []
@@ -151,9 +152,9 @@ class MindWrites:
         except ApiError as err:
             if err.status != 404:
                 raise
-        grant, conds = mind_status.refused_projection(mind_status.engine_not_found(key))
+        projected = mind_status.refused_projection(mind_status.engine_not_found(key))
         for m in minds:
-            await self.project_one(routing.mind_key(m), grant, conds, None)
+            await self.project_one(routing.mind_key(m), projected)
 
     async def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""
@@ -167,39 +168,18 @@ class MindWrites:
         crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
         await self.drop_finalizer(mind)
 
-    async def project_one(
-        self,
-        mkey: str,
-        grant: dict[str, Any] | None,
-        conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str | None,
-    ) -> None:
+    async def project_one(self, mkey: str, projected: Projection) -> None:
         mind = self.minds.minds.get(mkey)  # as the cache has her now
         if mind is None:
             return
-        answer = await self.write_projection(mind, grant, conds, endpoint)
+        answer = await self.write_projection(mind, projected)
         if answer is None:
             return
         self.projections_written += 1
         if self.projections_written == 1:
             crash.reached(crash.CrashPoint.MID_PROJECTIONS)
 
-    def projection_differs(
-        self,
-        mind: Mapping[str, Any],
-        grant: dict[str, Any] | None,
-        conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str | None,
-    ) -> bool:
-        return self._projection(mind, grant, conds, endpoint) is not None
-
-    def _projection(
-        self,
-        mind: Mapping[str, Any],
-        grant: dict[str, Any] | None,
-        conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str | None,
-    ) -> dict[str, Any] | None:
+    def _projection(self, mind: Mapping[str, Any], projected: Projection) -> dict[str, Any] | None:
         """The Mind's new status part, or None when hers already says it."""
         meta = mind["metadata"]
         old = mind.get("status") or {}
@@ -207,7 +187,7 @@ class MindWrites:
         generation = meta.get("generation")
         now = format_time(self.clock())
         conditions = []
-        for type_, (ok, reason, message) in conds.items():
+        for type_, (ok, reason, message) in projected.conditions.items():
             status = "True" if ok else "False"
             prev = old_conds.get(str(type_)) or {}
             since = prev.get("lastTransitionTime") if prev.get("status") == status else None
@@ -221,7 +201,7 @@ class MindWrites:
             if generation is not None:
                 c["observedGeneration"] = generation
             conditions.append(c)
-        new = {"grant": grant, "conditions": conditions, "endpoint": endpoint}
+        new = {"grant": projected.grant, "conditions": conditions, "endpoint": projected.endpoint}
         if generation is not None:
             new["observedGeneration"] = generation
         if _without_nulls({k: old.get(k) for k in new}) == _without_nulls(new):
@@ -229,15 +209,11 @@ class MindWrites:
         return new
 
     async def write_projection(
-        self,
-        mind: dict[str, Any],
-        grant: dict[str, Any] | None,
-        conds: Mapping[str, tuple[bool, str, str]],
-        endpoint: str | None,
+        self, mind: dict[str, Any], projected: Projection
     ) -> dict[str, Any] | None:
         """Write the Mind's projection if it differs; the Mind as written, or None. A failure
         (but her being gone) raises: the writer has her engine decided again."""
-        new = self._projection(mind, grant, conds, endpoint)
+        new = self._projection(mind, projected)
         if new is None:
             return None
         meta = mind["metadata"]
