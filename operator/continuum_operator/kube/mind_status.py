@@ -35,6 +35,9 @@ class MindConditionType(StrEnum):
     CONTEXT_TOO_LARGE = "ContextTooLarge"
 
 
+#: The ContextTooLarge condition of a Mind whose ask fits (or who asks nothing yet).
+FITS = (False, "Fits", "")
+
 #: A condition as projected: its status, reason and message, by condition type.
 Conditions = Mapping[str, tuple[bool, str, str]]
 
@@ -90,16 +93,9 @@ def projection(
     A refusal is `Released` in the ledger (the allocator's state table) but `Refused` in her
     projection: she was never granted, and `kubectl get minds` should not say she was."""
     if entry is None:
+        absent = (False, "NotInLedger", f"not in Engine {engine}'s ledger")
         return Projection(
-            None,
-            {
-                MindConditionType.GRANTED: (
-                    False,
-                    "NotInLedger",
-                    f"not in Engine {engine}'s ledger",
-                ),
-                MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
-            },
+            None, {MindConditionType.GRANTED: absent, MindConditionType.CONTEXT_TOO_LARGE: FITS}
         )
     state = str(entry.get("state"))
     reason = str(entry.get("reason") or "")
@@ -181,6 +177,6 @@ def refused_projection(refused: Refused) -> Projection:
         grant,
         {
             MindConditionType.GRANTED: (False, refused.reason.value, refused.message),
-            MindConditionType.CONTEXT_TOO_LARGE: (False, "Fits", ""),
+            MindConditionType.CONTEXT_TOO_LARGE: FITS,
         },
     )
