@@ -112,6 +112,31 @@ def test_the_full_pass_is_the_kernels_resync(tmp_path: Path) -> None:
     assert w.loop.queue is w.cache.queue and w.engines.grants_queue is w.loop.queue
 
 
+def test_a_ledger_of_an_engine_this_operator_does_not_serve_wakes_no_pass(
+    tmp_path: Path,
+) -> None:
+    # Another operator's ledgers (`--engine-selector`) are written ~100/s at scale: a pass
+    # reads every engine, so each would cost one, for nothing this operator steps.
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder"))
+    w.mind(mind("team-a", "ann", "coder"))
+    w.loop.pass_once()
+    queue = w.loop.queue
+    theirs = {
+        "metadata": {"namespace": "team-b", "name": "theirs", "resourceVersion": "7"},
+        "status": {"grants": [{"mind": "team-b/bo", "state": "Granted", "slot": 0}]},
+    }
+    queue.changed.clear()
+    w.engines.observe_ledger(theirs, deleted=False)
+    assert not queue.changed.is_set()
+    assert ("team-b", "theirs") in w.engines.ledgers  # kept, should its Engine come to this one
+    mine = w.engines.ledgers[("team-a", "coder")]
+    w.engines.observe_ledger(
+        {**mine, "metadata": {**mine["metadata"], "resourceVersion": "99999"}}, deleted=False
+    )
+    assert queue.changed.is_set()
+
+
 def test_a_replica_that_does_not_lead_writes_nothing(tmp_path: Path) -> None:
     w = World(tmp_path)
     w.loop.may_write = lambda: False

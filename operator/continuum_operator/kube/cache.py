@@ -377,14 +377,19 @@ class Cache:
         else:
             return  # older than the answer of our own write
         before, current = self.engines.get(key), self.ledgers.get(key)
-        if before is not None:
-            after = ledger_object.merged(before, current)
-            pending = self._pending.get(key)
-            if pending is not None:
-                self._pending[key] = (pending[0], ledger_object.merged(pending[1], current))
-            self.engines[key] = after
-            if any(ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)):
-                self.engine_queue.mark(key, wake=nudge)
+        if before is None:
+            # Not an Engine of this cache (yet, or another operator's, `--engine-selector`):
+            # kept for its Engine's event to merge, and no pass woken, which would read every
+            # engine again for a ledger no step here reads (another operator's writes, ~100/s
+            # at scale, would each wake one).
+            return
+        after = ledger_object.merged(before, current)
+        pending = self._pending.get(key)
+        if pending is not None:
+            self._pending[key] = (pending[0], ledger_object.merged(pending[1], current))
+        self.engines[key] = after
+        if any(ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)):
+            self.engine_queue.mark(key, wake=nudge)
         if nudge and self.grants_queue is not None:
             self.grants_queue.wake()
 
