@@ -24,7 +24,7 @@ from continuum_operator.core.placements import consumer_name
 from continuum_operator.core.pools import Board, ConsumerKind, Lease
 from continuum_operator.kube import ledger, ledger_object
 from continuum_operator.kube.facts_job import FACTS_FOR_LABEL
-from continuum_operator.kube.kept import kept
+from continuum_operator.kube.kept import kept, newer, resource_version
 from continuum_operator.kube.kernel import WorkQueue
 from continuum_operator.kube.lane_index import lane_hold, lane_nodes, lanes_of, lanes_on
 from continuum_operator.kube.lease_renewal import LeaseEntry, renewal_counted_from, renewed_in_time
@@ -342,7 +342,7 @@ class Cache:
         else:
             # A watch event older than the answer of our own write must not undo it. (An
             # assumed body keeps the version it was assumed over.)
-            if known is None or _rv(meta) >= _rv(known["metadata"]):
+            if newer(obj, known):
                 body = ledger_object.merged(kept(obj), self.ledgers.get(key))
                 if pending is not None:
                     # Another write landed while ours is in flight: ours still holds.
@@ -370,7 +370,7 @@ class Cache:
             if known is None or known["metadata"].get("uid") != meta.get("uid"):
                 return  # an earlier ledger of the name, already replaced
             self.ledgers.pop(key)
-        elif known is None or _rv(meta) >= _rv(known["metadata"]):
+        elif newer(obj, known):
             # By resourceVersion alone: a late event of an earlier ledger of the name (replaced
             # since) is older than the ledger made after its deletion.
             self.ledgers[key] = kept(obj)
@@ -400,7 +400,7 @@ class Cache:
         known = self.lanes.get(key)
         if deleted:
             self.lanes.pop(key, None)
-        elif known is None or _rv(meta) >= _rv(known["metadata"]):
+        elif newer(obj, known):
             self.lanes[key] = kept(obj)
         new = self.lanes.get(key)
         self.lane_queue.mark(key)
@@ -446,7 +446,7 @@ class Cache:
         known = self.deployments.get(key)
         if deleted:
             self.deployments.pop(key, None)
-        elif known is not None and _rv(meta) < known.resource_version:
+        elif known is not None and resource_version(obj) < known.resource_version:
             # The answer of our own apply, older than a watch event already seen (the pod got
             # ready while the write was in flight): keeping it would hide the readiness forever.
             pass
@@ -461,7 +461,7 @@ class Cache:
                 ready_replicas=int(status.get("readyReplicas", 0)),
                 updated_replicas=int(status.get("updatedReplicas", 0)),
                 replicas=int(status.get("replicas", 0)),
-                resource_version=_rv(meta),
+                resource_version=resource_version(obj),
             )
         self.engine_queue.mark(key, wake=nudge)
         if nudge:
@@ -472,10 +472,3 @@ def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
     return any(
         c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []
     )
-
-
-def _rv(meta: Mapping[str, Any]) -> int:
-    try:
-        return int(meta.get("resourceVersion", 0))
-    except (TypeError, ValueError):
-        return 0

@@ -14,7 +14,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LAST_APPLIED", "kept", "resource_version"]
+__all__ = ["LAST_APPLIED", "kept", "newer", "resource_version"]
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
@@ -38,3 +38,10 @@ def resource_version(obj: Mapping[str, Any]) -> int:
         return int(obj["metadata"].get("resourceVersion", 0))
     except (TypeError, ValueError):
         return 0
+
+
+def newer(obj: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
+    """Whether a cache takes `obj` over the body it has of the name: a watch event older than
+    the answer of the cache's own write (or than an event already seen) must not undo it. An
+    equal version is taken (the same object, as answered and as watched)."""
+    return known is None or resource_version(obj) >= resource_version(known)

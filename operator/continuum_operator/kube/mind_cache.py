@@ -15,7 +15,7 @@ from continuum_operator.kube import routing
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.async_api import AsyncKubeApi, pages, relist
 from continuum_operator.kube.cache import EngineKey
-from continuum_operator.kube.kept import kept, resource_version
+from continuum_operator.kube.kept import kept, newer, resource_version
 from continuum_operator.kube.kernel import WorkQueue
 from continuum_operator.model.base import GROUP, VERSION
 
@@ -50,7 +50,7 @@ class MindCache:
         if body is None:
             if known is not None:
                 self._put(key, known, None, nudge)
-        elif known is None or resource_version(body) >= resource_version(known):
+        elif newer(body, known):
             if (
                 known is None
                 or _demand_facts(known) != _demand_facts(body)
@@ -117,7 +117,7 @@ class MindCache:
             self.quotas.pop(key, None)
         else:
             known = self.quotas.get(key)
-            if known is None or resource_version(obj) >= resource_version(known):
+            if newer(obj, known):
                 self.quotas[key] = kept(obj)
         if nudge:
             self.queue.wake()
