@@ -614,3 +614,48 @@ def test_a_standby_replica_takes_over_when_the_leader_dies(
         stop(two)
     checked = check_log(tmp_path / "transitions.jsonl")
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_two_operators_keep_to_their_engines_and_a_relabelled_engine_changes_hands(
+    cluster: Cluster, crds: None, namespace: str, classes: dict[str, str], tmp_path: Path
+) -> None:
+    """Two operators of their own `--engine-selector`: a Mind being deleted on the other's
+    Engine keeps her finalizer until her own operator has reclaimed her slot; an Engine
+    relabelled from one selection to the other is served by the other from then on, and the
+    first forgets it (its selected watch is told by the API server that the Engine left)."""
+    tag = f"s{uuid.uuid4().hex[:7]}"
+    key = "continuum.dev/e2e-grants"
+    a, b = (key, f"{tag}a"), (key, f"{tag}b")
+    gpu_node(cluster, tag)
+    cluster.apply(engine("coder", tag, b, minds=2), "-n", namespace)
+    low = classes["low"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    log_a, log_b = tmp_path / "a/transitions.jsonl", tmp_path / "b/transitions.jsonl"
+    with (
+        operator(cluster, tmp_path / "a", a, name="a"),
+        operator(cluster, tmp_path / "b", b, name="b"),
+    ):
+        wait_for("coder serving", serving(cluster, namespace, 2), log=tmp_path / "b/b.log")
+        cluster.apply([mind("m0", low), mind("m1", low)], "-n", namespace)
+        both = {"m0": "Granted", "m1": "Granted"}
+        wait_for("m0 and m1 granted", lambda: states(cluster, namespace) == both)
+        cluster.kubectl("delete", "mind", "m0", "-n", namespace, "--wait=false")
+        wait_for("m0 reclaimed by b", lambda: states(cluster, namespace)["m0"] == "Reclaiming")
+        time.sleep(4)  # a few of a's passes: each saw her deleted, on an Engine it lacks
+        held = cluster.get_json("mind", "m0", "-n", namespace)["metadata"]
+        assert held.get("deletionTimestamp") and "continuum.dev/grant" in held["finalizers"]
+        assert "m0" not in (log_a.read_text() if log_a.exists() else "")
+
+        cluster.kubectl("label", "engine", "coder", "-n", namespace, "=".join(a), "--overwrite")
+        cluster.apply([mind("m2", low)], "-n", namespace)
+        # a takes the ledger where b left it: m0's reclaim runs out its grace, then m2 is granted.
+        wait_for("m0 released and gone, m2 granted by a",
+                 lambda: states(cluster, namespace) == {"m1": "Granted", "m2": "Granted"},
+                 timeout=90, log=tmp_path / "a/a.log")  # fmt: skip
+        gone = cluster.kubectl("get", "mind", "m0", "-n", namespace, "--ignore-not-found")
+        assert not gone.stdout.strip()
+        assert f"{namespace}/m2" in log_a.read_text()
+        assert f"{namespace}/m2" not in log_b.read_text()  # b no longer decides coder
+    checked = check_log(log_b)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

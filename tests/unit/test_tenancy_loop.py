@@ -338,3 +338,33 @@ def test_a_quota_condition_without_a_transition_time_gets_one() -> None:
     new = quota_status(quota, use, 1_800_000_000.0)
     assert new is not None
     assert new["conditions"][0]["lastTransitionTime"] == format_time(1_800_000_000.0)
+
+
+def _deleting(body: dict[str, Any]) -> dict[str, Any]:
+    body["metadata"]["finalizers"] = ["continuum.dev/grant"]
+    body["metadata"]["deletionTimestamp"] = "2026-12-06T10:00:00Z"
+    return body
+
+
+def test_a_deleting_mind_of_an_engine_another_operator_serves_keeps_her_finalizer(
+    tmp_path: Path,
+) -> None:
+    # Her Engine exists but is not in this operator's cache (`--engine-selector`): its own
+    # operator reclaims her slot through the gateway before it takes the finalizer off. Taken
+    # off here, she would be gone with her turn still running.
+    w = World(tmp_path)
+    w.api.add(engine("team-b", "theirs"), "engines")
+    w.mind(_deleting(mind("team-b", "bo", "theirs")))
+    w.loop.pass_once()
+    stored = w.api.objects[f"{BASE}/team-b/minds/bo"]
+    assert stored["metadata"]["finalizers"] == ["continuum.dev/grant"]
+    assert "grant" not in (stored.get("status") or {})  # nor told her Engine is missing
+
+
+def test_a_deleting_mind_of_an_engine_that_does_not_exist_loses_her_finalizer(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.mind(_deleting(mind("team-b", "bo", "gone")))
+    w.loop.pass_once()
+    assert not w.api.objects[f"{BASE}/team-b/minds/bo"]["metadata"].get("finalizers")

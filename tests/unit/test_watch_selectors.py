@@ -38,6 +38,16 @@ def test_leases_and_owned_objects_are_selected_on_the_server() -> None:
     assert _selectors(settings, "continuum.dev", "nodeboards") == []
 
 
+def test_an_operators_engine_selector_is_applied_by_the_api_server() -> None:
+    # So an Engine relabelled out of it reaches the watch as DELETED (test_grants e2e).
+    settings = kopf.OperatorSettings()
+    select_on_server(settings, {"shard": "a", "team": "ml"})
+    assert _selectors(settings, "continuum.dev", "engines") == ["shard=a,team=ml"]
+    everyone = kopf.OperatorSettings()
+    select_on_server(everyone)
+    assert _selectors(everyone, "continuum.dev", "engines") == []
+
+
 def test_the_selector_matches_the_labels_of_an_agent_lease() -> None:
     meta = agent_lease_metadata("gpu-node-1")
     wanted = dict(pair.split("=", 1) for pair in AGENT_LEASE_SELECTOR.split(","))

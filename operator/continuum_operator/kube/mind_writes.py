@@ -129,22 +129,25 @@ class MindWrites:
         return jobs
 
     def missing_engine_jobs(self, key: EngineKey, minds: list[dict[str, Any]]) -> list[Job]:
-        """Projections saying EngineNotFound, for Minds of an Engine the cache lacks whose
-        status does not say so yet (the Engine is read once per job, only then)."""
+        """The writes for Minds of an Engine the cache lacks: EngineNotFound projections where
+        her status does not say so yet, and the finalizer off a deleted Mind (nothing holds
+        her grant). One job an engine, which first asks the API server whether the Engine
+        exists: one this operator does not see may be another operator's (`--engine-selector`),
+        whose Minds are its own to tell and to release (it reclaims a deleted Mind's slot
+        through the gateway before her finalizer comes off)."""
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
-        stale = [
-            m
-            for m in sorted(minds, key=routing.mind_key)
-            if not m["metadata"].get("deletionTimestamp")
-            and self._projection(m, projected) is not None
-        ]
-        if not stale:
+        deleted, stale = [], []
+        for m in sorted(minds, key=routing.mind_key):
+            if m["metadata"].get("deletionTimestamp"):
+                deleted.append(routing.mind_key(m))
+            elif self._projection(m, projected) is not None:
+                stale.append(routing.mind_key(m))
+        if not deleted and not stale:
             return []
-        return [
-            (PROJECTION_WRITE, f"engine:{key[0]}/{key[1]}", partial(self.tell_missing, key, stale))
-        ]
+        job = partial(self.tell_missing, key, stale, deleted)
+        return [(PROJECTION_WRITE, f"engine:{key[0]}/{key[1]}", job)]
 
-    async def tell_missing(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
+    async def tell_missing(self, key: EngineKey, stale: list[str], deleted: list[str]) -> None:
         ns, name = key
         try:
             await self.api.request("GET", crd_path("engines", ns, name))
@@ -152,9 +155,13 @@ class MindWrites:
         except ApiError as err:
             if err.status != 404:
                 raise
+        for mkey in deleted:
+            mind = self.minds.minds.get(mkey)  # as the cache has her now
+            if mind is not None:
+                await self.drop_finalizer(mind)
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
-        for m in minds:
-            await self.project_one(routing.mind_key(m), projected)
+        for mkey in stale:
+            await self.project_one(mkey, projected)
 
     async def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""

@@ -77,7 +77,7 @@ from continuum_operator.kube.ledger_tails import LedgerTails
 from continuum_operator.kube.ledger_write import LedgerWriter, seed_ledgers
 from continuum_operator.kube.metrics import OperatorMetrics
 from continuum_operator.kube.mind_cache import MindCache, seed
-from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
+from continuum_operator.kube.mind_writer import PROJECTION_WRITE, MindWriter
 from continuum_operator.kube.mind_writes import MindWrites
 from continuum_operator.kube.quota_use import ClassNotes, QuotaUse, quota_status
 from continuum_operator.kube.transition_log import TransitionLog
@@ -417,13 +417,9 @@ class GrantsLoop:
         return answer
 
     def _tell_gone(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
-        """Minds of an Engine nobody serves (deleted, or never made): nothing holds their
-        grant. One that names an Engine that does not exist is told so; an Engine this operator
-        does not see may still exist (another operator's selector), so the API is asked."""
-        for m in minds:
-            if m["metadata"].get("deletionTimestamp"):
-                drop = partial(self.mind_writes.drop_finalizer, m)
-                self.writer.submit(FINALIZER_WRITE, routing.mind_key(m), drop)
+        """Minds of an Engine this operator does not have (deleted, never made, or another
+        operator's): `MindWrites.missing_engine_jobs` asks the API server which before it
+        tells them or releases a deleted one."""
         for priority, mkey, job in self.mind_writes.missing_engine_jobs(key, minds):
             self.writer.submit(priority, mkey, job)
 
