@@ -354,11 +354,29 @@ def test_a_deleting_mind_of_an_engine_another_operator_serves_keeps_her_finalize
     # off here, she would be gone with her turn still running.
     w = World(tmp_path)
     w.api.add(engine("team-b", "theirs"), "engines")
+    theirs = {
+        "metadata": {"namespace": "team-b", "name": "theirs", "resourceVersion": "7"},
+        "status": {"grants": [{"mind": "team-b/bo", "state": "Reclaiming", "slot": 0}]},
+    }
+    w.engines.observe_ledger(theirs, deleted=False, nudge=False)
     w.mind(_deleting(mind("team-b", "bo", "theirs")))
     w.loop.pass_once()
     stored = w.api.objects[f"{BASE}/team-b/minds/bo"]
     assert stored["metadata"]["finalizers"] == ["continuum.dev/grant"]
     assert "grant" not in (stored.get("status") or {})  # nor told her Engine is missing
+
+
+def test_a_deleting_mind_no_ledger_holds_loses_her_finalizer_whoever_serves_her_engine(
+    tmp_path: Path,
+) -> None:
+    # Her finalizer guards a slot; no GrantLedger holds one for her (an Engine no operator
+    # serves, say: the chart's admission policy put the finalizer on her at creation).
+    w = World(tmp_path)
+    w.api.add(engine("team-b", "unserved"), "engines")
+    w.mind(_deleting(mind("team-b", "bo", "unserved")))
+    w.loop.pass_once()
+    assert not w.api.objects[f"{BASE}/team-b/minds/bo"]["metadata"].get("finalizers")
+    assert "grant" not in (w.api.objects[f"{BASE}/team-b/minds/bo"].get("status") or {})
 
 
 def test_a_deleting_mind_of_an_engine_that_does_not_exist_loses_her_finalizer(

@@ -22,12 +22,14 @@ from typing import Any
 from continuum_operator.kube.ledger import LEDGER_FIELDS
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.grant_ledger import GrantLedger, engine_owners
+from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = [
     "KIND",
     "LEDGER_META",
     "PLURAL",
     "engine_only",
+    "holders",
     "merged",
     "new_ledger",
     "owned_by",
@@ -90,3 +92,9 @@ def new_ledger(engine: Mapping[str, Any]) -> dict[str, Any]:
             }
         ]
     return {"apiVersion": API_VERSION, "kind": GrantLedger.KIND, "metadata": out}
+
+
+def holders(ledger: Mapping[str, Any] | None) -> frozenset[str]:
+    """The Minds ("namespace/name") a GrantLedger holds a slot for (Granted or Reclaiming)."""
+    grants = ((ledger or {}).get("status") or {}).get("grants") or []
+    return frozenset(str(e.get("mind")) for e in grants if e.get("state") in HOLDING_STATES)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from continuum_operator.kube import crash, ledger, mind_status, routing
+from continuum_operator.kube import crash, ledger, ledger_object, mind_status, routing
 from continuum_operator.kube.api import ApiError, crd_path
 from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import EngineKey, format_time
@@ -54,12 +54,15 @@ class MindWrites:
         settings: GrantSettings,
         clock: Callable[[], float],
         pod_port: int,
+        ledgers: Mapping[EngineKey, Mapping[str, Any]] | None = None,
     ) -> None:
         self.api = api
         self.minds = minds
         self.settings = settings
         self.clock = clock
         self.pod_port = pod_port
+        #: Every GrantLedger as watched (`Cache.ledgers`), other operators' Engines' too.
+        self.ledgers: Mapping[EngineKey, Mapping[str, Any]] = ledgers if ledgers is not None else {}
         self.projections_written = 0
 
     async def write_quota(self, quota: Mapping[str, Any], status: dict[str, Any]) -> None:
@@ -130,11 +133,12 @@ class MindWrites:
 
     def missing_engine_jobs(self, key: EngineKey, minds: list[dict[str, Any]]) -> list[Job]:
         """The writes for Minds of an Engine the cache lacks: EngineNotFound projections where
-        her status does not say so yet, and the finalizer off a deleted Mind (nothing holds
-        her grant). One job an engine, which first asks the API server whether the Engine
-        exists: one this operator does not see may be another operator's (`--engine-selector`),
-        whose Minds are its own to tell and to release (it reclaims a deleted Mind's slot
-        through the gateway before her finalizer comes off)."""
+        her status does not say so yet, and the finalizer off a deleted Mind. One job an
+        engine, which first asks the API server whether the Engine exists. If not, nothing
+        holds her grant. If so, it is another operator's (`--engine-selector`), whose Minds are
+        its own to tell, and whose ledger's holders are its own to release (it reclaims the
+        slot through the gateway first); the finalizer comes off a deleted Mind its GrantLedger
+        holds no slot for (no operator may serve that Engine at all)."""
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
         deleted, stale = [], []
         for m in sorted(minds, key=routing.mind_key):
@@ -151,10 +155,12 @@ class MindWrites:
         ns, name = key
         try:
             await self.api.request("GET", crd_path("engines", ns, name))
-            return  # it exists: not this operator's (its selector), so not for it to say
         except ApiError as err:
             if err.status != 404:
                 raise
+        else:  # it exists: not this operator's (its selector), so not for it to say
+            held = ledger_object.holders(self.ledgers.get(key))
+            deleted, stale = [m for m in deleted if m not in held], []
         for mkey in deleted:
             mind = self.minds.minds.get(mkey)  # as the cache has her now
             if mind is not None:
