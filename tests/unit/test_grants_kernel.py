@@ -137,6 +137,36 @@ def test_a_ledger_of_an_engine_this_operator_does_not_serve_wakes_no_pass(
     assert queue.changed.is_set()
 
 
+def test_another_operators_ledger_wakes_a_pass_when_what_a_quota_counts_changed(
+    tmp_path: Path,
+) -> None:
+    # A TokenQuota counts every Engine's holdings, the other operator's too: a release there
+    # may let a Mind held back here be granted.
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder"))
+    w.quota(quota("team-a", "tokens", 1000))
+    w.loop.pass_once()
+    queue = w.loop.queue
+
+    def theirs(version: int, state: str, position: int | None = None) -> dict[str, Any]:
+        entry = {"mind": "team-a/bo", "state": state, "slot": 0, "tokens": 1000}
+        if position is not None:
+            entry = {"mind": "team-a/bo", "state": state, "position": position}
+        return {
+            "metadata": {"namespace": "team-b", "name": "theirs", "resourceVersion": str(version)},
+            "status": {"grants": [entry]},
+        }
+
+    for version, ledger, wakes in (
+        (7, theirs(7, "Granted"), True),  # 1000 tokens held
+        (8, theirs(8, "Granted"), False),  # the same held (a queue moved, say)
+        (9, theirs(9, "Queued", position=1), True),  # released
+    ):
+        queue.changed.clear()
+        w.engines.observe_ledger(ledger, deleted=False)
+        assert queue.changed.is_set() is wakes, version
+
+
 def test_a_replica_that_does_not_lead_writes_nothing(tmp_path: Path) -> None:
     w = World(tmp_path)
     w.loop.may_write = lambda: False

@@ -386,3 +386,22 @@ def test_a_deleting_mind_of_an_engine_that_does_not_exist_loses_her_finalizer(
     w.mind(_deleting(mind("team-b", "bo", "gone")))
     w.loop.pass_once()
     assert not w.api.objects[f"{BASE}/team-b/minds/bo"]["metadata"].get("finalizers")
+
+
+def test_a_quota_counts_what_another_operators_engines_hold(tmp_path: Path) -> None:
+    # A namespace's TokenQuota spans every Engine, whichever operator serves it
+    # (`--engine-selector`): the other's GrantLedgers, watched here too, count toward it.
+    w = World(tmp_path)
+    w.engine(engine("team-a", "ours", slots=2))
+    theirs = {
+        "metadata": {"namespace": "team-a", "name": "theirs", "resourceVersion": "7"},
+        "status": {"grants": [{"mind": "team-a/old", "state": "Granted", "slot": 0,
+                               "tokens": 1000, "reason": "SlotFree"}]},
+    }  # fmt: skip
+    w.engines.observe_ledger(theirs, deleted=False, nudge=False)
+    w.quota(quota("team-a", "tokens", 1500))
+    w.mind(mind("team-a", "ann", "ours", second=1))
+    w.loop.pass_once()
+    assert w.ledger("team-a", "ours") == {"team-a/ann": ("Queued", "QuotaExceeded")}
+    status = w.status("tokenquotas", "team-a", "tokens")
+    assert status["usedTokens"] == 1000 and status["mindsHeld"] == 1

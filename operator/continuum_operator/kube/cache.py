@@ -180,6 +180,8 @@ class Cache:
     # The grants loop's queue (`kube.minds` sets it), woken by an Engine's watch event: its pass
     # finds which engines changed by comparing their bodies with those it last stepped.
     grants_queue: WorkQueue[EngineKey] | None = None
+    # Whether a TokenQuota exists (`kube.minds` sets it): the passes then read every GrantLedger.
+    quotas_read: Callable[[], bool] = lambda: False
 
     def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
         """Record a status patch as written before its answer (`settle_status` ends it)."""
@@ -379,9 +381,16 @@ class Cache:
         before, current = self.engines.get(key), self.ledgers.get(key)
         if before is None:
             # Not an Engine of this cache (yet, or another operator's, `--engine-selector`):
-            # kept for its Engine's event to merge, and no pass woken, which would read every
-            # engine again for a ledger no step here reads (another operator's writes, ~100/s
-            # at scale, would each wake one).
+            # kept for its Engine's event to merge. No step here reads it, so no pass is woken
+            # (another operator's writes, ~100/s at scale, would each wake one, reading every
+            # engine), but where TokenQuotas count what it holds and that changed.
+            if (
+                nudge
+                and self.grants_queue is not None
+                and self.quotas_read()
+                and ledger_object.held_tokens(known) != ledger_object.held_tokens(current)
+            ):
+                self.grants_queue.wake()
             return
         after = ledger_object.merged(before, current)
         pending = self._pending.get(key)

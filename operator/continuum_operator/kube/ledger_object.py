@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from continuum_operator.kube.ledger import LEDGER_FIELDS
+from continuum_operator.kube.routing import tokens_held
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.grant_ledger import GrantLedger, engine_owners
 from continuum_operator.model.mind import HOLDING_STATES
@@ -29,9 +30,11 @@ __all__ = [
     "LEDGER_META",
     "PLURAL",
     "engine_only",
+    "held_tokens",
     "holders",
     "merged",
     "new_ledger",
+    "others_entries",
     "owned_by",
     "version_of",
 ]
@@ -98,3 +101,21 @@ def holders(ledger: Mapping[str, Any] | None) -> frozenset[str]:
     """The Minds ("namespace/name") a GrantLedger holds a slot for (Granted or Reclaiming)."""
     grants = ((ledger or {}).get("status") or {}).get("grants") or []
     return frozenset(str(e.get("mind")) for e in grants if e.get("state") in HOLDING_STATES)
+
+
+def others_entries(
+    ledgers: Mapping[tuple[str, str], Mapping[str, Any]], mine: Mapping[tuple[str, str], Any]
+) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The entries of every GrantLedger whose Engine is not among `mine` (another operator's,
+    or one this operator has just forgotten), by Engine: what they hold counts toward the
+    namespaces' TokenQuotas all the same."""
+    return {
+        key: list((ledger.get("status") or {}).get("grants") or [])
+        for key, ledger in ledgers.items()
+        if key not in mine
+    }
+
+
+def held_tokens(ledger: Mapping[str, Any] | None) -> dict[str, int]:
+    """Tokens each namespace holds in a GrantLedger (what a TokenQuota counts)."""
+    return tokens_held(((ledger or {}).get("status") or {}).get("grants"))

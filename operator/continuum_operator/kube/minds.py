@@ -59,7 +59,7 @@ from functools import partial
 from typing import Any
 
 from continuum_operator.core.grants import MindDemand, PriorityPolicy
-from continuum_operator.kube import kernel, ledger, routing
+from continuum_operator.kube import kernel, ledger, ledger_object, routing
 from continuum_operator.kube.api import ApiError
 from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, EngineKey
@@ -120,6 +120,7 @@ class GrantsLoop:
         self.queue: WorkQueue[EngineKey] = minds.queue
         self.queue.resynced_at = None  # a new loop's first pass takes every engine
         engines.grants_queue = self.queue
+        engines.quotas_read = lambda: bool(minds.quotas)
         self.kernel = KernelSettings(
             resync_seconds=full_pass_seconds,
             debounce_seconds=DEBOUNCE_SECONDS,
@@ -230,10 +231,12 @@ class GrantsLoop:
         marked += [k for k, f in facts.items() if f.due is not None and f.due <= now]
         queue.mark(*marked, wake=False)
         # Held over every engine's ledger, not only those stepped (from `facts`: read once per
-        # body).
-        quotas = QuotaUse(
-            limits, {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
-        )
+        # body); and, where a quota reads them, over the GrantLedgers of Engines another
+        # operator serves (`--engine-selector`): a namespace's quota spans them all.
+        held = {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
+        if limits:
+            held = {**ledger_object.others_entries(self.engines.ledgers, engines), **held}
+        quotas = QuotaUse(limits, held)
         self.view = PassView(classes, default, limits, facts, quotas, self.log.time(self.clock()))
         self.view.due_done.set()
 
