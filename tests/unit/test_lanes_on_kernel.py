@@ -85,3 +85,26 @@ def test_the_lanes_reconciler_decides_and_writes_only_the_lanes_marked() -> None
     assert drain() == 0  # nothing changed, nothing decided
     cache.observe_engine(engine("missing"), deleted=False, nudge=False)
     assert drain() == 2  # the Engine they name appeared
+
+
+def test_an_operator_of_an_engine_selector_decides_only_its_own_lanes() -> None:
+    # Its own: labelled as its selector asks, or beside an Engine it serves. Another
+    # operator's lane decided here too was told EngineNotFound here and Placed there.
+    api = FakeKubeApi()
+    cache = Cache()
+    cache.observe_engine(engine("ours"), deleted=False, nudge=False)
+    labelled = lane("labelled", "missing")
+    labelled["metadata"]["labels"] = {"shard": "a"}
+    for body in (lane("beside-ours", "ours"), lane("beside-theirs", "theirs"), labelled,
+                 lane("own-unlabelled", None)):  # fmt: skip
+        api.add(body, "embedlanes")
+        cache.observe_lane(body, deleted=False, nudge=False)
+    fake: Any = api.aio
+    lanes = LaneLoop(fake, OperatorSettings(), cache, lambda: NOW, {"shard": "a"})
+    taken = lanes.keys()  # the kernel's keys, not a mapping's
+    assert sorted(k[1] for k in taken) == ["beside-ours", "labelled"]
+    asyncio.run(kernel.drain(lanes, cache.lane_queue, KernelSettings(), clock=lambda: NOW))
+    written = sorted({c.path.split("/")[-2] for c in api.calls if c.method == "PATCH"})
+    assert written == ["beside-ours", "labelled"]
+    everyone = LaneLoop(fake, OperatorSettings(), cache, lambda: NOW)
+    assert len(everyone.keys()) == 4  # no selector: every lane

@@ -108,6 +108,23 @@ def _deleting(body: Mapping[str, Any]) -> bool:
     return bool(body["metadata"].get("deletionTimestamp"))
 
 
+def _ours(
+    body: Mapping[str, Any], engines: Mapping[LaneKey, Any], labels: Mapping[str, str] | None
+) -> bool:
+    """Whether this operator decides the lane: every lane where it serves every Engine; with
+    `--engine-selector`, a lane labelled as the selector asks, and one beside an Engine it
+    serves. Any other is another operator's: deciding it here too, two operators wrote its
+    status (EngineNotFound here, Placed there) and its pod."""
+    if not labels:
+        return True
+    meta = body["metadata"]
+    own = meta.get("labels") or {}
+    if all(own.get(k) == v for k, v in labels.items()):
+        return True
+    engine = (body.get("spec") or {}).get("engine")
+    return isinstance(engine, str) and (meta["namespace"], engine) in engines
+
+
 def _fresh(snap: Snapshot, node: str, now: float, settings: OperatorSettings) -> bool:
     return is_fresh(snap, node, now, settings.freshness.default_ttl_seconds)
 
@@ -387,8 +404,10 @@ class LaneLoop(PassHooks[LaneKey]):
         settings: OperatorSettings,
         cache: Cache,
         clock: Callable[[], float],
+        engine_labels: Mapping[str, str] | None = None,
     ) -> None:
         self.api, self.settings, self.cache, self.clock = api, settings, cache, clock
+        self.engine_labels = engine_labels  # `--engine-selector`: which lanes are this one's
         self.applied: dict[LaneKey, str] = {}  # what was last applied of each lane's pod
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -399,11 +418,18 @@ class LaneLoop(PassHooks[LaneKey]):
         await kernel.run(self, self.cache.lane_queue, every, stop, clock=self.clock)
 
     def keys(self) -> list[LaneKey]:
-        return [k for k, b in list(self.cache.lanes.items()) if not _deleting(b)]
+        return [k for k, b in list(self.cache.lanes.items()) if self._takes(b)]
+
+    def _takes(self, body: Mapping[str, Any] | None) -> bool:
+        return (
+            body is not None
+            and not _deleting(body)
+            and _ours(body, self.cache.engines, self.engine_labels)
+        )
 
     def decide(self, key: LaneKey, now: float) -> LaneWrites | None:
         body = self.cache.lanes.get(key)
-        if body is None or _deleting(body):
+        if body is None or not self._takes(body):
             return None
         return reconcile_lane(body, self.cache.snapshot(), now, self.settings)
 

@@ -341,7 +341,7 @@ async def _operate(
     # Each node's engine and lane pods, told to its agent (which may not list pods itself).
     placed = PlacedPods(api, cache, settings.loop.resync_seconds)
     # EmbedLanes, on the controller kernel (as the Engines' and the grants' loops are).
-    lanes = LaneLoop(api, settings, cache, time.time)
+    lanes = LaneLoop(api, settings, cache, time.time, engine_labels)
     decisions = asyncio.create_task(
         lead(elector, stop, [loop.run, grants_loop.run, placed.run, lanes.run])
     )
