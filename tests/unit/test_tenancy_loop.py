@@ -405,3 +405,35 @@ def test_a_quota_counts_what_another_operators_engines_hold(tmp_path: Path) -> N
     assert w.ledger("team-a", "ours") == {"team-a/ann": ("Queued", "QuotaExceeded")}
     status = w.status("tokenquotas", "team-a", "tokens")
     assert status["usedTokens"] == 1000 and status["mindsHeld"] == 1
+
+
+def test_minds_of_an_engine_whose_ledger_is_watched_cost_no_get(tmp_path: Path) -> None:
+    # Another operator's Engine, its GrantLedger watched here: the Engine lives (its ledger
+    # goes with it), so its Minds are neither asked about nor told anything from here.
+    w = World(tmp_path)
+    w.api.add(engine("team-b", "theirs"), "engines")
+    theirs = {
+        "metadata": {"namespace": "team-b", "name": "theirs", "resourceVersion": "7"},
+        "status": {"grants": [{"mind": "team-b/bo", "state": "Granted", "slot": 0}]},
+    }
+    w.engines.observe_ledger(theirs, deleted=False, nudge=False)
+    w.mind(mind("team-b", "bo", "theirs"))
+    w.loop.pass_once()
+    w.loop.queue.mark_all()
+    w.loop.pass_once()
+    assert [c for c in w.api.calls if "/engines/" in c.path or "/minds/" in c.path] == []
+
+
+def test_minds_of_a_deleted_engine_are_told_once_its_ledger_is_gone_too(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.engine(engine("team-a", "coder"))
+    w.mind(mind("team-a", "ann", "coder"))
+    w.loop.pass_once()
+    assert w.status("minds", "team-a", "ann")["grant"]["state"] == "Granted"
+    body = w.api.objects.pop(f"{BASE}/team-a/engines/coder")
+    w.engines.observe_engine(body, deleted=True)
+    w.loop.pass_once()  # its ledger not deleted yet by the garbage collector
+    ledger = w.engines.ledgers[("team-a", "coder")]
+    w.engines.observe_ledger(ledger, deleted=True)
+    w.loop.pass_once()
+    assert w.status("minds", "team-a", "ann")["grant"]["reason"] == "EngineNotFound"

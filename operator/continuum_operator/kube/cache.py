@@ -384,9 +384,13 @@ class Cache:
             # kept for its Engine's event to merge. No step here reads it, so no pass is woken
             # (another operator's writes, ~100/s at scale, would each wake one, reading every
             # engine), but where TokenQuotas count what it holds and that changed.
-            if (
+            if self.grants_queue is None:
+                return
+            if deleted:
+                # Its Minds were not told while it lived (`MindWrites.missing_engine_jobs`).
+                self.grants_queue.mark(key, wake=nudge)
+            elif (
                 nudge
-                and self.grants_queue is not None
                 and self.quotas_read()
                 and ledger_object.held_tokens(known) != ledger_object.held_tokens(current)
             ):

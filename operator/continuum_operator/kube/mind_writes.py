@@ -134,11 +134,26 @@ class MindWrites:
     def missing_engine_jobs(self, key: EngineKey, minds: list[dict[str, Any]]) -> list[Job]:
         """The writes for Minds of an Engine the cache lacks: EngineNotFound projections where
         her status does not say so yet, and the finalizer off a deleted Mind. One job an
-        engine, which first asks the API server whether the Engine exists. If not, nothing
-        holds her grant. If so, it is another operator's (`--engine-selector`), whose Minds are
-        its own to tell, and whose ledger's holders are its own to release (it reclaims the
-        slot through the gateway first); the finalizer comes off a deleted Mind its GrantLedger
-        holds no slot for (no operator may serve that Engine at all)."""
+        engine, which first asks the API server whether the Engine exists, unless its
+        GrantLedger is watched here. If not, nothing holds her grant. If so, it is another
+        operator's (`--engine-selector`), whose Minds are its own to tell, and whose ledger's
+        holders are its own to release (it reclaims the slot through the gateway first); the
+        finalizer comes off a deleted Mind its GrantLedger holds no slot for (no operator may
+        serve that Engine at all)."""
+        ledger = self.ledgers.get(key)
+        if ledger is not None:
+            # Its GrantLedger is watched here, so the Engine lives (the garbage collector
+            # deletes the ledger with it, and that deletion marks the engine again): another
+            # operator's, asked nothing (a GET each full pass, each foreign engine, was the
+            # most of what the API server did for this operator's grants at rest).
+            held = ledger_object.holders(ledger)
+            return [
+                (FINALIZER_WRITE, mkey, partial(self.drop_finalizer, m))
+                for m in minds
+                if m["metadata"].get("deletionTimestamp")
+                and (mkey := routing.mind_key(m)) not in held
+                and FINALIZER in (m["metadata"].get("finalizers") or [])
+            ]
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
         deleted, stale = [], []
         for m in sorted(minds, key=routing.mind_key):
