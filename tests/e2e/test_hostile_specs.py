@@ -651,8 +651,9 @@ def as_text(manifest: str | dict[str, Any] | list[dict[str, Any]]) -> str:
 
 
 def labelled(doc: dict[str, Any]) -> dict[str, Any]:
-    """Engines carry the run label, so only this module's operator serves them."""
-    if doc.get("kind") != "Engine":
+    """Engines and EmbedLanes carry the run label, so only this module's operator serves them
+    (its `--engine-selector` takes a lane labelled so, or one beside an Engine it serves)."""
+    if doc.get("kind") not in ("Engine", "EmbedLane"):
         return doc
     out = copy.deepcopy(doc)
     out["metadata"].setdefault("labels", {}).update(dict([LABEL]))
