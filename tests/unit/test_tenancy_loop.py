@@ -340,6 +340,17 @@ def test_a_quota_condition_without_a_transition_time_gets_one() -> None:
     assert new["conditions"][0]["lastTransitionTime"] == format_time(1_800_000_000.0)
 
 
+def another_operators_engine(w: World, ns: str, entry: dict[str, Any]) -> None:
+    """Engine `theirs` of `ns`, in the API server but not in this operator's cache (another
+    operator's selector), its GrantLedger watched here with one entry."""
+    w.api.add(engine(ns, "theirs"), "engines")
+    ledger = {
+        "metadata": {"namespace": ns, "name": "theirs", "resourceVersion": "7"},
+        "status": {"grants": [entry]},
+    }
+    w.engines.observe_ledger(ledger, deleted=False, nudge=False)
+
+
 def _deleting(body: dict[str, Any]) -> dict[str, Any]:
     body["metadata"]["finalizers"] = ["continuum.dev/grant"]
     body["metadata"]["deletionTimestamp"] = "2026-12-06T10:00:00Z"
@@ -353,12 +364,7 @@ def test_a_deleting_mind_of_an_engine_another_operator_serves_keeps_her_finalize
     # operator reclaims her slot through the gateway before it takes the finalizer off. Taken
     # off here, she would be gone with her turn still running.
     w = World(tmp_path)
-    w.api.add(engine("team-b", "theirs"), "engines")
-    theirs = {
-        "metadata": {"namespace": "team-b", "name": "theirs", "resourceVersion": "7"},
-        "status": {"grants": [{"mind": "team-b/bo", "state": "Reclaiming", "slot": 0}]},
-    }
-    w.engines.observe_ledger(theirs, deleted=False, nudge=False)
+    another_operators_engine(w, "team-b", {"mind": "team-b/bo", "state": "Reclaiming", "slot": 0})
     w.mind(_deleting(mind("team-b", "bo", "theirs")))
     w.loop.pass_once()
     stored = w.api.objects[f"{BASE}/team-b/minds/bo"]
@@ -393,12 +399,8 @@ def test_a_quota_counts_what_another_operators_engines_hold(tmp_path: Path) -> N
     # (`--engine-selector`): the other's GrantLedgers, watched here too, count toward it.
     w = World(tmp_path)
     w.engine(engine("team-a", "ours", slots=2))
-    theirs = {
-        "metadata": {"namespace": "team-a", "name": "theirs", "resourceVersion": "7"},
-        "status": {"grants": [{"mind": "team-a/old", "state": "Granted", "slot": 0,
-                               "tokens": 1000, "reason": "SlotFree"}]},
-    }  # fmt: skip
-    w.engines.observe_ledger(theirs, deleted=False, nudge=False)
+    held = {"mind": "team-a/old", "state": "Granted", "slot": 0, "tokens": 1000}
+    another_operators_engine(w, "team-a", held)
     w.quota(quota("team-a", "tokens", 1500))
     w.mind(mind("team-a", "ann", "ours", second=1))
     w.loop.pass_once()
@@ -411,12 +413,7 @@ def test_minds_of_an_engine_whose_ledger_is_watched_cost_no_get(tmp_path: Path) 
     # Another operator's Engine, its GrantLedger watched here: the Engine lives (its ledger
     # goes with it), so its Minds are neither asked about nor told anything from here.
     w = World(tmp_path)
-    w.api.add(engine("team-b", "theirs"), "engines")
-    theirs = {
-        "metadata": {"namespace": "team-b", "name": "theirs", "resourceVersion": "7"},
-        "status": {"grants": [{"mind": "team-b/bo", "state": "Granted", "slot": 0}]},
-    }
-    w.engines.observe_ledger(theirs, deleted=False, nudge=False)
+    another_operators_engine(w, "team-b", {"mind": "team-b/bo", "state": "Granted", "slot": 0})
     w.mind(mind("team-b", "bo", "theirs"))
     w.loop.pass_once()
     w.loop.queue.mark_all()
