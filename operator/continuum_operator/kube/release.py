@@ -30,7 +30,6 @@ from urllib.parse import quote
 
 from continuum_operator.cli_errors import fail
 from continuum_operator.kube.api import ApiError, KubeApi, continue_token, crd_path, page_query
-from continuum_operator.model.base import label_selector
 
 __all__ = [
     "FINALIZED",
@@ -101,7 +100,7 @@ def stop_operator(
     labels = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     if not labels:
         raise ApiError(422, "Invalid", f"Deployment {namespace}/{name} has no matchLabels")
-    selector = label_selector(labels)
+    selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     pods_path = f"/api/v1/namespaces/{quote(namespace)}/pods"
     deadline = clock() + timeout
     waited = 0

@@ -226,9 +226,8 @@ _LOOP_FLAGS = (
     ),
     SettingFlag(
         "--engine-selector",
-        None,  # parse_selector reads it: the API server selects the watch of Engines by it
-        "serve only the Engines with these labels, and the EmbedLanes with them or beside "
-        "those Engines (default: every Engine and EmbedLane)",
+        None,  # parse_selector reads it: kopf's label filters
+        "serve only the Engines with these labels (default: every Engine)",
         default="",
         metavar="KEY=VALUE[,KEY=VALUE]",
     ),
@@ -250,8 +249,7 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
 
 
 def parse_selector(text: str) -> dict[str, str]:
-    """`a=b,c=d` into labels: an equality selector (`model.base.label_selector` writes it
-    back for the watch)."""
+    """`a=b,c=d` into labels; an equality selector is all kopf's label filters take."""
     labels: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
