@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from continuum_operator.model.base import label_selector
+
 __all__ = [
     "AGENT_LEASE_LABELS",
     "AGENT_LEASE_SELECTOR",
@@ -38,7 +40,7 @@ NODE_ANNOTATION = "continuum.dev/node"
 # every namespace, the kubelets renew theirs every 10 s (100 a second at 1,000 nodes), and none
 # of them need reach the operator.
 AGENT_LEASE_LABELS = {"app.kubernetes.io/managed-by": "continuum-agent"}
-AGENT_LEASE_SELECTOR = ",".join(f"{k}={v}" for k, v in AGENT_LEASE_LABELS.items())
+AGENT_LEASE_SELECTOR = label_selector(AGENT_LEASE_LABELS)
 _MAX_NAME = 253
 
 

@@ -420,12 +420,8 @@ class LaneLoop(PassHooks[LaneKey]):
     def keys(self) -> list[LaneKey]:
         return [k for k, b in list(self.cache.lanes.items()) if self._takes(b)]
 
-    def _takes(self, body: Mapping[str, Any] | None) -> bool:
-        return (
-            body is not None
-            and not _deleting(body)
-            and _ours(body, self.cache.engines, self.engine_labels)
-        )
+    def _takes(self, body: Mapping[str, Any]) -> bool:
+        return not _deleting(body) and _ours(body, self.cache.engines, self.engine_labels)
 
     def decide(self, key: LaneKey, now: float) -> LaneWrites | None:
         body = self.cache.lanes.get(key)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
+from continuum_operator.model.base import label_selector
 
 __all__ = ["GrantSettings", "LeaderSettings", "add_arguments", "grant_settings", "leader_settings"]
 
@@ -150,6 +151,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def leader_settings(args: argparse.Namespace, engine_labels: Mapping[str, str]) -> LeaderSettings:
     name = args.leader_lease or LeaderSettings().name
     if not args.leader_lease and engine_labels:
-        text = ",".join(f"{k}={v}" for k, v in sorted(engine_labels.items()))
+        text = label_selector(engine_labels)
         name = f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
     return replace(settings_from_flags(LeaderSettings(), _leader_flags(), args), name=name)

@@ -19,7 +19,7 @@ from continuum_operator.core.heartbeat import AGENT_LEASE_SELECTOR
 from continuum_operator.kube import ledger_object
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.objects import MANAGED_BY
-from continuum_operator.model.base import GROUP, VERSION
+from continuum_operator.model.base import GROUP, VERSION, label_selector
 
 __all__ = ["registry_for", "select_on_server"]
 
@@ -51,7 +51,7 @@ def select_on_server(
     for group, plural in (("apps", "deployments"), ("batch", "jobs"), ("v1", "services")):
         watching[group, plural] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
     if engine_labels:
-        watching[GROUP, "engines"] = ",".join(f"{k}={v}" for k, v in engine_labels.items())
+        watching[GROUP, "engines"] = label_selector(engine_labels)
 
 
 def registry_for(

@@ -97,10 +97,17 @@ def new_ledger(engine: Mapping[str, Any]) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": GrantLedger.KIND, "metadata": out}
 
 
+def _grants(ledger: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """A GrantLedger object's entries (`status.grants`; none for no ledger)."""
+    grants: list[dict[str, Any]] = ((ledger or {}).get("status") or {}).get("grants") or []
+    return grants
+
+
 def holders(ledger: Mapping[str, Any] | None) -> frozenset[str]:
     """The Minds ("namespace/name") a GrantLedger holds a slot for (Granted or Reclaiming)."""
-    grants = ((ledger or {}).get("status") or {}).get("grants") or []
-    return frozenset(str(e.get("mind")) for e in grants if e.get("state") in HOLDING_STATES)
+    return frozenset(
+        str(e.get("mind")) for e in _grants(ledger) if e.get("state") in HOLDING_STATES
+    )
 
 
 def others_entries(
@@ -109,13 +116,9 @@ def others_entries(
     """The entries of every GrantLedger whose Engine is not among `mine` (another operator's,
     or one this operator has just forgotten), by Engine: what they hold counts toward the
     namespaces' TokenQuotas all the same."""
-    return {
-        key: list((ledger.get("status") or {}).get("grants") or [])
-        for key, ledger in ledgers.items()
-        if key not in mine
-    }
+    return {key: _grants(ledger) for key, ledger in ledgers.items() if key not in mine}
 
 
 def held_tokens(ledger: Mapping[str, Any] | None) -> dict[str, int]:
     """Tokens each namespace holds in a GrantLedger (what a TokenQuota counts)."""
-    return tokens_held(((ledger or {}).get("status") or {}).get("grants"))
+    return tokens_held(_grants(ledger))

@@ -423,8 +423,8 @@ class GrantsLoop:
 
     def _tell_gone(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
         """Minds of an Engine this operator does not have (deleted, never made, or another
-        operator's): `MindWrites.missing_engine_jobs` asks the API server which before it
-        tells them or releases a deleted one."""
+        operator's): `MindWrites.missing_engine_jobs` tells which (from its GrantLedger, else
+        the API server) before it tells them or releases a deleted one."""
         for priority, mkey, job in self.mind_writes.missing_engine_jobs(key, minds):
             self.writer.submit(priority, mkey, job)
 

@@ -30,6 +30,7 @@ from urllib.parse import quote
 
 from continuum_operator.cli_errors import fail
 from continuum_operator.kube.api import ApiError, KubeApi, continue_token, crd_path, page_query
+from continuum_operator.model.base import label_selector
 
 __all__ = [
     "FINALIZED",
@@ -100,7 +101,7 @@ def stop_operator(
     labels = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     if not labels:
         raise ApiError(422, "Invalid", f"Deployment {namespace}/{name} has no matchLabels")
-    selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    selector = label_selector(labels)
     pods_path = f"/api/v1/namespaces/{quote(namespace)}/pods"
     deadline = clock() + timeout
     waited = 0

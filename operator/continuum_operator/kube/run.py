@@ -226,8 +226,9 @@ _LOOP_FLAGS = (
     ),
     SettingFlag(
         "--engine-selector",
-        None,  # parse_selector reads it: kopf's label filters
-        "serve only the Engines with these labels (default: every Engine)",
+        None,  # parse_selector reads it: the API server selects the watch of Engines by it
+        "serve only the Engines with these labels, and the EmbedLanes with them or beside "
+        "those Engines (default: every Engine and EmbedLane)",
         default="",
         metavar="KEY=VALUE[,KEY=VALUE]",
     ),
@@ -249,7 +250,8 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
 
 
 def parse_selector(text: str) -> dict[str, str]:
-    """`a=b,c=d` into labels; an equality selector is all kopf's label filters take."""
+    """`a=b,c=d` into labels: an equality selector (`model.base.label_selector` writes it
+    back for the watch)."""
     labels: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")

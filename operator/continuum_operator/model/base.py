@@ -8,6 +8,7 @@ default; the CRD schemas generated from these models prune unknown fields the sa
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -46,6 +47,12 @@ def spec_config_with_rules(*rules: JsonDict) -> ConfigDict:
     config = Spec.model_config.copy()
     config["json_schema_extra"] = {"x-kubernetes-validations": list(rules)}
     return config
+
+
+def label_selector(labels: Mapping[str, str]) -> str:
+    """An equality label selector, `key=value,...` in key order: what a list's or a watch's
+    `labelSelector` takes (the same labels always the same text)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
 def nullable(description: str) -> Any:
