@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +35,31 @@ def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "wait", "--for=condition=established", "--timeout=60s", "-f", str(ROOT / "crds")
     )
     log = tmp_path_factory.mktemp("operator") / "operator.log"
+    # Only this module's engines: other modules' operators may share the cluster.
+    with running_operator(cluster, log, RUN_LABEL, tmp_path_factory.getbasetemp()):
+        yield log
+
+
+@contextmanager
+def running_operator(
+    cluster: Cluster, log: Path, selector: tuple[str, str], models: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`continuum operator` of the Engines labelled `selector`, logging to `log`."""
     cmd = [
         sys.executable, "-m", "continuum_operator.cli", "operator",
         "--kubeconfig", str(cluster.kubeconfig), "--resync", "1",
         "--engine-image", "continuum-engine:e2e",
+        "--engine-selector", "=".join(selector),
         # The tests' model files are written under pytest's temporary directory.
-        "--allowed-host-path-prefix", str(tmp_path_factory.getbasetemp()),
+        "--allowed-host-path-prefix", str(models),
     ]  # fmt: skip
-    usage = subprocess.run([*cmd[:4], "--help"], capture_output=True, text=True, check=True)
-    if "--engine-selector" in usage.stdout:
-        # Only this module's engines: other modules' operators may share the cluster.
-        cmd += ["--engine-selector", "=".join(RUN_LABEL)]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
     try:
         time.sleep(1)
         if proc.poll() is not None:
             pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
-        yield log
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -189,6 +197,57 @@ def test_an_embed_lane_beside_an_engine_is_placed_and_the_engines_plans_count_it
     budget = second["status"]["plan"]["budget"]["host"]
     assert budget == HOST_CAPACITY - coder_host - lane_host - reserve
     assert second["status"]["placement"]["node"] == node
+
+
+def lane(name: str, engine_name: str, max_context_tokens: int, **labels: str) -> dict[str, Any]:
+    return {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"engine": engine_name, "maxContextTokens": max_context_tokens}}  # fmt: skip
+
+
+def test_a_lane_beside_an_engine_is_decided_by_the_operator_of_that_engine_whatever_its_labels(
+    cluster: Cluster,
+    operator: Path,
+    namespace: str,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two operators of their own `--engine-selector`: a lane labelled for the second, beside
+    an Engine the first serves, is left alone by the second (deciding it too, each wrote its
+    status and its pod over the other's at every resync); once the Engine is relabelled to the
+    second's selection, the second decides the lane and the first no longer does."""
+    other = (RUN_LABEL[0], f"{RUN_LABEL[1]}-b")
+    log_b = tmp_path / "b.log"
+    node = node_with_board(cluster)
+    with running_operator(cluster, log_b, other, tmp_path_factory.getbasetemp()):
+        cluster.apply(engine("coder", node), "-n", namespace)
+        wait_for("the engine placed", placed(cluster, "engine", namespace, "coder"), operator)
+        # Its GrantLedger is how the second operator knows the Engine lives, served elsewhere.
+        wait_for("coder's GrantLedger",
+                 lambda: cluster.kubectl("get", "grantledger", "coder", "-n", namespace,
+                                         "--ignore-not-found").stdout.strip(),
+                 operator)  # fmt: skip
+        cluster.apply(lane("notes", "coder", 4096, **dict([other])), "-n", namespace)
+        first = wait_for("the lane placed", placed(cluster, "embedlane", namespace, "notes"),
+                         operator)  # fmt: skip
+        time.sleep(4)  # the second's resyncs (1 s): each saw the lane labelled as it selects
+        now = get(cluster, "embedlane", namespace, "notes")
+        assert now["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+        assert f"{namespace}/notes" not in log_b.read_text()
+
+        a_before = len(operator.read_text())
+        cluster.kubectl("label", "engine", "coder", "-n", namespace, "=".join(other),
+                        "--overwrite")  # fmt: skip
+        # A context beyond the host pool: the lane is placed smaller, a new reason, an Event.
+        cluster.apply(lane("notes", "coder", 16_000_000, **dict([other])), "-n", namespace)
+
+        def limited() -> Any:
+            status = get(cluster, "embedlane", namespace, "notes").get("status") or {}
+            return (status.get("placement") or {}).get("reason") == "LimitedByPool"
+
+        wait_for("the lane placed again, by the second", limited, log_b)
+        assert f"EmbedLane {namespace}/notes: LimitedByPool" in log_b.read_text()
+        assert f"{namespace}/notes" not in operator.read_text()[a_before:]
 
 
 def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_the_estimate(

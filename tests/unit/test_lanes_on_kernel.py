@@ -88,15 +88,19 @@ def test_the_lanes_reconciler_decides_and_writes_only_the_lanes_marked() -> None
 
 
 def test_an_operator_of_an_engine_selector_decides_only_its_own_lanes() -> None:
-    # Its own: labelled as its selector asks, or beside an Engine it serves. Another
-    # operator's lane decided here too was told EngineNotFound here and Placed there.
+    # Its own: beside an Engine it serves, or labelled as its selector asks, but never beside
+    # an Engine another operator serves (its GrantLedger is watched here), whatever its labels:
+    # another operator's lane decided here too was told EngineNotFound here and Placed there.
     api = FakeKubeApi()
     cache = Cache()
     cache.observe_engine(engine("ours"), deleted=False, nudge=False)
-    labelled = lane("labelled", "missing")
-    labelled["metadata"]["labels"] = {"shard": "a"}
+    theirs = {"metadata": {"namespace": "ns", "name": "theirs", "resourceVersion": "7"}}
+    cache.observe_ledger({**theirs, "status": {"grants": []}}, deleted=False, nudge=False)
+    labelled, mislabelled = lane("labelled", "missing"), lane("mislabelled", "theirs")
+    for body in (labelled, mislabelled):
+        body["metadata"]["labels"] = {"shard": "a"}
     for body in (lane("beside-ours", "ours"), lane("beside-theirs", "theirs"), labelled,
-                 lane("own-unlabelled", None)):  # fmt: skip
+                 mislabelled, lane("own-unlabelled", None)):  # fmt: skip
         api.add(body, "embedlanes")
         cache.observe_lane(body, deleted=False, nudge=False)
     fake: Any = api.aio
@@ -107,4 +111,4 @@ def test_an_operator_of_an_engine_selector_decides_only_its_own_lanes() -> None:
     written = sorted({c.path.split("/")[-2] for c in api.calls if c.method == "PATCH"})
     assert written == ["beside-ours", "labelled"]
     everyone = LaneLoop(fake, OperatorSettings(), cache, lambda: NOW)
-    assert len(everyone.keys()) == 4  # no selector: every lane
+    assert len(everyone.keys()) == 5  # no selector: every lane

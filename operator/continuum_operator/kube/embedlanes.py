@@ -44,7 +44,7 @@ from continuum_operator.core.embed import (
 from continuum_operator.core.placements import consumer_name, lane_placement_leases
 from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import Receipt
-from continuum_operator.kube import events, kernel, lane_objects
+from continuum_operator.kube import events, kernel, lane_index, lane_objects
 from continuum_operator.kube.api import ApiError, crd_path
 from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.cache import Cache, Snapshot, format_time
@@ -106,23 +106,6 @@ def _engine_leases(snap: Snapshot) -> tuple[list[Lease], list[Lease]]:
 
 def _deleting(body: Mapping[str, Any]) -> bool:
     return bool(body["metadata"].get("deletionTimestamp"))
-
-
-def _ours(
-    body: Mapping[str, Any], engines: Mapping[LaneKey, Any], labels: Mapping[str, str] | None
-) -> bool:
-    """Whether this operator decides the lane: every lane where it serves every Engine; with
-    `--engine-selector`, a lane labelled as the selector asks, and one beside an Engine it
-    serves. Any other is another operator's: deciding it here too, two operators wrote its
-    status (EngineNotFound here, Placed there) and its pod."""
-    if not labels:
-        return True
-    meta = body["metadata"]
-    own = meta.get("labels") or {}
-    if all(own.get(k) == v for k, v in labels.items()):
-        return True
-    engine = (body.get("spec") or {}).get("engine")
-    return isinstance(engine, str) and (meta["namespace"], engine) in engines
 
 
 def _fresh(snap: Snapshot, node: str, now: float, settings: OperatorSettings) -> bool:
@@ -421,7 +404,9 @@ class LaneLoop(PassHooks[LaneKey]):
         return [k for k, b in list(self.cache.lanes.items()) if self._takes(b)]
 
     def _takes(self, body: Mapping[str, Any]) -> bool:
-        return not _deleting(body) and _ours(body, self.cache.engines, self.engine_labels)
+        return not _deleting(body) and lane_index.decided_here(
+            body, self.cache.engines, self.cache.ledgers, self.engine_labels
+        )
 
     def decide(self, key: LaneKey, now: float) -> LaneWrites | None:
         body = self.cache.lanes.get(key)
