@@ -128,6 +128,35 @@ class TestServingGrantedMinds:
         fake = run(table(granted(slot=1)), body)
         assert [(r["id_slot"], r["n_predict"]) for r in fake.requests] == [(1, 4)]
 
+    @pytest.mark.parametrize(
+        "field,value",
+        [("n_cmpl", 2), ("n", 2), ("n_probs", 150_000), ("lora", [{"id": 0, "scale": 1.0}]),
+         ("n_keep", -1), ("verbose", True)],
+    )  # fmt: skip
+    def test_a_native_completion_is_refused_a_field_that_leaves_her_slot(
+        self, field: str, value: object
+    ) -> None:
+        # llama-server's /completion runs n_cmpl (or n) completions on other minds' idle slots,
+        # overwriting their KV cache; n_probs up to the vocabulary is a reply the gateway holds
+        # whole in memory. The same allow-list rule as the OpenAI endpoints, with native names.
+        answers: list[tuple[int, Any]] = []
+
+        async def body(rig: Rig) -> None:
+            _, opened, _ = await rig.open()
+            answers.append(
+                await rig.complete(opened["turn"], {"prompt": "hi", "n_predict": 2, field: value})
+            )
+            status, reply = await rig.complete(
+                opened["turn"], {"prompt": "hi", "n_predict": 2, "n": 1, "n_probs": 5}
+            )
+            assert status == 200, reply
+
+        fake = run(table(granted(slot=1)), body)
+        status, reply = answers[0]
+        assert (status, reply["error"]) == (400, "bad_request")
+        assert reply["message"].startswith(f"{field}: ")
+        assert [r.get("n_probs") for r in fake.requests] == [5]  # only the second passed
+
     def test_minds_not_granted_get_the_protocols_answers(self) -> None:
         async def body(rig: Rig) -> None:
             status, answer, headers = await rig.open("minds/ann")

@@ -56,6 +56,7 @@ from continuum_operator.engine.openai_api import (
     asked_tokens,
     cap_body,
     check_body,
+    check_native,
     over_grant_body,
     prompt_bound,
     refusal_body,
@@ -634,8 +635,8 @@ class Gateway:
                 self.metrics.refused(Refusal.BAD_REQUEST)
                 headers = {SHOULD_RETRY_HEADER: "false"}
                 return web.json_response(bad.body(), status=400, headers=headers)
-        elif not isinstance(body, dict):
-            return self._bad_request("", "the body is not a JSON object", openai=False)
+        elif (bad := check_native(body)) is not None:
+            return self._bad_request(bad.param, bad.message, openai=False)
         if endpoint is Endpoint.EMBEDDINGS and self.slot_count != 1:
             return self._bad_request(
                 "input",

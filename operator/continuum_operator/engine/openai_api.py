@@ -11,6 +11,7 @@ here, pure, so each rule is shown alone:
   inputs, each a task of its own slot) is refused with the field named, and so is any field the
   list does not know: an allow-list, so a field llama-server learns tomorrow does not pass by
   default.
+- `check_native`: the same for llama-server's own `/completion`, with its own names.
 - `cap_body`: the body as forwarded: pinned to the slot, generation capped.
 - `error_body` / `refusal_body`: OpenAI's error shape (`{"error": {message, type, param,
   code}}`), which its clients read; the gateway's own answer rides along in it, under
@@ -33,6 +34,7 @@ __all__ = [
     "FieldError",
     "cap_body",
     "check_body",
+    "check_native",
     "error_body",
     "error_type",
     "over_grant_body",
@@ -116,6 +118,21 @@ ALLOWED: Mapping[Endpoint, frozenset[str]] = {
     },
     Endpoint.COMPLETIONS: _GENERATING | {"prompt", "logprobs", "echo", "best_of"},
     Endpoint.EMBEDDINGS: frozenset({"model", "input", "encoding_format", "user"}),
+}
+
+#: llama-server's native `/completion` inside a turn (docs/gateway.md): its own names for the
+#: length (`n_predict`, capped) and the probabilities (`n_probs`, bounded), `n`/`n_cmpl` only 1.
+NATIVE_ALLOWED = _SAMPLING | {
+    "prompt",
+    "n_predict",
+    "stream",
+    "id_slot",  # overwritten with her slot
+    "n",
+    "n_cmpl",
+    "n_probs",
+    "post_sampling_probs",
+    "return_tokens",
+    "t_max_predict_ms",
 }
 
 #: Why a field llama-server would take is refused: what it would do to other minds or the grant.
@@ -251,6 +268,31 @@ def check_body(endpoint: Endpoint, body: Any, grant_tokens: int) -> FieldError |
             value = _int_field(body, name)
             if value is not None and value < 1:
                 raise _Bad(name, f"{name}: a positive integer")
+    except _Bad as bad:
+        return bad.error
+    return None
+
+
+def check_native(body: Any) -> FieldError | None:
+    """None if `body` may be forwarded to llama-server's `/completion`; else the first field
+    refused. The same allow-list rule as `check_body`: llama-server reads `n_cmpl` (and `n`)
+    on `/completion` too and runs the extra completions on other minds' idle slots, and
+    `n_probs` up to the vocabulary is a reply of vocabulary x tokens entries the gateway would
+    hold in memory."""
+    if not isinstance(body, dict):
+        return FieldError("", "the body is not a JSON object")
+    try:
+        for name in sorted(body):
+            if name not in NATIVE_ALLOWED:
+                why = REFUSED_WHY.get(name, "not served by this gateway")
+                raise _Bad(name, f"{name}: not accepted ({why})")
+        for name in ("n", "n_cmpl"):
+            n = _int_field(body, name)
+            if n is not None and n != 1:
+                raise _Bad(name, f"{name}: only 1 (more would run on other minds' slots)")
+        n_probs = _int_field(body, "n_probs")
+        if n_probs is not None and not 0 <= n_probs <= MAX_TOP_LOGPROBS:
+            raise _Bad("n_probs", f"n_probs: 0 to {MAX_TOP_LOGPROBS}")
     except _Bad as bad:
         return bad.error
     return None
