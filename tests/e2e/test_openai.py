@@ -251,7 +251,7 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
     projected token with the engine's audience."""
     from kubernetes import client, config
 
-    from continuum_operator.engine.grants_source import TokenReviewer
+    from continuum_operator.engine.token_review import TokenReviewer
 
     audience = engine_audience(namespace, "tiny")
     for account in ("mira", "mira-child"):

@@ -29,7 +29,7 @@ from continuum_operator.embed import runtime as lane_runtime
 from continuum_operator.embed.runtime import Door, LaneRuntime, LaneState, _door
 from continuum_operator.engine.admission import engine_audience, lane_audience
 from continuum_operator.engine.gateway import serve_app
-from continuum_operator.engine.grants_source import TokenReviewer
+from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube import engine_identity, lane_objects, objects
 from continuum_operator.kube.api import path_of
 from continuum_operator.kube.settings import PodSettings
@@ -57,10 +57,13 @@ class FakeApiServer:
 
     def __init__(self) -> None:
         self.reviews: list[tuple[str, list[str]]] = []
+        self.down = False  # unreachable: every review fails
 
     def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
         token, asked = review.spec.token, list(review.spec.audiences or [])
         self.reviews.append((token, asked))
+        if self.down:
+            raise ConnectionError("connection refused")
         user, audiences = ISSUED.get(token, ("", set()))
         matched = [a for a in asked if a in audiences]
         if not user or not matched:
@@ -191,6 +194,19 @@ class TestWhoIsServed:
             # Answers are cached: a caller's requests do not each cost a review.
             assert (await rig.post("own"))[0] == 200
             assert rig.api.reviews == [("own", [AUDIENCE])]
+
+        run(body)
+
+    def test_a_token_the_api_server_could_not_review_is_503_to_send_again(self) -> None:
+        # Not judged, so not a 401 (which tells her client to give up on a good token).
+        async def body(rig: Rig) -> None:
+            rig.api.down = True
+            status, doc = await rig.post("own")
+            assert status == 503
+            message = openai_error(doc, "ReviewUnavailable", "review_unavailable")
+            assert "connection refused" in message and "send the request again" in message
+            rig.api.down = False
+            assert (await rig.post("own"))[0] == 200  # the failure was not kept
 
         run(body)
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser, main
-from continuum_operator.engine.grants_source import TokenReviewer
+from continuum_operator.engine.admission import ReviewUnavailable
 from continuum_operator.engine.runtime import _reviewer
+from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.api import path_of
 from continuum_operator.kube.settings import PodSettings
@@ -44,7 +45,7 @@ class TestEveryEngineReviewsTokens:
     def test_only_the_unsafe_flag_believes_the_header(self) -> None:
         assert _reviewer(engine_args("--engine", "ml/coder", "--unsafe-trust-mind-header")) is None
 
-    def test_a_review_the_api_server_never_answers_is_bounded_and_refuses(self) -> None:
+    def test_a_review_the_api_server_never_answers_is_bounded_and_unavailable(self) -> None:
         import asyncio
 
         class SilentApi:
@@ -62,9 +63,12 @@ class TestEveryEngineReviewsTokens:
 
         api = SilentApi()
         reviewer = TokenReviewer("continuum.dev/engine/ml/coder", api=api)
-        assert asyncio.run(reviewer("tok")) is None  # refused (401), not held
+        with pytest.raises(ReviewUnavailable):  # a 503 to send again, not held, not a 401
+            asyncio.run(reviewer("tok"))
         assert api.timeouts and all(t is not None for t in api.timeouts)
-        assert asyncio.run(reviewer("tok")) is None and len(api.timeouts) == 2  # not cached
+        with pytest.raises(ReviewUnavailable):
+            asyncio.run(reviewer("tok"))
+        assert len(api.timeouts) == 2  # not kept: the next request asks again
 
     def test_a_grant_file_without_an_audience_or_the_unsafe_flag_is_refused(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]

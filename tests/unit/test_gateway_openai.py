@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,12 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from continuum_operator.engine.admission import GrantTable, ServiceAccount, TableEntry
+from continuum_operator.engine.admission import (
+    GrantTable,
+    ReviewUnavailable,
+    ServiceAccount,
+    TableEntry,
+)
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
@@ -352,6 +358,37 @@ class TestFindingNoTokenSpendsAnothersGrant:
 
         fake = run(table(granted(), granted(BOB, slot=1)), body, reviewed=True)
         assert [r["id_slot"] for r in fake.requests] == [0, 0]  # only hers ran, on her slot
+
+
+class TestFindingAnOutageRefusedGoodTokens:
+    """Found by review: a review the API server did not answer was a 401 with
+    `x-should-retry: false`, telling a mind with a good token to give up for good."""
+
+    def test_a_token_that_could_not_be_reviewed_is_a_503_to_send_again(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        async def unavailable(token: str) -> ServiceAccount | None:
+            raise ReviewUnavailable("the API server did not answer the review: refused")
+
+        monkeypatch.setattr(sys.modules[__name__], "review", unavailable)
+        mira = {"Authorization": "Bearer mira-token"}
+
+        async def body(rig: Rig) -> None:
+            status, reply, headers = await rig.post(
+                "/v1/chat/completions", {"messages": HELLO}, mira
+            )
+            assert (status, headers["x-should-retry"], headers["Retry-After"]) == (503, "true", "2")
+            assert reply["error"]["code"] == "review_unavailable", reply
+            assert "send the request again" in reply["error"]["message"]
+            status, reply, headers = await rig.post("/v1/turns", {}, mira)
+            assert (status, reply["error"], headers["Retry-After"]) == (
+                503,
+                "review_unavailable",
+                "2",
+            )
+
+        fake = run(table(granted()), body, reviewed=True)
+        assert fake.requests == []
 
 
 class TestFindingTheTokenizeStorm:

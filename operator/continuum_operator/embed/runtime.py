@@ -52,11 +52,16 @@ from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
 from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
-from continuum_operator.engine.admission import ServiceAccount, lane_audience
+from continuum_operator.engine.admission import (
+    REVIEW_RETRY_SECONDS,
+    ReviewUnavailable,
+    ServiceAccount,
+    lane_audience,
+)
 from continuum_operator.engine.gateway import admin_application, serve_app
-from continuum_operator.engine.grants_source import TokenReviewer
 from continuum_operator.engine.grants_source import custom_objects as _custom_objects
 from continuum_operator.engine.openai_api import error_body, error_type
+from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
 
@@ -351,7 +356,13 @@ class LaneRuntime:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         token = token.strip()
         sent = scheme.lower() == "bearer" and bool(token)
-        account = await self.door.review(token) if sent else None
+        try:
+            account = await self.door.review(token) if sent else None
+        except ReviewUnavailable as err:  # not judged: her client may send it again
+            doc = _error(503, "ReviewUnavailable", f"your token could not be reviewed now "
+                         f"({err}); send the request again")  # fmt: skip
+            headers = {"Retry-After": str(REVIEW_RETRY_SECONDS)}
+            return web.json_response(doc, status=503, headers=headers)
         refusal = refuse_caller(
             account, sent=sent, audience=self.door.audience, namespace=self.door.namespace
         )

@@ -28,6 +28,7 @@ from continuum_operator.model.grant import GrantEntry, parse_entries
 from continuum_operator.model.mind import GrantState
 
 __all__ = [
+    "REVIEW_RETRY_SECONDS",
     "Admission",
     "Answer",
     "Cut",
@@ -37,6 +38,7 @@ __all__ = [
     "Reconciliation",
     "Refusal",
     "Release",
+    "ReviewUnavailable",
     "ServiceAccount",
     "TableEntry",
     "TokenCap",
@@ -48,6 +50,7 @@ __all__ = [
     "parse_table",
     "prompt_token_bound",
     "reconcile",
+    "review_unavailable",
     "service_account",
     "still_reported",
     "table_from_ledger",
@@ -77,6 +80,7 @@ class Refusal(StrEnum):
     NO_TURN = "no_turn"
     BAD_REQUEST = "bad_request"
     UNAUTHENTICATED = "unauthenticated"
+    REVIEW_UNAVAILABLE = "review_unavailable"
 
 
 #: The reason of a `429` to a mind the grant table does not list while it lists only the head
@@ -468,6 +472,26 @@ def lane_audience(namespace: str, name: str) -> str:
     """The audience a caller's token must carry for this embed lane (and no other) to accept
     it: not an engine's, so a token a mind holds for her engine does not open a lane."""
     return f"continuum.dev/embedlane/{namespace}/{name}"
+
+
+class ReviewUnavailable(Exception):
+    """A token that could not be reviewed now (the API server did not answer, or too many
+    reviews wait): not a refusal of the token; the request may be sent again."""
+
+
+#: Retry-After (seconds) when her token could not be reviewed.
+REVIEW_RETRY_SECONDS = 2
+
+
+def review_unavailable(why: str) -> Admission:
+    """The answer when her token could not be reviewed (the API server did not answer, or too
+    many reviews wait): not judged, so not a `401`; her client may send it again."""
+    return _refuse(
+        Refusal.REVIEW_UNAVAILABLE,
+        503,
+        {"message": f"your token could not be reviewed now ({why}); send the request again"},
+        REVIEW_RETRY_SECONDS,
+    )
 
 
 def identify(asked_mind: str, account: ServiceAccount | None) -> tuple[str, Admission | None]:

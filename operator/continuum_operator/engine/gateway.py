@@ -39,6 +39,7 @@ from continuum_operator.engine.admission import (
     OverGrant,
     Refusal,
     Release,
+    ReviewUnavailable,
     ServiceAccount,
     TokenCap,
     admit_request,
@@ -46,6 +47,7 @@ from continuum_operator.engine.admission import (
     identify,
     prompt_token_bound,
     reconcile,
+    review_unavailable,
     still_reported,
     token_cap,
 )
@@ -514,7 +516,10 @@ class Gateway:
         if review is None:
             return asked, None
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        account = await review(token.strip()) if scheme.lower() == "bearer" and token else None
+        try:
+            account = await review(token.strip()) if scheme.lower() == "bearer" and token else None
+        except ReviewUnavailable as err:
+            return asked, review_unavailable(str(err))
         return identify(asked, account)
 
     async def open_turn(self, request: web.Request) -> web.Response:

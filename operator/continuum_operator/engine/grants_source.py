@@ -23,7 +23,6 @@ import contextlib
 import importlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,7 @@ from typing import Any
 from continuum_operator.engine.admission import (
     GrantTable,
     GrantTableError,
-    ServiceAccount,
     parse_table,
-    service_account,
     table_from_ledger,
 )
 from continuum_operator.manifests import ManifestError, yaml_documents
@@ -42,7 +39,6 @@ from continuum_operator.model.grant_ledger import GrantLedger, engine_owners
 
 __all__ = [
     "EngineStatusWriter",
-    "TokenReviewer",
     "read_engine_plan",
     "read_engine_status",
     "read_table_file",
@@ -51,8 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-#: Seconds to connect to and hear from the API server for one TokenReview.
-REVIEW_TIMEOUT = (5.0, 10.0)
 #: Seconds between reads of a GrantLedger not made yet, and after a dropped watch.
 RETRY_SECONDS = 1.0
 
@@ -249,52 +243,6 @@ async def read_engine_status(namespace: str, name: str, *, api: Any = None) -> d
     )
     status = obj.get("status")
     return status if isinstance(status, dict) else {}
-
-
-class TokenReviewer:
-    """Reviews a mind's bearer token with the API server (a TokenReview with the engine's
-    audience): the service account it belongs to, or None. A token is accepted only where the
-    API server says it was issued for that audience, so a service account's ordinary token (the
-    API server's audience) or one projected for another engine is refused. Answers are cached
-    for `cache_seconds` so a turn's requests do not each cost a review."""
-
-    def __init__(self, audience: str, *, api: Any = None, cache_seconds: float = 60.0) -> None:
-        self.audience = audience
-        self.api = api
-        self.cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[ServiceAccount | None, float]] = {}
-
-    def _review(self, token: str) -> ServiceAccount | None:
-        client: Any = importlib.import_module("kubernetes.client")
-        if self.api is None:
-            custom_objects()  # loads the configuration
-            self.api = client.AuthenticationV1Api()
-        review = client.V1TokenReview(
-            spec=client.V1TokenReviewSpec(token=token, audiences=[self.audience])
-        )
-        # Bounded: a review that never answers would hold her request (and its slot) forever;
-        # a failed review refuses (401) and is not cached.
-        status = self.api.create_token_review(review, _request_timeout=REVIEW_TIMEOUT).status
-        if status is None or not status.authenticated or status.user is None:
-            return None
-        if self.audience not in (status.audiences or []):
-            return None  # an authenticator that ignored the audience: not proof enough
-        return service_account(status.user.username)
-
-    async def __call__(self, token: str) -> ServiceAccount | None:
-        now = time.monotonic()
-        hit = self._cache.get(token)
-        if hit is not None and hit[1] > now:
-            return hit[0]
-        try:
-            account = await asyncio.to_thread(self._review, token)
-        except Exception as err:  # the API server unreachable: refuse, do not cache
-            log.warning("token review failed: %s", err)
-            return None
-        if len(self._cache) > 4096:
-            self._cache.clear()
-        self._cache[token] = (account, now + self.cache_seconds)
-        return account
 
 
 class EngineStatusWriter:

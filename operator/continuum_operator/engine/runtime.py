@@ -55,11 +55,11 @@ from continuum_operator.engine.admission import GrantTableError, engine_audience
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
-    TokenReviewer,
     read_engine_status,
     watch_file,
     watch_ledger,
 )
+from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube.objects import LAUNCH_ENV
 
 __all__ = [
