@@ -47,7 +47,6 @@ class GrantWrites:
     body: dict[str, Any] | None
     step: ledger.LedgerStep | None
     now: float
-    quota_left: Mapping[str, int] | None
     due: bool
     minds: list[dict[str, Any]]
     refused: Mapping[str, routing.Refused]

@@ -24,6 +24,7 @@ from continuum_operator.kube.cache import Cache, EngineKey
 from continuum_operator.kube.grant_settings import GrantSettings
 from continuum_operator.kube.ledger_tails import LedgerTails
 from continuum_operator.kube.metrics import OperatorMetrics
+from continuum_operator.kube.quota_use import QuotaUse
 from continuum_operator.kube.transition_log import TransitionLog
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.mind import HOLDING_STATES, GrantState
@@ -70,10 +71,12 @@ class LedgerWriter:
         body: dict[str, Any],
         s: ledger.LedgerStep,
         now: float,
-        quota_left: Mapping[str, int] | None = None,
+        quotas: QuotaUse | None = None,
     ) -> dict[str, Any] | None:
         """Replace the GrantLedger's status with the new ledger, conditioned on the version the
-        step was decided from; the Engine's body with it (None: not written)."""
+        step was decided from; the Engine's body with it (None: not written). Decided again
+        after a conflict within the room `quotas` leaves now (engines decided since the first
+        decision have assumed their grants), and that decision assumed in it."""
         ns, name = key
         engine = f"{ns}/{name}"
         path = crd_path(ledger_object.PLURAL, ns, name, "status")
@@ -110,10 +113,13 @@ class LedgerWriter:
                 body = fresh
                 wanted = self._demands_of(key)
                 tail = self.tails.tail_of(key, body, wanted)
-                s = ledger.step(body, wanted, now, self.policy, quota_left, tail)
+                left = quotas.left(key) if quotas is not None else None
+                s = ledger.step(body, wanted, now, self.policy, left, tail)
                 if not s.changed:
                     self.tails.remember(key, body, s)
                     return body
+                if quotas is not None:
+                    quotas.assume(key, s.entries)
                 continue
             self.engines.observe_ledger(answer, deleted=False, nudge=False)
             written = ledger_object.merged(self.engines.engines.get(key) or body, answer)

@@ -284,7 +284,7 @@ class GrantsLoop:
             self.engine_seen.pop(key, None)
             self.review_at.pop(key, None)
             self.tails.forget(key)
-            return GrantWrites(None, None, now, None, False, minds, {}) if minds else None
+            return GrantWrites(None, None, now, False, minds, {}) if minds else None
         routed, refused, demands = _wanted(key, body, minds, view.classes, view.default)
         due = self._due(body)
         # Due by the pass's time (`view.at`, when the rest are stepped), so its `t` comes first.
@@ -295,12 +295,12 @@ class GrantsLoop:
         s = self._step(key, body, demands, at, left)
         if not s.changed:
             view.quotas.stepped(key, self.tails.entries_of(key, body))
-            return GrantWrites(body, None, at, left, False, routed, refused)
+            return GrantWrites(body, None, at, False, routed, refused)
         view.quotas.assume(key, s.entries)
         if is_due:
             view.due_left += 1
             view.due_done.clear()
-        return GrantWrites(body, s, at, left, is_due, routed, refused)
+        return GrantWrites(body, s, at, is_due, routed, refused)
 
     async def write(self, key: EngineKey, writes: GrantWrites) -> None:
         """The ledger (raising if it was not written: the kernel takes the engine again after
@@ -376,9 +376,7 @@ class GrantsLoop:
         is earlier), its ledger."""
         await self._view().due_done.wait()
         assert writes.body is not None and writes.step is not None
-        return await self._write_ledger(
-            key, writes.body, writes.step, writes.now, writes.quota_left
-        )
+        return await self._write_ledger(key, writes.body, writes.step, writes.now)
 
     async def _write_due(self, key: EngineKey, writes: GrantWrites) -> dict[str, Any] | None:
         """A due engine: its ledger, written one after another in the order decided; stepped
@@ -389,12 +387,14 @@ class GrantsLoop:
                 assert writes.body is not None and writes.step is not None
                 body, s, now = writes.body, writes.step, writes.now
                 for _ in range(self.settings.conflict_retries + 4):
-                    answer = await self._write_ledger(key, body, s, now, writes.quota_left)
+                    answer = await self._write_ledger(key, body, s, now)
                     due = self._due(answer) if answer is not None else None
                     if answer is None or due is None or due > self.clock():
                         return answer
                     body, now = answer, self.log.time(due)
-                    s = self._step(key, body, self._demands_of(key), now, writes.quota_left)
+                    # The room left now: engines decided since have assumed their grants.
+                    left = view.quotas.left(key)
+                    s = self._step(key, body, self._demands_of(key), now, left)
                     if not s.changed:
                         return answer
                     view.quotas.assume(key, s.entries)
@@ -410,15 +410,15 @@ class GrantsLoop:
         body: dict[str, Any],
         s: ledger.LedgerStep,
         now: float,
-        quota_left: Mapping[str, int] | None,
     ) -> dict[str, Any] | None:
         """The ledger's write; the Engine as written (None: this replica no longer leads)."""
         if not self.may_write():
             return None
-        answer = await self.ledger_writer.write(key, body, s, now, quota_left)
+        quotas = self._view().quotas
+        answer = await self.ledger_writer.write(key, body, s, now, quotas)
         if answer is None:
             raise RuntimeError(f"the ledger of Engine {key[0]}/{key[1]} was not written")
-        self._view().quotas.stepped(key, self.tails.entries_of(key, answer))
+        quotas.stepped(key, self.tails.entries_of(key, answer))
         return answer
 
     def _tell_gone(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
