@@ -4,6 +4,7 @@ and a namespace's TokenQuota held over several engines, its status written only 
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -434,3 +435,34 @@ def test_minds_of_a_deleted_engine_are_told_once_its_ledger_is_gone_too(tmp_path
     w.engines.observe_ledger(ledger, deleted=True)
     w.loop.pass_once()
     assert w.status("minds", "team-a", "ann")["grant"]["reason"] == "EngineNotFound"
+
+
+def test_a_mind_moved_off_an_engine_and_deleted_keeps_her_finalizer_until_its_slot_is_released(
+    tmp_path: Path,
+) -> None:
+    # Found by review: `spec.engine` may change while she holds a slot. Her old Engine
+    # reclaims it; her finalizer was decided from her new Engine's ledger alone, and came off
+    # with the old slot still Reclaiming (her turn still running there).
+    w = World(tmp_path)
+    now = [1_000.0]
+    w.loop.clock = lambda: now[0]
+    w.engine(engine("team-a", "one", slots=1))
+    w.mind(mind("team-a", "ada", "one"))
+    w.loop.pass_once()
+    path = f"{BASE}/team-a/minds/ada"
+    moved = copy.deepcopy(w.api.objects[path])
+    assert moved["metadata"]["finalizers"] == ["continuum.dev/grant"]
+    moved["spec"]["engine"] = "two"  # an Engine that does not exist
+    moved["metadata"].update(generation=2, deletionTimestamp="2026-12-05T10:00:00Z")
+    moved["metadata"]["resourceVersion"] = str(int(moved["metadata"]["resourceVersion"]) + 1)
+    w.api.objects[path] = moved
+    w.cache.observe_mind(moved, deleted=False, nudge=False)
+    w.loop.pass_once()
+    w.loop.pass_once()
+    assert w.ledger("team-a", "one")["team-a/ada"][0] == "Reclaiming"
+    assert w.api.objects[path]["metadata"]["finalizers"] == ["continuum.dev/grant"]
+    now[0] += 600  # past the grace: the slot is released, then her finalizer comes off
+    w.loop.pass_once()
+    w.loop.pass_once()
+    assert "team-a/ada" not in w.ledger("team-a", "one")
+    assert not w.api.objects[path]["metadata"].get("finalizers")

@@ -106,7 +106,8 @@ class MindWrites:
             mkey = routing.mind_key(m)
             entry = entries.get(mkey)
             if meta.get("deletionTimestamp"):
-                if entry is None and FINALIZER in (meta.get("finalizers") or []):
+                finalized = FINALIZER in (meta.get("finalizers") or [])
+                if entry is None and finalized and not self.held_anywhere(mkey):
                     jobs.append((FINALIZER_WRITE, mkey, partial(self.finalize, m)))
                 continue
             asked = int((m.get("spec") or {}).get("contextTokens") or 0)
@@ -146,12 +147,11 @@ class MindWrites:
             # deletes the ledger with it, and that deletion marks the engine again): another
             # operator's, asked nothing (a GET each full pass, each foreign engine, was the
             # most of what the API server did for this operator's grants at rest).
-            held = ledger_object.holders(ledger)
             return [
                 (FINALIZER_WRITE, mkey, partial(self.drop_finalizer, m))
                 for m in minds
                 if m["metadata"].get("deletionTimestamp")
-                and (mkey := routing.mind_key(m)) not in held
+                and not self.held_anywhere(mkey := routing.mind_key(m))
                 and FINALIZER in (m["metadata"].get("finalizers") or [])
             ]
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
@@ -166,6 +166,12 @@ class MindWrites:
         job = partial(self.tell_missing, key, stale, deleted)
         return [(PROJECTION_WRITE, f"engine:{key[0]}/{key[1]}", job)]
 
+    def held_anywhere(self, mkey: str) -> bool:
+        """Whether any watched GrantLedger holds a slot for the Mind: not only her Engine's, as
+        she names it now (`spec.engine` may change while she holds a slot of another, which
+        reclaims it; her finalizer stays until that slot is released too)."""
+        return any(mkey in ledger_object.holders(ledger) for ledger in self.ledgers.values())
+
     async def tell_missing(self, key: EngineKey, stale: list[str], deleted: list[str]) -> None:
         ns, name = key
         try:
@@ -174,9 +180,8 @@ class MindWrites:
             if err.status != 404:
                 raise
         else:  # it exists: not this operator's (its selector), so not for it to say
-            held = ledger_object.holders(self.ledgers.get(key))
-            deleted, stale = [m for m in deleted if m not in held], []
-        for mkey in deleted:
+            stale = []
+        for mkey in [m for m in deleted if not self.held_anywhere(m)]:
             mind = self.minds.minds.get(mkey)  # as the cache has her now
             if mind is not None:
                 await self.drop_finalizer(mind)
