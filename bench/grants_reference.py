@@ -247,8 +247,14 @@ def _queued(step: _Step) -> list[MindDemand]:
 
 
 def _set_wait_reason(step: _Step, names: Iterable[str], reason: GrantReason) -> None:
+    """A line for each queued mind whose reason changed, or whose class did."""
     for name in names:
-        if step.grants[name].reason is not reason:
+        g, d = step.grants[name], step.minds.get(name)
+        edited = d is not None and (g.priority, g.protection_window) != (
+            d.priority,
+            d.protection_window,
+        )
+        if g.reason is not reason or edited:
             step.move(name, GrantState.QUEUED, reason)
 
 
@@ -358,6 +364,7 @@ def _serve(step: _Step, capacity: Capacity, policy: Policy) -> None:
             still_waiting.append(m)
             continue
         victims.remove(victim)
+        _set_wait_reason(step, [m.name], GrantReason.WAITING_FOR_RECLAIM)  # her line first
         _reclaim(step, victim, GrantReason.PREEMPTED, policy, by=m.name)
         waiting_for_reclaim.append(m)
 

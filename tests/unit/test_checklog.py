@@ -22,6 +22,8 @@ from continuum_operator.checklog import (
     check_file,
 )
 from continuum_operator.cli import main
+from continuum_operator.core.grants import Capacity, EnginePhase, Grant, MindDemand, allocate
+from continuum_operator.core.transition_lines import capacity_line, transition_line
 
 E = "ns/e"
 TPS = 100
@@ -592,3 +594,39 @@ def test_a_log_cut_off_mid_line_says_it_is_truncated_and_exits_2(
     assert main(["check-log", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}:1: not JSON") and "cut short" not in err
+
+
+def _allocator_log(steps: list[tuple[float, list[MindDemand]]], capacity: Capacity) -> list[Line]:
+    """The lines the operator logs for these steps of the real allocator on engine `E`."""
+    lines = [capacity_line(0.0, E, capacity)]
+    grants: dict[str, Grant] = {}
+    for now, minds in steps:
+        a = allocate(grants, minds, capacity, now)
+        lines += [transition_line(now, E, t) for t in a.transitions]
+        grants = a.grants
+    return lines
+
+
+def test_a_preemption_after_a_class_is_raised_is_a_log_check_log_finds_clean() -> None:
+    # Found by review: the victim's Preempted line came before any line of the preemptor's
+    # new priority (hers came after it, or never where her wait reason stayed), so check-log,
+    # judging the reclaim at its line, flagged the operator's own log as needless.
+    one = Capacity(EnginePhase.SERVING, 1, 1000)
+    low = MindDemand("ns/low", 0, 1.0, 100, protection_window=60.0)
+    high = MindDemand("ns/high", 0, 2.0, 100, protection_window=60.0)
+    raised = MindDemand("ns/high", 10, 2.0, 100, protection_window=60.0)
+    lines = _allocator_log([(0.0, [low, high]), (400.0, [low, raised])], one)
+    assert check(lines) == []
+    later = [(x["mind"], x["reason"]) for x in lines if x["t"] == 400.0]
+    assert later[:2] == [("ns/high", "WaitingForReclaim"), ("ns/low", "Preempted")]
+
+
+def test_a_queued_minds_class_edited_is_logged_though_her_wait_reason_stays() -> None:
+    one = Capacity(EnginePhase.SERVING, 1, 1000)
+    low = MindDemand("ns/low", 5, 1.0, 100, protection_window=60.0)
+    high = MindDemand("ns/high", 0, 2.0, 100, protection_window=60.0)
+    raised = MindDemand("ns/high", 3, 2.0, 100, protection_window=60.0)
+    lines = _allocator_log([(0.0, [low, high]), (10.0, [low, raised])], one)
+    queued = [(x["reason"], x["priority"]) for x in lines if x.get("mind") == "ns/high"]
+    assert queued[-2:] == [("PoolFull", 0), ("PoolFull", 3)]
+    assert check(lines) == []

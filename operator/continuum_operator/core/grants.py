@@ -708,8 +708,15 @@ def _queued(step: _Step) -> list[MindDemand]:
 
 
 def _set_wait_reason(step: _Step, names: Iterable[str], reason: GrantReason) -> None:
+    """A line for each queued mind whose reason changed, or whose class did (a priority or a
+    protection window edited): the log says what each waits with."""
     for name in names:
-        if step.grants[name].reason is not reason:
+        g, d = step.grants[name], step.minds.get(name)
+        edited = d is not None and (g.priority, g.protection_window) != (
+            d.priority,
+            d.protection_window,
+        )
+        if g.reason is not reason or edited:
             step.move(name, _QUEUED, reason)
 
 
@@ -766,6 +773,9 @@ def _preempt(
         still_waiting.extend(uncovered)
         return []
     for m, victim in pairs:
+        # Her line first, with her priority now: the log's reader judges the reclaim against
+        # what it has read of her (a class raised, a quota freed in this very step).
+        _set_wait_reason(step, [m.name], GrantReason.WAITING_FOR_RECLAIM)
         _reclaim(step, victim, GrantReason.PREEMPTED, policy, by=m.name)
     preempting = [m for m, _ in pairs]
     if len(preempting) < len(uncovered):
