@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from continuum_operator.core.grants import EnginePhase
+from continuum_operator.engine import gateway as gateway_module
 from continuum_operator.engine.admission import GrantTable, TableEntry
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.grants_source import watch_file
@@ -417,3 +418,53 @@ def test_the_grant_file_is_watched_and_a_bad_edit_keeps_the_last_table(tmp_path:
 
     asyncio.run(main())
     assert [t.entries["minds/mira"].state for t in seen] == [GrantState.QUEUED, GrantState.GRANTED]
+
+
+@dataclass
+class EchoingLlama(FakeLlama):
+    """llama-server's last event of a native stream repeats the prompt (and its settings)."""
+
+    echoed: str = ""
+
+    def _final(self, slot: int, prompt: int, predicted: int) -> dict[str, Any]:
+        return {**super()._final(slot, prompt, predicted), "prompt": self.echoed}
+
+
+async def _streamed(rig: Rig, prompt: str) -> bytes:
+    _, opened, _ = await rig.open()
+    async with rig.http.post(
+        f"{rig.url}/completion",
+        json={"prompt": prompt, "n_predict": 3, "stream": True},
+        headers={MIND_HEADER: MIRA, TURN_HEADER: opened["turn"]},
+    ) as resp:
+        assert resp.status == 200
+        return await resp.read()
+
+
+class TestFindingTheLongLastEvent:
+    """Found by review: a stream whose last event passed aiohttp's line limit (128 KiB: a
+    prompt of some 600 KB, echoed back) broke off with no last event and no note."""
+
+    def test_a_last_event_that_echoes_a_long_prompt_ends_the_stream_with_its_note(self) -> None:
+        prompt = "x" * 600_000  # one word for the fake's tokenizer
+        got: list[bytes] = []
+
+        async def body(rig: Rig) -> None:
+            got.append(await _streamed(rig, prompt))
+
+        run(table(granted(slot=0)), body, EchoingLlama(echoed=prompt))
+        last = json.loads(got[0].strip().split(b"\n\n")[-1].removeprefix(b"data: "))
+        assert last["stop"] is True and last["continuum"]["slot"] == 0
+
+    def test_an_event_past_the_gateways_limit_ends_the_stream_with_an_error_event(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(gateway_module, "STREAM_LINE_BYTES", 4096)
+        got: list[bytes] = []
+
+        async def body(rig: Rig) -> None:
+            got.append(await _streamed(rig, "y" * 10_000))
+
+        run(table(granted(slot=0)), body, EchoingLlama(echoed="y" * 10_000))
+        last = json.loads(got[0].strip().split(b"\n\n")[-1].removeprefix(b"data: "))
+        assert last["error"]["code"] == 502 and "4096 bytes" in last["error"]["message"]

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import GrantReason
@@ -80,6 +81,11 @@ HEADERS_SECONDS = 10.0
 
 #: Cut turns remembered to answer their late requests with `turn_cut` (oldest forgotten first).
 CUT_TURNS_KEPT = 1024
+
+#: The longest line of llama-server's stream read: its last event repeats the prompt and the
+#: generation settings (grammar, schema) of a request body of at most 1 MiB, which JSON's
+#: escapes may widen six times. aiohttp's own line limit (128 KiB) cut such a stream short.
+STREAM_LINE_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -836,29 +842,35 @@ class Gateway:
             await out.prepare(request)
 
             async def pump() -> None:
-                async for line in upstream.content:
+                content = upstream.content
+                while line := await content.readuntil(b"\n", max_size=STREAM_LINE_BYTES):
                     if _is_last_event(line, openai):
                         line, final = _annotate_event(line, note, cap)
                         prompt, predicted = _usage(final)
                         self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
                     await out.write(line)
 
+            last: dict[str, Any] | None = None  # the stream's own last event, if it is cut
             try:
                 await self._until_cut(flight, pump())
             except _CutNow:
                 upstream.close()  # llama-server sees the stream closed and drops the task
                 await self._land(flight)  # the slot's release need not wait for this client
                 self.metrics.refused(Refusal.TURN_CUT)
-                event = _cut_event(flight, openai=openai)
-                with contextlib.suppress(ConnectionError, TimeoutError):
-                    async with asyncio.timeout(self.settings.write_seconds):
-                        await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                last = _cut_event(flight, openai=openai)
             except aiohttp.ClientError as err:
                 raise _UpstreamDown(str(err)) from err
+            except LineTooLong:
+                # Said, not cut off: her client would read a stream that stops without an end.
+                log.warning("%s's stream: an event of llama-server's longer than %d bytes",
+                            flight.mind, STREAM_LINE_BYTES)  # fmt: skip
+                last = _too_long_event()
             except ConnectionError:
                 pass  # the mind hung up
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(self.settings.write_seconds):
+                    if last is not None:
+                        await out.write(b"data: " + json.dumps(last).encode() + b"\n\n")
                     await out.write_eof()
             return out
         finally:
@@ -866,6 +878,17 @@ class Gateway:
                 upstream.release()
             else:
                 upstream.close()  # a stream left unfinished: llama-server drops the task
+
+
+def _too_long_event() -> dict[str, Any]:
+    """The stream's last event when llama-server's own was too long to read (llama-server's
+    error shape, which OpenAI's clients read too)."""
+    message = (
+        f"llama-server sent an event longer than the gateway reads ({STREAM_LINE_BYTES} bytes; "
+        "its last event repeats the prompt and settings): the generation's end was not read; "
+        "send a shorter prompt, grammar or schema, or do not stream"
+    )
+    return {"error": {"code": 502, "message": message, "type": "server_error"}}
 
 
 _T = TypeVar("_T")
