@@ -596,12 +596,16 @@ def test_a_log_cut_off_mid_line_says_it_is_truncated_and_exits_2(
     assert err.startswith(f"error: {path}:1: not JSON") and "cut short" not in err
 
 
-def _allocator_log(steps: list[tuple[float, list[MindDemand]]], capacity: Capacity) -> list[Line]:
-    """The lines the operator logs for these steps of the real allocator on engine `E`."""
-    lines = [capacity_line(0.0, E, capacity)]
+def _raised_log(low_priority: int, raised: int, at: float) -> list[Line]:
+    """The operator's lines for one slot: `ns/low` granted and `ns/high` queued (priority 0) at
+    0, then `ns/high`'s class raised to `raised` and the engine stepped again at `at`."""
+    one = Capacity(EnginePhase.SERVING, 1, 1000)
+    low = MindDemand("ns/low", low_priority, 1.0, 100, protection_window=60.0)
+    lines = [capacity_line(0.0, E, one)]
     grants: dict[str, Grant] = {}
-    for now, minds in steps:
-        a = allocate(grants, minds, capacity, now)
+    for now, priority in ((0.0, 0), (at, raised)):
+        high = MindDemand("ns/high", priority, 2.0, 100, protection_window=60.0)
+        a = allocate(grants, [low, high], one, now)
         lines += [transition_line(now, E, t) for t in a.transitions]
         grants = a.grants
     return lines
@@ -611,22 +615,14 @@ def test_a_preemption_after_a_class_is_raised_is_a_log_check_log_finds_clean() -
     # Found by review: the victim's Preempted line came before any line of the preemptor's
     # new priority (hers came after it, or never where her wait reason stayed), so check-log,
     # judging the reclaim at its line, flagged the operator's own log as needless.
-    one = Capacity(EnginePhase.SERVING, 1, 1000)
-    low = MindDemand("ns/low", 0, 1.0, 100, protection_window=60.0)
-    high = MindDemand("ns/high", 0, 2.0, 100, protection_window=60.0)
-    raised = MindDemand("ns/high", 10, 2.0, 100, protection_window=60.0)
-    lines = _allocator_log([(0.0, [low, high]), (400.0, [low, raised])], one)
+    lines = _raised_log(low_priority=0, raised=10, at=400.0)
     assert check(lines) == []
     later = [(x["mind"], x["reason"]) for x in lines if x["t"] == 400.0]
     assert later[:2] == [("ns/high", "WaitingForReclaim"), ("ns/low", "Preempted")]
 
 
 def test_a_queued_minds_class_edited_is_logged_though_her_wait_reason_stays() -> None:
-    one = Capacity(EnginePhase.SERVING, 1, 1000)
-    low = MindDemand("ns/low", 5, 1.0, 100, protection_window=60.0)
-    high = MindDemand("ns/high", 0, 2.0, 100, protection_window=60.0)
-    raised = MindDemand("ns/high", 3, 2.0, 100, protection_window=60.0)
-    lines = _allocator_log([(0.0, [low, high]), (10.0, [low, raised])], one)
+    lines = _raised_log(low_priority=5, raised=3, at=10.0)
     queued = [(x["reason"], x["priority"]) for x in lines if x.get("mind") == "ns/high"]
     assert queued[-2:] == [("PoolFull", 0), ("PoolFull", 3)]
     assert check(lines) == []

@@ -71,10 +71,15 @@ def test_a_refused_token_sent_again_costs_one_review() -> None:
     assert api.calls == ["forged"]
 
 
-def test_requests_of_one_token_in_flight_share_one_review() -> None:
+def held() -> tuple[threading.Event, Api, TokenReviewer]:
+    """A reviewer whose API server answers once the event is set."""
     hold = threading.Event()
     api = Api(hold)
-    reviewer = TokenReviewer(AUDIENCE, api=api)
+    return hold, api, TokenReviewer(AUDIENCE, api=api)
+
+
+def test_requests_of_one_token_in_flight_share_one_review() -> None:
+    hold, api, reviewer = held()
 
     async def main() -> None:
         asks = [asyncio.create_task(reviewer("good")) for _ in range(20)]
@@ -90,9 +95,7 @@ def test_requests_of_one_token_in_flight_share_one_review() -> None:
 
 
 def test_too_many_tokens_waiting_are_turned_away_without_a_review() -> None:
-    hold = threading.Event()
-    api = Api(hold)
-    reviewer = TokenReviewer(AUDIENCE, api=api)
+    hold, api, reviewer = held()
 
     async def main() -> None:
         waiting = [

@@ -27,6 +27,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount, service_account
@@ -47,6 +48,11 @@ ACCEPTED_KEPT = 4096
 REFUSED_KEPT = 1024
 
 
+def _review_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="token-review")
+
+
+@dataclass(eq=False)
 class TokenReviewer:
     """Reviews a bearer token with the API server (a TokenReview with `audience`): the service
     account it belongs to, or None (refused). A token is accepted only where the API server
@@ -54,24 +60,21 @@ class TokenReviewer:
     server's audience) or one projected for another engine or lane is refused. Raises
     `ReviewUnavailable` when no answer could be had."""
 
-    def __init__(
-        self,
-        audience: str,
-        *,
-        api: Any = None,
-        cache_seconds: float = 60.0,
-        refused_seconds: float = 10.0,
-    ) -> None:
-        self.audience = audience
-        self.api = api
-        self.cache_seconds = cache_seconds
-        self.refused_seconds = refused_seconds
-        self._accepted: OrderedDict[str, tuple[ServiceAccount, float]] = OrderedDict()
-        self._refused: OrderedDict[str, float] = OrderedDict()
-        self._pending: dict[str, asyncio.Task[ServiceAccount | None]] = {}
-        # Threads of its own: strangers' reviews do not take the default pool's threads,
-        # which the rest of the runtime's blocking calls use.
-        self._threads = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="token-review")
+    audience: str
+    _: KW_ONLY
+    api: Any = None
+    cache_seconds: float = 60.0
+    refused_seconds: float = 10.0
+    _accepted: OrderedDict[str, tuple[ServiceAccount, float]] = field(
+        default_factory=OrderedDict, init=False
+    )
+    _refused: OrderedDict[str, float] = field(default_factory=OrderedDict, init=False)
+    _pending: dict[str, asyncio.Task[ServiceAccount | None]] = field(
+        default_factory=dict, init=False
+    )
+    # Threads of its own: strangers' reviews do not take the default pool's threads, which the
+    # rest of the runtime's blocking calls use.
+    _threads: ThreadPoolExecutor = field(default_factory=_review_threads, init=False)
 
     def _review(self, token: str) -> ServiceAccount | None:
         client: Any = importlib.import_module("kubernetes.client")
