@@ -171,6 +171,7 @@ class FakeKubeApi:
         self.logs: dict[str, str] = {}
         self._meanwhile: dict[str, list[Callable[[dict[str, Any]], None]]] = {}
         self._names = itertools.count(1)
+        self._uids = itertools.count(1)
         #: The same server, as the loops' async adapter answers.
         self.aio = Awaited(self)
         for obj in objects:
@@ -388,6 +389,7 @@ class FakeKubeApi:
         if path in self.objects:
             raise ApiError(409, "AlreadyExists", path)
         meta.pop("resourceVersion", None)
+        meta.setdefault("uid", f"uid-{next(self._uids)}")  # as the API server: one per object
         self._bump(new)
         self.objects[path] = new
         return copy.deepcopy(new)

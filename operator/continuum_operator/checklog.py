@@ -151,6 +151,7 @@ class _Wait:
 @dataclass(slots=True)
 class _Engine:
     name: str
+    ledger: str | None = None  # the GrantLedger its lines name (the operator's lines do)
     phase: str | None = None
     slots: int = 0
     tokens_per_slot: int = 0
@@ -272,9 +273,14 @@ class _Checker:
             self.end_steps()
             self.now = t
             self.overdue(t)
+        ledger = _field(raw, "ledger", n, null=True, valid=_non_empty_string,
+                        must_be="a non-empty string")  # fmt: skip
         e = self.engines.get(name)
-        if e is None:
+        if e is None or (ledger is not None and e.ledger not in (None, ledger)):
+            # An Engine made again under its name: a ledger of its own, holding nothing yet.
             e = self.engines[name] = _Engine(name)
+        if ledger is not None:
+            e.ledger = ledger
         self.stepped[name] = e
         _EVENTS[event](self, e, raw, n)
 
@@ -283,8 +289,8 @@ class _Checker:
         while self.reclaims_due and self.reclaims_due[0][0] < t:
             deadline, seq, engine, name = heapq.heappop(self.reclaims_due)
             e = self.engines[engine]
-            m = e.minds[name]
-            if m.state == RECLAIMING and m.seq == seq and not m.late:
+            m = e.minds.get(name)  # None: a ledger since replaced
+            if m is not None and m.state == RECLAIMING and m.seq == seq and not m.late:
                 m.late = True
                 self.flag(3, e, name, f"still Reclaiming at t={t:g}, past its grace "
                           f"deadline {deadline:g}")  # fmt: skip

@@ -626,3 +626,25 @@ def test_a_queued_minds_class_edited_is_logged_though_her_wait_reason_stays() ->
     queued = [(x["reason"], x["priority"]) for x in lines if x.get("mind") == "ns/high"]
     assert queued[-2:] == [("PoolFull", 0), ("PoolFull", 3)]
     assert check(lines) == []
+
+
+def test_a_line_naming_another_ledger_starts_the_engine_afresh() -> None:
+    # An Engine made again under its name: her first grant on the new ledger is no second
+    # grant of one mind, and a reclaim of the old ledger owes nothing past its deadline.
+    first = {"ledger": "uid-1"}
+    second = {"ledger": "uid-2"}
+    lines = [
+        {**cap(0.0, slots=1), **first},
+        {**tr(0.0, "ns/a", None, "Queued", "Arrived"), **first},
+        {**tr(0.0, "ns/a", "Queued", "Granted", "SlotFree", tokens=TPS, slot=0), **first},
+        {**cap(10.0, slots=1), **second},
+        {**tr(10.0, "ns/a", None, "Queued", "Arrived"), **second},
+        {**tr(10.0, "ns/a", "Queued", "Granted", "SlotFree", tokens=TPS, slot=0), **second},
+    ]
+    assert check(lines) == []
+    assert check([{**x, "ledger": "uid-1"} for x in lines])[0].invariant == 2
+
+
+def test_a_ledger_that_is_not_a_string_is_malformed() -> None:
+    with pytest.raises(LogFormatError, match="`ledger` must be a non-empty string"):
+        check([{**cap(0.0), "ledger": 7}])

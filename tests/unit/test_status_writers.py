@@ -210,7 +210,7 @@ def test_the_ledgers_write_is_kept_whole() -> None:
             minds += [mind(f"m{i}", second=2 + i) for i in range(ledger.QUEUE_KEPT + 4)]
         wanted = routing.demands_of(minds, classes, default or "low")
         s = ledger.step(body, wanted, 100.0 + t, policy)
-        doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t)
+        doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t, "uid-1")
         written.append(doc["status"])
         body = {**body, "status": {**body["status"], **doc["status"]}}
     step = [w[ledger.STEP_FIELD] for w in written]

@@ -72,6 +72,12 @@ def engine_only(body: Mapping[str, Any]) -> dict[str, Any]:
     return merged(body, None)
 
 
+def uid_of(body: Mapping[str, Any]) -> str | None:
+    """The uid of the GrantLedger merged into this body (None: no ledger yet, or none given)."""
+    meta = body.get(LEDGER_META)
+    return str(meta["uid"]) if meta and meta.get("uid") else None
+
+
 def version_of(body: Mapping[str, Any]) -> str | None:
     """The resourceVersion of the GrantLedger merged into this body (None: no ledger yet)."""
     meta = body.get(LEDGER_META)

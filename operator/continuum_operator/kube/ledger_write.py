@@ -87,12 +87,13 @@ class LedgerWriter:
             # ledger read back carries it).
             replaced = (body.get("status") or {}).get(ledger.STEP_FIELD)
             self._log().recover(engine, ledger_journal.read_journal(replaced))
-            doc, seq, lines = _ledger_doc(key, body, s, now)
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
+            version = ledger_object.version_of(body)
             try:
-                version = ledger_object.version_of(body)
+                uid = ledger_object.uid_of(body)
                 if version is None:
-                    version = await self._create(body)
+                    version, uid = await self._create(body)
+                doc, seq, lines = _ledger_doc(key, body, s, now, uid)
                 doc["metadata"]["resourceVersion"] = version
                 answer = await self.api.request("PUT", path, doc)
             except ApiError as err:
@@ -128,15 +129,17 @@ class LedgerWriter:
         log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
         return None
 
-    async def _create(self, body: Mapping[str, Any]) -> str:
-        """The Engine's GrantLedger, made empty and owned by it: its resourceVersion. 409 if it
-        exists (this cache has not seen it, or it is an earlier Engine's: `_read_again`)."""
+    async def _create(self, body: Mapping[str, Any]) -> tuple[str, str | None]:
+        """The Engine's GrantLedger, made empty and owned by it: its resourceVersion and uid.
+        409 if it exists (this cache has not seen it, or it is an earlier Engine's:
+        `_read_again`)."""
         ns = body["metadata"]["namespace"]
         made = await self.api.request(
             "POST", crd_path(ledger_object.PLURAL, ns), ledger_object.new_ledger(body)
         )
         self.engines.observe_ledger(made, deleted=False, nudge=False)
-        return str(made["metadata"]["resourceVersion"])
+        meta = made["metadata"]
+        return str(meta["resourceVersion"]), meta.get("uid")
 
     async def _read_again(self, key: EngineKey) -> dict[str, Any] | None:
         """After a 409: the GrantLedger read into the cache, and the Engine's body with it. A
@@ -212,16 +215,19 @@ class LedgerWriter:
 
 
 def _ledger_doc(
-    key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep, now: float
+    key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep, now: float, uid: str | None
 ) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
     """The GrantLedger as its status replace sends it (the ledger, the pool it was made for and
     the step's journal, in one write; its resourceVersion is set by the caller), the step's
-    seq and its log lines."""
+    seq and its log lines. The lines name the GrantLedger (`uid`): an Engine made again under
+    its name starts a ledger of its own, whose `seq` counts from 1 again."""
     ns, name = key
     engine = f"{ns}/{name}"
     status = {k: v for k, v in (body.get("status") or {}).items() if k in ledger.LEDGER_FIELDS}
     seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
     lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
+    if uid is not None:
+        lines = [{**line, "ledger": uid} for line in lines]
     status["grants"] = s.kept
     status[ledger.CAPACITY_FIELD] = s.pool.to_status()
     kept = {str(e.get("mind")) for e in s.kept}

@@ -61,6 +61,7 @@ class TransitionLog:
         self.lock = threading.Lock()
         self.last_t = 0.0
         self.seqs: dict[str, int] = {}  # engine -> last step seq in the file
+        self.ledgers: dict[str, str] = {}  # engine -> the GrantLedger its last lines name
         self.places: dict[str, dict[str, Place]] = {}  # engine -> waiting mind -> her last line
         self.unsynced = False  # lines written since the last `sync`
         if path is not None and path.exists():
@@ -79,9 +80,22 @@ class TransitionLog:
                 if isinstance(t, int | float):
                     self.last_t = max(self.last_t, float(t))
                 seq, engine = line.get("seq"), line.get("engine")
+                if isinstance(engine, str):
+                    self._begin(engine, line.get("ledger"))
                 if isinstance(seq, int) and isinstance(engine, str):
                     self.seqs[engine] = max(self.seqs.get(engine, 0), seq)
                 self._place(line)
+
+    def _begin(self, engine: str, ledger: Any) -> None:
+        """A line naming another GrantLedger than the engine's last lines did: an Engine made
+        again under its name, whose ledger counts its steps from 1 and holds nothing of the
+        old one's. What the log knew of the engine is forgotten."""
+        if not isinstance(ledger, str):
+            return
+        if self.ledgers.get(engine, ledger) != ledger:
+            self.seqs.pop(engine, None)
+            self.places.pop(engine, None)
+        self.ledgers[engine] = ledger
 
     def _place(self, line: Mapping[str, Any]) -> None:
         """Keep a transition's mind in `places` while it leaves her waiting."""
@@ -110,7 +124,11 @@ class TransitionLog:
         """The time a step decided now is logged at: never before the last line."""
         return max(now, self.last_t)
 
-    def logged(self, engine: str, seq: int) -> bool:
+    def logged(self, engine: str, seq: int, ledger: str | None = None) -> bool:
+        """Whether the step `seq` of the engine's GrantLedger `ledger` is in the log (a step of
+        another ledger than the log's last for the engine is not)."""
+        if ledger is not None and self.ledgers.get(engine, ledger) != ledger:
+            return False
         return self.seqs.get(engine, 0) >= seq
 
     def append(self, engine: str, seq: int, lines: Sequence[Mapping[str, Any]]) -> None:
@@ -131,6 +149,7 @@ class TransitionLog:
                 os.close(fd)
             self.unsynced = True
         self.last_t = t
+        self._begin(engine, lines[0].get("ledger"))
         self.seqs[engine] = max(self.seqs.get(engine, 0), seq)
         if self.path is not None:
             for line in written:
@@ -156,7 +175,10 @@ class TransitionLog:
             return False
         seq = journal.get("seq")
         lines = journal.get("lines")
-        if not isinstance(seq, int) or not isinstance(lines, list) or self.logged(engine, seq):
+        if not isinstance(seq, int) or not isinstance(lines, list) or not lines:
+            return False
+        ledger = lines[0].get("ledger") if isinstance(lines[0], Mapping) else None
+        if self.logged(engine, seq, ledger if isinstance(ledger, str) else None):
             return False
         self.append(engine, seq, lines)
         return True

@@ -91,6 +91,10 @@ class GrantStepLine(Spec):
     priority: int | None = nullable("transition: her priority.")
     protection_window: float | None = nullable("transition: her protection window (seconds).")
     deadline: str | None = nullable("transition: the grace deadline of a reclaim (RFC 3339).")
+    ledger: str | None = nullable(
+        "The uid of the GrantLedger the step was written to: an Engine made again under its "
+        "name starts a ledger of its own, and the log says so."
+    )
 
 
 class GrantStep(Spec):
