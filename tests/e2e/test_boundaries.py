@@ -27,6 +27,7 @@ from continuum_operator.core.heartbeat import NODE_ANNOTATION, lease_name, node_
 from continuum_operator.kube import engine_identity, facts_job, lane_objects, objects
 from continuum_operator.kube.children import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
 from continuum_operator.kube.leader import WALL_CLOCK_OFFSET_ENV
+from continuum_operator.kube.priority_classes import priority_classes
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
@@ -277,6 +278,59 @@ def test_a_namespace_editors_engine_with_a_host_path_of_root_is_refused_by_the_a
     assert refused_zero.returncode != 0
     assert "kvBytesPerTokenPerLayer" in refused_zero.stderr
     assert "greater than or equal to 1" in refused_zero.stderr
+
+
+def test_a_minds_childs_cpu_cannot_be_resized_in_place_but_its_memory_can(
+    cluster: Cluster,
+    crds: None,
+    tag: str,
+    installed: Callable[[list[dict[str, Any]]], None],
+) -> None:
+    """docs/children.md: the children's webhook leaves a mind's child the least CPU weight;
+    an in-place resize (pods/resize, on by default since Kubernetes 1.33) would give it back.
+    Found by review: the webhook only sees a pod's creation."""
+    ns = scoped_namespace(cluster, tag)
+    selector = {"namespaceSelector": {"matchLabels": {SCOPE: tag}}}
+    docs = policies({"webhook": {"cpuResizePolicy": selector}}, "-children-cpu")
+    assert [d["kind"] for d in docs] == [
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
+    ]  # fmt: skip
+    installed(docs)
+    status = type_checked(cluster, docs[0]["metadata"]["name"])
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+    child_class = PodSettings().children_priority_class
+    cluster.apply(
+        [c for c in priority_classes(PodSettings()) if c["metadata"]["name"] == child_class]
+    )
+
+    def pod(name: str, priority_class: str | None) -> dict[str, Any]:
+        container = {"name": "c", "image": "busybox",
+                     "resources": {"requests": {"cpu": "1m", "memory": "64Mi"}}}  # fmt: skip
+        spec: dict[str, Any] = {"containers": [container]}
+        if priority_class:
+            spec["priorityClassName"] = priority_class
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+    cluster.apply([pod("child", child_class), pod("other", None)], "-n", ns)
+
+    def resize(name: str, resources: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        patch = {"spec": {"containers": [{"name": "c", "resources": resources}]}}
+        return cluster.kubectl("patch", "pod", name, "-n", ns, "--subresource=resize",
+                               "--type=strategic", "-p", json.dumps(patch), "--dry-run=server",
+                               check=False)  # fmt: skip
+
+    more_cpu = {"requests": {"cpu": "2"}}
+    denied = refused_once_active(
+        lambda: resize("child", more_cpu), "the child's CPU resize refused"
+    )
+    for words in ("ValidatingAdmissionPolicy 'e2e-continuum-children-cpu'",
+                  "pod child is a mind's child", "resize its memory only"):  # fmt: skip
+        assert words in denied.stderr, denied.stderr
+    assert resize("child", {"limits": {"cpu": "4"}}).returncode != 0  # a limit is CPU too
+    more_memory = resize("child", {"requests": {"memory": "128Mi"}})
+    assert more_memory.returncode == 0, more_memory.stderr
+    other = resize("other", more_cpu)  # a pod of another class: not the policy's
+    assert other.returncode == 0, other.stderr
 
 
 def _dry_run_pod(

@@ -749,3 +749,28 @@ def test_the_api_server_puts_the_grant_finalizer_on_minds_where_it_can(helm_bin:
     off = {"grantFinalizerPolicy": {"enabled": False}}
     assert by_kind(documents(template(helm_bin, off, api_versions=[MAP]).stdout),
                    "MutatingAdmissionPolicy") == []  # fmt: skip
+
+
+def test_a_minds_childs_cpu_is_guarded_against_in_place_resize_with_the_webhook(
+    helm_bin: Path, default_docs: list[dict[str, Any]]
+) -> None:
+    """The children's webhook sees a pod's creation only; pods/resize could give a child its
+    CPU weight back (the refusal itself: tests/e2e/test_boundaries.py)."""
+    policy = one(default_docs, "ValidatingAdmissionPolicy", "-children-cpu")
+    binding = one(default_docs, "ValidatingAdmissionPolicyBinding", "-children-cpu")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert [(r["operations"], r["resources"]) for r in rules] == [(["UPDATE"], ["pods/resize"])]
+    condition = policy["spec"]["matchConditions"][0]["expression"]
+    assert f'"{PodSettings().children_priority_class}"' in condition
+    renamed = {"priorityClasses": {"childrenName": "kids"}}
+    docs = documents(template(helm_bin, renamed).stdout)
+    assert '"kids"' in one(docs, "ValidatingAdmissionPolicy", "-children-cpu")["spec"][
+        "matchConditions"][0]["expression"]  # fmt: skip
+    for off in (
+        {"webhook": {"enabled": False}},
+        {"webhook": {"cpuResizePolicy": {"enabled": False}}},
+    ):
+        names = [d["metadata"]["name"] for d in documents(template(helm_bin, off).stdout)]
+        assert not [n for n in names if n.endswith("-children-cpu")], off

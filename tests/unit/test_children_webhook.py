@@ -171,6 +171,16 @@ def test_a_class_the_child_asked_for_is_replaced_and_the_client_is_told() -> Non
     assert any("high replaced by kids" in n for n in m.notes)
 
 
+def test_a_cpu_request_the_child_asked_for_is_replaced_and_the_client_is_told() -> None:
+    # Found by review: a LimitRange with a CPU min refused the pod naming a request of 1m it
+    # never asked for, and nothing said the webhook wrote it.
+    box = {"name": "make", "resources": {"requests": {"cpu": "2"}}}
+    m = mutate(child(containers=[box]), PODS, CHILDREN)
+    assert m is not None
+    assert m.pod["spec"]["containers"][0]["resources"]["requests"]["cpu"] == CHILDREN.cpu_request
+    assert any(f"make: CPU request 2 replaced by {CHILDREN.cpu_request}" in n for n in m.notes)
+
+
 def test_the_mutation_is_idempotent_and_leaves_its_input_alone() -> None:
     box = {"name": "make", "resources": {"limits": {"cpu": "1"}}}
     p = child(containers=[box], priorityClassName="high")

@@ -145,8 +145,17 @@ def mutate(
     for kind in ("initContainers", "containers"):
         for container in spec.get(kind) or []:
             resources = container.get("resources") or {}
+            name = container.get("name")
             if (was := _without_cpu(resources, "limits")) is not None:
-                notes.append(f"container {container.get('name')}: CPU limit {was} removed")
+                notes.append(f"container {name}: CPU limit {was} removed")
+            asked = (resources.get("requests") or {}).get("cpu")
+            if asked is not None and str(asked) != children.cpu_request:
+                # Said, so a LimitRange's refusal of the request ("minimum cpu ... is 100m,
+                # but request is 1m") names who wrote 1m into a pod that asked for more.
+                notes.append(
+                    f"container {name}: CPU request {asked} replaced by {children.cpu_request} "
+                    "(a mind's child, docs/children.md)"
+                )
             resources.setdefault("requests", {})["cpu"] = children.cpu_request
             container["resources"] = resources
             env = [e for e in container.get("env") or [] if e.get("name") != CLASS_ENV]
