@@ -13,6 +13,7 @@ from continuum_operator.agent.writer import AgentApi
 from continuum_operator.core.heartbeat import (
     AGENT_LEASE_LABELS,
     AGENT_LEASE_SELECTOR,
+    NODE_ANNOTATION,
     agent_lease_metadata,
     node_of_lease,
 )
@@ -93,3 +94,6 @@ def test_the_agent_labels_the_lease_it_creates_and_each_it_renews() -> None:
     old = _Coordination(exists=True)
     _agent(old).renew_lease(now, None)
     assert old.patches[0]["metadata"]["labels"] == AGENT_LEASE_LABELS
+    # And the node it vouches for: an annotation another writer changed is put back at the
+    # next beat (found by review: the operator read no node from such a Lease, for good).
+    assert old.patches[0]["metadata"]["annotations"] == {NODE_ANNOTATION: "gpu-node-1"}

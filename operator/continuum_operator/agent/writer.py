@@ -27,6 +27,7 @@ from continuum_operator.core import rfc3339
 from continuum_operator.core.heartbeat import (
     AGENT_LEASE_LABELS,
     LEASE_NAMESPACE,
+    NODE_ANNOTATION,
     agent_lease_metadata,
     lease_name,
 )
@@ -217,8 +218,16 @@ class AgentApi:
             self._coordination.patch_namespaced_lease(
                 name,
                 self.lease_namespace,
-                # The labels too: a Lease made before they were set is selected from now on.
-                {"metadata": {"labels": AGENT_LEASE_LABELS}, "spec": spec},
+                # The labels too: a Lease made before they were set is selected from now on;
+                # and the node it vouches for, so an annotation changed by another writer is
+                # put back at the next beat (the operator reads the node from it).
+                {
+                    "metadata": {
+                        "labels": AGENT_LEASE_LABELS,
+                        "annotations": {NODE_ANNOTATION: self.node},
+                    },
+                    "spec": spec,
+                },
                 field_manager=FIELD_MANAGER,
                 _content_type="application/merge-patch+json",
                 _request_timeout=_TIMEOUT,
