@@ -762,6 +762,47 @@ def test_an_agent_writes_only_its_own_nodes_board_and_lease(
             cluster.kubectl("delete", "nodeboard", node, "--ignore-not-found", check=False)
 
 
+def test_an_agent_of_a_long_node_name_cannot_take_another_long_named_nodes_lease(
+    cluster: Cluster, agent_release: AgentRelease
+) -> None:
+    """A node name too long for the Lease's prefix gives a Lease name shortened with a hash the
+    policy cannot compute, so it checks the prefix and the annotation. Found by review: on an
+    update it read only the new annotation, so the agent of one such node could re-annotate
+    another's Lease as its own, whose board then vouched for no node."""
+    ns = agent_release.namespace
+    tail = uuid.uuid4().hex[:6]
+    long = ".".join(["n" * 60] * 4)  # 243 characters with the tail: past the prefix's room
+    mine, other = f"{long}.a{tail}", f"{long}.b{tail}"
+    assert len(lease_name(mine)) == len(lease_name(other)) == 253
+    cluster.apply(lease(lease_name(other), ns, other))  # the other node's agent made it
+    agent = agent_release.as_agent_of(mine)
+    wait_for(
+        "the node-binding policy in force",
+        lambda: create_as(cluster, board(other), agent, dry_run=True).returncode != 0,
+        timeout=180,
+    )
+    from kubernetes import client
+
+    def annotate(name: str) -> str:
+        return merge_patch_as(
+            cluster, agent_release, mine,
+            lambda api: client.CoordinationV1Api(api).patch_namespaced_lease(
+                name, ns, {"metadata": {"annotations": {NODE_ANNOTATION: mine}}},
+                _content_type=MERGE,
+            ),
+        )  # fmt: skip
+
+    taken = annotate(lease_name(other))
+    assert "may write only Lease continuum-agent-" in taken, taken
+    assert f"{agent_release.fullname}-agent-node-binding" in taken, taken
+    kept = cluster.get_json("lease", lease_name(other), "-n", ns)["metadata"]["annotations"]
+    assert kept[NODE_ANNOTATION] == other
+    # Its own long-named Lease it creates and renews as before.
+    own = create_as(cluster, lease(lease_name(mine), ns, mine), agent)
+    assert own.returncode == 0, own.stderr
+    assert annotate(lease_name(mine)) == ""
+
+
 def _pod_bound_kubeconfig(cluster: Cluster, release: AgentRelease, pod: str, path: Path) -> Path:
     """A kubeconfig with the agent's token bound to `pod`, as the kubelet mounts it."""
     token = cluster.kubectl(
