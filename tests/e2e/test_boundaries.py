@@ -122,6 +122,19 @@ def type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
     return dict(wait_for(f"policy {name} type-checked", probe, timeout=60))
 
 
+def install_checked(
+    cluster: Cluster, installed: Callable[[list[dict[str, Any]]], None], docs: list[dict[str, Any]]
+) -> None:
+    """A chart policy and its binding installed, once the API server has type-checked its CEL
+    with no warning."""
+    assert [d["kind"] for d in docs] == [
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
+    ]  # fmt: skip
+    installed(docs)
+    status = type_checked(cluster, docs[0]["metadata"]["name"])
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+
+
 def kubectl_as(
     cluster: Cluster, user: str, *args: str, input: str | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -227,12 +240,7 @@ def test_a_namespace_editors_engine_with_a_host_path_of_root_is_refused_by_the_a
                            "policy": {"namespaceSelector": {"matchLabels": {SCOPE: tag}}}}},
         "-engine-sources",
     )  # fmt: skip
-    assert [d["kind"] for d in docs] == [
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
-    ]  # fmt: skip
-    installed(docs)
-    status = type_checked(cluster, docs[0]["metadata"]["name"])
-    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+    install_checked(cluster, installed, docs)
 
     def create(body: dict[str, Any], dry_run: bool = True) -> subprocess.CompletedProcess[str]:
         args = ["create", "-f", "-", "-n", ns, *(["--dry-run=server"] if dry_run else [])]
@@ -292,12 +300,7 @@ def test_a_minds_childs_cpu_cannot_be_resized_in_place_but_its_memory_can(
     ns = scoped_namespace(cluster, tag)
     selector = {"namespaceSelector": {"matchLabels": {SCOPE: tag}}}
     docs = policies({"webhook": {"cpuResizePolicy": selector}}, "-children-cpu")
-    assert [d["kind"] for d in docs] == [
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
-    ]  # fmt: skip
-    installed(docs)
-    status = type_checked(cluster, docs[0]["metadata"]["name"])
-    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+    install_checked(cluster, installed, docs)
     child_class = PodSettings().children_priority_class
     cluster.apply(
         [c for c in priority_classes(PodSettings()) if c["metadata"]["name"] == child_class]

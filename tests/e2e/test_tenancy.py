@@ -21,6 +21,7 @@ from continuum_operator import yaml_text
 from continuum_operator.kube.priority_classes import priority_classes
 from continuum_operator.kube.settings import PodSettings
 from tests.e2e.conftest import Cluster
+from tests.e2e.test_boundaries import install_checked
 from tests.e2e.test_grants import (  # the grants e2e's own helpers, reused
     SLOT_TOKENS,
     crds,
@@ -113,16 +114,6 @@ def refused_once_active(
     return refused
 
 
-def type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        body = cluster.get_json("validatingadmissionpolicy", name)
-        status = body.get("status") or {}
-        done = status.get("observedGeneration") == body["metadata"]["generation"]
-        return status if done else None
-
-    return dict(wait_for(f"policy {name} type-checked", probe, timeout=60))
-
-
 # --------------------------------------------------------------------------------------------
 
 
@@ -137,13 +128,8 @@ def test_a_mind_of_a_namespace_her_class_does_not_allow_is_refused_by_the_api_se
     docs = policies(
         {"tenancy": {"mindClassPolicy": {"namespaceSelector": {"matchLabels": {SCOPE: tag}}}}}
     )
-    assert [d["kind"] for d in docs] == [
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
-    ]  # fmt: skip
-    installed(docs)
     # The API server type-checks the CEL against the MindClass and Mind schemas: no warnings.
-    status = type_checked(cluster, docs[0]["metadata"]["name"])
-    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+    install_checked(cluster, installed, docs)
 
     gold, open_cls = f"gold-{tag}", f"open-{tag}"
     restricted = {**mind_class(gold, 5), "spec": {"priority": 5, "allowedNamespaces": [allowed]}}
@@ -336,10 +322,7 @@ def test_a_pod_of_an_ordinary_namespace_asking_for_the_engine_priority_class_is_
             "enginePriorityGuard": {"enabled": True, "extraMatchExpressions": scope},
         }}
     )  # fmt: skip
-    assert len(docs) == 2
-    installed(docs)
-    status = type_checked(cluster, docs[0]["metadata"]["name"])
-    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+    install_checked(cluster, installed, docs)
 
     refused = refused_once_active(cluster, pod("squatter", name), ordinary)
     for words in (
