@@ -466,3 +466,22 @@ def test_a_mind_moved_off_an_engine_and_deleted_keeps_her_finalizer_until_its_sl
     w.loop.pass_once()
     assert "team-a/ada" not in w.ledger("team-a", "one")
     assert not w.api.objects[path]["metadata"].get("finalizers")
+
+
+def test_the_cache_knows_which_ledgers_hold_a_mind_as_they_change() -> None:
+    # `MindWrites.held_anywhere` asks it for each deleted Mind at each pass: one lookup, kept
+    # with the ledgers, not a read of every ledger.
+    cache = Cache()
+    meta = {"namespace": "team-b", "name": "theirs", "uid": "l1"}
+
+    def ledger(rv: str, *entries: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {**meta, "resourceVersion": rv}, "status": {"grants": list(entries)}}
+
+    holding = {"mind": "team-b/bo", "state": "Reclaiming", "slot": 0}
+    cache.observe_ledger(ledger("1", holding), deleted=False, nudge=False)
+    assert cache.holders.holds("team-b/bo") and not cache.holders.holds("team-b/al")
+    cache.observe_ledger(ledger("2", {**holding, "state": "Queued"}), deleted=False, nudge=False)
+    assert not cache.holders.holds("team-b/bo")  # queued: holds no slot
+    cache.observe_ledger(ledger("3", holding), deleted=False, nudge=False)
+    cache.observe_ledger(ledger("4"), deleted=True, nudge=False)
+    assert not cache.holders.holds("team-b/bo")  # the ledger is gone

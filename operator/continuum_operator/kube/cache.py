@@ -151,6 +151,7 @@ class Cache:
     # GrantLedgers themselves by their Engine's key.
     engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
     ledgers: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    holders: ledger_object.HolderIndex = field(default_factory=ledger_object.HolderIndex)
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
@@ -379,6 +380,7 @@ class Cache:
         else:
             return  # older than the answer of our own write
         before, current = self.engines.get(key), self.ledgers.get(key)
+        self.holders.replace(key, known, current)
         if before is None:
             # Not an Engine of this cache (yet, or another operator's, `--engine-selector`):
             # kept for its Engine's event to merge. No step here reads it, so no pass is woken

@@ -29,6 +29,7 @@ __all__ = [
     "KIND",
     "LEDGER_META",
     "PLURAL",
+    "HolderIndex",
     "engine_only",
     "held_tokens",
     "holders",
@@ -36,6 +37,7 @@ __all__ = [
     "new_ledger",
     "others_entries",
     "owned_by",
+    "uid_of",
     "version_of",
 ]
 
@@ -114,6 +116,36 @@ def holders(ledger: Mapping[str, Any] | None) -> frozenset[str]:
     return frozenset(
         str(e.get("mind")) for e in _grants(ledger) if e.get("state") in HOLDING_STATES
     )
+
+
+class HolderIndex:
+    """Which GrantLedgers hold a slot for each Mind, kept as the ledgers change (`replace`):
+    whether any ledger holds her is then one lookup, not a read of every ledger (a deleted
+    Mind's finalizer asks it at each pass until it comes off)."""
+
+    def __init__(self) -> None:
+        self._by_mind: dict[str, set[tuple[str, str]]] = {}
+
+    def replace(
+        self,
+        key: tuple[str, str],
+        old: Mapping[str, Any] | None,
+        new: Mapping[str, Any] | None,
+    ) -> None:
+        """The GrantLedger of Engine `key` went from `old` to `new` (None: none)."""
+        before, after = holders(old), holders(new)
+        for mind in before - after:
+            engines = self._by_mind.get(mind)
+            if engines is not None:
+                engines.discard(key)
+                if not engines:
+                    del self._by_mind[mind]
+        for mind in after - before:
+            self._by_mind.setdefault(mind, set()).add(key)
+
+    def holds(self, mind: str) -> bool:
+        """Whether any GrantLedger holds a slot for `mind` ("namespace/name")."""
+        return mind in self._by_mind
 
 
 def others_entries(

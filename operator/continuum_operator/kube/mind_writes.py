@@ -55,6 +55,7 @@ class MindWrites:
         clock: Callable[[], float],
         pod_port: int,
         ledgers: Mapping[EngineKey, Mapping[str, Any]] | None = None,
+        holders: ledger_object.HolderIndex | None = None,
     ) -> None:
         self.api = api
         self.minds = minds
@@ -63,6 +64,8 @@ class MindWrites:
         self.pod_port = pod_port
         #: Every GrantLedger as watched (`Cache.ledgers`), other operators' Engines' too.
         self.ledgers: Mapping[EngineKey, Mapping[str, Any]] = ledgers if ledgers is not None else {}
+        #: Who those ledgers hold a slot for (`Cache.holders`, kept with them).
+        self.holders = holders if holders is not None else ledger_object.HolderIndex()
         self.projections_written = 0
 
     async def write_quota(self, quota: Mapping[str, Any], status: dict[str, Any]) -> None:
@@ -151,8 +154,8 @@ class MindWrites:
                 (FINALIZER_WRITE, mkey, partial(self.drop_finalizer, m))
                 for m in minds
                 if m["metadata"].get("deletionTimestamp")
-                and not self.held_anywhere(mkey := routing.mind_key(m))
                 and FINALIZER in (m["metadata"].get("finalizers") or [])
+                and not self.held_anywhere(mkey := routing.mind_key(m))
             ]
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
         deleted, stale = [], []
@@ -170,7 +173,7 @@ class MindWrites:
         """Whether any watched GrantLedger holds a slot for the Mind: not only her Engine's, as
         she names it now (`spec.engine` may change while she holds a slot of another, which
         reclaims it; her finalizer stays until that slot is released too)."""
-        return any(mkey in ledger_object.holders(ledger) for ledger in self.ledgers.values())
+        return self.holders.holds(mkey)
 
     async def tell_missing(self, key: EngineKey, stale: list[str], deleted: list[str]) -> None:
         ns, name = key

@@ -132,7 +132,13 @@ class GrantsLoop:
         self.writer = MindWriter(settings.write_workers, lambda: self.may_write(), self._failed)
         # The loop reads the clock it has now (tests set it after construction).
         self.mind_writes = MindWrites(
-            api, minds, settings, lambda: self.clock(), pod_port, ledgers=engines.ledgers
+            api,
+            minds,
+            settings,
+            lambda: self.clock(),
+            pod_port,
+            ledgers=engines.ledgers,
+            holders=engines.holders,
         )
         # What the last pass stepped with: each engine's body (stepped again once its body is
         # another), and the classes and quota limits (every engine when they change).
