@@ -53,10 +53,10 @@ from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
 from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
 from continuum_operator.engine.admission import (
-    REVIEW_RETRY_SECONDS,
     ReviewUnavailable,
     ServiceAccount,
     lane_audience,
+    review_unavailable,
 )
 from continuum_operator.engine.gateway import admin_application, serve_app
 from continuum_operator.engine.grants_source import custom_objects as _custom_objects
@@ -359,9 +359,9 @@ class LaneRuntime:
         try:
             account = await self.door.review(token) if sent else None
         except ReviewUnavailable as err:  # not judged: her client may send it again
-            doc = _error(503, "ReviewUnavailable", f"your token could not be reviewed now "
-                         f"({err}); send the request again")  # fmt: skip
-            headers = {"Retry-After": str(REVIEW_RETRY_SECONDS)}
+            said = review_unavailable(str(err))  # the engine gateway's words and wait
+            doc = _error(503, "ReviewUnavailable", str(said.body["message"]))
+            headers = {"Retry-After": str(said.retry_after)}
             return web.json_response(doc, status=503, headers=headers)
         refusal = refuse_caller(
             account, sent=sent, audience=self.door.audience, namespace=self.door.namespace

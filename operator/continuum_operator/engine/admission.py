@@ -28,7 +28,6 @@ from continuum_operator.model.grant import GrantEntry, parse_entries
 from continuum_operator.model.mind import GrantState
 
 __all__ = [
-    "REVIEW_RETRY_SECONDS",
     "Admission",
     "Answer",
     "Cut",
