@@ -187,6 +187,14 @@ class _Bad(Exception):
         self.error = FieldError(param, message)
 
 
+def _listed_only(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """Every field of `body` on the allow-list: the first one not, refused with why."""
+    for name in sorted(body):
+        if name not in allowed:
+            why = REFUSED_WHY.get(name, "not served by this gateway")
+            raise _Bad(name, f"{name}: not accepted ({why})")
+
+
 def _one_prompt(prompt: Any, name: str, max_pieces: int) -> None:
     """One prompt: a string, a list of token ids, or a list holding one of those."""
     several = f"{name}: one {name} per request (several would run on several slots)"
@@ -236,12 +244,8 @@ def check_body(endpoint: Endpoint, body: Any, grant_tokens: int) -> FieldError |
     """
     if not isinstance(body, dict):
         return FieldError("", "the body is not a JSON object")
-    allowed = ALLOWED[endpoint]
     try:
-        for name in sorted(body):
-            if name not in allowed:
-                why = REFUSED_WHY.get(name, "not served by this gateway")
-                raise _Bad(name, f"{name}: not accepted ({why})")
+        _listed_only(body, ALLOWED[endpoint])
         n = _int_field(body, "n")
         if n is not None and n != 1:
             raise _Bad("n", "n: only 1 (more choices would run on other minds' slots)")
@@ -282,10 +286,7 @@ def check_native(body: Any) -> FieldError | None:
     if not isinstance(body, dict):
         return FieldError("", "the body is not a JSON object")
     try:
-        for name in sorted(body):
-            if name not in NATIVE_ALLOWED:
-                why = REFUSED_WHY.get(name, "not served by this gateway")
-                raise _Bad(name, f"{name}: not accepted ({why})")
+        _listed_only(body, NATIVE_ALLOWED)
         for name in ("n", "n_cmpl"):
             n = _int_field(body, name)
             if n is not None and n != 1:
