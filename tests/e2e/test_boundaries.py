@@ -33,10 +33,9 @@ from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
 from tests.e2e.conftest import Cluster
 from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_children import WEBHOOK, webhook_serving
+from tests.e2e.test_children import WEBHOOK, wait_ready
 from tests.e2e.test_children import operator as webhook_operator
 from tests.e2e.test_children import pod as child_pod
-from tests.e2e.test_children import wait_for as wait_for_operator
 from tests.e2e.test_grants import (
     assert_no_grant_doubled,
     crds,
@@ -918,19 +917,11 @@ def test_a_pod_her_service_account_creates_without_the_label_is_still_her_child(
     as_web = [f"--as=system:serviceaccount:{ns}:web"]
     try:
         with webhook_operator(cluster, tmp_path, free_port()) as op:
-            wait_for_operator(lambda: webhook_serving(cluster, ns), "the webhook", op)
-
-            # A server-side dry run answers the pod as it would be admitted.
-            def dry(body: dict[str, Any], who: list[str]) -> subprocess.CompletedProcess[str]:
-                return cluster.kubectl("create", "-f", "-", "-o", "json", "--dry-run=server",
-                                       *who, input=json.dumps(body), check=False)  # fmt: skip
-
-            def seen_as_ada() -> dict[str, Any] | None:
-                out = dry(child_pod("dry", ns), as_ada)
-                got = json.loads(out.stdout) if out.returncode == 0 else {}
-                return got if got.get("spec", {}).get("priorityClassName") else None
-
-            wait_for_operator(seen_as_ada, "the operator to know Mind ada", op)
+            # Ready means her pods are known as hers: the Service sends the API server's reviews
+            # to ready replicas only, and a replica that answered before listing the Minds let
+            # her pods through as ordinary ones. So the first pod after it is hers, no retry.
+            before = wait_ready(op)
+            assert before and set(before) == {503}, before  # not ready from the start
             made = cluster.kubectl("create", "-f", "-", "-o", "json", *as_ada,
                                    input=json.dumps(child_pod("build", ns)))  # fmt: skip
             child = json.loads(made.stdout)

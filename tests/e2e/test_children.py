@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -98,6 +100,28 @@ def wait_for(probe: Callable[[], Any], what: str, op: Operator, timeout: float =
             return found
         time.sleep(0.5)
     pytest.fail(f"timed out waiting for {what}; operator log:\n{op.log.read_text()[-4000:]}")
+
+
+def wait_ready(op: Operator, timeout: float = 90) -> list[int]:
+    """Poll the operator's `/readyz` closely until it answers 200: the answers before it (a
+    refused connection is no answer)."""
+    url = op.metrics_url.removesuffix("/metrics") + "/readyz"
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if op.proc.poll() is not None:
+            pytest.fail(f"the operator exited while waiting for /readyz:\n{op.log.read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if answer.status == 200:
+                    return seen
+                seen.append(answer.status)
+        except urllib.error.HTTPError as err:
+            seen.append(err.code)
+        except OSError:  # not listening yet
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"/readyz not 200 in {timeout} s: {seen[-3:]}; log:\n{op.log.read_text()[-4000:]}")
 
 
 def pod(name: str, ns: str, labels: dict[str, str] | None = None) -> dict[str, Any]:

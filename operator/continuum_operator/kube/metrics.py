@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from continuum_operator.core.damping import Outcome
 from continuum_operator.core.grants import Grant, GrantReason, Transition
 from continuum_operator.core.receipts import is_host_buffer
+from continuum_operator.kube.readiness import Readiness, serve_metrics
 from continuum_operator.metric_families import MetricSet, counter, gauge, histogram
 from continuum_operator.model.mind import GrantState
 
@@ -197,8 +198,9 @@ class OperatorMetrics(MetricSet):
 
     leader = gauge("continuum_operator_leader", "1 while this replica holds the leader Lease.")
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, readiness: Readiness) -> None:
+        """`/metrics`, and `/readyz` from `readiness` (`kube.readiness`)."""
+        serve_metrics(port, self.registry, readiness)
 
     def record_api_request(self, verb: str, resource: str) -> None:
         self.api_requests.labels(verb, resource).inc()

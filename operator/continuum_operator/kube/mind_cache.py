@@ -19,7 +19,7 @@ from continuum_operator.kube.kept import kept, newer, resource_version
 from continuum_operator.kube.kernel import WorkQueue
 from continuum_operator.model.base import GROUP, VERSION
 
-__all__ = ["MindCache", "register", "seed"]
+__all__ = ["MindCache", "list_minds", "register", "seed"]
 
 # --- watches ----------------------------------------------------------------------------------
 
@@ -138,9 +138,14 @@ async def seed(api: AsyncKubeApi, cache: MindCache) -> None:
     except ApiError as err:
         if err.status != 404:  # 404: the TokenQuota CRD is not installed; no quotas
             raise
+    await list_minds(api, cache)
+
+
+async def list_minds(api: AsyncKubeApi, cache: MindCache) -> None:
+    """The Minds into the cache, those it has and the API no longer has dropped."""
     await relist(
         api,
-        f"{base}/minds",
+        f"/apis/{GROUP}/{VERSION}/minds",
         lambda obj: cache.observe_mind(obj, deleted=False, nudge=False),
         routing.mind_key,
         cache.minds,

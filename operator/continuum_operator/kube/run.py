@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from continuum_operator.kube.api import KubeApi
     from continuum_operator.kube.async_api import AsyncKubeApi
     from continuum_operator.kube.metrics import OperatorMetrics
+    from continuum_operator.kube.readiness import Readiness
 
 __all__ = ["add_arguments", "cmd_operator", "serve", "settings_from"]
 
@@ -273,10 +274,13 @@ async def serve(
     from continuum_operator.kube.api import KubeApi
     from continuum_operator.kube.async_api import AsyncKubeApi
     from continuum_operator.kube.metrics import OperatorMetrics
+    from continuum_operator.kube.readiness import MINDS_LISTED, WEBHOOK_SERVING, Readiness
 
     metrics = OperatorMetrics()
+    # With the children's webhook, ready (`/readyz`) once it serves knowing every Mind.
+    ready = Readiness((MINDS_LISTED, WEBHOOK_SERVING) if settings.children.webhook else ())
     if metrics_port:
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, ready)
     # The loops' calls are awaited on the event loop (`kube.async_api`); the leader Lease's
     # go out blocking, from a thread of its own (`kube.leader.lead`), so that no stretch of
     # work on the loop can delay a renewal.
@@ -284,7 +288,7 @@ async def serve(
     lease_api = KubeApi(kubeconfig, meter=metrics)
     try:
         return await _operate(
-            settings, api, lease_api, metrics, engine_labels,
+            settings, api, lease_api, metrics, ready, engine_labels,
             grants or grant_settings.GrantSettings(), leadership,
         )  # fmt: skip
     finally:
@@ -296,6 +300,7 @@ async def _operate(
     api: AsyncKubeApi,
     lease_api: KubeApi,
     metrics: OperatorMetrics,
+    ready: Readiness,
     engine_labels: dict[str, str] | None,
     grants: grant_settings.GrantSettings,
     leadership: grant_settings.LeaderSettings | None,
@@ -321,10 +326,7 @@ async def _operate(
     # Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
     # A pod her service account creates is her child (`children.mind_of_creator`).
-    webhook.register(
-        registry, api, settings.pods, settings.children, metrics,
-        is_mind=lambda key: key in mind_cache.minds,
-    )  # fmt: skip
+    webhook.register(registry, api, settings.pods, settings.children, metrics, mind_cache, ready)
     register_minds(registry, mind_cache)
     elector = Elector(
         lease_api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader

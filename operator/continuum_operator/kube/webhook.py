@@ -52,6 +52,7 @@ from continuum_operator.kube.children import (
 )
 from continuum_operator.kube.objects import MANAGED_BY
 from continuum_operator.kube.priority_classes import priority_classes
+from continuum_operator.kube.readiness import MINDS_LISTED, WEBHOOK_SERVING, Readiness
 from continuum_operator.kube.settings import ChildrenSettings, PodSettings
 from continuum_operator.model.base import GROUP
 
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # imported when the operator starts: `continuum plan` loads n
 
     from continuum_operator.kube.async_api import AsyncKubeApi
     from continuum_operator.kube.metrics import OperatorMetrics
+    from continuum_operator.kube.mind_cache import MindCache
 
 __all__ = [
     "HANDLER_ID",
@@ -322,14 +324,21 @@ class _Installing:
     """kopf's webhook server, installing our configuration each time it (re)starts serving."""
 
     def __init__(
-        self, server: Any, install: Callable[[Mapping[str, Any]], Awaitable[None]]
+        self,
+        server: Any,
+        install: Callable[[Mapping[str, Any]], Awaitable[None]],
+        readiness: Readiness,
     ) -> None:
         self.server = server
         self.install = install
+        self.readiness = readiness
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        # kopf's server yields once it listens: the replica is ready for the Service's reviews
+        # once the API server has the configuration that sends them.
         async for client_config in self.server(fn):
             await self.install(client_config)
+            self.readiness.done(WEBHOOK_SERVING)
             yield client_config
 
 
@@ -383,10 +392,13 @@ def register(
     pods: PodSettings,
     children: ChildrenSettings,
     metrics: OperatorMetrics,
-    is_mind: Callable[[str], bool] = lambda key: False,
+    minds: MindCache,
+    readiness: Readiness,
 ) -> None:
-    """Adds the count of unmarked children and, with `children.webhook`, the webhook itself.
-    `is_mind("ns/name")`: whether that Mind exists (the operator's Mind cache)."""
+    """Adds the count of unmarked children and, with `children.webhook`, the webhook itself,
+    which asks `minds` (the operator's Mind cache) whether a pod's creator is a Mind. The
+    Minds are listed into it before the webhook serves (kopf starts its admission server
+    after the startup handlers), and `readiness` waits for both."""
     import kopf
 
     from continuum_operator.kube.api import ApiError
@@ -420,15 +432,34 @@ def register(
             await post(pod)
         metrics.set_children_unmutated(ns, unmarked.count(ns))
 
-    if not children.webhook:
-        return
+    if children.webhook:
+        _register_webhook(registry, api, pods, children, metrics, minds, readiness)
+
+
+def _register_webhook(
+    registry: kopf.OperatorRegistry,
+    api: AsyncKubeApi,
+    pods: PodSettings,
+    children: ChildrenSettings,
+    metrics: OperatorMetrics,
+    minds: MindCache,
+    readiness: Readiness,
+) -> None:
+    import kopf
+
+    from continuum_operator.kube.mind_cache import list_minds
 
     async def install(client_config: Mapping[str, Any]) -> None:
         await install_webhook(api, pods, children, client_config)
 
+    @kopf.on.startup(registry=registry, backoff=2.0)
+    async def minds_listed(**_: Any) -> None:
+        await list_minds(api, minds)
+        readiness.done(MINDS_LISTED)
+
     @kopf.on.startup(registry=registry)
     def admission(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.admission.server = _Installing(_server(children), install)
+        settings.admission.server = _Installing(_server(children), install, readiness)
         settings.admission.managed = None  # ours: matchConditions and a short timeout
 
     @kopf.on.mutate("", "v1", "pods", id=HANDLER_ID, operations=["CREATE"],
@@ -441,7 +472,8 @@ def register(
         userinfo: Mapping[str, Any] | None = None,
         **_: Any,
     ) -> None:
-        creator = mind_of_creator(str((userinfo or {}).get("username") or ""), is_mind)
+        username = str((userinfo or {}).get("username") or "")
+        creator = mind_of_creator(username, lambda key: key in minds.minds)
         mutation = mutate(dict(body), pods, children, creator)
         if mutation is None:
             return
