@@ -401,53 +401,11 @@ def register(
     after the startup handlers), and `readiness` waits for both."""
     import kopf
 
-    from continuum_operator.kube.api import ApiError
-
-    unmarked = Unmarked()
-    instance = socket.gethostname()
-
-    async def post(pod: Mapping[str, Any]) -> None:
-        now = rfc3339.format_seconds(time.time())
-        try:
-            await api.create(unmutated_event(pod, pods, instance, now))
-        except ApiError as err:
-            if err.status != 409:  # 409: posted already, by this operator before a restart
-                log.warning("posting ChildNotMutated on %s failed: %s", pod["metadata"], err)
-
-    @kopf.on.startup(registry=registry)
-    def children_on_server(settings: kopf.OperatorSettings, **_: Any) -> None:
-        # Only the children reach the operator: a label selector the API server applies (a
-        # label filter alone would have every pod of the cluster cross the wire to be dropped).
-        settings.watching.label_selectors["v1", "pods"] = MIND_LABEL
-
-    @kopf.on.event("", "v1", "pods", labels={MIND_LABEL: kopf.PRESENT}, registry=registry)
-    async def child(event: kopf.RawEvent, **_: Any) -> None:
-        pod: Obj = dict(event["object"])
-        deleted = event.get("type") == "DELETED"
-        meta: Obj = pod.get("metadata") or {}
-        ns = str(meta.get("namespace"))
-        if unmarked.observe(pod, deleted):
-            log.warning("child pod %s/%s of mind %s is unmutated", ns, meta["name"], mind_of(pod))
-            metrics.record_child_unmutated(ns)
-            await post(pod)
-        metrics.set_children_unmutated(ns, unmarked.count(ns))
-
-    if children.webhook:
-        _register_webhook(registry, api, pods, children, metrics, minds, readiness)
-
-
-def _register_webhook(
-    registry: kopf.OperatorRegistry,
-    api: AsyncKubeApi,
-    pods: PodSettings,
-    children: ChildrenSettings,
-    metrics: OperatorMetrics,
-    minds: MindCache,
-    readiness: Readiness,
-) -> None:
-    import kopf
-
     from continuum_operator.kube.mind_cache import list_minds
+
+    _register_count(registry, api, pods, metrics)
+    if not children.webhook:
+        return
 
     async def install(client_config: Mapping[str, Any]) -> None:
         await install_webhook(api, pods, children, client_config)
@@ -486,3 +444,42 @@ def _register_webhook(
         patch.fns.append(replace)
         if not dryrun:
             metrics.record_child_mutated(str(mutation.pod["metadata"].get("namespace", "")))
+
+
+def _register_count(
+    registry: kopf.OperatorRegistry, api: AsyncKubeApi, pods: PodSettings, metrics: OperatorMetrics
+) -> None:
+    """The count of children admitted unmutated (the webhook down or off): a metric and an
+    Event on each."""
+    import kopf
+
+    from continuum_operator.kube.api import ApiError
+
+    unmarked = Unmarked()
+    instance = socket.gethostname()
+
+    async def post(pod: Mapping[str, Any]) -> None:
+        now = rfc3339.format_seconds(time.time())
+        try:
+            await api.create(unmutated_event(pod, pods, instance, now))
+        except ApiError as err:
+            if err.status != 409:  # 409: posted already, by this operator before a restart
+                log.warning("posting ChildNotMutated on %s failed: %s", pod["metadata"], err)
+
+    @kopf.on.startup(registry=registry)
+    def children_on_server(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Only the children reach the operator: a label selector the API server applies (a
+        # label filter alone would have every pod of the cluster cross the wire to be dropped).
+        settings.watching.label_selectors["v1", "pods"] = MIND_LABEL
+
+    @kopf.on.event("", "v1", "pods", labels={MIND_LABEL: kopf.PRESENT}, registry=registry)
+    async def child(event: kopf.RawEvent, **_: Any) -> None:
+        pod: Obj = dict(event["object"])
+        deleted = event.get("type") == "DELETED"
+        meta: Obj = pod.get("metadata") or {}
+        ns = str(meta.get("namespace"))
+        if unmarked.observe(pod, deleted):
+            log.warning("child pod %s/%s of mind %s is unmutated", ns, meta["name"], mind_of(pod))
+            metrics.record_child_unmutated(ns)
+            await post(pod)
+        metrics.set_children_unmutated(ns, unmarked.count(ns))
