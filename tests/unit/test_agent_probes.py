@@ -154,13 +154,31 @@ class TestAttributionProbe:
             "kubepods-burstable-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/cri-containerd-1.scope",
             "0::/kubepods.slice/kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/x",
             "12:memory:/kubepods/besteffort/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/abc",
+            # A kubelet with a cgroup root of its own (kind), and as seen from a cgroup namespace.
+            "0::/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
+            "kubelet-kubepods-besteffort-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/cri-1.scope",
+            "0::/../../kubepods/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/abc",
         ],
     )
     def test_a_pods_uid_is_read_from_any_cgroup_layout(self, line: str) -> None:
         assert attribution.pod_uid(line) == "5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69"
 
-    def test_a_process_outside_kubernetes_has_no_pod(self) -> None:
-        assert attribution.pod_uid("0::/user.slice/user-1000.slice/session-4.scope") is None
+    @pytest.mark.parametrize(
+        "line",
+        [
+            "0::/user.slice/user-1000.slice/session-4.scope",
+            # A user's own units named after an engine pod (its UID is on its node's NodeBoard):
+            # not the kubelet's pod cgroup, whatever the name says.
+            "0::/user.slice/user-1000.slice/user@1000.service/app.slice/"
+            "pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69.scope",
+            "0::/user.slice/user-1000.slice/user@1000.service/kubepods.slice/"
+            "kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/x.scope",
+            "0::/system.slice/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/x",
+            "0::/kubepods.slice/not-a-pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69-dir/x",
+        ],
+    )
+    def test_a_process_outside_the_kubelets_pod_cgroups_has_no_pod(self, line: str) -> None:
+        assert attribution.pod_uid(line) is None
 
     def test_a_process_marked_with_its_consumer_is_matched_on_a_bare_machine(self) -> None:
         # A real child process carrying the marker in its environment, as `continuum engine`

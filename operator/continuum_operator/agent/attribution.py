@@ -40,14 +40,27 @@ HAMI_LIBRARY = Path("/usr/local/vgpu/libvgpu.so")
 MPS_PIPE_DIRS = (Path("/tmp/nvidia-mps"), Path("/run/nvidia/mps"), Path("/var/run/nvidia/mps"))
 MPS_DAEMON = "nvidia-cuda-mps-control"
 
-_POD_UID = re.compile(
-    r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
-)
+_UID = r"([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+#: A pod's own cgroup, whole: `pod<uid>` (cgroupfs) or `kubepods[-qos]-pod<uid>.slice` (systemd).
+_POD_DIR = re.compile(rf"(?:pod{_UID}|[\w.-]*kubepods[\w-]*-pod{_UID}\.slice)")
 
 
 def pod_uid(cgroup_text: str) -> str | None:
-    m = _POD_UID.search(cgroup_text)
-    return m.group(1).replace("_", "-") if m else None
+    """The UID of the pod whose cgroup holds a process (`/proc/PID/cgroup`), or None. Only a
+    pod cgroup inside the kubelet's hierarchy counts: below a `kubepods` level, and not below a
+    user's (`user.slice`, `user@1000.service`): any user may name a unit of their own
+    `pod<uid>` (`systemd-run --user --unit=...`), and an engine pod's UID is no secret (its
+    node's NodeBoard lists it), so a name alone would charge a stranger's GPU memory to it."""
+    for line in cgroup_text.splitlines():
+        inside = False
+        for part in line.split(":", 2)[-1].split("/"):
+            if part.startswith("user"):
+                break
+            m = _POD_DIR.fullmatch(part)
+            if m and inside:
+                return (m.group(1) or m.group(2)).replace("_", "-")
+            inside = inside or "kubepods" in part
+    return None
 
 
 def _consumer(value: str | None) -> ConsumerRef | None:
