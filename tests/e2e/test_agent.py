@@ -146,7 +146,7 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
             await api.close()
 
     asyncio.run(publish())
-    mine = [p for p in api.placed_pods() if p["uid"] == pod_uid]
+    mine = [p for p in api.placed_pods() or [] if p["uid"] == pod_uid]
     assert mine == [{"uid": pod_uid, "kind": "Engine", "namespace": namespace, "name": "llama-70b"}]
 
     # The recorded machine's GPU process lives in that pod's cgroup.

@@ -128,8 +128,8 @@ class FakeApi:
     def node_facts(self) -> NodeFacts | None:
         return NodeFacts(uid="u", annotations={})
 
-    def placed_pods(self) -> list[dict[str, str]]:
-        return []
+    def placed_pods(self) -> list[dict[str, str]] | None:
+        return [] if self.stored is not None else None  # AgentApi: None while no board exists
 
     def write_board(self, status: NodeBoardStatus, facts: NodeFacts | None) -> None:
         if self.fail_writes:
@@ -175,6 +175,18 @@ class TestCycle:
             agent.cycle()
         assert len(api.writes) == 1
         assert len(api.renewals) == 4
+
+    def test_a_board_deleted_under_a_quiet_node_is_written_again_before_the_lease_renews(
+        self,
+    ) -> None:
+        api, now = FakeApi(), [datetime(2026, 12, 3, tzinfo=UTC)]
+        agent = agent_on("x86-h100-hmm", api, now)
+        agent.cycle()
+        api.stored = None  # kubectl delete nodeboard, a CRD reinstalled
+        now[0] += timedelta(seconds=10)
+        cycle = agent.cycle()
+        assert cycle.wrote and cycle.renewed
+        assert api.stored is not None and len(api.writes) == 2
 
     def test_an_engine_loading_its_weights_gets_the_board_rewritten(self) -> None:
         api, now = FakeApi(), [datetime(2026, 12, 3, tzinfo=UTC)]

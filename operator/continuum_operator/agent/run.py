@@ -96,6 +96,10 @@ class Agent:
             self._read_written = True
         facts = api.node_facts()
         pods = api.placed_pods()
+        if pods is None:
+            # No board (deleted, or the CRD reinstalled): written again now, whatever moved,
+            # before the Lease vouches for it; a quiet node would otherwise never write it.
+            self.written = None
         status, timings = self.probe(pods, facts.annotations if facts else None)
         change = board_change(self.written, status, self.settings.thresholds)
         if change.write:

@@ -116,17 +116,17 @@ class AgentApi:
             return []
         return [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": facts.uid}]
 
-    def placed_pods(self) -> list[dict[str, str]]:
+    def placed_pods(self) -> list[dict[str, str]] | None:
         """Pods on this node that the operator placed: `{"uid", "kind", "namespace", "name"}`,
         as the operator wrote them into the board's spec (the agent lists no pods: RBAC cannot
-        bound a list to one node, docs/security.md). None before the board exists."""
+        bound a list to one node, docs/security.md). None while the board does not exist."""
         try:
             obj = self._custom.get_cluster_custom_object(
                 GROUP, VERSION, NodeBoard.PLURAL, self.node, _request_timeout=_TIMEOUT
             )
         except client.ApiException as err:
             if err.status == 404:
-                return []
+                return None
             raise _fail(f"reading NodeBoard {self.node}", err) from err
         spec = obj.get("spec") if isinstance(obj, dict) else None
         try:
