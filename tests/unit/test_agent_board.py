@@ -171,6 +171,27 @@ class TestDiscrete:
         assert 5 not in [p.device for p in status.pools]
         assert "GPU 5 unmeasured (NVML_ERROR_GPU_IS_LOST" in status.memory_mode_reason
 
+    @pytest.mark.parametrize(
+        ("field", "value"),
+        [("reserved", 80 * 2**30 + 1), ("total", 2**63), ("used", -1)],
+        ids=["reserve-over-total", "total-past-int64", "negative-use"],
+    )
+    def test_a_gpu_whose_memory_reads_out_of_range_is_left_out_not_the_whole_board(
+        self, field: str, value: int
+    ) -> None:
+        # A driver's quirk or a hostile shim on one GPU: before, the board failed validation
+        # at every cycle and the Lease was never renewed, so all eight GPUs and the host went
+        # stale with it.
+        doc = fixture("a100x8")
+        v2 = doc["nvml"]["devices"][3]["nvmlDeviceGetMemoryInfo_v2"]
+        v2[field] = value if field != "reserved" else int(v2["total"]) + 1
+        status = board_of(doc)
+        assert status.memory_mode is MemoryMode.DISCRETE
+        assert [p.device for p in status.pools if p.kind is PoolKind.DEVICE] == [
+            0, 1, 2, 4, 5, 6, 7
+        ]  # fmt: skip
+        assert "GPU 3 unmeasured (memory reading out of range" in status.memory_mode_reason
+
 
 class TestUnified:
     def test_a_gb10_whose_memory_nvml_does_not_support_reads_unified(self) -> None:

@@ -23,6 +23,7 @@ from continuum_operator.core.readings import (
     GpuReading,
     NvmlReading,
 )
+from continuum_operator.model.base import MAX_BYTES
 
 __all__ = ["parse", "read_raw"]
 
@@ -162,20 +163,10 @@ def _gpu(index: int, dev: dict[str, Any]) -> GpuReading:
     v2 = dev.get("nvmlDeviceGetMemoryInfo_v2")
     v1 = dev.get("nvmlDeviceGetMemoryInfo")
     if isinstance(v2, dict) and not _failed(v2):
-        return GpuReading(
-            memory=GpuMemoryStatus.MEASURED,
-            capacity_bytes=int(v2["total"]) - int(v2["reserved"]),
-            used_bytes=int(v2["used"]),
-            **common,
-        )
+        return _measured(int(v2["total"]) - int(v2["reserved"]), int(v2["used"]), common)
     if isinstance(v1, dict) and not _failed(v1):
         # v1's `used` includes the driver's reserve and its `total` does too: free is the same.
-        return GpuReading(
-            memory=GpuMemoryStatus.MEASURED,
-            capacity_bytes=int(v1["total"]),
-            used_bytes=int(v1["used"]),
-            **common,
-        )
+        return _measured(int(v1["total"]), int(v1["used"]), common)
     errors = [a["error"] for a in (v2, v1) if _failed(a)]
     if errors and all(e == NOT_SUPPORTED for e in errors):
         return GpuReading(
@@ -185,6 +176,21 @@ def _gpu(index: int, dev: dict[str, Any]) -> GpuReading:
         memory=GpuMemoryStatus.FAILED,
         memory_error=", ".join(str(e) for e in errors) or "memory info not read",
         **common,
+    )
+
+
+def _measured(capacity: int, used: int, common: dict[str, Any]) -> GpuReading:
+    """A GPU's memory as read, or FAILED for figures no GPU has (a reserve above the total, a
+    negative use, past the 2^62 bytes a board carries: a driver's quirk or a hostile shim).
+    That GPU is left out of the pools and named; the rest of the board is still written."""
+    if not 0 < capacity <= MAX_BYTES or not 0 <= used <= MAX_BYTES:
+        return GpuReading(
+            memory=GpuMemoryStatus.FAILED,
+            memory_error=f"memory reading out of range (capacity {capacity}, used {used})",
+            **common,
+        )
+    return GpuReading(
+        memory=GpuMemoryStatus.MEASURED, capacity_bytes=capacity, used_bytes=used, **common
     )
 
 

@@ -20,7 +20,9 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 # Bytes are int64 on the wire; pydantic and the CRD schema both refuse negatives.
-Bytes = Annotated[int, Field(ge=0, le=2**62)]
+#: The most bytes any figure of a resource may carry (JSON's int64, with room to add).
+MAX_BYTES = 2**62
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 PositiveInt = Annotated[int, Field(gt=0, le=2**31 - 1)]
 Name = Annotated[
     str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
