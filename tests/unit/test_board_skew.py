@@ -5,6 +5,8 @@ node's board fresh, and one whose clock runs behind is believed from its next re
 
 from __future__ import annotations
 
+import argparse
+
 from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.kube.cache import Cache, format_time
 from continuum_operator.kube.occupancy import lease_is_fresh
@@ -63,3 +65,33 @@ def test_a_lease_first_seen_long_after_its_renewal_is_stale_and_one_moved_back_i
     w.now += 1
     w.renew()
     assert not w.fresh()
+
+
+def test_a_lease_claiming_a_duration_of_years_is_stale_past_the_operators_longest() -> None:
+    # The agent writes its own Lease: 2^31-1 seconds kept a dead node's board fresh for 68 years.
+    w = World(skew=0.0)
+    w.cache = Cache(clock=lambda: w.now, max_lease_seconds=300.0)
+    w.rv += 1
+    meta = {**agent_lease_metadata("n1"), "resourceVersion": str(w.rv)}
+    spec = {"renewTime": format_time(w.now), "leaseDurationSeconds": 2**31 - 1}
+    w.cache.observe_lease({"metadata": meta, "spec": spec}, deleted=False)
+    w.now += 300
+    assert w.fresh()
+    w.now += 1
+    assert not w.fresh()
+
+
+def test_the_longest_a_lease_vouches_for_is_an_operator_setting() -> None:
+    from continuum_operator.kube.run import settings_from
+
+    args = _parse(["--board-max-ttl", "120"])
+    assert settings_from(args).freshness.max_ttl_seconds == 120.0
+    assert settings_from(_parse([])).freshness.max_ttl_seconds == 300.0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from continuum_operator.kube.run import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)

@@ -144,6 +144,7 @@ class Snapshot:
 @dataclass
 class Cache:
     lease_namespace: str = LEASE_NAMESPACE
+    max_lease_seconds: float = 300.0  # `FreshnessSettings.max_ttl_seconds`
     boards: dict[str, BoardEntry] = field(default_factory=dict)
     leases: dict[str, LeaseEntry] = field(default_factory=dict)
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
@@ -300,7 +301,9 @@ class Cache:
             now = self.clock()
             entry = LeaseEntry(
                 renew_time=renew_time,
-                duration_seconds=float(duration) if duration is not None else None,
+                duration_seconds=(
+                    min(float(duration), self.max_lease_seconds) if duration is not None else None
+                ),
                 resource_version=str(meta.get("resourceVersion", "")),
                 counted_from=renewal_counted_from(known, renew_time, now),
             )

@@ -161,6 +161,12 @@ def _freshness_flags() -> tuple[SettingFlag, ...]:
             type=float,
         ),
         SettingFlag(
+            "--board-max-ttl",
+            "freshness.max_ttl_seconds",
+            "the most seconds a node Lease stays fresh, whatever its leaseDurationSeconds",
+            type=float,
+        ),
+        SettingFlag(
             "--agent-lease-namespace",
             "freshness.lease_namespace",
             "namespace of the node agents' Leases, their --lease-namespace "
@@ -317,7 +323,10 @@ async def _operate(
     from continuum_operator.kube.minds import GrantsLoop
     from continuum_operator.kube.placed_pods import PlacedPods
 
-    cache = Cache(lease_namespace=settings.freshness.lease_namespace)
+    freshness = settings.freshness
+    cache = Cache(
+        lease_namespace=freshness.lease_namespace, max_lease_seconds=freshness.max_ttl_seconds
+    )
     loop = Loop(api, settings, cache, metrics=metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -51,6 +51,10 @@ class FreshnessSettings:
     """Namespace of the agents' Leases whose renewal makes a board fresh (`core.heartbeat`)."""
     default_ttl_seconds: float = 40.0
     """TTL of a Lease that states no `leaseDurationSeconds` (seconds; the kubelet's default)."""
+    max_ttl_seconds: float = 300.0
+    """The longest a Lease vouches for its board, whatever its `leaseDurationSeconds` says
+    (seconds): the agent writes its Lease, and a duration of years kept a dead node's board
+    fresh, taking placements, for years."""
 
 
 @dataclass(frozen=True, slots=True)
