@@ -186,6 +186,21 @@ def test_a_board_change_decides_the_engines_of_its_node_and_those_not_placed(wor
     assert world.pass_once() == set()
 
 
+def test_a_board_event_changing_nothing_a_decision_reads_decides_no_engine(world: World) -> None:
+    # Its words (the mode's reason, a GPU's name, evidence): before, each such event decided
+    # the engines of the node and every engine placed nowhere, cluster-wide, so one agent
+    # rewording its board kept best fit running over every board.
+    world.settle()
+    for rv, reason in ((2, "x"), (3, "y"), (4, "x")):
+        body = node_board("n1", rv=rv)
+        body["status"]["memoryModeReason"] = reason
+        world.cache.observe_board(body, deleted=False)
+        assert world.pass_once() == set()
+    assert world.cache.boards["n1"].resource_version == "4"  # the reading is the newest
+    world.cache.observe_board(node_board("n1", used_gib=1, rv=5), deleted=False)
+    assert world.pass_once() == world.on["n1"] | {world.nowhere}  # its room did change
+
+
 def test_an_engine_watch_event_decides_that_engine(world: World) -> None:
     world.settle()
     key = sorted(world.on["n2"])[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -277,9 +277,13 @@ class Cache:
             try:
                 resource = NodeBoard.model_validate(dict(obj))
                 caps = tuple(str(c.mechanism) for c in resource.status.cap_mechanisms)
-                self.boards[name] = BoardEntry(Board.from_resource(resource), rv, "", caps)
+                entry = BoardEntry(Board.from_resource(resource), rv, "", caps)
             except ValidationError as err:
-                self.boards[name] = BoardEntry(None, rv, str(err.errors()[0]["msg"]))
+                entry = BoardEntry(None, rv, str(err.errors()[0]["msg"]))
+            known = self.boards.get(name)
+            self.boards[name] = entry
+            if known is not None and replace(known, resource_version=rv) == entry:
+                return  # its words changed (a reason, a GPU's name), nothing a decision reads
         self.mark_nodes((name,))
         self._nudge()
 
