@@ -18,6 +18,7 @@ from typing import Any, cast
 from continuum_operator.core.receipts import parse_llama_log
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.runtime import (
+    LOG_LINE_BYTES,
     EngineRuntime,
     LaunchSettings,
     PlanFileError,
@@ -25,6 +26,7 @@ from continuum_operator.engine.runtime import (
     estimate_errors,
     gateway_args,
     load_plan,
+    log_lines,
     runtime_status,
 )
 from tests.unit import fake_llama
@@ -275,3 +277,69 @@ def test_a_plan_comes_from_plan_output_or_an_engines_status_and_bad_files_are_na
     for flag in ("-lv", "--slots", "--slot-save-path", "--cache-ram"):
         assert flag in args
     assert gateway_args(["-lv", "3", "--cache-ram", "512"], tmp_path).count("-lv") == 1
+
+
+def test_log_lines_cuts_a_long_line_and_reads_every_line_after_it() -> None:
+    async def main() -> list[bytes]:
+        stream = asyncio.StreamReader()
+        stream.feed_data(b"build: 6869\n" + b"x" * 200_000 + b"\nnext\n")
+        stream.feed_data(b"y" * 10 + b"\n" + b"no newline at the end")
+        stream.feed_eof()
+        return [line async for line in log_lines(stream, keep=64)]
+
+    assert asyncio.run(main()) == [b"build: 6869", b"x" * 64, b"next", b"y" * 10,
+                                   b"no newline at the end"]  # fmt: skip
+
+
+def long_line_server(tmp_path: Path, marker: Path) -> str:
+    """A llama-server that prints a line of 70 KB (at `-lv 4` llama.cpp prints each
+    end-of-generation token's text whole: the model file sets it), then 600 KB more, then
+    waits: a reader that stopped at the long line leaves it blocked on a full pipe."""
+    script = tmp_path / "llama-server"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import sys, time\n"
+        "out = sys.stdout\n"
+        "out.write('build: 6869 (1a2b3c4d) with cc\\n')\n"
+        "out.write('print_info:   - 2 (\\'' + 'x' * 70000 + '\\')\\n')\n"
+        "for i in range(4000):\n"
+        "    out.write('srv  update_slots: all slots are idle ' + 'y' * 100 + '\\n')\n"
+        "out.write('last line\\n')\n"
+        "out.flush()\n"
+        f"open({str(marker)!r}, 'w').write('done')\n"
+        "time.sleep(120)\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_log_line_past_64_kib_neither_blocks_llama_server_nor_hides_its_death(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "wrote-everything"
+    model = tmp_path / "m.gguf"
+    model.write_bytes(MODEL_BYTES)
+    launch = LaunchSettings(
+        llama_server=long_line_server(tmp_path, marker), model=model, args=(),
+        verify_model=False, restart_backoff=(0.05,),
+    )  # fmt: skip
+
+    async def main() -> None:
+        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
+        await gateway.start()
+        runtime = EngineRuntime(launch, gateway, echo_log=False)
+        running = asyncio.create_task(runtime.run())
+        try:
+            await until(marker.exists, timeout=20.0)  # it wrote all it had: not blocked
+            await until(lambda: bool(runtime.tail) and runtime.tail[-1] == "last line", 5.0)
+            assert max(len(line) for line in runtime.tail) <= LOG_LINE_BYTES
+            first = runtime.process
+            assert first is not None
+            first.kill()  # and its death is seen: its output ended
+            await until(lambda: runtime.restarts == 1 and runtime.last_exit is not None, 20.0)
+        finally:
+            await asyncio.wait_for(runtime.stop(), 20)  # a blocked reader never let it end
+            await asyncio.wait_for(running, 20)
+            await gateway.close()
+
+    asyncio.run(main())

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -80,6 +80,10 @@ EXIT_OK = 0
 EXIT_INVALID = 2
 #: Lines of llama-server's log kept for the receipt: the load is logged long before this.
 LOAD_LOG_LINES = 4000
+#: Bytes kept of one line of llama-server's output; the rest of a longer line is read and
+#: dropped. A load line is under 200; at `-lv 4` llama.cpp prints each end-of-generation
+#: token's text whole, which the model file sets.
+LOG_LINE_BYTES = 4096
 VERBOSITY_FLAGS = frozenset(
     {"-lv", "--verbosity", "--log-verbosity", "-v", "--verbose", "--log-verbose"}
 )
@@ -301,6 +305,25 @@ def _free_port(host: str) -> int:
         return port
 
 
+async def log_lines(
+    stream: asyncio.StreamReader, keep: int = LOG_LINE_BYTES
+) -> AsyncIterator[bytes]:
+    """A process's output a line at a time (without its newline), each cut to `keep` bytes,
+    until the end. A line of any length is read to its end: the pipe is always drained, for
+    llama-server blocks on a full one (every thread that logs waits, so it stops serving) and
+    its exit is seen only once its output ends. (`readline` raised on a line past 64 KiB.)"""
+    head = b""
+    while chunk := await stream.read(1 << 16):
+        *ended, rest = chunk.split(b"\n")
+        for part in ended:
+            yield (head + part[: keep - len(head)]) if len(head) < keep else head
+            head = b""
+        if len(head) < keep:
+            head += rest[: keep - len(head)]
+    if head:
+        yield head
+
+
 class EngineRuntime:
     """llama-server kept running, its load turned into a receipt, its status published."""
 
@@ -494,8 +517,8 @@ class EngineRuntime:
         return Path(self._slots_tmp.name)
 
     async def _read_log(self, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
-            text = line.decode("utf-8", "replace").rstrip("\n")
+        async for line in log_lines(stream):
+            text = line.decode("utf-8", "replace")
             if len(self.load_log) < LOAD_LOG_LINES:
                 self.load_log.append(text)
             self.tail.append(text)
