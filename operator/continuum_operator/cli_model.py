@@ -55,10 +55,11 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
         f"A random-weight llama model ({TINY_SHAPE.n_layer} layers, "
         f"{TINY_SHAPE.context_length} tokens of context): llama.cpp loads and serves it, and "
         "its text is noise.\n"
-        "examples/engines/tiny-hostpath.yaml reads it at /var/lib/continuum/models/tiny.gguf on "
-        "the node,\nexamples/engines/tiny-pvc.yaml as tiny.gguf in the PersistentVolumeClaim "
-        "continuum-models;\nboth name the sha256 of seed 0. `continuum facts PATH` prints its "
-        "facts."
+        "examples/engines/with-source/tiny-chat.yaml reads it at "
+        "/var/lib/continuum/models/tiny.gguf on the node,\n"
+        "examples/engines/with-source/tiny-chat-pvc.yaml as tiny.gguf in the "
+        "PersistentVolumeClaim continuum-models;\nboth name the sha256 of seed 0. "
+        "`continuum facts PATH` prints its facts."
     )
     return EXIT_OK
 

@@ -390,6 +390,30 @@ def test_the_webhook_gets_a_service_and_a_certificate_for_its_service_name(
     assert volumes["webhook-tls"]["secret"]["secretName"] == "ctm-webhook-tls"
 
 
+def test_the_webhook_replicas_are_gated_by_readiness_whatever_metrics_says(
+    helm_bin: Path,
+) -> None:
+    """/readyz (ready once the webhook serves knowing every Mind) is served only beside /metrics
+    on --metrics-port: with metrics.enabled=false a replica without it (and without a probe)
+    would join the webhook Service before its Mind cache is filled."""
+    docs = documents(
+        template(
+            helm_bin,
+            {"metrics": {"enabled": False, "port": 9200, "serviceMonitor": {"enabled": True}}},
+        ).stdout
+    )
+    assert one(docs, "Service", "-webhook")
+    container = _container(one(docs, "Deployment", "-operator"))
+    args = _parse(container["args"])
+    assert args.webhook and args.metrics_port == 9200
+    assert {"name": "metrics", "containerPort": 9200} in container["ports"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
+    # What metrics.enabled still gates: the metrics Service, and the monitors that scrape it.
+    assert not [d for d in by_kind(docs, "Service") if d["metadata"]["name"].endswith("-metrics")]
+    assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "PodMonitor")
+
+
 def test_the_operator_may_patch_only_its_own_webhook_configuration(
     custom_docs: list[dict[str, Any]], helm_bin: Path
 ) -> None:
@@ -448,6 +472,110 @@ def test_the_operator_holds_every_right_it_grants_engine_and_lane_pods(
             assert not allows(rules, group, "clusterroles", "bind", "cluster-admin")
 
 
+def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
+    """Every namespaced object the operator makes for an Engine and for an EmbedLane."""
+    from continuum_operator.core.plan import plan
+    from continuum_operator.kube import facts_job
+    from continuum_operator.kube.settings import GpuClaims
+
+    body = builders.engine_body()
+    body["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/srv/models/coder.gguf"}
+    engine = builders.engine(body)
+    board = builders.board(
+        builders.board_body(
+            "discrete",
+            [
+                {"kind": "host", "capacityBytes": 256 * builders.GiB, "usedBytes": 0},
+                {"kind": "device", "device": 0, "capacityBytes": 80 * builders.GiB, "usedBytes": 0},
+            ],
+        )
+    )
+    assert engine.spec.model.facts is not None
+    p = plan(board, engine.spec, engine.spec.model.facts).to_dict()
+    pods = PodSettings()
+    claim = objects.gpu_claim_template(
+        engine, "uid-1", {"gpus": [0]}, PodSettings(gpu_claims=GpuClaims.DRA)
+    )
+    assert claim is not None
+    lane = EmbedLane.model_validate(
+        yaml.safe_load((ROOT / "examples" / "embedlanes" / "notes.yaml").read_text())
+    )
+    placement = {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    return [
+        objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
+        objects.service(engine, "uid-1", pods),
+        claim,
+        facts_job.facts_job(engine, "uid-1", pods),
+        engine_identity.network_policy(engine, "uid-1", pods),
+        *engine_identity.engine_rbac(engine, "uid-1"),
+        lane_objects.lane_deployment(lane, "uid-2", placement, engine, pods),
+        *lane_objects.lane_identity(lane, "uid-2"),
+        lane_objects.lane_network_policy(lane, "uid-2", pods),
+    ]
+
+
+def test_the_operator_may_set_block_owner_deletion_on_everything_it_owns(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    """Under the OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened
+    clusters) an ownerReference with blockOwnerDeletion needs `update` on the owner's
+    `finalizers`: without it every create and apply of an owned object is refused."""
+    rules = one(default_docs, "ClusterRole", "-operator")["rules"]
+    plural = {"Engine": "engines", "EmbedLane": "embedlanes"}
+    blocking = {
+        (obj["kind"], ref["kind"])
+        for obj in _made_for_an_engine_and_a_lane()
+        for ref in obj["metadata"].get("ownerReferences") or []
+        if ref.get("blockOwnerDeletion")
+    }
+    assert {owner for _, owner in blocking} == set(plural)
+    # Any other kind the operator names as a controller owner would need its rule too.
+    named = set(
+        re.findall(
+            r'controller_reference\(\s*"(\w+)"',
+            "".join(p.read_text() for p in (ROOT / "operator").rglob("*.py")),
+        )
+    )
+    assert named <= set(plural), named
+    missing = sorted(
+        f"{plural[owner]}/finalizers (for {kind})"
+        for kind, owner in blocking
+        if not allows(rules, "continuum.dev", f"{plural[owner]}/finalizers", "update")
+    )
+    assert not missing, missing
+    # Exactly that: it writes no finalizer on Engines or EmbedLanes.
+    for resource in plural.values():
+        for verb in ("patch", "create", "delete"):
+            assert not allows(rules, "continuum.dev", f"{resource}/finalizers", verb)
+
+
+def test_the_docs_print_the_operators_rules_from_the_chart_instead_of_a_list_of_their_own(
+    helm_bin: Path, tmp_path: Path
+) -> None:
+    """With operator.rbac.create=false the admin grants the rules by hand: the docs send them to
+    the rendered rules (a hand-written list missed NetworkPolicies, the TokenReview bindings,
+    EmbedLanes...), and the command they give renders the chart's own."""
+    operator_md = (ROOT / "docs" / "operator.md").read_text()
+    for name in ("operator.md", "grants.md"):
+        text = (ROOT / "docs" / name).read_text()
+        listed = re.findall(r"\b(?:get|list|watch|create|patch|update)/[a-z/]+ on\b", text)
+        assert not listed, f"docs/{name} lists the operator's RBAC by hand again: {listed}"
+    command = re.search(
+        r"helm template (.*\\\n.*--show-only templates/rbac-operator\.yaml)", operator_md
+    )
+    assert command is not None, "docs/operator.md no longer prints the operator's rules"
+    values = tmp_path / "my-values.yaml"
+    values.write_text(yaml.safe_dump({"operator": {"rbac": {"create": False}}}))
+    where = {"charts/continuum": str(CHART), "my-values.yaml": str(values)}
+    args = [where.get(a, a) for a in command.group(1).replace("\\\n", " ").split()]
+    printed = documents(helm(helm_bin, "template", *args).stdout)
+    kinds = sorted(d["kind"] for d in printed)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"], kinds
+    chart = documents(template(helm_bin, release=args[0]).stdout)
+    for kind, suffix in (("ClusterRole", "-operator"), ("Role", "-operator-leader")):
+        assert one(printed, kind, suffix)["rules"] == one(chart, kind, suffix)["rules"]
+
+
 def test_the_operator_may_write_the_gpu_claim_templates_it_makes_with_dra_and_nothing_more(
     default_docs: list[dict[str, Any]],
 ) -> None:
@@ -477,7 +605,10 @@ def test_the_operator_has_no_wildcards_no_secrets_and_no_deletes_beyond_its_work
         assert resource != "secrets"
         if verb == "delete":
             assert resource in {"deployments", "services", "jobs", "grantledgers"}, resource
-        if group == "continuum.dev" and not resource.endswith("/status"):
+        if group == "continuum.dev" and resource.endswith("/finalizers"):
+            # Only the right to set blockOwnerDeletion on what it owns (no finalizer is written).
+            assert verb == "update", (resource, verb)
+        elif group == "continuum.dev" and not resource.endswith("/status"):
             # No create/delete of what users declare; the GrantLedgers are the operator's own
             # record (made at an Engine's first step, a stale one deleted on its uid).
             allowed = {"get", "list", "watch", "patch"}
@@ -716,6 +847,16 @@ def test_bad_values_are_refused_by_the_schema_with_the_fields_path(
             {"agent": {"intervalSeconds": 30, "leaseSeconds": 20}},
             "must exceed agent.intervalSeconds",
         ),
+        (
+            # The leader stops writing 2 s before its Lease may be taken (kube/leader.py).
+            {"operator": {"leaderElection": {"leaseDurationSeconds": 15, "renewSeconds": 20}}},
+            "operator.leaderElection.renewSeconds (20) must be under "
+            "operator.leaderElection.leaseDurationSeconds (15) less the leader's margin of 2 s",
+        ),
+        (
+            {"operator": {"leaderElection": {"leaseDurationSeconds": 15, "renewSeconds": 13}}},
+            "(under 13 s)",
+        ),
     ],
 )
 def test_values_the_schema_cannot_judge_alone_fail_with_a_sentence(
@@ -724,6 +865,29 @@ def test_values_the_schema_cannot_judge_alone_fail_with_a_sentence(
     proc = template(helm_bin, values, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_the_chart_and_the_operator_refuse_the_same_leader_timings(helm_bin: Path) -> None:
+    """The chart's check and the operator's (kube/grant_settings.py) agree at the edge: a
+    release the chart renders starts, one it refuses would not."""
+    from continuum_operator.kube.grant_settings import leader_settings
+
+    for duration, renew in [(15, 12.9), (15, 13), (6, 4.79), (6, 4.8), (1, 0.79), (1, 0.8)]:
+        values = {
+            "operator": {
+                "leaderElection": {"leaseDurationSeconds": duration, "renewSeconds": renew}
+            }
+        }
+        proc = template(helm_bin, values, check=False)
+        args = _parse(
+            ["operator", f"--leader-lease-duration={duration}", f"--leader-renew={renew}"]
+        )
+        try:
+            leader_settings(args, {})
+            operator_refuses = False
+        except SystemExit:
+            operator_refuses = True
+        assert (proc.returncode != 0) == operator_refuses, (duration, renew, proc.stderr)
 
 
 MAP = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"

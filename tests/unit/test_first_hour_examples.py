@@ -164,6 +164,32 @@ def test_model_tiny_writes_the_file_and_prints_its_path_size_and_sha256(
     assert read_facts(path).layers == TINY_SHAPE.n_layer
 
 
+def test_every_example_model_tiny_names_exists_and_reads_the_file_where_it_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It named examples/engines/tiny-hostpath.yaml and tiny-pvc.yaml, which never existed."""
+    from continuum_operator.cli import main
+
+    assert main(["model", "tiny", str(tmp_path / "tiny.gguf")]) == 0
+    out = capsys.readouterr().out
+    named = re.findall(
+        r"(examples/\S+\.yaml) (?:reads it at (\S+)|as (\S+) in the "
+        r"PersistentVolumeClaim (\S+);)",
+        out.replace("\n", " "),
+    )
+    assert len(named) == 2, out
+    for path, host_path, file, claim in named:
+        assert (ROOT / path).exists(), f"`continuum model tiny` names {path}, which does not exist"
+        source = load_one(Engine, ROOT / path).spec.model.source
+        assert source is not None, path
+        said = (
+            {"kind": "hostPath", "path": host_path}
+            if host_path
+            else {"kind": "pvc", "claimName": claim, "path": file}
+        )
+        assert source.model_dump(mode="json", by_alias=True, exclude_none=True) == said, path
+
+
 def test_model_tiny_refuses_to_overwrite_or_to_write_a_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

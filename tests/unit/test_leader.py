@@ -9,9 +9,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from urllib3.exceptions import MaxRetryError
 
-from continuum_operator.kube.grant_settings import LeaderSettings
+from continuum_operator.cli import build_parser
+from continuum_operator.kube.grant_settings import LeaderSettings, leader_settings
 from continuum_operator.kube.leader import Elector, lead
 from tests.fakes import FakeKubeApi
 
@@ -184,3 +186,42 @@ def test_the_lease_is_taken_while_every_shared_thread_is_busy() -> None:
         return await leading
 
     assert asyncio.run(scenario()) == 0
+
+
+def _flags(duration: str, renew: str, *more: str) -> LeaderSettings:
+    args = build_parser().parse_args(
+        ["operator", "--leader-lease-duration", duration, "--leader-renew", renew, *more]
+    )
+    return leader_settings(args, {})
+
+
+@pytest.mark.parametrize(("duration", "renew"), [("15", "20"), ("15", "13"), ("1", "0.8")])
+def test_a_renewal_interval_the_leaders_own_deadline_cannot_outlast_is_refused(
+    duration: str, renew: str
+) -> None:
+    """Renewing every 20 s a Lease of 15 s: the sole leader's deadline (15 s less its 2 s
+    margin) passes before its next renewal, so it stops writing for 7 s of every 20 and a
+    standby may take the Lease meanwhile."""
+    with pytest.raises(SystemExit) as refused:
+        _flags(duration, renew)
+    message = str(refused.value)
+    assert "--leader-renew" in message and "--leader-lease-duration" in message, message
+    assert "renew more often or lengthen the Lease" in message
+    # Without an election the two are not used: nothing to refuse.
+    assert not _flags(duration, renew, "--no-leader-election").enabled
+
+
+@pytest.mark.parametrize(
+    ("duration", "renew"), [("15", "2"), ("15", "12.9"), ("6", "3"), ("3", "0.5")]
+)
+def test_a_leader_alone_leads_without_a_gap_on_every_interval_the_flags_accept(
+    duration: str, renew: str
+) -> None:
+    s = _flags(duration, renew)
+    clock = Clock()
+    one = Elector(FakeKubeApi(), s, "one", clock, monotonic=clock)  # type: ignore[arg-type]
+    for _ in range(5):
+        assert one.try_acquire_or_renew()
+        clock.now += s.renew_seconds - 0.01  # just before its next renewal
+        assert one.is_leader()
+        clock.now += 0.01

@@ -103,7 +103,14 @@ class LeaderSettings:
     """A Lease not renewed this long may be taken by a standby (seconds; client-go's default).
     The leader stops writing a little before (`kube.leader`)."""
     renew_seconds: float = 2.0
-    """How often the leader renews and a standby looks (seconds)."""
+    """How often the leader renews and a standby looks (seconds). Shorter than the duration
+    less the margin, or the leader's own deadline passes between two renewals."""
+
+    @property
+    def margin_seconds(self) -> float:
+        """How long before the Lease may be taken the leader stops writing: its clock and the
+        standby's may drift, and its last renewal may have landed late (`kube.leader`)."""
+        return min(2.0, self.duration_seconds / 5)
 
 
 def _leader_flags() -> tuple[SettingFlag, ...]:
@@ -153,4 +160,14 @@ def leader_settings(args: argparse.Namespace, engine_labels: Mapping[str, str]) 
     if not args.leader_lease and engine_labels:
         text = label_selector(engine_labels)
         name = f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
-    return replace(settings_from_flags(LeaderSettings(), _leader_flags(), args), name=name)
+    settings = replace(settings_from_flags(LeaderSettings(), _leader_flags(), args), name=name)
+    deadline = settings.duration_seconds - settings.margin_seconds
+    if settings.enabled and settings.renew_seconds >= deadline:
+        raise SystemExit(
+            f"error: --leader-renew {settings.renew_seconds:g} must be shorter than "
+            f"--leader-lease-duration {settings.duration_seconds:g} less the leader's margin of "
+            f"{settings.margin_seconds:g} s (under {deadline:g} s): the leader would stop leading "
+            "between two of its own renewals and a standby could take the Lease; renew more "
+            "often or lengthen the Lease (the defaults: 2 and 15)"
+        )
+    return settings

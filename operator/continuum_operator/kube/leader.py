@@ -168,8 +168,7 @@ class Elector:
         """Renewed by a write sent at `renewed` (monotonic): others count from after it landed."""
         self.on_change(True)
         # Stop writing a little before anyone else may take over.
-        margin = min(2.0, self.settings.duration_seconds / 5)
-        self.valid_until = renewed + self.settings.duration_seconds - margin
+        self.valid_until = renewed + self.settings.duration_seconds - self.settings.margin_seconds
 
     def release(self) -> None:
         """On a clean stop: hand the Lease over at once (an empty holder)."""
@@ -225,6 +224,10 @@ async def _lead(
             return 0
         log.info("leading as %s", elector.identity)
         crash.reached(crash.CrashPoint.LEADER_ACQUIRED)
+    else:
+        # The same line with or without an election: it is how a user sees that the operator's
+        # loops run (the chart's NOTES.txt, docs/install.md).
+        log.info("leading as %s (no leader election: this replica always leads)", elector.identity)
     working = asyncio.Event()
     tasks = [asyncio.create_task(w(working)) for w in work]
     lost = False
