@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,9 +295,14 @@ def main() -> None:
     p.add_argument("-np", "--parallel", type=int, default=1)
     args, _ = p.parse_known_args()
     fake = FakeLlama(slots=args.parallel, n_ctx=args.ctx_size // args.parallel)
-    print(
-        LOAD_LOG.format(ctx=args.ctx_size, parallel=args.parallel, host=args.host, port=args.port)
+    text = LOAD_LOG.format(
+        ctx=args.ctx_size, parallel=args.parallel, host=args.host, port=args.port
     )
+    # A model of many metadata keys: llama.cpp prints a line for each before the buffers.
+    keys = int(os.environ.get("FAKE_LLAMA_METADATA_KEYS", "0"))
+    build, _, rest = text.partition("\n")
+    metadata = "".join(f"llama_model_loader: - kv {i:5}: key.{i} str = v\n" for i in range(keys))
+    print(build + "\n" + metadata + rest)
     sys.stdout.flush()
     web.run_app(fake.app(), host=args.host, port=args.port, print=None, handle_signals=True)
 

@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
+
 from continuum_operator.core.receipts import parse_llama_log
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.runtime import (
@@ -96,6 +98,23 @@ def test_the_runtime_starts_llama_server_and_reports_its_load(tmp_path: Path) ->
             'continuum_engine_estimate_error_ratio{pool="host"}'
             in runtime.gateway.metrics.exposition().decode()
         )
+
+    with_runtime(tmp_path, body)
+
+
+def test_a_model_of_many_metadata_keys_still_gets_a_whole_receipt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A line a key before the buffers: 5,000 of them (the GGUF reader takes up to 65,536)
+    # pushed the buffers past the 4,000 lines kept, and a receipt of no buffers was filed.
+    monkeypatch.setenv("FAKE_LLAMA_METADATA_KEYS", "5000")
+
+    async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
+        await until(lambda: bool(published) and published[-1]["phase"] == "Serving", timeout=60.0)
+        [receipt] = published[-1]["receipts"]
+        kinds = {b["kind"] for b in receipt["buffers"]}
+        assert kinds == {"model", "kv", "compute", "output"}
+        assert len(runtime.load_log) < 20  # the lines a receipt is read from, no more
 
     with_runtime(tmp_path, body)
 

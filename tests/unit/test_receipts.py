@@ -246,3 +246,49 @@ def test_llama_servers_own_build_line_names_the_build() -> None:
     )
     assert parse_llama_log(line).build == "1 (0c1e57098)"
     assert llama_build_of("rebuild 2 (abc)") is None
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        (),  # a load log cut before its buffers: "receipt filed with buffers {}"
+        (BufferKind.MODEL, BufferKind.KV),  # no compute graph
+        (BufferKind.KV, BufferKind.COMPUTE),  # no weights
+        (BufferKind.MODEL, BufferKind.COMPUTE, BufferKind.OUTPUT),  # no per-sequence memory
+    ],
+    ids=["no-buffers", "no-compute", "no-weights", "no-kv"],
+)
+def test_a_receipt_lacking_a_part_is_never_planned_from(kept: tuple[BufferKind, ...]) -> None:
+    # It would charge that part nothing: an engine holding 8 GB leased as a few MB (an engine
+    # pod writes its own status.runtime, where the operator finds receipts).
+    partial = _receipt(buffers=[b for b in _receipt().buffers if b.kind in kept])
+    assert not partial.complete
+    p = _cpu_plan([partial])
+    assert ReasonCode.RECEIPT_USED not in {r.code for r in p.reasons}
+    assert p.host.weights == _cpu_plan([]).host.weights
+
+
+def test_a_load_log_cut_short_gives_no_receipt_saying_what_it_named() -> None:
+    cut = CPU_LOG.split("llama_kv_cache:")[0]  # the weights only
+    with pytest.raises(ValueError, match=r"names: model, output\); cut short"):
+        parse_llama_log(cut).receipt(model_sha256=SHA, context_tokens=2048, llama_build="b1")
+
+
+def test_a_recurrent_models_state_is_in_its_receipt_and_charged_as_its_slots_memory() -> None:
+    # llama.cpp's llama_memory_recurrent: one state per sequence (Mamba, Jamba, Qwen3-Next).
+    log = CPU_LOG.replace(
+        "llama_kv_cache:        CPU KV buffer size =     2.00 MiB\n",
+        "llama_memory_recurrent:        CPU RS buffer size =   804.00 MiB\n",
+    )
+    parsed = parse_llama_log(log)
+    assert {(b.kind, b.device): b.bytes for b in parsed.buffers}[
+        (BufferKind.RECURRENT, "CPU")
+    ] == _mib(804.0)
+    receipt = parsed.receipt(model_sha256=SHA, context_tokens=2048, llama_build="b1")
+    assert receipt.complete  # the state stands for the KV cache
+    buffers = [b for b in _receipt().buffers if b.kind is not BufferKind.KV] + [
+        ReceiptBuffer(device="CPU", kind=BufferKind.RECURRENT, bytes=804 * MiB)
+    ]
+    measured = _cpu_plan([_receipt(buffers=buffers)])
+    assert ReasonCode.RECEIPT_USED in {r.code for r in measured.reasons}
+    assert measured.host.kv == 804 * MiB + 5243  # rounded up by the log's 0.005 MiB

@@ -222,7 +222,7 @@ def embedding_graph_bytes(shape: GraphShape, cells: int) -> int:
 
 def _receipt_parts(r: Receipt) -> ContextBytes:
     """A receipt's context buffers (KV, compute, output) per side; weights are not context."""
-    kinds = (BufferKind.KV, BufferKind.COMPUTE, BufferKind.OUTPUT)
+    kinds = (BufferKind.KV, BufferKind.RECURRENT, BufferKind.COMPUTE, BufferKind.OUTPUT)
     device = sum(b.bytes for b in r.buffers if b.kind in kinds and not is_host_buffer(b.device))
     host = sum(b.bytes for b in r.buffers if b.kind in kinds and is_host_buffer(b.device))
     return ContextBytes(device=device, host=host)

@@ -351,15 +351,16 @@ def _measured(receipt: Receipt, dev_r: int, host_r: int) -> tuple[PartBytes, Par
         return sum(b.bytes + LOG_RESOLUTION_BYTES for b in buffers)
 
     compute = (BufferKind.COMPUTE, BufferKind.OUTPUT)
+    per_sequence = (BufferKind.KV, BufferKind.RECURRENT)  # each slot's memory, either way
     device = PartBytes(
         weights=side((BufferKind.MODEL,), False),
-        kv=side((BufferKind.KV,), False),
+        kv=side(per_sequence, False),
         compute=side(compute, False),
         reserve=dev_r,
     )
     host = PartBytes(
         weights=side((BufferKind.MODEL,), True),
-        kv=side((BufferKind.KV,), True),
+        kv=side(per_sequence, True),
         compute=side(compute, True),
         reserve=host_r,
     )

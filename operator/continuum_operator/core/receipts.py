@@ -43,6 +43,7 @@ __all__ = [
     "ReceiptPlacement",
     "is_host_buffer",
     "parse_llama_log",
+    "read_for_receipt",
 ]
 
 MIB = 1 << 20
@@ -88,6 +89,7 @@ class ReceiptBook:
             and r.micro_batch_tokens == micro_batch_tokens
             and r.flash_attention == flash_attention
             and (self.llama_build is None or r.llama_build == self.llama_build)
+            and r.complete  # never a receipt that would charge a part nothing
         ]
         return max(found, key=lambda r: r.llama_build) if found else None
 
@@ -125,7 +127,7 @@ class LlamaLogBuffers:
         if build is None:
             raise ValueError("the log names no llama.cpp build; pass llama_build")
         layers = self.layers_offloaded or 0
-        return Receipt(
+        receipt = Receipt(
             model_sha256=model_sha256,
             context_tokens=context_tokens,
             kv_cache_type=KvCacheType(self.kv_type_k or "f16"),
@@ -137,6 +139,13 @@ class LlamaLogBuffers:
             buffers=list(self.buffers),
             source=source,
         )
+        if not receipt.complete:
+            named = ", ".join(sorted({b.kind.value for b in self.buffers})) or "none"
+            raise ValueError(
+                "the log names no model, KV (or recurrent state) and compute buffers together "
+                f"(it names: {named}); cut short before the load ended?"
+            )
+        return receipt
 
 
 _SIZE = r"=\s*([0-9]+(?:\.[0-9]+)?) MiB"
@@ -144,6 +153,8 @@ _BUFFER_LINES: Sequence[tuple[BufferKind, re.Pattern[str]]] = (
     (BufferKind.MODEL, re.compile(r"^load_tensors:\s+(\S+) model buffer size\s*" + _SIZE)),
     (BufferKind.KV, re.compile(r"^llama_kv_cache(?:_\w+)?:\s+(\S+) KV buffer size\s*" + _SIZE)),
     (BufferKind.OUTPUT, re.compile(r"^llama_context:\s+(\S+)\s+output buffer size\s*" + _SIZE)),
+    (BufferKind.RECURRENT, re.compile(r"^llama_memory_recurrent:\s+(\S+) RS buffer size\s*"
+                                      + _SIZE)),
     (BufferKind.COMPUTE, re.compile(r"^(?:sched_reserve|llama_context|graph_reserve):\s+(\S+) "
                                     r"compute buffer size\s*" + _SIZE)),
 )  # fmt: skip
@@ -160,6 +171,25 @@ _OFFLOADED = re.compile(r"^load_tensors: offloaded (\d+)/(\d+) layers to GPU")
 # "cmn  common_param: common_params_print_info: build 1 (0c1e57098) with ...". Searched, not
 # matched, so any prefix before the word serves.
 _BUILD = re.compile(r"(?<![\w-])build(?: info)?:?\s*=?\s*(\d+ \([0-9a-f]+\))")
+
+
+#: The lines `parse_llama_log` reads start so (after any timestamp); `_BUILD` is searched.
+_READ_PREFIXES = (
+    "load_tensors:",
+    "llama_kv_cache",
+    "llama_context:",
+    "llama_memory_recurrent:",
+    "sched_reserve:",
+    "graph_reserve:",
+)
+
+
+def read_for_receipt(line: str) -> bool:
+    """Whether `parse_llama_log` reads this line: a runtime keeps only those of a load, so that
+    a model of many metadata keys (a line each, before the buffers) cannot push the buffers
+    past what it keeps."""
+    stripped = _strip_prefix(line)
+    return stripped.startswith(_READ_PREFIXES) or _BUILD.search(stripped) is not None
 
 
 def parse_llama_log(text: str | Iterable[str]) -> LlamaLogBuffers:

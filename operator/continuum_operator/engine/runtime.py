@@ -49,7 +49,12 @@ from continuum_operator import manifests
 from continuum_operator.cli_args import at_least_one
 from continuum_operator.cli_errors import fail
 from continuum_operator.core import receipts, rfc3339
-from continuum_operator.core.receipts import Receipt, is_host_buffer, parse_llama_log
+from continuum_operator.core.receipts import (
+    Receipt,
+    is_host_buffer,
+    parse_llama_log,
+    read_for_receipt,
+)
 from continuum_operator.engine import digest
 from continuum_operator.engine.admission import GrantTableError, engine_audience
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
@@ -238,12 +243,24 @@ def estimate_errors(plan: dict[str, Any], receipt: Receipt) -> list[dict[str, An
     return out
 
 
+#: llama.cpp's words for a build or machine that cannot offload (lowercased).
+NO_OFFLOAD = ("no usable gpu", "not compiled with gpu offload support")
+
+
+def kept_of_load(line: str) -> bool:
+    """Whether the runtime keeps a line of llama-server's load: those the receipt is read from
+    and llama.cpp's word that it cannot offload. Only those: a model of many metadata keys (a
+    line each, before the buffers) would push the buffers past the lines kept."""
+    lowered = line.lower()
+    return read_for_receipt(line) or any(words in lowered for words in NO_OFFLOAD)
+
+
 def gpu_offload(log_text: str, receipt: Receipt | None) -> bool | None:
     """Whether this llama.cpp could offload to a device: any device buffer says yes."""
     if receipt is not None and any(not is_host_buffer(b.device) for b in receipt.buffers):
         return True
     lowered = log_text.lower()
-    if "no usable gpu" in lowered or "not compiled with gpu offload support" in lowered:
+    if any(words in lowered for words in NO_OFFLOAD):
         return False
     if receipt is not None:
         return False  # it loaded with host buffers only
@@ -519,7 +536,7 @@ class EngineRuntime:
     async def _read_log(self, stream: asyncio.StreamReader) -> None:
         async for line in log_lines(stream):
             text = line.decode("utf-8", "replace")
-            if len(self.load_log) < LOAD_LOG_LINES:
+            if len(self.load_log) < LOAD_LOG_LINES and kept_of_load(text):
                 self.load_log.append(text)
             self.tail.append(text)
             if self.echo_log:

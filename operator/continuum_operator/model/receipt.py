@@ -29,6 +29,7 @@ class BufferKind(StrEnum):
     KV = "kv"
     COMPUTE = "compute"
     OUTPUT = "output"
+    RECURRENT = "recurrent"  # a recurrent or hybrid model's per-sequence state (Mamba, Jamba)
 
 
 def is_host_buffer(device: str) -> bool:
@@ -40,7 +41,7 @@ class ReceiptBuffer(Spec):
     """One buffer llama.cpp allocated, as its load log names it."""
 
     device: str = Field(min_length=1, max_length=64, description="llama.cpp's buffer type name.")
-    kind: BufferKind = Field(description="model, kv, compute or output.")
+    kind: BufferKind = Field(description="model, kv, compute, output or recurrent.")
     bytes: Bytes = Field(description="Its size, as the log prints it (MiB, two decimals).")
 
 
@@ -89,6 +90,15 @@ class Receipt(Spec):
             micro_batch_tokens=self.micro_batch_tokens,
             flash_attention=self.flash_attention,
         )
+
+    @property
+    def complete(self) -> bool:
+        """Whether it names every part a load allocates: the weights, the per-sequence memory
+        (KV cache, or a recurrent model's state) and the compute graph. One lacking any (a
+        load log cut short, a report written by hand) would charge that part nothing."""
+        kinds = {b.kind for b in self.buffers}
+        per_sequence = BufferKind.KV in kinds or BufferKind.RECURRENT in kinds
+        return BufferKind.MODEL in kinds and BufferKind.COMPUTE in kinds and per_sequence
 
     def total(self, kind: BufferKind | None = None, *, host: bool | None = None) -> int:
         """Bytes of the buffers of `kind` (all kinds if None) on the host, device or both."""
