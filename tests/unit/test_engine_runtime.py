@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -132,6 +133,21 @@ def test_a_llama_server_that_dies_is_started_again_and_counted(tmp_path: Path) -
             lambda: published[-1]["restarts"] == 1 and published[-1]["ready"] is True, timeout=60.0
         )
         assert published[-1]["phase"] == "Serving"
+
+    with_runtime(tmp_path, body)
+
+
+def test_a_llama_server_that_hangs_is_published_not_ready_and_ready_again(tmp_path: Path) -> None:
+    async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
+        await until(lambda: bool(published) and published[-1]["ready"] is True, timeout=60.0)
+        proc = runtime.process
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)  # alive, answering nothing
+        try:
+            await until(lambda: published[-1]["ready"] is False, timeout=20.0)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        await until(lambda: published[-1]["ready"] is True, timeout=20.0)
 
     with_runtime(tmp_path, body)
 

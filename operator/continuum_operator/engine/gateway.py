@@ -365,10 +365,12 @@ class Gateway:
                 ready = resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
             ready = False
-        if ready != self.engine_ready:
-            log.info("llama-server %s", "ready" if ready else "not ready")
+        flipped = ready != self.engine_ready
         self.engine_ready = ready
         self.metrics.engine_ready(ready)
+        if flipped:
+            log.info("llama-server %s", "ready" if ready else "not ready")
+            self._changed()  # status.runtime.ready follows (a hung server answers no /health)
         if ready and self.slot_count is None:
             self.slot_count = await self._count_slots()
 
