@@ -152,6 +152,73 @@ def test_a_llama_server_that_hangs_is_published_not_ready_and_ready_again(tmp_pa
     with_runtime(tmp_path, body)
 
 
+def test_a_model_replaced_while_it_ran_is_checked_again_before_a_restart(tmp_path: Path) -> None:
+    # llama-server opens --model by path at each start: a file rewritten in place after the
+    # first check was served, and receipted under the digest the Engine names.
+    model = tmp_path / "m.gguf"
+    model.write_bytes(MODEL_BYTES)
+    launch = LaunchSettings(
+        llama_server=fake_server(tmp_path), model=model, args=("--ctx-size", "1024"),
+        model_sha256=SHA, restart_backoff=(0.1,),
+    )  # fmt: skip
+
+    async def main() -> None:
+        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
+        await gateway.start()
+        runtime = EngineRuntime(launch, gateway, echo_log=False)
+        running = asyncio.create_task(runtime.run())
+        try:
+            await until(lambda: runtime.phase == "Serving", timeout=60.0)
+            assert runtime.model_file["verdict"] == "Hashed"
+            first = runtime.process
+            assert first is not None
+            first.kill()  # restarted, the same file: a stat, not a hash
+            await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving", 60.0)
+            assert runtime.model_file["verdict"] == "Skipped"
+            model.write_bytes(b"GGUF" + b"\1" * 100)  # replaced in place
+            second = runtime.process
+            assert second is not None
+            second.kill()
+            await until(lambda: runtime.phase == "ModelMismatch", timeout=60.0)
+            assert runtime.restarts == 2 and runtime.process is second  # never started on it
+            assert runtime.model_file["verdict"] == "Mismatch"
+        finally:
+            await runtime.stop()
+            await asyncio.wait_for(running, 20)
+            await gateway.close()
+
+    asyncio.run(main())
+
+
+def test_a_stop_during_the_restart_backoff_ends_the_runtime_at_once(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(MODEL_BYTES)
+    launch = LaunchSettings(
+        llama_server=fake_server(tmp_path), model=model, args=("--ctx-size", "1024"),
+        model_sha256=SHA, restart_backoff=(30.0,),
+    )  # fmt: skip
+
+    async def main() -> None:
+        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
+        await gateway.start()
+        runtime = EngineRuntime(launch, gateway, echo_log=False)
+        running = asyncio.create_task(runtime.run())
+        try:
+            await until(lambda: runtime.phase == "Serving", timeout=60.0)
+            first = runtime.process
+            assert first is not None
+            first.kill()
+            await until(lambda: runtime.phase == "Restarting", timeout=20.0)
+            started = time.monotonic()
+            await runtime.stop()
+            await asyncio.wait_for(running, 5)  # not the 30 s backoff: the pod's grace is 30 s
+            assert time.monotonic() - started < 5
+        finally:
+            await gateway.close()
+
+    asyncio.run(main())
+
+
 def test_estimate_errors_compare_each_side_that_allocated_something() -> None:
     log = fake_llama.LOAD_LOG.format(ctx=1024, parallel=2, host="h", port=1)
     receipt = parse_llama_log(log).receipt(model_sha256=SHA, context_tokens=1024)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -372,6 +373,8 @@ class EngineRuntime:
         self._dirty = asyncio.Event()
         self._stopping = False
         self._stopped = asyncio.Event()
+        # The last record of the file verified (the previous runtime's, then this one's).
+        self._verified: digest.VerifiedModel | None = launch.verified
         self._slots_tmp: tempfile.TemporaryDirectory[str] | None = None
         gateway.on_change(self._dirty.set)
 
@@ -397,11 +400,14 @@ class EngineRuntime:
         """Keep llama-server running until `stop`; publish the status as it changes."""
         publisher = asyncio.create_task(self._publish_loop())
         try:
-            if not await self._verify_model():
-                await self._stopped.wait()  # not served; reported until the pod is stopped
-                return
             attempt = 0
             while not self._stopping:
+                # Before every start, not the first only: llama-server opens the file by path
+                # again at each, and it may have been replaced meanwhile (a stat when its stamp
+                # is unchanged, a hash when not).
+                if not await self._verify_model():
+                    await self._stopped.wait()  # not served; reported until the pod is stopped
+                    return
                 code = await self._run_once()
                 if self._stopping:
                     break
@@ -419,7 +425,9 @@ class EngineRuntime:
                 ]
                 log.error("llama-server exited with %s; starting it again in %.0f s", code, delay)
                 attempt += 1
-                await asyncio.sleep(delay)
+                # A stop ends the wait: the pod's grace period is no longer than the backoff.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), delay)
         finally:
             publisher.cancel()
             await asyncio.gather(publisher, return_exceptions=True)
@@ -447,9 +455,9 @@ class EngineRuntime:
             digest.verify,
             path,
             launch.model_sha256,
-            launch.verified,
+            self._verified,
             node=launch.node,
-            rehash=launch.rehash,
+            rehash=launch.rehash and self._verified is launch.verified,  # the first check only
             progress=progress,
         )
         if check.verdict is digest.Verdict.SKIPPED:
@@ -464,6 +472,7 @@ class EngineRuntime:
             self._dirty.set()
             return False
         self.model_sha256 = check.actual
+        self._verified = check.record
         self.model_file = {**check.record.to_status(), "verdict": str(check.verdict)}
         self.phase = RuntimePhase.STARTING
         self._dirty.set()
