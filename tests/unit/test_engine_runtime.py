@@ -169,19 +169,19 @@ def test_a_model_replaced_while_it_ran_is_checked_again_before_a_restart(tmp_pat
         running = asyncio.create_task(runtime.run())
         try:
             await until(lambda: runtime.phase == "Serving", timeout=60.0)
-            assert runtime.model_file["verdict"] == "Hashed"
+            assert (runtime.model_file or {})["verdict"] == "Hashed"
             first = runtime.process
             assert first is not None
             first.kill()  # restarted, the same file: a stat, not a hash
             await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving", 60.0)
-            assert runtime.model_file["verdict"] == "Skipped"
+            assert (runtime.model_file or {})["verdict"] == "Skipped"
             model.write_bytes(b"GGUF" + b"\1" * 100)  # replaced in place
             second = runtime.process
             assert second is not None
             second.kill()
             await until(lambda: runtime.phase == "ModelMismatch", timeout=60.0)
             assert runtime.restarts == 2 and runtime.process is second  # never started on it
-            assert runtime.model_file["verdict"] == "Mismatch"
+            assert (runtime.model_file or {})["verdict"] == "Mismatch"
         finally:
             await runtime.stop()
             await asyncio.wait_for(running, 20)
