@@ -72,7 +72,12 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
     from kubernetes import client
 
     objects = client.CustomObjectsApi(api_client)
-    tables: list[GrantTable] = []
+    tables: list[GrantTable | None] = []
+
+    def last() -> GrantTable:
+        table = tables[-1]
+        assert table is not None
+        return table
 
     async def main() -> None:
         watcher = asyncio.create_task(
@@ -88,8 +93,8 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
             await asyncio.to_thread(_write_ledger, cluster, namespace, [granted], 16384)
             await until(lambda: bool(tables), timeout=30.0)
             # the slot size of the launch the ledger was made for, not the Engine's spec's
-            assert tables[-1].slot_tokens == 16384
-            entry = tables[-1].entry(f"{namespace}/mira")
+            assert last().slot_tokens == 16384
+            entry = last().entry(f"{namespace}/mira")
             assert entry is not None and entry.state is GrantState.GRANTED
             reclaim = {
                 **granted,
@@ -102,7 +107,7 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
             await asyncio.to_thread(_write_ledger, cluster, namespace, [reclaim], 16384)
             await until(
                 lambda: (
-                    (e := tables[-1].entry(f"{namespace}/mira")) is not None
+                    (e := last().entry(f"{namespace}/mira")) is not None
                     and e.state is GrantState.RECLAIMING
                 ),
                 timeout=30.0,
@@ -118,6 +123,13 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
             }
             await writer.write(runtime)
             await writer.write(runtime)  # unchanged: no second write
+            ledger = cluster.get_json("grantledger", "coder-8b", "-n", namespace)["status"]
+            assert ledger["grants"][0]["state"] == "Reclaiming"  # the operator's, untouched
+            # The ledger deleted by hand: its grants are withdrawn, not enforced as if held.
+            await asyncio.to_thread(
+                cluster.kubectl, "delete", "grantledger", "coder-8b", "-n", namespace
+            )
+            await until(lambda: tables[-1] is None, timeout=30.0)
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
@@ -127,13 +139,12 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
     api_client.close()
     # Each wait told once, at INFO: a pod started before its ledger is not an error each second.
     told = [r for r in caplog.records if r.name == grants_source.log.name]
-    assert [r.levelno for r in told] == [logging.INFO] * 2, [r.getMessage() for r in told]
+    assert [r.levelno for r in told] == [logging.INFO] * 3, [r.getMessage() for r in told]
     assert told[0].getMessage().startswith(f"no GrantLedger {namespace}/coder-8b yet")
+    assert told[2].getMessage().startswith(f"GrantLedger {namespace}/coder-8b deleted")
     status = cluster.get_json("engine", "coder-8b", "-n", namespace)["status"]
     assert status["runtime"]["slotReleases"][0]["mind"] == f"{namespace}/mira"
     assert "grants" not in status  # the ledger is an object of its own
-    ledger = cluster.get_json("grantledger", "coder-8b", "-n", namespace)["status"]
-    assert ledger["grants"][0]["state"] == "Reclaiming"  # the operator's, untouched
 
 
 def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_only(

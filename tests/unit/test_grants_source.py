@@ -84,7 +84,7 @@ def test_a_ledger_not_made_yet_is_waited_for_quietly_then_watched(
 ) -> None:
     monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
     api = FakeLedgers(absent_gets=5)
-    tables: list[GrantTable] = []
+    tables: list[GrantTable | None] = []
 
     async def main() -> None:
         task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
@@ -103,7 +103,7 @@ def test_a_ledger_not_made_yet_is_waited_for_quietly_then_watched(
     assert api.watches[0]["resource_version"] == "1"
     # Five 404s and a ledger made with no status: no table until its first write, told once
     # each at INFO, never a warning.
-    assert [t.slot_tokens for t in tables] == [2048]
+    assert [t.slot_tokens if t else None for t in tables] == [2048]
     told = [r for r in caplog.records if r.name == grants_source.log.name]
     assert all(r.levelno == logging.INFO for r in told), [r.getMessage() for r in told]
     assert [r.getMessage() for r in told] == [
@@ -117,7 +117,7 @@ def test_a_ledger_an_earlier_engine_of_the_name_left_gives_no_table(
 ) -> None:
     monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
     api = FakeLedgers(absent_gets=0, owner="u-0")  # owned by the Engine deleted before
-    tables: list[GrantTable] = []
+    tables: list[GrantTable | None] = []
 
     async def main() -> None:
         task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
@@ -134,3 +134,58 @@ def test_a_ledger_an_earlier_engine_of_the_name_left_gives_no_table(
         f"GrantLedger {NS}/{NAME} belongs to an earlier Engine of that name; refusing turns "
         "until the operator replaces it"
     ]
+
+
+class DeletingLedgers(FakeLedgers):
+    """A ledger written, then deleted by hand: its watch brings the write, then the DELETED;
+    the re-list finds none (404), then the operator's new one, made and not written yet."""
+
+    def list_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, **kwargs: Any
+    ) -> Stream:
+        self.watches.append({"plural": plural, **kwargs})
+        if len(self.watches) > 1:
+            self.idle.wait(0.05)
+            return Stream([])
+        written = ledger(2, {"grants": [], "grantCapacity": CAPACITY}, self.owner)
+        return Stream(
+            [{"type": "MODIFIED", "object": written}, {"type": "DELETED", "object": written}]
+        )
+
+
+def test_a_deleted_ledgers_table_is_withdrawn_not_enforced_as_if_held(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
+    api = DeletingLedgers(absent_gets=0)
+    tables: list[GrantTable | None] = []
+
+    async def main() -> None:
+        task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
+        await until(lambda: len(api.watches) >= 2)
+        await asyncio.sleep(0.05)  # what the thread handed over reaches the loop
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger=grants_source.log.name):
+        asyncio.run(main())
+    api.idle.set()
+    assert [t.slot_tokens if t else None for t in tables] == [2048, None]  # withdrawn once
+    told = [r.getMessage() for r in caplog.records if r.name == grants_source.log.name]
+    assert f"GrantLedger {NS}/{NAME} deleted; refusing turns until the operator writes one" in told
+
+
+def test_a_withdrawn_table_refuses_her_turn_where_the_deleted_one_granted_it() -> None:
+    from continuum_operator.engine.admission import Answer, admit_turn, parse_table
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings
+
+    gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1"))
+    gateway.set_table(
+        parse_table(
+            {"slotTokens": 2048, "grants": [{"mind": "minds/mira", "state": "Granted", "slot": 0}]}
+        )
+    )
+    assert admit_turn(gateway.table, "minds/mira").answer is Answer.ADMIT
+    gateway.set_table(None)
+    refused = admit_turn(gateway.table, "minds/mira")
+    assert refused.answer is Answer.REFUSE and refused.status == 503  # a wait, as at start

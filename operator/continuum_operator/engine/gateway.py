@@ -251,9 +251,14 @@ class Gateway:
 
     # --- the grant table ----------------------------------------------------------------------
 
-    def set_table(self, table: GrantTable) -> None:
-        """Take a new grant table and act on it at once: cut, erase, release."""
+    def set_table(self, table: GrantTable | None) -> None:
+        """Take a new grant table and act on it at once: cut, erase, release. None: the table
+        is withdrawn (its ledger deleted): every turn and request is refused until the next,
+        and nothing is cut or released meanwhile (the next table decides)."""
         self.table = table
+        if table is None:
+            self._changed()
+            return
         self._reconcile()
         kept = still_reported(table, self.released)
         if kept != set(self.released):

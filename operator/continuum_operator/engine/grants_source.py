@@ -104,14 +104,16 @@ _custom_objects = custom_objects
 
 
 async def watch_ledger(
-    namespace: str, name: str, on_table: Callable[[GrantTable], None], *, api: Any = None
+    namespace: str, name: str, on_table: Callable[[GrantTable | None], None], *, api: Any = None
 ) -> None:
     """Call `on_table` with the grant table of the Engine's GrantLedger (of the same name) now
     and on every change (a watch).
 
     The operator makes the ledger at its first grant step for the Engine, so a pod may start
     before it exists, and it is made with no status before its first write: both are a wait
-    (no table, so every turn is refused), told once at INFO, not an error each second.
+    (no table, so every turn is refused), told once at INFO, not an error each second. A
+    ledger deleted, or made again and not written yet, withdraws the table (`on_table(None)`):
+    its grants are the operator's no longer, and are not enforced as if they were.
     """
     watch: Any = importlib.import_module("kubernetes.watch")
     objects = api or custom_objects()
@@ -121,14 +123,19 @@ async def watch_ledger(
     told: str | None = None  # the wait last told, so each is told once
     owner = ""  # the Engine's uid: a ledger owned by another is not its grants
 
+    holding = False  # whether a table was delivered and not withdrawn since
+
     def wait_told(message: str) -> None:
-        nonlocal told
+        nonlocal told, holding
         if message != told:
             log.info("%s", message)
             told = message
+        if holding:
+            holding = False
+            loop.call_soon_threadsafe(on_table, None)
 
     def deliver(obj: dict[str, Any]) -> None:
-        nonlocal told
+        nonlocal told, holding
         waiting = _not_yet_a_table(obj, owner, ledger)
         if waiting is not None:
             wait_told(waiting)
@@ -139,6 +146,7 @@ async def watch_ledger(
             log.error("%s; keeping the last good grant table", err)
             return
         told = None
+        holding = True
         loop.call_soon_threadsafe(on_table, table)
 
     def run() -> None:
@@ -174,6 +182,8 @@ async def watch_ledger(
                     version = obj.get("metadata", {}).get("resourceVersion", version)
                     if event["type"] in ("ADDED", "MODIFIED"):
                         deliver(obj)
+                    elif event["type"] == "DELETED":
+                        wait_told(f"{ledger} deleted; refusing turns until the operator writes one")
             except Exception as err:  # not made yet, a dropped watch, an expired version
                 if getattr(err, "status", None) == 404 and not version:
                     wait_told(f"no {ledger} yet; refusing turns until the operator writes one")
