@@ -108,3 +108,24 @@ def observe_with_ledger(cache: Any, body: dict[str, Any], deleted: bool = False)
     cache.observe_engine(engine, deleted=deleted, nudge=False)
     if ledger is not None:
         cache.observe_ledger(ledger, deleted=deleted, nudge=False)
+
+
+def engine_planned_on_a_gpu() -> tuple[Engine, dict[str, Any]]:
+    """An Engine whose model is a hostPath file, and its plan on a node of one 80 GiB GPU: what
+    the operator makes objects for (its Deployment, facts Job, lanes beside it)."""
+    from continuum_operator.core.plan import plan
+
+    body = engine_body()
+    body["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/srv/models/coder.gguf"}
+    made = engine(body)
+    node = board(
+        board_body(
+            "discrete",
+            [
+                {"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 0},
+                {"kind": "device", "device": 0, "capacityBytes": 80 * GiB, "usedBytes": 0},
+            ],
+        )
+    )
+    assert made.spec.model.facts is not None
+    return made, plan(node, made.spec, made.spec.model.facts).to_dict()

@@ -474,24 +474,10 @@ def test_the_operator_holds_every_right_it_grants_engine_and_lane_pods(
 
 def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
     """Every namespaced object the operator makes for an Engine and for an EmbedLane."""
-    from continuum_operator.core.plan import plan
     from continuum_operator.kube import facts_job
     from continuum_operator.kube.settings import GpuClaims
 
-    body = builders.engine_body()
-    body["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/srv/models/coder.gguf"}
-    engine = builders.engine(body)
-    board = builders.board(
-        builders.board_body(
-            "discrete",
-            [
-                {"kind": "host", "capacityBytes": 256 * builders.GiB, "usedBytes": 0},
-                {"kind": "device", "device": 0, "capacityBytes": 80 * builders.GiB, "usedBytes": 0},
-            ],
-        )
-    )
-    assert engine.spec.model.facts is not None
-    p = plan(board, engine.spec, engine.spec.model.facts).to_dict()
+    engine, p = builders.engine_planned_on_a_gpu()
     pods = PodSettings()
     claim = objects.gpu_claim_template(
         engine, "uid-1", {"gpus": [0]}, PodSettings(gpu_claims=GpuClaims.DRA)

@@ -154,7 +154,6 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
     """docs/install.md promised that imagePullSecrets reach the engine pods; the operator has no
     such flag and its pods run in each Engine's namespace, where the Secret does not exist."""
     from continuum_operator.cli import build_parser
-    from continuum_operator.core.plan import plan
     from continuum_operator.kube import facts_job, lane_objects, objects
     from continuum_operator.kube.run import settings_from
     from continuum_operator.model.embedlane import EmbedLane
@@ -170,20 +169,7 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
         assert obj["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "pull"}]
     # What the operator those values run makes: no pull secret on any of its pods.
     pods = settings_from(build_parser().parse_args(container(charts_own[0])["args"])).pods
-    body = builders.engine_body()
-    body["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/srv/models/coder.gguf"}
-    engine = builders.engine(body)
-    board = builders.board(
-        builders.board_body(
-            "discrete",
-            [
-                {"kind": "host", "capacityBytes": 256 * builders.GiB, "usedBytes": 0},
-                {"kind": "device", "device": 0, "capacityBytes": 80 * builders.GiB, "usedBytes": 0},
-            ],
-        )
-    )
-    assert engine.spec.model.facts is not None
-    p = plan(board, engine.spec, engine.spec.model.facts).to_dict()
+    engine, p = builders.engine_planned_on_a_gpu()
     lane = EmbedLane.model_validate(
         yaml.safe_load((CHART.parents[1] / "examples" / "embedlanes" / "notes.yaml").read_text())
     )

@@ -48,7 +48,9 @@ def fake_server(tmp_path: Path) -> str:
 
 
 def with_runtime(
-    tmp_path: Path, body: Callable[[EngineRuntime, list[dict[str, Any]]], Awaitable[None]]
+    tmp_path: Path,
+    body: Callable[[EngineRuntime, list[dict[str, Any]]], Awaitable[None]],
+    backoff: float = 0.1,
 ) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(MODEL_BYTES)
@@ -59,7 +61,7 @@ def with_runtime(
         args=("--ctx-size", "1024", "--parallel", "2"),
         model_sha256=SHA,
         plan=plan,
-        restart_backoff=(0.1,),
+        restart_backoff=(backoff,),
     )
     published: list[dict[str, Any]] = []
 
@@ -79,6 +81,15 @@ def with_runtime(
             await gateway.close()
 
     asyncio.run(main())
+
+
+async def killed_serving(runtime: EngineRuntime) -> asyncio.subprocess.Process:
+    """Once llama-server serves, kill it (a crash): the process killed."""
+    await until(lambda: runtime.phase == "Serving", timeout=60.0)
+    process = runtime.process
+    assert process is not None
+    process.kill()
+    return process
 
 
 def test_the_runtime_starts_llama_server_and_reports_its_load(tmp_path: Path) -> None:
@@ -122,10 +133,7 @@ def test_a_model_of_many_metadata_keys_still_gets_a_whole_receipt(
 
 def test_a_llama_server_that_dies_is_started_again_and_counted(tmp_path: Path) -> None:
     async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
-        await until(lambda: runtime.phase == "Serving", timeout=60.0)
-        first = runtime.process
-        assert first is not None
-        first.kill()
+        first = await killed_serving(runtime)
         await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving", timeout=60.0)
         assert runtime.process is not first
         # Published after the phase changes (the next status write), not with it.
@@ -155,68 +163,34 @@ def test_a_llama_server_that_hangs_is_published_not_ready_and_ready_again(tmp_pa
 def test_a_model_replaced_while_it_ran_is_checked_again_before_a_restart(tmp_path: Path) -> None:
     # llama-server opens --model by path at each start: a file rewritten in place after the
     # first check was served, and receipted under the digest the Engine names.
-    model = tmp_path / "m.gguf"
-    model.write_bytes(MODEL_BYTES)
-    launch = LaunchSettings(
-        llama_server=fake_server(tmp_path), model=model, args=("--ctx-size", "1024"),
-        model_sha256=SHA, restart_backoff=(0.1,),
-    )  # fmt: skip
+    async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
+        await killed_serving(runtime)  # restarted, the same file: a stat, not a hash
+        await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving", 60.0)
+        assert (runtime.model_file or {})["verdict"] == "Skipped"
+        runtime.launch.model.write_bytes(b"GGUF" + b"\1" * 100)  # replaced in place
+        second = await killed_serving(runtime)
+        await until(lambda: runtime.phase == "ModelMismatch", timeout=60.0)
+        assert runtime.restarts == 2 and runtime.process is second  # never started on it
+        assert (runtime.model_file or {})["verdict"] == "Mismatch"
 
-    async def main() -> None:
-        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
-        await gateway.start()
-        runtime = EngineRuntime(launch, gateway, echo_log=False)
-        running = asyncio.create_task(runtime.run())
-        try:
-            await until(lambda: runtime.phase == "Serving", timeout=60.0)
-            assert (runtime.model_file or {})["verdict"] == "Hashed"
-            first = runtime.process
-            assert first is not None
-            first.kill()  # restarted, the same file: a stat, not a hash
-            await until(lambda: runtime.restarts == 1 and runtime.phase == "Serving", 60.0)
-            assert (runtime.model_file or {})["verdict"] == "Skipped"
-            model.write_bytes(b"GGUF" + b"\1" * 100)  # replaced in place
-            second = runtime.process
-            assert second is not None
-            second.kill()
-            await until(lambda: runtime.phase == "ModelMismatch", timeout=60.0)
-            assert runtime.restarts == 2 and runtime.process is second  # never started on it
-            assert (runtime.model_file or {})["verdict"] == "Mismatch"
-        finally:
-            await runtime.stop()
-            await asyncio.wait_for(running, 20)
-            await gateway.close()
-
-    asyncio.run(main())
+    with_runtime(tmp_path, body)
 
 
 def test_a_stop_during_the_restart_backoff_ends_the_runtime_at_once(tmp_path: Path) -> None:
-    model = tmp_path / "m.gguf"
-    model.write_bytes(MODEL_BYTES)
-    launch = LaunchSettings(
-        llama_server=fake_server(tmp_path), model=model, args=("--ctx-size", "1024"),
-        model_sha256=SHA, restart_backoff=(30.0,),
-    )  # fmt: skip
+    async def body(runtime: EngineRuntime, published: list[dict[str, Any]]) -> None:
+        first = await killed_serving(runtime)
+        await until(lambda: runtime.phase == "Restarting", timeout=20.0)
+        started = time.monotonic()
+        await runtime.stop()
+        await until(lambda: runtime.phase == "Restarting" and runtime.process is first, 1.0)
+        await asyncio.sleep(0.5)
+        assert runtime.process is first  # not started again after the stop
+        assert time.monotonic() - started < 5
 
-    async def main() -> None:
-        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
-        await gateway.start()
-        runtime = EngineRuntime(launch, gateway, echo_log=False)
-        running = asyncio.create_task(runtime.run())
-        try:
-            await until(lambda: runtime.phase == "Serving", timeout=60.0)
-            first = runtime.process
-            assert first is not None
-            first.kill()
-            await until(lambda: runtime.phase == "Restarting", timeout=20.0)
-            started = time.monotonic()
-            await runtime.stop()
-            await asyncio.wait_for(running, 5)  # not the 30 s backoff: the pod's grace is 30 s
-            assert time.monotonic() - started < 5
-        finally:
-            await gateway.close()
-
-    asyncio.run(main())
+    # The backoff is 30 s, the pod's grace period too: the run must end well before.
+    started = time.monotonic()
+    with_runtime(tmp_path, body, backoff=30.0)
+    assert time.monotonic() - started < 25
 
 
 def test_estimate_errors_compare_each_side_that_allocated_something() -> None:

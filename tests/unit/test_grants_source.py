@@ -51,9 +51,10 @@ class FakeLedgers:
     """The GrantLedger API of one namespace: 404 until `absent_gets` gets have been answered,
     then the ledger as made (no status); its watch then brings the operator's first write."""
 
-    def __init__(self, absent_gets: int, owner: str = "u-1") -> None:
+    def __init__(self, absent_gets: int, owner: str = "u-1", then_deleted: bool = False) -> None:
         self.absent_gets = absent_gets
         self.owner = owner  # the uid the ledgers name as their Engine's
+        self.then_deleted = then_deleted  # the watch brings a DELETED after the write
         self.gets: list[tuple[str, ...]] = []
         self.watches: list[dict[str, Any]] = []
         self.idle = threading.Event()
@@ -76,7 +77,8 @@ class FakeLedgers:
             self.idle.wait(0.05)  # a quiet watch that ends, as at its timeout
             return Stream([])
         written = ledger(2, {"grants": [], "grantCapacity": CAPACITY}, self.owner)
-        return Stream([{"type": "MODIFIED", "object": written}])
+        deleted = [{"type": "DELETED", "object": written}] if self.then_deleted else []
+        return Stream([{"type": "MODIFIED", "object": written}, *deleted])
 
 
 def test_a_ledger_not_made_yet_is_waited_for_quietly_then_watched(
@@ -136,28 +138,11 @@ def test_a_ledger_an_earlier_engine_of_the_name_left_gives_no_table(
     ]
 
 
-class DeletingLedgers(FakeLedgers):
-    """A ledger written, then deleted by hand: its watch brings the write, then the DELETED;
-    the re-list finds none (404), then the operator's new one, made and not written yet."""
-
-    def list_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str, **kwargs: Any
-    ) -> Stream:
-        self.watches.append({"plural": plural, **kwargs})
-        if len(self.watches) > 1:
-            self.idle.wait(0.05)
-            return Stream([])
-        written = ledger(2, {"grants": [], "grantCapacity": CAPACITY}, self.owner)
-        return Stream(
-            [{"type": "MODIFIED", "object": written}, {"type": "DELETED", "object": written}]
-        )
-
-
 def test_a_deleted_ledgers_table_is_withdrawn_not_enforced_as_if_held(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
-    api = DeletingLedgers(absent_gets=0)
+    api = FakeLedgers(absent_gets=0, then_deleted=True)  # deleted by hand after its write
     tables: list[GrantTable | None] = []
 
     async def main() -> None:
