@@ -117,40 +117,11 @@ async def watch_ledger(
     """
     watch: Any = importlib.import_module("kubernetes.watch")
     objects = api or custom_objects()
-    loop = asyncio.get_running_loop()
     stop = threading.Event()
     ledger = f"GrantLedger {namespace}/{name}"
-    told: str | None = None  # the wait last told, so each is told once
-    owner = ""  # the Engine's uid: a ledger owned by another is not its grants
-
-    holding = False  # whether a table was delivered and not withdrawn since
-
-    def wait_told(message: str) -> None:
-        nonlocal told, holding
-        if message != told:
-            log.info("%s", message)
-            told = message
-        if holding:
-            holding = False
-            loop.call_soon_threadsafe(on_table, None)
-
-    def deliver(obj: dict[str, Any]) -> None:
-        nonlocal told, holding
-        waiting = _not_yet_a_table(obj, owner, ledger)
-        if waiting is not None:
-            wait_told(waiting)
-            return
-        try:
-            table = table_from_ledger(obj)
-        except GrantTableError as err:
-            log.error("%s; keeping the last good grant table", err)
-            return
-        told = None
-        holding = True
-        loop.call_soon_threadsafe(on_table, table)
+    tables = _Handover(ledger, on_table, asyncio.get_running_loop())
 
     def run() -> None:
-        nonlocal owner
         version = ""
         while not stop.is_set():
             try:
@@ -158,12 +129,12 @@ async def watch_ledger(
                     engine = objects.get_namespaced_custom_object(
                         GROUP, VERSION, namespace, "engines", name
                     )
-                    owner = str((engine.get("metadata") or {}).get("uid") or "")
+                    tables.owner = str((engine.get("metadata") or {}).get("uid") or "")
                     obj = objects.get_namespaced_custom_object(
                         GROUP, VERSION, namespace, GrantLedger.PLURAL, name
                     )
                     version = obj["metadata"]["resourceVersion"]
-                    deliver(obj)
+                    tables.deliver(obj)
                 w = watch.Watch()
                 for event in w.stream(
                     objects.list_namespaced_custom_object,
@@ -181,18 +152,60 @@ async def watch_ledger(
                     obj = event["object"]
                     version = obj.get("metadata", {}).get("resourceVersion", version)
                     if event["type"] in ("ADDED", "MODIFIED"):
-                        deliver(obj)
+                        tables.deliver(obj)
                     elif event["type"] == "DELETED":
-                        wait_told(f"{ledger} deleted; refusing turns until the operator writes one")
+                        tables.wait(
+                            f"{ledger} deleted; refusing turns until the operator writes one"
+                        )
             except Exception as err:  # not made yet, a dropped watch, an expired version
                 if getattr(err, "status", None) == 404 and not version:
-                    wait_told(f"no {ledger} yet; refusing turns until the operator writes one")
+                    tables.wait(f"no {ledger} yet; refusing turns until the operator writes one")
                 else:
                     log.warning("watch of %s: %s; starting again", ledger, err)
                 version = ""
                 stop.wait(RETRY_SECONDS)
 
     await _in_daemon_thread(run, stop, f"watch-{namespace}-{name}")
+
+
+class _Handover:
+    """What the watch of one GrantLedger hands the gateway, from the watch's thread: each table,
+    or the table withdrawn; each wait told once at INFO."""
+
+    def __init__(
+        self,
+        ledger: str,
+        on_table: Callable[[GrantTable | None], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.ledger = ledger
+        self.on_table = on_table
+        self.loop = loop
+        self.owner = ""  # the Engine's uid: a ledger owned by another is not its grants
+        self.told: str | None = None  # the wait last told, so each is told once
+        self.holding = False  # a table delivered and not withdrawn since
+
+    def wait(self, message: str) -> None:
+        if message != self.told:
+            log.info("%s", message)
+            self.told = message
+        if self.holding:
+            self.holding = False
+            self.loop.call_soon_threadsafe(self.on_table, None)
+
+    def deliver(self, obj: dict[str, Any]) -> None:
+        waiting = _not_yet_a_table(obj, self.owner, self.ledger)
+        if waiting is not None:
+            self.wait(waiting)
+            return
+        try:
+            table = table_from_ledger(obj)
+        except GrantTableError as err:
+            log.error("%s; keeping the last good grant table", err)
+            return
+        self.told = None
+        self.holding = True
+        self.loop.call_soon_threadsafe(self.on_table, table)
 
 
 def _not_yet_a_table(obj: dict[str, Any], owner: str, ledger: str) -> str | None:
