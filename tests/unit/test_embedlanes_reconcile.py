@@ -3,12 +3,14 @@ floors carried from pass to pass, and the engine's plan accounting for the lane'
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any
 
 import yaml
 
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer
+from continuum_operator.embed.runtime import lane_state_from
 from continuum_operator.kube.cache import Snapshot
 from continuum_operator.kube.embedlanes import LaneWrites, reconcile_lane
 from continuum_operator.kube.engine_pass import Memory
@@ -129,9 +131,12 @@ def test_floors_are_carried_from_pass_to_pass_and_never_fall() -> None:
     base = snapshot([discrete("gpu-a", 80)])
     eng = placed_engine(base, offload="none")
     lane = lane_obj()
-    lane["status"] = {"runtime": {"largestContextTokens": 3000}}
-    first = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
-                                            SETTINGS))  # fmt: skip
+    placed = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
+                                             SETTINGS))  # fmt: skip
+    assert placed["status"]["placement"]["contextTokens"] >= 3000
+    placed["status"]["runtime"] = {"largestContextTokens": 3000}  # embedded within its lease
+    first = lane_after(placed, reconcile_lane(placed, with_objects(base, [eng], [placed]), NOW,
+                                              SETTINGS))  # fmt: skip
     floor = first["status"]["placement"]["pools"][0]["floorBytes"]
     assert floor > 0 and first["status"]["placement"]["floorTokens"] == 3000
     first["status"]["runtime"] = {"largestContextTokens": 100}  # a restarted runtime
@@ -141,6 +146,52 @@ def test_floors_are_carried_from_pass_to_pass_and_never_fall() -> None:
     # And nothing changed, so nothing is written.
     again = reconcile_lane(second, with_objects(base, [eng], [second]), NOW, SETTINGS)
     assert again.status_patch is None and again.events == ()
+
+
+def test_a_lane_runtime_cannot_raise_its_floor_past_what_it_was_leased() -> None:
+    # Its pod writes status.runtime: a claim of a million tokens, with maxContextTokens raised
+    # for a pass, was a floor of some 2,600 GiB on a 64 GiB host, kept for good (floors never
+    # fall), and an engine of another namespace beside it was refused its plan.
+    base = snapshot([discrete("gpu-a", 80, host_gib=64)])
+    eng = placed_engine(base, offload="none")
+    lane = lane_obj(maxContextTokens=4096)
+    honest = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
+                                             SETTINGS))  # fmt: skip
+    leased = honest["status"]["placement"]["contextTokens"]
+    forged = copy.deepcopy(honest)
+    forged["spec"]["maxContextTokens"] = 1_000_000
+    forged["status"]["runtime"] = {"largestContextTokens": 1_000_000, "ready": True}
+    out = lane_after(forged, reconcile_lane(forged, with_objects(base, [eng], [forged]), NOW,
+                                            SETTINGS))  # fmt: skip
+    assert out["status"]["placement"]["floorTokens"] <= leased
+    floors = [x["floorBytes"] for x in out["status"]["placement"]["pools"]]
+    assert max(floors, default=0) <= 64 * GiB
+
+
+def test_a_lane_following_its_engine_to_a_smaller_node_brings_no_floor_there() -> None:
+    # It embedded 200,000 tokens on a big node; on the new one its pod starts afresh. The old
+    # floor was charged there before any fit was tried: 228 GiB on a node of 32.
+    small = snapshot([discrete("small", 80, host_gib=32)])
+    eng = placed_engine(small, offload="none")
+    lane = lane_obj(maxContextTokens=262_144)
+    lane["status"] = {
+        "runtime": {"largestContextTokens": 200_000, "ready": True},
+        "placement": {"node": "big", "verdict": "Fits", "residence": "host",
+                      "contextTokens": 262_144, "floorTokens": 200_000,
+                      "pools": [{"pool": "host", "bytes": 60 * GiB, "floorBytes": 50 * GiB}]},
+    }  # fmt: skip
+    out = lane_after(lane, reconcile_lane(lane, with_objects(small, [eng], [lane]), NOW,
+                                          SETTINGS))  # fmt: skip
+    p = out["status"]["placement"]
+    assert p["node"] == "small" and p["floorTokens"] == 0
+    engine_host = sum(
+        x["bytes"] for x in eng["status"]["placement"]["pools"] if x["pool"] == "host"
+    )
+    lane_host = sum(max(x["bytes"], x["floorBytes"]) for x in p["pools"] if x["pool"] == "host")
+    assert engine_host + lane_host <= 32 * GiB
+    # Its new pod calibrates within that lease, not at its predecessor's 200,000 tokens.
+    state = lane_state_from(out)
+    assert state.largest_embedded_tokens <= state.leased_context_tokens
 
 
 def test_the_lanes_bytes_are_in_the_node_ledger_and_the_engine_plan_accounts_for_them() -> None:

@@ -116,11 +116,15 @@ def lane_state_from(doc: dict[str, Any], max_context_tokens: int | None = None) 
     if max_ctx <= 0:
         raise ValueError("no maxContextTokens: give an EmbedLane, or --max-context-tokens")
     fits = placement.get("verdict") == str(Verdict.FITS)
+    leased = int(placement.get("contextTokens") or 0) if fits else 0
     return LaneState(
         max_context_tokens=max_ctx,
-        leased_context_tokens=int(placement.get("contextTokens") or 0) if fits else 0,
+        leased_context_tokens=leased,
         residence=placement.get("residence"),
-        largest_embedded_tokens=max(largest, int(placement.get("floorTokens") or 0)),
+        # As the operator counts it (`kube.embedlanes`): what was embedded holds within the
+        # lease; a pod on another node (a smaller one) calibrates within its own, not at the
+        # largest context its predecessor embedded, which that node may never lease.
+        largest_embedded_tokens=max(min(largest, leased), int(placement.get("floorTokens") or 0)),
     )
 
 

@@ -196,12 +196,16 @@ class _LanePass:
         return held.get("verdict") == str(Verdict.FITS)
 
     def ask(self, lane: EmbedLane, node: str) -> LaneAsk:
+        # What it has embedded holds only where it holds a lease, and only within that lease:
+        # its runtime admits against status.placement, and its pod writes the report (a claim
+        # past the lease would raise floors, kept for good, past what the node has). On another
+        # node its pod starts afresh, with no floor.
         floors: dict[str, int] = {}
+        largest = 0
         if self.held is not None and self.held.node == node:
             floors = {p.pool: p.floor_bytes for p in self.held.pools if p.floor_bytes > 0}
-        largest = int(self.runtime.get("largestContextTokens") or 0)
-        if self.held is not None and self.held.node == node:
-            largest = max(largest, self.held.floor_tokens)
+            reported = int(self.runtime.get("largestContextTokens") or 0)
+            largest = max(min(reported, self.held.context_tokens), self.held.floor_tokens)
         largest = min(largest, lane.spec.max_context_tokens)
         own = lane.spec.model.facts if lane.spec.model is not None else None
         weights = 0
