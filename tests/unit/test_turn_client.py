@@ -286,3 +286,103 @@ def test_continuum_turn_waits_no_longer_than_her_minds_turn_deadline(
     assert rc == 1
     assert "turn deadline of 1 s (waiting: PoolFull)" in err
     assert 0.9 < waited < 5
+
+
+async def _serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_the_turn_deadline_bounds_a_gateway_that_never_answers() -> None:
+    # It accepts the connection and never answers: the mind waited aiohttp's 300 s and got a
+    # bare TimeoutError, whatever her deadline.
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def hang(request: web.Request) -> web.Response:
+            await release.wait()
+            return web.Response(status=500)
+
+        app = web.Application()
+        app.router.add_post("/v1/turns", hang)
+        runner, base = await _serve_app(app)
+        try:
+
+            async def take() -> None:
+                async with turn(base, "minds/mira", deadline_seconds=1.0, poll_seconds=0.1):
+                    pass
+
+            started = time.monotonic()
+            with pytest.raises(TurnDeadline, match="did not answer within the turn deadline"):
+                await asyncio.wait_for(take(), 6.0)
+            assert time.monotonic() - started < 3.0
+        finally:
+            release.set()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_reply_streamed_past_aiohttps_default_timeout_is_read_to_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # aiohttp's default session ends a request at 300 s, the whole stream included: a long
+    # reply from a slow engine died with a traceback. The default scaled to 1 s here.
+    import argparse
+    import json
+
+    import aiohttp
+
+    from continuum_operator.engine import turn as turn_module
+
+    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=1))
+
+    async def open_turn(request: web.Request) -> web.Response:
+        return web.json_response({"turn": "t-1", "slot": 0, "tokens": 4096}, status=201)
+
+    async def end_turn(request: web.Request) -> web.Response:
+        return web.Response(status=204)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(8):
+            chunk = {"choices": [{"delta": {"content": f"w{i} "}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.25)
+        note = {"choices": [], "continuum": {"slot": 0, "nPredict": 8, "grantTokens": 4096}}
+        await resp.write(f"data: {json.dumps(note)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def main() -> int:
+        app = web.Application()
+        app.router.add_post("/v1/turns", open_turn)
+        app.router.add_delete("/v1/turns/{turn}", end_turn)
+        app.router.add_post("/v1/chat/completions", chat)
+        runner, base = await _serve_app(app)
+        try:
+            args = argparse.Namespace(mind="minds/mira", prompt="hi", max_tokens=None)
+            return await turn_module._take_turn(args, base, 30.0, None)
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == turn_module.EXIT_OK
+
+
+def test_a_token_file_that_cannot_be_read_is_a_bad_argument_named(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from continuum_operator.engine import turn as turn_module
+
+    args = argparse.Namespace(
+        mind="minds/mira", prompt="hi", gateway="http://127.0.0.1:9", deadline=1.0,
+        token_file=tmp_path / "no-such-token", max_tokens=None,
+    )  # fmt: skip
+    assert turn_module.cmd_turn(args) == turn_module.EXIT_INVALID
+    assert "--token-file" in capsys.readouterr().err

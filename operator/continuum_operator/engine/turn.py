@@ -161,7 +161,11 @@ async def turn(
     `token`: the mind's service account token, for a gateway that reviews tokens.
     """
     own = session is None
-    http = session or aiohttp.ClientSession()
+    # No total timeout (aiohttp's default is 300 s): a reply may stream for longer on a slow
+    # engine; opening the turn is bounded by its deadline instead (`_open`).
+    http = session or aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)
+    )
     base = gateway.rstrip("/")
     try:
         auth = {"Authorization": f"Bearer {token}"} if token else {}
@@ -197,10 +201,22 @@ async def _open(
     reason, since = "", started
     while True:
         headers = {MIND_HEADER: mind, **auth}
-        async with http.post(f"{base}/v1/turns", json=body, headers=headers) as resp:
-            payload = await _json(resp)
-            retry_after = resp.headers.get("Retry-After")
-            status = resp.status
+        # Each try bounded by what is left of the deadline: a gateway that accepts and never
+        # answers must not hold the mind past it.
+        left = aiohttp.ClientTimeout(total=max(0.1, deadline - clock()))
+        try:
+            async with http.post(
+                f"{base}/v1/turns", json=body, headers=headers, timeout=left
+            ) as resp:
+                payload = await _json(resp)
+                retry_after = resp.headers.get("Retry-After")
+                status = resp.status
+        except TimeoutError:
+            raise TurnDeadline(
+                mind,
+                reason or "NoAnswer",
+                f"the gateway did not answer within the turn deadline of {deadline_seconds:.0f} s",
+            ) from None
         now = clock()
         if reason and (status not in (429, 503) or payload.get("reason") != reason):
             waits.append(Wait(reason, now - since))
@@ -260,12 +276,9 @@ def _read_mind(namespace: str, name: str) -> dict[str, Any]:
     return mind
 
 
-async def _take_turn(args: argparse.Namespace, gateway: str, deadline: float) -> int:
-    token = None
-    if args.token_file is not None:
-        token = args.token_file.read_text().strip()
-    elif os.environ.get("CONTINUUM_TOKEN"):
-        token = os.environ["CONTINUUM_TOKEN"]
+async def _take_turn(
+    args: argparse.Namespace, gateway: str, deadline: float, token: str | None
+) -> int:
     err = sys.stderr
     body: dict[str, Any] = {"messages": [{"role": "user", "content": args.prompt}]}
     if args.max_tokens is not None:
@@ -295,6 +308,9 @@ async def _take_turn(args: argparse.Namespace, gateway: str, deadline: float) ->
     except aiohttp.ClientError as down:
         print(f"error: {gateway}: {down}", file=err)
         return EXIT_REFUSED
+    except TimeoutError:
+        print(f"error: {gateway}: no answer within 30 s of connecting", file=err)
+        return EXIT_REFUSED
     return EXIT_OK
 
 
@@ -302,6 +318,17 @@ def cmd_turn(args: argparse.Namespace) -> int:
     namespace, _, name = args.mind.partition("/")
     if not namespace or not name:
         return fail(f"{args.mind}: expected NAMESPACE/NAME of a Mind", EXIT_INVALID)
+    token = os.environ.get("CONTINUUM_TOKEN") or None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            return fail(
+                f"--token-file {args.token_file}: cannot read it ({err}); give the file of "
+                "her service account token projected with the engine's audience "
+                "(docs/gateway.md), or set CONTINUUM_TOKEN",
+                EXIT_INVALID,
+            )
     gateway, deadline = args.gateway, args.deadline
     if gateway is None or deadline is None:
         try:
@@ -321,7 +348,7 @@ def cmd_turn(args: argparse.Namespace) -> int:
                 "give --gateway URL",
                 EXIT_INVALID,
             )
-    return asyncio.run(_take_turn(args, str(gateway), float(deadline)))
+    return asyncio.run(_take_turn(args, str(gateway), float(deadline), token))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
