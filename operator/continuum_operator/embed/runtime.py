@@ -103,7 +103,18 @@ class LaneState:
 
 
 def lane_state_from(doc: dict[str, Any], max_context_tokens: int | None = None) -> LaneState:
-    """From an EmbedLane object, or a bare placement document (with `max_context_tokens`)."""
+    """From an EmbedLane object, or a bare placement document (with `max_context_tokens`).
+    A document of the wrong shape is a ValueError saying so (the lane file is anyone's)."""
+    try:
+        return _lane_state(doc, max_context_tokens)
+    except (AttributeError, TypeError) as err:
+        raise ValueError(
+            f"not an EmbedLane nor a placement document ({type(err).__name__}: {err}); give "
+            "`kubectl get embedlane NAME -o yaml` or its status.placement"
+        ) from err
+
+
+def _lane_state(doc: dict[str, Any], max_context_tokens: int | None) -> LaneState:
     if "spec" in doc or "status" in doc:
         spec = doc.get("spec") or {}
         status = doc.get("status") or {}
