@@ -174,6 +174,37 @@ def test_a_lane_in_a_tight_pool_leases_what_fits_and_says_why() -> None:
     assert "host" in p.message
 
 
+@given(st.integers(0, 40_000), st.integers(1, 40_000))
+def test_the_contexts_tried_are_the_padded_steps_from_the_floor_then_the_maximum(
+    floor: int, most: int
+) -> None:
+    from continuum_operator.core.compute import KV_CELL_PAD
+    from continuum_operator.core.embed import _Contexts, context_cells
+
+    lo = max(1, floor)
+    listed = sorted({*range(context_cells(lo), most, KV_CELL_PAD), most})
+    contexts = _Contexts.of(floor, most)
+    assert [contexts[i] for i in range(len(contexts))] == listed
+
+
+def test_a_lane_of_the_largest_maximum_context_is_placed_by_trying_a_few_contexts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 16,777,216 tokens (the CRD's limit) is 65,536 steps: they were all listed and sorted for
+    # each board at each pass, by any namespace that may create an EmbedLane.
+    tried: list[int] = []
+    sized = LaneSizer.bytes_at
+
+    def counted(self: LaneSizer, tokens: int) -> Any:
+        tried.append(tokens)
+        return sized(self, tokens)
+
+    monkeypatch.setattr(LaneSizer, "bytes_at", counted)
+    p = place(discrete(host_gib=64), [], LaneAsk(LANE, max_context_tokens=16_777_216))
+    assert p.verdict is Verdict.FITS and p.reason is LaneReason.LIMITED_BY_POOL
+    assert len(tried) < 40
+
+
 def test_a_lane_that_never_fits_fails_with_the_pool_named() -> None:
     b = discrete(host_gib=1)
     engine_lease = Lease("Engine/ns/eng", ConsumerKind.ENGINE, b.node, "host", GiB, GiB)
