@@ -11,8 +11,8 @@ import yaml
 
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer
 from continuum_operator.embed.runtime import lane_state_from
-from continuum_operator.kube.cache import Snapshot
-from continuum_operator.kube.embedlanes import LaneWrites, reconcile_lane
+from continuum_operator.kube.cache import Cache, Snapshot
+from continuum_operator.kube.embedlanes import LaneLoop, LaneWrites, reconcile_lane
 from continuum_operator.kube.engine_pass import Memory
 from continuum_operator.kube.merge_patch import merge_patch
 from continuum_operator.kube.objects import LAUNCH_ANNOTATION
@@ -378,3 +378,27 @@ def test_the_example_lanes_are_valid_embed_lanes() -> None:
     for path in paths:
         lane = EmbedLane.model_validate(yaml.safe_load(path.read_text()))
         assert lane.spec.max_context_tokens > 0
+
+
+def test_a_restarted_operator_still_deletes_the_pod_of_a_lane_that_gets_none() -> None:
+    # What was applied lived in memory only: after a restart a lane that turned device-resident
+    # or lost its Engine kept its host pod (and its host memory).
+    import asyncio
+
+    from tests.fakes import FakeKubeApi
+
+    _, writes = host_lane()
+    assert writes.deployment is not None
+    key = ("ns", "lane")
+    path = "/apis/apps/v1/namespaces/ns/deployments/" + writes.deployment["metadata"]["name"]
+    none = LaneWrites(status_patch=None, no_pod="a lane residing on the device gets no pod")
+    api = FakeKubeApi()
+    fake: Any = api.aio
+    asyncio.run(
+        LaneLoop(fake, OperatorSettings(), Cache(), lambda: NOW).apply_workload(key, writes)
+    )
+    restarted = LaneLoop(fake, OperatorSettings(), Cache(), lambda: NOW)
+    assert asyncio.run(restarted.apply_workload(key, none))
+    assert api.deleted == [path]
+    assert asyncio.run(restarted.apply_workload(key, none))
+    assert api.deleted == [path]  # once: it knows the lane has none now

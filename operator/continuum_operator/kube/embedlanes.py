@@ -396,6 +396,7 @@ class LaneLoop(PassHooks[LaneKey]):
         self.api, self.settings, self.cache, self.clock = api, settings, cache, clock
         self.engine_labels = engine_labels  # `--engine-selector`: which lanes are this one's
         self.applied: dict[LaneKey, str] = {}  # what was last applied of each lane's pod
+        self.absent: set[LaneKey] = set()  # lanes whose Deployment this process deleted
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = self.settings.loop
@@ -445,7 +446,8 @@ class LaneLoop(PassHooks[LaneKey]):
         they changed (its pod reviews tokens from its start: the binding goes first). False
         when a write failed."""
         if writes.deployment is None:
-            if key in self.applied:
+            # Deleted once after a start too: what an earlier process applied is not in memory.
+            if key in self.applied or key not in self.absent:
                 log.info("EmbedLane %s/%s: no pod: %s", *key, writes.no_pod)
                 name = lane_objects.name_for(key[1])
                 try:
@@ -454,7 +456,8 @@ class LaneLoop(PassHooks[LaneKey]):
                     if err.status != 404:
                         log.warning("deleting Deployment %s/%s failed: %s", key[0], name, err)
                         return False
-                self.applied.pop(key)
+                self.applied.pop(key, None)
+                self.absent.add(key)
             return True
         digest = repr((writes.identity, writes.network_policy, writes.deployment))
         if self.applied.get(key) == digest:
@@ -467,6 +470,7 @@ class LaneLoop(PassHooks[LaneKey]):
             log.warning("applying EmbedLane %s/%s's pod failed: %s", *key, err)
             return False
         self.applied[key] = digest
+        self.absent.discard(key)
         return True
 
     async def post_event(self, lane: Mapping[str, Any], event: events.Event) -> None:
