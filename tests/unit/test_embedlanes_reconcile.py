@@ -402,3 +402,27 @@ def test_a_restarted_operator_still_deletes_the_pod_of_a_lane_that_gets_none() -
     assert api.deleted == [path]
     assert asyncio.run(restarted.apply_workload(key, none))
     assert api.deleted == [path]  # once: it knows the lane has none now
+
+
+def test_a_lane_whose_engine_is_deleted_is_not_placed_and_holds_only_its_floors() -> None:
+    # It said Placed True (EngineNotFound) and kept its whole lease charged while its pod was
+    # deleted (no model to run), and the pod's deletion was put down to inline facts.
+    base, eng = host_engine()
+    lane = lane_obj()
+    placed_lane = lane_after(lane, reconcile_lane(lane, with_objects(base, [eng], [lane]), NOW,
+                                                  SETTINGS))  # fmt: skip
+    placed_lane["status"]["runtime"] = {"largestContextTokens": 1024}
+    held = lane_after(placed_lane, reconcile_lane(placed_lane, with_objects(base, [eng],
+                                                  [placed_lane]), NOW, SETTINGS))  # fmt: skip
+    floors = {x["pool"]: x["floorBytes"] for x in held["status"]["placement"]["pools"]}
+    assert floors and all(floors.values())
+    gone = reconcile_lane(held, with_objects(base, [], [held]), NOW, SETTINGS)
+    after_gone = lane_after(held, gone)
+    assert placed(after_gone) == ("False", "EngineNotFound")
+    p = after_gone["status"]["placement"]
+    assert p["verdict"] == "Waits" and p["contextTokens"] == 0
+    assert {x["pool"]: x["bytes"] for x in p["pools"]} == floors
+    assert gone.deployment is None and gone.no_pod == "the lane is not placed"
+    # Never embedded: nothing held at all.
+    fresh = reconcile_lane(placed_lane, with_objects(base, [], [placed_lane]), NOW, SETTINGS)
+    assert lane_after(placed_lane, fresh)["status"].get("placement") is None

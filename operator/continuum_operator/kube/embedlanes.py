@@ -191,6 +191,19 @@ class _LanePass:
         placed = isinstance(held, dict) and self._fits(held)
         return self.finish(held, placed, reason, message)
 
+    def release(self, reason: str, message: str) -> LaneWrites:
+        """Not placed, holding only its floors (its pod goes: nothing for it to run), as a
+        waiting lane holds them; and say why."""
+        held = self.status.get("placement")
+        pools = [
+            {"pool": x["pool"], "bytes": x["floorBytes"], "floorBytes": x["floorBytes"]}
+            for x in (held.get("pools") or [] if isinstance(held, dict) else [])
+            if x.get("floorBytes")
+        ]
+        kept = {"verdict": "Waits", "reason": reason, "message": message, "contextTokens": 0}
+        doc = {**held, **kept, "pools": pools} if pools and isinstance(held, dict) else None
+        return self.finish(doc, False, reason, message)
+
     @staticmethod
     def _fits(held: Mapping[str, Any]) -> bool:
         return held.get("verdict") == str(Verdict.FITS)
@@ -260,7 +273,7 @@ class _LanePass:
         W = LaneWaitReason
         engine = self.snap.engines.get((self.key[0], engine_name))
         if engine is None:
-            return self.keep(
+            return self.release(
                 W.ENGINE_NOT_FOUND,
                 f"Engine {self.key[0]}/{engine_name} not found (or not served by this operator): "
                 f"create it, or name an Engine of namespace {self.key[0]} in spec.engine",
