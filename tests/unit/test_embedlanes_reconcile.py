@@ -426,3 +426,18 @@ def test_a_lane_whose_engine_is_deleted_is_not_placed_and_holds_only_its_floors(
     # Never embedded: nothing held at all.
     fresh = reconcile_lane(placed_lane, with_objects(base, [], [placed_lane]), NOW, SETTINGS)
     assert lane_after(placed_lane, fresh)["status"].get("placement") is None
+
+
+def test_a_lane_with_its_own_model_leaves_a_node_deleted_with_its_board() -> None:
+    # It stayed Placed on the vanished node for good, its Deployment pinned there, with a fresh
+    # board beside it.
+    facts = engine_obj()["spec"]["model"]["facts"]
+    lane = lane_obj(engine=None, model={"facts": facts}, maxContextTokens=4096)
+    old = snapshot([discrete("old", 80, host_gib=64)])
+    on_old = lane_after(lane, reconcile_lane(lane, with_objects(old, [], [lane]), NOW, SETTINGS))
+    assert on_old["status"]["placement"]["node"] == "old"
+    new = snapshot([discrete("new", 80, host_gib=64)])  # "old" deleted, "new" fresh
+    out = lane_after(on_old, reconcile_lane(on_old, with_objects(new, [], [on_old]), NOW,
+                                            SETTINGS))  # fmt: skip
+    assert out["status"]["placement"]["node"] == "new"
+    assert placed(out)[0] == "True"

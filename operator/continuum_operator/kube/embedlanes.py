@@ -192,8 +192,7 @@ class _LanePass:
         return self.finish(held, placed, reason, message)
 
     def release(self, reason: str, message: str) -> LaneWrites:
-        """Not placed, holding only its floors (its pod goes: nothing for it to run), as a
-        waiting lane holds them; and say why."""
+        """Not placed, holding only its floors as a waiting lane (its pod goes), and why."""
         held = self.status.get("placement")
         pools = [
             {"pool": x["pool"], "bytes": x["floorBytes"], "floorBytes": x["floorBytes"]}
@@ -318,7 +317,8 @@ class _LanePass:
                 W.FACTS_MISSING,
                 "a lane with its own model needs spec.model.facts (`continuum facts MODEL.gguf`)",
             )
-        if self.held is not None:
+        at = self.held.node if self.held is not None else ""  # gone with its board: anew
+        if self.held is not None and (at in self.snap.boards or at in self.snap.nodes):
             entry = self.snap.boards.get(self.held.node)
             if entry is None or entry.board is None:
                 return self.keep(W.NO_FRESH_BOARD, f"node {self.held.node} has no NodeBoard")
