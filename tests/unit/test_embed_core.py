@@ -405,3 +405,17 @@ def test_a_lane_with_a_model_of_its_own_is_charged_its_weights_with_its_context(
     own = place(discrete(), [], LaneAsk(LANE, 2048, 2048, weights_bytes=weights))
     assert own.charges["host"] == without.charges["host"] + weights
     assert own.floors["host"] == without.floors["host"] + weights
+
+
+def test_bytes_above_every_receipt_are_scaled_by_the_cells_llama_cpp_makes() -> None:
+    # Receipts are filed by cells; a lease of 300 tokens is a context of 512 cells. It was
+    # charged 300/256 of the 256-cell receipt, not 512/256.
+    from continuum_operator.core.embed import context_cells
+
+    kv = 2 * GiB  # a receipt well above the estimate (another backend)
+    r = Receipt(model_sha256=SHA, context_tokens=256, llama_build="b1",
+                buffers=[ReceiptBuffer(device="CPU", kind=BufferKind.KV, bytes=kv)])  # fmt: skip
+    got = LaneSizer(FACTS, (r,)).measured(300)
+    assert got is not None and context_cells(300) == 512
+    assert got.total >= kv * 512 // 256
+    assert LaneSizer(FACTS, (r,)).measured(256) == LaneSizer(FACTS, (r,)).measured(200)

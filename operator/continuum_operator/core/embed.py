@@ -167,13 +167,16 @@ class LaneSizer:
         usable = sorted(self.receipts, key=lambda r: r.context_tokens)
         if not usable:
             return None
+        # Receipts are filed by the cells llama.cpp made (`context_tokens` = cells), and a
+        # context of `tokens` makes `context_cells(tokens)`: scaled by cells, not tokens.
+        cells = context_cells(tokens)
         for r in usable:
-            if r.context_tokens >= tokens:
+            if r.context_tokens >= cells:
                 return _receipt_parts(r)
         top = usable[-1]
         parts = _receipt_parts(top)
         n = top.context_tokens
-        scaled = ContextBytes(-(-parts.device * tokens // n), -(-parts.host * tokens // n))
+        scaled = ContextBytes(-(-parts.device * cells // n), -(-parts.host * cells // n))
         est = self.estimate(tokens).total
         if scaled.total >= est:
             return scaled
