@@ -120,15 +120,10 @@ class AgentApi:
         """Pods on this node that the operator placed: `{"uid", "kind", "namespace", "name"}`,
         as the operator wrote them into the board's spec (the agent lists no pods: RBAC cannot
         bound a list to one node, docs/security.md). None while the board does not exist."""
-        try:
-            obj = self._custom.get_cluster_custom_object(
-                GROUP, VERSION, NodeBoard.PLURAL, self.node, _request_timeout=_TIMEOUT
-            )
-        except client.ApiException as err:
-            if err.status == 404:
-                return None
-            raise _fail(f"reading NodeBoard {self.node}", err) from err
-        spec = obj.get("spec") if isinstance(obj, dict) else None
+        obj = self._board_object()
+        if obj is None:
+            return None
+        spec = obj.get("spec")
         try:
             placed = NodeBoardSpec.model_validate(spec or {}).placed
         except ValueError as err:
@@ -139,8 +134,8 @@ class AgentApi:
 
     # --- the NodeBoard ---------------------------------------------------------------------
 
-    def read_board(self) -> NodeBoardStatus | None:
-        """The status last written (so a restarted agent does not rewrite an unchanged board)."""
+    def _board_object(self) -> dict[str, Any] | None:
+        """This node's NodeBoard as the API has it; None while there is none."""
         try:
             obj = self._custom.get_cluster_custom_object(
                 GROUP, VERSION, NodeBoard.PLURAL, self.node, _request_timeout=_TIMEOUT
@@ -149,7 +144,12 @@ class AgentApi:
             if err.status == 404:
                 return None
             raise _fail(f"reading NodeBoard {self.node}", err) from err
-        status = obj.get("status") if isinstance(obj, dict) else None
+        return obj if isinstance(obj, dict) else {}
+
+    def read_board(self) -> NodeBoardStatus | None:
+        """The status last written (so a restarted agent does not rewrite an unchanged board)."""
+        obj = self._board_object()
+        status = obj.get("status") if obj is not None else None
         if not status:
             return None
         try:
