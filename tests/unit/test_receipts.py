@@ -292,3 +292,13 @@ def test_a_recurrent_models_state_is_in_its_receipt_and_charged_as_its_slots_mem
     measured = _cpu_plan([_receipt(buffers=buffers)])
     assert ReasonCode.RECEIPT_USED in {r.code for r in measured.reasons}
     assert measured.host.kv == 804 * MiB + 5243  # rounded up by the log's 0.005 MiB
+
+
+@pytest.mark.parametrize("log", [CPU_LOG, GPU_LOG], ids=["cpu", "gpu"])
+def test_the_lines_a_runtime_keeps_are_all_the_parser_reads(log: str) -> None:
+    from continuum_operator.core.receipts import read_for_receipt
+
+    lines = [*log.splitlines(), "llama_model_loader: - kv   0: general.name str = tiny"]
+    kept = [line for line in lines if read_for_receipt(line)]
+    assert parse_llama_log(kept) == parse_llama_log(lines)
+    assert len(kept) < len(lines)

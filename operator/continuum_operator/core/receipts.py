@@ -173,15 +173,9 @@ _OFFLOADED = re.compile(r"^load_tensors: offloaded (\d+)/(\d+) layers to GPU")
 _BUILD = re.compile(r"(?<![\w-])build(?: info)?:?\s*=?\s*(\d+ \([0-9a-f]+\))")
 
 
-#: The lines `parse_llama_log` reads start so (after any timestamp); `_BUILD` is searched.
-_READ_PREFIXES = (
-    "load_tensors:",
-    "llama_kv_cache",
-    "llama_context:",
-    "llama_memory_recurrent:",
-    "sched_reserve:",
-    "graph_reserve:",
-)
+#: The patterns `parse_llama_log` matches each line with (after any timestamp); `_BUILD` is
+#: searched. One list with the parser's, so what is kept and what is read cannot drift apart.
+_READ = (*(p for _, p in _BUFFER_LINES), *_SETTINGS.values(), _FLASH, _KV_TYPES, _OFFLOADED)
 
 
 def read_for_receipt(line: str) -> bool:
@@ -189,7 +183,7 @@ def read_for_receipt(line: str) -> bool:
     a model of many metadata keys (a line each, before the buffers) cannot push the buffers
     past what it keeps."""
     stripped = _strip_prefix(line)
-    return stripped.startswith(_READ_PREFIXES) or _BUILD.search(stripped) is not None
+    return any(p.match(stripped) for p in _READ) or llama_build_of(stripped) is not None
 
 
 def parse_llama_log(text: str | Iterable[str]) -> LlamaLogBuffers:
