@@ -545,7 +545,10 @@ class EngineRuntime:
     async def _read_log(self, stream: asyncio.StreamReader) -> None:
         async for line in log_lines(stream):
             text = line.decode("utf-8", "replace")
-            if len(self.load_log) < LOAD_LOG_LINES and kept_of_load(text):
+            # The load's lines, until it serves: no line after it is read, and each line a
+            # server logs at -lv 4 need not be matched against the receipt's patterns.
+            loading = self.phase is not RuntimePhase.SERVING
+            if loading and len(self.load_log) < LOAD_LOG_LINES and kept_of_load(text):
                 self.load_log.append(text)
             self.tail.append(text)
             if self.echo_log:
