@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.core import rfc3339
-from continuum_operator.kube import events
+from continuum_operator.kube import child_workloads, events
 from continuum_operator.kube.children import (
     CLASS_ANNOTATION,
     DNS_LABEL,
@@ -104,22 +104,26 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
     Service (`clientConfig.service`), else to the URL. Kept when the operator stops: pods are
     then admitted unmutated (Ignore) and counted when it is back.
     """
-    client: Obj
-    if children.service is not None:
-        namespace, name = children.service
-        port = children.service_port if children.service_port is not None else children.port
-        client = {
-            "service": {
-                "namespace": namespace,
-                "name": name,
-                "port": port,
-                "path": f"/{HANDLER_ID}",
+
+    def client(handler_id: str) -> Obj:
+        found: Obj
+        if children.service is not None:
+            namespace, name = children.service
+            port = children.service_port if children.service_port is not None else children.port
+            found = {
+                "service": {
+                    "namespace": namespace,
+                    "name": name,
+                    "port": port,
+                    "path": f"/{handler_id}",
+                }
             }
-        }
-    else:
-        client = {"url": f"{str(client_config['url']).rstrip('/')}/{HANDLER_ID}"}
-    if client_config.get("caBundle"):
-        client["caBundle"] = client_config["caBundle"]
+        else:
+            found = {"url": f"{str(client_config['url']).rstrip('/')}/{handler_id}"}
+        if client_config.get("caBundle"):
+            found["caBundle"] = client_config["caBundle"]
+        return found
+
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",
@@ -130,7 +134,7 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
         "webhooks": [
             {
                 "name": f"children.{GROUP}",
-                "clientConfig": client,
+                "clientConfig": client(HANDLER_ID),
                 "rules": [
                     {
                         "apiGroups": [""],
@@ -147,7 +151,10 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
                 "admissionReviewVersions": ["v1"],
                 "reinvocationPolicy": "IfNeeded",
                 "matchPolicy": "Equivalent",
-            }
+            },
+            child_workloads.workloads_webhook(
+                client(child_workloads.HANDLER_ID), children.timeout_seconds
+            ),
         ],
     }
 
@@ -444,6 +451,9 @@ def register(
         patch.fns.append(replace)
         if not dryrun:
             metrics.record_child_mutated(str(mutation.pod["metadata"].get("namespace", "")))
+
+    # The pods her Deployments, Jobs... make: their templates, where she writes them.
+    child_workloads.register(registry, pods, children, minds)
 
 
 def _register_count(
