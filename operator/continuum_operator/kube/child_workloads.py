@@ -35,7 +35,15 @@ if TYPE_CHECKING:
 
     from continuum_operator.kube.mind_cache import MindCache
 
-__all__ = ["HANDLER_ID", "WORKLOADS", "mutate_workload", "register", "workloads_webhook"]
+__all__ = [
+    "HANDLER_ID",
+    "WORKLOADS",
+    "answer",
+    "creator_mind",
+    "mutate_workload",
+    "register",
+    "workloads_webhook",
+]
 
 HANDLER_ID = "mind-workloads"
 """kopf's id of the workloads' handler: the last part of its webhook's URL path."""
@@ -136,6 +144,24 @@ def workloads_webhook(client: Obj, timeout_seconds: int) -> Obj:
     }
 
 
+def creator_mind(userinfo: Mapping[str, Any] | None, minds: MindCache) -> str | None:
+    """The Mind whose service account sends the request (`children.mind_of_creator`)."""
+    username = str((userinfo or {}).get("username") or "")
+    return mind_of_creator(username, lambda key: key in minds.minds)
+
+
+def answer(patch: Any, warnings: list[str], mutation: Mutation) -> None:
+    """The admission's answer: the object as mutated (kopf makes the JSON patch from the
+    difference), its notes as warnings the client prints."""
+    warnings.extend(mutation.notes)
+
+    def replace(raw: Any) -> None:
+        raw.clear()
+        raw.update(copy.deepcopy(mutation.pod))
+
+    patch.fns.append(replace)
+
+
 def register(
     registry: kopf.OperatorRegistry,
     pods: PodSettings,
@@ -155,20 +181,12 @@ def register(
         old: kopf.Body | None = None,
         **_: Any,
     ) -> None:
-        username = str((userinfo or {}).get("username") or "")
-        creator = mind_of_creator(username, lambda key: key in minds.minds)
         key = (resource.group, resource.plural)
         was = dict(old) if old is not None else None
+        creator = creator_mind(userinfo, minds)
         mutation = mutate_workload(key, dict(body), was, pods, children, creator)
-        if mutation is None:
-            return
-        warnings.extend(mutation.notes)
-
-        def replace(raw: Any) -> None:
-            raw.clear()
-            raw.update(copy.deepcopy(mutation.pod))
-
-        patch.fns.append(replace)
+        if mutation is not None:
+            answer(patch, warnings, mutation)
 
     for group, plural in WORKLOADS:
         kopf.on.mutate(group, "v1", plural, id=HANDLER_ID, operations=["CREATE", "UPDATE"],

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import ipaddress
 import logging
 import socket
@@ -47,7 +46,6 @@ from continuum_operator.kube.children import (
     SYSTEM_ACCOUNTS,
     is_marked,
     mind_of,
-    mind_of_creator,
     mutate,
 )
 from continuum_operator.kube.objects import MANAGED_BY
@@ -437,18 +435,11 @@ def register(
         userinfo: Mapping[str, Any] | None = None,
         **_: Any,
     ) -> None:
-        username = str((userinfo or {}).get("username") or "")
-        creator = mind_of_creator(username, lambda key: key in minds.minds)
+        creator = child_workloads.creator_mind(userinfo, minds)
         mutation = mutate(dict(body), pods, children, creator)
         if mutation is None:
             return
-        warnings.extend(mutation.notes)
-
-        def replace(raw: Any) -> None:
-            raw.clear()
-            raw.update(copy.deepcopy(mutation.pod))
-
-        patch.fns.append(replace)
+        child_workloads.answer(patch, warnings, mutation)
         if not dryrun:
             metrics.record_child_mutated(str(mutation.pod["metadata"].get("namespace", "")))
 
