@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -288,3 +289,45 @@ def test_a_namespace_over_its_token_quota_queues_its_minds_with_the_reason(
             )
     finally:
         cluster.kubectl("delete", "mindclass", cls["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_a_resource_quota_caps_a_namespaces_count_of_minds_and_engines(
+    cluster: Cluster, crds: None, tag: str
+) -> None:
+    """What a namespace's objects cost the operator is bounded by their count (docs/tenancy.md):
+    a plain ResourceQuota's object counts, `count/minds.continuum.dev`, enforced by the API
+    server on custom resources."""
+    ns = scoped_namespace(cluster, tag)
+    limits = {"count/minds.continuum.dev": "2", "count/engines.continuum.dev": "1"}
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "objects", "namespace": ns},
+        "spec": {"hard": limits},
+    }
+
+    def counted() -> bool:
+        """The quota admits nothing it has not counted. The controller counts a custom
+        resource once its discovery (every 30 s) has seen the CRD; a quota made before that is
+        counted at its full resync (5 min): made again until it is counted at once."""
+        status = cluster.get_json("resourcequota", "objects", "-n", ns).get("status") or {}
+        if set(status.get("used") or {}) == set(limits):
+            return True
+        cluster.kubectl("delete", "resourcequota", "objects", "-n", ns)
+        cluster.apply(quota)
+        time.sleep(5)
+        return False
+
+    cluster.apply(quota)
+    wait_for("the quota counted", counted, timeout=120)
+    for name in ("a", "b"):
+        made = create(cluster, mind(name, "standard"), ns)
+        assert made.returncode == 0, made.stderr
+    third = create(cluster, mind("c", "standard"), ns)
+    assert third.returncode != 0, third.stdout
+    assert "exceeded quota: objects" in third.stderr, third.stderr
+    assert "limited: count/minds.continuum.dev=2" in third.stderr, third.stderr
+    first = create(cluster, engine("coder", tag, ("e2e", tag)), ns)
+    assert first.returncode == 0, first.stderr
+    second = create(cluster, engine("other", tag, ("e2e", tag)), ns)
+    assert "limited: count/engines.continuum.dev=1" in second.stderr, second.stderr
