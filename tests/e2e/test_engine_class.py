@@ -159,9 +159,17 @@ def assert_a_child(p: dict[str, Any], mind: str) -> None:
 
 
 def test_a_minds_deployment_job_and_cronjob_run_their_pods_in_the_childrens_class(
-    cluster: Cluster, crds: None, namespace: str, tmp_path: Path
+    cluster: Cluster,
+    crds: None,
+    namespace: str,
+    tmp_path: Path,
+    installed: Callable[[list[dict[str, Any]]], None],
 ) -> None:
     ns = namespace
+    # The chart's defaults: the webhook and the engines' class guard both on. The webhook
+    # mutates before the guard validates, so her Deployment asking for the engines' class is
+    # admitted, in the children's class.
+    install_checked(cluster, installed, policies({}, "-engine-priority-guard"))
     mind = {
         "apiVersion": "continuum.dev/v1alpha1",
         "kind": "Mind",
