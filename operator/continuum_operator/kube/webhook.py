@@ -8,6 +8,9 @@ yield to everything else under contention) and a mark for the runner inside the 
 (`continuum run`, `continuum_operator.procclass`): the annotation `continuum.dev/process-class`
 and the variable `CONTINUUM_PROCESS_CLASS`, both `background`.
 
+The pods her workloads make (a Deployment's, a Job's) are made by controllers, not by her: their
+templates are mutated where she writes them (`kube.child_workloads`).
+
 Its failure policy is Ignore: pod creation never blocks on the operator. So a child may arrive
 unmutated (the operator down, slow or not yet started); a watch on children counts each one that
 lacks the mark (a metric, and a Warning event on the pod), so none is silently missed.
@@ -94,7 +97,8 @@ accounts and are sent only when labelled: a mind's runtime labels their template
 
 
 def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSettings) -> Obj:
-    """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator.
+    """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator,
+    and the workloads a service account writes (`child_workloads.workloads_webhook`).
 
     `client_config` is what kopf's server yields (its URL and CA bundle); the handler's id is
     the URL's last part, as kopf routes it (kopf's server has no root path, so a Service
