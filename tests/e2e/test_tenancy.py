@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +18,6 @@ from typing import Any
 
 import pytest
 
-from continuum_operator import yaml_text
-from continuum_operator.kube.priority_classes import priority_classes
-from continuum_operator.kube.settings import PodSettings
 from tests.e2e.conftest import Cluster
 from tests.e2e.test_boundaries import install_checked
 from tests.e2e.test_grants import (  # the grants e2e's own helpers, reused
@@ -68,11 +66,12 @@ def tag(cluster: Cluster) -> Iterator[str]:
 
 
 def policies(values: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chart's tenancy policies and bindings as `helm template` renders them (the chart's
-    other policies, on engine sources, engine status and agent Leases, are test_boundaries')."""
+    """The chart's MindClass policy and binding as `helm template` renders them (the chart's
+    other policies, on engine sources, engine status and agent Leases, are test_boundaries';
+    the engines' class guard, test_engine_class's)."""
     docs = documents(template(find_helm(), values, release="e2e").stdout)
     kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-    tenancy = ("-mindclass-namespaces", "-engine-priority")
+    tenancy = ("-mindclass-namespaces",)
     return [
         d for k in kinds for d in by_kind(docs, k)
         if any(part in d["metadata"]["name"] for part in tenancy)
@@ -292,48 +291,43 @@ def test_a_namespace_over_its_token_quota_queues_its_minds_with_the_reason(
         cluster.kubectl("delete", "mindclass", cls["metadata"]["name"], "--wait=false", check=False)
 
 
-def pod(name: str, priority_class: str) -> dict[str, Any]:
-    return {
+def test_a_resource_quota_caps_a_namespaces_count_of_minds_and_engines(
+    cluster: Cluster, crds: None, tag: str
+) -> None:
+    """What a namespace's objects cost the operator is bounded by their count (docs/tenancy.md):
+    a plain ResourceQuota's object counts, `count/minds.continuum.dev`, enforced by the API
+    server on custom resources."""
+    ns = scoped_namespace(cluster, tag)
+    limits = {"count/minds.continuum.dev": "2", "count/engines.continuum.dev": "1"}
+    quota = {
         "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "priorityClassName": priority_class,
-            "containers": [{"name": "c", "image": "registry.local/none:1"}],
-        },
+        "kind": "ResourceQuota",
+        "metadata": {"name": "objects", "namespace": ns},
+        "spec": {"hard": limits},
     }
 
+    def counted() -> bool:
+        """The quota admits nothing it has not counted. The controller counts a custom
+        resource once its discovery (every 30 s) has seen the CRD; a quota made before that is
+        counted at its full resync (5 min): made again until it is counted at once."""
+        status = cluster.get_json("resourcequota", "objects", "-n", ns).get("status") or {}
+        if set(status.get("used") or {}) == set(limits):
+            return True
+        cluster.kubectl("delete", "resourcequota", "objects", "-n", ns)
+        cluster.apply(quota)
+        time.sleep(5)
+        return False
 
-def test_a_pod_of_an_ordinary_namespace_asking_for_the_engine_priority_class_is_refused(
-    cluster: Cluster, tag: str, installed: Callable[[list[dict[str, Any]]], None]
-) -> None:
-    # The class must exist, or the Priority admission plugin refuses the pod first, for that.
-    engine_class = priority_classes(PodSettings())[0]
-    name = engine_class["metadata"]["name"]
-    exists = cluster.kubectl("get", "priorityclass", name, check=False).returncode == 0
-    if not exists:
-        cluster.kubectl("create", "-f", "-", input=yaml_text.dump(engine_class), check=False)
-    ordinary = scoped_namespace(cluster, tag)
-    engines_ns = scoped_namespace(cluster, tag, **{"continuum.dev/engines": "allowed"})
-    scope = [{"key": SCOPE, "operator": "In", "values": [tag]}]
-    docs = policies(
-        {"tenancy": {
-            "mindClassPolicy": {"enabled": False},
-            "enginePriorityGuard": {"enabled": True, "extraMatchExpressions": scope},
-        }}
-    )  # fmt: skip
-    install_checked(cluster, installed, docs)
-
-    refused = refused_once_active(cluster, pod("squatter", name), ordinary)
-    for words in (
-        f"PriorityClass {name} is kept for continuum engines",
-        f"may not be used by pods of namespace {ordinary}",
-        f"kubectl label namespace {ordinary} continuum.dev/engines=allowed",
-    ):
-        assert words in refused.stderr, refused.stderr
-    # In a namespace labelled for engines the same pod is admitted; elsewhere, other classes are.
-    admitted = create(cluster, pod("engine", name), engines_ns, dry_run=True)
-    assert admitted.returncode == 0, admitted.stderr
-    plain = {**pod("plain", name), "spec": {"containers": pod("p", name)["spec"]["containers"]}}
-    admitted = create(cluster, plain, ordinary, dry_run=True)
-    assert admitted.returncode == 0, admitted.stderr
+    cluster.apply(quota)
+    wait_for("the quota counted", counted, timeout=120)
+    for name in ("a", "b"):
+        made = create(cluster, mind(name, "standard"), ns)
+        assert made.returncode == 0, made.stderr
+    third = create(cluster, mind("c", "standard"), ns)
+    assert third.returncode != 0, third.stdout
+    assert "exceeded quota: objects" in third.stderr, third.stderr
+    assert "limited: count/minds.continuum.dev=2" in third.stderr, third.stderr
+    first = create(cluster, engine("coder", tag, ("e2e", tag)), ns)
+    assert first.returncode == 0, first.stderr
+    second = create(cluster, engine("other", tag, ("e2e", tag)), ns)
+    assert "limited: count/engines.continuum.dev=1" in second.stderr, second.stderr

@@ -214,7 +214,8 @@ def test_the_configuration_ignores_failures_and_sends_only_a_minds_new_pods() ->
     )
     assert cfg["kind"] == "MutatingWebhookConfiguration"
     assert cfg["metadata"]["name"] == "wh"
-    (hook,) = cfg["webhooks"]
+    hook, workloads = cfg["webhooks"]
+    assert workloads["name"] == "workloads.children.continuum.dev"  # test_child_workloads.py
     assert hook["failurePolicy"] == "Ignore"
     assert hook["timeoutSeconds"] == 3
     assert hook["clientConfig"] == {

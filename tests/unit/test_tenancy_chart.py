@@ -1,18 +1,18 @@
 """The chart's tenancy policies (docs/tenancy.md), as `helm template` renders them: the MindClass
 namespaces policy on by default and bound to every MindClass, the engine PriorityClass guard
-off by default and scoped to namespaces not labelled for engines, the operator's TokenQuota
-rights. Their CEL is judged by the real API server in tests/e2e/test_tenancy.py."""
+on by default, in every namespace, keyed by who writes the pod or template; the operator's
+TokenQuota rights. Their CEL is judged by the real API server in tests/e2e/test_tenancy.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from continuum_operator.kube.child_workloads import WORKLOADS
 from tests.helm import by_kind, documents, find_helm, one, template
-
-GUARD = {"tenancy": {"enginePriorityGuard": {"enabled": True}}}
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,6 @@ def test_the_mindclass_policy_is_installed_by_default_and_checks_every_class(
     # An empty selector: every MindClass is a parameter, each evaluated; none found: allowed.
     assert binding["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Allow"}
     assert binding["validationActions"] == ["Deny"]
-    # The engine guard is opt-in: engine namespaces must be labelled first.
-    assert not [
-        d
-        for d in by_kind(docs, "ValidatingAdmissionPolicy")
-        if d["metadata"]["name"].endswith("-engine-priority-guard")
-    ]
 
 
 def test_the_mindclass_policy_can_be_left_out_or_only_warn(helm_bin: Path) -> None:
@@ -56,48 +50,60 @@ def test_the_mindclass_policy_can_be_left_out_or_only_warn(helm_bin: Path) -> No
     assert binding["spec"]["validationActions"] == ["Warn"]
 
 
-def test_the_engine_priority_guard_refuses_the_engine_class_outside_labelled_namespaces(
+def test_the_engine_priority_guard_is_on_by_default_everywhere_keyed_by_the_writer(
     helm_bin: Path,
 ) -> None:
-    docs = render(helm_bin, GUARD)
+    docs = render(helm_bin)
+    account = one(docs, "ServiceAccount", "-operator")["metadata"]
     policy = one(docs, "ValidatingAdmissionPolicy", "-engine-priority-guard")["spec"]
-    [rule] = policy["matchConstraints"]["resourceRules"]
-    assert (rule["resources"], rule["operations"]) == (["pods"], ["CREATE"])
-    assert policy["variables"] == [{"name": "reserved", "expression": '["continuum-engine"]'}]
-    message = policy["validations"][0]["messageExpression"]
-    assert "kubectl label namespace ' + request.namespace" in message
-    assert "continuum.dev/engines=allowed" in message
-    binding = one(docs, "ValidatingAdmissionPolicyBinding", "-engine-priority-guard")["spec"]
-    assert binding["matchResources"]["namespaceSelector"] == {
-        "matchExpressions": [
-            {"key": "continuum.dev/engines", "operator": "NotIn", "values": ["allowed"]}
-        ]
+    assert policy["failurePolicy"] == "Fail"
+    rules = {
+        (g, r): tuple(rule["operations"])
+        for rule in policy["matchConstraints"]["resourceRules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
     }
+    # Pods, and every built-in kind a controller makes pods from (tests/e2e: their CEL).
+    assert rules == {
+        ("", "pods"): ("CREATE",),
+        **{k: ("CREATE", "UPDATE") for k in WORKLOADS},
+    }
+    variables = {v["name"]: v["expression"] for v in policy["variables"]}
+    assert variables["reserved"] == '["continuum-engine"]'
+    # Trusted by who writes, never by a label: the chart's operator account, the controllers.
+    trusted = variables["trusted"]
+    assert f'"system:serviceaccount:{account["namespace"]}:{account["name"]}"' in trusted
+    assert "startsWith('system:serviceaccount:kube-system:')" in trusted
+    assert "'system:masters' in request.userInfo.groups" in trusted
+    assert "label" not in json.dumps(policy)
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "-engine-priority-guard")["spec"]
+    assert "matchResources" not in binding  # every namespace, the engines' included
+    assert binding["validationActions"] == ["Deny"]
 
 
-def test_the_guard_takes_its_classes_label_and_extra_scope_from_values(helm_bin: Path) -> None:
-    extra = [{"key": "team", "operator": "In", "values": ["a"]}]
+def test_the_guard_takes_its_classes_trusted_users_and_scope_from_values(helm_bin: Path) -> None:
+    scope = {"matchLabels": {"team": "a"}}
     values = {
         "tenancy": {
             "enginePriorityGuard": {
-                "enabled": True,
                 "priorityClassNames": ["continuum-engine", "gold"],
-                "namespaceLabel": "example.com/engines",
-                "namespaceLabelValue": "yes",
-                "extraMatchExpressions": extra,
+                "trustedUsers": ["ops@example.com"],
+                "namespaceSelector": scope,
             }
         }
     }
     docs = render(helm_bin, values)
     policy = one(docs, "ValidatingAdmissionPolicy", "-engine-priority-guard")["spec"]
-    assert policy["variables"][0]["expression"] == '["continuum-engine","gold"]'
-    assert "example.com/engines=yes" in policy["validations"][0]["messageExpression"]
-    selector = one(docs, "ValidatingAdmissionPolicyBinding", "-engine-priority-guard")["spec"][
-        "matchResources"
-    ]["namespaceSelector"]
-    assert selector["matchExpressions"] == [
-        {"key": "example.com/engines", "operator": "NotIn", "values": ["yes"]},
-        *extra,
+    variables = {v["name"]: v["expression"] for v in policy["variables"]}
+    assert variables["reserved"] == '["continuum-engine","gold"]'
+    assert '"ops@example.com"' in variables["trusted"]
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "-engine-priority-guard")["spec"]
+    assert binding["matchResources"]["namespaceSelector"] == scope
+    off = render(helm_bin, {"tenancy": {"enginePriorityGuard": {"enabled": False}}})
+    assert not [
+        d
+        for d in by_kind(off, "ValidatingAdmissionPolicy")
+        if d["metadata"]["name"].endswith("-engine-priority-guard")
     ]
 
 
@@ -107,6 +113,7 @@ def test_bad_tenancy_values_are_refused_by_the_schema(helm_bin: Path) -> None:
         {"tenancy": {"mindClassPolicy": {"validationActions": ["Block"]}}},
         {"tenancy": {"enginePriorityGuard": {"priorityClassNames": []}}},
         {"tenancy": {"enginePriorityGuard": {"enabeld": True}}},
+        {"tenancy": {"enginePriorityGuard": {"namespaceLabel": "continuum.dev/engines"}}},
     ):
         proc = template(helm_bin, bad, check=False)
         assert proc.returncode != 0, bad

@@ -2,9 +2,12 @@
 
 Every object the API server sends carries `metadata.managedFields` (server-side apply's field
 ownership: often larger than the spec), and one applied with `kubectl apply` a copy of the whole
-applied manifest in the `kubectl.kubernetes.io/last-applied-configuration` annotation. Nothing in
-the operator reads either; with ten thousand Minds they are most of what a cache would hold
-(`bench/cache_memory.py` measures both). The rest is kept whole, so no field a decision reads
+applied manifest in the `kubectl.kubernetes.io/last-applied-configuration` annotation. Its
+annotations are its writers' to fill, up to the API server's 256 KiB: 2,000 Minds of 240 KB
+each were 480 MB a cache would hold for nothing. No decision reads an annotation of the
+objects kept here (Minds, Engines, GrantLedgers, EmbedLanes, MindClasses, TokenQuotas), so
+none is kept but those named in KEPT_ANNOTATIONS (`bench/cache_memory.py` measures it). The rest
+is kept whole (spec, status, labels, the rest of the metadata), so no field a decision reads
 can go missing by omission.
 """
 
@@ -14,20 +17,32 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LAST_APPLIED", "kept", "newer", "resource_version"]
+__all__ = ["KEPT_ANNOTATIONS", "LAST_APPLIED", "kept", "newer", "resource_version"]
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+KEPT_ANNOTATIONS: frozenset[str] = frozenset()
+"""The annotations of a cached object some decision reads: none today. A decision that comes
+to read one names it here; every other annotation is dropped from the caches."""
 
 
 def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of `obj` without its managed fields and kubectl's last-applied copy."""
+    """A deep copy of `obj` without its managed fields and annotations (but KEPT_ANNOTATIONS).
+
+    The annotations are not copied before they are dropped: what the cache holds grows with
+    the fields decisions read, not with what a writer put in its annotations."""
     body = {k: copy.deepcopy(v) for k, v in obj.items() if k != "metadata"}
     meta = obj.get("metadata")
     if isinstance(meta, Mapping):
-        slim = {k: copy.deepcopy(v) for k, v in meta.items() if k != "managedFields"}
-        annotations = slim.get("annotations")
-        if isinstance(annotations, dict) and LAST_APPLIED in annotations:
-            slim["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
+        slim = {
+            k: copy.deepcopy(v)
+            for k, v in meta.items()
+            if k not in ("managedFields", "annotations")
+        }
+        annotations = meta.get("annotations")
+        if isinstance(annotations, Mapping):
+            read = {k: str(v) for k, v in annotations.items() if k in KEPT_ANNOTATIONS}
+            if read:
+                slim["annotations"] = read
         body["metadata"] = slim
     return body
 

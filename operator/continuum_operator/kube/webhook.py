@@ -8,6 +8,9 @@ yield to everything else under contention) and a mark for the runner inside the 
 (`continuum run`, `continuum_operator.procclass`): the annotation `continuum.dev/process-class`
 and the variable `CONTINUUM_PROCESS_CLASS`, both `background`.
 
+The pods her workloads make (a Deployment's, a Job's) are made by controllers, not by her: their
+templates are mutated where she writes them (`kube.child_workloads`).
+
 Its failure policy is Ignore: pod creation never blocks on the operator. So a child may arrive
 unmutated (the operator down, slow or not yet started); a watch on children counts each one that
 lacks the mark (a metric, and a Warning event on the pod), so none is silently missed.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import ipaddress
 import logging
 import socket
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.core import rfc3339
-from continuum_operator.kube import events
+from continuum_operator.kube import child_workloads, events
 from continuum_operator.kube.children import (
     CLASS_ANNOTATION,
     DNS_LABEL,
@@ -47,7 +49,6 @@ from continuum_operator.kube.children import (
     SYSTEM_ACCOUNTS,
     is_marked,
     mind_of,
-    mind_of_creator,
     mutate,
 )
 from continuum_operator.kube.objects import MANAGED_BY
@@ -96,7 +97,8 @@ accounts and are sent only when labelled: a mind's runtime labels their template
 
 
 def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSettings) -> Obj:
-    """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator.
+    """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator,
+    and the workloads a service account writes (`child_workloads.workloads_webhook`).
 
     `client_config` is what kopf's server yields (its URL and CA bundle); the handler's id is
     the URL's last part, as kopf routes it (kopf's server has no root path, so a Service
@@ -104,22 +106,26 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
     Service (`clientConfig.service`), else to the URL. Kept when the operator stops: pods are
     then admitted unmutated (Ignore) and counted when it is back.
     """
-    client: Obj
-    if children.service is not None:
-        namespace, name = children.service
-        port = children.service_port if children.service_port is not None else children.port
-        client = {
-            "service": {
-                "namespace": namespace,
-                "name": name,
-                "port": port,
-                "path": f"/{HANDLER_ID}",
+
+    def client(handler_id: str) -> Obj:
+        found: Obj
+        if children.service is not None:
+            namespace, name = children.service
+            port = children.service_port if children.service_port is not None else children.port
+            found = {
+                "service": {
+                    "namespace": namespace,
+                    "name": name,
+                    "port": port,
+                    "path": f"/{handler_id}",
+                }
             }
-        }
-    else:
-        client = {"url": f"{str(client_config['url']).rstrip('/')}/{HANDLER_ID}"}
-    if client_config.get("caBundle"):
-        client["caBundle"] = client_config["caBundle"]
+        else:
+            found = {"url": f"{str(client_config['url']).rstrip('/')}/{handler_id}"}
+        if client_config.get("caBundle"):
+            found["caBundle"] = client_config["caBundle"]
+        return found
+
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",
@@ -130,7 +136,7 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
         "webhooks": [
             {
                 "name": f"children.{GROUP}",
-                "clientConfig": client,
+                "clientConfig": client(HANDLER_ID),
                 "rules": [
                     {
                         "apiGroups": [""],
@@ -147,7 +153,10 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
                 "admissionReviewVersions": ["v1"],
                 "reinvocationPolicy": "IfNeeded",
                 "matchPolicy": "Equivalent",
-            }
+            },
+            child_workloads.workloads_webhook(
+                client(child_workloads.HANDLER_ID), children.timeout_seconds
+            ),
         ],
     }
 
@@ -430,20 +439,16 @@ def register(
         userinfo: Mapping[str, Any] | None = None,
         **_: Any,
     ) -> None:
-        username = str((userinfo or {}).get("username") or "")
-        creator = mind_of_creator(username, lambda key: key in minds.minds)
+        creator = child_workloads.creator_mind(userinfo, minds)
         mutation = mutate(dict(body), pods, children, creator)
         if mutation is None:
             return
-        warnings.extend(mutation.notes)
-
-        def replace(raw: Any) -> None:
-            raw.clear()
-            raw.update(copy.deepcopy(mutation.pod))
-
-        patch.fns.append(replace)
+        child_workloads.answer(patch, warnings, mutation)
         if not dryrun:
             metrics.record_child_mutated(str(mutation.pod["metadata"].get("namespace", "")))
+
+    # The pods her Deployments, Jobs... make: their templates, where she writes them.
+    child_workloads.register(registry, pods, children, minds)
 
 
 def _register_count(
