@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -52,27 +51,26 @@ from continuum_operator.engine.admission import (
     still_reported,
     token_cap,
 )
-from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
-from continuum_operator.engine.openai_api import (
-    Endpoint,
-    FieldError,
-    asked_tokens,
-    cap_body,
-    check_body,
-    check_native,
-    over_grant_body,
-    prompt_bound,
-    refusal_body,
+from continuum_operator.engine.dialects import (
+    CHAT,
+    DOORS,
+    NATIVE,
+    Annotate,
+    Bad,
+    Counting,
+    Dialect,
+    Forward,
+    Reply,
+    Shaper,
 )
+from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
+from continuum_operator.engine.openai_api import prompt_bound
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 
 __all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
 
 log = logging.getLogger(__name__)
-
-#: OpenAI's clients read it before their own rule of what to retry (openai-python does).
-SHOULD_RETRY_HEADER = "x-should-retry"
 
 #: Seconds a connection may take to send a whole request head, and stay idle between requests:
 #: a client that opens a connection and never finishes its headers is dropped after it
@@ -220,10 +218,8 @@ class Gateway:
         app = web.Application()
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)
-        app.router.add_post("/completion", self.completion)
-        app.router.add_post(Endpoint.CHAT.value, self.chat_completions)
-        app.router.add_post(Endpoint.COMPLETIONS.value, self.completions)
-        app.router.add_post(Endpoint.EMBEDDINGS.value, self.embeddings)
+        for path, dialect in DOORS.items():
+            app.router.add_post(path, self.door(dialect))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -475,24 +471,25 @@ class Gateway:
 
     # --- answers ------------------------------------------------------------------------------
 
-    def _answer(self, adm: Admission, *, openai: bool = False) -> web.Response:
+    def _reply(self, reply: Reply) -> web.Response:
+        return web.json_response(reply.body, status=reply.status, headers=reply.headers or None)
+
+    def _answer(self, adm: Admission, dialect: Dialect = NATIVE) -> web.Response:
+        """A refusal of the grant protocol, in the words of the API she spoke."""
         assert adm.refusal is not None
         self.metrics.refused(adm.refusal)
-        headers = {"Retry-After": str(adm.retry_after)} if adm.retry_after else {}
-        if not openai:
-            return web.json_response(adm.body, status=adm.status, headers=headers or None)
-        # OpenAI's clients retry 409 and 429 by themselves; only a wait in line is worth it.
-        retry = adm.status in (429, 503)
-        headers[SHOULD_RETRY_HEADER] = "true" if retry else "false"
-        return web.json_response(refusal_body(adm), status=adm.status, headers=headers)
+        return self._reply(dialect.refusal(adm))
 
     def _refuse(
-        self, refusal: Refusal, status: int, body: dict[str, Any], *, openai: bool = False
+        self, refusal: Refusal, status: int, body: dict[str, Any], dialect: Dialect = NATIVE
     ) -> web.Response:
         return self._answer(
-            Admission(Answer.REFUSE, status, {"error": refusal.value, **body}, refusal),
-            openai=openai,
+            Admission(Answer.REFUSE, status, {"error": refusal.value, **body}, refusal), dialect
         )
+
+    def _bad_request(self, dialect: Dialect, param: str, message: str) -> web.Response:
+        self.metrics.refused(Refusal.BAD_REQUEST)
+        return self._reply(dialect.bad_request(param, message))
 
     def _cut_body(self, flight: _Flight) -> dict[str, Any]:
         return {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
@@ -582,36 +579,36 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         """`GET /v1/models`: llama-server's answer (the one model), to a mind of this engine."""
-        mind, refused = await self._who(request)
-        if refused is None and (self.table is None or self.table.entry(mind) is None):
-            refused = admit_turn(self.table, mind)
-        if refused is not None and refused.answer is not Answer.ADMIT:
-            return self._answer(refused, openai=True)
+        refused = await self._of_this_engine(request)
+        if refused is not None:
+            return self._answer(refused, CHAT)
         try:
             async with self.session.get(f"{self.settings.upstream}/v1/models") as resp:
                 return web.json_response(await resp.json(content_type=None), status=resp.status)
         except (aiohttp.ClientError, ValueError):
             return self._refuse(
-                Refusal.RELAUNCHING,
-                503,
-                {"reason": GrantReason.ENGINE_RELAUNCHING.value},
-                openai=True,
+                Refusal.RELAUNCHING, 503, {"reason": GrantReason.ENGINE_RELAUNCHING.value}, CHAT
             )
 
-    async def completion(self, request: web.Request) -> web.StreamResponse:
-        """llama-server's native `/completion`."""
-        return await self._serve(request, None)
+    async def _of_this_engine(self, request: web.Request) -> Admission | None:
+        """None if the request speaks for a mind of this engine's table (any state: what she
+        asks takes no slot); else why not."""
+        mind, refused = await self._who(request)
+        if refused is None and (self.table is None or self.table.entry(mind) is None):
+            refused = admit_turn(self.table, mind)
+        if refused is not None and refused.answer is not Answer.ADMIT:
+            return refused
+        return None
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Endpoint.CHAT)
+    def door(self, dialect: Dialect) -> Handler:
+        """The handler of a generating route spoken in `dialect`."""
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Endpoint.COMPLETIONS)
+        async def serve(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, dialect)
 
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Endpoint.EMBEDDINGS)
+        return serve
 
-    def _admit(self, mind: str, tid: str, *, openai: bool) -> Admission:
+    def _admit(self, mind: str, tid: str) -> Admission:
         """Whether this request runs: inside her open turn, or as a turn of one request."""
         if not tid:
             # No turn named: a turn of this one request, answered as opening a turn would be.
@@ -633,54 +630,51 @@ class Gateway:
         turn_slot = turn.slot if turn is not None and turn.mind == mind else None
         return admit_request(self.table, mind, turn_slot, engine_ready=self.engine_ready)
 
-    async def _serve(self, request: web.Request, endpoint: Endpoint | None) -> web.StreamResponse:
-        openai = endpoint is not None
-        mind, refused = await self._who(request)
-        if refused is not None:
-            return self._answer(refused, openai=openai)
-        try:
-            body = await request.json()
-        except ValueError:
-            return self._bad_request("", "the body is not JSON", openai=openai)
-        adm = self._admit(mind, request.headers.get(TURN_HEADER, ""), openai=openai)
-        if adm.answer is not Answer.ADMIT:
-            return self._answer(adm, openai=openai)
-        assert adm.slot is not None
-        tokens = min(adm.tokens, self.slot_ctx) if self.slot_ctx else adm.tokens
-        if endpoint is not None:
-            bad = check_body(endpoint, body, tokens)
-            if bad is not None:
-                self.metrics.refused(Refusal.BAD_REQUEST)
-                headers = {SHOULD_RETRY_HEADER: "false"}
-                return web.json_response(bad.body(), status=400, headers=headers)
-        elif (bad := check_native(body)) is not None:
-            return self._bad_request(bad.param, bad.message, openai=False)
-        if endpoint is Endpoint.EMBEDDINGS and self.slot_count != 1:
-            return self._bad_request(
+    def _checked(self, dialect: Dialect, body: Any, tokens: int) -> Forward:
+        """The body as it goes to llama-server, once every check of its dialect passed: the
+        one place a body is judged before it costs the engine anything (`Bad` if refused)."""
+        dialect.check(body, tokens)
+        if dialect.any_slot and self.slot_count != 1:
+            raise Bad(
                 "input",
                 f"this engine runs {self.slot_count or 'several'} slots, and llama-server "
                 "places an embedding on any idle slot, not hers (it would overwrite another "
                 "mind's context): embed on an EmbedLane, or an engine of one slot",
-                openai=True,
             )
+        return dialect.forward(body)
+
+    async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        mind, refused = await self._who(request)
+        if refused is not None:
+            return self._answer(refused, dialect)
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._bad_request(dialect, "", "the body is not JSON")
+        adm = self._admit(mind, request.headers.get(TURN_HEADER, ""))
+        if adm.answer is not Answer.ADMIT:
+            return self._answer(adm, dialect)
+        assert adm.slot is not None
+        tokens = min(adm.tokens, self.slot_ctx) if self.slot_ctx else adm.tokens
+        try:
+            fwd = self._checked(dialect, body, tokens)
+        except Bad as bad:
+            return self._bad_request(dialect, bad.param, bad.message)
         # Registered with no await since the admission: a reclaim from here on cuts it.
         flight = _Flight(mind, adm.slot)
         self.flights.setdefault(mind, set()).add(flight)
         self.metrics.slot_busy(adm.slot, 1)
         started = time.monotonic()
         try:
-            return await self._forward(request, body, endpoint, flight, tokens)
+            return await self._forward(request, fwd, dialect, flight, tokens)
         except _CutNow:
-            return self._cut_answer(flight, openai=openai)
+            return self._cut_answer(flight, dialect)
         except _BadUpstreamRequest as err:
-            return web.json_response(err.payload, status=err.status)
+            return self._reply(dialect.upstream_error(err.status, err.payload))
         except _UpstreamDown as err:
             log.warning("llama-server failed %s's request: %s", mind, err)
             return self._refuse(
-                Refusal.TURN_CUT,
-                409,
-                {"reason": GrantReason.ENGINE_RELAUNCHING.value},
-                openai=openai,
+                Refusal.TURN_CUT, 409, {"reason": GrantReason.ENGINE_RELAUNCHING.value}, dialect
             )
         finally:
             self.metrics.busy_seconds.labels(str(adm.slot)).inc(time.monotonic() - started)
@@ -698,60 +692,27 @@ class Gateway:
         async with self._flights_done:
             self._flights_done.notify_all()
 
-    def _bad_request(self, param: str, message: str, *, openai: bool) -> web.Response:
-        if openai:
-            self.metrics.refused(Refusal.BAD_REQUEST)
-            return web.json_response(
-                FieldError(param, message).body(),
-                status=400,
-                headers={SHOULD_RETRY_HEADER: "false"},
-            )
-        return self._refuse(Refusal.BAD_REQUEST, 400, {"message": message})
-
     async def _prompt_cap(
-        self,
-        body: dict[str, Any],
-        endpoint: Endpoint | None,
-        flight: _Flight,
-        grant_tokens: int,
-    ) -> TokenCap | OverGrant | web.Response:
+        self, fwd: Forward, flight: _Flight, grant_tokens: int
+    ) -> TokenCap | OverGrant:
         """The generation cap that keeps prompt and output in the grant, counting the prompt
         without llama-server where its size bounds it, else with one `/tokenize`."""
-        asked: int | None
-        if endpoint is None:
-            prompt = body.get("prompt")
-            bound = prompt_token_bound(prompt)
-            if bound is None:
-                return self._bad_request(
-                    "prompt",
-                    "prompt: one prompt (a string, or a list of tokens and strings)",
-                    openai=False,
-                )
-            if isinstance(prompt, list) and len(prompt) > grant_tokens:
-                return self._bad_request(
-                    "prompt",
-                    f"prompt: {len(prompt)} pieces, more than the grant's {grant_tokens} tokens",
-                    openai=False,
-                )
-            raw = body.get("n_predict")
-            if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int)):
-                return self._bad_request("n_predict", "n_predict: an integer", openai=False)
-            asked, content = raw, prompt
-        elif endpoint is Endpoint.CHAT:
-            asked = asked_tokens(body)
+        body, asked = fwd.body, fwd.asked
+        if fwd.counting is Counting.CHAT:
             templated: str = await self._until_cut(flight, self._apply_template(body))
-            content, bound = templated, prompt_bound(templated)
+            content: Any = templated
+            bound = prompt_bound(templated)
         else:
-            field_name = "prompt" if endpoint is Endpoint.COMPLETIONS else "input"
-            content = body.get(field_name)
-            if isinstance(content, list) and len(content) == 1:
+            name = "input" if fwd.counting is Counting.EMBED else "prompt"
+            content = body.get(name)
+            listed = isinstance(content, list) and len(content) == 1
+            if fwd.counting is not Counting.NATIVE and listed:
                 content = content[0]  # one prompt, listed
             bound = prompt_token_bound(content) or 0
-            asked = asked_tokens(body) if endpoint is Endpoint.COMPLETIONS else 0
         if asked is not None and asked >= 0 and bound + asked <= grant_tokens:
             return TokenCap(asked, asked, capped=False)  # fits however it tokenizes
         counted = await self._count_tokens(flight, content)
-        if endpoint is Endpoint.EMBEDDINGS:
+        if fwd.counting is Counting.EMBED:
             if counted > grant_tokens:
                 return OverGrant(counted, grant_tokens)
             return TokenCap(0, 0, capped=False)
@@ -760,31 +721,16 @@ class Gateway:
     async def _forward(
         self,
         request: web.Request,
-        body: dict[str, Any],
-        endpoint: Endpoint | None,
+        fwd: Forward,
+        dialect: Dialect,
         flight: _Flight,
         grant_tokens: int,
     ) -> web.StreamResponse:
-        openai = endpoint is not None
-        cap = await self._prompt_cap(body, endpoint, flight, grant_tokens)
-        if isinstance(cap, web.Response):
-            return cap
+        cap = await self._prompt_cap(fwd, flight, grant_tokens)
         if isinstance(cap, OverGrant):
             self.metrics.refused(Refusal.OVER_GRANT)
-            if endpoint is not None:
-                param = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt"}
-                return web.json_response(
-                    over_grant_body(cap, param.get(endpoint, "input")),
-                    status=400,
-                    headers={SHOULD_RETRY_HEADER: "false"},
-                )
-            return web.json_response(cap.body(), status=413)
-        if endpoint is None:
-            body["id_slot"] = flight.slot
-            body["n_predict"] = cap.n_predict
-        else:
-            embeds = endpoint is Endpoint.EMBEDDINGS
-            body = cap_body(body, flight.slot, None if embeds else cap.n_predict)
+            return self._reply(dialect.over_grant(cap))
+        body = dialect.pin(fwd, flight.slot, cap.n_predict)
         lock = self._slot_locks.setdefault(flight.slot, asyncio.Lock())
         await self._until_cut(flight, _passed(lock))  # an erase of this slot finishes first
         await self._until_cut(flight, self._ensure_clean(flight.slot, flight.mind))
@@ -798,25 +744,35 @@ class Gateway:
             "nPredictAsked": cap.asked,
             "capped": cap.capped,
         }
-        path = endpoint.value if endpoint is not None else "/completion"
-        if body.get("stream"):
-            return await self._stream(request, path, body, flight, cap, note, openai=openai)
-        return await self._plain(path, body, flight, cap, note)
 
-    def _cut_answer(self, flight: _Flight, *, openai: bool = False) -> web.Response:
+        def annotate(final: dict[str, Any]) -> dict[str, Any]:
+            return _annotate(note, cap, final)
+
+        if body.get("stream"):
+            shaper = dialect.shaper(annotate)
+            return await self._stream(request, fwd.path, body, flight, shaper, dialect)
+        return await self._plain(fwd.path, body, flight, dialect, annotate)
+
+    def _cut_answer(self, flight: _Flight, dialect: Dialect) -> web.Response:
         body = self._cut_body(flight)
-        return self._answer(Admission(Answer.REFUSE, 409, body, Refusal.TURN_CUT), openai=openai)
+        return self._answer(Admission(Answer.REFUSE, 409, body, Refusal.TURN_CUT), dialect)
 
     async def _plain(
-        self, path: str, body: dict[str, Any], flight: _Flight, cap: TokenCap, note: dict[str, Any]
+        self,
+        path: str,
+        body: dict[str, Any],
+        flight: _Flight,
+        dialect: Dialect,
+        annotate: Annotate,
     ) -> web.Response:
         # Cancelling the call on a cut closes its connection: llama-server drops the task.
         status, payload = await self._until_cut(flight, self._post_json(path, body))
-        if isinstance(payload, dict) and status == 200:
+        if status != 200:
+            return self._reply(dialect.upstream_error(status, payload))
+        if isinstance(payload, dict):
             prompt, predicted = _usage(payload)
             self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
-            payload["continuum"] = _annotate(note, cap, payload)
-        return web.json_response(payload, status=status)
+        return web.json_response(dialect.answer(payload, annotate))
 
     async def _stream(
         self,
@@ -824,10 +780,8 @@ class Gateway:
         path: str,
         body: dict[str, Any],
         flight: _Flight,
-        cap: TokenCap,
-        note: dict[str, Any],
-        *,
-        openai: bool,
+        shaper: Shaper,
+        dialect: Dialect,
     ) -> web.StreamResponse:
         async def connect() -> aiohttp.ClientResponse:
             try:
@@ -841,7 +795,7 @@ class Gateway:
         try:
             if upstream.status != 200:
                 payload = await self._until_cut(flight, upstream.json(content_type=None))
-                return web.json_response(payload, status=upstream.status)
+                return self._reply(dialect.upstream_error(upstream.status, payload))
             out = web.StreamResponse(
                 status=200,
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
@@ -851,33 +805,34 @@ class Gateway:
             async def pump() -> None:
                 content = upstream.content
                 while line := await content.readuntil(b"\n", max_size=STREAM_LINE_BYTES):
-                    if _is_last_event(line, openai):
-                        line, final = _annotate_event(line, note, cap)
+                    said, final = shaper.feed(line)
+                    if final is not None:
                         prompt, predicted = _usage(final)
                         self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
-                    await out.write(line)
+                    if said:
+                        await out.write(said)
 
-            last: dict[str, Any] | None = None  # the stream's own last event, if it is cut
+            last = b""  # the stream's last words, if the gateway ends it
             try:
                 await self._until_cut(flight, pump())
             except _CutNow:
                 upstream.close()  # llama-server sees the stream closed and drops the task
                 await self._land(flight)  # the slot's release need not wait for this client
                 self.metrics.refused(Refusal.TURN_CUT)
-                last = _cut_event(flight, openai=openai)
+                last = _cut_event(flight, dialect)
             except aiohttp.ClientError as err:
                 raise _UpstreamDown(str(err)) from err
             except LineTooLong:
                 # Said, not cut off: her client would read a stream that stops without an end.
                 log.warning("%s's stream: an event of llama-server's longer than %d bytes",
                             flight.mind, STREAM_LINE_BYTES)  # fmt: skip
-                last = _too_long_event()
+                last = _too_long_event(dialect)
             except ConnectionError:
                 pass  # the mind hung up
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(self.settings.write_seconds):
-                    if last is not None:
-                        await out.write(b"data: " + json.dumps(last).encode() + b"\n\n")
+                    if last:
+                        await out.write(last)
                     await out.write_eof()
             return out
         finally:
@@ -887,15 +842,14 @@ class Gateway:
                 upstream.close()  # a stream left unfinished: llama-server drops the task
 
 
-def _too_long_event() -> dict[str, Any]:
-    """The stream's last event when llama-server's own was too long to read (llama-server's
-    error shape, which OpenAI's clients read too)."""
+def _too_long_event(dialect: Dialect) -> bytes:
+    """The stream's last event when llama-server's own was too long to read."""
     message = (
         f"llama-server sent an event longer than the gateway reads ({STREAM_LINE_BYTES} bytes; "
         "its last event repeats the prompt and settings): the generation's end was not read; "
         "send a shorter prompt, grammar or schema, or do not stream"
     )
-    return {"error": {"code": 502, "message": message, "type": "server_error"}}
+    return dialect.stream_error("server_error", message, {"code": 502})
 
 
 _T = TypeVar("_T")
@@ -953,30 +907,12 @@ async def _passed(lock: asyncio.Lock) -> None:
         pass
 
 
-def _cut_event(flight: _Flight, *, openai: bool) -> dict[str, Any]:
-    """The last event of a stream the reclaim ended: says why (OpenAI's clients raise it)."""
-    if not openai:
-        return {"error": {"type": Refusal.TURN_CUT.value, "reason": flight.reason}}
+def _cut_event(flight: _Flight, dialect: Dialect) -> bytes:
+    """The last event of a stream the reclaim ended: says why (the clients raise it)."""
     by = f" by {flight.by}" if flight.by else ""
-    return {
-        "error": {
-            "message": f"turn cut: the grant is being reclaimed ({flight.reason}{by})",
-            "type": Refusal.TURN_CUT.value,
-            "param": None,
-            "code": flight.reason,
-        },
-        "continuum": {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by},
-    }
-
-
-def _is_last_event(line: bytes, openai: bool) -> bool:
-    """Whether an event line ends the generation (cheap byte tests; parsed only if so)."""
-    if not line.startswith(b"data: "):
-        return False
-    if openai:
-        # The chunk whose finish_reason is set (llama-server writes compact JSON).
-        return b'"finish_reason":"' in line
-    return b'"stop":true' in line.replace(b" ", b"")
+    message = f"turn cut: the grant is being reclaimed ({flight.reason}{by})"
+    extra = {"reason": flight.reason, "by": flight.by}
+    return dialect.stream_error(Refusal.TURN_CUT.value, message, extra)
 
 
 def _usage(final: dict[str, Any]) -> tuple[int, int]:
@@ -1009,17 +945,3 @@ def _annotate(note: dict[str, Any], cap: TokenCap, final: dict[str, Any]) -> dic
             f"grant of {note['grantTokens']} tokens"
         )
     return out
-
-
-def _annotate_event(
-    line: bytes, note: dict[str, Any], cap: TokenCap
-) -> tuple[bytes, dict[str, Any]]:
-    """The last event of a stream, with the gateway's note; and the event itself."""
-    try:
-        event = json.loads(line[len(b"data: ") :])
-    except ValueError:
-        return line, {}
-    if not isinstance(event, dict):
-        return line, {}
-    event["continuum"] = _annotate(note, cap, event)
-    return b"data: " + json.dumps(event).encode() + b"\n", event

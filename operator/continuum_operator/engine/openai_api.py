@@ -167,7 +167,7 @@ class FieldError:
 
 
 def error_body(
-    message: str, type_: str, code: str | None = None, param: str | None = None
+    message: str, type_: str, code: str | int | None = None, param: str | None = None
 ) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
