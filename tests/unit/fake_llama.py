@@ -5,7 +5,8 @@ content counts each token id as one and each string by its words, as llama-serve
 a mixed prompt in one call), `/apply-template` (a chatml-like template),
 `/completion` (on the slot `id_slot` names; `n_predict` tokens, `token_seconds` apart; plain
 or streamed as server-sent events), the OpenAI endpoints `/v1/chat/completions`,
-`/v1/completions` (plain or streamed, ending with `data: [DONE]`), `/v1/embeddings` and
+`/v1/completions` (plain or streamed, ending with `data: [DONE]`), `/v1/messages` (as
+llama-server runs it: on the first idle slot, whatever `id_slot` says), `/v1/embeddings` and
 `/v1/models`, `GET /slots` and `POST /slots/{id}?action=erase`. `tokenize_seconds` and
 `headers_seconds` (a stream's headers sent only after the prompt is read, as llama-server
 does) make those waits long enough for a reclaim to land in them. Each slot
@@ -48,6 +49,7 @@ class FakeLlama:
         app.router.add_post("/apply-template", self.apply_template)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.oai_completions)
+        app.router.add_post("/v1/messages", self.anthropic_messages)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/slots", self.list_slots)
@@ -71,7 +73,15 @@ class FakeLlama:
 
     @staticmethod
     def template(body: dict[str, Any]) -> str:
-        turns = [f"<|im_start|>{m['role']} {m['content']} <|im_end|>" for m in body["messages"]]
+        turns = [
+            f"<|im_start|>{m['role']} {m.get('content') or ''}"
+            + "".join(
+                f" {c['function']['name']} {c['function']['arguments']}"
+                for c in m.get("tool_calls") or []
+            )
+            + " <|im_end|>"
+            for m in body["messages"]
+        ]
         return " ".join([*turns, "<|im_start|>assistant"])
 
     async def apply_template(self, request: web.Request) -> web.Response:
@@ -94,6 +104,19 @@ class FakeLlama:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         return await self._openai(request, body, 1 + len(self.template(body).split()), chat=True)
+
+    async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
+        """llama-server's own `/v1/messages`, as its conversion to a chat does it: only a few
+        sampling fields are copied (an `id_slot` is dropped), and the task runs on the first
+        idle slot, whoever's it is. (Answered in chat's shape: the tests read only the slot.)"""
+        body = await request.json()
+        chat = {k: body[k] for k in ("temperature", "top_p", "top_k", "stream") if k in body}
+        chat["messages"] = [
+            {"role": m["role"], "content": str(m["content"])} for m in body["messages"]
+        ]
+        chat["n_predict"] = body.get("max_tokens", -1)
+        chat["id_slot"] = min(set(range(self.slots)) - self.busy)
+        return await self._openai(request, chat, 1 + len(self.template(chat).split()), chat=True)
 
     async def oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -517,7 +517,8 @@ class Gateway:
     async def _who(self, request: web.Request) -> tuple[str, Admission | None]:
         """The mind a request speaks for, or why it may not speak at all.
 
-        With token review (every cluster install) the token says who she is and the
+        With token review (every cluster install) the token (`Authorization: Bearer`, or
+        `x-api-key` as Anthropic's clients send it) says who she is and the
         `X-Continuum-Mind` header, if sent, must agree; without it (the unsafe local flag)
         the header is believed.
         """
@@ -525,9 +526,9 @@ class Gateway:
         review = self.settings.review_token
         if review is None:
             return asked, None
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = _token(request)
         try:
-            account = await review(token.strip()) if scheme.lower() == "bearer" and token else None
+            account = await review(token) if token else None
         except ReviewUnavailable as err:
             return asked, review_unavailable(str(err))
         return identify(asked, account)
@@ -811,6 +812,8 @@ class Gateway:
                         self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
                     if said:
                         await out.write(said)
+                if said := shaper.end():
+                    await out.write(said)
 
             last = b""  # the stream's last words, if the gateway ends it
             try:
@@ -900,6 +903,14 @@ class _BadUpstreamRequest(Exception):
         self.status = status
         self.payload = payload
         super().__init__(f"llama-server answered {status}")
+
+
+def _token(request: web.Request) -> str:
+    """Her token: `Authorization: Bearer` (OpenAI's clients), else `x-api-key` (Anthropic's)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip()
 
 
 async def _passed(lock: asyncio.Lock) -> None:

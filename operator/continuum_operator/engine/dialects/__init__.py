@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from continuum_operator.engine.dialects.anthropic import Messages
 from continuum_operator.engine.dialects.base import (
     SHOULD_RETRY_HEADER,
     Annotate,
@@ -21,6 +22,7 @@ from continuum_operator.engine.dialects.base import (
 )
 from continuum_operator.engine.dialects.native import Native
 from continuum_operator.engine.dialects.openai import OpenAI
+from continuum_operator.engine.dialects.responses import Responses
 from continuum_operator.engine.openai_api import Endpoint
 
 __all__ = [
@@ -28,7 +30,9 @@ __all__ = [
     "COMPLETIONS",
     "DOORS",
     "EMBEDDINGS",
+    "MESSAGES",
     "NATIVE",
+    "RESPONSES",
     "SHOULD_RETRY_HEADER",
     "Annotate",
     "Bad",
@@ -43,6 +47,8 @@ NATIVE = Native()
 CHAT = OpenAI(Endpoint.CHAT)
 COMPLETIONS = OpenAI(Endpoint.COMPLETIONS)
 EMBEDDINGS = OpenAI(Endpoint.EMBEDDINGS)
+MESSAGES = Messages()
+RESPONSES = Responses()
 
 #: Each generating route of the gateway, and the dialect it is spoken in. llama-server serves
 #: OpenAI's routes without `/v1` too: so does the gateway, as their twins.
@@ -54,4 +60,6 @@ DOORS: Mapping[str, Dialect] = {
     "/completions": COMPLETIONS,
     "/v1/embeddings": EMBEDDINGS,
     "/embeddings": EMBEDDINGS,
+    "/v1/messages": MESSAGES,
+    "/v1/responses": RESPONSES,
 }

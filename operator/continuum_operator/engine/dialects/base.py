@@ -78,6 +78,10 @@ class Shaper(Protocol):
         event (usage, finish) when this line holds it."""
         ...
 
+    def end(self) -> bytes:
+        """What to send her when llama-server's stream ends of itself."""
+        ...
+
 
 class Dialect(Protocol):
     """One API of the door. Every method is pure."""

@@ -40,6 +40,9 @@ class _Native:
             return line, None
         return annotate_line(line, self.note)
 
+    def end(self) -> bytes:
+        return b""
+
 
 @dataclass(frozen=True, slots=True)
 class Native:

@@ -64,6 +64,9 @@ class _PassThrough:
             return line, None
         return annotate_line(line, self.note)
 
+    def end(self) -> bytes:
+        return b""
+
 
 @dataclass(frozen=True, slots=True)
 class OpenAI:
