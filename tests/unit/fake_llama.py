@@ -7,7 +7,8 @@ a mixed prompt in one call), `/apply-template` (a chatml-like template),
 or streamed as server-sent events), the OpenAI endpoints `/v1/chat/completions`,
 `/v1/completions` (plain or streamed, ending with `data: [DONE]`), `/v1/messages` (as
 llama-server runs it: on the first idle slot, whatever `id_slot` says), `/v1/embeddings` and
-`/v1/models`, `GET /slots` and `POST /slots/{id}?action=erase`. `tokenize_seconds` and
+`/v1/models`, `GET /slots`, `POST /slots/{id}?action=erase`, `GET /props` (with the
+engine's own path), `/detokenize` and `/metrics`. `tokenize_seconds` and
 `headers_seconds` (a stream's headers sent only after the prompt is read, as llama-server
 does) make those waits long enough for a reclaim to land in them. Each slot
 keeps the tokens in its cache (`n_past`), so a test can see whether a slot was erased, and
@@ -53,6 +54,9 @@ class FakeLlama:
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/slots", self.list_slots)
+        app.router.add_get("/props", self.props)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/slots/{id}", self.slot_action)
         return app
 
@@ -201,10 +205,37 @@ class FakeLlama:
         finally:
             self.busy.discard(slot)
 
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": "/srv/models/tiny.gguf",
+                "total_slots": self.slots,
+                "chat_template": "chatml",
+                "bos_token": "<s>",
+                "default_generation_settings": {
+                    "n_ctx": self.n_ctx,
+                    "params": {"temperature": 0.8},
+                    "prompt": "another mind's words",
+                },
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokens = (await request.json()).get("tokens", [])
+        return web.json_response({"content": " ".join(f"t{t}" for t in tokens)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text="llamacpp:prompt_tokens_total 1\n")
+
     async def list_slots(self, request: web.Request) -> web.Response:
         return web.json_response(
             [
-                {"id": i, "n_ctx": self.n_ctx, "is_processing": i in self.busy}
+                {
+                    "id": i,
+                    "n_ctx": self.n_ctx,
+                    "is_processing": i in self.busy,
+                    "prompt": f"words held by slot {i}",
+                }
                 for i in range(self.slots)
             ]
         )

@@ -63,9 +63,11 @@ from continuum_operator.engine.dialects import (
     Reply,
     Shaper,
 )
+from continuum_operator.engine.llama_routes import LlamaRoutes
 from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from continuum_operator.engine.openai_api import prompt_bound
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
+from continuum_operator.engine.upstream import BadUpstreamRequest, UpstreamDown
 from continuum_operator.model.mind import GrantState
 
 __all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
@@ -108,6 +110,10 @@ class GatewaySettings:
     #: Seconds the gateway waits on a mind's connection to take a stream's last words (the
     #: cut event): a client that stops reading holds nothing of the engine past it.
     write_seconds: float = 2.0
+    #: The rate of each mind's requests to the routes that take no slot (tokenize, count
+    #: tokens, apply-template, props, slots): per second, and the burst.
+    utility_per_second: float = 20.0
+    utility_burst: int = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +159,6 @@ class _Turn:
     mind: str
     slot: int
     opened: float
-
-
-class _UpstreamDown(Exception):
-    """llama-server did not answer (restarting, crashed)."""
 
 
 class Gateway:
@@ -224,6 +226,7 @@ class Gateway:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/health", self.readyz)  # llama-server's name, for probes
+        LlamaRoutes(self).add_to(app)  # the rest of llama-server's routes; last, a catch-all
         return app
 
     def admin_app(self) -> web.Application:
@@ -314,7 +317,7 @@ class Gateway:
                 try:
                     erased = await self._erase(rel.slot)
                     break
-                except _UpstreamDown as err:
+                except UpstreamDown as err:
                     if self.clock() >= deadline:
                         log.warning(
                             "slot %d of %s not erased by its deadline (%s); it is erased before "
@@ -400,9 +403,9 @@ class Gateway:
                 ) as resp:
                     payload = await resp.json(content_type=None)
                     if resp.status != 200:
-                        raise _UpstreamDown(f"erase answered {resp.status}: {payload}")
+                        raise UpstreamDown(f"erase answered {resp.status}: {payload}")
             except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-                raise _UpstreamDown(str(err)) from err
+                raise UpstreamDown(str(err)) from err
             self.slot_owner.pop(slot, None)
             return int(payload.get("n_erased", 0)) if isinstance(payload, dict) else 0
 
@@ -422,12 +425,12 @@ class Gateway:
 
     async def _post_json(self, path: str, body: Any) -> tuple[int, Any]:
         """POST `body` to llama-server's `path`: the status and the JSON it answered. Not
-        reached, or an answer that is not JSON: `_UpstreamDown`."""
+        reached, or an answer that is not JSON: `UpstreamDown`."""
         try:
             async with self.session.post(f"{self.settings.upstream}{path}", json=body) as resp:
                 return resp.status, await resp.json(content_type=None)
         except (aiohttp.ClientError, ValueError) as err:
-            raise _UpstreamDown(str(err)) from err
+            raise UpstreamDown(str(err)) from err
 
     async def _tokenize(self, content: Any, add_special: bool) -> list[Any]:
         status, payload = await self._post_json(
@@ -435,7 +438,7 @@ class Gateway:
         )
         tokens = payload.get("tokens") if isinstance(payload, dict) else None
         if status != 200 or not isinstance(tokens, list):
-            raise _UpstreamDown(f"tokenize answered {status}: {payload}")
+            raise UpstreamDown(f"tokenize answered {status}: {payload}")
         return tokens
 
     async def _apply_template(self, body: dict[str, Any]) -> str:
@@ -443,7 +446,7 @@ class Gateway:
         status, payload = await self._post_json("/apply-template", body)
         prompt = payload.get("prompt") if isinstance(payload, dict) else None
         if status != 200 or not isinstance(prompt, str):
-            raise _BadUpstreamRequest(status, payload)
+            raise BadUpstreamRequest(status, payload)
         return prompt
 
     async def _until_cut(self, flight: _Flight, work: Awaitable[_T]) -> _T:
@@ -670,9 +673,9 @@ class Gateway:
             return await self._forward(request, fwd, dialect, flight, tokens)
         except _CutNow:
             return self._cut_answer(flight, dialect)
-        except _BadUpstreamRequest as err:
+        except BadUpstreamRequest as err:
             return self._reply(dialect.upstream_error(err.status, err.payload))
-        except _UpstreamDown as err:
+        except UpstreamDown as err:
             log.warning("llama-server failed %s's request: %s", mind, err)
             return self._refuse(
                 Refusal.TURN_CUT, 409, {"reason": GrantReason.ENGINE_RELAUNCHING.value}, dialect
@@ -788,7 +791,7 @@ class Gateway:
             try:
                 return await self.session.post(f"{self.settings.upstream}{path}", json=body)
             except aiohttp.ClientError as err:
-                raise _UpstreamDown(str(err)) from err
+                raise UpstreamDown(str(err)) from err
 
         # llama-server sends a stream's headers with its first token, after the whole prompt
         # is read: that wait is raced against the cut like every other.
@@ -824,7 +827,7 @@ class Gateway:
                 self.metrics.refused(Refusal.TURN_CUT)
                 last = _cut_event(flight, dialect)
             except aiohttp.ClientError as err:
-                raise _UpstreamDown(str(err)) from err
+                raise UpstreamDown(str(err)) from err
             except LineTooLong:
                 # Said, not cut off: her client would read a stream that stops without an end.
                 log.warning("%s's stream: an event of llama-server's longer than %d bytes",
@@ -894,15 +897,6 @@ async def serve_app(
 
 class _CutNow(Exception):
     """The flight was cut while it waited on llama-server."""
-
-
-class _BadUpstreamRequest(Exception):
-    """llama-server refused the request itself (a malformed chat, say): its answer is passed on."""
-
-    def __init__(self, status: int, payload: Any) -> None:
-        self.status = status
-        self.payload = payload
-        super().__init__(f"llama-server answered {status}")
 
 
 def _token(request: web.Request) -> str:

@@ -56,6 +56,7 @@ DOORS: Mapping[str, Dialect] = {
     "/completion": NATIVE,
     "/v1/chat/completions": CHAT,
     "/chat/completions": CHAT,
+    "/api/chat": CHAT,
     "/v1/completions": COMPLETIONS,
     "/completions": COMPLETIONS,
     "/v1/embeddings": EMBEDDINGS,
