@@ -177,8 +177,8 @@ class TestResponses:
         raw = b""
         for line in (chunk({"tool_calls": CALL}), chunk({"tool_calls": ARGS}),
                      chunk({}, "tool_calls"), USAGE, b"data: [DONE]\n"):  # fmt: skip
-            said, _ = shaper.feed(line)
-            raw += said
+            out, _ = shaper.feed(line)
+            raw += out
         said = events(raw)
         assert [name for name, _ in said] == [
             "response.created",
