@@ -31,7 +31,7 @@ from continuum_operator.engine.dialects.base import (
     retry_headers,
     sse,
 )
-from continuum_operator.engine.openai_api import cap_body
+from continuum_operator.engine.openai_api import SAMPLING, cap_body
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -54,7 +54,7 @@ ALLOWED = frozenset(
         "metadata",
         "service_tier",
     }
-)
+) | SAMPLING  # llama-server's own sampling fields, as on a chat: they stay in her slot
 COUNT_ALLOWED = ALLOWED - {"max_tokens", "stream", "temperature", "top_p", "top_k"}
 
 REFUSED_WHY = {
@@ -206,7 +206,7 @@ def _tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
 def to_chat(body: dict[str, Any], grant_tokens: int) -> dict[str, Any]:
     """A Messages request said as a chat for llama-server (no slot, no cap yet)."""
     chat: dict[str, Any] = {"messages": _messages(body, grant_tokens)}
-    for name in ("model", "temperature", "top_p", "top_k", "max_tokens"):
+    for name in SAMPLING | {"model", "max_tokens"}:
         if name in body:
             chat[name] = body[name]
     if "stop_sequences" in body:

@@ -30,7 +30,7 @@ from continuum_operator.engine.dialects.base import (
     sse,
 )
 from continuum_operator.engine.dialects.openai import openai_bad_request, openai_refusal
-from continuum_operator.engine.openai_api import cap_body, error_body, over_grant_body
+from continuum_operator.engine.openai_api import SAMPLING, cap_body, error_body, over_grant_body
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -60,7 +60,7 @@ ALLOWED = frozenset(
         "prompt_cache_key",
         "safety_identifier",
     }
-)
+) | SAMPLING  # llama-server's own sampling fields, as on a chat: they stay in her slot
 
 REFUSED_WHY = {
     "previous_response_id": "llama-server keeps no responses; send the conversation as input",
@@ -184,7 +184,7 @@ def to_chat(body: dict[str, Any], grant_tokens: int) -> dict[str, Any]:
     if not messages:
         raise Bad("input", "input: nothing to answer")
     chat: dict[str, Any] = {"messages": messages}
-    for name in ("model", "temperature", "top_p"):
+    for name in SAMPLING | {"model"}:
         if name in body:
             chat[name] = body[name]
     if "max_output_tokens" in body:
