@@ -84,7 +84,7 @@ def two() -> list[TableEntry]:
 
 
 class TestThroughTheGateway:
-    def test_the_unprefixed_aliases_are_their_v1_twins(self) -> None:
+    def test_the_unprefixed_aliases_are_served_as_llama_server_serves_them(self) -> None:
         async def body(rig: Rig) -> None:
             client = openai.AsyncOpenAI(
                 base_url=rig.url, api_key="x", default_headers={MIND_HEADER: MIRA}, max_retries=0
@@ -94,13 +94,19 @@ class TestThroughTheGateway:
                 model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
             assert (reply.model_extra or {})["continuum"]["slot"] == 1
-            done = await client.completions.create(model="any", prompt="hi", max_tokens=2)
-            assert (done.model_extra or {})["continuum"]["slot"] == 1
+            answered = await client.responses.create(model="any", input="hi", max_output_tokens=2)
+            assert (answered.model_extra or {})["continuum"]["slot"] == 1
             models = await client.models.list()
             assert [m.id for m in models.data] == ["tiny"]
+            # llama-server's /completions is its native /completion, and so is the gateway's
+            status, done, _ = await rig.post("/completions", {"prompt": "hi", "n_predict": 2})
+            assert (status, done["continuum"]["slot"]) == (200, 1)
+            # its /embeddings is its native embedding, on any idle slot: refused, named
+            status, refused, _ = await rig.post("/embeddings", {"content": "hi"})
+            assert status == 403 and "/v1/embeddings" in refused["message"]
 
         fake = run(table(granted(MIRA, slot=1), granted(BOB, slot=0)), body)
-        assert [r["id_slot"] for r in fake.requests] == [1, 1]
+        assert [r["id_slot"] for r in fake.requests] == [1, 1, 1]
 
     def test_tokenize_is_hers_and_bounded_in_rate_and_size(self) -> None:
         async def body(rig: Rig) -> None:
@@ -152,6 +158,15 @@ class TestThroughTheGateway:
                     model="any", messages=[{"role": "user", "content": "a"}], extra_body={"n": 2}
                 )
             assert "n: not accepted" in caught.value.message
+            status, reply, _ = await rig.post(
+                "/v1/responses/input_tokens", {"model": "any", "input": "a b c"}
+            )
+            template = rig.fake.template({"messages": [{"role": "user", "content": "a b c"}]})
+            assert status == 200
+            assert reply == {
+                "object": "response.input_tokens",
+                "input_tokens": 1 + len(template.split()),
+            }
 
         fake = run(table(granted()), body)
         assert fake.requests == []  # counting takes no slot

@@ -8,6 +8,7 @@ default where it does not. The decisions are `dialects.routes`' (pure); this mod
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -15,8 +16,9 @@ from aiohttp import web
 
 from continuum_operator.core.grants import GrantReason
 from continuum_operator.engine.admission import Admission, Refusal
-from continuum_operator.engine.dialects import MESSAGES, NATIVE, Bad, Dialect
-from continuum_operator.engine.dialects.anthropic import check_count
+from continuum_operator.engine.dialects import MESSAGES, NATIVE, RESPONSES, Bad, Dialect
+from continuum_operator.engine.dialects.anthropic import check_count as messages_count
+from continuum_operator.engine.dialects.responses import check_count as responses_count
 from continuum_operator.engine.dialects.routes import (
     RateBucket,
     her_props,
@@ -36,7 +38,13 @@ if TYPE_CHECKING:
 UTILITY_BODY_BYTES = 256 * 1024
 
 #: The routes that take no slot, forwarded as they are once she is known and within her rate.
-FORWARDED = ("/tokenize", "/detokenize", "/apply-template")
+FORWARDED = (
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/chat/completions/input_tokens",
+    "/v1/chat/completions/input_tokens",
+)
 
 
 class LlamaRoutes:
@@ -51,6 +59,8 @@ class LlamaRoutes:
         for path in FORWARDED:
             app.router.add_post(path, self.forwarded)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
+        app.router.add_post("/responses/input_tokens", self.input_tokens)
         app.router.add_get("/props", self.props)
         app.router.add_get("/slots", self.slots)
         app.router.add_get("/models", self.gateway.models)
@@ -112,27 +122,46 @@ class LlamaRoutes:
             return self._down(NATIVE)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        """Anthropic's count: the prompt of the chat the gateway would send, as llama-server
-        tokenizes it after the template (`{"input_tokens": n}`)."""
-        who = await self._admitted(request, MESSAGES)
+        """Anthropic's count: `{"input_tokens": n}`."""
+        return await self._count(request, MESSAGES, messages_count, lambda n: {"input_tokens": n})
+
+    async def input_tokens(self, request: web.Request) -> web.Response:
+        """Responses' count: `{"object": "response.input_tokens", "input_tokens": n}`."""
+        return await self._count(
+            request,
+            RESPONSES,
+            responses_count,
+            lambda n: {"object": "response.input_tokens", "input_tokens": n},
+        )
+
+    async def _count(
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        to_chat: Callable[[Any, int], dict[str, Any]],
+        answer: Callable[[int], dict[str, Any]],
+    ) -> web.Response:
+        """The prompt of the chat the gateway would send for this body, as llama-server
+        tokenizes it after the template: the count the grant is held to."""
+        who = await self._admitted(request, dialect)
         if isinstance(who, web.Response):
             return who
-        raw = await self._body(request, MESSAGES)
+        raw = await self._body(request, dialect)
         if isinstance(raw, web.Response):
             return raw
         gateway = self.gateway
         try:
-            chat = check_count(_json(raw), UTILITY_BODY_BYTES)
+            chat = to_chat(_json(raw), UTILITY_BODY_BYTES)
         except Bad as bad:
-            return gateway._bad_request(MESSAGES, bad.param, bad.message)
+            return gateway._bad_request(dialect, bad.param, bad.message)
         try:
             prompt = await gateway._apply_template(chat)
             tokens = await gateway._tokenize(prompt, add_special=True)
         except BadUpstreamRequest as err:  # llama-server refused the chat itself
-            return gateway._reply(MESSAGES.upstream_error(err.status, err.payload))
+            return gateway._reply(dialect.upstream_error(err.status, err.payload))
         except UpstreamDown:
-            return self._down(MESSAGES)
-        return web.json_response({"input_tokens": len(tokens)})
+            return self._down(dialect)
+        return web.json_response(answer(len(tokens)))
 
     def _her(self, mind: str) -> tuple[int | None, int | None]:
         """Her slot and grant tokens, where she holds a grant."""

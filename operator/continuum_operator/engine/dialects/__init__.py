@@ -50,17 +50,17 @@ EMBEDDINGS = OpenAI(Endpoint.EMBEDDINGS)
 MESSAGES = Messages()
 RESPONSES = Responses()
 
-#: Each generating route of the gateway, and the dialect it is spoken in. llama-server serves
-#: OpenAI's routes without `/v1` too: so does the gateway, as their twins.
+#: Each generating route of the gateway, and the dialect it is spoken in: llama-server's names
+#: for them, with and without `/v1` as it has them (its `/completions` is its native
+#: `/completion`; its `/embeddings`, native too, is refused: `dialects.routes`).
 DOORS: Mapping[str, Dialect] = {
     "/completion": NATIVE,
     "/v1/chat/completions": CHAT,
     "/chat/completions": CHAT,
-    "/api/chat": CHAT,
     "/v1/completions": COMPLETIONS,
-    "/completions": COMPLETIONS,
+    "/completions": NATIVE,  # llama-server's /completion under another name
     "/v1/embeddings": EMBEDDINGS,
-    "/embeddings": EMBEDDINGS,
     "/v1/messages": MESSAGES,
     "/v1/responses": RESPONSES,
+    "/responses": RESPONSES,
 }

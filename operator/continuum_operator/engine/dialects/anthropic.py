@@ -37,24 +37,27 @@ CHAT_PATH = "/v1/chat/completions"
 
 #: The fields of a Messages request the gateway says to llama-server (or reads and drops:
 #: `metadata`, `service_tier`, a block's `cache_control`).
-ALLOWED = frozenset(
-    {
-        "model",
-        "messages",
-        "system",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "stop_sequences",
-        "stream",
-        "tools",
-        "tool_choice",
-        "thinking",
-        "metadata",
-        "service_tier",
-    }
-) | SAMPLING  # llama-server's own sampling fields, as on a chat: they stay in her slot
+ALLOWED = (
+    frozenset(
+        {
+            "model",
+            "messages",
+            "system",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stop_sequences",
+            "stream",
+            "tools",
+            "tool_choice",
+            "thinking",
+            "metadata",
+            "service_tier",
+        }
+    )
+    | SAMPLING
+)  # llama-server's own sampling fields, as on a chat: they stay in her slot
 COUNT_ALLOWED = ALLOWED - {"max_tokens", "stream", "temperature", "top_p", "top_k"}
 
 REFUSED_WHY = {

@@ -37,30 +37,33 @@ CHAT_PATH = "/v1/chat/completions"
 #: Fields said to llama-server, and fields read and dropped (`store`, `metadata`, `user`,
 #: `include`, `truncation`, `reasoning`, `service_tier`, `prompt_cache_key`,
 #: `safety_identifier`): none of them reaches another slot.
-ALLOWED = frozenset(
-    {
-        "model",
-        "input",
-        "instructions",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "stream",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "text",
-        "store",
-        "metadata",
-        "user",
-        "include",
-        "truncation",
-        "reasoning",
-        "service_tier",
-        "prompt_cache_key",
-        "safety_identifier",
-    }
-) | SAMPLING  # llama-server's own sampling fields, as on a chat: they stay in her slot
+ALLOWED = (
+    frozenset(
+        {
+            "model",
+            "input",
+            "instructions",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "stream",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "text",
+            "store",
+            "metadata",
+            "user",
+            "include",
+            "truncation",
+            "reasoning",
+            "service_tier",
+            "prompt_cache_key",
+            "safety_identifier",
+        }
+    )
+    | SAMPLING
+)  # llama-server's own sampling fields, as on a chat: they stay in her slot
 
 REFUSED_WHY = {
     "previous_response_id": "llama-server keeps no responses; send the conversation as input",
@@ -195,6 +198,14 @@ def to_chat(body: dict[str, Any], grant_tokens: int) -> dict[str, Any]:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     return chat
+
+
+def check_count(body: Any, grant_tokens: int) -> dict[str, Any]:
+    """A `/v1/responses/input_tokens` body said as the chat whose prompt is counted."""
+    if not isinstance(body, dict):
+        raise Bad("", "the body is not a JSON object")
+    listed_only(body, ALLOWED, REFUSED_WHY)
+    return to_chat({k: v for k, v in body.items() if k != "stream"}, grant_tokens)
 
 
 def _usage(payload: dict[str, Any]) -> dict[str, Any]:

@@ -43,14 +43,18 @@ _FREE = (
     "UTILITY_BODY_BYTES and its rate bounded per mind"
 )
 
-#: Each route of llama-server (tools/server/server.cpp) and the gateway's decision.
+_ANY_SLOT = "runs on any idle slot, not hers (it would overwrite another mind's context)"
+_BY_ID = "it reaches a generation by its id, whoever's it is"
+_ROUTER = "the router's model management is the operator's (the engine runs one model)"
+
+#: Each route of llama-server (the vendored tools/server/server.cpp of tools/versions'
+#: llama-cpp-python) and the gateway's decision.
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/completion", Decision.SERVED, _SLOT),
-    Route("POST", "/completions", Decision.SERVED, _TWIN),
+    Route("POST", "/completions", Decision.SERVED, "llama-server's /completion: served as it"),
     Route("POST", "/v1/completions", Decision.SERVED, _SLOT),
     Route("POST", "/chat/completions", Decision.SERVED, _TWIN),
     Route("POST", "/v1/chat/completions", Decision.SERVED, _SLOT),
-    Route("POST", "/api/chat", Decision.SERVED, _TWIN + " (/v1/chat/completions)"),
     Route(
         "POST",
         "/v1/messages",
@@ -58,13 +62,13 @@ ROUTES: tuple[Route, ...] = (
         _SLOT + "; translated to a chat (llama-server's own drops id_slot)",
     ),
     Route("POST", "/v1/responses", Decision.SERVED, _SLOT + "; translated to a chat"),
+    Route("POST", "/responses", Decision.SERVED, _TWIN),
     Route(
         "POST",
         "/v1/embeddings",
         Decision.SERVED,
         "on an engine of one slot only (llama-server embeds on any idle slot)",
     ),
-    Route("POST", "/embeddings", Decision.SERVED, _TWIN),
     Route("GET", "/v1/models", Decision.SERVED, "the one model, to a mind of this engine"),
     Route("GET", "/models", Decision.SERVED, _TWIN),
     Route("GET", "/health", Decision.SERVED, "the gateway's readiness (grant table and engine)"),
@@ -72,7 +76,11 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/tokenize", Decision.SERVED, _FREE),
     Route("POST", "/detokenize", Decision.SERVED, _FREE),
     Route("POST", "/apply-template", Decision.SERVED, _FREE),
+    Route("POST", "/chat/completions/input_tokens", Decision.SERVED, _FREE),
+    Route("POST", "/v1/chat/completions/input_tokens", Decision.SERVED, _FREE),
     Route("POST", "/v1/messages/count_tokens", Decision.SERVED, _FREE + "; counted as sent"),
+    Route("POST", "/v1/responses/input_tokens", Decision.SERVED, _FREE + "; counted as sent"),
+    Route("POST", "/responses/input_tokens", Decision.SERVED, _TWIN),
     Route(
         "GET",
         "/props",
@@ -102,24 +110,32 @@ ROUTES: tuple[Route, ...] = (
         Decision.REFUSED,
         "its extra context (input_extra) is not counted against her grant",
     ),
-    Route(
-        "POST",
-        "/embedding",
-        Decision.REFUSED,
-        "runs on any idle slot, not hers: use /v1/embeddings (one-slot engines)",
-    ),
-    Route("POST", "/rerank", Decision.REFUSED, "runs on any idle slot, not hers"),
-    Route("POST", "/reranking", Decision.REFUSED, "runs on any idle slot, not hers"),
-    Route("POST", "/v1/rerank", Decision.REFUSED, "runs on any idle slot, not hers"),
-    Route("POST", "/v1/reranking", Decision.REFUSED, "runs on any idle slot, not hers"),
+    Route("POST", "/embedding", Decision.REFUSED, _ANY_SLOT + ": use /v1/embeddings"),
+    Route("POST", "/embeddings", Decision.REFUSED, _ANY_SLOT + ": use /v1/embeddings"),
+    Route("POST", "/rerank", Decision.REFUSED, _ANY_SLOT),
+    Route("POST", "/reranking", Decision.REFUSED, _ANY_SLOT),
+    Route("POST", "/v1/rerank", Decision.REFUSED, _ANY_SLOT),
+    Route("POST", "/v1/reranking", Decision.REFUSED, _ANY_SLOT),
     Route(
         "POST",
         "/v1/audio/transcriptions",
         Decision.REFUSED,
         "audio is counted by no bound of its bytes",
     ),
-    Route("GET", "/api/tags", Decision.REFUSED, "Ollama's listing: use /v1/models"),
-    Route("POST", "/api/show", Decision.REFUSED, "Ollama's model card: use /props"),
+    Route("POST", "/audio/transcriptions", Decision.REFUSED, "audio is counted by no bound"),
+    Route("POST", "/v1/chat/completions/control", Decision.REFUSED, _BY_ID),
+    Route("GET", "/v1/stream", Decision.REFUSED, _BY_ID),
+    Route("DELETE", "/v1/stream", Decision.REFUSED, _BY_ID),
+    Route("POST", "/v1/streams/lookup", Decision.REFUSED, _BY_ID),
+    Route("GET", "/cors-proxy", Decision.REFUSED, "it fetches other servers from the engine"),
+    Route("POST", "/cors-proxy", Decision.REFUSED, "it fetches other servers from the engine"),
+    Route("GET", "/tools", Decision.REFUSED, "it runs tools on the engine's host"),
+    Route("POST", "/tools", Decision.REFUSED, "it runs tools on the engine's host"),
+    Route("POST", "/models", Decision.REFUSED, _ROUTER),
+    Route("DELETE", "/models", Decision.REFUSED, _ROUTER),
+    Route("POST", "/models/load", Decision.REFUSED, _ROUTER),
+    Route("POST", "/models/unload", Decision.REFUSED, _ROUTER),
+    Route("GET", "/models/sse", Decision.REFUSED, _ROUTER),
     Route("GET", "/", Decision.REFUSED, "llama-server's web page is the operator's"),
 )
 
@@ -136,7 +152,7 @@ def shape_for(path: str) -> Dialect:
     """The dialect whose error shape a route's refusal is said in."""
     if path.startswith("/v1/messages"):
         return _ANTHROPIC
-    if path.startswith("/v1/") or path in ("/chat/completions", "/completions", "/embeddings"):
+    if path.startswith(("/v1/", "/chat/", "/responses")):
         return _OPENAI
     return _NATIVE
 
