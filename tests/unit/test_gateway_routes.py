@@ -22,6 +22,7 @@ from continuum_operator.engine.dialects.routes import (
     shape_for,
 )
 from continuum_operator.engine.turn import MIND_HEADER
+from tests.builders import ROOT
 from tests.unit.test_gateway_agents import claude
 from tests.unit.test_gateway_openai import BOB, MIRA, Rig, granted, run, table
 
@@ -200,3 +201,9 @@ class TestThroughTheGateway:
 
         fake = run(table(*two()), body)
         assert fake.erased == [] and fake.requests == []
+
+
+def test_docs_say_every_route_as_the_table_decides_it() -> None:
+    text = (ROOT / "docs" / "gateway.md").read_text()
+    for r in ROUTES:
+        assert f"| `{r.method} {r.path}` | {r.decision.value} | {r.why} |" in text, r

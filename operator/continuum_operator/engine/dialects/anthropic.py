@@ -439,7 +439,7 @@ class Messages:
         return Reply(400, body, {SHOULD_RETRY_HEADER: "false"})
 
     def over_grant(self, over: OverGrant) -> Reply:
-        # Anthropic's own words for it, which agents read to compact their context.
+        # Anthropic's own words for an over-long prompt, with the grant's.
         message = (
             f"prompt is too long: {over.prompt_tokens} tokens > {over.grant_tokens} maximum "
             "(your grant on this engine): shorten it"

@@ -38,10 +38,7 @@ class Route:
 
 _SLOT = "takes her slot: pinned to it, generation capped to her grant"
 _TWIN = "the same handler as its /v1 twin in llama-server: served as that twin"
-_FREE = (
-    "takes no slot: served to a mind of this engine (her token), its body at most "
-    "UTILITY_BODY_BYTES and its rate bounded per mind"
-)
+_FREE = "takes no slot: served to a mind of this engine, its body and her rate bounded"
 
 _ANY_SLOT = "runs on any idle slot, not hers (it would overwrite another mind's context)"
 _BY_ID = "it reaches a generation by its id, whoever's it is"
@@ -72,7 +69,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/models", Decision.SERVED, "the one model, to a mind of this engine"),
     Route("GET", "/models", Decision.SERVED, _TWIN),
     Route("GET", "/health", Decision.SERVED, "the gateway's readiness (grant table and engine)"),
-    Route("GET", "/v1/health", Decision.SERVED, _TWIN),
+    Route("GET", "/v1/health", Decision.SERVED, "as /health"),
     Route("POST", "/tokenize", Decision.SERVED, _FREE),
     Route("POST", "/detokenize", Decision.SERVED, _FREE),
     Route("POST", "/apply-template", Decision.SERVED, _FREE),
