@@ -13,7 +13,7 @@ its client maps to its exception classes (docs/agents.md).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from continuum_operator.engine.admission import Admission, OverGrant
@@ -21,17 +21,18 @@ from continuum_operator.engine.dialects.base import (
     SHOULD_RETRY_HEADER,
     Annotate,
     Bad,
+    ChatChunks,
+    ChatTranslation,
     Counting,
     Forward,
     Reply,
-    data_of,
     int_field,
-    listed_only,
+    listed_object,
     refusal_message,
     retry_headers,
     sse,
 )
-from continuum_operator.engine.openai_api import SAMPLING, cap_body
+from continuum_operator.engine.openai_api import SAMPLING
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -230,10 +231,7 @@ def to_chat(body: dict[str, Any], grant_tokens: int) -> dict[str, Any]:
 
 def check_count(body: Any, grant_tokens: int) -> dict[str, Any]:
     """A `/v1/messages/count_tokens` body said as the chat whose prompt is counted."""
-    if not isinstance(body, dict):
-        raise Bad("", "the body is not a JSON object")
-    listed_only(body, COUNT_ALLOWED, REFUSED_WHY)
-    return to_chat(body, grant_tokens)
+    return to_chat(listed_object(body, COUNT_ALLOWED, REFUSED_WHY), grant_tokens)
 
 
 def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -288,39 +286,13 @@ def to_message(payload: dict[str, Any], note: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class _Events:
+class _Events(ChatChunks):
     """llama-server's chat chunks said as Anthropic's stream events."""
 
-    note: Annotate
-    started: bool = False
-    ended: bool = False
     index: int = -1
     block: str | None = None  # "text", "thinking", or "tool:<chat index>"
-    stop_reason: str = "end_turn"
-    usage: dict[str, int] = field(default_factory=dict)
-    annotation: dict[str, Any] = field(default_factory=dict)
 
-    def feed(self, line: bytes) -> tuple[bytes, dict[str, Any] | None]:
-        if line.strip() == b"data: [DONE]":
-            return self.end(), None
-        chunk = data_of(line)
-        if not isinstance(chunk, dict):
-            return b"", None
-        out = b"" if self.started else self._start(chunk)
-        final = None
-        for choice in chunk.get("choices") or []:
-            out += self._delta(choice.get("delta") or {})
-            if choice.get("finish_reason"):
-                self.stop_reason = _STOP.get(choice["finish_reason"], "end_turn")
-                self.annotation = self.note(chunk)
-                final = chunk
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = _usage(chunk)
-            final = chunk
-        return out, final
-
-    def _start(self, chunk: dict[str, Any]) -> bytes:
-        self.started = True
+    def start(self, chunk: dict[str, Any]) -> bytes:
         message = {
             "id": f"msg_{chunk.get('id', '')}",
             "type": "message",
@@ -352,7 +324,7 @@ class _Events:
         event = {"type": "content_block_delta", "index": self.index, "delta": delta}
         return sse(event, "content_block_delta")
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
+    def delta(self, delta: dict[str, Any]) -> bytes:
         out = b""
         if delta.get("reasoning_content"):
             out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
@@ -382,8 +354,11 @@ class _Events:
         self.ended = True
         delta = {
             "type": "message_delta",
-            "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
-            "usage": self.usage or {"output_tokens": 0},
+            "delta": {
+                "stop_reason": _STOP.get(self.finish or "", "end_turn"),
+                "stop_sequence": None,
+            },
+            "usage": _usage({"usage": self.usage}),
             "continuum": self.annotation,
         }
         return (
@@ -393,22 +368,13 @@ class _Events:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Messages:
+class Messages(ChatTranslation):
     """`POST /v1/messages`."""
 
-    @property
-    def name(self) -> str:
-        return "anthropic /v1/messages"
-
-    @property
-    def any_slot(self) -> bool:
-        return False
+    name = "anthropic /v1/messages"
 
     def check(self, body: Any, grant_tokens: int) -> None:
-        if not isinstance(body, dict):
-            raise Bad("", "the body is not a JSON object")
-        listed_only(body, ALLOWED, REFUSED_WHY)
+        listed_object(body, ALLOWED, REFUSED_WHY)
         asked = int_field(body, "max_tokens")
         if asked is None or asked < 1:
             raise Bad("max_tokens", "max_tokens: a positive integer (Anthropic's API asks it)")
@@ -418,9 +384,6 @@ class Messages:
         # The grant's pieces were bounded by check (a piece is at least one token).
         chat = to_chat(body, grant_tokens=2**62)
         return Forward(CHAT_PATH, chat, Counting.CHAT, int(body["max_tokens"]))
-
-    def pin(self, fwd: Forward, slot: int, n_predict: int | None) -> dict[str, Any]:
-        return cap_body(fwd.body, slot, n_predict)
 
     def answer(self, payload: Any, note: Annotate) -> Any:
         if not isinstance(payload, dict):

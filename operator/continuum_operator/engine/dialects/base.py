@@ -12,12 +12,13 @@ new module beside `native`, `chat`, `anthropic` and `responses`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
 from continuum_operator.engine.admission import Admission, OverGrant
+from continuum_operator.engine.openai_api import cap_body
 
 #: OpenAI's clients read it before their own rule of what to retry (openai-python does, and
 #: Anthropic's client too).
@@ -202,7 +203,101 @@ def int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def listed_only(body: dict[str, Any], allowed: frozenset[str], why: dict[str, str]) -> None:
+def listed_object(body: Any, allowed: frozenset[str], why: Mapping[str, str]) -> dict[str, Any]:
+    """`body`, a JSON object whose every field is on the allow-list."""
+    if not isinstance(body, dict):
+        raise Bad("", "the body is not a JSON object")
+    listed_only(body, allowed, why)
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class LastEvent:
+    """llama-server's stream passed on as it is: only its last event (`is_last`, a cheap byte
+    test) is parsed, to carry the gateway's note."""
+
+    note: Annotate
+    is_last: Callable[[bytes], bool]
+
+    def feed(self, line: bytes) -> tuple[bytes, dict[str, Any] | None]:
+        if not line.startswith(b"data: ") or not self.is_last(line):
+            return line, None
+        return annotate_line(line, self.note)
+
+    def end(self) -> bytes:
+        return b""
+
+
+@dataclass(slots=True)
+class ChatChunks:
+    """llama-server's chat chunks said as another API's stream events: the shared reading
+    (`[DONE]`, each chunk's deltas, its finish and its usage); a dialect says the rest
+    (`start`, `delta`, `end`)."""
+
+    note: Annotate
+    started: bool = False
+    ended: bool = False
+    finish: str | None = None
+    #: llama-server's usage (`prompt_tokens`, `completion_tokens`), once its chunk came.
+    usage: dict[str, Any] = field(default_factory=dict)
+    annotation: dict[str, Any] = field(default_factory=dict)
+
+    def feed(self, line: bytes) -> tuple[bytes, dict[str, Any] | None]:
+        if line.strip() == b"data: [DONE]":
+            return self.end(), None
+        chunk = data_of(line)
+        if not isinstance(chunk, dict):
+            return b"", None
+        out = b""
+        if not self.started:
+            self.started = True
+            out = self.start(chunk)
+        final = None
+        for choice in chunk.get("choices") or []:
+            out += self.delta(choice.get("delta") or {})
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+                self.annotation = self.note(chunk)
+                final = chunk
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+            final = chunk
+        return out, final
+
+    def start(self, chunk: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def end(self) -> bytes:
+        raise NotImplementedError
+
+
+class PassThrough:
+    """An API llama-server speaks itself: its answer passed on with the gateway's note."""
+
+    def answer(self, payload: Any, note: Annotate) -> Any:
+        if isinstance(payload, dict):
+            payload["continuum"] = note(payload)
+        return payload
+
+    def upstream_error(self, status: int, payload: Any) -> Reply:
+        return Reply(status, payload)
+
+
+class ChatTranslation:
+    """An API the gateway translates to a chat for llama-server (`/v1/chat/completions`): her
+    slot is pinned and her generation capped on the chat, as for Chat Completions."""
+
+    name = ""
+    any_slot = False
+
+    def pin(self, fwd: Forward, slot: int, n_predict: int | None) -> dict[str, Any]:
+        return cap_body(fwd.body, slot, n_predict)
+
+
+def listed_only(body: dict[str, Any], allowed: frozenset[str], why: Mapping[str, str]) -> None:
     """Every field of `body` on the allow-list: the first one not, refused with why. An
     allow-list: a field llama-server learns tomorrow does not pass by default."""
     for name in sorted(body):

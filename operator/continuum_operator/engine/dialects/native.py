@@ -19,8 +19,9 @@ from continuum_operator.engine.dialects.base import (
     Bad,
     Counting,
     Forward,
+    LastEvent,
+    PassThrough,
     Reply,
-    annotate_line,
     int_field,
     sse,
 )
@@ -29,23 +30,12 @@ from continuum_operator.engine.openai_api import check_native
 PATH = "/completion"
 
 
-@dataclass(frozen=True, slots=True)
-class _Native:
-    """llama-server's native stream as it is; its event with `stop: true` carries the note."""
-
-    note: Annotate
-
-    def feed(self, line: bytes) -> tuple[bytes, dict[str, Any] | None]:
-        if not line.startswith(b"data: ") or b'"stop":true' not in line.replace(b" ", b""):
-            return line, None
-        return annotate_line(line, self.note)
-
-    def end(self) -> bytes:
-        return b""
+def _stops(line: bytes) -> bool:
+    return b'"stop":true' in line.replace(b" ", b"")
 
 
 @dataclass(frozen=True, slots=True)
-class Native:
+class Native(PassThrough):
     name: str = "native /completion"
     any_slot: bool = False
 
@@ -76,13 +66,8 @@ class Native:
         out["n_predict"] = n_predict
         return out
 
-    def answer(self, payload: Any, note: Annotate) -> Any:
-        if isinstance(payload, dict):
-            payload["continuum"] = note(payload)
-        return payload
-
-    def shaper(self, note: Annotate) -> _Native:
-        return _Native(note)
+    def shaper(self, note: Annotate) -> LastEvent:
+        return LastEvent(note, _stops)
 
     def refusal(self, adm: Admission) -> Reply:
         headers = {"Retry-After": str(adm.retry_after)} if adm.retry_after else {}
@@ -98,6 +83,3 @@ class Native:
         if "reason" in extra:  # a cut: its reason, as the turn protocol's answers say it
             return sse({"error": {"type": kind, "reason": extra["reason"]}})
         return sse({"error": {"code": extra.get("code"), "message": message, "type": kind}})
-
-    def upstream_error(self, status: int, payload: Any) -> Reply:
-        return Reply(status, payload)

@@ -18,8 +18,9 @@ from continuum_operator.engine.dialects.base import (
     Bad,
     Counting,
     Forward,
+    LastEvent,
+    PassThrough,
     Reply,
-    annotate_line,
     retry_headers,
     sse,
 )
@@ -42,34 +43,26 @@ _COUNTING = {
 _PROMPT_PARAM = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt"}
 
 
-def openai_bad_request(param: str, message: str) -> Reply:
-    """A field refused, in OpenAI's shape (its clients raise BadRequestError naming `param`)."""
-    return Reply(400, FieldError(param, message).body(), {SHOULD_RETRY_HEADER: "false"})
+def _finishes(line: bytes) -> bool:
+    # The chunk whose finish_reason is set (llama-server writes compact JSON).
+    return b'"finish_reason":"' in line
 
 
-def openai_refusal(adm: Admission) -> Reply:
-    return Reply(adm.status, refusal_body(adm), retry_headers(adm))
+class OpenAIErrors:
+    """Refusals in OpenAI's shape (Chat Completions, Completions, Embeddings, Responses)."""
 
+    def refusal(self, adm: Admission) -> Reply:
+        return Reply(adm.status, refusal_body(adm), retry_headers(adm))
 
-@dataclass(frozen=True, slots=True)
-class _PassThrough:
-    """llama-server's OpenAI stream as it is; its finishing chunk carries the note."""
+    def bad_request(self, param: str, message: str) -> Reply:
+        return Reply(400, FieldError(param, message).body(), {SHOULD_RETRY_HEADER: "false"})
 
-    note: Annotate
-
-    def feed(self, line: bytes) -> tuple[bytes, dict[str, Any] | None]:
-        # Cheap byte tests; parsed only the chunk whose finish_reason is set (llama-server
-        # writes compact JSON).
-        if not line.startswith(b"data: ") or b'"finish_reason":"' not in line:
-            return line, None
-        return annotate_line(line, self.note)
-
-    def end(self) -> bytes:
-        return b""
+    def upstream_error(self, status: int, payload: Any) -> Reply:
+        return Reply(status, payload)
 
 
 @dataclass(frozen=True, slots=True)
-class OpenAI:
+class OpenAI(OpenAIErrors, PassThrough):
     """One of OpenAI's endpoints, by its path (the same path on llama-server)."""
 
     endpoint: Endpoint
@@ -96,19 +89,8 @@ class OpenAI:
         embeds = self.endpoint is Endpoint.EMBEDDINGS
         return cap_body(fwd.body, slot, None if embeds else n_predict)
 
-    def answer(self, payload: Any, note: Annotate) -> Any:
-        if isinstance(payload, dict):
-            payload["continuum"] = note(payload)
-        return payload
-
-    def shaper(self, note: Annotate) -> _PassThrough:
-        return _PassThrough(note)
-
-    def refusal(self, adm: Admission) -> Reply:
-        return openai_refusal(adm)
-
-    def bad_request(self, param: str, message: str) -> Reply:
-        return openai_bad_request(param, message)
+    def shaper(self, note: Annotate) -> LastEvent:
+        return LastEvent(note, _finishes)
 
     def over_grant(self, over: OverGrant) -> Reply:
         param = _PROMPT_PARAM.get(self.endpoint, "input")
@@ -121,6 +103,3 @@ class OpenAI:
         if "reason" in extra:
             body["continuum"] = {"error": kind, **extra}
         return sse(body)
-
-    def upstream_error(self, status: int, payload: Any) -> Reply:
-        return Reply(status, payload)

@@ -16,21 +16,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from continuum_operator.engine.admission import Admission, OverGrant
+from continuum_operator.engine.admission import OverGrant
 from continuum_operator.engine.dialects.base import (
     SHOULD_RETRY_HEADER,
     Annotate,
     Bad,
+    ChatChunks,
+    ChatTranslation,
     Counting,
     Forward,
     Reply,
-    data_of,
     int_field,
-    listed_only,
+    listed_object,
     sse,
 )
-from continuum_operator.engine.dialects.openai import openai_bad_request, openai_refusal
-from continuum_operator.engine.openai_api import SAMPLING, cap_body, error_body, over_grant_body
+from continuum_operator.engine.dialects.openai import OpenAIErrors
+from continuum_operator.engine.openai_api import SAMPLING, error_body, over_grant_body
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -202,9 +203,7 @@ def to_chat(body: dict[str, Any], grant_tokens: int) -> dict[str, Any]:
 
 def check_count(body: Any, grant_tokens: int) -> dict[str, Any]:
     """A `/v1/responses/input_tokens` body said as the chat whose prompt is counted."""
-    if not isinstance(body, dict):
-        raise Bad("", "the body is not a JSON object")
-    listed_only(body, ALLOWED, REFUSED_WHY)
+    listed_object(body, ALLOWED, REFUSED_WHY)
     return to_chat({k: v for k, v in body.items() if k != "stream"}, grant_tokens)
 
 
@@ -287,51 +286,27 @@ def to_response(payload: dict[str, Any], note: dict[str, Any]) -> dict[str, Any]
 
 
 @dataclass(slots=True)
-class _Events:
+class _Events(ChatChunks):
     """llama-server's chat chunks said as Responses' stream events."""
 
-    note: Annotate
     rid: str = ""
     model: str = ""
     seq: int = 0
-    started: bool = False
-    ended: bool = False
     open: dict[str, Any] | None = None  # the output item being written
     key: str | None = None  # "text" or "tool:<chat index>"
     output: list[dict[str, Any]] = field(default_factory=list)
-    finish: str | None = None
-    usage: dict[str, Any] = field(default_factory=dict)
-    annotation: dict[str, Any] = field(default_factory=dict)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
         return sse({"type": kind, "sequence_number": self.seq, **fields}, kind)
 
-    def feed(self, line: bytes) -> tuple[bytes, dict[str, Any] | None]:
-        if line.strip() == b"data: [DONE]":
-            return self.end(), None
-        chunk = data_of(line)
-        if not isinstance(chunk, dict):
-            return b"", None
-        out = b"" if self.started else self._start(chunk)
-        final = None
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                out += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-                self.annotation = self.note(chunk)
-                final = chunk
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = _usage(chunk)
-            final = chunk
-        return out, final
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        out = self._text(delta["content"]) if delta.get("content") else b""
+        for call in delta.get("tool_calls") or []:
+            out += self._call(call)
+        return out
 
-    def _start(self, chunk: dict[str, Any]) -> bytes:
-        self.started = True
+    def start(self, chunk: dict[str, Any]) -> bytes:
         self.rid, self.model = str(chunk.get("id", "")), str(chunk.get("model", ""))
         shell = _response(self.rid, self.model, "in_progress", [])
         return self._event("response.created", response=shell) + self._event(
@@ -433,28 +408,19 @@ class _Events:
         out = self._close()
         status = _status(self.finish)
         response = _response(self.rid, self.model, status, self.output)
-        response["usage"] = self.usage or _usage({})
+        response["usage"] = _usage({"usage": self.usage})
         response["continuum"] = self.annotation
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return out + self._event(kind, response=response)
 
 
-@dataclass(frozen=True, slots=True)
-class Responses:
+class Responses(ChatTranslation, OpenAIErrors):
     """`POST /v1/responses`."""
 
-    @property
-    def name(self) -> str:
-        return "openai /v1/responses"
-
-    @property
-    def any_slot(self) -> bool:
-        return False
+    name = "openai /v1/responses"
 
     def check(self, body: Any, grant_tokens: int) -> None:
-        if not isinstance(body, dict):
-            raise Bad("", "the body is not a JSON object")
-        listed_only(body, ALLOWED, REFUSED_WHY)
+        listed_object(body, ALLOWED, REFUSED_WHY)
         asked = int_field(body, "max_output_tokens")
         if asked is not None and asked < 1:
             raise Bad("max_output_tokens", "max_output_tokens: a positive integer")
@@ -465,9 +431,6 @@ class Responses:
         asked = body.get("max_output_tokens")
         return Forward(CHAT_PATH, chat, Counting.CHAT, asked if isinstance(asked, int) else None)
 
-    def pin(self, fwd: Forward, slot: int, n_predict: int | None) -> dict[str, Any]:
-        return cap_body(fwd.body, slot, n_predict)
-
     def answer(self, payload: Any, note: Annotate) -> Any:
         if not isinstance(payload, dict):
             return payload
@@ -475,12 +438,6 @@ class Responses:
 
     def shaper(self, note: Annotate) -> _Events:
         return _Events(note)
-
-    def refusal(self, adm: Admission) -> Reply:
-        return openai_refusal(adm)
-
-    def bad_request(self, param: str, message: str) -> Reply:
-        return openai_bad_request(param, message)
 
     def over_grant(self, over: OverGrant) -> Reply:
         return Reply(400, over_grant_body(over, "input"), {SHOULD_RETRY_HEADER: "false"})
@@ -492,6 +449,3 @@ class Responses:
         event["error"] = error_body(message, kind, code)["error"]
         event["continuum"] = {"error": kind, **extra}
         return sse(event, "error")
-
-    def upstream_error(self, status: int, payload: Any) -> Reply:
-        return Reply(status, payload)
