@@ -226,3 +226,15 @@ class TestResponses:
         with pytest.raises(Bad) as bad:
             Responses().check({"input": "hi", **extra}, 512)
         assert bad.value.param == param
+
+
+def test_an_error_llama_server_streams_is_said_as_each_apis_error_event() -> None:
+    failure = (
+        b'data: {"error": {"code": 500, "message": "decode failed", "type": "server_error"}}\n'
+    )
+    for shaper, name in ((Messages().shaper(note), "error"), (Responses().shaper(note), "error")):
+        shaper.feed(chunk({"content": "a"}))
+        out, _ = shaper.feed(failure)
+        [(event, data)] = events(out)
+        assert event == name and "decode failed" in json.dumps(data)
+        assert shaper.end() == b""  # no closing events after the error

@@ -583,7 +583,7 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         """`GET /v1/models`: llama-server's answer (the one model), to a mind of this engine."""
-        refused = await self._of_this_engine(request)
+        _, refused = await self.of_this_engine(request)
         if refused is not None:
             return self._answer(refused, CHAT)
         try:
@@ -594,15 +594,15 @@ class Gateway:
                 Refusal.RELAUNCHING, 503, {"reason": GrantReason.ENGINE_RELAUNCHING.value}, CHAT
             )
 
-    async def _of_this_engine(self, request: web.Request) -> Admission | None:
-        """None if the request speaks for a mind of this engine's table (any state: what she
-        asks takes no slot); else why not."""
+    async def of_this_engine(self, request: web.Request) -> tuple[str, Admission | None]:
+        """The mind the request speaks for, and None if she is in this engine's table (any
+        state: what she asks takes no slot); else why she may not ask."""
         mind, refused = await self._who(request)
         if refused is None and (self.table is None or self.table.entry(mind) is None):
             refused = admit_turn(self.table, mind)
         if refused is not None and refused.answer is not Answer.ADMIT:
-            return refused
-        return None
+            return mind, refused
+        return mind, None
 
     def door(self, dialect: Dialect) -> Handler:
         """The handler of a generating route spoken in `dialect`."""

@@ -74,9 +74,7 @@ class LlamaRoutes:
     async def _admitted(self, request: web.Request, dialect: Dialect) -> web.Response | str:
         """Her name if she is a mind of this engine within her rate; else the refusal."""
         gateway = self.gateway
-        mind, refused = await gateway._who(request)
-        if refused is None:
-            refused = await gateway._of_this_engine(request)
+        mind, refused = await gateway.of_this_engine(request)
         if refused is not None:
             return self._refuse(refused, dialect)
         wait = self.bucket.wait(mind)

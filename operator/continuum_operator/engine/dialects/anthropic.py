@@ -348,6 +348,10 @@ class _Events(ChatChunks):
                 out += self._say(json_delta)
         return out
 
+    def failed(self, error: dict[str, Any]) -> bytes:
+        message = f"llama-server: {error.get('message', error)}"
+        return sse({"type": "error", "error": {"type": "api_error", "message": message}}, "error")
+
     def end(self) -> bytes:
         if self.ended or not self.started:
             return b""

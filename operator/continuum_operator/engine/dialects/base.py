@@ -248,6 +248,9 @@ class ChatChunks:
         chunk = data_of(line)
         if not isinstance(chunk, dict):
             return b"", None
+        if isinstance(chunk.get("error"), dict):  # llama-server failed the generation
+            self.ended = True
+            return self.failed(chunk["error"]), None
         out = b""
         if not self.started:
             self.started = True
@@ -271,6 +274,10 @@ class ChatChunks:
         raise NotImplementedError
 
     def end(self) -> bytes:
+        raise NotImplementedError
+
+    def failed(self, error: dict[str, Any]) -> bytes:
+        """llama-server's error event, said as the dialect's."""
         raise NotImplementedError
 
 

@@ -401,6 +401,16 @@ class _Events(ChatChunks):
         self.output.append(done)
         return out + self._event("response.output_item.done", output_index=index, item=done)
 
+    def failed(self, error: dict[str, Any]) -> bytes:
+        message = f"llama-server: {error.get('message', error)}"
+        return self._event(
+            "error",
+            code=error.get("type"),
+            message=message,
+            param=None,
+            error={"message": message, "type": "server_error"},
+        )
+
     def end(self) -> bytes:
         if self.ended or not self.started:
             return b""
