@@ -89,6 +89,7 @@ async def serve_gateway(upstream: str, port: int, slots: int) -> None:
 
     gateway = Gateway(GatewaySettings(upstream=upstream))
     await gateway.start()
+    gateway.slot_ctx = SLOT_TOKENS  # as the runtime reads it from /slots
     entries = {
         m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=SLOT_TOKENS)
         for i, m in enumerate(minds(slots))

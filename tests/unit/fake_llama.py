@@ -41,6 +41,7 @@ class FakeLlama:
     tokenize_seconds: float = 0.0
     headers_seconds: float = 0.0
     tokenize_calls: int = 0
+    template_calls: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -89,6 +90,7 @@ class FakeLlama:
         return " ".join([*turns, "<|im_start|>assistant"])
 
     async def apply_template(self, request: web.Request) -> web.Response:
+        self.template_calls += 1
         return web.json_response({"prompt": self.template(await request.json())})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -135,6 +137,11 @@ class FakeLlama:
         self.requests.append(body)
         slot = body["id_slot"]
         assert 0 <= slot < self.slots
+        if prompt >= self.n_ctx:  # as llama-server refuses a prompt its slot cannot hold
+            message = f"request ({prompt} tokens) exceeds the available context size"
+            error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
+            error |= {"n_prompt_tokens": prompt, "n_ctx": self.n_ctx}
+            return web.json_response({"error": error}, status=400)
         n_predict = body.get("n_predict", body.get("max_tokens", -1))
         room = self.n_ctx - prompt
         limit = room if n_predict < 0 else min(n_predict, room)

@@ -273,3 +273,47 @@ class TestOpenAIResponses:
 
         fake = run(table(granted()), body, FakeLlama(token_seconds=0.01))
         assert fake.cancelled == [0]
+
+
+class TestWhereHerSlotIsHerGrant:
+    """The runtime reads each slot's size; where her grant is the whole slot, llama-server's
+    own bound is her grant (it refuses a prompt the slot cannot hold and ends a generation
+    where the slot is full): no template is asked to count her prompt."""
+
+    def test_no_template_is_asked_and_the_grant_holds_in_each_api(self) -> None:
+        async def body(rig: Rig) -> None:
+            rig.gateway.slot_ctx = 512  # as the runtime reads it from /slots
+            reply = await rig.client().chat.completions.create(
+                model="any", messages=[{"role": "user", "content": "hello"}]
+            )
+            note = (reply.model_extra or {})["continuum"]
+            assert note["cutOff"] == "GrantTokens" and reply.usage is not None
+            assert reply.usage.total_tokens == 512
+            message = await claude(rig).messages.create(model="any", max_tokens=3, messages=HELLO)
+            assert message.usage.output_tokens == 3
+            long = "w " * 600
+            with pytest.raises(openai.BadRequestError) as chat:
+                await rig.client().chat.completions.create(
+                    model="any", messages=[{"role": "user", "content": long}]
+                )
+            assert chat.value.code == "context_length_exceeded"
+            with pytest.raises(openai.BadRequestError) as response:
+                await rig.client().responses.create(model="any", input=long)
+            assert response.value.code == "context_length_exceeded"
+            with pytest.raises(anthropic.BadRequestError) as messages:
+                await claude(rig).messages.create(
+                    model="any", max_tokens=4, messages=[{"role": "user", "content": long}]
+                )
+            assert "prompt is too long" in messages.value.message
+
+        fake = run(table(granted()), body)
+        assert (fake.template_calls, fake.tokenize_calls) == (0, 0)
+
+    def test_with_context_shift_the_slot_bounds_nothing_and_the_prompt_is_counted(self) -> None:
+        async def body(rig: Rig) -> None:
+            rig.gateway.slot_ctx = 512
+            reply = await claude(rig).messages.create(model="any", max_tokens=3, messages=HELLO)
+            assert (reply.model_extra or {})["continuum"]["nPredict"] == 3
+
+        fake = run(table(granted()), body, context_shift=True)
+        assert fake.template_calls == 1

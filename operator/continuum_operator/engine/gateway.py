@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 #: (aiohttp's keep-alive timer runs from the connection's start until a request is read).
 HEADERS_SECONDS = 10.0
 
+#: llama-server's error type for a prompt its slot cannot hold.
+EXCEEDS_CONTEXT = "exceed_context_size_error"
+
 #: Cut turns remembered to answer their late requests with `turn_cut` (oldest forgotten first).
 CUT_TURNS_KEPT = 1024
 
@@ -114,6 +117,9 @@ class GatewaySettings:
     #: tokens, apply-template, props, slots): per second, and the burst.
     utility_per_second: float = 20.0
     utility_burst: int = 40
+    #: llama-server runs with `--context-shift`: a full slot shifts its context out instead of
+    #: ending the generation, so the slot no longer bounds what she generates.
+    context_shift: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,8 @@ class _Flight:
 
     mind: str
     slot: int
+    #: Her grant's tokens (at most the slot's): an over-grant llama-server finds is said as hers.
+    grant: int = 0
     cut: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
     by: str | None = None
@@ -665,7 +673,7 @@ class Gateway:
         except Bad as bad:
             return self._bad_request(dialect, bad.param, bad.message)
         # Registered with no await since the admission: a reclaim from here on cuts it.
-        flight = _Flight(mind, adm.slot)
+        flight = _Flight(mind, adm.slot, tokens)
         self.flights.setdefault(mind, set()).add(flight)
         self.metrics.slot_busy(adm.slot, 1)
         started = time.monotonic()
@@ -702,6 +710,10 @@ class Gateway:
         """The generation cap that keeps prompt and output in the grant, counting the prompt
         without llama-server where its size bounds it, else with one `/tokenize`."""
         body, asked = fwd.body, fwd.asked
+        if fwd.counting is Counting.CHAT and self._slot_is_grant(grant_tokens):
+            # llama-server refuses a prompt that fills her slot and ends a generation where
+            # the slot is full: her grant is held without the template's round trip.
+            return TokenCap(-1 if asked is None else asked, asked, capped=False)
         if fwd.counting is Counting.CHAT:
             templated: str = await self._until_cut(flight, self._apply_template(body))
             content: Any = templated
@@ -721,6 +733,12 @@ class Gateway:
                 return OverGrant(counted, grant_tokens)
             return TokenCap(0, 0, capped=False)
         return token_cap(grant_tokens, counted, asked)
+
+    def _slot_is_grant(self, grant_tokens: int) -> bool:
+        """Whether llama-server's own bound of her slot is her grant: the slot holds no more
+        than the grant (the runtime read its size) and a full slot ends the generation."""
+        ctx = self.slot_ctx
+        return ctx is not None and grant_tokens >= ctx and not self.settings.context_shift
 
     async def _forward(
         self,
@@ -757,6 +775,18 @@ class Gateway:
             return await self._stream(request, fwd.path, body, flight, shaper, dialect)
         return await self._plain(fwd.path, body, flight, dialect, annotate)
 
+    def _upstream_refused(
+        self, dialect: Dialect, flight: _Flight, status: int, payload: Any
+    ) -> web.Response:
+        """llama-server's refusal, in the dialect's words: a prompt that fills her slot is her
+        grant's over-grant (where the gateway left the count to llama-server)."""
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if isinstance(error, dict) and error.get("type") == EXCEEDS_CONTEXT:
+            self.metrics.refused(Refusal.OVER_GRANT)
+            prompt = int(error.get("n_prompt_tokens") or flight.grant)
+            return self._reply(dialect.over_grant(OverGrant(prompt, flight.grant)))
+        return self._reply(dialect.upstream_error(status, payload))
+
     def _cut_answer(self, flight: _Flight, dialect: Dialect) -> web.Response:
         body = self._cut_body(flight)
         return self._answer(Admission(Answer.REFUSE, 409, body, Refusal.TURN_CUT), dialect)
@@ -772,7 +802,7 @@ class Gateway:
         # Cancelling the call on a cut closes its connection: llama-server drops the task.
         status, payload = await self._until_cut(flight, self._post_json(path, body))
         if status != 200:
-            return self._reply(dialect.upstream_error(status, payload))
+            return self._upstream_refused(dialect, flight, status, payload)
         if isinstance(payload, dict):
             prompt, predicted = _usage(payload)
             self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
@@ -799,7 +829,7 @@ class Gateway:
         try:
             if upstream.status != 200:
                 payload = await self._until_cut(flight, upstream.json(content_type=None))
-                return self._reply(dialect.upstream_error(upstream.status, payload))
+                return self._upstream_refused(dialect, flight, upstream.status, payload)
             out = web.StreamResponse(
                 status=200,
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
@@ -943,10 +973,13 @@ def _hit_limit(final: dict[str, Any], cap: TokenCap) -> bool:
 def _annotate(note: dict[str, Any], cap: TokenCap, final: dict[str, Any]) -> dict[str, Any]:
     """The gateway's note on a finished completion: a cut-off at the grant is said plainly."""
     out = dict(note)
-    if _hit_limit(final, cap) and (cap.capped or cap.asked is None or cap.asked < 0):
+    prompt, predicted = _usage(final)
+    # Where llama-server held the grant (her slot), the context full says the cut-off.
+    filled = prompt + predicted + 1 >= note["grantTokens"]
+    if _hit_limit(final, cap) and (cap.capped or cap.asked is None or cap.asked < 0 or filled):
         out["cutOff"] = "GrantTokens"
         out["message"] = (
-            f"generation stopped at {cap.n_predict} tokens: prompt and generation fill the "
-            f"grant of {note['grantTokens']} tokens"
+            f"generation stopped at {predicted or cap.n_predict} tokens: prompt and generation "
+            f"fill the grant of {note['grantTokens']} tokens"
         )
     return out
