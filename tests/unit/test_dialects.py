@@ -238,3 +238,29 @@ def test_an_error_llama_server_streams_is_said_as_each_apis_error_event() -> Non
         [(event, data)] = events(out)
         assert event == name and "decode failed" in json.dumps(data)
         assert shaper.end() == b""  # no closing events after the error
+
+
+def test_what_claude_code_sends_on_every_request_passes() -> None:
+    """Claude Code sends `context_management` (and caching, metadata) unconditionally: a
+    gateway that refused it would refuse Claude Code altogether."""
+    body = {
+        "model": "any",
+        "max_tokens": 32,
+        "stream": True,
+        "system": [
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
+            }
+        ],
+        "metadata": {"user_id": "u"},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "temperature": 1,
+    }
+    Messages().check(body, 512)
+    chat = Messages().forward(body).body
+    assert "context_management" not in chat and chat["messages"][0]["role"] == "system"

@@ -36,35 +36,44 @@ from continuum_operator.engine.openai_api import SAMPLING
 
 CHAT_PATH = "/v1/chat/completions"
 
-#: The fields of a Messages request the gateway says to llama-server (or reads and drops:
-#: `metadata`, `service_tier`, a block's `cache_control`).
-ALLOWED = (
-    frozenset(
-        {
-            "model",
-            "messages",
-            "system",
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "stop_sequences",
-            "stream",
-            "tools",
-            "tool_choice",
-            "thinking",
-            "metadata",
-            "service_tier",
-        }
-    )
-    | SAMPLING
-)  # llama-server's own sampling fields, as on a chat: they stay in her slot
+#: The fields of a Messages request the gateway says to llama-server, and llama-server's own
+#: sampling fields, as on a chat (they stay in her slot).
+SAID = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "stream",
+        "tools",
+        "tool_choice",
+        "thinking",
+    }
+)
+#: Read and dropped: Anthropic's own metadata, tiers, context editing, caching and effort,
+#: which Claude Code sends on every request (a block's `cache_control` too). Her grant bounds
+#: the prompt, and a prompt past it is refused as "prompt is too long", which an agent answers
+#: by compacting.
+DROPPED = frozenset(
+    {
+        "metadata",
+        "service_tier",
+        "context_management",
+        "cache_control",
+        "output_config",
+        "inference_geo",
+    }
+)
+ALLOWED = SAID | DROPPED | SAMPLING
 COUNT_ALLOWED = ALLOWED - {"max_tokens", "stream", "temperature", "top_p", "top_k"}
 
 REFUSED_WHY = {
     "container": "containers are Anthropic's, not this engine's",
     "mcp_servers": "the engine reaches no other server",
-    "context_management": "the context is the grant's; nothing is edited out of it",
     "id_slot": "the gateway pins her slot",
     "n": "one answer per request (more would run on other minds' slots)",
 }
