@@ -8,7 +8,11 @@ slot and records the release, which the runtime reports in the Engine's `status.
 (docs/design.md: the gateway, not the mind, reports the slot released). A slot that held another
 mind's context is erased before a new holder's first request, so nothing leaks between minds.
 
-Every decision comes from `engine.admission` (pure); this module does the I/O. The grant table
+Every decision comes from `engine.admission` (pure); this module does the I/O. Each API it
+speaks (llama-server's `/completion`, OpenAI's Chat Completions, Completions, Embeddings and
+Responses, Anthropic's Messages) is a dialect (`engine.dialects`): one request path
+(`_serve`: read, admit, `_checked`, count, cap, pin, forward) says each step in the words of the
+API she spoke. llama-server's other routes are `engine.llama_routes`'. The grant table
 is pushed in by a source (`engine.grants_source`) through `set_table`; the gateway never grants
 on its own. `engine.runtime` runs it beside llama-server; tests and `bench/gateway.py` run it
 in front of any llama-server.
