@@ -40,6 +40,8 @@ pytestmark = pytest.mark.e2e
 model = _model
 
 ANN = "minds/ann"
+#: A grant less than her slot: the gateway counts her prompt (after the template) to cap her.
+GRANT = 256
 HELLO: list[anthropic.types.MessageParam] = [{"role": "user", "content": "Once upon a time"}]
 TOOL: anthropic.types.ToolParam = {
     "name": "weather",
@@ -103,13 +105,13 @@ def test_messages_plain_streamed_with_system_and_tools_and_counted_run_on_her_sl
         tooled = await agent.messages.create(
             model="tiny", max_tokens=20_000, messages=HELLO, tools=[TOOL], extra_body=ENDLESS
         )
-        # Her grant is her whole slot: llama-server ends the generation where the slot is full.
+        # Her grant (less than her slot) holds the templated prompt, tool definitions included.
         note = (tooled.model_extra or {})["continuum"]
-        assert note["cutOff"] == "GrantTokens" and tooled.stop_reason == "max_tokens"
-        assert tooled.usage.input_tokens + tooled.usage.output_tokens >= SLOT_TOKENS - 1
+        assert note["capped"] and note["nPredict"] + tooled.usage.input_tokens == GRANT
+        assert tooled.usage.output_tokens == note["nPredict"] and note["cutOff"] == "GrantTokens"
         assert await untouched(e)
 
-    run_engine(llama_server_bin, model, table(granted()), body)
+    run_engine(llama_server_bin, model, table(granted(tokens=GRANT)), body)
 
 
 def test_responses_plain_and_streamed_run_on_her_slot(
