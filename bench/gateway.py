@@ -11,9 +11,12 @@ elsewhere on the machine falls on both alike.
 - Throughput: one client per slot, all slots busy, `n_predict` 32 per request (`--n-predict`),
   for a fixed time: generated tokens per second of each, and the ratio.
 
-Both for llama-server's native `/completion` (inside an open turn) and for OpenAI's
-`/v1/chat/completions` as an unmodified client sends it (no turn: a turn of one request; the
-gateway also asks llama-server for the templated prompt, `/apply-template`, to count it).
+For llama-server's native `/completion` (inside an open turn), and for OpenAI's
+`/v1/chat/completions` and `/v1/responses` and Anthropic's `/v1/messages` as an unmodified
+client sends them (no turn: a turn of one request; the gateway translates Responses and
+Messages to a chat, and asks llama-server for the templated prompt, `/apply-template`, where
+the prompt's size alone does not show that it fits). Straight to llama-server, each goes to its
+own endpoint of that name.
 
 The throughput ratio printed is the median of the per-round ratios (each round runs both back to
 back), with their range: on a machine shared with other work, single figures swing widely.
@@ -47,6 +50,24 @@ SHAPE = TinyModelShape(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, v
 SLOT_TOKENS = 1024
 PROMPT = "Once upon a time"
 NATIVE, CHAT = "/completion", "/v1/chat/completions"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+ENDPOINTS = (NATIVE, CHAT, MESSAGES, RESPONSES)
+
+
+def generating(endpoint: str, n_predict: int) -> dict[str, Any]:
+    """The body an unmodified client of `endpoint` sends for `n_predict` tokens (ignore_eos:
+    llama-server's sampling field, so each generation runs as long as asked)."""
+    said = {"temperature": 0.0, "ignore_eos": True, "model": "tiny"}
+    if endpoint == CHAT:
+        return {**said, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n_predict}
+    if endpoint == MESSAGES:
+        return {**said, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n_predict}
+    return {**said, "input": PROMPT, "max_output_tokens": n_predict}
+
+
+def generated(endpoint: str, reply: dict[str, Any]) -> int:
+    usage = reply["usage"]
+    return int(usage["completion_tokens"] if endpoint == CHAT else usage["output_tokens"])
 
 
 def _free_port() -> int:
@@ -68,6 +89,7 @@ async def serve_gateway(upstream: str, port: int, slots: int) -> None:
 
     gateway = Gateway(GatewaySettings(upstream=upstream))
     await gateway.start()
+    gateway.slot_ctx = SLOT_TOKENS  # as the runtime reads it from /slots
     entries = {
         m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=SLOT_TOKENS)
         for i, m in enumerate(minds(slots))
@@ -121,28 +143,24 @@ class Client:
             assert r.status == 200, reply
             return int(reply["tokens_predicted"])
 
-    async def chat(self, n_predict: int) -> int:
-        """One OpenAI chat completion as an unmodified client sends it: the tokens generated."""
-        body: dict[str, Any] = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": n_predict,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
+    async def generate(self, endpoint: str, n_predict: int) -> int:
+        """One request of an OpenAI or Anthropic client as it sends it: the tokens generated.
+        Straight to llama-server it names the slot (`id_slot`: its /v1/messages drops it)."""
+        body = generating(endpoint, n_predict)
         headers = {}
         if self.mind is None:
             body["id_slot"] = self.slot
         else:
             headers = {MIND_HEADER: self.mind}  # no turn named: a turn of one request
-        url = f"{self.base}/v1/chat/completions"
-        async with self.http.post(url, json=body, headers=headers) as r:
+        async with self.http.post(f"{self.base}{endpoint}", json=body, headers=headers) as r:
             reply: dict[str, Any] = await r.json()
             assert r.status == 200, reply
-            return int(reply["usage"]["completion_tokens"])
+            return generated(endpoint, reply)
 
     def call(self, endpoint: str) -> Any:
-        return self.chat if endpoint == CHAT else self.complete
+        if endpoint == NATIVE:
+            return self.complete
+        return lambda n_predict: self.generate(endpoint, n_predict)
 
 
 async def latency(client: Client, n: int, endpoint: str = NATIVE) -> list[float]:
@@ -177,14 +195,21 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def measure(
-    direct: str, gated: str, slots: int, requests: int, seconds: float, rounds: int, n_predict: int
+    direct: str,
+    gated: str,
+    slots: int,
+    requests: int,
+    seconds: float,
+    rounds: int,
+    n_predict: int,
+    endpoints: tuple[str, ...] = ENDPOINTS,
 ) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         straight = [Client(http, direct, i, None) for i in range(slots)]
         through = [Client(http, gated, i, m) for i, m in enumerate(minds(slots))]
         for c in through:
             await c.open()
-        for endpoint in (NATIVE, CHAT):
+        for endpoint in endpoints:
             await latency(straight[0], 5, endpoint)  # warm both paths
             await latency(through[0], 5, endpoint)
             lat: dict[str, list[float]] = {"llama-server": [], "gateway": []}
@@ -239,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--n-predict", type=int, default=32, help="tokens per throughput request")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--endpoints", nargs="+", default=list(ENDPOINTS), choices=ENDPOINTS)
     p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
     args = p.parse_args(argv)
     if args.serve_gateway:
@@ -277,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.seconds,
                     args.rounds,
                     args.n_predict,
+                    tuple(args.endpoints),
                 )
             )
         finally:

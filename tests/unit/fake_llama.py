@@ -5,8 +5,10 @@ content counts each token id as one and each string by its words, as llama-serve
 a mixed prompt in one call), `/apply-template` (a chatml-like template),
 `/completion` (on the slot `id_slot` names; `n_predict` tokens, `token_seconds` apart; plain
 or streamed as server-sent events), the OpenAI endpoints `/v1/chat/completions`,
-`/v1/completions` (plain or streamed, ending with `data: [DONE]`), `/v1/embeddings` and
-`/v1/models`, `GET /slots` and `POST /slots/{id}?action=erase`. `tokenize_seconds` and
+`/v1/completions` (plain or streamed, ending with `data: [DONE]`), `/v1/messages` (as
+llama-server runs it: on the first idle slot, whatever `id_slot` says), `/v1/embeddings` and
+`/v1/models`, `GET /slots`, `POST /slots/{id}?action=erase`, `GET /props` (with the
+engine's own path), `/detokenize` and `/metrics`. `tokenize_seconds` and
 `headers_seconds` (a stream's headers sent only after the prompt is read, as llama-server
 does) make those waits long enough for a reclaim to land in them. Each slot
 keeps the tokens in its cache (`n_past`), so a test can see whether a slot was erased, and
@@ -39,6 +41,7 @@ class FakeLlama:
     tokenize_seconds: float = 0.0
     headers_seconds: float = 0.0
     tokenize_calls: int = 0
+    template_calls: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -48,9 +51,13 @@ class FakeLlama:
         app.router.add_post("/apply-template", self.apply_template)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.oai_completions)
+        app.router.add_post("/v1/messages", self.anthropic_messages)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/slots", self.list_slots)
+        app.router.add_get("/props", self.props)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/slots/{id}", self.slot_action)
         return app
 
@@ -71,10 +78,19 @@ class FakeLlama:
 
     @staticmethod
     def template(body: dict[str, Any]) -> str:
-        turns = [f"<|im_start|>{m['role']} {m['content']} <|im_end|>" for m in body["messages"]]
+        turns = [
+            f"<|im_start|>{m['role']} {m.get('content') or ''}"
+            + "".join(
+                f" {c['function']['name']} {c['function']['arguments']}"
+                for c in m.get("tool_calls") or []
+            )
+            + " <|im_end|>"
+            for m in body["messages"]
+        ]
         return " ".join([*turns, "<|im_start|>assistant"])
 
     async def apply_template(self, request: web.Request) -> web.Response:
+        self.template_calls += 1
         return web.json_response({"prompt": self.template(await request.json())})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -95,6 +111,19 @@ class FakeLlama:
         body = await request.json()
         return await self._openai(request, body, 1 + len(self.template(body).split()), chat=True)
 
+    async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
+        """llama-server's own `/v1/messages`, as its conversion to a chat does it: only a few
+        sampling fields are copied (an `id_slot` is dropped), and the task runs on the first
+        idle slot, whoever's it is. (Answered in chat's shape: the tests read only the slot.)"""
+        body = await request.json()
+        chat = {k: body[k] for k in ("temperature", "top_p", "top_k", "stream") if k in body}
+        chat["messages"] = [
+            {"role": m["role"], "content": str(m["content"])} for m in body["messages"]
+        ]
+        chat["n_predict"] = body.get("max_tokens", -1)
+        chat["id_slot"] = min(set(range(self.slots)) - self.busy)
+        return await self._openai(request, chat, 1 + len(self.template(chat).split()), chat=True)
+
     async def oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         return await self._openai(
@@ -108,6 +137,11 @@ class FakeLlama:
         self.requests.append(body)
         slot = body["id_slot"]
         assert 0 <= slot < self.slots
+        if prompt >= self.n_ctx:  # as llama-server refuses a prompt its slot cannot hold
+            message = f"request ({prompt} tokens) exceeds the available context size"
+            error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
+            error |= {"n_prompt_tokens": prompt, "n_ctx": self.n_ctx}
+            return web.json_response({"error": error}, status=400)
         n_predict = body.get("n_predict", body.get("max_tokens", -1))
         room = self.n_ctx - prompt
         limit = room if n_predict < 0 else min(n_predict, room)
@@ -178,10 +212,37 @@ class FakeLlama:
         finally:
             self.busy.discard(slot)
 
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": "/srv/models/tiny.gguf",
+                "total_slots": self.slots,
+                "chat_template": "chatml",
+                "bos_token": "<s>",
+                "default_generation_settings": {
+                    "n_ctx": self.n_ctx,
+                    "params": {"temperature": 0.8},
+                    "prompt": "another mind's words",
+                },
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokens = (await request.json()).get("tokens", [])
+        return web.json_response({"content": " ".join(f"t{t}" for t in tokens)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text="llamacpp:prompt_tokens_total 1\n")
+
     async def list_slots(self, request: web.Request) -> web.Response:
         return web.json_response(
             [
-                {"id": i, "n_ctx": self.n_ctx, "is_processing": i in self.busy}
+                {
+                    "id": i,
+                    "n_ctx": self.n_ctx,
+                    "is_processing": i in self.busy,
+                    "prompt": f"words held by slot {i}",
+                }
                 for i in range(self.slots)
             ]
         )

@@ -89,6 +89,14 @@ class Rig:
         async with self.http.post(f"{self.url}{path}", json=body, headers=hdrs) as resp:
             return resp.status, await resp.json(), resp.headers
 
+    async def post_get(
+        self, path: str, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, Any]:
+        """A GET, as `post` (the mind named unless `headers` say otherwise)."""
+        hdrs = {MIND_HEADER: MIRA} if headers is None else headers
+        async with self.http.get(f"{self.url}{path}", headers=hdrs) as resp:
+            return resp.status, await resp.json(), resp.headers
+
 
 def run(
     initial: GrantTable,
@@ -96,13 +104,17 @@ def run(
     fake: FakeLlama | None = None,
     *,
     reviewed: bool = False,
+    **overrides: Any,
 ) -> FakeLlama:
     fake = fake or FakeLlama()
 
     async def main() -> None:
         upstream_runner, upstream = await serve(fake.app())
         settings = GatewaySettings(
-            upstream=upstream, health_seconds=0.05, review_token=review if reviewed else None
+            upstream=upstream,
+            health_seconds=0.05,
+            review_token=review if reviewed else None,
+            **overrides,
         )
         gateway = Gateway(settings)
         await gateway.start()

@@ -80,6 +80,10 @@ class Refusal(StrEnum):
     BAD_REQUEST = "bad_request"
     UNAUTHENTICATED = "unauthenticated"
     REVIEW_UNAVAILABLE = "review_unavailable"
+    #: A llama-server route the gateway does not serve (docs/gateway.md, "Every route").
+    NOT_SERVED = "not_served"
+    #: A route that takes no slot, asked faster than its rate (tokenize, count tokens).
+    RATE_LIMITED = "rate_limited"
 
 
 #: The reason of a `429` to a mind the grant table does not list while it lists only the head

@@ -8,7 +8,11 @@ slot and records the release, which the runtime reports in the Engine's `status.
 (docs/design.md: the gateway, not the mind, reports the slot released). A slot that held another
 mind's context is erased before a new holder's first request, so nothing leaks between minds.
 
-Every decision comes from `engine.admission` (pure); this module does the I/O. The grant table
+Every decision comes from `engine.admission` (pure); this module does the I/O. Each API it
+speaks (llama-server's `/completion`, OpenAI's Chat Completions, Completions, Embeddings and
+Responses, Anthropic's Messages) is a dialect (`engine.dialects`): one request path
+(`_serve`: read, admit, `_checked`, count, cap, pin, forward) says each step in the words of the
+API she spoke. llama-server's other routes are `engine.llama_routes`'. The grant table
 is pushed in by a source (`engine.grants_source`) through `set_table`; the gateway never grants
 on its own. `engine.runtime` runs it beside llama-server; tests and `bench/gateway.py` run it
 in front of any llama-server.
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -52,32 +55,36 @@ from continuum_operator.engine.admission import (
     still_reported,
     token_cap,
 )
-from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
-from continuum_operator.engine.openai_api import (
-    Endpoint,
-    FieldError,
-    asked_tokens,
-    cap_body,
-    check_body,
-    check_native,
-    over_grant_body,
-    prompt_bound,
-    refusal_body,
+from continuum_operator.engine.dialects import (
+    CHAT,
+    DOORS,
+    NATIVE,
+    Annotate,
+    Bad,
+    Counting,
+    Dialect,
+    Forward,
+    Reply,
+    Shaper,
 )
+from continuum_operator.engine.llama_routes import LlamaRoutes
+from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
+from continuum_operator.engine.openai_api import prompt_bound
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
+from continuum_operator.engine.upstream import BadUpstreamRequest, UpstreamDown
 from continuum_operator.model.mind import GrantState
 
 __all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
 
 log = logging.getLogger(__name__)
 
-#: OpenAI's clients read it before their own rule of what to retry (openai-python does).
-SHOULD_RETRY_HEADER = "x-should-retry"
-
 #: Seconds a connection may take to send a whole request head, and stay idle between requests:
 #: a client that opens a connection and never finishes its headers is dropped after it
 #: (aiohttp's keep-alive timer runs from the connection's start until a request is read).
 HEADERS_SECONDS = 10.0
+
+#: llama-server's error type for a prompt its slot cannot hold.
+EXCEEDS_CONTEXT = "exceed_context_size_error"
 
 #: Cut turns remembered to answer their late requests with `turn_cut` (oldest forgotten first).
 CUT_TURNS_KEPT = 1024
@@ -110,6 +117,13 @@ class GatewaySettings:
     #: Seconds the gateway waits on a mind's connection to take a stream's last words (the
     #: cut event): a client that stops reading holds nothing of the engine past it.
     write_seconds: float = 2.0
+    #: The rate of each mind's requests to the routes that take no slot (tokenize, count
+    #: tokens, apply-template, props, slots): per second, and the burst.
+    utility_per_second: float = 20.0
+    utility_burst: int = 40
+    #: llama-server runs with `--context-shift`: a full slot shifts its context out instead of
+    #: ending the generation, so the slot no longer bounds what she generates.
+    context_shift: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +154,8 @@ class _Flight:
 
     mind: str
     slot: int
+    #: Her grant's tokens (at most the slot's): an over-grant llama-server finds is said as hers.
+    grant: int = 0
     cut: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
     by: str | None = None
@@ -155,10 +171,6 @@ class _Turn:
     mind: str
     slot: int
     opened: float
-
-
-class _UpstreamDown(Exception):
-    """llama-server did not answer (restarting, crashed)."""
 
 
 class Gateway:
@@ -220,14 +232,13 @@ class Gateway:
         app = web.Application()
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)
-        app.router.add_post("/completion", self.completion)
-        app.router.add_post(Endpoint.CHAT.value, self.chat_completions)
-        app.router.add_post(Endpoint.COMPLETIONS.value, self.completions)
-        app.router.add_post(Endpoint.EMBEDDINGS.value, self.embeddings)
+        for path, dialect in DOORS.items():
+            app.router.add_post(path, self.door(dialect))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/health", self.readyz)  # llama-server's name, for probes
+        LlamaRoutes(self).add_to(app)  # the rest of llama-server's routes; last, a catch-all
         return app
 
     def admin_app(self) -> web.Application:
@@ -318,7 +329,7 @@ class Gateway:
                 try:
                     erased = await self._erase(rel.slot)
                     break
-                except _UpstreamDown as err:
+                except UpstreamDown as err:
                     if self.clock() >= deadline:
                         log.warning(
                             "slot %d of %s not erased by its deadline (%s); it is erased before "
@@ -404,9 +415,9 @@ class Gateway:
                 ) as resp:
                     payload = await resp.json(content_type=None)
                     if resp.status != 200:
-                        raise _UpstreamDown(f"erase answered {resp.status}: {payload}")
+                        raise UpstreamDown(f"erase answered {resp.status}: {payload}")
             except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-                raise _UpstreamDown(str(err)) from err
+                raise UpstreamDown(str(err)) from err
             self.slot_owner.pop(slot, None)
             return int(payload.get("n_erased", 0)) if isinstance(payload, dict) else 0
 
@@ -426,12 +437,12 @@ class Gateway:
 
     async def _post_json(self, path: str, body: Any) -> tuple[int, Any]:
         """POST `body` to llama-server's `path`: the status and the JSON it answered. Not
-        reached, or an answer that is not JSON: `_UpstreamDown`."""
+        reached, or an answer that is not JSON: `UpstreamDown`."""
         try:
             async with self.session.post(f"{self.settings.upstream}{path}", json=body) as resp:
                 return resp.status, await resp.json(content_type=None)
         except (aiohttp.ClientError, ValueError) as err:
-            raise _UpstreamDown(str(err)) from err
+            raise UpstreamDown(str(err)) from err
 
     async def _tokenize(self, content: Any, add_special: bool) -> list[Any]:
         status, payload = await self._post_json(
@@ -439,7 +450,7 @@ class Gateway:
         )
         tokens = payload.get("tokens") if isinstance(payload, dict) else None
         if status != 200 or not isinstance(tokens, list):
-            raise _UpstreamDown(f"tokenize answered {status}: {payload}")
+            raise UpstreamDown(f"tokenize answered {status}: {payload}")
         return tokens
 
     async def _apply_template(self, body: dict[str, Any]) -> str:
@@ -447,7 +458,7 @@ class Gateway:
         status, payload = await self._post_json("/apply-template", body)
         prompt = payload.get("prompt") if isinstance(payload, dict) else None
         if status != 200 or not isinstance(prompt, str):
-            raise _BadUpstreamRequest(status, payload)
+            raise BadUpstreamRequest(status, payload)
         return prompt
 
     async def _until_cut(self, flight: _Flight, work: Awaitable[_T]) -> _T:
@@ -475,24 +486,25 @@ class Gateway:
 
     # --- answers ------------------------------------------------------------------------------
 
-    def _answer(self, adm: Admission, *, openai: bool = False) -> web.Response:
+    def _reply(self, reply: Reply) -> web.Response:
+        return web.json_response(reply.body, status=reply.status, headers=reply.headers or None)
+
+    def _answer(self, adm: Admission, dialect: Dialect = NATIVE) -> web.Response:
+        """A refusal of the grant protocol, in the words of the API she spoke."""
         assert adm.refusal is not None
         self.metrics.refused(adm.refusal)
-        headers = {"Retry-After": str(adm.retry_after)} if adm.retry_after else {}
-        if not openai:
-            return web.json_response(adm.body, status=adm.status, headers=headers or None)
-        # OpenAI's clients retry 409 and 429 by themselves; only a wait in line is worth it.
-        retry = adm.status in (429, 503)
-        headers[SHOULD_RETRY_HEADER] = "true" if retry else "false"
-        return web.json_response(refusal_body(adm), status=adm.status, headers=headers)
+        return self._reply(dialect.refusal(adm))
 
     def _refuse(
-        self, refusal: Refusal, status: int, body: dict[str, Any], *, openai: bool = False
+        self, refusal: Refusal, status: int, body: dict[str, Any], dialect: Dialect = NATIVE
     ) -> web.Response:
         return self._answer(
-            Admission(Answer.REFUSE, status, {"error": refusal.value, **body}, refusal),
-            openai=openai,
+            Admission(Answer.REFUSE, status, {"error": refusal.value, **body}, refusal), dialect
         )
+
+    def _bad_request(self, dialect: Dialect, param: str, message: str) -> web.Response:
+        self.metrics.refused(Refusal.BAD_REQUEST)
+        return self._reply(dialect.bad_request(param, message))
 
     def _cut_body(self, flight: _Flight) -> dict[str, Any]:
         return {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
@@ -520,7 +532,8 @@ class Gateway:
     async def _who(self, request: web.Request) -> tuple[str, Admission | None]:
         """The mind a request speaks for, or why it may not speak at all.
 
-        With token review (every cluster install) the token says who she is and the
+        With token review (every cluster install) the token (`Authorization: Bearer`, or
+        `x-api-key` as Anthropic's clients send it) says who she is and the
         `X-Continuum-Mind` header, if sent, must agree; without it (the unsafe local flag)
         the header is believed.
         """
@@ -528,9 +541,9 @@ class Gateway:
         review = self.settings.review_token
         if review is None:
             return asked, None
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = _token(request)
         try:
-            account = await review(token.strip()) if scheme.lower() == "bearer" and token else None
+            account = await review(token) if token else None
         except ReviewUnavailable as err:
             return asked, review_unavailable(str(err))
         return identify(asked, account)
@@ -582,36 +595,36 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         """`GET /v1/models`: llama-server's answer (the one model), to a mind of this engine."""
-        mind, refused = await self._who(request)
-        if refused is None and (self.table is None or self.table.entry(mind) is None):
-            refused = admit_turn(self.table, mind)
-        if refused is not None and refused.answer is not Answer.ADMIT:
-            return self._answer(refused, openai=True)
+        _, refused = await self.of_this_engine(request)
+        if refused is not None:
+            return self._answer(refused, CHAT)
         try:
             async with self.session.get(f"{self.settings.upstream}/v1/models") as resp:
                 return web.json_response(await resp.json(content_type=None), status=resp.status)
         except (aiohttp.ClientError, ValueError):
             return self._refuse(
-                Refusal.RELAUNCHING,
-                503,
-                {"reason": GrantReason.ENGINE_RELAUNCHING.value},
-                openai=True,
+                Refusal.RELAUNCHING, 503, {"reason": GrantReason.ENGINE_RELAUNCHING.value}, CHAT
             )
 
-    async def completion(self, request: web.Request) -> web.StreamResponse:
-        """llama-server's native `/completion`."""
-        return await self._serve(request, None)
+    async def of_this_engine(self, request: web.Request) -> tuple[str, Admission | None]:
+        """The mind the request speaks for, and None if she is in this engine's table (any
+        state: what she asks takes no slot); else why she may not ask."""
+        mind, refused = await self._who(request)
+        if refused is None and (self.table is None or self.table.entry(mind) is None):
+            refused = admit_turn(self.table, mind)
+        if refused is not None and refused.answer is not Answer.ADMIT:
+            return mind, refused
+        return mind, None
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Endpoint.CHAT)
+    def door(self, dialect: Dialect) -> Handler:
+        """The handler of a generating route spoken in `dialect`."""
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Endpoint.COMPLETIONS)
+        async def serve(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, dialect)
 
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Endpoint.EMBEDDINGS)
+        return serve
 
-    def _admit(self, mind: str, tid: str, *, openai: bool) -> Admission:
+    def _admit(self, mind: str, tid: str) -> Admission:
         """Whether this request runs: inside her open turn, or as a turn of one request."""
         if not tid:
             # No turn named: a turn of this one request, answered as opening a turn would be.
@@ -633,54 +646,51 @@ class Gateway:
         turn_slot = turn.slot if turn is not None and turn.mind == mind else None
         return admit_request(self.table, mind, turn_slot, engine_ready=self.engine_ready)
 
-    async def _serve(self, request: web.Request, endpoint: Endpoint | None) -> web.StreamResponse:
-        openai = endpoint is not None
-        mind, refused = await self._who(request)
-        if refused is not None:
-            return self._answer(refused, openai=openai)
-        try:
-            body = await request.json()
-        except ValueError:
-            return self._bad_request("", "the body is not JSON", openai=openai)
-        adm = self._admit(mind, request.headers.get(TURN_HEADER, ""), openai=openai)
-        if adm.answer is not Answer.ADMIT:
-            return self._answer(adm, openai=openai)
-        assert adm.slot is not None
-        tokens = min(adm.tokens, self.slot_ctx) if self.slot_ctx else adm.tokens
-        if endpoint is not None:
-            bad = check_body(endpoint, body, tokens)
-            if bad is not None:
-                self.metrics.refused(Refusal.BAD_REQUEST)
-                headers = {SHOULD_RETRY_HEADER: "false"}
-                return web.json_response(bad.body(), status=400, headers=headers)
-        elif (bad := check_native(body)) is not None:
-            return self._bad_request(bad.param, bad.message, openai=False)
-        if endpoint is Endpoint.EMBEDDINGS and self.slot_count != 1:
-            return self._bad_request(
+    def _checked(self, dialect: Dialect, body: Any, tokens: int) -> Forward:
+        """The body as it goes to llama-server, once every check of its dialect passed: the
+        one place a body is judged before it costs the engine anything (`Bad` if refused)."""
+        dialect.check(body, tokens)
+        if dialect.any_slot and self.slot_count != 1:
+            raise Bad(
                 "input",
                 f"this engine runs {self.slot_count or 'several'} slots, and llama-server "
                 "places an embedding on any idle slot, not hers (it would overwrite another "
                 "mind's context): embed on an EmbedLane, or an engine of one slot",
-                openai=True,
             )
+        return dialect.forward(body)
+
+    async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        mind, refused = await self._who(request)
+        if refused is not None:
+            return self._answer(refused, dialect)
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._bad_request(dialect, "", "the body is not JSON")
+        adm = self._admit(mind, request.headers.get(TURN_HEADER, ""))
+        if adm.answer is not Answer.ADMIT:
+            return self._answer(adm, dialect)
+        assert adm.slot is not None
+        tokens = min(adm.tokens, self.slot_ctx) if self.slot_ctx else adm.tokens
+        try:
+            fwd = self._checked(dialect, body, tokens)
+        except Bad as bad:
+            return self._bad_request(dialect, bad.param, bad.message)
         # Registered with no await since the admission: a reclaim from here on cuts it.
-        flight = _Flight(mind, adm.slot)
+        flight = _Flight(mind, adm.slot, tokens)
         self.flights.setdefault(mind, set()).add(flight)
         self.metrics.slot_busy(adm.slot, 1)
         started = time.monotonic()
         try:
-            return await self._forward(request, body, endpoint, flight, tokens)
+            return await self._forward(request, fwd, dialect, flight, tokens)
         except _CutNow:
-            return self._cut_answer(flight, openai=openai)
-        except _BadUpstreamRequest as err:
-            return web.json_response(err.payload, status=err.status)
-        except _UpstreamDown as err:
+            return self._cut_answer(flight, dialect)
+        except BadUpstreamRequest as err:
+            return self._reply(dialect.upstream_error(err.status, err.payload))
+        except UpstreamDown as err:
             log.warning("llama-server failed %s's request: %s", mind, err)
             return self._refuse(
-                Refusal.TURN_CUT,
-                409,
-                {"reason": GrantReason.ENGINE_RELAUNCHING.value},
-                openai=openai,
+                Refusal.TURN_CUT, 409, {"reason": GrantReason.ENGINE_RELAUNCHING.value}, dialect
             )
         finally:
             self.metrics.busy_seconds.labels(str(adm.slot)).inc(time.monotonic() - started)
@@ -698,93 +708,55 @@ class Gateway:
         async with self._flights_done:
             self._flights_done.notify_all()
 
-    def _bad_request(self, param: str, message: str, *, openai: bool) -> web.Response:
-        if openai:
-            self.metrics.refused(Refusal.BAD_REQUEST)
-            return web.json_response(
-                FieldError(param, message).body(),
-                status=400,
-                headers={SHOULD_RETRY_HEADER: "false"},
-            )
-        return self._refuse(Refusal.BAD_REQUEST, 400, {"message": message})
-
     async def _prompt_cap(
-        self,
-        body: dict[str, Any],
-        endpoint: Endpoint | None,
-        flight: _Flight,
-        grant_tokens: int,
-    ) -> TokenCap | OverGrant | web.Response:
+        self, fwd: Forward, flight: _Flight, grant_tokens: int
+    ) -> TokenCap | OverGrant:
         """The generation cap that keeps prompt and output in the grant, counting the prompt
         without llama-server where its size bounds it, else with one `/tokenize`."""
-        asked: int | None
-        if endpoint is None:
-            prompt = body.get("prompt")
-            bound = prompt_token_bound(prompt)
-            if bound is None:
-                return self._bad_request(
-                    "prompt",
-                    "prompt: one prompt (a string, or a list of tokens and strings)",
-                    openai=False,
-                )
-            if isinstance(prompt, list) and len(prompt) > grant_tokens:
-                return self._bad_request(
-                    "prompt",
-                    f"prompt: {len(prompt)} pieces, more than the grant's {grant_tokens} tokens",
-                    openai=False,
-                )
-            raw = body.get("n_predict")
-            if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int)):
-                return self._bad_request("n_predict", "n_predict: an integer", openai=False)
-            asked, content = raw, prompt
-        elif endpoint is Endpoint.CHAT:
-            asked = asked_tokens(body)
+        body, asked = fwd.body, fwd.asked
+        if fwd.counting is Counting.CHAT and self._slot_is_grant(grant_tokens):
+            # llama-server refuses a prompt that fills her slot and ends a generation where
+            # the slot is full: her grant is held without the template's round trip.
+            return TokenCap(-1 if asked is None else asked, asked, capped=False)
+        if fwd.counting is Counting.CHAT:
             templated: str = await self._until_cut(flight, self._apply_template(body))
-            content, bound = templated, prompt_bound(templated)
+            content: Any = templated
+            bound = prompt_bound(templated)
         else:
-            field_name = "prompt" if endpoint is Endpoint.COMPLETIONS else "input"
-            content = body.get(field_name)
-            if isinstance(content, list) and len(content) == 1:
+            name = "input" if fwd.counting is Counting.EMBED else "prompt"
+            content = body.get(name)
+            listed = isinstance(content, list) and len(content) == 1
+            if fwd.counting is not Counting.NATIVE and listed:
                 content = content[0]  # one prompt, listed
             bound = prompt_token_bound(content) or 0
-            asked = asked_tokens(body) if endpoint is Endpoint.COMPLETIONS else 0
         if asked is not None and asked >= 0 and bound + asked <= grant_tokens:
             return TokenCap(asked, asked, capped=False)  # fits however it tokenizes
         counted = await self._count_tokens(flight, content)
-        if endpoint is Endpoint.EMBEDDINGS:
+        if fwd.counting is Counting.EMBED:
             if counted > grant_tokens:
                 return OverGrant(counted, grant_tokens)
             return TokenCap(0, 0, capped=False)
         return token_cap(grant_tokens, counted, asked)
 
+    def _slot_is_grant(self, grant_tokens: int) -> bool:
+        """Whether llama-server's own bound of her slot is her grant: the slot holds no more
+        than the grant (the runtime read its size) and a full slot ends the generation."""
+        ctx = self.slot_ctx
+        return ctx is not None and grant_tokens >= ctx and not self.settings.context_shift
+
     async def _forward(
         self,
         request: web.Request,
-        body: dict[str, Any],
-        endpoint: Endpoint | None,
+        fwd: Forward,
+        dialect: Dialect,
         flight: _Flight,
         grant_tokens: int,
     ) -> web.StreamResponse:
-        openai = endpoint is not None
-        cap = await self._prompt_cap(body, endpoint, flight, grant_tokens)
-        if isinstance(cap, web.Response):
-            return cap
+        cap = await self._prompt_cap(fwd, flight, grant_tokens)
         if isinstance(cap, OverGrant):
             self.metrics.refused(Refusal.OVER_GRANT)
-            if endpoint is not None:
-                param = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt"}
-                return web.json_response(
-                    over_grant_body(cap, param.get(endpoint, "input")),
-                    status=400,
-                    headers={SHOULD_RETRY_HEADER: "false"},
-                )
-            return web.json_response(cap.body(), status=413)
-        if endpoint is None:
-            body["id_slot"] = flight.slot
-            body["n_predict"] = cap.n_predict
-        else:
-            embeds = endpoint is Endpoint.EMBEDDINGS
-            body = cap_body(body, flight.slot, None if embeds else cap.n_predict)
+            return self._reply(dialect.over_grant(cap))
+        body = dialect.pin(fwd, flight.slot, cap.n_predict)
         lock = self._slot_locks.setdefault(flight.slot, asyncio.Lock())
         await self._until_cut(flight, _passed(lock))  # an erase of this slot finishes first
         await self._until_cut(flight, self._ensure_clean(flight.slot, flight.mind))
@@ -798,25 +770,47 @@ class Gateway:
             "nPredictAsked": cap.asked,
             "capped": cap.capped,
         }
-        path = endpoint.value if endpoint is not None else "/completion"
-        if body.get("stream"):
-            return await self._stream(request, path, body, flight, cap, note, openai=openai)
-        return await self._plain(path, body, flight, cap, note)
 
-    def _cut_answer(self, flight: _Flight, *, openai: bool = False) -> web.Response:
+        def annotate(final: dict[str, Any]) -> dict[str, Any]:
+            return _annotate(note, cap, final)
+
+        if body.get("stream"):
+            shaper = dialect.shaper(annotate)
+            return await self._stream(request, fwd.path, body, flight, shaper, dialect)
+        return await self._plain(fwd.path, body, flight, dialect, annotate)
+
+    def _upstream_refused(
+        self, dialect: Dialect, flight: _Flight, status: int, payload: Any
+    ) -> web.Response:
+        """llama-server's refusal, in the dialect's words: a prompt that fills her slot is her
+        grant's over-grant (where the gateway left the count to llama-server)."""
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if isinstance(error, dict) and error.get("type") == EXCEEDS_CONTEXT:
+            self.metrics.refused(Refusal.OVER_GRANT)
+            prompt = int(error.get("n_prompt_tokens") or flight.grant)
+            return self._reply(dialect.over_grant(OverGrant(prompt, flight.grant)))
+        return self._reply(dialect.upstream_error(status, payload))
+
+    def _cut_answer(self, flight: _Flight, dialect: Dialect) -> web.Response:
         body = self._cut_body(flight)
-        return self._answer(Admission(Answer.REFUSE, 409, body, Refusal.TURN_CUT), openai=openai)
+        return self._answer(Admission(Answer.REFUSE, 409, body, Refusal.TURN_CUT), dialect)
 
     async def _plain(
-        self, path: str, body: dict[str, Any], flight: _Flight, cap: TokenCap, note: dict[str, Any]
+        self,
+        path: str,
+        body: dict[str, Any],
+        flight: _Flight,
+        dialect: Dialect,
+        annotate: Annotate,
     ) -> web.Response:
         # Cancelling the call on a cut closes its connection: llama-server drops the task.
         status, payload = await self._until_cut(flight, self._post_json(path, body))
-        if isinstance(payload, dict) and status == 200:
+        if status != 200:
+            return self._upstream_refused(dialect, flight, status, payload)
+        if isinstance(payload, dict):
             prompt, predicted = _usage(payload)
             self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
-            payload["continuum"] = _annotate(note, cap, payload)
-        return web.json_response(payload, status=status)
+        return web.json_response(dialect.answer(payload, annotate))
 
     async def _stream(
         self,
@@ -824,16 +818,14 @@ class Gateway:
         path: str,
         body: dict[str, Any],
         flight: _Flight,
-        cap: TokenCap,
-        note: dict[str, Any],
-        *,
-        openai: bool,
+        shaper: Shaper,
+        dialect: Dialect,
     ) -> web.StreamResponse:
         async def connect() -> aiohttp.ClientResponse:
             try:
                 return await self.session.post(f"{self.settings.upstream}{path}", json=body)
             except aiohttp.ClientError as err:
-                raise _UpstreamDown(str(err)) from err
+                raise UpstreamDown(str(err)) from err
 
         # llama-server sends a stream's headers with its first token, after the whole prompt
         # is read: that wait is raced against the cut like every other.
@@ -841,7 +833,7 @@ class Gateway:
         try:
             if upstream.status != 200:
                 payload = await self._until_cut(flight, upstream.json(content_type=None))
-                return web.json_response(payload, status=upstream.status)
+                return self._upstream_refused(dialect, flight, upstream.status, payload)
             out = web.StreamResponse(
                 status=200,
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
@@ -851,33 +843,36 @@ class Gateway:
             async def pump() -> None:
                 content = upstream.content
                 while line := await content.readuntil(b"\n", max_size=STREAM_LINE_BYTES):
-                    if _is_last_event(line, openai):
-                        line, final = _annotate_event(line, note, cap)
+                    said, final = shaper.feed(line)
+                    if final is not None:
                         prompt, predicted = _usage(final)
                         self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
-                    await out.write(line)
+                    if said:
+                        await out.write(said)
+                if said := shaper.end():
+                    await out.write(said)
 
-            last: dict[str, Any] | None = None  # the stream's own last event, if it is cut
+            last = b""  # the stream's last words, if the gateway ends it
             try:
                 await self._until_cut(flight, pump())
             except _CutNow:
                 upstream.close()  # llama-server sees the stream closed and drops the task
                 await self._land(flight)  # the slot's release need not wait for this client
                 self.metrics.refused(Refusal.TURN_CUT)
-                last = _cut_event(flight, openai=openai)
+                last = _cut_event(flight, dialect)
             except aiohttp.ClientError as err:
-                raise _UpstreamDown(str(err)) from err
+                raise UpstreamDown(str(err)) from err
             except LineTooLong:
                 # Said, not cut off: her client would read a stream that stops without an end.
                 log.warning("%s's stream: an event of llama-server's longer than %d bytes",
                             flight.mind, STREAM_LINE_BYTES)  # fmt: skip
-                last = _too_long_event()
+                last = _too_long_event(dialect)
             except ConnectionError:
                 pass  # the mind hung up
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(self.settings.write_seconds):
-                    if last is not None:
-                        await out.write(b"data: " + json.dumps(last).encode() + b"\n\n")
+                    if last:
+                        await out.write(last)
                     await out.write_eof()
             return out
         finally:
@@ -887,15 +882,14 @@ class Gateway:
                 upstream.close()  # a stream left unfinished: llama-server drops the task
 
 
-def _too_long_event() -> dict[str, Any]:
-    """The stream's last event when llama-server's own was too long to read (llama-server's
-    error shape, which OpenAI's clients read too)."""
+def _too_long_event(dialect: Dialect) -> bytes:
+    """The stream's last event when llama-server's own was too long to read."""
     message = (
         f"llama-server sent an event longer than the gateway reads ({STREAM_LINE_BYTES} bytes; "
         "its last event repeats the prompt and settings): the generation's end was not read; "
         "send a shorter prompt, grammar or schema, or do not stream"
     )
-    return {"error": {"code": 502, "message": message, "type": "server_error"}}
+    return dialect.stream_error("server_error", message, {"code": 502})
 
 
 _T = TypeVar("_T")
@@ -939,13 +933,12 @@ class _CutNow(Exception):
     """The flight was cut while it waited on llama-server."""
 
 
-class _BadUpstreamRequest(Exception):
-    """llama-server refused the request itself (a malformed chat, say): its answer is passed on."""
-
-    def __init__(self, status: int, payload: Any) -> None:
-        self.status = status
-        self.payload = payload
-        super().__init__(f"llama-server answered {status}")
+def _token(request: web.Request) -> str:
+    """Her token: `Authorization: Bearer` (OpenAI's clients), else `x-api-key` (Anthropic's)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip()
 
 
 async def _passed(lock: asyncio.Lock) -> None:
@@ -953,30 +946,12 @@ async def _passed(lock: asyncio.Lock) -> None:
         pass
 
 
-def _cut_event(flight: _Flight, *, openai: bool) -> dict[str, Any]:
-    """The last event of a stream the reclaim ended: says why (OpenAI's clients raise it)."""
-    if not openai:
-        return {"error": {"type": Refusal.TURN_CUT.value, "reason": flight.reason}}
+def _cut_event(flight: _Flight, dialect: Dialect) -> bytes:
+    """The last event of a stream the reclaim ended: says why (the clients raise it)."""
     by = f" by {flight.by}" if flight.by else ""
-    return {
-        "error": {
-            "message": f"turn cut: the grant is being reclaimed ({flight.reason}{by})",
-            "type": Refusal.TURN_CUT.value,
-            "param": None,
-            "code": flight.reason,
-        },
-        "continuum": {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by},
-    }
-
-
-def _is_last_event(line: bytes, openai: bool) -> bool:
-    """Whether an event line ends the generation (cheap byte tests; parsed only if so)."""
-    if not line.startswith(b"data: "):
-        return False
-    if openai:
-        # The chunk whose finish_reason is set (llama-server writes compact JSON).
-        return b'"finish_reason":"' in line
-    return b'"stop":true' in line.replace(b" ", b"")
+    message = f"turn cut: the grant is being reclaimed ({flight.reason}{by})"
+    extra = {"reason": flight.reason, "by": flight.by}
+    return dialect.stream_error(Refusal.TURN_CUT.value, message, extra)
 
 
 def _usage(final: dict[str, Any]) -> tuple[int, int]:
@@ -1002,24 +977,13 @@ def _hit_limit(final: dict[str, Any], cap: TokenCap) -> bool:
 def _annotate(note: dict[str, Any], cap: TokenCap, final: dict[str, Any]) -> dict[str, Any]:
     """The gateway's note on a finished completion: a cut-off at the grant is said plainly."""
     out = dict(note)
-    if _hit_limit(final, cap) and (cap.capped or cap.asked is None or cap.asked < 0):
+    prompt, predicted = _usage(final)
+    # Where llama-server held the grant (her slot), the context full says the cut-off.
+    filled = prompt + predicted + 1 >= note["grantTokens"]
+    if _hit_limit(final, cap) and (cap.capped or cap.asked is None or cap.asked < 0 or filled):
         out["cutOff"] = "GrantTokens"
         out["message"] = (
-            f"generation stopped at {cap.n_predict} tokens: prompt and generation fill the "
-            f"grant of {note['grantTokens']} tokens"
+            f"generation stopped at {predicted or cap.n_predict} tokens: prompt and generation "
+            f"fill the grant of {note['grantTokens']} tokens"
         )
     return out
-
-
-def _annotate_event(
-    line: bytes, note: dict[str, Any], cap: TokenCap
-) -> tuple[bytes, dict[str, Any]]:
-    """The last event of a stream, with the gateway's note; and the event itself."""
-    try:
-        event = json.loads(line[len(b"data: ") :])
-    except ValueError:
-        return line, {}
-    if not isinstance(event, dict):
-        return line, {}
-    event["continuum"] = _annotate(note, cap, event)
-    return b"data: " + json.dumps(event).encode() + b"\n", event

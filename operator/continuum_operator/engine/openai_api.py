@@ -30,6 +30,7 @@ from typing import Any
 from continuum_operator.engine.admission import SPECIAL_TOKEN_MARGIN, Admission, OverGrant
 
 __all__ = [
+    "SAMPLING",
     "Endpoint",
     "FieldError",
     "cap_body",
@@ -52,7 +53,7 @@ class Endpoint(StrEnum):
 
 
 #: Sampling and output fields llama-server reads that stay inside the slot and the grant.
-_SAMPLING = frozenset(
+SAMPLING = frozenset(
     {
         "temperature",
         "top_p",
@@ -90,7 +91,7 @@ _SAMPLING = frozenset(
 
 #: Fields of every generating endpoint: the model (any name: one engine serves one model),
 #: streaming, the length (capped) and who asks.
-_GENERATING = _SAMPLING | {
+_GENERATING = SAMPLING | {
     "model",
     "stream",
     "stream_options",
@@ -122,7 +123,7 @@ ALLOWED: Mapping[Endpoint, frozenset[str]] = {
 
 #: llama-server's native `/completion` inside a turn (docs/gateway.md): its own names for the
 #: length (`n_predict`, capped) and the probabilities (`n_probs`, bounded), `n`/`n_cmpl` only 1.
-NATIVE_ALLOWED = _SAMPLING | {
+NATIVE_ALLOWED = SAMPLING | {
     "prompt",
     "n_predict",
     "stream",
@@ -167,7 +168,7 @@ class FieldError:
 
 
 def error_body(
-    message: str, type_: str, code: str | None = None, param: str | None = None
+    message: str, type_: str, code: str | int | None = None, param: str | None = None
 ) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

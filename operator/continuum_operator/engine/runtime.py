@@ -674,6 +674,7 @@ async def serve(args: argparse.Namespace) -> int:
             upstream="http://127.0.0.1:0",
             grace_seconds=args.grace,
             review_token=_reviewer(args),
+            context_shift="--context-shift" in launch.args,
         )
     )
     runtime = EngineRuntime(launch, gateway, publish=_publisher(args))
