@@ -174,6 +174,7 @@ class EnginePass:
         self.backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
         self.memory = memory
         self.node_gone_since: float | None = None
+        self.launch: str | None = None  # the launch in force, once `placed` knows it
 
     # -- the end of every pass ----------------------------------------------------------------
 
@@ -241,9 +242,15 @@ class EnginePass:
         self.events.append(Event("Normal", "Relaunching", reason))
         return plan_doc
 
+    def evidence(self) -> runtime_report.Evidence:
+        """The receipts of this Engine's model that its launch in force measured (`launch`:
+        its hash; None, as when placing anew: the runtime's report is of no launch to keep),
+        and why others found were set aside."""
+        return runtime_report.receipts_of(self.status, self.engine.spec.model.sha256, self.launch)
+
     def receipts(self) -> tuple[Receipt, ...]:
-        """The receipts of this Engine's model: its runtime's, and the one its plan used."""
-        return runtime_report.receipts_of(self.status, self.engine.spec.model.sha256)
+        """The receipts a plan of this Engine may use (`evidence`)."""
+        return self.evidence().receipts
 
     def llama_build(self) -> str | None:
         """The llama.cpp build the engine's image runs, as its runtime last reported it; None

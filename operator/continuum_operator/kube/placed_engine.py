@@ -16,7 +16,7 @@ from continuum_operator.core import conditions as cond
 from continuum_operator.core import gpu_check
 from continuum_operator.core.bestfit import matches, with_unmeasured
 from continuum_operator.core.damping import Damper, Observation, Outcome, PlanShape, step
-from continuum_operator.core.plan import ServingPlan, plan
+from continuum_operator.core.plan import ServingPlan, plan, receipts_beyond_bound
 from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.kube import objects, runtime_report
 from continuum_operator.kube.cache import Snapshot, parse_time
@@ -51,7 +51,7 @@ def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -
         return None
     has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
     pods = pods_on(snap, node, settings)
-    launch = objects.launch_hash(engine, plan_doc, pods)
+    launch = p.launch = objects.launch_hash(engine, plan_doc, pods)
     dep = snap.deployments.get(p.key)
     running = dep is not None and dep.running(launch)
     assumed_at = parse_time(placement.get("assumedAt"))
@@ -111,9 +111,18 @@ def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -
         no_longer_fits=no_longer_fits,
         damping_message=_damping_message(outcome, p.damper, settings) if outcome else "",
         runtime=runtime_report.runtime_report(current, now, settings.pods.restart_window_seconds),
+        receipts_refused=_receipts_refused(p),
     )
     writes = p.finish(f, engine, plan_doc, has_gpus, pods)
     return replace(writes, deployment=None) if held else writes
+
+
+def _receipts_refused(p: EnginePass) -> tuple[str, ...]:
+    """Why receipts found for the launch in force are not planned from: another launch's
+    (`runtime_report`), or beyond the bound of the estimate (`core.receipt_bounds`)."""
+    evidence = p.evidence()
+    beyond = receipts_beyond_bound(p.engine.spec, p.facts, evidence.receipts, p.llama_build())
+    return (*evidence.set_aside, *(r.message for r in beyond))
 
 
 def _node_gone_long_enough(p: EnginePass, node: str) -> bool:
