@@ -26,6 +26,7 @@ class ConditionType(StrEnum):
     BOARD_STALE = "BoardStale"
     UNSCHEDULABLE = "Unschedulable"
     RECEIPT_REFUSED = "ReceiptRefused"
+    PLAN_HELD = "PlanHeld"
 
 
 class Reason(StrEnum):
@@ -63,6 +64,9 @@ class Reason(StrEnum):
     # ReceiptRefused
     RECEIPTS_ACCEPTED = "ReceiptsAccepted"
     RECEIPT_NOT_PLANNED_FROM = "ReceiptNotPlannedFrom"
+    # PlanHeld
+    CODE_CHANGED = "CodeChanged"
+    PLAN_IN_FORCE = "PlanInForce"
 
 
 class PodPhase(StrEnum):
@@ -120,6 +124,8 @@ class EngineFacts:
     receipts_refused: tuple[str, ...] = ()
     """Receipts found for the launch in force and not planned from (another launch's, or
     beyond the bound of the estimate): why, each."""
+    plan_held: str = ""
+    """A new plan, on a node that reads as it did, held from relaunching the engine: why."""
 
 
 def planned_message(node: str, layers_on_device: int, total_layers: int, minds: int) -> str:
@@ -145,6 +151,7 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
         (T.BOARD_STALE, _board_stale(f)),
         (T.UNSCHEDULABLE, _unschedulable(f)),
         (T.RECEIPT_REFUSED, _receipt_refused(f)),
+        (T.PLAN_HELD, _plan_held(f)),
     )
     return [
         Condition(
@@ -249,6 +256,12 @@ def _receipt_refused(f: EngineFacts) -> _Verdict:
     more = len(f.receipts_refused) - 1
     message = f.receipts_refused[0] + (f" (and {more} more)" if more else "")
     return True, Reason.RECEIPT_NOT_PLANNED_FROM, message[:2000]
+
+
+def _plan_held(f: EngineFacts) -> _Verdict:
+    if f.plan_held:
+        return True, Reason.CODE_CHANGED, f.plan_held
+    return False, Reason.PLAN_IN_FORCE, ""
 
 
 def merge(old: Sequence[Condition], new: Sequence[Condition], now: str) -> list[Condition]:

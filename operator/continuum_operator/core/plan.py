@@ -381,19 +381,20 @@ class _Sizer:
         return device, host
 
 
-def receipts_beyond_bound(
+def vet_receipts(
     engine: EngineSpec,
     facts: ModelFacts,
     receipts: Sequence[Receipt],
     llama_build: str | None = None,
-) -> tuple[Reason, ...]:
-    """The receipts of `engine`'s placements that its plans do not use, for standing beyond
-    the bound of the estimate (`core.receipt_bounds`), each with why: what `plan` lists as
-    `ReceiptRefused`, whatever the board (the bound is of bytes, not of budgets)."""
+) -> tuple[tuple[Receipt, ...], tuple[Reason, ...]]:
+    """The receipts `engine`'s plans may use, and why the others are not: they stand beyond
+    the bound of the estimate (`core.receipt_bounds`); what `plan` lists as `ReceiptRefused`,
+    whatever the board (the bound is of bytes, not of budgets)."""
     if not receipts:
-        return ()
+        return (), ()
     book = ReceiptBook(tuple(receipts), llama_build)
-    return _Sizer.of(facts, engine, rules_of(MemoryMode.DISCRETE), book).refused
+    sizer = _Sizer.of(facts, engine, rules_of(MemoryMode.DISCRETE), book)
+    return sizer.receipts.receipts, sizer.refused
 
 
 def _by_part(sides: tuple[PartBytes, PartBytes]) -> dict[str, dict[str, int]]:
