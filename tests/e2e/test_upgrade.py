@@ -24,6 +24,7 @@ import pytest
 
 from tests.e2e.conftest import Cluster
 from tests.e2e.llama_fixtures import free_port
+from tests.e2e.test_grants import stop
 from tests.e2e.test_operator import (
     condition,
     crds,
@@ -33,6 +34,7 @@ from tests.e2e.test_operator import (
     renew,
     wait_for,
 )
+from tests.e2e.test_operator import engine as operator_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -65,26 +67,10 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def engine(name: str, tag: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "continuum.dev/v1alpha1",
-        "kind": "Engine",
-        "metadata": {"name": name, "labels": dict([LABEL])},
-        "spec": {
-            "model": {
-                "facts": {
-                    "layers": 32,
-                    "layerBytes": 232783872,
-                    "inputBytes": 532676608,
-                    "outputBytes": 532676608,
-                    "kvBytesPerTokenPerLayer": 4096,
-                    "computeBytes": 268435456,
-                }
-            },
-            "contextTokensPerMind": 16384,
-            "minds": {"min": 1, "max": 8},
-            "placement": {"nodeSelector": {"e2e-tag": tag}},
-        },
-    }
+    """test_operator's Engine (up to 8 minds of 16,384 tokens), served by this module's operator."""
+    body = operator_engine(name, tag)
+    body["metadata"]["labels"] = dict([LABEL])
+    return body
 
 
 def start(cluster: Cluster, log: Path, *wrapper: str) -> subprocess.Popen[bytes]:
@@ -107,16 +93,6 @@ def start(cluster: Cluster, log: Path, *wrapper: str) -> subprocess.Popen[bytes]
     if proc.poll() is not None:
         pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
     return proc
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture
