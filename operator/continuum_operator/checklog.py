@@ -50,6 +50,11 @@ WAIT_OUTCOMES = frozenset({"granted", "deadline", "left"})
 TURN_PHASES = frozenset({"start", "end", "cut"})
 EVENTS = frozenset({"capacity", "transition", "wait", "waitEnd", "turn"})
 
+# A mind leaving the queue without a slot: she left, or she is refused (docs/grants.md).
+_REFUSED_OR_GONE = frozenset({"MindDeleted", "ContextTooLarge", "ClassLimit", "ClassNotAllowed"})
+# Reclaims that are not a preemption: the engine's, or the mind's (she left, or is refused).
+_FORCED = _REFUSED_OR_GONE | {"EngineShrunk", "EngineRelaunching"}
+
 # The table of docs/transition-log.md: (from, to) -> the reasons allowed.
 ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
     (None, QUEUED): frozenset({"Arrived"}),
@@ -65,20 +70,11 @@ ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
     ),
     (QUEUED, GRANTED): frozenset({"SlotFree"}),
     (GRANTED, GRANTED): frozenset({"SlotMoved"}),
-    (GRANTED, RECLAIMING): frozenset(
-        {
-            "Preempted",
-            "EngineShrunk",
-            "EngineRelaunching",
-            "MindDeleted",
-            "ContextTooLarge",
-            "ClassLimit",
-        }
-    ),
+    (GRANTED, RECLAIMING): _FORCED | {"Preempted"},
     (RECLAIMING, RELEASED): frozenset({"SlotReleased", "GraceExpired"}),
     (RELEASED, QUEUED): frozenset({"Requeued", "Arrived"}),
-    (QUEUED, RELEASED): frozenset({"MindDeleted", "ContextTooLarge", "ClassLimit"}),
-    (None, RELEASED): frozenset({"MindDeleted", "ContextTooLarge", "ClassLimit"}),
+    (QUEUED, RELEASED): _REFUSED_OR_GONE,
+    (None, RELEASED): _REFUSED_OR_GONE,
 }
 # Times are floats written by another program: a preemption this close to the end of the
 # victim's window counts as after it, so an allocator that computes `granted + window` rather
@@ -86,9 +82,7 @@ ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {
 CLOCK_SLACK = 1e-6
 
 # A second reclaim inside one protection window is allowed for these reasons (invariant 5).
-FORCED_RECLAIMS = frozenset(
-    {"EngineShrunk", "EngineRelaunching", "MindDeleted", "ContextTooLarge", "ClassLimit"}
-)
+FORCED_RECLAIMS = _FORCED
 # A queued mind her namespace's token quota holds back (docs/tenancy.md): the log carries no
 # quota, so she is not counted among those a free or reclaimed slot is owed to.
 QUOTA_HELD = "QuotaExceeded"

@@ -15,7 +15,15 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
-from continuum_operator import checklog, cli_facts, cli_model, cli_place, procclass, scenario
+from continuum_operator import (
+    checklog,
+    cli_facts,
+    cli_model,
+    cli_place,
+    cli_replay,
+    procclass,
+    scenario,
+)
 from continuum_operator.agent import cli as agent_cli
 from continuum_operator.cli_args import Subcommand
 from continuum_operator.cli_errors import fail
@@ -84,6 +92,14 @@ def _version() -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.replay:
+        return cli_replay.cmd_replay(args)
+    if args.board is None or args.engine is None:
+        return fail(
+            "plan needs --board FILE and --engine FILE (or --replay, with --engines and "
+            "--boards, to re-plan every placed Engine before an upgrade)",
+            EXIT_INVALID,
+        )
     try:
         board = load_one(NodeBoard, args.board)
         engine = load_one(Engine, args.engine)
@@ -115,9 +131,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `continuum plan`."""
-    p.add_argument("--board", type=Path, required=True, help="a NodeBoard YAML file")
-    p.add_argument("--engine", type=Path, required=True, help="an Engine YAML file")
+    p.add_argument("--board", type=Path, help="a NodeBoard YAML file")
+    p.add_argument("--engine", type=Path, help="an Engine YAML file")
     cli_place.add_placed_inputs(p)
+    cli_replay.add_arguments(p)
     add_output_argument(p, table="the plan's rows, bytes per side and its reasons")
 
 

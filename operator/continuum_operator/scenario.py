@@ -23,13 +23,21 @@ from continuum_operator.core.simulate import (
     EngineScenario,
     MindScenario,
     Scenario,
+    ScenarioTooLarge,
     simulate,
 )
 from continuum_operator.manifests import ManifestError, yaml_documents
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    # Times are finite: `.inf` and `.nan` would run forever or compare false everywhere.
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", allow_inf_nan=False
+    )
+
+
+#: The most minds a scenario makes (its entries' counts summed): each is held for the whole run.
+MOST_MINDS = 100_000
 
 
 class ClassFile(_Model):
@@ -85,14 +93,20 @@ class ScenarioFile(_Model):
     kind: Literal["Scenario"] = "Scenario"
     duration: float = Field(default=3600.0, gt=0)
     grace_seconds: float = Field(default=30.0, gt=0)
-    classes: list[ClassFile] = Field(default_factory=list)
-    engines: list[EngineFile] = Field(min_length=1)
-    minds: list[MindFile] = Field(default_factory=list)
-    events: list[EventFile] = Field(default_factory=list)
+    classes: list[ClassFile] = Field(default_factory=list, max_length=1_000)
+    engines: list[EngineFile] = Field(min_length=1, max_length=1_000)
+    minds: list[MindFile] = Field(default_factory=list, max_length=MOST_MINDS)
+    events: list[EventFile] = Field(default_factory=list, max_length=100_000)
     policy: PolicyFile = Field(default_factory=PolicyFile)
 
     @model_validator(mode="after")
     def _references_resolve(self) -> Self:
+        minds = sum(m.count for m in self.minds)
+        if minds > MOST_MINDS:
+            raise ValueError(
+                f"the minds' counts add up to {minds:,}, more than the simulator's "
+                f'{MOST_MINDS:,}; lower count (docs/simulate.md, "Bounds")'
+            )
         engines = {e.name for e in self.engines}
         classes = {c.name for c in self.classes} | {"default"}
         for i, m in enumerate(self.minds):
@@ -185,7 +199,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         scenario = load(args.scenario)
     except ValueError as err:
         return fail(str(err), 2)
-    result = simulate(scenario)
+    try:
+        result = simulate(scenario)
+    except ScenarioTooLarge as err:
+        return fail(f"{args.scenario}: {err}", 2)
     if args.log:
         with args.log.open("w") as out:
             for line in result.log:

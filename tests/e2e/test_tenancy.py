@@ -26,6 +26,7 @@ from tests.e2e.test_grants import (  # the grants e2e's own helpers, reused
     engine,
     gpu_node,
     grant_of,
+    ledger,
     mind,
     mind_class,
     operator,
@@ -289,6 +290,69 @@ def test_a_namespace_over_its_token_quota_queues_its_minds_with_the_reason(
             )
     finally:
         cluster.kubectl("delete", "mindclass", cls["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_a_class_squatted_before_it_exists_and_a_default_made_later_give_no_priority(
+    cluster: Cluster, crds: None, tag: str, tmp_path: Path
+) -> None:
+    # Admission checks a Mind's class at create or a class change, and lets a class that does
+    # not exist through (parameterNotFoundAction: Allow); the operator checks at every grant.
+    dev = scoped_namespace(cluster, tag)
+    ops = scoped_namespace(cluster, tag)
+    label = ("continuum.dev/e2e-grants", f"s{tag}")
+    gpu_node(cluster, f"s{tag}")
+    std = {**mind_class(f"std-{tag}", 0)}
+    urgent = {**mind_class(f"urgent-{tag}", 100)}
+    urgent["spec"] = {**urgent["spec"], "allowedNamespaces": [ops]}
+    default = {**mind_class(f"default-{tag}", 100)}
+    default["spec"] = {**default["spec"], "allowedNamespaces": [ops], "default": True}
+    cluster.apply(std)
+    try:
+        cluster.apply(engine("coder", f"s{tag}", label, minds=1), "-n", dev)
+        with operator(cluster, tmp_path, label):
+            log = tmp_path / "operator.log"
+            wait_for("the engine serving", serving(cluster, dev, 1), log=log)
+            cluster.apply(mind("low", std["metadata"]["name"]), "-n", dev)
+            wait_for("low granted", lambda: states(cluster, dev) == {"low": "Granted"}, log=log)
+            cluster.apply(mind("pager", urgent["metadata"]["name"]), "-n", dev)
+            classless = mind("quiet", std["metadata"]["name"])
+            del classless["spec"]["className"]
+            cluster.apply(classless, "-n", dev)
+            wait_for(
+                "pager told her class does not exist",
+                lambda: ready(cluster, dev, "pager").get("reason") == "ClassNotFound",
+                log=log,
+            )
+            wait_for("quiet queued", lambda: states(cluster, dev).get("quiet") == "Queued")
+
+            # The admin makes both classes for ops only: neither mind of dev gets priority 100.
+            cluster.apply([urgent, default])
+
+            def refused() -> dict[str, Any] | None:
+                entries = ledger(cluster, dev)
+                got = {m: (e["state"], e["reason"]) for m, e in entries.items()}
+                want = ("Released", "ClassNotAllowed")
+                return got if got.get("pager") == want and got.get("quiet") == want else None
+
+            got = wait_for("pager and quiet refused in the ledger", refused, log=log)
+            assert got["low"] == ("Granted", "SlotFree")  # not preempted
+            for name, cls in (("pager", urgent), ("quiet", default)):
+
+                def projected(n: str = name) -> dict[str, Any] | None:
+                    g = grant_of(cluster, dev, n)
+                    return g if g.get("state") == "Refused" else None
+
+                grant = wait_for(f"{name}'s status", projected, log=log)
+                assert grant["reason"] == "ClassNotAllowed"
+                assert (
+                    f"MindClass {cls['metadata']['name']} may not be used by Minds of namespace "
+                    f"{dev}; it allows namespaces: {ops}"
+                ) in grant["message"]
+                assert ready(cluster, dev, name)["reason"] == "ClassNotAllowed"
+            assert states(cluster, dev)["low"] == "Granted"
+    finally:
+        names = [c["metadata"]["name"] for c in (std, urgent, default)]
+        cluster.kubectl("delete", "mindclass", *names, "--wait=false", check=False)
 
 
 def test_a_resource_quota_caps_a_namespaces_count_of_minds_and_engines(

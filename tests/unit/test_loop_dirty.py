@@ -183,6 +183,9 @@ def test_a_board_change_decides_the_engines_of_its_node_and_those_not_placed(wor
     world.settle()
     world.cache.observe_board(node_board("n1", used_gib=1, rv=2), deleted=False)
     assert world.pass_once() == world.on["n1"] | {world.nowhere}
+    # Each of n1's engines wrote the node's new reading into the plan it keeps
+    # (`core.replan`): decided once more after its write, writing nothing, and quiet then.
+    assert world.pass_once() == world.on["n1"]
     assert world.pass_once() == set()
 
 

@@ -179,10 +179,16 @@ def test_an_engine_of_a_context_under_512_finds_its_receipt_under_llamas_clamped
                            offload="none", minds={"min": 1, "max": 1},
                            contextTokensPerMind=256))  # fmt: skip
     assert e.spec.model.facts is not None
-    small = _receipt(context_tokens=256, micro_batch_tokens=256)
+    # Its buffers are those of a 256-token load (the KV a 32nd of the 8,192-token one's).
+    buffers = [
+        b.model_copy(update={"bytes": 32 * MiB}) if b.kind is BufferKind.KV else b
+        for b in _receipt().buffers
+    ]
+    small = _receipt(context_tokens=256, micro_batch_tokens=256, buffers=buffers)
     p = plan(b, e.spec, e.spec.model.facts, receipts=[small])
     assert ReasonCode.RECEIPT_USED in {r.code for r in p.reasons}
-    p = plan(b, e.spec, e.spec.model.facts, receipts=[_receipt(context_tokens=256)])
+    at_512 = _receipt(context_tokens=256, buffers=buffers)
+    p = plan(b, e.spec, e.spec.model.facts, receipts=[at_512])
     assert ReasonCode.RECEIPT_USED not in {r.code for r in p.reasons}  # 512: not what ran
 
 

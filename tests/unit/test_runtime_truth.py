@@ -292,11 +292,15 @@ def test_the_line_kept_from_a_failed_load_is_its_cause_not_llama_cpps_goodbye() 
 # --- receipts feed plans -----------------------------------------------------------------------
 
 
-def _receipt_for(p: dict[str, Any], model_sha: str, scale: float = 0.5) -> Receipt:
-    """A receipt of the launch `p` plans, its buffers `scale` times the plan's bytes."""
+def _receipt_for(
+    p: dict[str, Any], model_sha: str, scale: float = 0.95, weights: float | None = None
+) -> Receipt:
+    """A receipt of the launch `p` plans, its buffers `scale` times the plan's bytes (its
+    device weights `weights` times, if given)."""
     dev, host = p["bytes"]["device"], p["bytes"]["host"]
+    w = scale if weights is None else weights
     buffers = [
-        ReceiptBuffer(device="CUDA0", kind=BufferKind.MODEL, bytes=int(dev["weights"] * scale)),
+        ReceiptBuffer(device="CUDA0", kind=BufferKind.MODEL, bytes=int(dev["weights"] * w)),
         ReceiptBuffer(device="CUDA0", kind=BufferKind.KV, bytes=int(dev["kv"] * scale)),
         ReceiptBuffer(device="CUDA0", kind=BufferKind.COMPUTE, bytes=int(dev["compute"] * scale)),
         ReceiptBuffer(device="CPU", kind=BufferKind.MODEL, bytes=int(host["weights"] * scale)),
@@ -377,9 +381,9 @@ def test_a_receipt_in_status_runtime_recharges_the_running_launch_without_a_rela
     planned = body["status"]["plan"]
     assert planned["source"] == "estimate"
     receipt = _receipt_for(planned, SHA_NAMED)
-    runtime = {"receipts": [receipt.model_dump(mode="json", by_alias=True)],
-               "llamaBuild": receipt.llama_build, "phase": "Serving"}  # fmt: skip
     launch = snap.deployments[("ns", "coder")].launch
+    runtime = {"receipts": [receipt.model_dump(mode="json", by_alias=True)],
+               "llamaBuild": receipt.llama_build, "phase": "Serving", "launch": launch}  # fmt: skip
     w = reconcile(_with_runtime(body, runtime), snap, mem, NOW + 2, SETTINGS)
     body2 = after(_with_runtime(body, runtime), w)
     new = body2["status"]["plan"]
@@ -401,24 +405,27 @@ def test_a_receipt_in_status_runtime_recharges_the_running_launch_without_a_rela
 def test_a_receipt_of_another_model_digest_is_never_planned_from() -> None:
     body, mem, snap = _serving()
     receipt = _receipt_for(body["status"]["plan"], "cd" * 32)
-    runtime = {"receipts": [receipt.model_dump(mode="json", by_alias=True)]}
+    runtime = {"receipts": [receipt.model_dump(mode="json", by_alias=True)],
+               "launch": _launch(body, snap)}  # fmt: skip
     w = reconcile(_with_runtime(body, runtime), snap, mem, NOW + 2, SETTINGS)
     assert w.status_patch is None or "plan" not in w.status_patch["status"]
 
 
 def test_a_receipt_alone_relaunches_a_running_engine_only_as_damping_allows() -> None:
     # 24 GiB with 14 used by another: the estimate fits 2 minds. The receipt of that launch says
-    # llama.cpp allocated 1.12 times the estimate, more than the budget: with nothing else
+    # llama.cpp allocated 1.12 times the estimated KV and compute and 1.05 times the weights
+    # (within the bound of the estimate), more than the budget: with nothing else
     # changed (the board reads the same), the smaller launch follows after three agreeing
     # readings, not before; without the receipt nothing moves.
     body, mem, snap = _serving(24, used_gib=14)
     planned = body["status"]["plan"]
     assert planned["mindsGrantable"] == 2
-    receipt = _receipt_for(planned, SHA_NAMED, scale=1.12)
+    receipt = _receipt_for(planned, SHA_NAMED, scale=1.12, weights=1.05)
     outcomes: dict[bool, list[list[str]]] = {}
     for with_receipt in (False, True):
         runtime = {
-            "receipts": [receipt.model_dump(mode="json", by_alias=True)] if with_receipt else []
+            "receipts": [receipt.model_dump(mode="json", by_alias=True)] if with_receipt else [],
+            "launch": _launch(body, snap),
         }
         b, m = _with_runtime(body, runtime), mem
         outcomes[with_receipt] = []

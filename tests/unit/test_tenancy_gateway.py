@@ -35,3 +35,11 @@ def test_a_class_limited_grant_admits_turns_with_its_own_tokens_not_the_slots() 
     assert (over.status, over.body["slotTokens"]) == (413, 200)
     # Each request is capped at the grant's tokens (the gateway's n_predict bound).
     assert admit_request(table(small), "t/ann", 0).tokens == 200
+
+
+def test_a_mind_her_class_does_not_allow_is_answered_403_not_told_to_wait() -> None:
+    refused = TableEntry("dev/pager", GrantState.RELEASED, "ClassNotAllowed")
+    adm = admit_turn(table(refused), "dev/pager")
+    assert (adm.status, adm.refusal, adm.retry_after) == (403, Refusal.FORBIDDEN, None)
+    assert adm.body["reason"] == "ClassNotAllowed"
+    assert "her MindClass does not allow her namespace" in adm.body["message"]

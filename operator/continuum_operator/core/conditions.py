@@ -25,6 +25,8 @@ class ConditionType(StrEnum):
     MEMORY_MODE_UNKNOWN = "MemoryModeUnknown"
     BOARD_STALE = "BoardStale"
     UNSCHEDULABLE = "Unschedulable"
+    RECEIPT_REFUSED = "ReceiptRefused"
+    PLAN_HELD = "PlanHeld"
 
 
 class Reason(StrEnum):
@@ -59,6 +61,12 @@ class Reason(StrEnum):
     MODE_UNKNOWN = "NoMemoryModeReported"
     BOARD_FRESH = "LeaseRenewed"
     LEASE_EXPIRED = "LeaseExpired"
+    # ReceiptRefused
+    RECEIPTS_ACCEPTED = "ReceiptsAccepted"
+    RECEIPT_NOT_PLANNED_FROM = "ReceiptNotPlannedFrom"
+    # PlanHeld
+    CODE_CHANGED = "CodeChanged"
+    PLAN_IN_FORCE = "PlanInForce"
 
 
 class PodPhase(StrEnum):
@@ -113,6 +121,11 @@ class EngineFacts:
     no_longer_fits: str = ""
     """Its own node's board, read again, no longer holds even the smallest plan: why."""
     runtime: RuntimeReport = RuntimeReport()
+    receipts_refused: tuple[str, ...] = ()
+    """Receipts found for the launch in force and not planned from (another launch's, or
+    beyond the bound of the estimate): why, each."""
+    plan_held: str = ""
+    """A new plan, on a node that reads as it did, held from relaunching the engine: why."""
 
 
 def planned_message(node: str, layers_on_device: int, total_layers: int, minds: int) -> str:
@@ -137,6 +150,8 @@ def engine_conditions(f: EngineFacts) -> list[Condition]:
         (T.MEMORY_MODE_UNKNOWN, _memory_mode_unknown(f)),
         (T.BOARD_STALE, _board_stale(f)),
         (T.UNSCHEDULABLE, _unschedulable(f)),
+        (T.RECEIPT_REFUSED, _receipt_refused(f)),
+        (T.PLAN_HELD, _plan_held(f)),
     )
     return [
         Condition(
@@ -233,6 +248,20 @@ def _unschedulable(f: EngineFacts) -> _Verdict:
     if f.unschedulable is not None and p is None:
         return True, f.unschedulable.reason, f.unschedulable.message
     return False, Reason.PLACED if p else Reason.NOT_PLACED, ""
+
+
+def _receipt_refused(f: EngineFacts) -> _Verdict:
+    if not f.receipts_refused:
+        return False, Reason.RECEIPTS_ACCEPTED, ""
+    more = len(f.receipts_refused) - 1
+    message = f.receipts_refused[0] + (f" (and {more} more)" if more else "")
+    return True, Reason.RECEIPT_NOT_PLANNED_FROM, message[:2000]
+
+
+def _plan_held(f: EngineFacts) -> _Verdict:
+    if f.plan_held:
+        return True, Reason.CODE_CHANGED, f.plan_held
+    return False, Reason.PLAN_IN_FORCE, ""
 
 
 def merge(old: Sequence[Condition], new: Sequence[Condition], now: str) -> list[Condition]:

@@ -11,6 +11,11 @@ running engine's must:
 - wait out a cooldown after the previous relaunch;
 - and nothing is weighed while a relaunch (or the first launch) is in flight.
 
+Readings here are evidence that a node's change holds, not that the node changed: Lease renewals
+of an unchanged board count. So a new plan on a node that reads as it did when the plan in force
+was made (a new operator's planner, not the node) never reaches the damper: it is held
+(`core.replan`, docs/operator.md "Upgrades").
+
 A small state machine with the clock passed in: `step(damper, observation, settings)` returns the
 next state and an outcome. The operator keeps one `Damper` per engine in memory and rebuilds it
 from the Engine's status after a restart (count and last relaunch time; evidence starts again).

@@ -24,6 +24,10 @@ Rule 7 in code:
 - A mind asking more than a slot holds is refused with `ContextTooLarge`, never squeezed; one
   asking more than her class allows (`MindClass.maxTokens`) with `ClassLimit`. A grant holds
   the slot's tokens, or her class's limit where that is smaller.
+- A mind of a namespace her class (named, or the default) does not allow
+  (`MindClass.allowedNamespaces`) is refused with `ClassNotAllowed`, whatever admission let
+  through: a class made after her, or narrowed since, is checked at every step, and a grant
+  she holds is reclaimed.
 
 Tenancy (docs/tenancy.md): `quota_left` is what each namespace's minds may hold on this engine
 (its TokenQuota less what it holds on other engines). A queued mind whose grant would take her
@@ -58,6 +62,7 @@ class GrantReason(StrEnum):
     MIND_DELETED = "MindDeleted"
     CONTEXT_TOO_LARGE = "ContextTooLarge"
     CLASS_LIMIT = "ClassLimit"
+    CLASS_NOT_ALLOWED = "ClassNotAllowed"
     QUOTA_EXCEEDED = "QuotaExceeded"
     SLOT_RELEASED = "SlotReleased"
     GRACE_EXPIRED = "GraceExpired"
@@ -65,7 +70,9 @@ class GrantReason(StrEnum):
 
 
 # Refusals: the mind holds nothing until her spec (or her class, or the engine) changes.
-REFUSALS = frozenset({GrantReason.CONTEXT_TOO_LARGE, GrantReason.CLASS_LIMIT})
+REFUSALS = frozenset(
+    {GrantReason.CONTEXT_TOO_LARGE, GrantReason.CLASS_LIMIT, GrantReason.CLASS_NOT_ALLOWED}
+)
 
 # Reclaims the engine forces on everyone; they ignore protection windows.
 ENGINE_REASONS = frozenset({GrantReason.ENGINE_SHRUNK, GrantReason.ENGINE_RELAUNCHING})
@@ -102,8 +109,9 @@ class Capacity:
 
 @dataclass(frozen=True, slots=True)
 class MindDemand:
-    """A mind that wants a grant: its class's priority, window and token limit, and her place
-    in line. `name` is "namespace/name" (her namespace is what a token quota counts)."""
+    """A mind that wants a grant: its class's priority, window, token limit and namespaces, and
+    her place in line. `name` is "namespace/name" (her namespace is what a token quota counts,
+    and what her class's `class_namespaces` must hold)."""
 
     name: str
     priority: int
@@ -111,6 +119,8 @@ class MindDemand:
     context_tokens: int
     protection_window: float = 300.0
     max_tokens: int | None = None  # her class's limit; None: the slot's size
+    # The namespaces her class allows (MindClass.allowedNamespaces); None: every namespace.
+    class_namespaces: frozenset[str] | None = None
 
     @property
     def namespace(self) -> str:
@@ -124,6 +134,8 @@ class MindDemand:
 
     def refusal(self, tokens_per_slot: int) -> GrantReason | None:
         """Why she can never be granted on this pool as she asks, or None."""
+        if self.class_namespaces is not None and self.namespace not in self.class_namespaces:
+            return GrantReason.CLASS_NOT_ALLOWED
         if self.max_tokens is not None and self.context_tokens > self.max_tokens:
             return GrantReason.CLASS_LIMIT
         if self.context_tokens > tokens_per_slot:

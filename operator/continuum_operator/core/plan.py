@@ -43,6 +43,7 @@ from continuum_operator.core.modes import Budget, BudgetAsk, Budgeted, ModeRules
 from continuum_operator.core.monotone import last_true
 from continuum_operator.core.plan_reasons import Reason, ReasonCode
 from continuum_operator.core.pools import Board, BoardLeases
+from continuum_operator.core.receipt_bounds import out_of_bounds
 from continuum_operator.core.receipts import (
     LOG_RESOLUTION_BYTES,
     BufferKind,
@@ -244,10 +245,49 @@ class _Sizer:
     )
     # KV bytes of one mind in the last i layers, both kinds (`_Shape.kv_bytes` at this context).
     kv_per_mind: tuple[int, ...] = ()
+    # Receipts of this engine's placements beyond the bound of the estimate (`core.receipt_bounds`):
+    # not in `receipts`, and why, for the plan's reasons.
+    refused: tuple[Reason, ...] = ()
 
     @classmethod
     def of(
         cls, facts: ModelFacts, engine: EngineSpec, rules: ModeRules, receipts: ReceiptBook
+    ) -> _Sizer:
+        """The sizer of `engine`, planning from the receipts within the bound of its estimate."""
+        estimate = cls._estimating(facts, engine, rules, receipts.llama_build)
+        if not receipts.receipts:
+            return estimate
+        kept: list[Receipt] = []
+        refused: list[Reason] = []
+        for r in receipts.receipts:
+            why = estimate.beyond_bound(r)
+            if why is None:
+                kept.append(r)
+            else:
+                refused.append(Reason(ReasonCode.RECEIPT_REFUSED, receipt_refusal(r, why)))
+        book = ReceiptBook(tuple(kept), receipts.llama_build)
+        return replace(estimate, receipts=book, refused=tuple(refused), answered={})
+
+    def beyond_bound(self, r: Receipt) -> str | None:
+        """Why receipt `r` of this engine's model, context and KV type stands beyond the bound
+        of the estimate of its own placement (`core.receipt_bounds`); None when it does not, or
+        when it is of another engine (a lookup never finds it)."""
+        j, m = r.placement.layers_on_device, r.parallel
+        ours = (
+            r.model_sha256 == self.model_sha256
+            and r.kv_cache_type is self.kv_type
+            and r.context_tokens == m * self.context_per_mind
+            and 0 <= j <= self.shape.layers + 1
+        )
+        if not ours:
+            return None
+        dev_r, host_r = self.rules.reserves(self.reserve, self.gpus, j > 0)
+        measured = _measured(r, dev_r, host_r)
+        return out_of_bounds(_by_part(measured), _by_part(self._parts(j, m)))
+
+    @classmethod
+    def _estimating(
+        cls, facts: ModelFacts, engine: EngineSpec, rules: ModeRules, llama_build: str | None
     ) -> _Sizer:
         shape = _Shape.of(facts, engine.kv_cache_type)
         ctx = engine.context_tokens_per_mind
@@ -267,7 +307,7 @@ class _Sizer:
             gpus=engine.placement.gpus,
             rules=rules,
             kv_type=engine.kv_cache_type,
-            receipts=receipts,
+            receipts=ReceiptBook((), llama_build),
             model_sha256=engine.model.sha256,
         )
 
@@ -339,6 +379,41 @@ class _Sizer:
         device = PartBytes(weights=dev_w, kv=dev_kv, compute=dev_c, reserve=dev_r)
         host = PartBytes(weights=host_w, kv=host_kv, compute=host_c, reserve=host_r)
         return device, host
+
+
+def vet_receipts(
+    engine: EngineSpec,
+    facts: ModelFacts,
+    receipts: Sequence[Receipt],
+    llama_build: str | None = None,
+) -> tuple[tuple[Receipt, ...], tuple[Reason, ...]]:
+    """The receipts `engine`'s plans may use, and why the others are not: they stand beyond
+    the bound of the estimate (`core.receipt_bounds`); what `plan` lists as `ReceiptRefused`,
+    whatever the board (the bound is of bytes, not of budgets)."""
+    if not receipts:
+        return (), ()
+    book = ReceiptBook(tuple(receipts), llama_build)
+    sizer = _Sizer.of(facts, engine, rules_of(MemoryMode.DISCRETE), book)
+    return sizer.receipts.receipts, sizer.refused
+
+
+def _by_part(sides: tuple[PartBytes, PartBytes]) -> dict[str, dict[str, int]]:
+    return {
+        name: {"weights": p.weights, "kv": p.kv, "compute": p.compute}
+        for name, p in zip(("device", "host"), sides, strict=True)
+    }
+
+
+def receipt_refusal(r: Receipt, why: str) -> str:
+    """A refused receipt's reason, in words: which receipt, why, and what holds instead."""
+    source = f" ({r.source[:200]})" if r.source else ""
+    return (
+        f"receipt of {r.llama_build[:64]} at {r.context_tokens} tokens, "
+        f"{r.placement.layers_on_device} layers on {r.placement.gpus} GPU(s), {r.parallel} "
+        f"minds{source} not planned from: {why}; the estimate stands. A receipt this far from "
+        "the estimate is a forged or misread report, or a model the estimate does not describe "
+        "(docs/receipts.md)"
+    )
 
 
 def _measured(receipt: Receipt, dev_r: int, host_r: int) -> tuple[PartBytes, PartBytes]:
@@ -653,6 +728,7 @@ def plan(
         if sizes is None
         else sizes.sizer(rules)
     )
+    reasons.extend(sizer.refused)
     fit = _Fit(budgeted.budget, budgeted.device_checked)
     layers = _place_layers(engine, sizer, fit, facts.layers + 1)
     if not layers.fits:

@@ -34,6 +34,7 @@ class ReasonCode(StrEnum):
     OFFLOAD_DOES_NOT_FIT = "OffloadDoesNotFit"
     INSUFFICIENT_MEMORY = "InsufficientMemory"
     RECEIPT_USED = "ReceiptUsed"
+    RECEIPT_REFUSED = "ReceiptRefused"
     EXPERT_OFFLOAD_NOT_PLANNED = "ExpertOffloadNotPlanned"
     SLIDING_WINDOW_KV = "SlidingWindowKv"
 

@@ -11,6 +11,11 @@ turns `Reclaiming` the turn ends at once and the slot is released, so a turn nev
 the reclaim of its own grant. `Scenario.old_reclaim_order` replays the opposite order, where
 the reclaim waits for the turn and the turn for the reclaim, to show the checker flags it.
 
+A scenario is a file anyone may hand `continuum simulate`: its run is bounded
+(`SimulationBounds`) in events, log lines and the allocator's work, each counted in virtual
+terms (the same scenario stops at the same point on any machine), and a run that would pass a
+bound stops with `ScenarioTooLarge`, saying which bound, where and what to change.
+
 The allocator's policy is the operator's (`grants.PriorityPolicy`) unless the scenario turns a
 safeguard off (`honour_protection`, `count_reclaiming`, `old_reclaim_order`): then it is the
 matching policy of `core.broken_policies`. A scenario may also name any `GrantPolicy` of its own
@@ -83,6 +88,22 @@ class EngineEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class SimulationBounds:
+    """The most a run may do: virtual events processed, transition-log lines kept (the log is
+    held in memory, a few hundred bytes a line), and the allocator's work (the minds and slots
+    each of its steps weighs, summed). At the defaults a run stays under about 1 GB and a few
+    minutes of one CPU; the examples' runs are far inside them (docs/simulate.md, "Bounds")."""
+
+    events: int = 1_000_000
+    log_lines: int = 2_000_000
+    allocator_work: int = 50_000_000
+
+
+class ScenarioTooLarge(Exception):
+    """A run stopped at one of its `SimulationBounds`; the message says which and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
 class Scenario:
     engines: tuple[EngineScenario, ...]
     minds: tuple[MindScenario, ...]
@@ -95,6 +116,7 @@ class Scenario:
     # The allocator's policy as it is, the switches above aside (`old_reclaim_order` still
     # parks turns); None: the operator's, with the safeguards they turn off taken away.
     policy: GrantPolicy | None = None
+    bounds: SimulationBounds = SimulationBounds()
 
 
 class _MindPhase(StrEnum):
@@ -177,6 +199,7 @@ class _Simulation:
         self.abandoned: Counter[str] = Counter()
         self.turns_cut = 0
         self.refused = 0
+        self.work = 0  # the allocator's work so far: minds and slots weighed, step by step
 
     # --- scheduling -------------------------------------------------------------------------
 
@@ -193,13 +216,27 @@ class _Simulation:
         for ev in self.sc.events:
             self.at(ev.at, partial(self.engine_event, ev))
         queue, duration, pop = self.queue, self.sc.duration, heapq.heappop
+        log, bounds = self.log, self.sc.bounds
+        most_events, most_lines = bounds.events, bounds.log_lines
         processed = 0
         while queue and queue[0][0] <= duration:
+            if processed >= most_events:
+                self.too_large(f"{most_events:,} events")
+            if len(log) > most_lines:
+                self.too_large(f"{most_lines:,} lines of transition log")
             self.now, _, action = pop(queue)
             processed += 1
             action()
         self.processed = processed
         return SimulationResult(self.log, self.summary(), self.processed)
+
+    def too_large(self, bound: str) -> None:
+        raise ScenarioTooLarge(
+            f"the scenario reached the simulator's bound of {bound} at virtual time "
+            f"{self.now:,.1f} s of its {self.sc.duration:,.1f} s duration; shorten duration, "
+            "lengthen the minds' turnSeconds and thinkSeconds, or lower their count or the "
+            'engines\' slots (docs/simulate.md, "Bounds")'
+        )
 
     # --- log --------------------------------------------------------------------------------
 
@@ -238,8 +275,13 @@ class _Simulation:
 
     def step(self, e: _Engine) -> None:
         capacity = Capacity(e.phase, e.slots, e.spec.tokens_per_slot, e.target)
+        # What a step costs: the engine's minds scanned, its ledger and its slots.
+        self.work += len(self.roster[e.spec.name]) + len(e.grants) + max(e.slots, e.target or 0)
+        demands = self.demands(e)
+        if self.work > self.sc.bounds.allocator_work:
+            self.too_large(f"{self.sc.bounds.allocator_work:,} minds and slots weighed")
         result: Allocation = allocate(
-            e.grants, self.demands(e), capacity, self.now, released=e.released, policy=self.policy
+            e.grants, demands, capacity, self.now, released=e.released, policy=self.policy
         )
         e.released -= {t.mind for t in result.transitions if t.to_state is GrantState.RELEASED}
         e.grants = result.grants

@@ -305,6 +305,14 @@ def _not_granted(
             413,
             {"reason": entry.reason, "askedTokens": entry.asked_tokens},
         )
+    if entry.state is GrantState.RELEASED and entry.reason == GrantReason.CLASS_NOT_ALLOWED:
+        # Her class does not allow her namespace (docs/tenancy.md): not a wait in line either.
+        return _refuse(
+            Refusal.FORBIDDEN,
+            403,
+            {"reason": entry.reason, "message": f"{entry.mind}: her MindClass does not allow "
+             "her namespace; see her Mind's status.grant for the class and what to do"},
+        )  # fmt: skip
     if cut:
         # A request inside a turn whose grant is no longer held: the turn is over.
         return _refuse(Refusal.TURN_CUT, 409, {"reason": entry.reason or entry.state.value})

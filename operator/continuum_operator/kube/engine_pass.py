@@ -26,8 +26,10 @@ from continuum_operator.kube.settings import OperatorSettings, PodSettings, reso
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import Engine, ModelFacts
+from continuum_operator.model.plan_status import READING, SPEC_GENERATION
 
 __all__ = [
+    "READING",
     "EnginePass",
     "Event",
     "Memory",
@@ -119,11 +121,16 @@ def _event_type(c: Condition) -> str:
     return "Warning" if bad else "Normal"
 
 
-def plan_status(p: ServingPlan, generation: int | None) -> dict[str, Any]:
-    """The plan as status holds it, with the spec generation it was made for."""
+def plan_status(
+    p: ServingPlan, generation: int | None, reading: str | None = None
+) -> dict[str, Any]:
+    """The plan as status holds it, with the spec generation it was made for and the reading
+    of its node it was made on (`core.replan.node_reading`), where known."""
     doc = p.to_dict()
     if generation is not None:
-        doc["specGeneration"] = generation
+        doc[SPEC_GENERATION] = generation
+    if reading is not None:
+        doc[READING] = reading
     return doc
 
 
@@ -174,6 +181,9 @@ class EnginePass:
         self.backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
         self.memory = memory
         self.node_gone_since: float | None = None
+        self.launch: str | None = None  # the launch in force, once `placed` knows it
+        self.annotations: Mapping[str, str] = dict(meta.get("annotations") or {})
+        self.held = ""  # why a new plan is held (`core.replan`), for the PlanHeld condition
 
     # -- the end of every pass ----------------------------------------------------------------
 
@@ -228,9 +238,12 @@ class EnginePass:
             identity=identity,
         )
 
-    def relaunch(self, candidate: ServingPlan, reason: str) -> dict[str, Any]:
-        """Record a relaunch with `candidate`; returns its plan as status holds it."""
-        plan_doc = plan_status(candidate, self.generation)
+    def relaunch(
+        self, candidate: ServingPlan, reason: str, reading: str | None = None
+    ) -> dict[str, Any]:
+        """Record a relaunch with `candidate` (made on the node's `reading`); returns its plan
+        as status holds it."""
+        plan_doc = plan_status(candidate, self.generation, reading)
         self.new["plan"] = plan_doc
         self.new["placement"] = placement_status(candidate, self.now)
         self.new["relaunches"] = {
@@ -241,9 +254,15 @@ class EnginePass:
         self.events.append(Event("Normal", "Relaunching", reason))
         return plan_doc
 
+    def evidence(self) -> runtime_report.Evidence:
+        """The receipts of this Engine's model that its launch in force measured (`launch`:
+        its hash; None, as when placing anew: the runtime's report is of no launch to keep),
+        and why others found were set aside."""
+        return runtime_report.receipts_of(self.status, self.engine.spec.model.sha256, self.launch)
+
     def receipts(self) -> tuple[Receipt, ...]:
-        """The receipts of this Engine's model: its runtime's, and the one its plan used."""
-        return runtime_report.receipts_of(self.status, self.engine.spec.model.sha256)
+        """The receipts a plan of this Engine may use (`evidence`)."""
+        return self.evidence().receipts
 
     def llama_build(self) -> str | None:
         """The llama.cpp build the engine's image runs, as its runtime last reported it; None

@@ -30,6 +30,10 @@ _ENGINE_WAITS = frozenset(
 )
 
 
+# Refusals for what she asks (her ContextTooLarge condition is True), not for who she is.
+_SIZE_REFUSALS = frozenset({GrantReason.CONTEXT_TOO_LARGE, GrantReason.CLASS_LIMIT})
+
+
 class MindConditionType(StrEnum):
     GRANTED = "Granted"
     CONTEXT_TOO_LARGE = "ContextTooLarge"
@@ -82,13 +86,15 @@ def projection(
     class_note: str = "",
     quota_note: str = "",
     engine_note: str = "",
+    namespace_note: str = "",
 ) -> Projection:
     """A Mind's `status.grant` from her ledger entry, and her conditions (type -> status,
     reason, message); no endpoint (the writer knows it). The grant is None when the ledger
     does not (or no longer) hold her. `class_note` names her class and its limit (for
     `ClassLimit`); `quota_note` her namespace's quota, its use and limit (for
     `QuotaExceeded`); `engine_note` why the engine is not serving (for the reasons a queue
-    waits on the engine with).
+    waits on the engine with); `namespace_note` her class and the namespaces it allows (for
+    `ClassNotAllowed`).
 
     A refusal is `Released` in the ledger (the allocator's state table) but `Refused` in her
     projection: she was never granted, and `kubectl get minds` should not say she was."""
@@ -120,21 +126,12 @@ def projection(
         )
     elif state == GrantState.QUEUED:
         message = f"queued ({reason}), {place_in_line(entry.get('position'))}"
-    elif reason == GrantReason.CONTEXT_TOO_LARGE:
-        message = (
-            f"asks {asked} tokens but a slot of Engine {engine} holds {slot_tokens}; "
-            "lower spec.contextTokens or raise the Engine's contextTokensPerMind"
-        )
-    elif reason == GrantReason.CLASS_LIMIT:
-        message = (
-            f"asks {asked} tokens but {class_note}; lower spec.contextTokens, or name a class "
-            "that allows more in spec.className"
-        )
     else:
-        message = reason
-    too_large = state == GrantState.RELEASED and reason in REFUSALS
+        message = _refusal_message(reason, engine, slot_tokens, asked, class_note, namespace_note)
+    refused = state == GrantState.RELEASED and reason in REFUSALS
+    too_large = refused and reason in _SIZE_REFUSALS
     grant: dict[str, Any] = {
-        "state": ProjectedState.REFUSED.value if too_large else state,
+        "state": ProjectedState.REFUSED.value if refused else state,
         "tokens": int(entry.get("tokens") or 0),
         "slot": entry.get("slot"),  # None: removed by the merge patch
         "since": entry.get("since"),
@@ -150,6 +147,29 @@ def projection(
         ),
     }
     return Projection(grant, conditions)
+
+
+def _refusal_message(
+    reason: str, engine: str, slot_tokens: int, asked: int, class_note: str, namespace_note: str
+) -> str:
+    """What a refused (or released) Mind's status says: why, and what to do."""
+    if reason == GrantReason.CONTEXT_TOO_LARGE:
+        return (
+            f"asks {asked} tokens but a slot of Engine {engine} holds {slot_tokens}; "
+            "lower spec.contextTokens or raise the Engine's contextTokensPerMind"
+        )
+    if reason == GrantReason.CLASS_LIMIT:
+        return (
+            f"asks {asked} tokens but {class_note}; lower spec.contextTokens, or name a class "
+            "that allows more in spec.className"
+        )
+    if reason == GrantReason.CLASS_NOT_ALLOWED:
+        return (
+            f"{namespace_note or 'her MindClass does not allow her namespace'}. Name a class her "
+            "namespace may use in spec.className, or ask a cluster admin to add it to the "
+            "MindClass spec.allowedNamespaces"
+        )
+    return reason
 
 
 def engine_not_found(key: tuple[str, str]) -> Refused:

@@ -124,6 +124,7 @@ class MindWrites:
                     slot_tokens,
                     asked,
                     class_note=notes.class_note(m) if notes else "",
+                    namespace_note=notes.namespace_note(m) if notes else "",
                     quota_note=notes.quota_note(meta["namespace"]) if notes else "",
                     engine_note=ledger.engine_note(engine),
                 )

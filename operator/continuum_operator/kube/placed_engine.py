@@ -14,13 +14,23 @@ from typing import Any
 
 from continuum_operator.core import conditions as cond
 from continuum_operator.core import gpu_check
-from continuum_operator.core.bestfit import matches, with_unmeasured
+from continuum_operator.core.bestfit import matches
 from continuum_operator.core.damping import Damper, Observation, Outcome, PlanShape, step
-from continuum_operator.core.plan import ServingPlan, plan
-from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
+from continuum_operator.core.plan import ServingPlan, vet_receipts
+from continuum_operator.core.pools import Board
+from continuum_operator.core.replan import (
+    ACCEPT_ANNOTATION,
+    HoldVerdict,
+    Replayed,
+    held_message,
+    hold_verdict,
+    plan_id,
+    replan,
+)
 from continuum_operator.kube import objects, runtime_report
 from continuum_operator.kube.cache import Snapshot, parse_time
 from continuum_operator.kube.engine_pass import (
+    READING,
     EnginePass,
     Event,
     Writes,
@@ -51,7 +61,7 @@ def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -
         return None
     has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
     pods = pods_on(snap, node, settings)
-    launch = objects.launch_hash(engine, plan_doc, pods)
+    launch = p.launch = objects.launch_hash(engine, plan_doc, pods)
     dep = snap.deployments.get(p.key)
     running = dep is not None and dep.running(launch)
     assumed_at = parse_time(placement.get("assumedAt"))
@@ -111,9 +121,19 @@ def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -
         no_longer_fits=no_longer_fits,
         damping_message=_damping_message(outcome, p.damper, settings) if outcome else "",
         runtime=runtime_report.runtime_report(current, now, settings.pods.restart_window_seconds),
+        receipts_refused=_receipts_refused(p),
+        plan_held=p.held,
     )
     writes = p.finish(f, engine, plan_doc, has_gpus, pods)
     return replace(writes, deployment=None) if held else writes
+
+
+def _receipts_refused(p: EnginePass) -> tuple[str, ...]:
+    """Why receipts found for the launch in force are not planned from: another launch's
+    (`runtime_report`), or beyond the bound of the estimate (`core.receipt_bounds`)."""
+    evidence = p.evidence()
+    _, beyond = vet_receipts(p.engine.spec, p.facts, evidence.receipts, p.llama_build())
+    return (*evidence.set_aside, *(r.message for r in beyond))
 
 
 def _node_gone_long_enough(p: EnginePass, node: str) -> bool:
@@ -139,12 +159,13 @@ def _weigh(
     """A placed engine against its fresh board: the plan in force, whether its pod still
     runs, what the damper decided and why it no longer fits (if so); None when it must be
     placed anew (its spec changed and this node no longer takes it)."""
-    snap, now, settings, engine = p.snap, p.now, p.settings, p.engine
+    snap, engine = p.snap, p.engine
     outcome: Outcome | None = None
     no_longer_fits = ""
     node_entry = snap.nodes.get(node)
     kept = () if spec_changed else tuple(int(g) for g in plan_doc.get("gpus") or ())
-    candidate = _replan(p, node, board, placement, kept)
+    replayed = _replan(p, node, board, placement, kept)
+    candidate = replayed.plan
     labels = node_entry.labels if node_entry is not None else {}
     if spec_changed and (not candidate.schedulable or matches(engine.spec, labels) is not None):
         p.events.append(
@@ -161,47 +182,99 @@ def _weigh(
     if spec_changed:
         # What the user asked for is not damped: relaunch now if the arguments moved.
         if candidate.engine_args != _shape(plan_doc).args:
-            p.damper = replace(
-                p.damper,
-                candidate=None,
-                readings=0,
-                last_reading=None,
-                relaunches=p.damper.relaunches + 1,
-                last_relaunch_at=now,
-            )
-            plan_doc = p.relaunch(
-                candidate,
+            plan_doc = _relaunch_now(
+                p,
+                replayed,
                 f"spec changed (generation {p.generation}): "
                 f"{candidate.layers_on_device}/{candidate.total_layers} layers, "
                 f"{candidate.minds_grantable} minds, {candidate.pool_tokens} pool tokens",
             )
             running, outcome = False, Outcome.RELAUNCH
         else:
-            plan_doc = plan_status(candidate, p.generation)
+            plan_doc = plan_status(candidate, p.generation, replayed.reading)
             p.new["plan"] = plan_doc
     elif not candidate.schedulable:
         # Not moved elsewhere (yet): said, so a person can act.
         no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
     else:
-        p.damper, outcome = step(
-            p.damper,
-            Observation(
-                now=now,
-                reading=reading_of(snap, node),
-                running=_shape(plan_doc),
-                candidate=PlanShape.of(candidate),
-                in_flight=not running,
-            ),
-            settings.damping,
+        plan_doc, running, outcome = _weigh_same_spec(
+            p, node, placement, plan_doc, replayed, running
         )
-        if outcome is Outcome.RELAUNCH:
-            plan_doc = p.relaunch(candidate, _change(node, candidate, plan_doc))
-            running = False
-        elif outcome is Outcome.UNCHANGED and _bytes_moved(candidate, plan_doc):
-            # The same launch, its bytes now measured (a receipt) or no longer: the
-            # plan and the lease say what it holds; nothing relaunches for it.
-            plan_doc = _recharge(p, candidate, placement)
     return plan_doc, running, outcome, no_longer_fits
+
+
+def _weigh_same_spec(
+    p: EnginePass,
+    node: str,
+    placement: dict[str, Any],
+    plan_doc: dict[str, Any],
+    replayed: Replayed,
+    running: bool,
+) -> tuple[dict[str, Any], bool, Outcome | None]:
+    """A schedulable re-plan of an engine whose spec did not change: held where its node reads
+    as it did (a change of code: `core.replan`), applied where a person accepted it, else
+    weighed by the damper; the plan in force records each reading it is confirmed on."""
+    candidate, reading = replayed.plan, replayed.reading
+    recorded = plan_doc.get(READING)
+    verdict = (
+        hold_verdict(
+            _shape(plan_doc).args,
+            candidate,
+            recorded if isinstance(recorded, str) else None,
+            reading,
+            p.annotations.get(ACCEPT_ANNOTATION),
+        )
+        if running
+        else HoldVerdict.NONE
+    )
+    if verdict is HoldVerdict.HELD:
+        p.held = held_message(f"{p.key[0]}/{p.key[1]}", plan_doc, candidate)
+        p.damper = replace(p.damper, candidate=None, readings=0, last_reading=None)
+        if recorded is None:  # a plan of an operator before this one: its reading is now's
+            plan_doc = {**plan_doc, READING: reading}
+            p.new["plan"] = plan_doc
+        return plan_doc, running, None
+    if verdict is HoldVerdict.ACCEPTED:
+        why = f"plan {plan_id(candidate.engine_args)} accepted ({ACCEPT_ANNOTATION}): "
+        plan_doc = _relaunch_now(p, replayed, why + _change(node, candidate, plan_doc))
+        return plan_doc, False, Outcome.RELAUNCH
+    p.damper, outcome = step(
+        p.damper,
+        Observation(
+            now=p.now,
+            reading=reading_of(p.snap, node),
+            running=_shape(plan_doc),
+            candidate=PlanShape.of(candidate),
+            in_flight=not running,
+        ),
+        p.settings.damping,
+    )
+    if outcome is Outcome.RELAUNCH:
+        plan_doc = p.relaunch(candidate, _change(node, candidate, plan_doc), reading)
+        running = False
+    elif outcome is Outcome.UNCHANGED and _bytes_moved(candidate, plan_doc):
+        # The same launch, its bytes now measured (a receipt) or no longer: the
+        # plan and the lease say what it holds; nothing relaunches for it.
+        plan_doc = _recharge(p, replayed, placement)
+    elif outcome is Outcome.UNCHANGED and recorded != reading:
+        # The plan in force, confirmed on the node as it reads now.
+        plan_doc = {**plan_doc, READING: reading}
+        p.new["plan"] = plan_doc
+    return plan_doc, running, outcome
+
+
+def _relaunch_now(p: EnginePass, replayed: Replayed, why: str) -> dict[str, Any]:
+    """Relaunch with `replayed`'s plan at once, undamped: what a person asked for (a spec
+    changed, a held plan accepted)."""
+    p.damper = replace(
+        p.damper,
+        candidate=None,
+        readings=0,
+        last_reading=None,
+        relaunches=p.damper.relaunches + 1,
+        last_relaunch_at=p.now,
+    )
+    return p.relaunch(replayed.plan, why, replayed.reading)
 
 
 def _replan(
@@ -210,31 +283,19 @@ def _replan(
     board: Board,
     placement: Mapping[str, Any],
     on_gpus: tuple[int, ...] = (),
-) -> ServingPlan:
+) -> Replayed:
     """The plan the engine would get on its own node now, crediting back what it holds, on
-    the GPUs it runs on (`on_gpus`; none after a spec change: chosen again).
-
-    The agent measures the engine's bytes, not the reserve kept free beside them, so only the
-    lease less its reserve is taken off the measured usage; crediting the whole lease would
-    count the reserve as free, and every relaunch would find one reserve more room than the
-    last (a ratchet to out-of-memory).
-    """
+    the GPUs it runs on (`on_gpus`; none after a spec change: chosen again), and the reading of
+    the node it was made from (`core.replan`)."""
     # Only this node's leases count (`with_unmeasured`, `BoardLeases.of`): only they are read.
-    assumed = other_leases(p.snap, p.key, assumed_only=True, node=node)
-    others = other_leases(p.snap, p.key, node=node)
-    measured = with_unmeasured(board, assumed)
-    reserve = p.engine.spec.reserve_bytes
-    mine = [
-        Lease(p.me, ConsumerKind.ENGINE, node, x["pool"], max(0, x["bytes"] - reserve))
-        for x in placement.get("pools", [])
-    ]
-    ledger = BoardLeases.of(measured, [*others, *mine])
-    return plan(
-        measured,
+    return replan(
+        board,
         p.engine.spec,
         p.facts,
-        ledger,
-        crediting=p.me,
+        p.me,
+        [(str(x["pool"]), int(x["bytes"])) for x in placement.get("pools", [])],
+        other_leases(p.snap, p.key, node=node),
+        other_leases(p.snap, p.key, assumed_only=True, node=node),
         receipts=p.receipts(),
         llama_build=p.llama_build(),
         on_gpus=on_gpus,
@@ -269,12 +330,11 @@ def _follow_gpus(
     return plan_doc, placement
 
 
-def _recharge(
-    p: EnginePass, candidate: ServingPlan, placement: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The running launch's plan and lease re-written with `candidate`'s bytes (the same
+def _recharge(p: EnginePass, replayed: Replayed, placement: Mapping[str, Any]) -> dict[str, Any]:
+    """The running launch's plan and lease re-written with the re-plan's bytes (the same
     arguments): the placement keeps whether it is assumed and since when."""
-    plan_doc = plan_status(candidate, p.generation)
+    candidate = replayed.plan
+    plan_doc = plan_status(candidate, p.generation, replayed.reading)
     p.new["plan"] = plan_doc
     pools = placement_status(candidate, p.now)["pools"]
     kept = p.new.get("placement") or placement

@@ -122,6 +122,16 @@ class ClassNotes:
             return "her class allows fewer"
         return f"MindClass {name} allows at most {facts.max_tokens}"
 
+    def namespace_note(self, mind: Mapping[str, Any]) -> str:
+        """Her class and the namespaces it allows (for `ClassNotAllowed`)."""
+        name = (mind.get("spec") or {}).get("className") or self.default
+        facts = self.classes.get(name)
+        allowed = sorted(facts.allowed_namespaces or ()) if facts is not None else []
+        return (
+            f"MindClass {name} may not be used by Minds of namespace "
+            f"{mind['metadata']['namespace']}; it allows namespaces: {', '.join(allowed) or 'none'}"
+        )
+
     def quota_note(self, namespace: str) -> str:
         limit = self.quotas.limits.get(namespace)
         if limit is None:

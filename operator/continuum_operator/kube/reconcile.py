@@ -29,6 +29,7 @@ from continuum_operator.core import conditions as cond
 from continuum_operator.core import unfit
 from continuum_operator.core.bestfit import Decision, NodeView, choose, with_unmeasured
 from continuum_operator.core.pools import Lease
+from continuum_operator.core.replan import engine_reading
 from continuum_operator.kube import facts_job, objects
 from continuum_operator.kube.cache import EngineKey, Snapshot
 from continuum_operator.kube.engine_pass import (
@@ -198,7 +199,11 @@ def _place(p: EnginePass) -> Writes:
                 p.new[part] = None
         return p.finish(f, engine, None)
     chosen = decision.chosen
-    plan_doc = plan_status(chosen, p.generation)
+    board = snap.boards[chosen.node].board
+    assert board is not None  # only boards that validate are weighed
+    others = other_leases(snap, p.key, node=chosen.node)
+    reading = engine_reading(board, engine.spec, p.facts, others, p.receipts(), p.llama_build())
+    plan_doc = plan_status(chosen, p.generation, reading)
     p.new["plan"] = plan_doc
     p.new["placement"] = placement_status(chosen, p.now)
     p.events.append(

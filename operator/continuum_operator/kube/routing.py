@@ -3,7 +3,8 @@
 - `route_minds`: each Mind to her Engine (`spec.engineNamespace`, else her own), or refused
   with a reason: her class does not exist, or the Engine does not serve her namespace
   (`spec.allowedNamespaces`).
-- `demands_of`: the minds that want grants, with their class's priority, window and limit.
+- `demands_of`: the minds that want grants, with their class's priority, window, limit and
+  namespaces (the allocator refuses a mind her class does not allow: `ClassNotAllowed`).
 - `quota_limits` / `tokens_held`: TokenQuotas by namespace (the tightest wins) and the tokens
   each namespace holds in the ledgers.
 
@@ -51,6 +52,14 @@ class ClassFacts:
     priority: int = 0
     protection_window: float = 300.0
     max_tokens: int | None = None
+    # spec.allowedNamespaces; None: every namespace (an empty list allows none).
+    allowed_namespaces: frozenset[str] | None = None
+
+
+def _namespaces(value: Any) -> frozenset[str] | None:
+    if not isinstance(value, list):
+        return None
+    return frozenset(str(n) for n in value)
 
 
 def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, ClassFacts], str]:
@@ -65,6 +74,7 @@ def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, Clas
             int(spec.get("priority") or 0),
             float(spec.get("protectionWindowSeconds", 300)),
             int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
+            _namespaces(spec.get("allowedNamespaces")),
         )
         if spec.get("default") and not default:
             default = name
@@ -159,6 +169,7 @@ def demands_of(
             context_tokens=int(spec.get("contextTokens") or 1),
             protection_window=cls.protection_window,
             max_tokens=cls.max_tokens,
+            class_namespaces=cls.allowed_namespaces,
         )
     return out
 

@@ -3,7 +3,11 @@
 The runtime (`continuum engine`) is that field's one writer; the operator only reads it:
 - receipts, for the next plan (`core.plan` looks one up per placement it weighs): those of the
   runtime, and the one the plan in force already used (`status.plan.receipt`), so a plan learned
-  from a receipt keeps it while llama-server restarts and reports none;
+  from a receipt keeps it while llama-server restarts and reports none. Receipts are evidence,
+  not commands: the runtime's count only when its report is of the launch in force, and only
+  those filed under that launch's own arguments (what its load could have measured: context,
+  minds, layers, GPUs, KV type of `status.plan`); `core.plan` then plans from none beyond the
+  bound of its estimate (`core.receipt_bounds`);
 - whether the current launch refuses to serve (a model digest mismatch, restarts exhausted) or
   restarted lately, for the Ready and Degraded conditions;
 - its restart count, for the relaunch metric.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import calendar
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,7 +30,7 @@ from pydantic import ValidationError
 from continuum_operator.core import conditions as cond
 from continuum_operator.core.receipts import Receipt
 
-__all__ = ["current_runtime", "receipts_of", "runtime_report"]
+__all__ = ["Evidence", "current_runtime", "receipts_of", "runtime_report"]
 
 _REFUSING = {
     "ModelMismatch": cond.Reason.MODEL_DIGEST_MISMATCH,
@@ -33,27 +38,79 @@ _REFUSING = {
 }
 
 
-def receipts_of(status: Mapping[str, Any], model_sha256: str | None) -> tuple[Receipt, ...]:
-    """Receipts of the Engine's own model (none where its digest is not named): the runtime's,
-    then the plan's. A receipt that does not validate is skipped, never planned from."""
-    if model_sha256 is None:
-        return ()
-    runtime = status.get("runtime") or {}
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """The receipts a plan may use, and why any others found were set aside."""
+
+    receipts: tuple[Receipt, ...] = ()
+    set_aside: tuple[str, ...] = ()
+
+
+def receipts_of(
+    status: Mapping[str, Any], model_sha256: str | None, launch: str | None
+) -> Evidence:
+    """Receipts of the Engine's own model (none where its digest is not named) that the launch
+    in force (`launch`, its hash) measured: the runtime's, when its report names that launch,
+    then the plan's. A receipt that does not validate is skipped; one of another launch's
+    arguments is set aside, saying so. Without a plan in force, none: nothing was launched."""
     plan = status.get("plan") or {}
+    if model_sha256 is None or not isinstance(plan, Mapping):
+        return Evidence()
+    runtime = current_runtime(status, launch) or {}
     raw: list[Any] = []
-    if isinstance(runtime, Mapping) and isinstance(runtime.get("receipts"), list):
-        raw.extend(runtime["receipts"])
-    if isinstance(plan, Mapping) and isinstance(plan.get("receipt"), Mapping):
+    if isinstance(runtime.get("receipts"), list):
+        raw.extend(runtime["receipts"][:_MOST_RECEIPTS])
+    if isinstance(plan.get("receipt"), Mapping):
         raw.append(plan["receipt"])
     out: list[Receipt] = []
+    aside: list[str] = []
     for item in raw:
         try:
             receipt = Receipt.model_validate(item)
         except ValidationError:
             continue
-        if receipt.model_sha256 == model_sha256 and receipt not in out:
+        if receipt.model_sha256 != model_sha256 or receipt in out:
+            continue
+        why = _not_of_launch(receipt, plan)
+        if why:
+            aside.append(why)
+        else:
             out.append(receipt)
-    return tuple(out)
+    return Evidence(tuple(out), tuple(aside))
+
+
+#: The most receipts read from one report: a launch measures one load (llama-server restarts
+#: in the same pod load the same arguments again).
+_MOST_RECEIPTS = 8
+
+
+def _not_of_launch(r: Receipt, plan: Mapping[str, Any]) -> str:
+    """Why receipt `r` is not of the launch of `plan` (the plan in force), or ''."""
+    try:
+        minds = int(plan.get("mindsGrantable") or 0)
+        per_mind = int(plan.get("contextTokensPerMind") or 0)
+        layers = int(plan.get("layersOnDevice") or 0)
+    except (TypeError, ValueError):
+        return "the plan in force cannot be read"
+    gpus = len(plan.get("gpus") or ()) if layers > 0 else 0
+    launched = (minds, minds * per_mind, layers, gpus, str(plan.get("kvCacheType")))
+    filed = (
+        r.parallel,
+        r.context_tokens,
+        r.placement.layers_on_device,
+        r.placement.gpus,
+        str(r.kv_cache_type),
+    )
+    if filed == launched:
+        return ""
+    return (
+        f"a receipt of {r.parallel} minds, {r.context_tokens} tokens, "
+        f"{r.placement.layers_on_device} layers on {r.placement.gpus} GPU(s), "
+        f"{r.kv_cache_type} KV is not of the launch in force ({minds} minds, "
+        f"{minds * per_mind} tokens, {layers} layers on {gpus} GPU(s), "
+        f"{plan.get('kvCacheType')} KV): the engine's pod reports only what its own launch "
+        "measured, so it is not planned from"
+    )
 
 
 def current_runtime(status: Mapping[str, Any], launch: str | None) -> Mapping[str, Any] | None:

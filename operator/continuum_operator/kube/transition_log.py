@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 __all__ = ["Place", "TransitionLog"]
 
 #: Refusals (`Released` that a mind keeps while she asks too much): she stays listed.
-_REFUSALS = frozenset({"ContextTooLarge", "ClassLimit"})
+_REFUSALS = frozenset({"ContextTooLarge", "ClassLimit", "ClassNotAllowed"})
 
 
 class Place(NamedTuple):

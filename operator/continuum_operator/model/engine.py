@@ -522,8 +522,8 @@ class EngineStatus(Spec):
     model_facts: ReadFacts | None = None
     conditions: Conditions = Field(
         default_factory=list,
-        description="Planned, Ready, Degraded, MemoryModeUnknown, BoardStale and Unschedulable, "
-        "each always present.",
+        description="Planned, Ready, Degraded, MemoryModeUnknown, BoardStale, Unschedulable, "
+        "ReceiptRefused and PlanHeld, each always present.",
     )
     observed_generation: ObservedGeneration = None
 

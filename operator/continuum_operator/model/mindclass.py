@@ -29,7 +29,8 @@ class MindClassSpec(Spec):
         default=None,
         max_length=1024,
         description="Namespaces whose Minds may use the class, checked at admission by the "
-        "chart's ValidatingAdmissionPolicy (docs/tenancy.md); absent: every namespace.",
+        "chart's ValidatingAdmissionPolicy and by the operator at every grant decision "
+        "(ClassNotAllowed, docs/tenancy.md); absent: every namespace.",
     )
 
 

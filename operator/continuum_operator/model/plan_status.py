@@ -17,9 +17,10 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["SPEC_GENERATION", "plan_output_schema", "plan_status_schema"]
+__all__ = ["READING", "SPEC_GENERATION", "plan_output_schema", "plan_status_schema"]
 
 SPEC_GENERATION = "specGeneration"
+READING = "reading"
 
 # What `model.crdgen` does not already translate for every schema (titles, `additionalProperties:
 # false`, an enum's type): the document's own keywords, and uniqueItems, which the API server
@@ -65,5 +66,12 @@ def plan_status_schema(description: str) -> dict[str, Any]:
         "type": "integer",
         "minimum": 0,
         "description": "The Engine's metadata.generation the plan was made for.",
+    }
+    schema["properties"][READING] = {
+        "type": "string",
+        "maxLength": 64,
+        "description": "A digest of what the plan read of its node (the board's pools and mode, "
+        "the other leases there, the receipts), when it was made or last confirmed: a re-plan "
+        "with other arguments on the same reading is held (PlanHeld, docs/operator.md).",
     }
     return {**schema, "description": description, "nullable": True}
