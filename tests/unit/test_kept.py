@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from continuum_operator.core.replan import ACCEPT_ANNOTATION
 from continuum_operator.kube.cache import Cache
 from continuum_operator.kube.kept import LAST_APPLIED, kept
 from continuum_operator.kube.mind_cache import MindCache
@@ -64,3 +65,14 @@ def test_a_mind_of_240_kb_annotations_costs_the_cache_what_a_bare_one_does() -> 
     held = minds.minds["team-a/ann"]
     assert len(json.dumps(held)) == len(json.dumps(kept(bare)))
     assert held == kept(bare)
+
+
+def test_an_engines_acceptance_of_a_held_plan_is_kept_and_nothing_else() -> None:
+    """The upgrade hold reads `continuum.dev/accept-plan` from the cached Engine
+    (`kube.placed_engine`): dropped with the rest, a person's acceptance was never seen."""
+    obj = applied("Engine", {"contextTokensPerMind": 512})
+    obj["metadata"]["annotations"][ACCEPT_ANNOTATION] = "p-1234"
+    engines = Cache()
+    engines.observe_engine(obj, deleted=False)
+    body = engines.engines[("team-a", "ann")]
+    assert body["metadata"]["annotations"] == {ACCEPT_ANNOTATION: "p-1234"}

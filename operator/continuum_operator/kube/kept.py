@@ -4,11 +4,11 @@ Every object the API server sends carries `metadata.managedFields` (server-side 
 ownership: often larger than the spec), and one applied with `kubectl apply` a copy of the whole
 applied manifest in the `kubectl.kubernetes.io/last-applied-configuration` annotation. Its
 annotations are its writers' to fill, up to the API server's 256 KiB: 2,000 Minds of 240 KB
-each were 480 MB a cache would hold for nothing. No decision reads an annotation of the
-objects kept here (Minds, Engines, GrantLedgers, EmbedLanes, MindClasses, TokenQuotas), so
-none is kept but those named in KEPT_ANNOTATIONS (`bench/cache_memory.py` measures it). The rest
-is kept whole (spec, status, labels, the rest of the metadata), so no field a decision reads
-can go missing by omission.
+each were 480 MB a cache would hold for nothing. Decisions read one annotation of the objects
+kept here (Minds, Engines, GrantLedgers, EmbedLanes, MindClasses, TokenQuotas): an Engine's
+acceptance of a held plan. None is kept but those named in KEPT_ANNOTATIONS
+(`bench/cache_memory.py` measures it). The rest is kept whole (spec, status, labels, the rest
+of the metadata), so no field a decision reads can go missing by omission.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from continuum_operator.core.replan import ACCEPT_ANNOTATION
+
 __all__ = ["KEPT_ANNOTATIONS", "LAST_APPLIED", "kept", "newer", "resource_version"]
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
-KEPT_ANNOTATIONS: frozenset[str] = frozenset()
-"""The annotations of a cached object some decision reads: none today. A decision that comes
-to read one names it here; every other annotation is dropped from the caches."""
+KEPT_ANNOTATIONS: frozenset[str] = frozenset({ACCEPT_ANNOTATION})
+"""The annotations of a cached object some decision reads: an Engine's acceptance of a held
+plan (`core.replan`, read by `kube.placed_engine`). A decision that comes to read another names
+it here; every other annotation is dropped from the caches."""
 
 
 def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
