@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from continuum_operator.engine.admission import GrantTable, TableEntry
-from continuum_operator.engine.gateway import Gateway, GatewaySettings
+from continuum_operator.engine.gateway import Gateway, GatewaySettings, SlotRelease
 from continuum_operator.engine.metrics import EngineMetrics
 from continuum_operator.engine.park import (
     Dropped,
@@ -25,8 +25,10 @@ from continuum_operator.engine.park import (
     park_verdict,
 )
 from continuum_operator.engine.parking import ParkSettings, ParkStore
+from continuum_operator.engine.runtime import RuntimePhase, runtime_status
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
+from continuum_operator.model.runtime import EngineRuntimeStatus
 from tests.unit.fake_llama import FakeLlama, serve
 from tests.unit.test_gateway import MIRA, VIP, Rig, granted, queued, reclaiming, table
 from tests.waiting import until
@@ -266,3 +268,28 @@ class TestDecisions:
         }
         long_queue = GrantTable(512, entries={}, left_out=True)
         assert gone_minds(long_queue, parked) == {}
+
+
+def test_the_park_store_status_is_what_the_engine_status_schema_keeps(tmp_path: Path) -> None:
+    # A structural schema prunes a field it does not name: each key written is a field.
+    async def nothing(path: str, body: object) -> tuple[int, object]:
+        raise AssertionError("no llama-server call")
+
+    parks = ParkStore(store(tmp_path, budget=5000), nothing, EngineMetrics())
+    parks.parked[MIRA] = Parked(MIRA, "park-mira", 11, 1100, SHAPE, 1.0)
+    doc = runtime_status(
+        phase=RuntimePhase.SERVING,
+        ready=True,
+        restarts=0,
+        receipt=None,
+        log_text="",
+        plan={},
+        slots=2,
+        slot_tokens=512,
+        releases=[SlotRelease(MIRA, 0, "Preempted", "r", 5.0, 11, 11, None).to_status()],
+        park=parks.to_status(),
+    )
+    status = EngineRuntimeStatus.model_validate(doc)
+    assert status.park is not None and status.park.parked_bytes == 1100
+    assert [m.mind for m in status.park.minds] == [MIRA]
+    assert status.slot_releases is not None and status.slot_releases[0].parked_tokens == 11
