@@ -79,6 +79,8 @@ class ParkStore:
     post: Post
     metrics: EngineMetrics
     clock: Callable[[], float] = time.time
+    #: Called whenever the parks change (the runtime publishes status.runtime.park).
+    changed: Callable[[], None] | None = None
     parked: dict[str, Parked] = field(default_factory=dict)
     #: Learned from saves: the largest bytes per saved token, the slowest write rate.
     bytes_per_token: float = 0.0
@@ -117,6 +119,8 @@ class ParkStore:
             tmp.write_text(text)
             os.replace(tmp, self.settings.path / INDEX)
         self._gauge()
+        if self.changed is not None:
+            self.changed()
 
     def _delete(self, p: Parked, why: Dropped) -> None:
         (self.settings.path / p.file).unlink(missing_ok=True)

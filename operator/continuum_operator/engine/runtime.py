@@ -606,7 +606,9 @@ class EngineRuntime:
         per_token = kv / self.launch.context_tokens() if kv else 0.0
         shape = f"{self.model_sha256 or self.launch.model.name}/{self.slot_tokens}"
         settings = ParkSettings(self._slot_dir(), budget, shape, bytes_per_token=per_token)
-        store = ParkStore(settings, self.gateway._post_json, self.gateway.metrics)
+        store = ParkStore(
+            settings, self.gateway._post_json, self.gateway.metrics, changed=self._dirty.set
+        )
         store.load()
         self.gateway.park = store
 
