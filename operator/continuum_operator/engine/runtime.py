@@ -934,6 +934,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="address of /metrics, /v1/releases, /v1/runtime (not served to minds)",
     )
     p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
+    _add_park_arguments(p)
+    p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
+
+
+def _add_park_arguments(p: argparse.ArgumentParser) -> None:
+    """The park store's arguments (docs/gateway.md, "A turn cut off")."""
     p.add_argument(
         "--park-dir",
         type=Path,
@@ -946,7 +952,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="bytes the park store may hold (the Engine's park budget); 0: never park",
     )
-    p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
 
 
 #: llama-server's counts (threads, restarts): 1 or more.
