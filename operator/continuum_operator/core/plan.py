@@ -51,7 +51,7 @@ from continuum_operator.core.receipts import (
     is_host_buffer,
 )
 from continuum_operator.model.board import MemoryMode
-from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts
+from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts, ParkTier
 
 __all__ = [
     "Budget",
@@ -80,11 +80,13 @@ class PartBytes:
     kv: int = 0
     compute: int = 0
     reserve: int = 0
+    #: The park store's budget where it lives in this side's pool (spec.park, tier host).
+    park: int = 0
 
     @property
     def in_use(self) -> int:
         """What the engine allocates: checked against budgets, which are net of reserve."""
-        return self.weights + self.kv + self.compute
+        return self.weights + self.kv + self.compute + self.park
 
     @property
     def total(self) -> int:
@@ -130,6 +132,7 @@ class ServingPlan:
                 "kv": p.kv,
                 "compute": p.compute,
                 "reserve": p.reserve,
+                "park": p.park,
                 "total": p.total,
             }
 
@@ -163,6 +166,12 @@ class ServingPlan:
                 else self.receipt.model_dump(mode="json", by_alias=True)
             ),
         }
+
+
+def host_park_bytes(engine: EngineSpec) -> int:
+    """The park store's bytes the engine puts in host memory (spec.park of tier host)."""
+    park = engine.park
+    return park.bytes if park is not None and park.tier is ParkTier.HOST else 0
 
 
 def _mib(n: int | None) -> str:
@@ -244,6 +253,9 @@ class _Sizer:
     )
     # KV bytes of one mind in the last i layers, both kinds (`_Shape.kv_bytes` at this context).
     kv_per_mind: tuple[int, ...] = ()
+    # The park store's bytes in host memory (spec.park of tier host; on a unified node the
+    # one pool): a fixed part of the host side, whatever the level and the minds.
+    park_host: int = 0
 
     @classmethod
     def of(
@@ -269,6 +281,7 @@ class _Sizer:
             kv_type=engine.kv_cache_type,
             receipts=receipts,
             model_sha256=engine.model.sha256,
+            park_host=host_park_bytes(engine),
         )
 
     @property
@@ -322,7 +335,8 @@ class _Sizer:
         dev_r, host_r = self.rules.reserves(self.reserve, self.gpus, uses_device)
         receipt = self.receipt(j, minds)
         if receipt is not None:
-            return _measured(receipt, dev_r, host_r)
+            device, host = _measured(receipt, dev_r, host_r)
+            return device, replace(host, park=self.park_host)
         graph, host_input, output = self.compute_terms(minds)
         dev_w = s.tail_weights[on_device] + (s.output_bytes if output_on_device else 0)
         host_w = s.input_bytes + s.total_weights - s.tail_weights[on_device]
@@ -337,7 +351,9 @@ class _Sizer:
         host_graph = graph if on_device < s.layers else host_input
         host_c = host_graph + output
         device = PartBytes(weights=dev_w, kv=dev_kv, compute=dev_c, reserve=dev_r)
-        host = PartBytes(weights=host_w, kv=host_kv, compute=host_c, reserve=host_r)
+        host = PartBytes(
+            weights=host_w, kv=host_kv, compute=host_c, reserve=host_r, park=self.park_host
+        )
         return device, host
 
 
@@ -451,6 +467,7 @@ class SizeTable:
             + graph * (self._sizer.gpus + 1)
             + host_input
             + self._sizer.compute_terms(top)[2]
+            + self._sizer.park_host
         )
         measured = max((d + h for d, h in self._measured.values()), default=0)
         return max(worst, measured, self._asked) <= self.LIMIT
@@ -519,7 +536,7 @@ class SizeTable:
         output_per_mind = self._sizer.compute_terms(1)[2]
         host_c = np.where(on_device < s.layers, graph, host_input) + output_per_mind * m
         device = dev_w + kv_dev * m + dev_c
-        host = host_w + kv_host * m + host_c
+        host = host_w + kv_host * m + host_c + self._sizer.park_host
         for (rj, rm), (rd, rh) in self._measured.items():
             hit = (j == rj) & (m == rm)
             device = np.where(hit, rd, device)
@@ -730,6 +747,9 @@ def _does_not_fit(board: Board, engine: EngineSpec, sizer: _Sizer, fit: _Fit, le
         "Lower spec.minds.min, spec.contextTokensPerMind or spec.offload, or use a "
         "quantised spec.kvCacheType"
     )
+    if host.park:
+        need += f" (its park store {_mib(host.park)} included)"
+        fix += ", or spec.park.bytes (or park on disk: spec.park.tier disk)"
     if any(b is not None and b < 0 <= b + reserve for b in (budget.device, budget.host)):
         # The reserve alone leaves the pool nothing: no other field can make it fit.
         fix = "Lower spec.reserveBytes: it leaves the pool nothing to plan in"
