@@ -4,9 +4,13 @@ refused with a reason that names it (docs/plan.md)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from continuum_operator.core.plan import ReasonCode, SizeTable, plan
+from continuum_operator.kube import objects
+from continuum_operator.kube.settings import PodSettings
 from tests.builders import GiB, board, board_body, engine, engine_body
 
 PARK = 3 * GiB
@@ -72,3 +76,29 @@ def test_the_prefilters_arrays_hold_the_park_as_the_plan_does() -> None:
         table.at(0, 2)[1] - SizeTable(engine(engine_body()).spec, e.spec.model.facts).at(0, 2)[1]
         == PARK
     )
+
+
+def test_the_engine_pod_mounts_its_park_store_and_counts_a_host_one_in_its_memory() -> None:
+    def pod(**spec: object) -> tuple[dict[str, Any], dict[str, Any]]:
+        e = engine(engine_body(**spec))
+        assert e.spec.model.facts is not None
+        p = plan(board(discrete()), e.spec, e.spec.model.facts).to_dict()
+        d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
+        return d["spec"]["template"]["spec"], p
+
+    spec, _ = pod(park={"tier": "host", "bytes": PARK})
+    (c,) = spec["containers"]
+    cmd = c["command"]
+    assert cmd[cmd.index("--park-dir") + 1] == "/park"
+    assert cmd[cmd.index("--park-budget") + 1] == str(PARK)
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "park"]
+    assert volume["emptyDir"] == {"sizeLimit": "3072Mi", "medium": "Memory"}
+    assert {"name": "park", "mountPath": "/park"} in c["volumeMounts"]
+    plain_spec, _ = pod()
+    limit = int(c["resources"]["limits"]["memory"])
+    plain_limit = int(plain_spec["containers"][0]["resources"]["limits"]["memory"])
+    assert limit - plain_limit == PARK  # a memory emptyDir's pages are the pod's memory
+    assert "--park-dir" not in plain_spec["containers"][0]["command"]
+    disk, _ = pod(park={"tier": "disk", "bytes": PARK})
+    (volume,) = [v for v in disk["volumes"] if v["name"] == "park"]
+    assert volume["emptyDir"] == {"sizeLimit": "3072Mi"}  # the node's disk
