@@ -102,3 +102,10 @@ def test_the_engine_pod_mounts_its_park_store_and_counts_a_host_one_in_its_memor
     disk, _ = pod(park={"tier": "disk", "bytes": PARK})
     (volume,) = [v for v in disk["volumes"] if v["name"] == "park"]
     assert volume["emptyDir"] == {"sizeLimit": "3072Mi"}  # the node's disk
+
+
+def test_a_disk_park_is_not_charged_to_memory_and_the_plan_says_it_is_uncharged() -> None:
+    without = planned(discrete())
+    on_disk = planned(discrete(), park={"tier": "disk", "bytes": PARK})
+    assert on_disk.charges == without.charges and on_disk.host.park == 0
+    assert ReasonCode.PARK_ON_DISK_UNCHARGED in [r.code for r in on_disk.reasons]

@@ -665,6 +665,14 @@ def plan(
     if isinstance(budgeted, Reason):
         return _unschedulable(board, engine, facts, rules, reasons, budgeted)
     reasons.extend(budgeted.notes)
+    if engine.park is not None and engine.park.tier is ParkTier.DISK:
+        reasons.append(
+            Reason(
+                ReasonCode.PARK_ON_DISK_UNCHARGED,
+                f"spec.park on disk ({_mib(engine.park.bytes)}): the NodeBoard has no disk pool "
+                "yet, so the store is bounded by its volume's size limit, not charged",
+            )
+        )
     sizer = (
         _Sizer.of(facts, engine, rules, ReceiptBook(tuple(receipts), llama_build))
         if sizes is None

@@ -36,6 +36,7 @@ class ReasonCode(StrEnum):
     RECEIPT_USED = "ReceiptUsed"
     EXPERT_OFFLOAD_NOT_PLANNED = "ExpertOffloadNotPlanned"
     SLIDING_WINDOW_KV = "SlidingWindowKv"
+    PARK_ON_DISK_UNCHARGED = "ParkOnDiskUncharged"
 
 
 @dataclass(frozen=True, slots=True)
