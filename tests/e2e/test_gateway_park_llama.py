@@ -58,6 +58,21 @@ async def reclaim(e: Engine, mind: str, slot: int, others: GrantTable, grace: fl
     return next(r for r in e.gateway.releases() if r.mind == mind)
 
 
+def run_parking(
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path, initial: GrantTable, body: Any
+) -> dict[str, Any]:
+    """The engine of test_gateway_llama with a park store of BUDGET under tmp_path/park."""
+    return run_engine(
+        llama_server_bin,
+        model,
+        tmp_path,
+        initial,
+        body,
+        park_dir=tmp_path / "park",
+        park_budget_bytes=BUDGET,
+    )
+
+
 def parks(path: Path) -> list[str]:
     return sorted(p.name for p in path.glob("park-*"))
 
@@ -87,14 +102,8 @@ def test_a_reclaimed_mind_resumes_where_she_was_and_nobody_else_sees_it(
         assert mira["timings"]["prompt_n"] <= len(MORE) + 1
         assert parks(store) == []
 
-    doc = run_engine(
-        llama_server_bin,
-        model,
-        tmp_path,
-        table(granted(MIRA, 0), granted(VIP, 1)),
-        body,
-        park_dir=store,
-        park_budget_bytes=BUDGET,
+    doc = run_parking(
+        llama_server_bin, model, tmp_path, table(granted(MIRA, 0), granted(VIP, 1)), body
     )
     assert doc["park"]["budgetBytes"] == BUDGET and doc["park"]["parkedContexts"] == 0
 
@@ -117,15 +126,7 @@ def test_a_full_store_evicts_the_oldest_and_a_deleted_mind_takes_hers(
         e.gateway.set_table(table(queued(MIRA)))  # Ann's Mind deleted: her park goes too
         assert parks(store) == []
 
-    run_engine(
-        llama_server_bin,
-        model,
-        tmp_path,
-        table(granted(MIRA, 0), granted(ANN, 1)),
-        body,
-        park_dir=store,
-        park_budget_bytes=BUDGET,
-    )
+    run_parking(llama_server_bin, model, tmp_path, table(granted(MIRA, 0), granted(ANN, 1)), body)
 
 
 def test_a_park_that_cannot_finish_before_the_deadline_erases_on_time(
@@ -142,12 +143,4 @@ def test_a_park_that_cannot_finish_before_the_deadline_erases_on_time(
         assert release.erased_tokens >= len(PROMPT)
         assert parks(store) == []
 
-    run_engine(
-        llama_server_bin,
-        model,
-        tmp_path,
-        table(granted(MIRA, 0), granted(VIP, 1)),
-        body,
-        park_dir=store,
-        park_budget_bytes=BUDGET,
-    )
+    run_parking(llama_server_bin, model, tmp_path, table(granted(MIRA, 0), granted(VIP, 1)), body)

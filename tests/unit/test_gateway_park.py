@@ -11,10 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import aiohttp
-
 from continuum_operator.engine.admission import GrantTable, TableEntry
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, SlotRelease
+from continuum_operator.engine.gateway import SlotRelease
 from continuum_operator.engine.metrics import EngineMetrics
 from continuum_operator.engine.park import (
     Dropped,
@@ -29,8 +27,9 @@ from continuum_operator.engine.runtime import RuntimePhase, runtime_status
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from continuum_operator.model.runtime import EngineRuntimeStatus
-from tests.unit.fake_llama import FakeLlama, serve
+from tests.unit.fake_llama import FakeLlama
 from tests.unit.test_gateway import MIRA, VIP, Rig, granted, queued, reclaiming, table
+from tests.unit.test_gateway import run as run_gateway
 from tests.waiting import until
 
 ANN = "minds/ann"
@@ -47,28 +46,15 @@ def run(
     body: Callable[[Rig], Awaitable[None]],
     fake: FakeLlama,
 ) -> FakeLlama:
-    async def main() -> None:
-        upstream_runner, upstream = await serve(fake.app())
-        metrics = EngineMetrics()
-        gateway = Gateway(GatewaySettings(upstream=upstream, health_seconds=0.05), metrics=metrics)
-        if settings is not None:
-            gateway.park = ParkStore(settings, gateway._post_json, metrics)
-            gateway.park.load()
-        await gateway.start()
-        gateway.set_table(initial)
-        runner, url = await serve(gateway.app())
-        admin_runner, admin_url = await serve(gateway.admin_app())
-        try:
-            async with aiohttp.ClientSession() as http:
-                await body(Rig(url, admin_url, gateway, fake, http))
-        finally:
-            await admin_runner.cleanup()
-            await runner.cleanup()
-            await gateway.close()
-            await upstream_runner.cleanup()
+    """test_gateway's rig, its gateway given a park store before the test's body."""
 
-    asyncio.run(main())
-    return fake
+    async def parked(rig: Rig) -> None:
+        if settings is not None:
+            rig.gateway.park = ParkStore(settings, rig.gateway._post_json, rig.gateway.metrics)
+            rig.gateway.park.load()
+        await body(rig)
+
+    return run_gateway(initial, parked, fake)
 
 
 async def ask(rig: Rig, mind: str, prompt: str) -> dict[str, object]:
