@@ -104,8 +104,30 @@ def test_the_engine_pod_mounts_its_park_store_and_counts_a_host_one_in_its_memor
     assert volume["emptyDir"] == {"sizeLimit": "3072Mi"}  # the node's disk
 
 
-def test_a_disk_park_is_not_charged_to_memory_and_the_plan_says_it_is_uncharged() -> None:
-    without = planned(discrete())
-    on_disk = planned(discrete(), park={"tier": "disk", "bytes": PARK})
-    assert on_disk.charges == without.charges and on_disk.host.park == 0
-    assert ReasonCode.PARK_ON_DISK_UNCHARGED in [r.code for r in on_disk.reasons]
+def with_disk(doc: dict[str, Any], capacity: int, used: int = 0) -> dict[str, Any]:
+    status = doc["status"]
+    status["pools"] = [
+        *status["pools"],
+        {"kind": "disk", "capacityBytes": capacity, "usedBytes": used},
+    ]
+    return doc
+
+
+def test_a_disk_park_is_charged_to_the_disk_pool_not_to_memory() -> None:
+    without = planned(with_disk(discrete(), 100 * GiB))
+    on_disk = planned(with_disk(discrete(), 100 * GiB), park={"tier": "disk", "bytes": PARK})
+    assert on_disk.schedulable and on_disk.host.park == 0
+    assert dict(on_disk.charges) == {**dict(without.charges), "disk": PARK}
+    on_unified = planned(with_disk(unified(), 100 * GiB), park={"tier": "disk", "bytes": PARK})
+    assert dict(on_unified.charges)["disk"] == PARK
+
+
+def test_a_disk_park_is_refused_by_a_node_without_a_disk_pool_or_its_room() -> None:
+    none = planned(discrete(), park={"tier": "disk", "bytes": PARK})
+    assert not none.schedulable and none.reasons[-1].code is ReasonCode.NO_DISK_POOL
+    assert "--disk-path" in none.reasons[-1].message
+    full = planned(
+        with_disk(discrete(), 10 * GiB, used=8 * GiB), park={"tier": "disk", "bytes": PARK}
+    )
+    assert not full.schedulable and full.reasons[-1].code is ReasonCode.INSUFFICIENT_DISK
+    assert "2,048 MiB left" in full.reasons[-1].message

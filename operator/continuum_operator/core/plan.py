@@ -661,18 +661,14 @@ def plan(
         declared_device=engine.placement.device_budget_bytes,
         on_gpus=on_gpus,
     )
-    budgeted = rules.budget(board, host, ask, _Available(board, ledger, crediting, reasons))
+    available = _Available(board, ledger, crediting, reasons)
+    budgeted = rules.budget(board, host, ask, available)
     if isinstance(budgeted, Reason):
         return _unschedulable(board, engine, facts, rules, reasons, budgeted)
     reasons.extend(budgeted.notes)
-    if engine.park is not None and engine.park.tier is ParkTier.DISK:
-        reasons.append(
-            Reason(
-                ReasonCode.PARK_ON_DISK_UNCHARGED,
-                f"spec.park on disk ({_mib(engine.park.bytes)}): the NodeBoard has no disk pool "
-                "yet, so the store is bounded by its volume's size limit, not charged",
-            )
-        )
+    no_disk = _disk_refusal(board, engine, available)
+    if no_disk is not None:
+        return _unschedulable(board, engine, facts, rules, reasons, no_disk, budgeted)
     sizer = (
         _Sizer.of(facts, engine, rules, ReceiptBook(tuple(receipts), llama_build))
         if sizes is None
@@ -837,7 +833,7 @@ def _planned(
         budget=budgeted.budget,
         device=device,
         host=host,
-        charges=_charges(board, rules, budgeted.gpus, device, host),
+        charges=_charges(board, rules, budgeted.gpus, device, host) + _disk_charge(engine),
         engine_args=_engine_args(level, tokens, minds, engine.kv_cache_type, sizer.gpus),
         reasons=tuple(reasons),
         receipt=sizer.receipt(level, minds),
@@ -992,6 +988,39 @@ def _charges(
         share = -(-device.total // len(device_pools))
         charges[pool] = charges.get(pool, 0) + share
     return tuple(charges.items())
+
+
+def disk_park_bytes(engine: EngineSpec) -> int:
+    """The park store's bytes the engine puts on the node's disk (spec.park of tier disk)."""
+    park = engine.park
+    return park.bytes if park is not None and park.tier is ParkTier.DISK else 0
+
+
+def _disk_charge(engine: EngineSpec) -> tuple[tuple[str, int], ...]:
+    n = disk_park_bytes(engine)
+    return (("disk", n),) if n else ()
+
+
+def _disk_refusal(board: Board, engine: EngineSpec, available: _Available) -> Reason | None:
+    """Why a park store on disk does not fit the node: no disk pool, or not the room."""
+    n = disk_park_bytes(engine)
+    if not n:
+        return None
+    if "disk" not in board.pools:
+        return Reason(
+            ReasonCode.NO_DISK_POOL,
+            f"spec.park asks {_mib(n)} on disk and node {board.node}'s board reports no disk "
+            "pool (its agent probes the disk only with --disk-path): park in host memory "
+            "(spec.park.tier host), or give the node's agent --disk-path",
+        )
+    left = available("disk")
+    if n > left:
+        return Reason(
+            ReasonCode.INSUFFICIENT_DISK,
+            f"spec.park asks {_mib(n)} on disk and node {board.node}'s disk has {_mib(left)} "
+            "left beside other leases: lower spec.park.bytes",
+        )
+    return None
 
 
 def _engine_args(

@@ -36,7 +36,8 @@ class ReasonCode(StrEnum):
     RECEIPT_USED = "ReceiptUsed"
     EXPERT_OFFLOAD_NOT_PLANNED = "ExpertOffloadNotPlanned"
     SLIDING_WINDOW_KV = "SlidingWindowKv"
-    PARK_ON_DISK_UNCHARGED = "ParkOnDiskUncharged"
+    NO_DISK_POOL = "NoDiskPool"
+    INSUFFICIENT_DISK = "InsufficientDisk"
 
 
 @dataclass(frozen=True, slots=True)

@@ -450,8 +450,8 @@ class EnginePoolBytes(Spec):
     """Bytes leased in one pool of the node."""
 
     pool: str = Field(
-        pattern=r"^(unified|host|device/[0-9]+)$",
-        description="unified, host, or device/N for GPU N.",
+        pattern=r"^(unified|host|disk|device/[0-9]+)$",
+        description="unified, host, disk (a park store on disk), or device/N for GPU N.",
     )
     bytes: Bytes = Field(description="Bytes leased there.")
 
