@@ -205,18 +205,49 @@ class TestParkAndResume:
         async def nothing(path: str, body: object) -> tuple[int, object]:
             raise AssertionError("no llama-server call")
 
+        mine = "park-" + "a" * 24 + "-" + "b" * 12
         first = ParkStore(store(tmp_path), nothing, metrics_)
         first.load()
-        (tmp_path / "park-mira").write_bytes(b"x")
+        (tmp_path / mine).write_bytes(b"x")
         (tmp_path / "park-stray").write_bytes(b"x")
-        first.parked[MIRA] = Parked(MIRA, "park-mira", 1, 1, SHAPE, 1.0)
+        first.parked[MIRA] = Parked(MIRA, mine, 1, 1, SHAPE, 1.0)
         first._save_index()
         same = ParkStore(store(tmp_path), nothing, metrics_)
         same.load()
-        assert list(same.parked) == [MIRA] and files(tmp_path) == ["park-mira"]
+        assert list(same.parked) == [MIRA] and files(tmp_path) == [mine]
         other = ParkStore(store(tmp_path, shape="sha256:def/512"), nothing, metrics_)
         other.load()
         assert other.parked == {} and files(tmp_path) == []
+
+    def test_an_index_naming_a_file_outside_the_store_is_not_read(self, tmp_path: Path) -> None:
+        # The index is the gateway's own; one edited to name another file deletes nothing.
+        outside = tmp_path / "outside"
+        outside.write_bytes(b"keep")
+        parks = tmp_path / "parks"
+        parks.mkdir()
+        hostile = {"mind": MIRA, "file": "../outside", "tokens": 1, "bytes": 1}
+        (parks / "index.json").write_text(json.dumps([{**hostile, "shape": "x", "at": 1.0}]))
+
+        async def nothing(path: str, body: object) -> tuple[int, object]:
+            raise AssertionError("no llama-server call")
+
+        loaded = ParkStore(store(parks), nothing, EngineMetrics())
+        loaded.load()
+        assert loaded.parked == {} and outside.read_bytes() == b"keep"
+
+    def test_a_small_saves_time_does_not_teach_the_write_rate(self, tmp_path: Path) -> None:
+        saves = [(100, 100 * 100, 50.0), (10_000, 10_000 * 1000, 20.0)]
+
+        async def save(path: str, body: object) -> tuple[int, object]:
+            tokens, n_bytes, ms = saves.pop(0)
+            timings = {"save_ms": ms}
+            return 200, {"n_saved": tokens, "n_written": n_bytes, "timings": timings}
+
+        parks = ParkStore(store(tmp_path, budget=2**40), save, EngineMetrics())
+        asyncio.run(parks.park(MIRA, 0, 100, time.time() + 10))
+        assert parks.write_rate == 100e6  # 10 kB in 50 ms is its fixed cost, not a rate
+        asyncio.run(parks.park(ANN, 1, 10_000, time.time() + 10))
+        assert parks.write_rate == (100e6 + 10_000 * 1000 / 0.02) / 2
 
 
 class TestDecisions:

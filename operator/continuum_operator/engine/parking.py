@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,11 @@ log = logging.getLogger(__name__)
 
 INDEX = "index.json"
 PREFIX = "park-"
+#: The only names the store's files have (the gateway's own): an index naming another is
+#: not read, so nothing outside the store is ever deleted or restored through it.
+FILE_NAME = re.compile(r"^park-[0-9a-f]{24}-[0-9a-f]{12}$")
+#: Saves smaller than this are not timed for the write rate.
+RATE_MIN_BYTES = 4 * 2**20
 
 #: POST `body` to llama-server's `path`: its status and JSON (`UpstreamDown` if not reached).
 Post = Callable[[str, Any], Awaitable[tuple[int, Any]]]
@@ -98,9 +104,9 @@ class ParkStore:
         self.settings.path.mkdir(parents=True, exist_ok=True)
         try:
             listed = json.loads((self.settings.path / INDEX).read_text())
-            found = [Parked(**p) for p in listed]
-        except (OSError, ValueError, TypeError):
-            found = []
+        except (OSError, ValueError):
+            listed = []
+        found = [p for p in map(_entry, listed if isinstance(listed, list) else []) if p]
         for p in sorted(found, key=lambda p: p.at):
             if p.shape == self.settings.shape and (self.settings.path / p.file).is_file():
                 self.parked[p.mind] = p
@@ -178,10 +184,13 @@ class ParkStore:
         return p
 
     def _learn(self, tokens: int, n_bytes: int, ms: float) -> None:
+        """A save's figures: the most bytes a token took, and the write rate, an average of
+        the saves large enough to time it (a small one's time is its fixed cost: learning
+        from it would refuse every large park as too slow)."""
         self.bytes_per_token = max(self.bytes_per_token, n_bytes / max(1, tokens))
-        if ms > 0:
+        if ms > 0 and n_bytes >= RATE_MIN_BYTES:
             rate = n_bytes / (ms / 1000)
-            self.write_rate = min(self.write_rate, rate) if self.write_rate > 0 else rate
+            self.write_rate = (self.write_rate + rate) / 2 if self.write_rate > 0 else rate
 
     def waiting(self, mind: str) -> bool:
         return mind in self.parked
@@ -232,6 +241,20 @@ class ParkStore:
                 for p in sorted(self.parked.values(), key=lambda p: p.at)
             ],
         }
+
+
+def _entry(raw: Any) -> Parked | None:
+    """One park of the index, or None where it is not one of the gateway's own."""
+    try:
+        p = Parked(**raw)
+    except TypeError:
+        return None
+    typed = all(isinstance(v, str) for v in (p.mind, p.file, p.shape)) and all(
+        isinstance(v, int) for v in (p.tokens, p.bytes)
+    )
+    if not typed or not isinstance(p.at, int | float) or not FILE_NAME.match(p.file):
+        return None
+    return p
 
 
 def _figures(payload: Any, tokens_key: str, bytes_key: str) -> tuple[int, int, float] | None:
