@@ -184,7 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a directory on the filesystem of the node's emptyDirs (a DaemonSet: the host's "
         "kubelet root, mounted): its disk is the board's disk pool, where Engines park "
         "contexts on disk (spec.park.tier disk); default: no disk pool",
-    ),
+    )
     p.add_argument(
         "--scan-environ",
         dest="scan_environ",
