@@ -250,6 +250,38 @@ class TestParkAndResume:
         assert parks.write_rate == (100e6 + 10_000 * 1000 / 0.02) / 2
 
 
+class TestParkWhenIdle:
+    def test_a_mind_going_idle_parks_herself_and_her_next_request_resumes(
+        self, tmp_path: Path
+    ) -> None:
+        async def park(rig: Rig, mind: str) -> tuple[int, dict[str, object]]:
+            async with rig.http.post(f"{rig.url}/v1/park", headers={MIND_HEADER: mind}) as resp:
+                return resp.status, await resp.json()
+
+        async def body(rig: Rig) -> None:
+            await ask(rig, MIRA, "a b c d e f g")
+            assert await park(rig, MIRA) == (200, {"parked": True, "tokens": 11, "slot": 0})
+            assert rig.fake.erased == [0] and len(files(tmp_path)) == 1
+            reply = await ask(rig, MIRA, "a b c d e f g h")
+            assert reply["continuum"]["resumed"] == {"restoredTokens": 11}  # type: ignore[index]
+            status, refused = await park(rig, ANN)  # queued: she has no slot to park
+            assert (status, refused["error"]) == (429, "queued")
+
+        run(
+            store(tmp_path), table(granted(), queued(ANN)), body, FakeLlama(save_path=str(tmp_path))
+        )
+
+    def test_an_engine_without_a_store_says_it_parks_nothing(self, tmp_path: Path) -> None:
+        async def body(rig: Rig) -> None:
+            async with rig.http.post(f"{rig.url}/v1/park", headers={MIND_HEADER: MIRA}) as resp:
+                reply = await resp.json()
+                assert (resp.status, reply["error"]) == (400, "bad_request")
+                assert "spec.park" in reply["message"]
+
+        fake = run(None, table(granted()), body, FakeLlama(save_path=str(tmp_path)))
+        assert fake.saved == [] and fake.erased == []
+
+
 class TestDecisions:
     def test_a_park_is_refused_where_it_would_outlast_the_deadline_or_the_store(self) -> None:
         def verdict(**kw: float) -> NotParked | None:

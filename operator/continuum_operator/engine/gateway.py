@@ -245,6 +245,7 @@ class Gateway:
         app = web.Application()
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)
+        app.router.add_post("/v1/park", self.park_now)
         for path, dialect in DOORS.items():
             app.router.add_post(path, self.door(dialect))
         app.router.add_get("/v1/models", self.models)
@@ -382,14 +383,17 @@ class Gateway:
             return NotParked.NO_STORE
         if self.slot_owner.get(rel.slot) != rel.mind:
             return NotParked.EMPTY  # erased already, or another's: nothing of hers to save
-        tokens = self.slot_tokens.get(rel.slot, 0)
-        lock = self._slot_locks.setdefault(rel.slot, asyncio.Lock())
-        async with lock:
-            try:
-                return await self.park.park(rel.mind, rel.slot, tokens, deadline)
-            except UpstreamDown as err:
-                log.warning("slot %d of %s not parked: %s", rel.slot, rel.mind, err)
-                return NotParked.SAVE_FAILED
+        async with self._slot_locks.setdefault(rel.slot, asyncio.Lock()):
+            return await self._save(rel.mind, rel.slot, deadline)
+
+    async def _save(self, mind: str, slot: int, deadline: float) -> Parked | NotParked:
+        """Her slot saved to the park store (the slot's lock held)."""
+        assert self.park is not None
+        try:
+            return await self.park.park(mind, slot, self.slot_tokens.get(slot, 0), deadline)
+        except UpstreamDown as err:
+            log.warning("slot %d of %s not parked: %s", slot, mind, err)
+            return NotParked.SAVE_FAILED
 
     def _still_reclaiming(self, rel: Release) -> bool:
         e = self.table.entry(rel.mind) if self.table is not None else None
@@ -450,20 +454,51 @@ class Gateway:
 
     async def _erase(self, slot: int) -> int:
         """Erase a slot's cache; the tokens it held. Serialised per slot."""
-        lock = self._slot_locks.setdefault(slot, asyncio.Lock())
-        async with lock:
-            try:
-                async with self.session.post(
-                    f"{self.settings.upstream}/slots/{slot}?action=erase"
-                ) as resp:
-                    payload = await resp.json(content_type=None)
-                    if resp.status != 200:
-                        raise UpstreamDown(f"erase answered {resp.status}: {payload}")
-            except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-                raise UpstreamDown(str(err)) from err
-            self.slot_owner.pop(slot, None)
-            self.slot_tokens.pop(slot, None)
-            return int(payload.get("n_erased", 0)) if isinstance(payload, dict) else 0
+        async with self._slot_locks.setdefault(slot, asyncio.Lock()):
+            return await self._erase_held(slot)
+
+    async def _erase_held(self, slot: int) -> int:
+        """`_erase`, the slot's lock already held."""
+        try:
+            async with self.session.post(
+                f"{self.settings.upstream}/slots/{slot}?action=erase"
+            ) as resp:
+                payload = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise UpstreamDown(f"erase answered {resp.status}: {payload}")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            raise UpstreamDown(str(err)) from err
+        self.slot_owner.pop(slot, None)
+        self.slot_tokens.pop(slot, None)
+        return int(payload.get("n_erased", 0)) if isinstance(payload, dict) else 0
+
+    async def park_now(self, request: web.Request) -> web.Response:
+        """`POST /v1/park`: she goes idle; her context is saved to the park store and her
+        slot erased, and her next request restores it (docs/gateway.md, "Parked contexts")."""
+        mind, refused = await self._who(request)
+        if refused is not None:
+            return self._answer(refused)
+        adm = self._admit_turn(mind, None)
+        if adm.answer is not Answer.ADMIT:
+            return self._answer(adm)
+        assert adm.slot is not None
+        if self.park is None:
+            message = "this engine parks nothing (its Engine has no spec.park): keep your slot"
+            return self._refuse(Refusal.BAD_REQUEST, 400, {"message": message})
+        if self.flights.get(mind):
+            message = "requests of yours are in flight: park once they are answered"
+            return self._refuse(Refusal.BAD_REQUEST, 409, {"message": message})
+        deadline = self.clock() + self.settings.grace_seconds
+        # Held through the save and the erase: a request of hers waits, then restores.
+        async with self._slot_locks.setdefault(adm.slot, asyncio.Lock()):
+            if self.slot_owner.get(adm.slot) != mind:
+                return web.json_response({"parked": False, "reason": NotParked.EMPTY.value})
+            parked = await self._save(mind, adm.slot, deadline)
+            if isinstance(parked, NotParked):
+                return web.json_response({"parked": False, "reason": parked.value})
+            with contextlib.suppress(UpstreamDown):  # still hers: restored on another slot only
+                await self._erase_held(adm.slot)
+        return web.json_response({"parked": True, "tokens": parked.tokens, "slot": adm.slot})
 
     async def _ensure_clean(self, slot: int, mind: str) -> Resumed | None:
         """Erase a slot that may still hold another mind's context, then mark it hers; where
