@@ -361,5 +361,5 @@ def test_continuum_engine_takes_the_park_store_from_its_command_line(tmp_path: P
     args = p.parse_args(["--model", str(model), "--park-dir", "/park", "--park-budget", "4096"])
     launch = runtime._launch_settings(args, {}, {})
     assert (launch.park_dir, launch.park_budget_bytes) == (Path("/park"), 4096)
-    argv = launch.argv(8081, launch.park_dir)
+    argv = launch.argv(8081, Path("/park"))
     assert argv[argv.index("--slot-save-path") + 1] == "/park"  # llama-server saves there
