@@ -128,8 +128,10 @@ def run_engine(
     tmp_path: Path,
     initial: GrantTable,
     body: Callable[[Engine], Awaitable[None]],
+    **launch_options: Any,
 ) -> dict[str, Any]:
-    """Run the runtime and gateway around `body`; the last status.runtime published."""
+    """Run the runtime and gateway around `body`; the last status.runtime published.
+    `launch_options`: more of LaunchSettings (a park store, say)."""
     launch = LaunchSettings(
         llama_server=str(llama_server_bin),
         model=model.path,
@@ -137,6 +139,7 @@ def run_engine(
         model_sha256=file_sha256(model.path),
         port=0,
         restart_backoff=(0.2,),
+        **launch_options,
     )
     published: list[dict[str, Any]] = []
     log = (tmp_path / "llama-server.log").open("w")

@@ -7,7 +7,7 @@ a mixed prompt in one call), `/apply-template` (a chatml-like template),
 or streamed as server-sent events), the OpenAI endpoints `/v1/chat/completions`,
 `/v1/completions` (plain or streamed, ending with `data: [DONE]`), `/v1/messages` (as
 llama-server runs it: on the first idle slot, whatever `id_slot` says), `/v1/embeddings` and
-`/v1/models`, `GET /slots`, `POST /slots/{id}?action=erase`, `GET /props` (with the
+`/v1/models`, `GET /slots`, `POST /slots/{id}?action=erase|save|restore`, `GET /props` (with the
 engine's own path), `/detokenize` and `/metrics`. `tokenize_seconds` and
 `headers_seconds` (a stream's headers sent only after the prompt is read, as llama-server
 does) make those waits long enough for a reclaim to land in them. Each slot
@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -42,6 +43,12 @@ class FakeLlama:
     headers_seconds: float = 0.0
     tokenize_calls: int = 0
     template_calls: int = 0
+    #: `--slot-save-path` (None: save and restore refused, as llama-server does without it).
+    save_path: str | None = None
+    token_bytes: int = 100
+    save_seconds: float = 0.0
+    saved: list[tuple[int, str]] = field(default_factory=list)
+    restored: list[tuple[int, str]] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -249,12 +256,43 @@ class FakeLlama:
 
     async def slot_action(self, request: web.Request) -> web.Response:
         slot = int(request.match_info["id"])
-        assert request.query.get("action") == "erase"
-        while slot in self.busy:  # llama-server defers an erase until the slot is idle
+        action = request.query.get("action")
+        while slot in self.busy:  # llama-server defers a slot action until the slot is idle
             await asyncio.sleep(0.005)
+        if action in ("save", "restore"):
+            return await self._save_or_restore(slot, action, await request.json())
+        assert action == "erase"
         n = self.n_past.pop(slot, 0)
         self.erased.append(slot)
         return web.json_response({"id_slot": slot, "n_erased": n})
+
+    async def _save_or_restore(self, slot: int, action: str, body: dict[str, Any]) -> web.Response:
+        """llama-server's slot save and restore: a file of `token_bytes` per token under
+        `save_path` (`--slot-save-path`), written or read in `save_seconds`."""
+        if self.save_path is None:
+            error = {"code": 501, "message": "start it with `--slot-save-path`"}
+            return web.json_response({"error": error}, status=501)
+        path = Path(self.save_path) / body["filename"]
+        await asyncio.sleep(self.save_seconds)
+        if action == "save":
+            n = self.n_past.get(slot, 0)
+            path.write_bytes(f"{n}\n".encode().ljust(max(8, n * self.token_bytes), b"."))
+            self.saved.append((slot, body["filename"]))
+            ms = {"save_ms": self.save_seconds * 1000}
+            return web.json_response(
+                {"id_slot": slot, "filename": body["filename"], "n_saved": n,
+                 "n_written": path.stat().st_size, "timings": ms}
+            )  # fmt: skip
+        if not path.is_file():
+            error = {"code": 400, "message": "Unable to restore slot: no such file"}
+            return web.json_response({"error": error}, status=400)
+        data = path.read_bytes()
+        self.n_past[slot] = int(data.split(b"\n", 1)[0])
+        self.restored.append((slot, body["filename"]))
+        return web.json_response(
+            {"id_slot": slot, "filename": body["filename"], "n_restored": self.n_past[slot],
+             "n_read": len(data), "timings": {"restore_ms": 0.1}}
+        )  # fmt: skip
 
     def _prompt_tokens(self, prompt: Any) -> int:
         if isinstance(prompt, list):

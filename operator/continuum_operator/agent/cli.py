@@ -52,6 +52,7 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             cgroup_root=args.cgroup_root,
             scan_environ=not args.in_cluster if args.scan_environ is None else args.scan_environ,
             configured_cap_bytes=args.per_process_cap_bytes,
+            disk_path=args.disk_path,
         ),
     )
 
@@ -176,6 +177,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cgroup); default: the agent's own, up to the root",
     )
     p.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"))
+    p.add_argument(
+        "--disk-path",
+        type=Path,
+        default=None,
+        help="a directory on the filesystem of the node's emptyDirs (a DaemonSet: the host's "
+        "kubelet root, mounted): its disk is the board's disk pool, where Engines park "
+        "contexts on disk (spec.park.tier disk); default: no disk pool",
+    )
     p.add_argument(
         "--scan-environ",
         dest="scan_environ",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.agent import attribution, host, metal, nvml
+from continuum_operator.agent import attribution, disk, host, metal, nvml
 from continuum_operator.core.readings import NodeReadings
 
 __all__ = ["ProbeSettings", "capture", "gpu_pids", "readings"]
@@ -33,6 +33,9 @@ class ProbeSettings:
     """Match bare-machine consumers by their CONTINUUM_CONSUMER environment (one read a process)."""
     configured_cap_bytes: int | None = None
     """An operator-configured per-process GPU cap (bytes) for platforms that report none."""
+    disk_path: Path | None = None
+    """A directory on the filesystem of the node's emptyDirs: its disk is the board's `disk`
+    pool (park stores on disk); None: no disk pool."""
 
 
 def gpu_pids(raw_nvml: Mapping[str, Any]) -> list[int]:
@@ -80,6 +83,8 @@ def capture(
         node_annotations=node_annotations,
     )
     timings["attribution"] = time.perf_counter() - start
+    if settings.disk_path is not None:
+        doc["disk"] = disk.read_raw(settings.disk_path)
     return doc, timings
 
 
@@ -96,4 +101,5 @@ def readings(doc: Mapping[str, Any], configured_cap_bytes: int | None = None) ->
         consumer_host_bytes=host_bytes,
         mechanisms=attribution.mechanisms(raw_attribution),
         configured_cap_bytes=configured_cap_bytes,
+        disk=disk.parse(doc.get("disk")),
     )

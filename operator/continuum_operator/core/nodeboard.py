@@ -109,6 +109,14 @@ def _board(
     gpus: list[GpuInfo],
     cap: int | None,
 ) -> NodeBoardStatus:
+    disk = readings.disk
+    if disk is not None:  # not memory: a pool beside the mode's, for park stores on disk
+        pools = [
+            *pools,
+            PoolReading(
+                kind=PoolKind.DISK, capacity_bytes=disk.capacity_bytes, used_bytes=disk.used_bytes
+            ),
+        ]
     return NodeBoardStatus(
         memory_mode=mode,
         memory_mode_reason="; ".join(r for r in reasons if r),

@@ -52,7 +52,7 @@ from continuum_operator.core.receipts import (
     is_host_buffer,
 )
 from continuum_operator.model.board import MemoryMode
-from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts
+from continuum_operator.model.engine import EngineSpec, KvCacheType, ModelFacts, ParkTier
 
 __all__ = [
     "Budget",
@@ -81,11 +81,13 @@ class PartBytes:
     kv: int = 0
     compute: int = 0
     reserve: int = 0
+    #: The park store's budget where it lives in this side's pool (spec.park, tier host).
+    park: int = 0
 
     @property
     def in_use(self) -> int:
         """What the engine allocates: checked against budgets, which are net of reserve."""
-        return self.weights + self.kv + self.compute
+        return self.weights + self.kv + self.compute + self.park
 
     @property
     def total(self) -> int:
@@ -131,6 +133,7 @@ class ServingPlan:
                 "kv": p.kv,
                 "compute": p.compute,
                 "reserve": p.reserve,
+                "park": p.park,
                 "total": p.total,
             }
 
@@ -164,6 +167,12 @@ class ServingPlan:
                 else self.receipt.model_dump(mode="json", by_alias=True)
             ),
         }
+
+
+def host_park_bytes(engine: EngineSpec) -> int:
+    """The park store's bytes the engine puts in host memory (spec.park of tier host)."""
+    park = engine.park
+    return park.bytes if park is not None and park.tier is ParkTier.HOST else 0
 
 
 def _mib(n: int | None) -> str:
@@ -248,6 +257,9 @@ class _Sizer:
     # Receipts of this engine's placements beyond the bound of the estimate (`core.receipt_bounds`):
     # not in `receipts`, and why, for the plan's reasons.
     refused: tuple[Reason, ...] = ()
+    # The park store's bytes in host memory (spec.park of tier host; on a unified node the
+    # one pool): a fixed part of the host side, whatever the level and the minds.
+    park_host: int = 0
 
     @classmethod
     def of(
@@ -309,6 +321,7 @@ class _Sizer:
             kv_type=engine.kv_cache_type,
             receipts=ReceiptBook((), llama_build),
             model_sha256=engine.model.sha256,
+            park_host=host_park_bytes(engine),
         )
 
     @property
@@ -362,7 +375,8 @@ class _Sizer:
         dev_r, host_r = self.rules.reserves(self.reserve, self.gpus, uses_device)
         receipt = self.receipt(j, minds)
         if receipt is not None:
-            return _measured(receipt, dev_r, host_r)
+            device, host = _measured(receipt, dev_r, host_r)
+            return device, replace(host, park=self.park_host)
         graph, host_input, output = self.compute_terms(minds)
         dev_w = s.tail_weights[on_device] + (s.output_bytes if output_on_device else 0)
         host_w = s.input_bytes + s.total_weights - s.tail_weights[on_device]
@@ -377,7 +391,9 @@ class _Sizer:
         host_graph = graph if on_device < s.layers else host_input
         host_c = host_graph + output
         device = PartBytes(weights=dev_w, kv=dev_kv, compute=dev_c, reserve=dev_r)
-        host = PartBytes(weights=host_w, kv=host_kv, compute=host_c, reserve=host_r)
+        host = PartBytes(
+            weights=host_w, kv=host_kv, compute=host_c, reserve=host_r, park=self.park_host
+        )
         return device, host
 
 
@@ -526,6 +542,7 @@ class SizeTable:
             + graph * (self._sizer.gpus + 1)
             + host_input
             + self._sizer.compute_terms(top)[2]
+            + self._sizer.park_host
         )
         measured = max((d + h for d, h in self._measured.values()), default=0)
         return max(worst, measured, self._asked) <= self.LIMIT
@@ -594,7 +611,7 @@ class SizeTable:
         output_per_mind = self._sizer.compute_terms(1)[2]
         host_c = np.where(on_device < s.layers, graph, host_input) + output_per_mind * m
         device = dev_w + kv_dev * m + dev_c
-        host = host_w + kv_host * m + host_c
+        host = host_w + kv_host * m + host_c + self._sizer.park_host
         for (rj, rm), (rd, rh) in self._measured.items():
             hit = (j == rj) & (m == rm)
             device = np.where(hit, rd, device)
@@ -719,10 +736,14 @@ def plan(
         declared_device=engine.placement.device_budget_bytes,
         on_gpus=on_gpus,
     )
-    budgeted = rules.budget(board, host, ask, _Available(board, ledger, crediting, reasons))
+    available = _Available(board, ledger, crediting, reasons)
+    budgeted = rules.budget(board, host, ask, available)
     if isinstance(budgeted, Reason):
         return _unschedulable(board, engine, facts, rules, reasons, budgeted)
     reasons.extend(budgeted.notes)
+    no_disk = _disk_refusal(board, engine, available)
+    if no_disk is not None:
+        return _unschedulable(board, engine, facts, rules, reasons, no_disk, budgeted)
     sizer = (
         _Sizer.of(facts, engine, rules, ReceiptBook(tuple(receipts), llama_build))
         if sizes is None
@@ -806,6 +827,9 @@ def _does_not_fit(board: Board, engine: EngineSpec, sizer: _Sizer, fit: _Fit, le
         "Lower spec.minds.min, spec.contextTokensPerMind or spec.offload, or use a "
         "quantised spec.kvCacheType"
     )
+    if host.park:
+        need += f" (its park store {_mib(host.park)} included)"
+        fix += ", or spec.park.bytes (or park on disk: spec.park.tier disk)"
     if any(b is not None and b < 0 <= b + reserve for b in (budget.device, budget.host)):
         # The reserve alone leaves the pool nothing: no other field can make it fit.
         fix = "Lower spec.reserveBytes: it leaves the pool nothing to plan in"
@@ -885,7 +909,7 @@ def _planned(
         budget=budgeted.budget,
         device=device,
         host=host,
-        charges=_charges(board, rules, budgeted.gpus, device, host),
+        charges=_charges(board, rules, budgeted.gpus, device, host) + _disk_charge(engine),
         engine_args=_engine_args(level, tokens, minds, engine.kv_cache_type, sizer.gpus),
         reasons=tuple(reasons),
         receipt=sizer.receipt(level, minds),
@@ -1040,6 +1064,39 @@ def _charges(
         share = -(-device.total // len(device_pools))
         charges[pool] = charges.get(pool, 0) + share
     return tuple(charges.items())
+
+
+def disk_park_bytes(engine: EngineSpec) -> int:
+    """The park store's bytes the engine puts on the node's disk (spec.park of tier disk)."""
+    park = engine.park
+    return park.bytes if park is not None and park.tier is ParkTier.DISK else 0
+
+
+def _disk_charge(engine: EngineSpec) -> tuple[tuple[str, int], ...]:
+    n = disk_park_bytes(engine)
+    return (("disk", n),) if n else ()
+
+
+def _disk_refusal(board: Board, engine: EngineSpec, available: _Available) -> Reason | None:
+    """Why a park store on disk does not fit the node: no disk pool, or not the room."""
+    n = disk_park_bytes(engine)
+    if not n:
+        return None
+    if "disk" not in board.pools:
+        return Reason(
+            ReasonCode.NO_DISK_POOL,
+            f"spec.park asks {_mib(n)} on disk and node {board.node}'s board reports no disk "
+            "pool (its agent probes the disk only with --disk-path): park in host memory "
+            "(spec.park.tier host), or give the node's agent --disk-path",
+        )
+    left = available("disk")
+    if n > left:
+        return Reason(
+            ReasonCode.INSUFFICIENT_DISK,
+            f"spec.park asks {_mib(n)} on disk and node {board.node}'s disk has {_mib(left)} "
+            "left beside other leases: lower spec.park.bytes",
+        )
+    return None
 
 
 def _engine_args(

@@ -37,6 +37,8 @@ class ReasonCode(StrEnum):
     RECEIPT_REFUSED = "ReceiptRefused"
     EXPERT_OFFLOAD_NOT_PLANNED = "ExpertOffloadNotPlanned"
     SLIDING_WINDOW_KV = "SlidingWindowKv"
+    NO_DISK_POOL = "NoDiskPool"
+    INSUFFICIENT_DISK = "InsufficientDisk"
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ __all__ = [
     "CgroupLimit",
     "ConsumerKindName",
     "ConsumerRef",
+    "DiskReading",
     "GpuMemoryStatus",
     "GpuProcess",
     "GpuReading",
@@ -131,6 +132,15 @@ class MechanismReading:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskReading:
+    """The filesystem that holds the node's emptyDir volumes (engines' park stores on disk)."""
+
+    path: str
+    capacity_bytes: int
+    used_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class NodeReadings:
     """Everything one probe cycle measured on a node."""
 
@@ -143,3 +153,5 @@ class NodeReadings:
     consumer_host_bytes: Mapping[ConsumerRef, int] = field(default_factory=dict)
     mechanisms: tuple[MechanismReading, ...] = ()
     configured_cap_bytes: int | None = None  # an operator-configured per-process cap
+    # The node's disk where park stores live (agent/disk.py); None: not probed.
+    disk: DiskReading | None = None

@@ -45,6 +45,8 @@ _PHRASES: Mapping[str, str] = {
     ReasonCode.OFFLOAD_DOES_NOT_FIT: "with too little device memory for spec.offload",
     ReasonCode.NOT_ENOUGH_GPUS: "with too few GPUs for spec.placement.gpus",
     ReasonCode.NO_HOST_POOL: "with no host pool on its board",
+    ReasonCode.NO_DISK_POOL: "with no disk pool on its board for spec.park",
+    ReasonCode.INSUFFICIENT_DISK: "with too little disk for spec.park",
 }
 
 

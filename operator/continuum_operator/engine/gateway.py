@@ -70,6 +70,8 @@ from continuum_operator.engine.dialects import (
 from continuum_operator.engine.llama_routes import LlamaRoutes
 from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from continuum_operator.engine.openai_api import prompt_bound
+from continuum_operator.engine.park import NotParked, Parked
+from continuum_operator.engine.parking import ParkStore, Resumed
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.engine.upstream import BadUpstreamRequest, UpstreamDown
 from continuum_operator.model.mind import GrantState
@@ -136,6 +138,9 @@ class SlotRelease:
     grant_since: str | None
     at: float
     erased_tokens: int
+    #: Her context parked before the erase (its tokens), or why it was not.
+    parked_tokens: int = 0
+    not_parked: str | None = None
 
     def to_status(self) -> dict[str, Any]:
         return {
@@ -145,6 +150,8 @@ class SlotRelease:
             "grantSince": self.grant_since,
             "at": rfc3339.format_milli(self.at),
             "erasedTokens": self.erased_tokens,
+            "parkedTokens": self.parked_tokens,
+            "notParked": self.not_parked,
         }
 
 
@@ -180,8 +187,14 @@ class Gateway:
         *,
         metrics: EngineMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        park: ParkStore | None = None,
     ) -> None:
         self.settings = settings
+        # The engine's park store (docs/gateway.md, "A turn cut off"); None: erased, not parked.
+        self.park = park
+        # The most tokens each slot may hold: her grant while a request runs, what the last
+        # finished reply left after it (a park's size is reckoned from it).
+        self.slot_tokens: dict[int, int] = {}
         self.metrics = metrics or EngineMetrics()
         self.clock = clock
         self.table: GrantTable | None = None
@@ -232,6 +245,7 @@ class Gateway:
         app = web.Application()
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)
+        app.router.add_post("/v1/park", self.park_now)
         for path, dialect in DOORS.items():
             app.router.add_post(path, self.door(dialect))
         app.router.add_get("/v1/models", self.models)
@@ -271,6 +285,8 @@ class Gateway:
             self._changed()
             return
         self._reconcile()
+        if self.park is not None:
+            self.park.forget(table)  # her Mind deleted or her grant refused: her park goes
         kept = still_reported(table, self.released)
         if kept != set(self.released):
             self.released = {k: v for k, v in self.released.items() if k in kept}
@@ -323,9 +339,12 @@ class Gateway:
             except TimeoutError:
                 log.warning("%s's requests outlived the reclaim's deadline", rel.mind)
                 return
+            parked: Parked | NotParked | None = None
             while True:
                 if not self._still_reclaiming(rel):
                     return  # the operator moved on (forced at the deadline): nothing to report
+                if parked is None:
+                    parked = await self._park(rel, deadline)
                 try:
                     erased = await self._erase(rel.slot)
                     break
@@ -340,13 +359,41 @@ class Gateway:
                         )
                         return
                     await asyncio.sleep(self.settings.erase_retry_seconds)
-            record = SlotRelease(rel.mind, rel.slot, rel.reason, rel.since, self.clock(), erased)
+            record = SlotRelease(
+                rel.mind,
+                rel.slot,
+                rel.reason,
+                rel.since,
+                self.clock(),
+                erased,
+                parked.tokens if isinstance(parked, Parked) else 0,
+                None if isinstance(parked, Parked) else parked,
+            )
             self.released[rel.key] = record
             self.metrics.slot_released(rel.reason)
             log.info("released slot %d of %s (%s)", rel.slot, rel.mind, rel.reason)
             self._changed()
         finally:
             self._releasing.pop(rel.key, None)
+
+    async def _park(self, rel: Release, deadline: float) -> Parked | NotParked:
+        """Save her slot to the park store, between the cut and the erase, if the save can
+        finish before the reclaim's deadline; else why not (the slot is erased as without)."""
+        if self.park is None:
+            return NotParked.NO_STORE
+        if self.slot_owner.get(rel.slot) != rel.mind:
+            return NotParked.EMPTY  # erased already, or another's: nothing of hers to save
+        async with self._slot_locks.setdefault(rel.slot, asyncio.Lock()):
+            return await self._save(rel.mind, rel.slot, deadline)
+
+    async def _save(self, mind: str, slot: int, deadline: float) -> Parked | NotParked:
+        """Her slot saved to the park store (the slot's lock held)."""
+        assert self.park is not None
+        try:
+            return await self.park.park(mind, slot, self.slot_tokens.get(slot, 0), deadline)
+        except UpstreamDown as err:
+            log.warning("slot %d of %s not parked: %s", slot, mind, err)
+            return NotParked.SAVE_FAILED
 
     def _still_reclaiming(self, rel: Release) -> bool:
         e = self.table.entry(rel.mind) if self.table is not None else None
@@ -407,26 +454,69 @@ class Gateway:
 
     async def _erase(self, slot: int) -> int:
         """Erase a slot's cache; the tokens it held. Serialised per slot."""
-        lock = self._slot_locks.setdefault(slot, asyncio.Lock())
-        async with lock:
-            try:
-                async with self.session.post(
-                    f"{self.settings.upstream}/slots/{slot}?action=erase"
-                ) as resp:
-                    payload = await resp.json(content_type=None)
-                    if resp.status != 200:
-                        raise UpstreamDown(f"erase answered {resp.status}: {payload}")
-            except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-                raise UpstreamDown(str(err)) from err
-            self.slot_owner.pop(slot, None)
-            return int(payload.get("n_erased", 0)) if isinstance(payload, dict) else 0
+        async with self._slot_locks.setdefault(slot, asyncio.Lock()):
+            return await self._erase_held(slot)
 
-    async def _ensure_clean(self, slot: int, mind: str) -> None:
-        """Erase a slot that may still hold another mind's context, then mark it hers."""
+    async def _erase_held(self, slot: int) -> int:
+        """`_erase`, the slot's lock already held."""
+        try:
+            async with self.session.post(
+                f"{self.settings.upstream}/slots/{slot}?action=erase"
+            ) as resp:
+                payload = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise UpstreamDown(f"erase answered {resp.status}: {payload}")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            raise UpstreamDown(str(err)) from err
+        self.slot_owner.pop(slot, None)
+        self.slot_tokens.pop(slot, None)
+        return int(payload.get("n_erased", 0)) if isinstance(payload, dict) else 0
+
+    async def park_now(self, request: web.Request) -> web.Response:
+        """`POST /v1/park`: she goes idle; her context is saved to the park store and her
+        slot erased, and her next request restores it (docs/gateway.md, "Parked contexts")."""
+        mind, refused = await self._who(request)
+        if refused is not None:
+            return self._answer(refused)
+        adm = self._admit_turn(mind, None)
+        if adm.answer is not Answer.ADMIT:
+            return self._answer(adm)
+        assert adm.slot is not None
+        if self.park is None:
+            message = "this engine parks nothing (its Engine has no spec.park): keep your slot"
+            return self._refuse(Refusal.BAD_REQUEST, 400, {"message": message})
+        if self.flights.get(mind):
+            message = "requests of yours are in flight: park once they are answered"
+            return self._refuse(Refusal.BAD_REQUEST, 409, {"message": message})
+        deadline = self.clock() + self.settings.grace_seconds
+        # Held through the save and the erase: a request of hers waits, then restores.
+        async with self._slot_locks.setdefault(adm.slot, asyncio.Lock()):
+            if self.slot_owner.get(adm.slot) != mind:
+                return web.json_response({"parked": False, "reason": NotParked.EMPTY.value})
+            parked = await self._save(mind, adm.slot, deadline)
+            if isinstance(parked, NotParked):
+                return web.json_response({"parked": False, "reason": parked.value})
+            with contextlib.suppress(UpstreamDown):  # still hers: restored on another slot only
+                await self._erase_held(adm.slot)
+        return web.json_response({"parked": True, "tokens": parked.tokens, "slot": adm.slot})
+
+    async def _ensure_clean(self, slot: int, mind: str) -> Resumed | None:
+        """Erase a slot that may still hold another mind's context, then mark it hers; where
+        it does not hold hers and she has a parked context, restore it into the slot first
+        (her first request of a new grant): what was restored."""
         owner = self.slot_owner.get(slot)
         if owner is not None and owner != mind:
             await self._erase(slot)
-        self.slot_owner[slot] = mind
+        if owner == mind or self.park is None or not self.park.waiting(mind):
+            self.slot_owner[slot] = mind
+            return None
+        lock = self._slot_locks.setdefault(slot, asyncio.Lock())
+        async with lock:
+            self.slot_owner[slot] = mind  # from here the slot may hold hers
+            resumed = await self.park.resume(mind, slot)
+        if resumed is not None:
+            self.slot_tokens[slot] = resumed.tokens
+        return resumed
 
     async def _count_tokens(self, flight: _Flight, content: Any) -> int:
         """The prompt's tokens as llama-server counts them: one `/tokenize` of the whole prompt
@@ -759,17 +849,20 @@ class Gateway:
         body = dialect.pin(fwd, flight.slot, cap.n_predict)
         lock = self._slot_locks.setdefault(flight.slot, asyncio.Lock())
         await self._until_cut(flight, _passed(lock))  # an erase of this slot finishes first
-        await self._until_cut(flight, self._ensure_clean(flight.slot, flight.mind))
+        resumed = await self._until_cut(flight, self._ensure_clean(flight.slot, flight.mind))
         if flight.cut.is_set():
             raise _CutNow
         self.metrics.forwarded(flight.slot, capped=cap.capped)
-        note = {
+        self.slot_tokens[flight.slot] = grant_tokens  # at most, until her reply says
+        note: dict[str, Any] = {
             "slot": flight.slot,
             "grantTokens": grant_tokens,
             "nPredict": cap.n_predict,
             "nPredictAsked": cap.asked,
             "capped": cap.capped,
         }
+        if resumed is not None:
+            note["resumed"] = {"restoredTokens": resumed.tokens}
 
         def annotate(final: dict[str, Any]) -> dict[str, Any]:
             return _annotate(note, cap, final)
@@ -791,6 +884,13 @@ class Gateway:
             return self._reply(dialect.over_grant(OverGrant(prompt, flight.grant)))
         return self._reply(dialect.upstream_error(status, payload))
 
+    def _served(self, flight: _Flight, final: dict[str, Any]) -> None:
+        """A reply finished: counted, and the tokens its slot now holds known."""
+        prompt, predicted = _usage(final)
+        self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
+        if prompt + predicted > 0:
+            self.slot_tokens[flight.slot] = prompt + predicted
+
     def _cut_answer(self, flight: _Flight, dialect: Dialect) -> web.Response:
         body = self._cut_body(flight)
         return self._answer(Admission(Answer.REFUSE, 409, body, Refusal.TURN_CUT), dialect)
@@ -808,8 +908,7 @@ class Gateway:
         if status != 200:
             return self._upstream_refused(dialect, flight, status, payload)
         if isinstance(payload, dict):
-            prompt, predicted = _usage(payload)
-            self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
+            self._served(flight, payload)
         return web.json_response(dialect.answer(payload, annotate))
 
     async def _stream(
@@ -845,8 +944,7 @@ class Gateway:
                 while line := await content.readuntil(b"\n", max_size=STREAM_LINE_BYTES):
                     said, final = shaper.feed(line)
                     if final is not None:
-                        prompt, predicted = _usage(final)
-                        self.metrics.slot_served(flight.slot, 0.0, prompt, predicted)
+                        self._served(flight, final)
                     if said:
                         await out.write(said)
                 if said := shaper.end():

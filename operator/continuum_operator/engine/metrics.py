@@ -22,6 +22,8 @@ __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 @dataclass
 class EngineMetrics(MetricSet):
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    #: The minds whose parked bytes are exported (a series removed when her park goes).
+    parked_minds: set[str] = field(default_factory=set)
 
     refusals = counter(
         "continuum_gateway_refusals",
@@ -60,6 +62,36 @@ class EngineMetrics(MetricSet):
         "Reclaimed slots erased and reported released, by grant reason.",
         ["reason"],
     )
+    parks = counter(
+        "continuum_gateway_parks",
+        "Reclaimed slots saved to the park store before their erase.",
+    )
+    park_skips = counter(
+        "continuum_gateway_park_skips",
+        "Reclaimed slots erased without a park, by why (NoTime, TooLarge, ...).",
+        ["reason"],
+    )
+    park_drops = counter(
+        "continuum_gateway_park_drops",
+        "Parked contexts deleted unrestored, by why (Evicted, MindGone, ShapeChanged, ...).",
+        ["reason"],
+    )
+    resumes = counter(
+        "continuum_gateway_resumes",
+        "Parked contexts restored into a mind's slot at her next grant.",
+    )
+    restored_tokens = counter(
+        "continuum_gateway_restored_tokens", "Tokens of parked contexts restored."
+    )
+    parked_bytes = gauge(
+        "continuum_gateway_parked_bytes", "Bytes in the park store, per mind.", ["mind"]
+    )
+    parked_contexts = gauge(
+        "continuum_gateway_parked_contexts", "Contexts in the park store of this engine."
+    )
+    parked_total_bytes = gauge(
+        "continuum_gateway_park_store_bytes", "Bytes in the park store of this engine."
+    )
     ready = gauge("continuum_engine_ready", "1 while llama-server answers /health.")
     restarts = counter("continuum_engine_restarts", "Times llama-server was started again.")
     layers_offloaded = gauge(
@@ -92,6 +124,29 @@ class EngineMetrics(MetricSet):
 
     def slot_released(self, reason: str) -> None:
         self.releases.labels(reason).inc()
+
+    def parked(self, tokens: int, n_bytes: int) -> None:
+        self.parks.inc()
+
+    def park_skipped(self, reason: str) -> None:
+        self.park_skips.labels(reason).inc()
+
+    def park_dropped(self, reason: str) -> None:
+        self.park_drops.labels(reason).inc()
+
+    def resumed(self, tokens: int) -> None:
+        self.resumes.inc()
+        self.restored_tokens.inc(max(0, tokens))
+
+    def parked_now(self, by_mind: dict[str, int]) -> None:
+        """The store as it is: each parked mind's bytes (a mind no longer parked removed)."""
+        for mind in self.parked_minds - set(by_mind):
+            self.parked_bytes.remove(mind)
+        for mind, n in by_mind.items():
+            self.parked_bytes.labels(mind).set(n)
+        self.parked_minds = set(by_mind)
+        self.parked_contexts.set(len(by_mind))
+        self.parked_total_bytes.set(sum(by_mind.values()))
 
     def engine_ready(self, ready: bool) -> None:
         self.ready.set(1 if ready else 0)

@@ -65,6 +65,7 @@ from continuum_operator.engine.grants_source import (
     watch_file,
     watch_ledger,
 )
+from continuum_operator.engine.parking import ParkSettings, ParkStore
 from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube.objects import LAUNCH_ENV
 
@@ -150,6 +151,11 @@ class LaunchSettings:
     launch: str | None = None
     """The pod's launch (`kube.objects.LAUNCH_ENV`), named in every report so the operator
     reads only the current pod's."""
+    park_dir: Path | None = None
+    """The park store's directory (llama-server's `--slot-save-path`): the Engine's park tier,
+    host memory or disk (docs/gateway.md, "A turn cut off"). None: a temporary directory."""
+    park_budget_bytes: int = 0
+    """The Engine's park budget; 0: reclaimed slots are erased, never parked."""
 
     def argv(self, port: int, slot_dir: Path) -> list[str]:
         return [
@@ -284,6 +290,7 @@ def runtime_status(
     message: str | None = None,
     model_file: dict[str, Any] | None = None,
     launch: str | None = None,
+    park: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Engine's `status.runtime` document (docs/gateway.md, "What the runtime reports").
 
@@ -313,6 +320,7 @@ def runtime_status(
         "message": message,
         "modelFile": model_file,
         "launch": launch,
+        "park": park,
     }
 
 
@@ -394,6 +402,7 @@ class EngineRuntime:
             message=self.message,
             model_file=self.model_file,
             launch=self.launch.launch,
+            park=self.gateway.park.to_status() if self.gateway.park is not None else None,
         )
 
     async def run(self) -> None:
@@ -538,6 +547,9 @@ class EngineRuntime:
         return code
 
     def _slot_dir(self) -> Path:
+        if self.launch.park_dir is not None:
+            self.launch.park_dir.mkdir(parents=True, exist_ok=True)
+            return self.launch.park_dir
         if self._slots_tmp is None:
             self._slots_tmp = tempfile.TemporaryDirectory(prefix="continuum-slots-")
         return Path(self._slots_tmp.name)
@@ -562,6 +574,7 @@ class EngineRuntime:
             await asyncio.sleep(0.1)
         await self._read_slots()
         self.receipt = self._make_receipt()
+        self._open_park_store()
         if self.receipt is not None:
             errors = {
                 e["pool"]: e["ratio"] for e in estimate_errors(self.launch.plan, self.receipt)
@@ -581,6 +594,23 @@ class EngineRuntime:
             self.slots = len(slots)
             self.slot_tokens = int(slots[0].get("n_ctx") or 0) or None
             self.gateway.slot_ctx = self.slot_tokens
+
+    def _open_park_store(self) -> None:
+        """The park store, once llama-server has loaded: keyed by the model's digest and the
+        slot's context (a park of another shape is dropped), its first size estimate the KV
+        cache's bytes per cell from the receipt."""
+        budget = self.launch.park_budget_bytes
+        if budget <= 0 or self.gateway.park is not None:
+            return
+        kv = sum(b.bytes for b in self.receipt.buffers if b.kind == "kv") if self.receipt else 0
+        per_token = kv / self.launch.context_tokens() if kv else 0.0
+        shape = f"{self.model_sha256 or self.launch.model.name}/{self.slot_tokens}"
+        settings = ParkSettings(self._slot_dir(), budget, shape, bytes_per_token=per_token)
+        store = ParkStore(
+            settings, self.gateway._post_json, self.gateway.metrics, changed=self._dirty.set
+        )
+        store.load()
+        self.gateway.park = store
 
     def _make_receipt(self) -> Receipt | None:
         sha = self.model_sha256  # the file's digest, checked (or as given, unchecked)
@@ -751,6 +781,8 @@ def _launch_settings(
         max_restarts=args.max_restarts,
         restart_window_seconds=args.restart_window,
         launch=os.environ.get(LAUNCH_ENV) or None,
+        park_dir=args.park_dir,
+        park_budget_bytes=max(0, args.park_budget),
     )
 
 
@@ -810,6 +842,12 @@ def cmd_engine(args: argparse.Namespace) -> int:
         return fail(f"--engine {args.engine}: expected NAMESPACE/NAME", EXIT_INVALID)
     if not args.model.is_file():
         return fail(f"--model {args.model}: no such file", EXIT_INVALID)
+    if args.park_budget < 0 or (args.park_budget > 0 and args.park_dir is None):
+        return fail(
+            f"--park-budget {args.park_budget}: a count of bytes, 0 or more, with --park-dir "
+            "naming the store's directory",
+            EXIT_INVALID,
+        )
     if not args.unsafe_trust_mind_header and args.engine is None and not args.token_audience:
         return fail(
             "--grants FILE: give --token-audience AUDIENCE (minds' tokens are reviewed "
@@ -896,7 +934,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="address of /metrics, /v1/releases, /v1/runtime (not served to minds)",
     )
     p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
+    _add_park_arguments(p)
     p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
+
+
+def _add_park_arguments(p: argparse.ArgumentParser) -> None:
+    """The park store's arguments (docs/gateway.md, "A turn cut off")."""
+    p.add_argument(
+        "--park-dir",
+        type=Path,
+        help="the park store (llama-server's --slot-save-path): reclaimed minds' contexts "
+        "are saved here and restored at their next grant",
+    )
+    p.add_argument(
+        "--park-budget",
+        type=int,
+        default=0,
+        help="bytes the park store may hold (the Engine's park budget); 0: never park",
+    )
 
 
 #: llama-server's counts (threads, restarts): 1 or more.

@@ -24,6 +24,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from continuum_operator.kube.park_volume import park_args, park_volume
 from continuum_operator.kube.settings import GpuClaims, GpuSharing, PodSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
@@ -100,8 +101,9 @@ def _ceil_mib(n: int) -> int:
 
 
 def _part_in_use(plan: Mapping[str, Any], side: str) -> int:
+    """A side's bytes in use; a host park store (a memory emptyDir) is in the pod's memory."""
     part = plan.get("bytes", {}).get(side, {})
-    return int(part.get("weights", 0)) + int(part.get("kv", 0)) + int(part.get("compute", 0))
+    return sum(int(part.get(k, 0)) for k in ("weights", "kv", "compute", "park"))
 
 
 def memory_limit_bytes(plan: Mapping[str, Any], pods: PodSettings) -> int:
@@ -229,6 +231,7 @@ def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[
         cmd += ["--model", model[1]]
         if engine.spec.model.sha256:
             cmd += ["--sha256", engine.spec.model.sha256]
+    cmd += park_args(engine)
     cmd += [
         "--threads",
         str(engine_cpus(plan, pods)),
@@ -336,6 +339,10 @@ def deployment(
     if model is not None:
         volumes.append(model.volume)
         container["volumeMounts"].append(model.mount)
+    park = park_volume(engine)
+    if park is not None:
+        volumes.append(park[0])
+        container["volumeMounts"].append(park[1])
     launch = launch_hash(engine, plan, pods)
     pod_spec = _engine_pod_spec(engine, plan, pods, container)
     pod_spec["volumes"] = volumes

@@ -32,11 +32,13 @@ class MemoryMode(StrEnum):
 
 
 class PoolKind(StrEnum):
-    """`unified` (the one pool of a unified board), `device` (one GPU's memory) or `host`."""
+    """`unified` (the one pool of a unified board), `device` (one GPU's memory), `host`, or
+    `disk` (the node's disk where engines' park stores live; not memory, beside any mode's)."""
 
     UNIFIED = "unified"
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
 
 
 class PoolReading(Spec):
@@ -247,7 +249,9 @@ class NodeBoardStatus(Spec):
         cls, pools: list[PoolReading], info: ValidationInfo
     ) -> list[PoolReading]:
         mode = info.data.get("memory_mode")
-        kinds = [p.kind for p in pools]
+        if [p.kind for p in pools].count(PoolKind.DISK) > 1:
+            raise ValueError("a board has at most one `disk` pool (the node's disk)")
+        kinds: list[PoolKind] = [p.kind for p in pools if p.kind is not PoolKind.DISK]
         if mode is MemoryMode.UNIFIED:
             if kinds != [PoolKind.UNIFIED]:
                 raise ValueError(

@@ -322,6 +322,29 @@ class Minds(Spec):
 OffloadWord = Literal["auto", "all", "none"]
 
 
+class ParkTier(StrEnum):
+    """Where an engine's park store lives (docs/gateway.md, "A turn cut off")."""
+
+    HOST = "host"  # host memory: on a unified node, the one pool the device also draws on
+    DISK = "disk"  # the node's disk, as its agent probes it
+
+
+class ParkBudget(Spec):
+    """The engine's park store: reclaimed minds' contexts saved by llama-server and restored
+    at their next grant, charged to its tier like any other lease; a full store evicts the
+    least recently parked context first."""
+
+    tier: ParkTier = Field(
+        default=ParkTier.HOST,
+        description="host (host memory; on a unified node the one pool) or disk (the node's "
+        "disk, as its agent probes it).",
+    )
+    bytes: Bytes = Field(
+        description="The store's size: the plan charges it to the tier, a park that does not "
+        "fit evicts the oldest, and a context larger than it is erased, not parked."
+    )
+
+
 # Kubernetes label syntax: the engine's pod and its facts Job carry these as a nodeSelector,
 # which the API server would refuse (a 422 on every pass) for anything else.
 LABEL_KEY = (
@@ -408,6 +431,11 @@ class EngineSpec(Spec):
     placement: Placement = Field(
         default_factory=Placement, description="Which nodes may run the engine, on how many GPUs."
     )
+    park: ParkBudget | None = Field(
+        default=None,
+        description="Where a reclaimed mind's context is parked until her next grant, and how "
+        "much the store holds; absent: a reclaim erases her context.",
+    )
     allowed_namespaces: list[
         Annotated[str, Field(max_length=63, pattern=r"^([*]|[a-z0-9]([-a-z0-9]*[a-z0-9])?)$")]
     ] = Field(
@@ -422,8 +450,8 @@ class EnginePoolBytes(Spec):
     """Bytes leased in one pool of the node."""
 
     pool: str = Field(
-        pattern=r"^(unified|host|device/[0-9]+)$",
-        description="unified, host, or device/N for GPU N.",
+        pattern=r"^(unified|host|disk|device/[0-9]+)$",
+        description="unified, host, disk (a park store on disk), or device/N for GPU N.",
     )
     bytes: Bytes = Field(description="Bytes leased there.")
 

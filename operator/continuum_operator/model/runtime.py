@@ -26,6 +26,8 @@ __all__ = [
     "LaneRequests",
     "LaneRuntimeStatus",
     "ModelFileRecord",
+    "ParkStoreStatus",
+    "ParkedMind",
     "RuntimeExit",
     "SlotReleaseStatus",
 ]
@@ -54,6 +56,33 @@ class SlotReleaseStatus(Spec):
     grant_since: str | None = nullable("The reclaim's `since` in the ledger (RFC 3339).")
     at: str = Field(max_length=64, description="When the slot was released (RFC 3339).")
     erased_tokens: int = Field(ge=0, description="Tokens of her context erased from the slot.")
+    parked_tokens: Tokens | None = nullable(
+        "Tokens of her context saved to the park store before the erase (0: not parked)."
+    )
+    not_parked: str | None = nullable(
+        "Why her context was erased without a park: NoStore, Empty, SizeUnknown, TooLarge, "
+        "NoTime (the save could not finish before the reclaim's deadline) or SaveFailed."
+    )
+
+
+class ParkedMind(Spec):
+    """One mind's context in the engine's park store."""
+
+    mind: str = Field(max_length=512, description="The mind it was saved from.")
+    tokens: Tokens = Field(description="Tokens of her context.")
+    bytes: Bytes = Field(description="Bytes of the store it takes.")
+
+
+class ParkStoreStatus(Spec):
+    """The engine's park store: reclaimed minds' contexts, restored at their next grant
+    (docs/gateway.md, "A turn cut off")."""
+
+    budget_bytes: Bytes = Field(description="The Engine's park budget.")
+    parked_bytes: Bytes = Field(description="Bytes parked now.")
+    parked_contexts: Count = Field(description="Contexts parked now.")
+    minds: Annotated[list[ParkedMind], Field(max_length=4096)] = Field(
+        description="Each parked context, oldest first (evicted first when the store is full)."
+    )
 
 
 class RuntimeExit(Spec):
@@ -111,6 +140,7 @@ class EngineRuntimeStatus(Spec):
     message: str | None = nullable("Why it does not serve (a model mismatch, a stop).")
     model_file: ModelFileRecord | None = nullable("The model file as checked.")
     launch: str | None = nullable("The pod's launch, as the operator named it.")
+    park: ParkStoreStatus | None = nullable("The park store (null: the Engine parks nothing).")
 
 
 class LaneRequests(Spec):
