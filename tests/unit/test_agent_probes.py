@@ -158,6 +158,18 @@ class TestAttributionProbe:
             "0::/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
             "kubelet-kubepods-besteffort-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/cri-1.scope",
             "0::/../../kubepods/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/abc",
+            # As containerd's CRI shows them to the agent in its own cgroup namespace on cgroup
+            # v2 (paths relative to the agent container's cgroup): a guaranteed pod, a pod of
+            # the agent's own QoS class, one of another class, under systemd and cgroupfs.
+            "0::/../../../kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/"
+            "cri-containerd-0a1b.scope",
+            "0::/../../kubepods-burstable-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/"
+            "cri-containerd-0a1b.scope",
+            "0::/../../../kubepods-besteffort.slice/"
+            "kubepods-besteffort-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/cri-containerd-1.scope",
+            "0::/../../../pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/0a1b",
+            "0::/../../../burstable/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/0a1b",
+            "0::/../../pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/0a1b",
         ],
     )
     def test_a_pods_uid_is_read_from_any_cgroup_layout(self, line: str) -> None:
@@ -175,6 +187,16 @@ class TestAttributionProbe:
             "kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/x.scope",
             "0::/system.slice/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/x",
             "0::/kubepods.slice/not-a-pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69-dir/x",
+            # The same, as the agent reads them from its cgroup namespace: the climb reaches
+            # the root and names the user's (or a service's) levels in full.
+            "0::/../../../../user.slice/user-1000.slice/user@1000.service/app.slice/"
+            "pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69",
+            "0::/../../../../user.slice/user-1000.slice/user@1000.service/kubepods.slice/"
+            "kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/x.scope",
+            "0::/../../../../system.slice/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/x",
+            "0::/../../../../system.slice/x.service/burstable/"
+            "pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/x",
+            "0::/../x.scope/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69",
         ],
     )
     def test_a_process_outside_the_kubelets_pod_cgroups_has_no_pod(self, line: str) -> None:
