@@ -270,17 +270,24 @@ def gpu_claim_template(
 ) -> Obj | None:
     """The ResourceClaimTemplate of the GPUs the plan charged (`device/N`), with DRA only.
 
-    The claim selects devices of `pods.dra_device_class` whose `index` attribute (NVIDIA's DRA
-    driver publishes the NVML index, the same index the node agent's board names) is one of
-    the plan's, as many as the plan has: the scheduler allocates exactly those or leaves the
-    pod pending, so the ledger's charge is the device the pod gets. The name carries the
-    indices: a template's spec cannot change, a plan on other GPUs is another template.
+    The claim selects devices of `pods.dra_device_class` whose `uuid` attribute is the UUID
+    the node's board reports for one of the plan's GPUs, as many as the plan has: the
+    scheduler allocates exactly those or leaves the pod pending, so the ledger's charge is the
+    device the pod gets. NVIDIA's DRA driver publishes `uuid` (NVML's, as the agent reads it)
+    in every release; the NVML `index` it published up to v25.3 is gone since (its
+    cmd/gpu-kubelet-plugin/deviceinfo.go: type, uuid, productName, brand, architecture,
+    cudaComputeCapability, driverVersion, cudaDriverVersion, pcieBusID, addressingMode), and a
+    selector naming an attribute a device lacks fails the allocation. A planned GPU whose UUID
+    the board lacks is selected by a value no device has: the pod stays pending rather than
+    run on a GPU no lease charges. The name carries the indices: a template's spec cannot
+    change, a plan on other GPUs is another template.
     """
     gpus = [int(g) for g in plan.get("gpus", [])]
     if pods.gpu_claims is not GpuClaims.DRA or not gpus:
         return None
     domain = pods.dra_driver
-    indices = ", ".join(str(g) for g in gpus)
+    uuid_of = dict(pods.node_gpu_uuids)
+    uuids = ", ".join(json.dumps(uuid_of.get(g, f"unknown: GPU {g} has no UUID")) for g in gpus)
     name = f"{engine.metadata.name[:40]}-gpu-{'-'.join(str(g) for g in gpus)}"[:253]
     return {
         "apiVersion": DRA_API_VERSION,
@@ -305,7 +312,7 @@ def gpu_claim_template(
                                     {
                                         "cel": {
                                             "expression": f'device.attributes["{domain}"]'
-                                            f".index in [{indices}]"
+                                            f".uuid in [{uuids}]"
                                         }
                                     }
                                 ],
