@@ -28,6 +28,7 @@ from typing import Any
 from continuum_operator.core.embed import LaneSizer
 from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.cache import whole_cpus
+from continuum_operator.kube.gpu_env import NO_GPU_ENV, runtime_class
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.embedlane import EmbedLane
@@ -297,6 +298,11 @@ def _container(
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "securityContext": objects.container_security_context(),
         "volumeMounts": [volume.mount, dict(objects.TMP_MOUNT)],
+        # A lane's weights and context are on the host (`core.embed.residence`) and its pod
+        # asks for no GPU; the engine image's CUDA base sets NVIDIA_VISIBLE_DEVICES=all, so
+        # where NVIDIA's runtime is the default it would see every GPU and llama.cpp would
+        # open a context on GPU 0 that no lease charges.
+        "env": [dict(e) for e in NO_GPU_ENV],
     }
 
 
@@ -326,4 +332,4 @@ def _pod_spec(
         "containers": [container],
         "volumes": [volume.volume, dict(objects.TMP_VOLUME)],
         "terminationGracePeriodSeconds": 30,
-    }
+    } | runtime_class(pods)

@@ -24,6 +24,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from continuum_operator.kube.gpu_env import NO_GPU_ENV, runtime_class
 from continuum_operator.kube.settings import GpuClaims, GpuSharing, PodSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
@@ -31,15 +32,6 @@ from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
 MiB = 2**20
 MODEL_MOUNT = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
-# An engine planned with nothing on a GPU sees none: where the node's default runtime is
-# NVIDIA's, a CUDA image (NVIDIA_VISIBLE_DEVICES=all) would get every GPU, and llama.cpp's CUDA
-# build then holds a context and a graph on GPU 0 that no lease charges (562 MiB on an H200
-# with no layers offloaded: tests/fixtures/h200). `void` is the toolkit's "as runc"; the empty
-# CUDA_VISIBLE_DEVICES hides any device mounted all the same.
-NO_GPU_ENV: tuple[dict[str, str], ...] = (
-    {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
-    {"name": "CUDA_VISIBLE_DEVICES", "value": ""},
-)
 HAMI_GPUMEM_RESOURCE = "nvidia.com/gpumem"
 MPS_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 LAUNCH_ANNOTATION = "continuum.dev/launch"
@@ -461,7 +453,7 @@ def _engine_pod_spec(
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [container],
         "terminationGracePeriodSeconds": 30,
-    }
+    } | runtime_class(pods)
 
 
 def service_account_name(engine: Engine) -> str:
