@@ -71,6 +71,41 @@ class TestNvmlProbe:
         assert gpu.memory is GpuMemoryStatus.MEASURED
         assert [p.pid for p in gpu.processes] == [8080]
 
+    def test_a_driver_older_than_nvidia_ml_py_is_a_gpu_read_by_v2_not_a_failed_cycle(
+        self,
+    ) -> None:
+        # nvidia-ml-py's unversioned process lists call `_v3` and raise NVMLLibraryMismatchError
+        # (not an NVMLError) where the driver's library lacks it: kept as that GPU's answer,
+        # `_v2` asked instead, and the rest of the GPU read.
+        raw = fixture("x86-h100-hmm")["nvml"]
+        dev = raw["devices"][0]
+        listed = dev["nvmlDeviceGetComputeRunningProcesses"]
+        dev["nvmlDeviceGetComputeRunningProcesses"] = {
+            "error": "NVMLLibraryMismatchError",
+            "code": None,
+            "detail": "Unversioned function called and the pyNVML version does not match",
+        }
+        dev["nvmlDeviceGetComputeRunningProcesses_v2"] = listed
+        assert nvml.read_raw(FakeNvml(raw)) == raw
+        (gpu,) = nvml.parse(raw).gpus
+        assert gpu.memory is GpuMemoryStatus.MEASURED
+        assert [p.pid for p in gpu.processes] == [4242, 5151]
+        assert probe.gpu_pids(raw) == [4242, 5151]
+
+    def test_mps_clients_are_listed_by_their_own_call(self) -> None:
+        raw = fixture("x86-h100-hmm")["nvml"]
+        dev = raw["devices"][0]
+        dev["nvmlDeviceGetMPSComputeRunningProcesses"] = [
+            {"pid": 7070, "usedGpuMemory": 3 * GiB, "gpuInstanceId": 4294967295,
+             "computeInstanceId": 4294967295}
+        ]  # fmt: skip
+        fake = FakeNvml(raw)
+        assert nvml.read_raw(fake) == raw
+        assert "nvmlDeviceGetMPSComputeRunningProcesses" in fake.calls
+        (gpu,) = nvml.parse(raw).gpus
+        assert 7070 in [p.pid for p in gpu.processes]
+        assert 7070 in probe.gpu_pids(raw)
+
     def test_a_process_listed_as_compute_and_graphics_is_counted_once(self) -> None:
         raw = fixture("x86-h100-hmm")["nvml"]
         dev = raw["devices"][0]

@@ -4,7 +4,9 @@ modes an engine cannot run under (kube/gpu_env.py)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,3 +98,34 @@ def test_an_engine_of_two_gpus_under_mps_is_refused_saying_why() -> None:
     assert "InvalidSpec" not in str(after(engine_obj(), one_gpu)["status"]["conditions"])
     plain = reconcile(body, snapshot([discrete("n1", 80)]), Memory(), NOW, SETTINGS)
     assert "InvalidSpec" not in str(after(body, plain)["status"]["conditions"])
+
+
+def test_the_agent_sees_the_device_plugins_mps_pipes_through_the_host_path_the_chart_mounts(
+    tmp_path: Path,
+) -> None:
+    from continuum_operator.agent import attribution, probe
+    from continuum_operator.cli import build_parser
+
+    helm = find_helm()
+    ds = one(documents(template(helm).stdout), "DaemonSet", "-agent")
+    pod = ds["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args = build_parser().parse_args(container["args"])
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "mps"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "mps"]
+    # The device plugin's layout on the host: <mps-root>/<resource>/pipe (nvidia.com/gpu).
+    assert volume["hostPath"]["path"] == "/run/nvidia/mps" and mount["readOnly"] is True
+    assert [str(r) for r in args.mps_roots] == [mount["mountPath"]]
+    host_root = tmp_path / "run-nvidia-mps"
+    pipe = host_root / "nvidia.com" / "gpu" / "pipe"
+    pipe.mkdir(parents=True)
+    os.mkfifo(pipe / "control")
+    raw = attribution.read_raw([], mps_roots=[host_root])
+    [mechanism] = attribution.mechanisms(raw)
+    assert str(mechanism.mechanism) == "mps" and str(pipe / "control") in mechanism.evidence
+    # The probe's settings carry the roots the flag names; "" in the chart mounts nothing.
+    settings = probe.ProbeSettings(mps_roots=tuple(args.mps_roots))
+    assert settings.mps_roots == (Path(mount["mountPath"]),)
+    ds = one(documents(template(helm, {"agent": {"mpsRoot": ""}}).stdout), "DaemonSet", "-agent")
+    assert "mps" not in str(ds["spec"]["template"]["spec"]["volumes"])
+    assert "--mps-root" not in str(ds["spec"]["template"]["spec"]["containers"][0]["args"])

@@ -30,6 +30,7 @@ __all__ = [
     "CONSUMER_ENV",
     "HAMI_ANNOTATION",
     "mechanisms",
+    "mps_pipe_dirs",
     "owners",
     "pod_uid",
     "read_raw",
@@ -80,6 +81,18 @@ def pod_uid(cgroup_text: str) -> str | None:
             qos_level = part in _CGROUPFS_QOS and parent_is_kubelets
             parent_is_kubelets = "kubepods" in part or qos_level
     return None
+
+
+def mps_pipe_dirs(roots: Sequence[Path]) -> list[Path]:
+    """The MPS pipe directories under `roots` whose daemon's `control` pipe exists: a root
+    that is one (a daemon started with CUDA_MPS_PIPE_DIRECTORY there), or NVIDIA's device
+    plugin's `<root>/<resource>/pipe` (k8s-device-plugin's internal/plugin/mps.go mounts the
+    host's `<mps-root>/<resource>/pipe` into each client; `nvidia.com/gpu` is two levels)."""
+    found: list[Path] = []
+    for root in roots:
+        for pattern in ("control", "*/pipe/control", "*/*/pipe/control"):
+            found += sorted(c.parent for c in root.glob(pattern) if c.parent not in found)
+    return found
 
 
 def _consumer(value: str | None) -> ConsumerRef | None:
@@ -138,6 +151,7 @@ def read_raw(
     cgroup_root: Path = Path("/sys/fs/cgroup"),
     proc_root: Path = Path("/proc"),
     node_annotations: Mapping[str, str] | None = None,
+    mps_roots: Sequence[Path] = MPS_PIPE_DIRS,
 ) -> dict[str, Any]:
     """Processes of interest, the placed pods' working sets, and the cap mechanisms' traces.
 
@@ -182,7 +196,7 @@ def read_raw(
         "pods": pods,
         "mechanisms": {
             "mps_daemons": sorted(mps_daemons),
-            "mps_pipe_dirs": [str(d) for d in MPS_PIPE_DIRS if (d / "control").exists()],
+            "mps_pipe_dirs": [str(d) for d in mps_pipe_dirs(mps_roots)],
             "hami_annotation": HAMI_ANNOTATION if HAMI_ANNOTATION in annotations else None,
             "hami_library": str(HAMI_LIBRARY) if HAMI_LIBRARY.exists() else None,
         },

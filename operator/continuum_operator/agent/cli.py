@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.agent import probe
+from continuum_operator.agent import attribution, probe
 from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
@@ -52,6 +52,7 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             cgroup_root=args.cgroup_root,
             scan_environ=not args.in_cluster if args.scan_environ is None else args.scan_environ,
             configured_cap_bytes=args.per_process_cap_bytes,
+            mps_roots=tuple(args.mps_roots or attribution.MPS_PIPE_DIRS),
         ),
     )
 
@@ -176,6 +177,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cgroup); default: the agent's own, up to the root",
     )
     p.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"))
+    p.add_argument(
+        "--mps-root",
+        dest="mps_roots",
+        type=Path,
+        action="append",
+        default=None,
+        help="where MPS control daemons keep their pipes (a daemon's own directory, or NVIDIA's "
+        "device plugin's <root>/<resource>/pipe); repeatable. Default: "
+        + ", ".join(str(d) for d in attribution.MPS_PIPE_DIRS),
+    )
     p.add_argument(
         "--scan-environ",
         dest="scan_environ",
