@@ -25,14 +25,13 @@ from tests.unit.test_reconcile import NOW, SETTINGS, after, discrete, engine_obj
 PLACEMENT = {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
 
 
-def lane_pod(pods: PodSettings) -> dict[str, Any]:
+def lane_pod(pods: PodSettings, placement: dict[str, Any] = PLACEMENT) -> dict[str, Any]:
     engine, _ = builders.engine_planned_on_a_gpu()
     lane = EmbedLane.model_validate(
         yaml.safe_load((ROOT / "examples" / "embedlanes" / "notes.yaml").read_text())
     )
-    spec: dict[str, Any] = lane_objects.lane_deployment(lane, "u", PLACEMENT, engine, pods)["spec"][
-        "template"
-    ]["spec"]
+    made = lane_objects.lane_deployment(lane, "u", placement, engine, pods)
+    spec: dict[str, Any] = made["spec"]["template"]["spec"]
     return spec
 
 
@@ -47,6 +46,10 @@ def test_a_lane_on_the_host_sees_no_gpu_whatever_its_image_says() -> None:
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
     seen = env(container)
     assert (seen["NVIDIA_VISIBLE_DEVICES"], seen["CUDA_VISIBLE_DEVICES"]) == ("void", "")
+    # A lane placed on its engine's GPU (residence device) sees that GPU, and only it.
+    beside = {**PLACEMENT, "residence": "device", "gpus": [1]}
+    [container] = lane_pod(PodSettings(), beside)["containers"]
+    assert env(container) == {"NVIDIA_VISIBLE_DEVICES": "1"}
 
 
 def test_engine_and_lane_pods_run_with_the_configured_runtime_class_and_none_by_default() -> None:

@@ -7,11 +7,12 @@ on GPUs gets them from the device plugin or its DRA claim, anything else sees no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from continuum_operator.kube.settings import GpuSharing, PodSettings
 
-__all__ = ["NO_GPU_ENV", "gpu_sharing_refusal", "runtime_class"]
+__all__ = ["NO_GPU_ENV", "gpu_sharing_refusal", "lane_gpu_env", "runtime_class"]
 
 # A pod planned with nothing on a GPU sees none: where the node's default runtime is NVIDIA's,
 # a CUDA image (NVIDIA_VISIBLE_DEVICES=all, as NVIDIA's CUDA base images set it) would get every
@@ -23,6 +24,17 @@ NO_GPU_ENV: tuple[dict[str, str], ...] = (
     {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
     {"name": "CUDA_VISIBLE_DEVICES", "value": ""},
 )
+
+
+def lane_gpu_env(gpus: Sequence[int]) -> list[dict[str, str]]:
+    """The GPU environment of a lane's pod: none on the host (`NO_GPU_ENV`), else the engine's
+    GPUs its placement names (residence device or split). A lane asks the device plugin for no
+    GPU (the engine holds it), so NVIDIA's runtime, reading NVIDIA_VISIBLE_DEVICES, is what
+    puts the engine's GPUs in its container (its default
+    accept-nvidia-visible-devices-envvar-when-unprivileged; docs/install.md)."""
+    if not gpus:
+        return [dict(e) for e in NO_GPU_ENV]
+    return [{"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(str(g) for g in gpus)}]
 
 
 def runtime_class(pods: PodSettings) -> dict[str, Any]:
