@@ -233,10 +233,10 @@ def cpu_only(out: Path, server: Path, model: Path) -> None:
     doc["ldd_ggml_cuda"] = run(["ldd", str(cuda_module)]).get("out") if cuda_module else None
     libcuda = _libcuda_paths()
     doc["libcuda_hidden"] = libcuda
-    hide = "; ".join(f"mount --bind /dev/null {p}" for p in libcuda)
+    hide = "".join(f"mount --bind /dev/null {p}; " for p in libcuda)
     port = 18000 + os.getpid() % 1000
     log = out / "cpu-only-server.log"
-    script = f"{hide}; exec {server} -m {model} --host 127.0.0.1 --port {port} -ngl 0 -c 512 -lv 4"
+    script = f"{hide}exec {server} -m {model} --host 127.0.0.1 --port {port} -ngl 0 -c 512 -lv 4"
     with log.open("w") as sink:
         proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script], stdout=sink, stderr=sink)
     healthy = False
