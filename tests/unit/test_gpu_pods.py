@@ -132,3 +132,13 @@ def test_the_agent_sees_the_device_plugins_mps_pipes_through_the_host_path_the_c
     ds = one(documents(template(helm, {"agent": {"mpsRoot": ""}}).stdout), "DaemonSet", "-agent")
     assert "mps" not in str(ds["spec"]["template"]["spec"]["volumes"])
     assert "--mps-root" not in str(ds["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_a_facts_job_reads_its_file_seeing_no_gpu() -> None:
+    from continuum_operator.kube import facts_job
+
+    engine, _ = builders.engine_planned_on_a_gpu()
+    job = facts_job.facts_job(engine, "u", PodSettings())
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    seen = env(container)
+    assert (seen["NVIDIA_VISIBLE_DEVICES"], seen["CUDA_VISIBLE_DEVICES"]) == ("void", "")
