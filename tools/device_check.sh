@@ -19,7 +19,11 @@
 #   h200-discrete.json the probe's capture (a tests/fixtures/probes fixture)
 #   compare.json       per run: plan estimate, receipt, NVML per-process bytes, ratios
 #   compare.txt        the same as a table
-#   logs.tar.gz        llama-server logs, the Engines and board planned, cmake logs, nvidia-smi
+#   logs.tar.gz        llama-server logs, the Engines and board planned, cmake logs, nvidia-smi,
+#                      and tools/device_gpu_paths.py's attribution.json, mps.json, cpu-only.json
+#                      (a pod's GPU process read from a sibling cgroup namespace as the agent's
+#                      user; an MPS client's limit below and above the daemon's default; the
+#                      image's llama-server build started with libcuda hidden)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -135,7 +139,7 @@ build_server() {
     -DCMAKE_BUILD_TYPE=Release \
     ${nvcc:+-DCMAKE_CUDA_COMPILER="$nvcc" -DCUDAToolkit_ROOT="$root"} \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_COMPRESSION_MODE=none \
-    -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF \
@@ -218,6 +222,16 @@ PROBE_ARGS=(--expect discrete --where "lent H200" --out "$OUT/h200-discrete.json
 timeout 60 "$PY" tools/device_probe.py "${PROBE_ARGS[@]}" >"$OUT/probe.txt" 2>&1
 say "probe: exit $? (0 discrete as expected, 3 another mode, 1 no NVIDIA); $(grep -m1 'memoryMode' "$OUT/probe.txt")"
 
+# g. the GPU paths the CPU cannot show (tools/device_gpu_paths.py), while the build runs:
+#    attribution from a sibling cgroup namespace as the agent's user, and MPS limits.
+GPU_PATHS="$WORK/logs/gpu-paths"
+mkdir -p "$GPU_PATHS"
+if [[ "$DRY" != 1 ]]; then
+  for check in attribution mps; do
+    timeout 90 "$PY" tools/device_gpu_paths.py "$check" --out "$GPU_PATHS" 2>&1 | tail -3 | sed "s/^/  $check| /"
+  done
+fi
+
 # d/e. models, plans, llama-server runs and the comparison: tools/device_check.py.
 DC_ARGS=(--work "$WORK" --out "$OUT" --server "$SERVER" --build-done "$BUILD_DONE" --deadline $(( T0 + BUDGET - 25 )))
 [[ "$DRY" == 1 ]] && DC_ARGS+=(--dry)
@@ -225,6 +239,13 @@ DC_ARGS=(--work "$WORK" --out "$OUT" --server "$SERVER" --build-done "$BUILD_DON
 say "runs: tools/device_check.py (left ${BUDGET}s budget: $(left)s)"
 timeout "$(( $(left) > 30 ? $(left) - 15 : 15 ))" "$PY" tools/device_check.py "${DC_ARGS[@]}"
 say "runs: exit $?"
+
+# h. the image's CPU-only path: this build (GGML_BACKEND_DL, shared, as images/engine builds
+#    it) started with every libcuda.so* hidden, as NVIDIA_VISIBLE_DEVICES=void leaves a pod.
+if [[ "$DRY" != 1 && -x "$SERVER" && -f "$WORK/models/tiny.gguf" ]]; then
+  timeout 90 "$PY" tools/device_gpu_paths.py cpu-only --out "$GPU_PATHS" --server "$SERVER" \
+    --model "$WORK/models/tiny.gguf" 2>&1 | tail -3 | sed 's/^/  cpu-only| /'
+fi
 
 # f. wrap up whatever state the build is in.
 if [[ "$DRY" != 1 ]]; then

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -342,6 +343,137 @@ def test_an_engine_from_a_file_on_the_node_runs_as_pods_and_reports_receipts(
         for p in install.pods(install.apps, ENGINE_PODS)
     }
     print(f"planned from the receipt: {plan.get('charges')} (launches seen {launches})")
+
+
+AGENT_PODS = "app.kubernetes.io/component=agent"
+AGENT_UID = 65533  # images/agent/Dockerfile's user
+#: What the agent's probe does with one document of NVML answers: run in the agent's container,
+#: as its user, with the settings its DaemonSet's arguments give; NVML is the fake one answering
+#: from the document (this node has no GPU), whose process list is the engine's PID.
+AGENT_READ = """
+import argparse, json, sys
+from continuum_operator.agent import cli, probe
+from continuum_operator.testing.fake_nvml import FakeNvml
+nvml, placed, agent_args = (json.loads(a) for a in sys.argv[1:4])
+parser = argparse.ArgumentParser()
+cli.add_arguments(parser)
+settings = cli._settings(parser.parse_args(agent_args)).probe
+doc, _ = probe.capture(settings, nv=FakeNvml(nvml), placed_pods=placed)
+owners = probe.readings(doc).gpu_owners
+print(json.dumps({
+    "cgroup": {pid: e["cgroup"] for pid, e in doc["attribution"]["processes"].items()},
+    "owners": {str(pid): [o.kind, o.namespace, o.name] for pid, o in owners.items()},
+}))
+"""
+
+
+def host_pids_of_pod(uid: str) -> list[int]:
+    """A pod's processes, read from this machine's /proc in its root cgroup namespace (absolute
+    paths, found by the pod UID the kubelet names its cgroups after): not the agent's way."""
+    marks = (f"pod{uid}", f"pod{uid.replace('-', '_')}")
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            text = (proc / "cgroup").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if any(m in text for m in marks):
+            pids.append(int(proc.name))
+    return sorted(pids)
+
+
+def gpu_process_document(pid: int) -> dict[str, Any]:
+    """A recorded H200's NVML answers, with `pid` the one compute process on its GPU."""
+    fixture = ROOT / "tests" / "fixtures" / "probes" / "h200-captured.json"
+    nvml: dict[str, Any] = json.loads(fixture.read_text())["nvml"]
+    nvml["devices"][0]["nvmlDeviceGetComputeRunningProcesses"] = [
+        {"pid": pid, "usedGpuMemory": 3 * 2**30, "gpuInstanceId": 0xFFFFFFFF,
+         "computeInstanceId": 0xFFFFFFFF}
+    ]  # fmt: skip
+    return nvml
+
+
+def join_cgroups_of(pid: int) -> str:
+    """Shell lines that move the shell into every cgroup `pid` is in (v1 hierarchies and the
+    unified one), so that a cgroup namespace it then makes is rooted where `pid`'s would be."""
+    lines = []
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        name = controllers.split(",")[0].removeprefix("name=")
+        if controllers == "":
+            base = Path("/sys/fs/cgroup/unified")
+            base = base if base.is_dir() else Path("/sys/fs/cgroup")
+        else:
+            base = Path("/sys/fs/cgroup") / name
+        procs = base / path.lstrip("/") / "cgroup.procs"
+        if procs.exists():
+            lines.append(f"echo $$ > {procs}")
+    return "; ".join(lines)
+
+
+def test_the_agent_attributes_a_gpu_process_of_the_engines_pod_from_its_cgroup_namespace(
+    install: Install,
+) -> None:
+    """The agent reads a GPU process of the engine's pod as the Engine's, twice: as the chart
+    deploys it (in its container, its user and arguments) as this node shows it (cgroup v1
+    controllers: containerd gives a container no cgroup namespace, paths are absolute); and, as
+    containerd's CRI gives every non-privileged container on cgroup v2, from a cgroup namespace
+    rooted at the agent container's own cgroups, as its user (the kernel then writes the
+    engine's path relative to the agent's: `/../../../pod<uid>/...`)."""
+    engine = next(
+        p for p in install.pods(install.apps, ENGINE_PODS) if p["status"].get("phase") == "Running"
+    )
+    agent = next(
+        p for p in install.pods(install.namespace, AGENT_PODS)
+        if p["spec"].get("nodeName") == install.node
+    )  # fmt: skip
+    engine_pids = host_pids_of_pod(engine["metadata"]["uid"])
+    llama = [
+        p for p in engine_pids if Path(f"/proc/{p}/comm").read_text().strip() == "llama-server"
+    ]
+    assert llama, (engine_pids, [Path(f"/proc/{p}/comm").read_text() for p in engine_pids])
+    agent_pid = next(
+        p for p in host_pids_of_pod(agent["metadata"]["uid"])
+        if f"\t{AGENT_UID}\t" in Path(f"/proc/{p}/status").read_text().split("Uid:")[1]
+        .splitlines()[0]
+    )  # fmt: skip
+    placed = [{"uid": engine["metadata"]["uid"], "kind": "Engine", "namespace": install.apps,
+               "name": "tiny"}]  # fmt: skip
+    read_args = [
+        json.dumps(gpu_process_document(llama[0])),
+        json.dumps(placed),
+        json.dumps(agent["spec"]["containers"][0]["args"][1:]),  # after `agent`
+    ]
+    python = "/opt/continuum/bin/python"
+    as_deployed = install.kubectl(
+        "exec", "-n", install.namespace, agent["metadata"]["name"], "--",
+        python, "-c", AGENT_READ, *read_args,
+    )  # fmt: skip
+    seen = json.loads(as_deployed.stdout)
+    assert seen["owners"] == {str(llama[0]): ["Engine", install.apps, "tiny"]}, seen
+
+    # From the agent container's own cgroups, in a cgroup namespace rooted there, as its user:
+    # the probe's code from this checkout (the container's files are the same package), the
+    # agent's arguments with the host's cgroup tree where the container mounts it.
+    script = (
+        f"{join_cgroups_of(agent_pid)}; exec unshare --cgroup setpriv --reuid {AGENT_UID} "
+        f'--regid {AGENT_UID} --clear-groups {sys.executable} -c "$0" "$@"'
+    )
+    host_args = [*json.loads(read_args[2]), "--cgroup-root=/sys/fs/cgroup"]
+    read_args[2] = json.dumps(host_args)
+    namespaced = subprocess.run(
+        ["sh", "-c", script, AGENT_READ, *read_args],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "operator")},
+    )  # fmt: skip
+    assert namespaced.returncode == 0, namespaced.stderr[-3000:]
+    seen = json.loads(namespaced.stdout)
+    memory_line = next(
+        line for line in seen["cgroup"][str(llama[0])].splitlines() if ":memory:" in line
+    )
+    assert memory_line.split(":", 2)[2].startswith("/../"), seen  # relative: a namespace
+    assert seen["owners"] == {str(llama[0]): ["Engine", install.apps, "tiny"]}, seen
+    print(f"the agent read the engine's llama-server (pid {llama[0]}) as {memory_line!r}")
 
 
 def mind_class(name: str, priority: int) -> dict[str, Any]:

@@ -1,8 +1,12 @@
 """The GPU charged is the GPU the pod gets (issue 21), with Dynamic Resource Allocation on the real
 API server and scheduler: two GPUs of a KWOK node published as ResourceSlices the way NVIDIA's DRA
-driver publishes them (driver `gpu.nvidia.com`, attributes `index`, `uuid`, `productName`,
-`type`), its DeviceClass, and `continuum operator --gpu-claims dra`. The plan charges the GPU
-with room (`device/1`); the engine's claim is allocated that device, not the other.
+driver publishes them (driver `gpu.nvidia.com`; each device the attributes of its
+cmd/gpu-kubelet-plugin/deviceinfo.go `GpuInfo.GetDevice` since v25.8: `type`, `uuid`,
+`productName`, `brand`, `architecture`, `cudaComputeCapability`, `driverVersion`,
+`cudaDriverVersion`, `pcieBusID`, its PCIe root; HEAD adds `addressingMode`; no `index`), its
+DeviceClass, and `continuum operator --gpu-claims dra`. The plan charges the GPU with room
+(`device/1`); the engine's claim is allocated that device (the UUID the node's board reports
+for it), not the other.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ pytestmark = pytest.mark.e2e
 
 GiB = 2**30
 DRIVER = "gpu.nvidia.com"
+#: The GPUs' UUIDs, as NVML gives them to the agent (its board) and to the driver (its slice).
+GPU_UUIDS = [f"GPU-{uuid.uuid4()}" for _ in range(2)]
 crds = base.crds
 tag = base.tag
 
@@ -79,7 +85,9 @@ def two_gpu_board(used_gib: tuple[float, float]) -> dict[str, Any]:
                 for i, used in enumerate(used_gib)
             ),
         ],
-        "gpus": [{"index": 0, "name": "e2e GPU"}, {"index": 1, "name": "e2e GPU"}],
+        "gpus": [
+            {"index": i, "name": "NVIDIA H100 80GB HBM3", "uuid": GPU_UUIDS[i]} for i in range(2)
+        ],
     }  # fmt: skip
 
 
@@ -104,12 +112,18 @@ def publish_gpus(cluster: Cluster, node: str) -> None:
     )
     devices = [
         {
-            "name": f"gpu-{i}",
+            "name": f"gpu-{i}",  # the GPU's minor number (/dev/nvidia<i>)
             "attributes": {
                 "type": {"string": "gpu"},
-                "index": {"int": i},
-                "uuid": {"string": f"GPU-{uuid.uuid4()}"},
+                "uuid": {"string": GPU_UUIDS[i]},
                 "productName": {"string": "NVIDIA H100 80GB HBM3"},
+                "brand": {"string": "Nvidia"},
+                "architecture": {"string": "Hopper"},
+                "cudaComputeCapability": {"version": "9.0.0"},
+                "driverVersion": {"version": "580.95.5"},
+                "cudaDriverVersion": {"version": "13.0.0"},
+                "pcieBusID": {"string": f"0000:{0x18 + i:02x}:00.0"},
+                "resource.kubernetes.io/pcieRoot": {"string": f"pci0000:{0x10 + i:02x}"},
             },
             "capacity": {"memory": {"value": "80Gi"}},
         }

@@ -71,6 +71,41 @@ class TestNvmlProbe:
         assert gpu.memory is GpuMemoryStatus.MEASURED
         assert [p.pid for p in gpu.processes] == [8080]
 
+    def test_a_driver_older_than_nvidia_ml_py_is_a_gpu_read_by_v2_not_a_failed_cycle(
+        self,
+    ) -> None:
+        # nvidia-ml-py's unversioned process lists call `_v3` and raise NVMLLibraryMismatchError
+        # (not an NVMLError) where the driver's library lacks it: kept as that GPU's answer,
+        # `_v2` asked instead, and the rest of the GPU read.
+        raw = fixture("x86-h100-hmm")["nvml"]
+        dev = raw["devices"][0]
+        listed = dev["nvmlDeviceGetComputeRunningProcesses"]
+        dev["nvmlDeviceGetComputeRunningProcesses"] = {
+            "error": "NVMLLibraryMismatchError",
+            "code": None,
+            "detail": "Unversioned function called and the pyNVML version does not match",
+        }
+        dev["nvmlDeviceGetComputeRunningProcesses_v2"] = listed
+        assert nvml.read_raw(FakeNvml(raw)) == raw
+        (gpu,) = nvml.parse(raw).gpus
+        assert gpu.memory is GpuMemoryStatus.MEASURED
+        assert [p.pid for p in gpu.processes] == [4242, 5151]
+        assert probe.gpu_pids(raw) == [4242, 5151]
+
+    def test_mps_clients_are_listed_by_their_own_call(self) -> None:
+        raw = fixture("x86-h100-hmm")["nvml"]
+        dev = raw["devices"][0]
+        dev["nvmlDeviceGetMPSComputeRunningProcesses"] = [
+            {"pid": 7070, "usedGpuMemory": 3 * GiB, "gpuInstanceId": 4294967295,
+             "computeInstanceId": 4294967295}
+        ]  # fmt: skip
+        fake = FakeNvml(raw)
+        assert nvml.read_raw(fake) == raw
+        assert "nvmlDeviceGetMPSComputeRunningProcesses" in fake.calls
+        (gpu,) = nvml.parse(raw).gpus
+        assert 7070 in [p.pid for p in gpu.processes]
+        assert 7070 in probe.gpu_pids(raw)
+
     def test_a_process_listed_as_compute_and_graphics_is_counted_once(self) -> None:
         raw = fixture("x86-h100-hmm")["nvml"]
         dev = raw["devices"][0]
@@ -158,6 +193,18 @@ class TestAttributionProbe:
             "0::/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
             "kubelet-kubepods-besteffort-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/cri-1.scope",
             "0::/../../kubepods/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/abc",
+            # As containerd's CRI shows them to the agent in its own cgroup namespace on cgroup
+            # v2 (paths relative to the agent container's cgroup): a guaranteed pod, a pod of
+            # the agent's own QoS class, one of another class, under systemd and cgroupfs.
+            "0::/../../../kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/"
+            "cri-containerd-0a1b.scope",
+            "0::/../../kubepods-burstable-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/"
+            "cri-containerd-0a1b.scope",
+            "0::/../../../kubepods-besteffort.slice/"
+            "kubepods-besteffort-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/cri-containerd-1.scope",
+            "0::/../../../pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/0a1b",
+            "0::/../../../burstable/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/0a1b",
+            "0::/../../pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/0a1b",
         ],
     )
     def test_a_pods_uid_is_read_from_any_cgroup_layout(self, line: str) -> None:
@@ -175,6 +222,16 @@ class TestAttributionProbe:
             "kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/x.scope",
             "0::/system.slice/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/x",
             "0::/kubepods.slice/not-a-pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69-dir/x",
+            # The same, as the agent reads them from its cgroup namespace: the climb reaches
+            # the root and names the user's (or a service's) levels in full.
+            "0::/../../../../user.slice/user-1000.slice/user@1000.service/app.slice/"
+            "pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69",
+            "0::/../../../../user.slice/user-1000.slice/user@1000.service/kubepods.slice/"
+            "kubepods-pod5f0c8a3e_2b1d_4c6e_9a7f_1e2d3c4b5a69.slice/x.scope",
+            "0::/../../../../system.slice/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/x",
+            "0::/../../../../system.slice/x.service/burstable/"
+            "pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69/x",
+            "0::/../x.scope/pod5f0c8a3e-2b1d-4c6e-9a7f-1e2d3c4b5a69",
         ],
     )
     def test_a_process_outside_the_kubelets_pod_cgroups_has_no_pod(self, line: str) -> None:

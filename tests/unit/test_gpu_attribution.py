@@ -317,6 +317,25 @@ def test_with_dra_claims_the_scheduler_allocated_the_gpu_and_attribution_moves_n
     assert "GpuMismatch" not in [e.reason for e in w.events]
 
 
+def test_with_dra_the_claim_selects_the_uuid_the_nodes_board_reports_for_the_planned_gpu() -> None:
+    # GPU 0 busy, GPU 1 free: the plan takes GPU 1, and its claim names GPU 1's UUID as the
+    # agent read it from NVML (what NVIDIA's DRA driver publishes as `uuid`), not GPU 0's.
+    doc = _no_engine_yet(fixture(FIXTURE))
+    devices = doc["nvml"]["devices"]
+    devices[1]["nvmlDeviceGetUUID"] = "GPU-a1000001-0000-4000-8000-000000000001"
+    devices[0]["nvmlDeviceGetMemoryInfo_v2"]["used"] = (
+        devices[0]["nvmlDeviceGetMemoryInfo_v2"]["total"] // 2
+    )
+    dra = replace(SETTINGS, pods=replace(SETTINGS.pods, gpu_claims=GpuClaims.DRA))
+    w = reconcile(engine_obj(), snapshot([_entry(board_of(doc), "rv")]), Memory(), NOW, dra)
+    assert after(engine_obj(), w)["status"]["plan"]["gpus"] == [1]
+    [claim] = [o for o in w.identity if o["kind"] == "ResourceClaimTemplate"]
+    [request] = claim["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["selectors"][0]["cel"]["expression"] == (
+        'device.attributes["gpu.nvidia.com"].uuid in ["GPU-a1000001-0000-4000-8000-000000000001"]'
+    )
+
+
 def test_two_engines_the_device_plugin_swapped_each_end_charged_where_they_run() -> None:
     doc = _no_engine_yet(fixture(FIXTURE))
     before = _entry(board_of(doc), "rv-before")

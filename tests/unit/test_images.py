@@ -147,10 +147,54 @@ def test_the_engine_builds_llama_server_from_the_source_the_tests_use() -> None:
     assert "--target llama-server" in runs
     assert "-DLLAMA_BUILD_SERVER=ON" in runs
     copies = df.final("COPY")
-    assert any(c.startswith("--from=llama") and "llama-server" in c for c in copies)
+    # llama-server with its libraries and backend modules, /out whole (below).
+    assert "--from=llama-built /out/ /opt/llama/" in copies
     # The operator runs `continuum engine ...` and `continuum facts ...` as the pod's command.
     env = " ".join(df.final("ENV"))
     assert "PATH=/opt/continuum/bin" in env
+
+
+def test_the_cuda_engine_image_can_run_an_engine_with_no_driver_library() -> None:
+    """An engine placed on the CPU runs with NVIDIA_VISIBLE_DEVICES=void: no libcuda.so.1 in its
+    container. The vendored ggml-cuda links it unless GGML_CUDA_NO_VMM, so llama-server loads
+    its backends as modules (GGML_BACKEND_DL, which needs BUILD_SHARED_LIBS; the CPU's variants
+    with GGML_CPU_ALL_VARIANTS, which needs GGML_BACKEND_DL), as llama.cpp's own
+    .devops/cuda.Dockerfile does; the lanes' binding does without VMM. Shown on a GPU by
+    tools/device_check.py, not here."""
+    df = parse(IMAGES / "engine" / "Dockerfile")
+    runs = [v for s in df.stages for k, v in s.instructions if k == "RUN"]
+    [server] = [r for r in runs if "--target llama-server" in r]
+    for flag in ("-DGGML_BACKEND_DL=ON", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF"):
+        assert flag in server, flag
+    assert '-DGGML_CPU_ALL_VARIANTS="${GGML_CPU_ALL_VARIANTS}"' in server
+    llama = next(s for s in df.stages if s.name == "llama")
+    defaults = dict(v.split("=", 1) for k, v in llama.instructions if k == "ARG" and "=" in v)
+    assert defaults["GGML_CPU_ALL_VARIANTS"] == "ON" and defaults["GGML_CUDA"] == "ON"
+    # The libraries and backend modules travel with llama-server, found by $ORIGIN.
+    assert "-DCMAKE_INSTALL_RPATH='$ORIGIN'" in server and "-name '*.so*'" in server
+    [wheel] = [r for r in runs if "pip wheel" in r]
+    assert "-DGGML_CUDA_NO_VMM=ON" in wheel
+    assert "/opt/llama/llama-server /usr/local/bin/llama-server" in " ".join(df.final("RUN"))
+
+
+def test_the_cuda_toolkit_has_every_architecture_the_image_asks_for() -> None:
+    """CUDA 12.9 for 121a (GB10) and 12.8 for 120a (Blackwell), as the vendored
+    ggml/src/ggml-cuda/CMakeLists.txt adds them; the build and the runtime bases agree."""
+    df = parse(IMAGES / "engine" / "Dockerfile")
+    llama = next(s for s in df.stages if s.name == "llama")
+    archs = (
+        dict(v.split("=", 1) for k, v in llama.instructions if k == "ARG" and "=" in v)[
+            "CUDA_ARCHITECTURES"
+        ]
+        .strip('"')
+        .split(";")
+    )
+    assert {"90-real", "120a-real", "121a-real"} <= set(archs)
+    versions = {
+        name: tuple(int(n) for n in re.search(r"cuda:(\d+)\.(\d+)", df.args[name]).groups())  # type: ignore[union-attr]
+        for name in ("BUILD_BASE", "BASE")
+    }
+    assert versions["BUILD_BASE"] == versions["BASE"] >= (12, 9), versions
 
 
 def test_the_chart_and_the_operator_name_the_same_engine_image() -> None:

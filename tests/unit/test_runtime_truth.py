@@ -587,20 +587,29 @@ def test_engine_cpu_settings_that_cannot_make_a_guaranteed_pod_are_refused_by_na
 # --- the GPU charged is the GPU the pod gets (DRA) ---------------------------------------------
 
 
-def test_with_dra_the_pod_claims_the_planned_gpus_by_index_instead_of_a_count() -> None:
+def test_with_dra_the_pod_claims_the_planned_gpus_by_uuid_instead_of_a_count() -> None:
     from continuum_operator.kube.settings import GpuClaims
 
     e = Engine.model_validate(engine_obj())
     plan_doc = {**_plan(33), "gpus": [1, 3]}
-    dra = PodSettings(gpu_claims=GpuClaims.DRA)
+    uuids = tuple((i, f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd") for i in range(4))
+    dra = PodSettings(gpu_claims=GpuClaims.DRA, node_gpu_uuids=uuids)
     template = objects.gpu_claim_template(e, "uid", plan_doc, dra)
     assert template is not None and template["metadata"]["name"] == "coder-gpu-1-3"
     [request] = template["spec"]["spec"]["devices"]["requests"]
     exactly = request["exactly"]
     assert (exactly["deviceClassName"], exactly["count"]) == ("gpu.nvidia.com", 2)
+    # NVIDIA's DRA driver publishes no `index` since v25.8: the UUIDs the board reports.
     assert exactly["selectors"][0]["cel"]["expression"] == (
-        'device.attributes["gpu.nvidia.com"].index in [1, 3]'
+        'device.attributes["gpu.nvidia.com"].uuid in '
+        '["GPU-00000001-aaaa-bbbb-cccc-dddddddddddd", "GPU-00000003-aaaa-bbbb-cccc-dddddddddddd"]'
     )
+    # A GPU the board gave no UUID for is selected by a value no device has: pending, never
+    # another GPU.
+    unknown = objects.gpu_claim_template(e, "uid", plan_doc, replace(dra, node_gpu_uuids=()))
+    assert unknown is not None
+    [request] = unknown["spec"]["spec"]["devices"]["requests"]
+    assert "GPU-" not in request["exactly"]["selectors"][0]["cel"]["expression"]
     dep = objects.deployment(e, "uid", plan_doc, dra, node_has_gpus=True)
     pod = dep["spec"]["template"]["spec"]
     assert pod["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "coder-gpu-1-3"}]

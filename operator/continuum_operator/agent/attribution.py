@@ -17,6 +17,7 @@ registration annotation or its libvgpu on the host). `read_raw` gathers, `parse`
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
     "CONSUMER_ENV",
     "HAMI_ANNOTATION",
     "mechanisms",
+    "mps_pipe_dirs",
     "owners",
     "pod_uid",
     "read_raw",
@@ -43,24 +45,54 @@ MPS_DAEMON = "nvidia-cuda-mps-control"
 _UID = r"([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
 #: A pod's own cgroup, whole: `pod<uid>` (cgroupfs) or `kubepods[-qos]-pod<uid>.slice` (systemd).
 _POD_DIR = re.compile(rf"(?:pod{_UID}|[\w.-]*kubepods[\w-]*-pod{_UID}\.slice)")
+#: The cgroupfs driver's QoS levels, between `kubepods` and a pod: `kubepods/burstable/pod<uid>`.
+_CGROUPFS_QOS = frozenset({"burstable", "besteffort"})
 
 
 def pod_uid(cgroup_text: str) -> str | None:
-    """The UID of the pod whose cgroup holds a process (`/proc/PID/cgroup`), or None. Only a
-    pod cgroup inside the kubelet's hierarchy counts: below a `kubepods` level, and not below a
-    user's (`user.slice`, `user@1000.service`): any user may name a unit of their own
-    `pod<uid>` (`systemd-run --user --unit=...`), and an engine pod's UID is no secret (its
-    node's NodeBoard lists it), so a name alone would charge a stranger's GPU memory to it."""
+    """The UID of the pod whose cgroup holds a process (`/proc/PID/cgroup`), or None.
+
+    Only a pod cgroup the kubelet made counts: its parent is a kubepods level
+    (`kubepods.slice`, `kubepods-burstable.slice`, `kubepods`, or cgroupfs's `burstable` and
+    `besteffort` under one), and no level above it is a user's (`user.slice`,
+    `user@1000.service`): any user may name a unit of their own `pod<uid>`
+    (`systemd-run --user --unit=...`), and an engine pod's UID is no secret (its node's
+    NodeBoard lists it), so a name alone would charge a stranger's GPU memory to it.
+
+    The agent's container has a cgroup namespace of its own (containerd's CRI gives every
+    non-privileged container one on cgroup v2), and the kernel writes another process's path
+    relative to the reader's namespace root: `/../../kubepods-besteffort-pod<uid>.slice/...`,
+    `/../../../pod<uid>/...`. The first level after the `..`s is a child of an ancestor of the
+    agent's own cgroup: the root or one of the kubelet's pod levels. Only root may create a
+    cgroup there (a user's delegated subtree is below `user@N.service`, which the climb names
+    in full, and is refused as above), so that level is trusted as the kubelet's; every level
+    below it must still be a kubepods level for a pod directory to count, exactly as in an
+    absolute path."""
     for line in cgroup_text.splitlines():
-        inside = False
-        for part in line.split(":", 2)[-1].split("/"):
-            if part.startswith("user"):
+        parts = [p for p in line.split(":", 2)[-1].split("/") if p]
+        below = list(itertools.dropwhile(lambda p: p == "..", parts))
+        parent_is_kubelets = len(below) < len(parts)
+        for part in below:
+            if part.startswith("user") or part == "..":
                 break
             m = _POD_DIR.fullmatch(part)
-            if m and inside:
+            if m and parent_is_kubelets:
                 return (m.group(1) or m.group(2)).replace("_", "-")
-            inside = inside or "kubepods" in part
+            qos_level = part in _CGROUPFS_QOS and parent_is_kubelets
+            parent_is_kubelets = "kubepods" in part or qos_level
     return None
+
+
+def mps_pipe_dirs(roots: Sequence[Path]) -> list[Path]:
+    """The MPS pipe directories under `roots` whose daemon's `control` pipe exists: a root
+    that is one (a daemon started with CUDA_MPS_PIPE_DIRECTORY there), or NVIDIA's device
+    plugin's `<root>/<resource>/pipe` (k8s-device-plugin's internal/plugin/mps.go mounts the
+    host's `<mps-root>/<resource>/pipe` into each client; `nvidia.com/gpu` is two levels)."""
+    found: list[Path] = []
+    for root in roots:
+        for pattern in ("control", "*/pipe/control", "*/*/pipe/control"):
+            found += sorted(c.parent for c in root.glob(pattern) if c.parent not in found)
+    return found
 
 
 def _consumer(value: str | None) -> ConsumerRef | None:
@@ -119,6 +151,7 @@ def read_raw(
     cgroup_root: Path = Path("/sys/fs/cgroup"),
     proc_root: Path = Path("/proc"),
     node_annotations: Mapping[str, str] | None = None,
+    mps_roots: Sequence[Path] = MPS_PIPE_DIRS,
 ) -> dict[str, Any]:
     """Processes of interest, the placed pods' working sets, and the cap mechanisms' traces.
 
@@ -163,7 +196,7 @@ def read_raw(
         "pods": pods,
         "mechanisms": {
             "mps_daemons": sorted(mps_daemons),
-            "mps_pipe_dirs": [str(d) for d in MPS_PIPE_DIRS if (d / "control").exists()],
+            "mps_pipe_dirs": [str(d) for d in mps_pipe_dirs(mps_roots)],
             "hami_annotation": HAMI_ANNOTATION if HAMI_ANNOTATION in annotations else None,
             "hami_library": str(HAMI_LIBRARY) if HAMI_LIBRARY.exists() else None,
         },

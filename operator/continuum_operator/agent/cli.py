@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.agent import probe
+from continuum_operator.agent import attribution, probe
 from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
@@ -53,6 +53,7 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             scan_environ=not args.in_cluster if args.scan_environ is None else args.scan_environ,
             configured_cap_bytes=args.per_process_cap_bytes,
             disk_path=args.disk_path,
+            mps_roots=tuple(args.mps_roots or attribution.MPS_PIPE_DIRS),
         ),
     )
 
@@ -169,6 +170,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG or ~/.kube/config")
     where.add_argument("--in-cluster", action="store_true", help="the pod's service account")
+    _add_probe_arguments(p)
+    p.add_argument(
+        "--per-process-cap-bytes",
+        type=int,
+        default=None,
+        help="an operator-configured per-process GPU cap, where the platform reports none",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics at this port's /metrics (0: off; the chart uses 9102)",
+    )
+    p.add_argument("--threshold-fraction", type=float, default=Thresholds().used_fraction)
+    p.add_argument("--threshold-mib", type=int, default=Thresholds().used_min_bytes // MiB)
+
+
+def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the probes look on this node: cgroups, the disk pool, MPS pipes, environments."""
     p.add_argument(
         "--cgroup-dir",
         type=Path,
@@ -186,6 +206,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "contexts on disk (spec.park.tier disk); default: no disk pool",
     )
     p.add_argument(
+        "--mps-root",
+        dest="mps_roots",
+        type=Path,
+        action="append",
+        default=None,
+        help="where MPS control daemons keep their pipes (a daemon's own directory, or NVIDIA's "
+        "device plugin's <root>/<resource>/pipe); repeatable. Default: "
+        + ", ".join(str(d) for d in attribution.MPS_PIPE_DIRS),
+    )
+    p.add_argument(
         "--scan-environ",
         dest="scan_environ",
         action="store_true",
@@ -193,17 +223,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="match bare-machine engines by CONTINUUM_CONSUMER (default: on unless --in-cluster)",
     )
     p.add_argument("--no-scan-environ", dest="scan_environ", action="store_false")
-    p.add_argument(
-        "--per-process-cap-bytes",
-        type=int,
-        default=None,
-        help="an operator-configured per-process GPU cap, where the platform reports none",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="serve Prometheus metrics at this port's /metrics (0: off; the chart uses 9102)",
-    )
-    p.add_argument("--threshold-fraction", type=float, default=Thresholds().used_fraction)
-    p.add_argument("--threshold-mib", type=int, default=Thresholds().used_min_bytes // MiB)

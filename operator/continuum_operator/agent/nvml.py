@@ -9,6 +9,12 @@ documents; testing/fake_nvml.py answers pynvml's calls from one, so `read_raw` i
 A missing library or driver is a reading ("no NVIDIA: ..."), never a crash. Memory info v2 is
 asked first (its `used` leaves out the driver's reserve); v1 where v2 fails. Not Supported
 for memory is kept apart from other failures: on GB10 it means the GPU has no framebuffer.
+
+nvidia-ml-py's unversioned process lists call the newest version of the NVML function it knows
+(`_v3`) and raise `NVMLLibraryMismatchError`, which is not an `NVMLError`, where the driver's
+library lacks it: that answer is kept as an error like any other (and `_v2` asked in its
+place), so an older driver is a GPU whose processes are unread, not a failed cycle and a lapsed
+Lease. MPS clients are listed by their own call (`nvmlDeviceGetMPSComputeRunningProcesses`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,19 @@ from continuum_operator.core.readings import (
 )
 from continuum_operator.model.base import MAX_BYTES
 
-__all__ = ["parse", "read_raw"]
+__all__ = ["PROCESS_LISTS", "device_processes", "parse", "read_raw"]
 
 RawNvml = dict[str, Any]
 
 NOT_SUPPORTED = "NVML_ERROR_NOT_SUPPORTED"
+MISMATCH = "NVMLLibraryMismatchError"
+#: Each device's process lists: compute, graphics, and MPS clients (asked where the
+#: nvidia-ml-py has the call; a recording made before the agent asked it has none).
+PROCESS_LISTS = (
+    "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetGraphicsRunningProcesses",
+    "nvmlDeviceGetMPSComputeRunningProcesses",
+)
 _ADDRESSING = {0: Addressing.NONE, 1: Addressing.HMM, 2: Addressing.ATS}
 
 
@@ -72,22 +86,27 @@ def read_raw(nv: Any = None) -> RawNvml:
     except OSError as err:  # a broken library that loads but cannot bind
         return {"nvmlInit": {"error": f"{type(err).__name__}: {err}", "code": None}}
     raw: RawNvml = {"nvmlInit": None}
+    mismatch = getattr(nv, MISMATCH, _NeverRaised)
     try:
 
         def ask(target: dict[str, Any], name: str, *args: Any) -> Any:
             """Call NVML's `name`; keep its answer (or error) under that name in `target`."""
+            key = name
             try:
                 if name == "nvmlDeviceGetMemoryInfo_v2":  # pynvml: v1's function, a version arg
                     value = nv.nvmlDeviceGetMemoryInfo(*args, version=nv.nvmlMemory_v2)
                 else:
                     value = getattr(nv, name)(*args)
             except nv.NVMLError as err:
-                target[name] = _error_name(nv, err)
+                target[key] = _error_name(nv, err)
+                return None
+            except mismatch as err:  # the driver's library lacks the version pynvml calls
+                target[key] = {"error": MISMATCH, "code": None, "detail": str(err)}
                 return None
             except AttributeError:  # an nvidia-ml-py older than the call
-                target[name] = {"error": "NVML_ERROR_FUNCTION_NOT_FOUND", "code": 13}
+                target[key] = {"error": "NVML_ERROR_FUNCTION_NOT_FOUND", "code": 13}
                 return None
-            target[name] = _struct(value)
+            target[key] = _struct(value)
             return value
 
         ask(raw, "nvmlSystemGetDriverVersion")
@@ -109,8 +128,12 @@ def read_raw(nv: Any = None) -> RawNvml:
                 ask(dev, "nvmlDeviceGetMemoryInfo", handle)
             ask(dev, "nvmlDeviceGetAddressingMode", handle)
             ask(dev, "nvmlDeviceGetNumaNodeId", handle)
-            ask(dev, "nvmlDeviceGetComputeRunningProcesses", handle)
-            ask(dev, "nvmlDeviceGetGraphicsRunningProcesses", handle)
+            for name in PROCESS_LISTS:
+                if not hasattr(nv, name):
+                    continue  # an nvidia-ml-py (or a recording) without the call
+                answer = ask(dev, name, handle)
+                if answer is None and _failed(dev[name]) and dev[name]["error"] == MISMATCH:
+                    ask(dev, f"{name}_v2", handle)  # the version an older driver has
         raw["devices"] = devices
     finally:
         with contextlib.suppress(nv.NVMLError):
@@ -118,20 +141,26 @@ def read_raw(nv: Any = None) -> RawNvml:
     return raw
 
 
+class _NeverRaised(Exception):
+    """Stands for NVMLLibraryMismatchError with an nvidia-ml-py that has none."""
+
+
 def _failed(answer: Any) -> TypeGuard[dict[str, Any]]:
     return isinstance(answer, dict) and "error" in answer
 
 
-def _processes(dev: dict[str, Any]) -> tuple[GpuProcess, ...]:
+def device_processes(dev: dict[str, Any]) -> tuple[GpuProcess, ...]:
     used: dict[int, int | None] = {}
-    for key in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+    for key in PROCESS_LISTS:
         answer = dev.get(key)
+        if not isinstance(answer, list):
+            answer = dev.get(f"{key}_v2")  # asked where the unversioned call mismatched
         if not isinstance(answer, list):
             continue
         for proc in answer:
             pid = int(proc["pid"])
             n = proc.get("usedGpuMemory")
-            # A process in both lists holds one allocation, not two.
+            # A process in two lists holds one allocation, not two.
             prev = used.get(pid)
             used[pid] = n if prev is None else max(prev, n or 0)
     return tuple(GpuProcess(pid, n) for pid, n in sorted(used.items()))
@@ -156,7 +185,7 @@ def _gpu(index: int, dev: dict[str, Any]) -> GpuReading:
         "uuid": uuid,
         "addressing": addressing,
         "numa_node": numa_node,
-        "processes": _processes(dev),
+        "processes": device_processes(dev),
     }
     if _failed(dev.get("nvmlDeviceGetHandleByIndex")):
         return GpuReading(memory=GpuMemoryStatus.FAILED, memory_error="no handle", **common)

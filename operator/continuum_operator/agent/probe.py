@@ -36,19 +36,16 @@ class ProbeSettings:
     disk_path: Path | None = None
     """A directory on the filesystem of the node's emptyDirs: its disk is the board's `disk`
     pool (park stores on disk); None: no disk pool."""
+    mps_roots: tuple[Path, ...] = attribution.MPS_PIPE_DIRS
+    """Where MPS control daemons' pipes are looked for (`attribution.mps_pipe_dirs`); the
+    DaemonSet mounts the host's /run/nvidia/mps, the device plugin's root, and names it."""
 
 
 def gpu_pids(raw_nvml: Mapping[str, Any]) -> list[int]:
-    pids: set[int] = set()
-    for dev in raw_nvml.get("devices", []):
-        for key in (
-            "nvmlDeviceGetComputeRunningProcesses",
-            "nvmlDeviceGetGraphicsRunningProcesses",
-        ):
-            answer = dev.get(key)
-            if isinstance(answer, list):
-                pids.update(int(p["pid"]) for p in answer)
-    return sorted(pids)
+    """Every process NVML listed on any GPU (compute, graphics, MPS clients)."""
+    return sorted(
+        {p.pid for dev in raw_nvml.get("devices", []) for p in nvml.device_processes(dev)}
+    )
 
 
 def capture(
@@ -81,6 +78,7 @@ def capture(
         scan_environ=settings.scan_environ,
         cgroup_root=settings.cgroup_root,
         node_annotations=node_annotations,
+        mps_roots=settings.mps_roots,
     )
     timings["attribution"] = time.perf_counter() - start
     if settings.disk_path is not None:

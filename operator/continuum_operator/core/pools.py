@@ -48,6 +48,9 @@ class Board:
     # The GPUs each placed consumer's processes were seen on ("Engine/<ns>/<name>" -> indices),
     # as the agent attributes them; empty where it attributes nothing (`core.gpu_check`).
     gpus_in_use: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # Each GPU's UUID as its driver reports it (index -> "GPU-..."), where the agent read one:
+    # what a DRA claim selects a planned GPU by (`kube.objects.gpu_claim_template`).
+    gpu_uuids: Mapping[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_resource(cls, board: NodeBoard) -> Board:
@@ -68,6 +71,7 @@ class Board:
             pools=pools,
             per_process_cap_bytes=board.status.per_process_cap_bytes,
             gpus_in_use=_gpus_in_use(board),
+            gpu_uuids={g.index: g.uuid for g in board.status.gpus if g.uuid},
         )
 
     def host_view(self) -> Pool | None:

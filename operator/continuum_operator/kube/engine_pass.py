@@ -76,7 +76,10 @@ def pods_on(snap: Snapshot, node: str, settings: OperatorSettings) -> PodSetting
     sharing = resolve_sharing(settings.pods.gpu_sharing, offered)
     entry = snap.nodes.get(node)
     cpus = entry.cpus_allocatable if entry is not None else None
-    return replace(settings.pods, gpu_sharing=sharing, node_cpus=cpus)
+    uuids = board.board.gpu_uuids if board is not None and board.board is not None else {}
+    return replace(
+        settings.pods, gpu_sharing=sharing, node_cpus=cpus, node_gpu_uuids=tuple(uuids.items())
+    )
 
 
 def size_text(n: int) -> str:

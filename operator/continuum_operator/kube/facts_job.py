@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from continuum_operator.kube.gpu_env import NO_GPU_ENV
 from continuum_operator.kube.objects import (
     GPU_RESOURCE,
     MANAGED_BY,
@@ -87,6 +88,8 @@ def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
                 },
                 "securityContext": container_security_context(),
                 "volumeMounts": [model.mount],
+                # It reads a file: no GPU, whatever the CUDA image's NVIDIA_VISIBLE_DEVICES says.
+                "env": [dict(e) for e in NO_GPU_ENV],
             }
         ],
         "volumes": [volume],

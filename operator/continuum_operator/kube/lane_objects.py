@@ -22,12 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from continuum_operator.core.embed import LaneSizer
 from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.cache import whole_cpus
+from continuum_operator.kube.gpu_env import lane_gpu_env, runtime_class
 from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.embedlane import EmbedLane
@@ -188,10 +189,12 @@ def lane_deployment(
     ns, name = lane.metadata.namespace, lane.metadata.name
     command = _command(lane, model, volume, pods)
     node = str(placement["node"])
-    launch = hashlib.sha256(
-        json.dumps({"cmd": command, "node": node, "memory": memory}, sort_keys=True).encode()
-    ).hexdigest()[:16]
-    container = _container(command, memory, volume, pods)
+    gpus = [int(g) for g in placement.get("gpus") or []]
+    key: dict[str, Any] = {"cmd": command, "node": node, "memory": memory}
+    if gpus:  # the engine's GPUs it sees (a lane on the host keeps its launch)
+        key["gpus"] = gpus
+    launch = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    container = _container(command, memory, volume, pods, gpus)
     labels = _labels(lane)
     return {
         "apiVersion": "apps/v1",
@@ -281,7 +284,11 @@ def _command(
 
 
 def _container(
-    command: list[str], memory: str, volume: objects.ModelVolume, pods: PodSettings
+    command: list[str],
+    memory: str,
+    volume: objects.ModelVolume,
+    pods: PodSettings,
+    gpus: Sequence[int],
 ) -> Obj:
     resources = {"cpu": pods.cpu, "memory": memory}
     return {
@@ -297,6 +304,11 @@ def _container(
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "securityContext": objects.container_security_context(),
         "volumeMounts": [volume.mount, dict(objects.TMP_MOUNT)],
+        # The GPUs its placement names, or none: the engine image's CUDA base sets
+        # NVIDIA_VISIBLE_DEVICES=all, so where NVIDIA's runtime is the default a lane on the
+        # host would see every GPU and llama.cpp would open a context on GPU 0 that no lease
+        # charges.
+        "env": lane_gpu_env(gpus),
     }
 
 
@@ -326,4 +338,4 @@ def _pod_spec(
         "containers": [container],
         "volumes": [volume.volume, dict(objects.TMP_VOLUME)],
         "terminationGracePeriodSeconds": 30,
-    }
+    } | runtime_class(pods)

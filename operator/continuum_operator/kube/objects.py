@@ -24,6 +24,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from continuum_operator.kube.gpu_env import NO_GPU_ENV, runtime_class
 from continuum_operator.kube.park_volume import park_args, park_volume
 from continuum_operator.kube.settings import GpuClaims, GpuSharing, PodSettings
 from continuum_operator.model.base import API_VERSION
@@ -32,15 +33,6 @@ from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
 MiB = 2**20
 MODEL_MOUNT = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
-# An engine planned with nothing on a GPU sees none: where the node's default runtime is
-# NVIDIA's, a CUDA image (NVIDIA_VISIBLE_DEVICES=all) would get every GPU, and llama.cpp's CUDA
-# build then holds a context and a graph on GPU 0 that no lease charges (562 MiB on an H200
-# with no layers offloaded: tests/fixtures/h200). `void` is the toolkit's "as runc"; the empty
-# CUDA_VISIBLE_DEVICES hides any device mounted all the same.
-NO_GPU_ENV: tuple[dict[str, str], ...] = (
-    {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
-    {"name": "CUDA_VISIBLE_DEVICES", "value": ""},
-)
 HAMI_GPUMEM_RESOURCE = "nvidia.com/gpumem"
 MPS_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 LAUNCH_ANNOTATION = "continuum.dev/launch"
@@ -273,17 +265,24 @@ def gpu_claim_template(
 ) -> Obj | None:
     """The ResourceClaimTemplate of the GPUs the plan charged (`device/N`), with DRA only.
 
-    The claim selects devices of `pods.dra_device_class` whose `index` attribute (NVIDIA's DRA
-    driver publishes the NVML index, the same index the node agent's board names) is one of
-    the plan's, as many as the plan has: the scheduler allocates exactly those or leaves the
-    pod pending, so the ledger's charge is the device the pod gets. The name carries the
-    indices: a template's spec cannot change, a plan on other GPUs is another template.
+    The claim selects devices of `pods.dra_device_class` whose `uuid` attribute is the UUID
+    the node's board reports for one of the plan's GPUs, as many as the plan has: the
+    scheduler allocates exactly those or leaves the pod pending, so the ledger's charge is the
+    device the pod gets. NVIDIA's DRA driver publishes `uuid` (NVML's, as the agent reads it)
+    in every release; the NVML `index` it published up to v25.3 is gone since (its
+    cmd/gpu-kubelet-plugin/deviceinfo.go: type, uuid, productName, brand, architecture,
+    cudaComputeCapability, driverVersion, cudaDriverVersion, pcieBusID, addressingMode), and a
+    selector naming an attribute a device lacks fails the allocation. A planned GPU whose UUID
+    the board lacks is selected by a value no device has: the pod stays pending rather than
+    run on a GPU no lease charges. The name carries the indices: a template's spec cannot
+    change, a plan on other GPUs is another template.
     """
     gpus = [int(g) for g in plan.get("gpus", [])]
     if pods.gpu_claims is not GpuClaims.DRA or not gpus:
         return None
     domain = pods.dra_driver
-    indices = ", ".join(str(g) for g in gpus)
+    uuid_of = dict(pods.node_gpu_uuids)
+    uuids = ", ".join(json.dumps(uuid_of.get(g, f"unknown: GPU {g} has no UUID")) for g in gpus)
     name = f"{engine.metadata.name[:40]}-gpu-{'-'.join(str(g) for g in gpus)}"[:253]
     return {
         "apiVersion": DRA_API_VERSION,
@@ -308,7 +307,7 @@ def gpu_claim_template(
                                     {
                                         "cel": {
                                             "expression": f'device.attributes["{domain}"]'
-                                            f".index in [{indices}]"
+                                            f".uuid in [{uuids}]"
                                         }
                                     }
                                 ],
@@ -461,7 +460,7 @@ def _engine_pod_spec(
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [container],
         "terminationGracePeriodSeconds": 30,
-    }
+    } | runtime_class(pods)
 
 
 def service_account_name(engine: Engine) -> str:

@@ -43,6 +43,7 @@ from continuum_operator.kube.engine_pass import (
     pods_on,
     size_text,
 )
+from continuum_operator.kube.gpu_env import gpu_sharing_refusal
 from continuum_operator.kube.ledger_object import engine_only
 from continuum_operator.kube.occupancy import is_fresh, other_leases
 from continuum_operator.kube.placed_engine import placed
@@ -143,6 +144,10 @@ def reconcile(
     refused = objects.host_path_refusal(engine.spec.model, settings.pods)
     if refused is not None:
         problem = cond.Problem(cond.Reason.INVALID_SPEC, f"spec.model.source.path: {refused}")
+        return p.finish(replace(p.facts_in, problem=problem), None, None)
+    refused = gpu_sharing_refusal(engine.spec.placement.gpus, settings.pods)
+    if refused is not None:
+        problem = cond.Problem(cond.Reason.INVALID_SPEC, f"spec.placement.gpus: {refused}")
         return p.finish(replace(p.facts_in, problem=problem), None, None)
     facts = engine.spec.model.facts
     if engine.spec.model.source is not None:

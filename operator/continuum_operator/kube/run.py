@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 from dataclasses import replace
@@ -44,6 +45,20 @@ def _cpu_quantity(text: str) -> str:
             f"{text!r} is not a CPU quantity above 0 (write 2, 1.5 or 500m)"
         )
     return text
+
+
+def _runtime_class(text: str) -> str:
+    """A RuntimeClass's name (a DNS subdomain), or "" for the node's default runtime."""
+    if text and not _SUBDOMAIN.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a RuntimeClass name (lowercase letters, digits, '-' and '.'; "
+            "`kubectl get runtimeclass` lists the cluster's)"
+        )
+    return text
+
+
+_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 
 
 def _share(text: str) -> float:
@@ -95,16 +110,22 @@ _POD_FLAGS = (
         "--gpu-claims",
         "pods.gpu_claims",
         "how an engine pod asks for its planned GPUs: nvidia.com/gpu (device-plugin) or "
-        "a DRA ResourceClaim for the planned devices by index (dra)",
+        "a DRA ResourceClaim for the planned devices by UUID (dra)",
         choices=GpuClaims,
     ),
     SettingFlag(
         "--dra-device-class", "pods.dra_device_class", "the DeviceClass of --gpu-claims dra"
     ),
     SettingFlag(
+        "--runtime-class",
+        "pods.runtime_class",
+        "the RuntimeClass of engine and lane pods (default: none, the node's default runtime)",
+        type=_runtime_class,
+    ),
+    SettingFlag(
         "--dra-driver",
         "pods.dra_driver",
-        "the DRA driver whose device attribute index the claim selects by",
+        "the DRA driver whose device attribute uuid the claim selects by",
     ),
     SettingFlag(
         "--engine-cpu-min",

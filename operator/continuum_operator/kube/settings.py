@@ -108,7 +108,14 @@ class PodSettings:
     dra_device_class: str = "gpu.nvidia.com"
     """The DeviceClass an engine's claim names (NVIDIA's DRA driver installs this one)."""
     dra_driver: str = "gpu.nvidia.com"
-    """The DRA driver whose device attributes (`index`) the claim's selector reads."""
+    """The DRA driver whose device attributes (`uuid`) the claim's selector reads."""
+    runtime_class: str = ""
+    """The RuntimeClass of every engine and lane pod (`--runtime-class`; "": the node's default
+    runtime). NVIDIA's where it is not containerd's default: the device plugin's `envvar`
+    strategy only names the GPUs in NVIDIA_VISIBLE_DEVICES, which runc ignores."""
+    node_gpu_uuids: tuple[tuple[int, str], ...] = ()
+    """(index, UUID) of each GPU of the node the engine runs on, as its board reports them:
+    filled per node by the operator (`kube.engine_pass.pods_on`), never set by hand."""
     allowed_host_path_prefixes: tuple[str, ...] = ()
     """Directories under which a hostPath model source (an Engine's or an EmbedLane's) may
     name a file (`--allowed-host-path-prefix`, repeatable; the chart's

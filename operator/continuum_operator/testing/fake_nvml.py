@@ -33,6 +33,7 @@ class FakeNvml:
     """Answers pynvml's calls from one recorded `nvml` document; handles are GPU indices."""
 
     NVMLError = pynvml.NVMLError
+    NVMLLibraryMismatchError = pynvml.NVMLLibraryMismatchError
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
     def __init__(self, raw: dict[str, Any]) -> None:
@@ -47,12 +48,23 @@ class FakeNvml:
         if name not in where:
             raise UnrecordedCall(f"the fixture has no answer for {name}")
         value = where[name]
+        if isinstance(value, dict) and value.get("error") == "NVMLLibraryMismatchError":
+            raise pynvml.NVMLLibraryMismatchError(value.get("detail", ""))
         if isinstance(value, dict) and "error" in value:
             code = value.get("code")
             if code is None:
                 raise OSError(value["error"])
             raise pynvml.NVMLError(code)
         return _answer(value)
+
+    def __getattr__(self, name: str) -> Any:
+        """A per-device call the methods below leave out (an MPS process list, a `_v2`): the
+        fake has it only where the recording holds its answer for some device, as a probe
+        asks only what its nvidia-ml-py has."""
+        devices = self.__dict__.get("raw", {}).get("devices", [])
+        if name.startswith("nvmlDeviceGet") and any(name in d for d in devices):
+            return lambda handle: self._get(self._device(handle), name)
+        raise AttributeError(name)
 
     def _device(self, handle: int) -> dict[str, Any]:
         devices: list[dict[str, Any]] = self.raw["devices"]
