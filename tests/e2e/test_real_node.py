@@ -248,6 +248,10 @@ def test_the_operator_pod_leads_and_the_agent_pod_writes_the_real_nodes_board(
     assert "host" in kinds, status
     host = next(p for p in status["pools"] if p["kind"] == "host")
     assert host["capacityBytes"] > 2**30 and 0 < host["usedBytes"] < host["capacityBytes"]
+    # The chart mounts the kubelet's root for the agent: the node's disk is a pool of its own,
+    # where Engines park contexts on disk (spec.park.tier disk).
+    disk = next(p for p in status["pools"] if p["kind"] == "disk")
+    assert disk["capacityBytes"] > 2**30 and 0 <= disk["usedBytes"] <= disk["capacityBytes"]
 
 
 def test_an_engine_from_a_file_on_the_node_runs_as_pods_and_reports_receipts(

@@ -55,3 +55,23 @@ def test_a_board_has_at_most_one_disk_pool_and_it_is_not_a_memory_pool() -> None
         NodeBoard.model_validate(board_doc(one, one))
     with pytest.raises(ValidationError, match="exactly one pool of kind `unified`"):
         NodeBoard.model_validate(board_body("unified", [one]))
+
+
+def test_the_charts_agent_reads_the_kubelets_disk_read_only_unless_told_not_to() -> None:
+    """The agent as the chart deploys it has a disk pool: without --disk-path no board had one,
+    so an Engine parking on disk was placed nowhere on every node."""
+    from continuum_operator.cli import build_parser
+    from tests.helm import documents, find_helm, one, template
+
+    helm = find_helm()
+    ds = one(documents(template(helm).stdout), "DaemonSet", "-agent")
+    pod = ds["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args = build_parser().parse_args(container["args"])
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "disk"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "disk"]
+    assert volume["hostPath"]["path"] == "/var/lib/kubelet" and mount["readOnly"] is True
+    assert args.disk_path == Path(mount["mountPath"])
+    ds = one(documents(template(helm, {"agent": {"diskPath": ""}}).stdout), "DaemonSet", "-agent")
+    assert "disk" not in {v["name"] for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert "--disk-path" not in str(ds["spec"]["template"]["spec"]["containers"][0]["args"])
