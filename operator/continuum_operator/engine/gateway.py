@@ -64,6 +64,7 @@ from continuum_operator.engine.openai_api import (
     prompt_bound,
     refusal_body,
 )
+from continuum_operator.engine.request_cost import request_cost_error
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 
@@ -655,6 +656,8 @@ class Gateway:
                 return web.json_response(bad.body(), status=400, headers=headers)
         elif (bad := check_native(body)) is not None:
             return self._bad_request(bad.param, bad.message, openai=False)
+        if (costly := request_cost_error(body)) is not None:  # what the shared loop pays
+            return self._bad_request(costly.param, costly.message, openai=openai)
         if endpoint is Endpoint.EMBEDDINGS and self.slot_count != 1:
             return self._bad_request(
                 "input",
