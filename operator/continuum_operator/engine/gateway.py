@@ -65,6 +65,7 @@ from continuum_operator.engine.openai_api import (
     refusal_body,
 )
 from continuum_operator.engine.request_cost import request_cost_error
+from continuum_operator.engine.token_review import Caller, caller_of
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 
@@ -107,7 +108,7 @@ class GatewaySettings:
     #: Reviews a bearer token: the service account it belongs to, or None. None here: the
     #: X-Continuum-Mind header is believed, which only the unsafe local flag asks for
     #: (docs/gateway.md, "Who is asking").
-    review_token: Callable[[str], Awaitable[ServiceAccount | None]] | None = None
+    review_token: Callable[[str, Caller], Awaitable[ServiceAccount | None]] | None = None
     #: Seconds the gateway waits on a mind's connection to take a stream's last words (the
     #: cut event): a client that stops reading holds nothing of the engine past it.
     write_seconds: float = 2.0
@@ -530,11 +531,18 @@ class Gateway:
         if review is None:
             return asked, None
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        # Minds' tokens are reviewed in a lane of their own (engine.token_review).
+        caller = caller_of(token, request.remote or "", self._in_table)
         try:
-            account = await review(token.strip()) if scheme.lower() == "bearer" and token else None
+            account = await review(token, caller) if scheme.lower() == "bearer" and token else None
         except ReviewUnavailable as err:
             return asked, review_unavailable(str(err))
         return identify(asked, account)
+
+    def _in_table(self, account: ServiceAccount) -> bool:
+        """Whether the account's Mind has an entry in the grant table (a lane, not access)."""
+        return self.table is not None and self.table.entry(account.mind) is not None
 
     async def open_turn(self, request: web.Request) -> web.Response:
         mind, refused = await self._who(request)
