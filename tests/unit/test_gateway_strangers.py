@@ -11,17 +11,22 @@ with no time limit (a byte every 3 s, still open after 40 s; 200 bodies of 1 MiB
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
+from continuum_operator.engine.body_limits import LINGER_SECONDS, BodyLimits, ConnectionLimits
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.token_review import TokenReviewer
 from tests.unit.fake_llama import FakeLlama, serve
 from tests.unit.test_gateway_openai import MIRA, granted, table
 from tests.unit.test_token_review_lanes import AUDIENCE, MIRA_SUB, Api, jwt
+from tests.waiting import until
 
 
 @dataclass
@@ -80,16 +85,115 @@ def test_a_minds_uncached_token_is_served_while_strangers_flood_the_review() -> 
 
             flood = [asyncio.create_task(stranger(i)) for i in range(100)]
             await asyncio.sleep(0.5)
-            for _ in range(10):
-                door.gateway.settings.review_token._accepted.clear()  # type: ignore[union-attr]
-                headers = {"Authorization": f"Bearer {mira}"}
-                async with http.post(
-                    f"{door.url}/completion", json=COMPLETION, headers=headers
-                ) as resp:
-                    await resp.read()
-                    answers.append(resp.status)
+            # Her pod's address is not theirs.
+            own = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+            async with aiohttp.ClientSession(connector=own) as hers:
+                for _ in range(10):
+                    reviewer = door.gateway.settings.review_token
+                    reviewer._accepted.clear()  # type: ignore[union-attr]  # a fresh review
+                    headers = {"Authorization": f"Bearer {mira}"}
+                    async with hers.post(
+                        f"{door.url}/completion", json=COMPLETION, headers=headers
+                    ) as resp:
+                        await resp.read()
+                        answers.append(resp.status)
             done.set()
             await asyncio.gather(*flood)
 
     run(Api(mira, stranger_seconds=0.2), body)
     assert answers == [200] * 10
+
+
+async def send_head(door: Door, token: str, length: int) -> tuple[Any, Any]:
+    """A POST whose head says `length` body bytes, none sent yet: (reader, writer)."""
+    host, port = door.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /completion HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode()
+    )
+    await writer.drain()
+    return reader, writer
+
+
+async def status_of(reader: asyncio.StreamReader, seconds: float) -> int:
+    line = await asyncio.wait_for(reader.readline(), seconds)
+    return int(line.split()[1])
+
+
+def test_a_slow_body_is_answered_408_and_closed_at_the_limit() -> None:
+    mira = jwt(MIRA_SUB, nonce="slow")
+    limits = BodyLimits(seconds=1.0)
+
+    async def body(door: Door) -> None:
+        reader, writer = await send_head(door, mira, 1000)
+        started = time.monotonic()
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError):
+                for _ in range(100):
+                    writer.write(b" ")
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+
+        dripping = asyncio.create_task(trickle())
+        assert await status_of(reader, 5.0) == 408
+        assert time.monotonic() - started < limits.seconds + 1.0
+        await asyncio.wait_for(reader.read(), 5.0)  # closed: read to its end
+        assert time.monotonic() - started < limits.seconds + LINGER_SECONDS + 1.0
+        dripping.cancel()
+        writer.close()
+
+    run(Api(mira), body, body_limits=limits)
+
+
+def test_no_body_is_read_for_an_accepted_token_without_a_grant() -> None:
+    bob = jwt("system:serviceaccount:minds/bob".replace("/", ":"), nonce="b")
+
+    async def body(door: Door) -> None:
+        reader, writer = await send_head(door, bob, 2**20)
+        assert await status_of(reader, 3.0) == 403  # answered before a byte of the body
+        writer.close()
+
+    run(Api(bob), body)
+
+
+def test_the_bodies_being_read_together_hold_at_most_the_budget() -> None:
+    mira = jwt(MIRA_SUB, nonce="m")
+    limits = BodyLimits(seconds=3.0, budget_bytes=4 * 2**20)
+
+    async def body(door: Door) -> None:
+        heads = [await send_head(door, mira, 2**20) for _ in range(4)]
+        await until(lambda: door.gateway.bodies.reserved == 4 * 2**20)
+        reader, writer = await send_head(door, mira, 2**20)
+        assert await status_of(reader, 3.0) == 503  # over the budget: not read
+        assert door.gateway.bodies.reserved <= limits.budget_bytes
+        for _, w in [*heads, (reader, writer)]:
+            w.close()
+        await until(lambda: door.gateway.bodies.reserved == 0)
+
+    run(Api(mira), body, body_limits=limits)
+
+
+def test_connections_past_the_limit_of_one_source_are_closed_as_they_open() -> None:
+    async def main() -> None:
+        app = web.Application()
+        limits = ConnectionLimits(per_source=3, total=10)
+        runner, address = await serve_app(app, "127.0.0.1", 0, connections=limits)
+        host, port = address.split(":")
+        try:
+            held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+            reader, writer = await asyncio.open_connection(host, int(port))
+            assert await asyncio.wait_for(reader.read(), 3.0) == b""  # closed at once
+            writer.close()
+            held[0][1].close()
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await status_of(reader, 3.0) == 404  # one left: served again
+            for _, w in [*held[1:], (reader, writer)]:
+                w.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -67,7 +67,9 @@ class Api:
         ok = token in self.good
         if not ok:
             time.sleep(self.stranger_seconds)
-        user = SimpleNamespace(username=MIRA_SUB) if ok else None
+        claimed = claimed_account(token)
+        name = f"system:serviceaccount:{claimed.namespace}:{claimed.name}" if claimed else MIRA_SUB
+        user = SimpleNamespace(username=name) if ok else None
         return SimpleNamespace(
             status=SimpleNamespace(authenticated=ok, user=user, audiences=[AUDIENCE] if ok else [])
         )

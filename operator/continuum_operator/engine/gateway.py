@@ -52,6 +52,15 @@ from continuum_operator.engine.admission import (
     still_reported,
     token_cap,
 )
+from continuum_operator.engine.body_limits import (
+    DEFAULT_CONNECTIONS,
+    LINGER_SECONDS,
+    BodyLimits,
+    BodyReader,
+    BodyRefused,
+    ConnectionLimits,
+    LimitedSite,
+)
 from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from continuum_operator.engine.openai_api import (
     Endpoint,
@@ -80,6 +89,9 @@ SHOULD_RETRY_HEADER = "x-should-retry"
 #: a client that opens a connection and never finishes its headers is dropped after it
 #: (aiohttp's keep-alive timer runs from the connection's start until a request is read).
 HEADERS_SECONDS = 10.0
+
+#: The most bytes of a turn's opening body (`{"contextTokens": N}`).
+OPEN_TURN_BYTES = 4096
 
 #: Cut turns remembered to answer their late requests with `turn_cut` (oldest forgotten first).
 CUT_TURNS_KEPT = 1024
@@ -112,6 +124,8 @@ class GatewaySettings:
     #: Seconds the gateway waits on a mind's connection to take a stream's last words (the
     #: cut event): a client that stops reading holds nothing of the engine past it.
     write_seconds: float = 2.0
+    #: How a body is read: its time, its size, what all bodies being read may hold.
+    body_limits: BodyLimits = field(default_factory=BodyLimits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +211,7 @@ class Gateway:
         self._flights_done = asyncio.Condition()
         # Turns cut lately (id -> mind, reason, by), to answer their late requests plainly.
         self._cut_turns: dict[str, tuple[str, str, str | None]] = {}
+        self.bodies = BodyReader(settings.body_limits)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -496,6 +511,21 @@ class Gateway:
             openai=openai,
         )
 
+    def _body_refused(self, refused: BodyRefused, *, openai: bool) -> web.Response:
+        if refused.status == 400:
+            return self._bad_request("", refused.message, openai=openai)
+        adm = Admission(
+            Answer.REFUSE,
+            refused.status,
+            {"error": Refusal.BAD_REQUEST.value, "message": refused.message},
+            Refusal.BAD_REQUEST,
+            retry_after=refused.retry_after,
+        )
+        answer = self._answer(adm, openai=openai)
+        if refused.close:
+            answer.force_close()
+        return answer
+
     def _cut_body(self, flight: _Flight) -> dict[str, Any]:
         return {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
 
@@ -550,10 +580,12 @@ class Gateway:
             return self._answer(refused)
         asked: int | None = None
         if request.can_read_body:
-            try:
-                body = await request.json()
-            except ValueError:
-                return self._refuse(Refusal.BAD_REQUEST, 400, {"message": "body is not JSON"})
+            early = self._admit_turn(mind, None)  # no body is read for whom it cannot serve
+            if early.answer is not Answer.ADMIT:
+                return self._answer(early)
+            body = await self.bodies.read_json(request, most=OPEN_TURN_BYTES)
+            if isinstance(body, BodyRefused):
+                return self._body_refused(body, openai=False)
             raw = body.get("contextTokens") if isinstance(body, dict) else None
             if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
                 return self._refuse(
@@ -647,10 +679,13 @@ class Gateway:
         mind, refused = await self._who(request)
         if refused is not None:
             return self._answer(refused, openai=openai)
-        try:
-            body = await request.json()
-        except ValueError:
-            return self._bad_request("", "the body is not JSON", openai=openai)
+        # No body is read for whom the gateway cannot serve, and each under a time limit.
+        early = self._admit(mind, request.headers.get(TURN_HEADER, ""), openai=openai)
+        if early.answer is not Answer.ADMIT:
+            return self._answer(early, openai=openai)
+        body = await self.bodies.read_json(request)
+        if isinstance(body, BodyRefused):
+            return self._body_refused(body, openai=openai)
         adm = self._admit(mind, request.headers.get(TURN_HEADER, ""), openai=openai)
         if adm.answer is not Answer.ADMIT:
             return self._answer(adm, openai=openai)
@@ -931,14 +966,25 @@ def admin_application(
 
 
 async def serve_app(
-    app: web.Application, host: str, port: int, *, headers_seconds: float = HEADERS_SECONDS
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    headers_seconds: float = HEADERS_SECONDS,
+    connections: ConnectionLimits = DEFAULT_CONNECTIONS,
 ) -> tuple[web.AppRunner, str]:
     """Serve `app` as the gateway must be served: a mind hanging up cancels her request in
-    llama-server (`handler_cancellation`), and a connection that sends no whole request head
-    within `headers_seconds` is closed. Returns the runner and the bound address."""
-    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=headers_seconds)
+    llama-server (`handler_cancellation`), a connection that sends no whole request head
+    within `headers_seconds` is closed, and connections are bounded per source address and in
+    all (`connections`). Returns the runner and the bound address."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        keepalive_timeout=headers_seconds,
+        lingering_time=LINGER_SECONDS,  # a body left unread is drained this long, no longer
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = LimitedSite(runner, host, port, connections)
     await site.start()
     server = site._server
     sockets = getattr(server, "sockets", None) or []
