@@ -73,9 +73,15 @@ from continuum_operator.engine.openai_api import (
     prompt_bound,
     refusal_body,
 )
-from continuum_operator.engine.request_cost import request_cost_error
+from continuum_operator.engine.request_cost import (
+    DEFAULT_BOUNDS,
+    CostBounds,
+    costly_fields,
+    request_cost_error,
+)
 from continuum_operator.engine.token_review import Caller, caller_of
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
+from continuum_operator.engine.watchdog import Watchdog, WatchdogSettings, cut_message
 from continuum_operator.model.mind import GrantState
 
 __all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
@@ -126,6 +132,10 @@ class GatewaySettings:
     write_seconds: float = 2.0
     #: How a body is read: its time, its size, what all bodies being read may hold.
     body_limits: BodyLimits = field(default_factory=BodyLimits)
+    #: What one request's fields may cost the shared loop (engine.request_cost).
+    cost_bounds: CostBounds = DEFAULT_BOUNDS
+    #: The decode watchdog (engine.watchdog); None: off.
+    watchdog: WatchdogSettings | None = field(default_factory=WatchdogSettings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +147,9 @@ class SlotRelease:
     reason: str
     grant_since: str | None
     at: float
-    erased_tokens: int
+    #: None: llama-server had not erased it by the reclaim's deadline (erased before the next
+    #: holder's first request).
+    erased_tokens: int | None
 
     def to_status(self) -> dict[str, Any]:
         return {
@@ -212,6 +224,12 @@ class Gateway:
         # Turns cut lately (id -> mind, reason, by), to answer their late requests plainly.
         self._cut_turns: dict[str, tuple[str, str, str | None]] = {}
         self.bodies = BodyReader(settings.body_limits)
+        self.watchdog = Watchdog(
+            lambda: self.settings.upstream,
+            settings.watchdog or WatchdogSettings(),
+            on_cut=self.metrics.turn_cut,
+        )
+        self._watching: asyncio.Task[None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -222,9 +240,13 @@ class Gateway:
         )
         await self.probe()
         self._health = asyncio.create_task(self._watch_health())
+        if self.settings.watchdog is not None:
+            self._watching = asyncio.create_task(self.watchdog.run(self.session))
 
     async def close(self) -> None:
-        tasks = [t for t in (self._health, *self._releasing.values()) if t is not None]
+        tasks = [
+            t for t in (self._health, self._watching, *self._releasing.values()) if t is not None
+        ]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -321,31 +343,25 @@ class Gateway:
             else (self.clock() + self.settings.grace_seconds)
         )
         try:
-            # Her requests were cut; they end as soon as llama-server lets go of them.
+            # Her requests were cut; each lands as soon as the gateway has let go of it.
             try:
                 async with asyncio.timeout(max(0.0, deadline - self.clock())):
                     async with self._flights_done:
                         await self._flights_done.wait_for(lambda: not self.flights.get(rel.mind))
+                    erased: int | None = await self._erase_while_reclaiming(rel)
             except TimeoutError:
-                log.warning("%s's requests outlived the reclaim's deadline", rel.mind)
-                return
-            while True:
-                if not self._still_reclaiming(rel):
-                    return  # the operator moved on (forced at the deadline): nothing to report
-                try:
-                    erased = await self._erase(rel.slot)
-                    break
-                except _UpstreamDown as err:
-                    if self.clock() >= deadline:
-                        log.warning(
-                            "slot %d of %s not erased by its deadline (%s); it is erased before "
-                            "its next holder's first request",
-                            rel.slot,
-                            rel.mind,
-                            err,
-                        )
-                        return
-                    await asyncio.sleep(self.settings.erase_retry_seconds)
+                # llama-server did not erase by the deadline (stalled, restarting): the release
+                # is recorded on time all the same; the slot stays marked as holding her
+                # context, so it is erased before its next holder's first request.
+                log.warning(
+                    "slot %d of %s not erased by its deadline; released now, erased before its "
+                    "next holder's first request",
+                    rel.slot,
+                    rel.mind,
+                )
+                erased = None
+            if not self._still_reclaiming(rel):
+                return  # the operator moved on (forced at the deadline): nothing to report
             record = SlotRelease(rel.mind, rel.slot, rel.reason, rel.since, self.clock(), erased)
             self.released[rel.key] = record
             self.metrics.slot_released(rel.reason)
@@ -353,6 +369,16 @@ class Gateway:
             self._changed()
         finally:
             self._releasing.pop(rel.key, None)
+
+    async def _erase_while_reclaiming(self, rel: Release) -> int | None:
+        """Erase her slot, again while llama-server is down; None if the reclaim moved on."""
+        while self._still_reclaiming(rel):
+            try:
+                return await self._erase(rel.slot)
+            except _UpstreamDown as err:
+                log.info("erase of slot %d failed (%s); trying again", rel.slot, err)
+                await asyncio.sleep(self.settings.erase_retry_seconds)
+        return None
 
     def _still_reclaiming(self, rel: Release) -> bool:
         e = self.table.entry(rel.mind) if self.table is not None else None
@@ -527,7 +553,10 @@ class Gateway:
         return answer
 
     def _cut_body(self, flight: _Flight) -> dict[str, Any]:
-        return {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
+        body = {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
+        if (message := cut_message(flight.reason)) is not None:
+            body["message"] = message  # the watchdog's cut: what to change
+        return body
 
     # --- routes -------------------------------------------------------------------------------
 
@@ -699,7 +728,7 @@ class Gateway:
                 return web.json_response(bad.body(), status=400, headers=headers)
         elif (bad := check_native(body)) is not None:
             return self._bad_request(bad.param, bad.message, openai=False)
-        if (costly := request_cost_error(body)) is not None:  # what the shared loop pays
+        if (costly := request_cost_error(body, self.settings.cost_bounds)) is not None:
             return self._bad_request(costly.param, costly.message, openai=openai)
         if endpoint is Endpoint.EMBEDDINGS and self.slot_count != 1:
             return self._bad_request(
@@ -712,6 +741,7 @@ class Gateway:
         # Registered with no await since the admission: a reclaim from here on cuts it.
         flight = _Flight(mind, adm.slot)
         self.flights.setdefault(mind, set()).add(flight)
+        self.watchdog.watch(flight, costly_fields(body))  # cut if its sampling stalls the loop
         self.metrics.slot_busy(adm.slot, 1)
         started = time.monotonic()
         try:
@@ -737,6 +767,7 @@ class Gateway:
         flights = self.flights.get(flight.mind)
         if flights is None or flight not in flights:
             return
+        self.watchdog.forget(flight)
         self.metrics.slot_busy(flight.slot, -1)
         flights.discard(flight)
         if not flights:
@@ -1012,12 +1043,14 @@ async def _passed(lock: asyncio.Lock) -> None:
 
 def _cut_event(flight: _Flight, *, openai: bool) -> dict[str, Any]:
     """The last event of a stream the reclaim ended: says why (OpenAI's clients raise it)."""
+    watchdog = cut_message(flight.reason)
     if not openai:
-        return {"error": {"type": Refusal.TURN_CUT.value, "reason": flight.reason}}
+        event = {"type": Refusal.TURN_CUT.value, "reason": flight.reason}
+        return {"error": {**event, "message": watchdog} if watchdog else event}
     by = f" by {flight.by}" if flight.by else ""
     return {
         "error": {
-            "message": f"turn cut: the grant is being reclaimed ({flight.reason}{by})",
+            "message": watchdog or f"turn cut: the grant is being reclaimed ({flight.reason}{by})",
             "type": Refusal.TURN_CUT.value,
             "param": None,
             "code": flight.reason,
