@@ -128,8 +128,10 @@ def run_engine(
     tmp_path: Path,
     initial: GrantTable,
     body: Callable[[Engine], Awaitable[None]],
+    **settings: Any,
 ) -> dict[str, Any]:
-    """Run the runtime and gateway around `body`; the last status.runtime published."""
+    """Run the runtime and gateway around `body`; the last status.runtime published.
+    `settings`: the gateway's, besides its upstream and health probe."""
     launch = LaunchSettings(
         llama_server=str(llama_server_bin),
         model=model.path,
@@ -145,7 +147,9 @@ def run_engine(
         published.append(doc)
 
     async def main() -> None:
-        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.2))
+        gateway = Gateway(
+            GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.2, **settings)
+        )
         await gateway.start()
         runtime = EngineRuntime(launch, gateway, publish=publish, echo_log=False)
         running = asyncio.create_task(runtime.run())
