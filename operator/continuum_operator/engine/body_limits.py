@@ -120,6 +120,8 @@ class BodyReader:
             return json.loads(raw)
         except ValueError:
             return BodyRefused(400, "the body is not JSON")
+        except RecursionError:
+            return BodyRefused(400, "the body nests deeper than the gateway reads")
 
 
 async def _read(request: web.Request, most: int) -> bytes | None:
