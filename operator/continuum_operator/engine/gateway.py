@@ -241,7 +241,7 @@ class Gateway:
         await self.probe()
         self._health = asyncio.create_task(self._watch_health())
         if self.settings.watchdog is not None:
-            self._watching = asyncio.create_task(self.watchdog.run(self.session))
+            self._watching = asyncio.create_task(self.watchdog.run())
 
     async def close(self) -> None:
         tasks = [

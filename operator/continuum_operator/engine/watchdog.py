@@ -7,13 +7,16 @@ vocabulary and the machine. llama-server samples every slot in one loop, and ans
 samples: so the time `/slots` takes to answer, and the tokens each slot decoded between two
 answers (`next_token[0].n_decoded`), are the step time every slot pays.
 
-Each `probe_seconds` the watchdog asks `/slots` and takes the step time outside decoding
-(`step_seconds`): twice the probe's wait, and no less than the generating slots' seconds per
-token since the last probe, so a long prompt's decode (answered through) is not a stall.
-The reference is what sharing the engine costs anyway: the step time seen while no suspect
-(below) runs, at least `floor_seconds`. While a **suspect** runs (a request with a field whose
-cost grows per token, `request_cost.costly_fields`), a step time over `factor` x the
-reference (the other slots decoding at less than a third of their rate beside ordinary
+A **suspect** is a request with a field whose cost grows per token
+(`request_cost.costly_fields`: grammar, schema, tools, logit_bias, DRY breakers). Each
+`probe_seconds` while one runs (only then: llama-server 0.3.36, asked `/slots` four times a
+second, dropped a cut request and erased its slot seconds late), the watchdog asks `/slots`
+and takes the step time outside decoding (`step_seconds`): twice the probe's wait, and no less
+than the generating slots' seconds per token since the last probe, so a long prompt's decode
+(answered through) is not a stall. The reference is what sharing the engine costs anyway: the
+step time seen without a suspect, and at least `floor_seconds`, which is what it is in
+practice (sampling without a grammar takes milliseconds a step). A step time over `factor` x
+the reference (the other slots decoding at less than a third of their rate beside ordinary
 requests) for `patience` probes in a row cuts the suspect that started last, with the reason
 `SamplingStalledEngine` and a message saying what to change; the next suspect only if the
 stall goes on. Nothing else is cut: a stall with no suspect running is the engine's ordinary
@@ -186,12 +189,23 @@ class Watchdog:
             latest.end(STALL_REASON, None)
             self.on_cut(STALL_REASON)
 
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            await asyncio.sleep(self.settings.probe_seconds)
-            reading = await self._read(session)
-            if reading is not None:
-                self.observe(reading)
+    async def run(self) -> None:
+        # A connection per probe, closed after it: llama-server serves each open connection
+        # with one of its few HTTP threads (n_parallel + 2) for as long as it is kept alive,
+        # and a probe's kept connection took the thread a reclaim's erase was waiting for.
+        connector = aiohttp.TCPConnector(force_close=True, limit=1)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            while True:
+                await asyncio.sleep(self.settings.probe_seconds)
+                if not self._suspects:
+                    # Probed only while a suspect runs: llama-server 0.3.36, asked `/slots`
+                    # four times a second, cancelled a dropped request and erased its slot
+                    # seconds late (a reclaim's erase missed a 10 s deadline).
+                    self._last, self._over = None, 0
+                    continue
+                reading = await self._read(session)
+                if reading is not None:
+                    self.observe(reading)
 
 
 def _decoded(slots: Any) -> dict[int, int]:
