@@ -74,36 +74,56 @@ async def neighbour_rate(e: Engine) -> float:
     return float(reply["timings"]["predicted_per_second"])
 
 
-async def beside(e: Engine, mind_body: tuple[str, dict[str, Any]]) -> tuple[float, Any]:
-    """Ann's median rate over three requests while `mind_body` runs on mira's slot."""
-    path, body = mind_body
+async def beside(e: Engine, path: str, body: dict[str, Any]) -> tuple[float, Any]:
+    """Ann's rate over one request while mira's `body` runs on her slot (or was refused), and
+    mira's answer if she had one by then. Mira's request is ended before it returns."""
     running = asyncio.create_task(post(e, MIRA, path, body))
     await asyncio.sleep(0.3)  # hers is generating (or was answered at once)
-    rates = [await neighbour_rate(e) for _ in range(3)]
+    rate = await neighbour_rate(e)
     answer = await running if running.done() else None
     running.cancel()
-    return statistics.median(rates), answer
+    await asyncio.gather(running, return_exceptions=True)
+    # llama-server let go of hers (asked twice a second: asked /slots fifty times a second,
+    # llama-server 0.3.36 is slow to drop a request whose client left).
+    for _ in range(120):
+        if not await e.processing(0):
+            break
+        await asyncio.sleep(0.5)
+    return rate, answer
+
+
+def _best(rates: list[float]) -> float:
+    return statistics.median(sorted(rates)[-3:])
 
 
 def test_a_costly_grammar_leaves_her_neighbour_at_least_70_percent_of_her_rate(
-    llama_server_bin: Path,
-    model: TinyModel,
-    tmp_path: Path,
+    llama_server_bin: Path, model: TinyModel, tmp_path: Path
 ) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6000}
+    attacks = [
+        ("/completion", {**ORDINARY, "grammar": alternatives(50)}),
+        ("/completion", {**ORDINARY, "grammar": alternatives(400)}),
+        ("/v1/chat/completions", {**chat, "ignore_eos": True, "grammar": alternatives(400)}),
+    ]
 
     async def body(e: Engine) -> None:
-        ordinary, _ = await beside(e, ("/completion", ORDINARY))
-        attacks = [
-            ("/completion", {**ORDINARY, "grammar": alternatives(50)}),
-            ("/completion", {**ORDINARY, "grammar": alternatives(400)}),
-            ("/v1/chat/completions", {**chat, "ignore_eos": True, "grammar": alternatives(400)}),
-        ]
-        for attack in attacks:
-            rate, answer = await beside(e, attack)
-            assert rate >= 0.7 * ordinary, (attack[0], rate, ordinary)
-            assert answer is not None and answer[0] == 400  # refused at the door, named
-            assert "grammar" in str(answer[1])
+        # Rounds that alternate the ordinary neighbour and each attack, so that what the
+        # shared machine does to the timings falls on both sides. Her 64 tokens take about
+        # 30 ms, so another process taking the CPU for a moment cuts one rate tenfold: each
+        # side is read as the median of its best three of seven (what she gets when the
+        # machine lets her), which the stall (every request slowed ~70x) cannot reach.
+        ordinary: list[float] = []
+        attacked: dict[int, list[float]] = {i: [] for i in range(len(attacks))}
+        for _ in range(7):
+            ordinary.append((await beside(e, "/completion", ORDINARY))[0])
+            for i, (path, attack) in enumerate(attacks):
+                rate, answer = await beside(e, path, attack)
+                attacked[i].append(rate)
+                assert answer is not None and answer[0] == 400  # refused at the door, named
+                assert "grammar" in str(answer[1])
+        reference = _best(ordinary)
+        for i, rates in attacked.items():
+            assert _best(rates) >= 0.7 * reference, (attacks[i][0], rates, ordinary)
 
     run_engine(llama_server_bin, model, tmp_path, table(granted(MIRA, 0), granted(ANN, 1)), body)
 

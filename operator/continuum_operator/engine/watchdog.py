@@ -9,8 +9,9 @@ answers (`next_token[0].n_decoded`), are the step time every slot pays.
 
 A **suspect** is a request with a field whose cost grows per token
 (`request_cost.costly_fields`: grammar, schema, tools, logit_bias, DRY breakers). Each
-`probe_seconds` while one runs (only then: llama-server 0.3.36, asked `/slots` four times a
-second, dropped a cut request and erased its slot seconds late), the watchdog asks `/slots`
+`probe_seconds` (1 s) while one runs (only then, and no more often: llama-server 0.3.36, asked
+`/slots` four times a second, dropped a cut request and erased its slot seconds late), the
+watchdog asks `/slots`
 and takes the step time outside decoding (`step_seconds`): twice the probe's wait, and no less
 than the generating slots' seconds per token since the last probe, so a long prompt's decode
 (answered through) is not a stall. The reference is what sharing the engine costs anyway: the
@@ -73,8 +74,9 @@ class Cuttable(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class WatchdogSettings:
-    #: Seconds between probes of llama-server's `/slots`.
-    probe_seconds: float = 0.25
+    #: Seconds between probes of llama-server's `/slots` (asked four times a second,
+    #: llama-server 0.3.36 was seconds late dropping a request whose client left).
+    probe_seconds: float = 1.0
     #: How many times the reference step time counts as a stall.
     factor: float = 3.0
     #: The least reference step time (seconds per token): below it a stall is not told apart
