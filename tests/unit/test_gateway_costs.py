@@ -64,10 +64,10 @@ def test_a_grammar_that_would_stall_every_slot_is_refused_before_llama_server() 
 
 @dataclass(eq=False)
 class StallingLlama(FakeLlama):
-    """A stand-in whose loop stalls while a request with a grammar samples: `/slots` and an
-    erase are answered only between steps, as llama-server answers them, and a step takes
-    `step_seconds`; the stall goes on `after_cut` seconds after the request is cancelled (the
-    step it was inside)."""
+    """A stand-in whose loop stalls while a request (a completion or a chat) with a grammar
+    samples: `/slots` and an erase are answered only between steps, as llama-server answers
+    them, and a step takes `step_seconds`; the stall goes on `after_cut` seconds after the
+    request is cancelled (the step it was inside)."""
 
     step_seconds: float = 1.0
     after_cut: float = 0.0
@@ -81,6 +81,16 @@ class StallingLlama(FakeLlama):
         body = await request.json()
         if not body.get("grammar"):
             return await super().completion(request)
+        return await self.sample_until_cut(body)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("grammar"):
+            return await super().chat(request)
+        return await self.sample_until_cut(body)
+
+    async def sample_until_cut(self, body: dict[str, Any]) -> web.StreamResponse:
+        """A request with a grammar: it samples, stalling the loop, until it is cancelled."""
         self.requests.append(body)
         self.busy.add(body["id_slot"])
         self.n_past[body["id_slot"]] = 3
@@ -229,23 +239,6 @@ def test_a_costly_shape_is_refused_on_messages_and_responses_in_their_own_words(
     assert fake.requests == []
 
 
-@dataclass(eq=False)
-class StallingChat(StallingLlama):
-    """`StallingLlama`, its chats with a grammar stalling the loop as its completions do."""
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        if not body.get("grammar"):
-            return await super().chat(request)
-        self.requests.append(body)
-        self.sampling += 1
-        try:
-            await asyncio.sleep(3600)
-            raise AssertionError("not cut")
-        finally:
-            self.sampling -= 1
-
-
 def test_the_watchdog_cuts_a_message_and_a_response_and_says_why_in_their_words() -> None:
     async def body(e: Engine) -> None:
         headers = {MIND_HEADER: MIRA}
@@ -266,7 +259,7 @@ def test_the_watchdog_cuts_a_message_and_a_response_and_says_why_in_their_words(
         assert status == 409 and "grammar or schema" in reply["error"]["message"]
         assert e.gateway.watchdog.cuts == 2
 
-    engine(StallingChat(), table(granted(MIRA)), body, watchdog=QUICK)
+    engine(StallingLlama(), table(granted(MIRA)), body, watchdog=QUICK)
 
 
 def test_a_cut_stream_of_each_dialect_says_the_watchdogs_reason_and_what_to_change() -> None:
