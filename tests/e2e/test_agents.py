@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from continuum_operator.engine.admission import ServiceAccount, TableEntry
+from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from tests.e2e.llama_fixtures import TinyModel
@@ -151,7 +152,7 @@ def test_over_grant_queued_and_anothers_token_are_each_clients_own_errors(
         "ann-token": ServiceAccount("minds", "ann"),
     }
 
-    async def review(token: str) -> ServiceAccount | None:
+    async def review(token: str, caller: Caller | None = None) -> ServiceAccount | None:
         return tokens.get(token)
 
     async def body(e: Engine) -> None:

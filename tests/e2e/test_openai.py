@@ -31,6 +31,7 @@ from continuum_operator.engine.admission import (
 )
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
+from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
@@ -93,7 +94,7 @@ def run_engine(
     initial: GrantTable,
     body: Callable[[Engine], Awaitable[None]],
     args: Sequence[str] = ("-c", str(CTX), "--parallel", "2", "-t", "2"),
-    review_token: Callable[[str], Awaitable[ServiceAccount | None]] | None = None,
+    review_token: Callable[[str, Caller], Awaitable[ServiceAccount | None]] | None = None,
 ) -> None:
     launch = LaunchSettings(
         llama_server=str(llama_server_bin), model=model.path, args=tuple(args), port=0

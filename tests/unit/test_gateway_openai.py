@@ -26,6 +26,7 @@ from continuum_operator.engine.admission import (
     TableEntry,
 )
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 from tests.unit.fake_llama import FakeLlama, serve
@@ -61,7 +62,7 @@ def table(*entries: TableEntry) -> GrantTable:
     return GrantTable(512, entries={e.mind: e for e in entries})
 
 
-async def review(token: str) -> ServiceAccount | None:
+async def review(token: str, caller: Caller | None = None) -> ServiceAccount | None:
     return TOKENS.get(token)
 
 
@@ -379,7 +380,7 @@ class TestFindingAnOutageRefusedGoodTokens:
     def test_a_token_that_could_not_be_reviewed_is_a_503_to_send_again(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        async def unavailable(token: str) -> ServiceAccount | None:
+        async def unavailable(token: str, caller: Caller | None = None) -> ServiceAccount | None:
             raise ReviewUnavailable("the API server did not answer the review: refused")
 
         monkeypatch.setattr(sys.modules[__name__], "review", unavailable)

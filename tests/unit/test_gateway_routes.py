@@ -121,7 +121,7 @@ class TestThroughTheGateway:
             status, reply, _ = await rig.post(
                 "/tokenize", {"content": "w" * 300_000}, {MIND_HEADER: BOB}
             )
-            assert status == 400 and "bytes" in reply["message"]
+            assert status == 413 and "bytes" in reply["message"]  # the body limits' answer
             status, reply, _ = await rig.post("/tokenize", {"content": "a"}, {MIND_HEADER: "x/y"})
             assert status == 403
 

@@ -17,7 +17,7 @@ import pytest
 
 from continuum_operator.engine import token_review
 from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
-from continuum_operator.engine.token_review import TokenReviewer
+from continuum_operator.engine.token_review import Caller, TokenReviewer
 from tests.waiting import until
 
 AUDIENCE = "continuum.dev/engine/ml/coder"
@@ -94,23 +94,23 @@ def test_requests_of_one_token_in_flight_share_one_review() -> None:
     assert api.calls == ["good"]
 
 
-def test_too_many_tokens_waiting_are_turned_away_without_a_review() -> None:
+def test_a_stranger_waits_for_at_most_two_reviews_and_the_rest_are_turned_away() -> None:
     hold, api, reviewer = held()
 
     async def main() -> None:
+        stranger = Caller("10.0.0.9")
         waiting = [
-            asyncio.create_task(reviewer(f"garbage-{i}")) for i in range(token_review.MAX_WAITING)
+            asyncio.create_task(reviewer(f"garbage-{i}", stranger))
+            for i in range(token_review.STRANGER_PER_SOURCE)
         ]
-        await until(lambda: len(api.calls) == token_review.MAX_IN_FLIGHT)
-        await asyncio.sleep(0.05)
-        assert len(api.calls) == token_review.MAX_IN_FLIGHT  # the rest wait their turn
-        with pytest.raises(ReviewUnavailable, match="waiting already"):
-            await reviewer("one-more")
+        await until(lambda: len(api.calls) == token_review.STRANGER_PER_SOURCE)
+        with pytest.raises(ReviewUnavailable, match="wait for review already"):
+            await reviewer("one-more", stranger)
         hold.set()
-        assert await asyncio.gather(*waiting) == [None] * token_review.MAX_WAITING
+        assert await asyncio.gather(*waiting) == [None] * token_review.STRANGER_PER_SOURCE
 
     asyncio.run(main())
-    assert "one-more" not in api.calls and len(api.calls) == token_review.MAX_WAITING
+    assert "one-more" not in api.calls
 
 
 def test_an_api_server_that_does_not_answer_is_unavailable_and_not_kept() -> None:

@@ -61,7 +61,7 @@ from continuum_operator.engine.admission import (
 from continuum_operator.engine.gateway import admin_application, serve_app
 from continuum_operator.engine.grants_source import custom_objects as _custom_objects
 from continuum_operator.engine.openai_api import error_body, error_type
-from continuum_operator.engine.token_review import TokenReviewer
+from continuum_operator.engine.token_review import Caller, TokenReviewer, caller_of
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.base import GROUP, VERSION
 
@@ -84,7 +84,7 @@ RECEIPTS_KEPT = 4
 
 Publish = Callable[[dict[str, Any]], Awaitable[None]]
 #: Reviews a bearer token: the service account it belongs to, or None (`TokenReviewer`).
-Review = Callable[[str], Awaitable[ServiceAccount | None]]
+Review = Callable[[str, Caller], Awaitable[ServiceAccount | None]]
 
 
 class RuntimePhase(StrEnum):
@@ -364,6 +364,10 @@ class LaneRuntime:
             self._metrics, self._healthz, self._readyz, {"/v1/runtime": self._runtime}
         )
 
+    def _of_namespace(self, account: ServiceAccount) -> bool:
+        """Whether an account is of the lane's namespace (its callers': a lane, not access)."""
+        return self.door is not None and account.namespace == self.door.namespace
+
     async def _refused(self, request: web.Request) -> web.Response | None:
         """The answer to a caller the door does not let in, or None."""
         if self.door is None:
@@ -372,7 +376,9 @@ class LaneRuntime:
         token = token.strip()
         sent = scheme.lower() == "bearer" and bool(token)
         try:
-            account = await self.door.review(token) if sent else None
+            # Her namespace's tokens wait in a lane of their own (engine.token_review).
+            caller = caller_of(token, request.remote or "", self._of_namespace)
+            account = await self.door.review(token, caller) if sent else None
         except ReviewUnavailable as err:  # not judged: her client may send it again
             said = review_unavailable(str(err))  # the engine gateway's words and wait
             doc = _error(503, "ReviewUnavailable", str(said.body["message"]))

@@ -55,6 +55,15 @@ from continuum_operator.engine.admission import (
     still_reported,
     token_cap,
 )
+from continuum_operator.engine.body_limits import (
+    DEFAULT_CONNECTIONS,
+    LINGER_SECONDS,
+    BodyLimits,
+    BodyReader,
+    BodyRefused,
+    ConnectionLimits,
+    LimitedSite,
+)
 from continuum_operator.engine.dialects import (
     CHAT,
     DOORS,
@@ -72,8 +81,16 @@ from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from continuum_operator.engine.openai_api import prompt_bound
 from continuum_operator.engine.park import NotParked, Parked
 from continuum_operator.engine.parking import ParkStore, Resumed
+from continuum_operator.engine.request_cost import (
+    DEFAULT_BOUNDS,
+    CostBounds,
+    costly_fields,
+    request_cost_error,
+)
+from continuum_operator.engine.token_review import Caller, caller_of
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.engine.upstream import BadUpstreamRequest, UpstreamDown
+from continuum_operator.engine.watchdog import Watchdog, WatchdogSettings, cut_message
 from continuum_operator.model.mind import GrantState
 
 __all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
@@ -87,6 +104,9 @@ HEADERS_SECONDS = 10.0
 
 #: llama-server's error type for a prompt its slot cannot hold.
 EXCEEDS_CONTEXT = "exceed_context_size_error"
+
+#: The most bytes of a turn's opening body (`{"contextTokens": N}`).
+OPEN_TURN_BYTES = 4096
 
 #: Cut turns remembered to answer their late requests with `turn_cut` (oldest forgotten first).
 CUT_TURNS_KEPT = 1024
@@ -115,7 +135,7 @@ class GatewaySettings:
     #: Reviews a bearer token: the service account it belongs to, or None. None here: the
     #: X-Continuum-Mind header is believed, which only the unsafe local flag asks for
     #: (docs/gateway.md, "Who is asking").
-    review_token: Callable[[str], Awaitable[ServiceAccount | None]] | None = None
+    review_token: Callable[[str, Caller], Awaitable[ServiceAccount | None]] | None = None
     #: Seconds the gateway waits on a mind's connection to take a stream's last words (the
     #: cut event): a client that stops reading holds nothing of the engine past it.
     write_seconds: float = 2.0
@@ -126,6 +146,12 @@ class GatewaySettings:
     #: llama-server runs with `--context-shift`: a full slot shifts its context out instead of
     #: ending the generation, so the slot no longer bounds what she generates.
     context_shift: bool = False
+    #: How a body is read: its time, its size, what all bodies being read may hold.
+    body_limits: BodyLimits = field(default_factory=BodyLimits)
+    #: What one request's fields may cost the shared loop (engine.request_cost).
+    cost_bounds: CostBounds = DEFAULT_BOUNDS
+    #: The decode watchdog (engine.watchdog); None: off.
+    watchdog: WatchdogSettings | None = field(default_factory=WatchdogSettings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +163,9 @@ class SlotRelease:
     reason: str
     grant_since: str | None
     at: float
-    erased_tokens: int
+    #: None: llama-server had not erased it by the reclaim's deadline (erased before the next
+    #: holder's first request).
+    erased_tokens: int | None
     #: Her context parked before the erase (its tokens), or why it was not.
     parked_tokens: int = 0
     not_parked: str | None = None
@@ -220,6 +248,13 @@ class Gateway:
         self._flights_done = asyncio.Condition()
         # Turns cut lately (id -> mind, reason, by), to answer their late requests plainly.
         self._cut_turns: dict[str, tuple[str, str, str | None]] = {}
+        self.bodies = BodyReader(settings.body_limits)
+        self.watchdog = Watchdog(
+            lambda: self.settings.upstream,
+            settings.watchdog or WatchdogSettings(),
+            on_cut=self.metrics.turn_cut,
+        )
+        self._watching: asyncio.Task[None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -230,9 +265,13 @@ class Gateway:
         )
         await self.probe()
         self._health = asyncio.create_task(self._watch_health())
+        if self.settings.watchdog is not None:
+            self._watching = asyncio.create_task(self.watchdog.run())
 
     async def close(self) -> None:
-        tasks = [t for t in (self._health, *self._releasing.values()) if t is not None]
+        tasks = [
+            t for t in (self._health, self._watching, *self._releasing.values()) if t is not None
+        ]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -331,34 +370,31 @@ class Gateway:
             else (self.clock() + self.settings.grace_seconds)
         )
         try:
-            # Her requests were cut; they end as soon as llama-server lets go of them.
+            # Her requests were cut; each lands as soon as the gateway has let go of it. Her
+            # context is parked between the cut and the erase where the save can finish
+            # before the deadline (the park store's rule).
+            parked: Parked | NotParked = NotParked.NO_TIME
+            erased: int | None = None
             try:
                 async with asyncio.timeout(max(0.0, deadline - self.clock())):
                     async with self._flights_done:
                         await self._flights_done.wait_for(lambda: not self.flights.get(rel.mind))
+                    if self._still_reclaiming(rel):
+                        parked = await self._park(rel, deadline)
+                    erased = await self._erase_while_reclaiming(rel)
             except TimeoutError:
-                log.warning("%s's requests outlived the reclaim's deadline", rel.mind)
-                return
-            parked: Parked | NotParked | None = None
-            while True:
-                if not self._still_reclaiming(rel):
-                    return  # the operator moved on (forced at the deadline): nothing to report
-                if parked is None:
-                    parked = await self._park(rel, deadline)
-                try:
-                    erased = await self._erase(rel.slot)
-                    break
-                except UpstreamDown as err:
-                    if self.clock() >= deadline:
-                        log.warning(
-                            "slot %d of %s not erased by its deadline (%s); it is erased before "
-                            "its next holder's first request",
-                            rel.slot,
-                            rel.mind,
-                            err,
-                        )
-                        return
-                    await asyncio.sleep(self.settings.erase_retry_seconds)
+                # llama-server did not save or erase by the deadline (stalled, restarting): the
+                # release is recorded on time all the same, parked or not as the save went; the
+                # slot stays marked as holding her context, so it is erased before its next
+                # holder's first request.
+                log.warning(
+                    "slot %d of %s not erased by its deadline; released now, erased before its "
+                    "next holder's first request",
+                    rel.slot,
+                    rel.mind,
+                )
+            if not self._still_reclaiming(rel):
+                return  # the operator moved on (forced at the deadline): nothing to report
             record = SlotRelease(
                 rel.mind,
                 rel.slot,
@@ -394,6 +430,16 @@ class Gateway:
         except UpstreamDown as err:
             log.warning("slot %d of %s not parked: %s", slot, mind, err)
             return NotParked.SAVE_FAILED
+
+    async def _erase_while_reclaiming(self, rel: Release) -> int | None:
+        """Erase her slot, again while llama-server is down; None if the reclaim moved on."""
+        while self._still_reclaiming(rel):
+            try:
+                return await self._erase(rel.slot)
+            except UpstreamDown as err:
+                log.info("erase of slot %d failed (%s); trying again", rel.slot, err)
+                await asyncio.sleep(self.settings.erase_retry_seconds)
+        return None
 
     def _still_reclaiming(self, rel: Release) -> bool:
         e = self.table.entry(rel.mind) if self.table is not None else None
@@ -596,8 +642,27 @@ class Gateway:
         self.metrics.refused(Refusal.BAD_REQUEST)
         return self._reply(dialect.bad_request(param, message))
 
+    def _body_refused(self, refused: BodyRefused, dialect: Dialect = NATIVE) -> web.Response:
+        """A body the gateway would not read (`engine.body_limits`), in her API's words."""
+        if refused.status == 400:
+            return self._bad_request(dialect, "", refused.message)
+        adm = Admission(
+            Answer.REFUSE,
+            refused.status,
+            {"error": Refusal.BAD_REQUEST.value, "message": refused.message},
+            Refusal.BAD_REQUEST,
+            retry_after=refused.retry_after,
+        )
+        answer = self._answer(adm, dialect)
+        if refused.close:
+            answer.force_close()
+        return answer
+
     def _cut_body(self, flight: _Flight) -> dict[str, Any]:
-        return {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
+        body = {"error": Refusal.TURN_CUT.value, "reason": flight.reason, "by": flight.by}
+        if (message := cut_message(flight.reason)) is not None:
+            body["message"] = message  # the watchdog's cut: what to change
+        return body
 
     # --- routes -------------------------------------------------------------------------------
 
@@ -632,11 +697,17 @@ class Gateway:
         if review is None:
             return asked, None
         token = _token(request)
+        # Minds' tokens are reviewed in a lane of their own (engine.token_review).
+        caller = caller_of(token, request.remote or "", self._in_table)
         try:
-            account = await review(token) if token else None
+            account = await review(token, caller) if token else None
         except ReviewUnavailable as err:
             return asked, review_unavailable(str(err))
         return identify(asked, account)
+
+    def _in_table(self, account: ServiceAccount) -> bool:
+        """Whether the account's Mind has an entry in the grant table (a lane, not access)."""
+        return self.table is not None and self.table.entry(account.mind) is not None
 
     async def open_turn(self, request: web.Request) -> web.Response:
         mind, refused = await self._who(request)
@@ -644,10 +715,12 @@ class Gateway:
             return self._answer(refused)
         asked: int | None = None
         if request.can_read_body:
-            try:
-                body = await request.json()
-            except ValueError:
-                return self._refuse(Refusal.BAD_REQUEST, 400, {"message": "body is not JSON"})
+            early = self._admit_turn(mind, None)  # no body is read for whom it cannot serve
+            if early.answer is not Answer.ADMIT:
+                return self._answer(early)
+            body = await self.bodies.read_json(request, most=OPEN_TURN_BYTES)
+            if isinstance(body, BodyRefused):
+                return self._body_refused(body)
             raw = body.get("contextTokens") if isinstance(body, dict) else None
             if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 1):
                 return self._refuse(
@@ -747,16 +820,24 @@ class Gateway:
                 "places an embedding on any idle slot, not hers (it would overwrite another "
                 "mind's context): embed on an EmbedLane, or an engine of one slot",
             )
-        return dialect.forward(body)
+        fwd = dialect.forward(body)
+        # What it may cost the shared loop, judged on what llama-server would be sent: a
+        # Messages or Responses body is bounded as the chat it becomes.
+        if (costly := request_cost_error(fwd.body, self.settings.cost_bounds)) is not None:
+            raise Bad(costly.param, costly.message)
+        return fwd
 
     async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         mind, refused = await self._who(request)
         if refused is not None:
             return self._answer(refused, dialect)
-        try:
-            body = await request.json()
-        except ValueError:
-            return self._bad_request(dialect, "", "the body is not JSON")
+        # No body is read for whom the gateway cannot serve, and each under its limits.
+        early = self._admit(mind, request.headers.get(TURN_HEADER, ""))
+        if early.answer is not Answer.ADMIT:
+            return self._answer(early, dialect)
+        body = await self.bodies.read_json(request)
+        if isinstance(body, BodyRefused):
+            return self._body_refused(body, dialect)
         adm = self._admit(mind, request.headers.get(TURN_HEADER, ""))
         if adm.answer is not Answer.ADMIT:
             return self._answer(adm, dialect)
@@ -769,6 +850,7 @@ class Gateway:
         # Registered with no await since the admission: a reclaim from here on cuts it.
         flight = _Flight(mind, adm.slot, tokens)
         self.flights.setdefault(mind, set()).add(flight)
+        self.watchdog.watch(flight, costly_fields(fwd.body))  # cut if its sampling stalls the loop
         self.metrics.slot_busy(adm.slot, 1)
         started = time.monotonic()
         try:
@@ -791,6 +873,7 @@ class Gateway:
         flights = self.flights.get(flight.mind)
         if flights is None or flight not in flights:
             return
+        self.watchdog.forget(flight)
         self.metrics.slot_busy(flight.slot, -1)
         flights.discard(flight)
         if not flights:
@@ -1012,14 +1095,25 @@ def admin_application(
 
 
 async def serve_app(
-    app: web.Application, host: str, port: int, *, headers_seconds: float = HEADERS_SECONDS
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    headers_seconds: float = HEADERS_SECONDS,
+    connections: ConnectionLimits = DEFAULT_CONNECTIONS,
 ) -> tuple[web.AppRunner, str]:
     """Serve `app` as the gateway must be served: a mind hanging up cancels her request in
-    llama-server (`handler_cancellation`), and a connection that sends no whole request head
-    within `headers_seconds` is closed. Returns the runner and the bound address."""
-    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=headers_seconds)
+    llama-server (`handler_cancellation`), a connection that sends no whole request head
+    within `headers_seconds` is closed, and connections are bounded per source address and in
+    all (`connections`). Returns the runner and the bound address."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        keepalive_timeout=headers_seconds,
+        lingering_time=LINGER_SECONDS,  # a body left unread is drained this long, no longer
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = LimitedSite(runner, host, port, connections)
     await site.start()
     server = site._server
     sockets = getattr(server, "sockets", None) or []
@@ -1045,10 +1139,13 @@ async def _passed(lock: asyncio.Lock) -> None:
 
 
 def _cut_event(flight: _Flight, dialect: Dialect) -> bytes:
-    """The last event of a stream the reclaim ended: says why (the clients raise it)."""
+    """The last event of a stream the reclaim or the watchdog ended: says why (the clients
+    raise it), and what to change where the watchdog cut it."""
     by = f" by {flight.by}" if flight.by else ""
     message = f"turn cut: the grant is being reclaimed ({flight.reason}{by})"
-    extra = {"reason": flight.reason, "by": flight.by}
+    extra: dict[str, Any] = {"reason": flight.reason, "by": flight.by}
+    if (watchdog := cut_message(flight.reason)) is not None:
+        message = extra["message"] = watchdog  # what to change, not a reclaim
     return dialect.stream_error(Refusal.TURN_CUT.value, message, extra)
 
 

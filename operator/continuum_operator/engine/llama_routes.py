@@ -16,6 +16,7 @@ from aiohttp import web
 
 from continuum_operator.core.grants import GrantReason
 from continuum_operator.engine.admission import Admission, Refusal
+from continuum_operator.engine.body_limits import BodyRefused
 from continuum_operator.engine.dialects import MESSAGES, NATIVE, RESPONSES, Bad, Dialect
 from continuum_operator.engine.dialects.anthropic import check_count as messages_count
 from continuum_operator.engine.dialects.responses import check_count as responses_count
@@ -83,16 +84,12 @@ class LlamaRoutes:
         return mind
 
     async def _body(self, request: web.Request, dialect: Dialect) -> bytes | web.Response:
-        if (request.content_length or 0) > UTILITY_BODY_BYTES:
-            return self._too_large(dialect)
-        raw = await request.content.read(UTILITY_BODY_BYTES + 1)
-        if len(raw) > UTILITY_BODY_BYTES:
-            return self._too_large(dialect)
+        """Her body, read under the gateway's body limits (its time, the budget of all bodies
+        being read) and this route's own bound, the smaller."""
+        raw = await self.gateway.bodies.read(request, most=UTILITY_BODY_BYTES)
+        if isinstance(raw, BodyRefused):
+            return self.gateway._body_refused(raw, dialect)
         return raw
-
-    def _too_large(self, dialect: Dialect) -> web.Response:
-        message = f"the body is over {UTILITY_BODY_BYTES} bytes (this route's bound)"
-        return self.gateway._bad_request(dialect, "", message)
 
     def _down(self, dialect: Dialect) -> web.Response:
         return self.gateway._refuse(

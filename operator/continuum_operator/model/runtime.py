@@ -55,7 +55,10 @@ class SlotReleaseStatus(Spec):
     reason: str = Field(max_length=64, description="Why it was reclaimed, as her entry said.")
     grant_since: str | None = nullable("The reclaim's `since` in the ledger (RFC 3339).")
     at: str = Field(max_length=64, description="When the slot was released (RFC 3339).")
-    erased_tokens: int = Field(ge=0, description="Tokens of her context erased from the slot.")
+    erased_tokens: int | None = nullable(
+        "Tokens of her context erased from the slot; null: llama-server had not erased it by "
+        "the reclaim's deadline (the gateway erases it before its next holder's first request)."
+    )
     parked_tokens: Tokens | None = nullable(
         "Tokens of her context saved to the park store before the erase (0: not parked)."
     )

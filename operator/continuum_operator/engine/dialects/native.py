@@ -81,5 +81,8 @@ class Native(PassThrough):
 
     def stream_error(self, kind: str, message: str, extra: dict[str, Any]) -> bytes:
         if "reason" in extra:  # a cut: its reason, as the turn protocol's answers say it
-            return sse({"error": {"type": kind, "reason": extra["reason"]}})
+            event = {"type": kind, "reason": extra["reason"]}
+            if "message" in extra:  # the watchdog's cut: what to change
+                event["message"] = extra["message"]
+            return sse({"error": event})
         return sse({"error": {"code": extra.get("code"), "message": message, "type": kind}})
