@@ -44,8 +44,9 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# --durations: the slowest tests named in every run, to keep a warm `make test` under 30 minutes.
 unit: venv
-	$(VENV)/bin/pytest -q -m 'not e2e' tests
+	$(VENV)/bin/pytest -q --durations=15 -m 'not e2e' tests
 
 # The chart's images for the real node's tests (tools/images: cached by a digest of their inputs,
 # so they are built again only when the package, a Dockerfile or llama.cpp changed).
@@ -53,7 +54,7 @@ images:
 	tools/images build
 
 e2e: venv images
-	$(VENV)/bin/pytest -q -m e2e tests
+	$(VENV)/bin/pytest -q --durations=30 -m e2e tests
 
 # The chart carries byte-for-byte copies of crds/ (tests/unit/test_chart.py checks the drift).
 crds: venv

@@ -145,8 +145,8 @@ def test_a_slow_body_is_answered_408_and_closed_at_the_limit() -> None:
     limits = BodyLimits(seconds=1.0)
 
     async def body(door: Door) -> None:
-        for path, auth in BODY_ROUTES:
-            await slow(door, path, auth)
+        # Every route at once (each is timed from its own start): 7 in a row took 21 s.
+        await asyncio.gather(*(slow(door, path, auth) for path, auth in BODY_ROUTES))
 
     async def slow(door: Door, path: str, auth: str) -> None:
         reader, writer = await send_head(door, mira, 1000, path, auth)
