@@ -519,7 +519,8 @@ def identify(asked_mind: str, account: ServiceAccount | None) -> tuple[str, Admi
             401,
             {
                 "message": "send the mind's service account token, projected with this "
-                "engine's audience, as Authorization: Bearer (the OpenAI client's API key)"
+                "engine's audience, as Authorization: Bearer (the OpenAI client's API key) "
+                "or x-api-key (the Anthropic client's)"
             },
         )
     if asked_mind and asked_mind != account.mind:

@@ -838,6 +838,8 @@ class Gateway:
         body = await self.bodies.read_json(request)
         if isinstance(body, BodyRefused):
             return self._body_refused(body, dialect)
+        # Admitted again: the table may have changed while the body was read (an await), and
+        # from this admission to the flight's registration nothing awaits.
         adm = self._admit(mind, request.headers.get(TURN_HEADER, ""))
         if adm.answer is not Answer.ADMIT:
             return self._answer(adm, dialect)
