@@ -1,4 +1,4 @@
-"""Memory the operator's caches hold for many Minds and Engines, kept (`kube.kept`) or whole.
+"""Memory the operator's caches hold for many Minds and Engines, kept (`kube.client.kept`) or whole.
 
     python bench/cache_memory.py [--minds 10000] [--engines 2000] [--annotation-bytes 0]
 
@@ -32,9 +32,9 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "operator"))
 
-from continuum_operator.kube import cache as engine_cache  # noqa: E402
-from continuum_operator.kube import mind_cache  # noqa: E402
-from continuum_operator.kube.kept import LAST_APPLIED  # noqa: E402
+from continuum_operator.kube.client.kept import LAST_APPLIED  # noqa: E402
+from continuum_operator.kube.state import cache as engine_cache  # noqa: E402
+from continuum_operator.kube.state import mind_cache  # noqa: E402
 
 MiB = 2**20
 TIME = "2026-12-04T10:00:00Z"
@@ -157,7 +157,7 @@ def main() -> int:
         before, _ = held(lambda: fill_caches(minds, engines))
     after, _ = held(lambda: fill_caches(minds, engines))
     print(f"caches holding every field:       {before / MiB:8.1f} MiB")
-    print(f"caches as kept (kube.kept):       {after / MiB:8.1f} MiB")
+    print(f"caches as kept (kube.client.kept):       {after / MiB:8.1f} MiB")
     print(f"ratio: {before / after:.2f}x less; per Mind and Engine "
           f"{before / (args.minds + args.engines):,.0f} -> "
           f"{after / (args.minds + args.engines):,.0f} bytes")  # fmt: skip

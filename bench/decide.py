@@ -4,17 +4,19 @@ passes as they run now (only what changed decided) and as every pass ran before 
 `bench/scale.py --decide-only` runs `run` and prints its figures; tests/unit/test_scale_paths.py
 runs it at a tiny size and checks that a pass at rest decides fewer engines than a full pass.
 
-1. The plan loop (`kube.loop.Loop.pass_once`, on a real `kube.cache.Cache`): placing every
+1. The plan loop (`kube.engines.loop.Loop.pass_once`, on a real `kube.state.cache.Cache`): placing
+every
    engine; a pass at rest (nothing changed); a pass after one NodeBoard changed; a pass after
    one Engine's spec changed; a full pass (every engine decided, as every pass was before the
    dirty set; the loop runs one every `full_resync_seconds`).
-2. The grants loop (`kube.minds.GrantsLoop.pass_once`, on `kube.kernel` too) over the engines
+2. The grants loop (`kube.grants.loop.GrantsLoop.pass_once`, on `kube.base.kernel` too) over the
+engines
    the plan loop placed:
    the first pass, granting every Mind; a pass after one Mind created; a pass with nothing
    changed; a full pass (every engine's ledger stepped, as every pass was before).
 
 CPU is `time.process_time` around the pass alone: every thread of this process (the loops' API
-calls are awaited on the event loop, `kube.async_api`'s surface over the in-memory server
+calls are awaited on the event loop, `kube.client.async_api`'s surface over the in-memory server
 (`tests.fakes.Awaited`), whose work is included).
 The watch events that the writes cause (their echoes) are handed to the caches between passes,
 as kopf would, untimed. A grants pass here waits for the Mind writes (projections, finalizers)
@@ -38,15 +40,15 @@ from bench.scale import KINDS, _engine, _nodes
 from tests.fakes import Awaited
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
-from continuum_operator.kube.api import ApiError, crd_path, path_of
-from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, EngineKey
-from continuum_operator.kube.grant_settings import GrantSettings
-from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.merge_patch import merge_patch
-from continuum_operator.kube.mind_cache import MindCache
-from continuum_operator.kube.minds import GrantsLoop
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base.grant_settings import GrantSettings
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.client.api import ApiError, crd_path, path_of
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.client.merge_patch import merge_patch
+from continuum_operator.kube.engines.loop import Loop
+from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.state.cache import Cache, EngineKey
+from continuum_operator.kube.state.mind_cache import MindCache
 
 NS = "ns"
 CLASSES = (("low", 0), ("mid", 5), ("high", 10))
@@ -245,7 +247,7 @@ def run(
         out(f"  {what}: {f.cpu_s * 1000:.0f} ms CPU, {f.decided} engines decided, "
             f"{f.written} writes")  # fmt: skip
 
-    out(f"plan loop (kube.loop.Loop.pass_once), {nodes} nodes, {engines} engines:")
+    out(f"plan loop (kube.engines.loop.Loop.pass_once), {nodes} nodes, {engines} engines:")
     plan("placing every engine")
     passes = settle()
     placed = [b for b in cache.engines.values() if (b.get("status") or {}).get("placement")]
@@ -266,7 +268,7 @@ def run(
     plan("the full pass (every engine decided, as every pass was before)")
 
     # The grants loop, over the engines as the plan loop left them.
-    out(f"grants loop (kube.minds.GrantsLoop.pass_once), {engines} engines, {minds} minds:")
+    out(f"grants loop (kube.grants.loop.GrantsLoop.pass_once), {engines} engines, {minds} minds:")
     with tempfile.TemporaryDirectory(prefix="bench-decide-") as tmp:
         glog = Path(tmp) / "transitions.jsonl"
         grants, mcache = _grants_world(api, cache, glog, minds, engines, clock)

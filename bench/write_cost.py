@@ -49,7 +49,7 @@ from bench.kube_bench import (
 )
 from kubernetes import client, config
 
-from continuum_operator.kube.ledger import LEDGER_FIELDS
+from continuum_operator.kube.ledger.grant_ledger import LEDGER_FIELDS
 
 DATA = ROOT / "bench/data"
 Write = Callable[[str, dict[str, Any], int], dict[str, Any]]
@@ -66,7 +66,7 @@ def _changed_ledger(status: dict[str, Any], i: int) -> dict[str, Any]:
 
 def _as_ledger(engine: Mapping[str, Any]) -> dict[str, Any]:
     """The GrantLedger of a captured Engine: the part of its status the grants loop writes
-    (`kube.ledger.LEDGER_FIELDS`), in an object of its own."""
+    (`kube.ledger.grant_ledger.LEDGER_FIELDS`), in an object of its own."""
     status = {k: v for k, v in (engine.get("status") or {}).items() if k in LEDGER_FIELDS}
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GrantLedger",
             "metadata": dict(engine["metadata"]), "status": status}  # fmt: skip

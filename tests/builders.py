@@ -67,7 +67,7 @@ def engine(body: dict[str, Any]) -> Engine:
 
 def ledger_path(ns: str, name: str) -> str:
     """Where a fake API server keeps an Engine's GrantLedger (its path, as the operator's)."""
-    from continuum_operator.kube.api import crd_path
+    from continuum_operator.kube.client.api import crd_path
     from continuum_operator.model.grant_ledger import GrantLedger
 
     return crd_path(GrantLedger.PLURAL, ns, name)
@@ -76,8 +76,8 @@ def ledger_path(ns: str, name: str) -> str:
 def split_ledger(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """An Engine body a test wrote with its ledger in its status (as the operator's cache merges
     it), split into the Engine as stored and its GrantLedger (None: no ledger field in it)."""
-    from continuum_operator.kube.ledger import LEDGER_FIELDS
-    from continuum_operator.kube.ledger_object import engine_only
+    from continuum_operator.kube.ledger.cached import engine_only
+    from continuum_operator.kube.ledger.grant_ledger import LEDGER_FIELDS
 
     fields = {k: v for k, v in (body.get("status") or {}).items() if k in LEDGER_FIELDS}
     if not fields:

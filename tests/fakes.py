@@ -1,6 +1,6 @@
 """Test doubles shared by the unit tests: one API server in memory (`FakeKubeApi`).
 
-It answers the calls `kube.api.KubeApi` makes (`request`, `merge_patch`, `apply`, `create`,
+It answers the calls `kube.client.api.KubeApi` makes (`request`, `merge_patch`, `apply`, `create`,
 `delete`, `text`) on objects kept by their REST path, as the API server does in the ways the
 operator relies on: 404 for what is not there, a write carrying a stale `resourceVersion` refused
 with 409, every write bumping the object's `resourceVersion`, lists by label and by page. Each
@@ -9,8 +9,8 @@ call is logged (`calls`) for the tests' assertions.
 A test that needs the server to do something else (a flaky write, pods that go while it waits)
 subclasses it; an API of another shape (the node agent's, a TokenReview client) is not this one.
 
-The loops take the async adapter (`kube.async_api.AsyncKubeApi`): `Awaited` is its surface over
-this one's (or any object with `KubeApi`'s calls: the benches' server in memory), each call
+The loops take the async adapter (`kube.client.async_api.AsyncKubeApi`): `Awaited` is its surface
+over this one's (or any object with `KubeApi`'s calls: the benches' server in memory), each call
 answered at once on the event loop, as a fast server would; `FakeKubeApi.aio` is it.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from continuum_operator.kube.api import ApiError, path_of
+from continuum_operator.kube.client.api import ApiError, path_of
 from continuum_operator.model.base import API_VERSION
 
 __all__ = ["Awaited", "Call", "FakeKubeApi", "collection_path", "object_path"]
@@ -43,7 +43,8 @@ class Call:
     status: int = 200
 
 
-#: The plurals of kinds `kube.api.path_of` does not name (it names those the operator builds).
+#: The plurals of kinds `kube.client.api.path_of` does not name (it names those the operator
+# builds).
 PLURALS = {
     "Pod": "pods",
     "Engine": "engines",
@@ -123,7 +124,7 @@ def _merge_into(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
 
 
 class Awaited:
-    """`kube.async_api.AsyncKubeApi`'s surface over a double's blocking calls: each awaited
+    """`kube.client.async_api.AsyncKubeApi`'s surface over a double's blocking calls: each awaited
     call is the double's, answered at once on the event loop (no thread, no await inside), so
     what the double does (its store, its log of calls, a subclass's failures) is the answer."""
 

@@ -35,8 +35,8 @@ from continuum_operator.embed import runtime as embed_runtime
 from continuum_operator.engine import runtime as engine_runtime
 from continuum_operator.engine import turn as turn_cli
 from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
-from continuum_operator.kube import release as release_cli
-from continuum_operator.kube import run as operator_cli
+from continuum_operator.kube.process import release as release_cli
+from continuum_operator.kube.process import run as operator_cli
 from continuum_operator.manifests import ManifestError, load_all, load_one
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import Engine

@@ -86,7 +86,7 @@ def decide(
     others: Sequence[Engine],
     receipts: Sequence[Receipt] = (),
 ) -> Decision:
-    """The operator's placement decision (`kube.reconcile`'s `place`) on these files."""
+    """The operator's placement decision (`kube.engines.reconcile`'s `place`) on these files."""
     facts = engine.spec.model.facts
     assert facts is not None  # checked by the caller
     me = (engine.metadata.namespace, engine.metadata.name)

@@ -35,7 +35,7 @@ from continuum_operator.cli_place import PlaceError, load_boards
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.pools import Board
 from continuum_operator.core.replan import ACCEPT_ANNOTATION, plan_id, replan
-from continuum_operator.kube.runtime_report import receipts_of
+from continuum_operator.kube.engines.runtime_report import receipts_of
 from continuum_operator.manifests import ManifestError, load_all
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import Engine

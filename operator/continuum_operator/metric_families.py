@@ -1,6 +1,6 @@
 """Prometheus metric families declared as data: one place that creates them on a registry.
 
-Each component's metrics (`kube.metrics`, `kube.pool_metrics`, `agent.metrics`,
+Each component's metrics (`kube.base.metrics`, `kube.engines.pool_metrics`, `agent.metrics`,
 `engine.metrics`, `embed.metrics`) is a `MetricSet`: a dataclass whose class attributes are
 `Family` declarations (the family's type, name, help text, label names, for a histogram its
 buckets, and the series present from the start). Building one creates every family it declares

@@ -4,8 +4,8 @@ docs/design.md rule 8: processes a mind spawns inside its pod run at the OS's lo
 priority, so they never starve the engine yet still use every idle core: nice 19 on Unix,
 IDLE_PRIORITY_CLASS on Windows, and elsewhere the parent's class (nothing to lower to that
 psutil knows). Mind runtimes run every child through it; the children's webhook
-(`kube.webhook`) marks a mind's child pods with `CONTINUUM_PROCESS_CLASS=background`, which is
-this command's default class when no `--class` is given.
+(`kube.children.webhook`) marks a mind's child pods with `CONTINUUM_PROCESS_CLASS=background`, which
+is this command's default class when no `--class` is given.
 
 How all descendants are reached: the runner lowers itself before it starts CMD, so CMD and
 everything CMD starts inherit the class (Unix nice values and Windows' idle class are both
@@ -15,7 +15,7 @@ so), and on Linux any that started a session of its own, whose autogroup it lowe
 as well (with autogroups, nice ranks a process only among its own session's). Signals it
 receives (TERM, INT, HUP) are passed to CMD; its exit status is CMD's.
 
-Outside the pure core: it uses psutil. Neighbours: `cli` (registers `run`), `kube.webhook`.
+Outside the pure core: it uses psutil. Neighbours: `cli` (registers `run`), `kube.children.webhook`.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from continuum_operator.agent import nvml
 from continuum_operator.agent.run import Agent, AgentSettings
 from continuum_operator.agent.writer import AgentApi, connect
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name, node_of_lease
-from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.placed_pods import PlacedPods
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.nodes.placed_pods import PlacedPods
+from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.board import NodeBoard, NodeBoardStatus
 from continuum_operator.testing.fake_nvml import FakeNvml
 from tests.e2e.conftest import ROOT, Cluster

@@ -24,11 +24,12 @@ import yaml
 
 from continuum_operator import yaml_text
 from continuum_operator.core.heartbeat import NODE_ANNOTATION, lease_name, node_of_lease
-from continuum_operator.kube import engine_identity, facts_job, lane_objects, objects
-from continuum_operator.kube.children import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
-from continuum_operator.kube.leader import WALL_CLOCK_OFFSET_ENV
-from continuum_operator.kube.priority_classes import priority_classes
-from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.base.settings import PodSettings
+from continuum_operator.kube.children.membership import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
+from continuum_operator.kube.process.leader import WALL_CLOCK_OFFSET_ENV
+from continuum_operator.kube.workloads import engine_identity, facts_job, lane_objects
+from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
 from tests.e2e.conftest import Cluster

@@ -21,8 +21,13 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube.children import BACKGROUND, CLASS_ANNOTATION, CLASS_ENV, MIND_LABEL
-from continuum_operator.kube.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.children.membership import (
+    BACKGROUND,
+    CLASS_ANNOTATION,
+    CLASS_ENV,
+    MIND_LABEL,
+)
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.llama_fixtures import free_port
 from tests.e2e.test_operator import scrape_metric

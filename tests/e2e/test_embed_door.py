@@ -178,8 +178,8 @@ def test_the_lanes_identity_and_network_policy_are_accepted_and_let_it_review_to
     """What the operator applies for a lane, applied to the real API server: its
     ServiceAccount may create TokenReviews (through system:auth-delegator) and could not
     before; the NetworkPolicy is a valid one admitting the lane's namespace."""
-    from continuum_operator.kube import lane_objects
-    from continuum_operator.kube.settings import PodSettings
+    from continuum_operator.kube.base.settings import PodSettings
+    from continuum_operator.kube.workloads import lane_objects
     from continuum_operator.model.embedlane import EmbedLane
 
     lane = EmbedLane.model_validate(

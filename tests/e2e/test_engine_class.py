@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from continuum_operator import yaml_text
-from continuum_operator.kube.children import MIND_LABEL
-from continuum_operator.kube.priority_classes import priority_classes
-from continuum_operator.kube.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.children.membership import MIND_LABEL
+from continuum_operator.kube.workloads.priority_classes import priority_classes
 from tests.e2e.conftest import Cluster
 from tests.e2e.llama_fixtures import free_port
 from tests.e2e.test_boundaries import (

@@ -20,7 +20,7 @@ from continuum_operator.engine import grants_source
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.gateway import SlotRelease
 from continuum_operator.engine.grants_source import EngineStatusWriter, watch_ledger
-from continuum_operator.kube import ledger_object
+from continuum_operator.kube.ledger import cached as ledger_object
 from continuum_operator.model.mind import GrantState
 from tests.e2e.conftest import Cluster
 from tests.waiting import until
@@ -354,8 +354,9 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
     kind before; it may read its own GrantLedger and write no ledger (RBAC is the ledger's
     guard: the operator writes it alone); the NetworkPolicy is a valid one admitting the
     namespaces it names."""
-    from continuum_operator.kube import engine_identity, objects
-    from continuum_operator.kube.settings import PodSettings
+    from continuum_operator.kube.base.settings import PodSettings
+    from continuum_operator.kube.workloads import engine_identity
+    from continuum_operator.kube.workloads import engine_objects as objects
     from continuum_operator.model.engine import Engine
 
     doc = _engine(namespace)

@@ -451,7 +451,7 @@ def crash_points_documented() -> set[str]:
 
 
 def test_every_crash_point_is_documented() -> None:
-    from continuum_operator.kube.crash import CrashPoint
+    from continuum_operator.kube.base.crash import CrashPoint
 
     assert {p.value for p in CrashPoint} == set(CRASH_POINTS)
     assert crash_points_documented() == set(CRASH_POINTS)

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from continuum_operator.core.heartbeat import (
     agent_lease_metadata,
 )
-from continuum_operator.kube.facts_job import source_key
+from continuum_operator.kube.workloads.facts_job import source_key
 from continuum_operator.manifests import parse
 from continuum_operator.model.engine import Engine
 from tests.e2e.conftest import ROOT, Cluster

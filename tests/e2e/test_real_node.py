@@ -31,7 +31,7 @@ import pytest
 
 from continuum_operator import yaml_text
 from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION
+from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from continuum_operator.testing.mind_pod import mind_pod, service_account
 from tests.e2e.conftest import CLUSTER_SCRIPT, ROOT, Cluster
 from tests.helm import CHART, find_helm, helm

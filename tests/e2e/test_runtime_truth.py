@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION
+from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from tests.e2e import test_operator as base
 from tests.e2e.conftest import Cluster
 from tests.e2e.test_operator import (

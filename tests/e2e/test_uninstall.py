@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from continuum_operator.kube.mind_writes import FINALIZER
+from continuum_operator.kube.grants.mind_writes import FINALIZER
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.test_operator import wait_for
 

@@ -49,7 +49,7 @@ LABEL = ("continuum.dev/e2e-upgrade", uuid.uuid4().hex[:10])
 NEW_PLANNER = """
 import sys
 import continuum_operator.cli as cli
-import continuum_operator.kube.run
+import continuum_operator.kube.process.run
 from continuum_operator.core import plan as core_plan
 
 original = core_plan.plan

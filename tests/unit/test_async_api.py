@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.async_api import AsyncKubeApi, login
+from continuum_operator.kube.client.api import ApiError
+from continuum_operator.kube.client.async_api import AsyncKubeApi, login
 
 TOKEN = "the-token"
 

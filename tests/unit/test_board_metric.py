@@ -9,11 +9,11 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
-from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, format_time
-from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.metrics import OperatorMetrics
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base.metrics import OperatorMetrics
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.engines.loop import Loop
+from continuum_operator.kube.state.cache import Cache, format_time
 from tests import builders
 
 NOW = 1_800_000_000.0

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 from continuum_operator.core.heartbeat import agent_lease_metadata
-from continuum_operator.kube.cache import Cache, format_time
-from continuum_operator.kube.occupancy import lease_is_fresh
+from continuum_operator.kube.state.cache import Cache, format_time
+from continuum_operator.kube.state.occupancy import lease_is_fresh
 
 NOW = 1_800_000_000.0
 TTL = 40
@@ -82,7 +82,7 @@ def test_a_lease_claiming_a_duration_of_years_is_stale_past_the_operators_longes
 
 
 def test_the_longest_a_lease_vouches_for_is_an_operator_setting() -> None:
-    from continuum_operator.kube.run import settings_from
+    from continuum_operator.kube.process.run import settings_from
 
     args = _parse(["--board-max-ttl", "120"])
     assert settings_from(args).freshness.max_ttl_seconds == 120.0
@@ -90,7 +90,7 @@ def test_the_longest_a_lease_vouches_for_is_an_operator_setting() -> None:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from continuum_operator.kube.run import add_arguments
+    from continuum_operator.kube.process.run import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

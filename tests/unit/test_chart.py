@@ -19,8 +19,10 @@ import pytest
 import yaml
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube import engine_identity, lane_objects, mind_writes, objects
-from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.base.settings import PodSettings
+from continuum_operator.kube.grants import mind_writes
+from continuum_operator.kube.workloads import engine_identity, lane_objects
+from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.embedlane import EmbedLane
 from tests import builders
 from tests.helm import CHART, ROOT, by_kind, documents, find_helm, helm, one, template
@@ -249,8 +251,8 @@ def test_the_webhook_configuration_names_the_charts_service_unless_a_url_is_aske
 ) -> None:
     """Managed API servers may not resolve cluster DNS: by default the operator installs a
     clientConfig.service reference to the Service the chart made (its namespace, name, port)."""
-    from continuum_operator.kube import webhook
-    from continuum_operator.kube.run import settings_from
+    from continuum_operator.kube.children import webhook
+    from continuum_operator.kube.process.run import settings_from
 
     args = _parse(_container(one(custom_docs, "Deployment", "-operator"))["args"])
     children = settings_from(args).children
@@ -474,8 +476,8 @@ def test_the_operator_holds_every_right_it_grants_engine_and_lane_pods(
 
 def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
     """Every namespaced object the operator makes for an Engine and for an EmbedLane."""
-    from continuum_operator.kube import facts_job
-    from continuum_operator.kube.settings import GpuClaims
+    from continuum_operator.kube.base.settings import GpuClaims
+    from continuum_operator.kube.workloads import facts_job
 
     engine, p = builders.engine_planned_on_a_gpu()
     pods = PodSettings()
@@ -565,7 +567,7 @@ def test_the_docs_print_the_operators_rules_from_the_chart_instead_of_a_list_of_
 def test_the_operator_may_write_the_gpu_claim_templates_it_makes_with_dra_and_nothing_more(
     default_docs: list[dict[str, Any]],
 ) -> None:
-    from continuum_operator.kube.settings import GpuClaims, PodSettings
+    from continuum_operator.kube.base.settings import GpuClaims, PodSettings
 
     rules = one(default_docs, "ClusterRole", "-operator")["rules"]
     engine = builders.engine(builders.engine_body())
@@ -650,9 +652,9 @@ def test_uninstall_runs_release_finalizers_as_a_pre_delete_hook_with_its_own_rig
 ) -> None:
     """The hook Job stops the operator, then takes the grant finalizer off every Mind: its
     arguments are flags the command accepts naming the chart's Deployment, and its
-    ServiceAccount's rights cover exactly what `kube.release` calls. All of it is a hook
+    ServiceAccount's rights cover exactly what `kube.process.release` calls. All of it is a hook
     resource, made before the Job and deleted once it succeeded."""
-    from continuum_operator.kube import release
+    from continuum_operator.kube.process import release
 
     hooks = [
         d for d in default_docs if (d["metadata"].get("annotations") or {}).get("helm.sh/hook")
@@ -834,7 +836,7 @@ def test_bad_values_are_refused_by_the_schema_with_the_fields_path(
             "must exceed agent.intervalSeconds",
         ),
         (
-            # The leader stops writing 2 s before its Lease may be taken (kube/leader.py).
+            # The leader stops writing 2 s before its Lease may be taken (kube/process/leader.py).
             {"operator": {"leaderElection": {"leaseDurationSeconds": 15, "renewSeconds": 20}}},
             "operator.leaderElection.renewSeconds (20) must be under "
             "operator.leaderElection.leaseDurationSeconds (15) less the leader's margin of 2 s",
@@ -854,9 +856,9 @@ def test_values_the_schema_cannot_judge_alone_fail_with_a_sentence(
 
 
 def test_the_chart_and_the_operator_refuse_the_same_leader_timings(helm_bin: Path) -> None:
-    """The chart's check and the operator's (kube/grant_settings.py) agree at the edge: a
+    """The chart's check and the operator's (kube/base/grant_settings.py) agree at the edge: a
     release the chart renders starts, one it refuses would not."""
-    from continuum_operator.kube.grant_settings import leader_settings
+    from continuum_operator.kube.base.grant_settings import leader_settings
 
     for duration, renew in [(15, 12.9), (15, 13), (6, 4.79), (6, 4.8), (1, 0.79), (1, 0.8)]:
         values = {

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from continuum_operator.kube.grant_settings import LeaderSettings
-from continuum_operator.kube.leader import Elector, lead
+from continuum_operator.kube.base.grant_settings import LeaderSettings
+from continuum_operator.kube.process.leader import Elector, lead
 from tests.fakes import FakeKubeApi
 from tests.helm import CHART, by_kind, documents, find_helm, helm, one, template
 
@@ -105,7 +105,7 @@ def test_the_notes_name_the_examples_namespace_and_how_to_see_an_operator_lead(
 def test_the_log_line_the_notes_name_is_written_without_an_election(
     helm_bin: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """kube/leader.py logged `leading as` only when it won an election: a single replica
+    """kube/process/leader.py logged `leading as` only when it won an election: a single replica
     without one, sent by NOTES.txt to grep for it, found nothing and looked idle."""
     single = notes(helm_bin, **{"operator.replicas": 1, "operator.leaderElection.enabled": "false"})
     wanted = re.search(r"grep '([^']+)'", single)
@@ -154,8 +154,9 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
     """docs/install.md promised that imagePullSecrets reach the engine pods; the operator has no
     such flag and its pods run in each Engine's namespace, where the Secret does not exist."""
     from continuum_operator.cli import build_parser
-    from continuum_operator.kube import facts_job, lane_objects, objects
-    from continuum_operator.kube.run import settings_from
+    from continuum_operator.kube.process.run import settings_from
+    from continuum_operator.kube.workloads import engine_objects as objects
+    from continuum_operator.kube.workloads import facts_job, lane_objects
     from continuum_operator.model.embedlane import EmbedLane
     from tests import builders
 

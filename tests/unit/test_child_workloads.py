@@ -9,10 +9,15 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube import webhook
-from continuum_operator.kube.child_workloads import WORKLOADS, mutate_workload
-from continuum_operator.kube.children import BACKGROUND, CLASS_ANNOTATION, CLASS_ENV, MIND_LABEL
-from continuum_operator.kube.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.children import webhook
+from continuum_operator.kube.children.membership import (
+    BACKGROUND,
+    CLASS_ANNOTATION,
+    CLASS_ENV,
+    MIND_LABEL,
+)
+from continuum_operator.kube.children.workloads import WORKLOADS, mutate_workload
 
 PODS = PodSettings(children_priority_class="kids", children_priority=-5)
 CHILDREN = ChildrenSettings(cpu_request="1m")

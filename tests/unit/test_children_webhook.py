@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube import children, webhook
-from continuum_operator.kube.children import (
+from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.children import membership as children
+from continuum_operator.kube.children import webhook
+from continuum_operator.kube.children.membership import (
     BACKGROUND,
     CLASS_ANNOTATION,
     CLASS_ENV,
@@ -19,9 +21,8 @@ from continuum_operator.kube.children import (
     mind_of,
     mutate,
 )
-from continuum_operator.kube.run import settings_from
-from continuum_operator.kube.settings import ChildrenSettings, PodSettings
-from continuum_operator.kube.webhook import Unmarked
+from continuum_operator.kube.children.webhook import Unmarked
+from continuum_operator.kube.process.run import settings_from
 
 PODS = PodSettings(children_priority_class="kids", children_priority=-5)
 CHILDREN = ChildrenSettings(cpu_request="1m")

@@ -30,9 +30,10 @@ from continuum_operator.embed.runtime import Door, LaneRuntime, LaneState, _door
 from continuum_operator.engine.admission import engine_audience, lane_audience
 from continuum_operator.engine.gateway import serve_app
 from continuum_operator.engine.token_review import TokenReviewer
-from continuum_operator.kube import engine_identity, lane_objects, objects
-from continuum_operator.kube.api import path_of
-from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.base.settings import PodSettings
+from continuum_operator.kube.client.api import path_of
+from continuum_operator.kube.workloads import engine_identity, lane_objects
+from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.embedlane import EmbedLane
 from tests import builders
 from tests.helm import by_kind, documents, find_helm, template
@@ -386,7 +387,8 @@ class TestTheOperatorsPod:
         ]
 
     def test_the_operator_applies_the_binding_and_policy_before_the_pod(self) -> None:
-        from continuum_operator.kube.embedlanes import LaneLoop, LaneWrites
+        from continuum_operator.kube.lanes.lane_pass import LaneWrites
+        from continuum_operator.kube.lanes.loop import LaneLoop
 
         applied: list[str] = []
 

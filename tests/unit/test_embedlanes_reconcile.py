@@ -11,14 +11,15 @@ import yaml
 
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer
 from continuum_operator.embed.runtime import lane_state_from
-from continuum_operator.kube.cache import Cache, Snapshot
-from continuum_operator.kube.embedlanes import LaneLoop, LaneWrites, reconcile_lane
-from continuum_operator.kube.engine_pass import Memory
-from continuum_operator.kube.merge_patch import merge_patch
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION
-from continuum_operator.kube.occupancy import lane_leases_in
-from continuum_operator.kube.reconcile import reconcile
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.client.merge_patch import merge_patch
+from continuum_operator.kube.engines.engine_pass import Memory
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.lanes.lane_pass import LaneWrites, reconcile_lane
+from continuum_operator.kube.lanes.loop import LaneLoop
+from continuum_operator.kube.state.cache import Cache, Snapshot
+from continuum_operator.kube.state.occupancy import lane_leases_in
+from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from tests.builders import GiB, MiB
 from tests.unit.test_reconcile import (
     NOW,

@@ -16,9 +16,10 @@ from continuum_operator.cli import build_parser, main
 from continuum_operator.engine.admission import ReviewUnavailable
 from continuum_operator.engine.runtime import _reviewer
 from continuum_operator.engine.token_review import TokenReviewer
-from continuum_operator.kube import engine_identity, objects
-from continuum_operator.kube.api import path_of
-from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.base.settings import PodSettings
+from continuum_operator.kube.client.api import path_of
+from continuum_operator.kube.workloads import engine_identity
+from continuum_operator.kube.workloads import engine_objects as objects
 from tests import builders
 
 

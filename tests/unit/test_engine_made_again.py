@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from continuum_operator import checklog
-from continuum_operator.kube.grant_settings import GrantSettings
-from continuum_operator.kube.minds import GrantsLoop
+from continuum_operator.kube.base.grant_settings import GrantSettings
+from continuum_operator.kube.grants.loop import GrantsLoop
 from tests.builders import ledger_path
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind
 

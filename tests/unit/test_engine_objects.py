@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 
 from continuum_operator.core.plan import plan
-from continuum_operator.kube import engine_identity, objects
-from continuum_operator.kube.priority_classes import priority_classes
-from continuum_operator.kube.settings import GpuSharing, PodSettings
+from continuum_operator.kube.base.settings import GpuSharing, PodSettings
+from continuum_operator.kube.workloads import engine_identity
+from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, MiB, board, board_body, engine, engine_body
 

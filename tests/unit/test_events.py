@@ -1,4 +1,4 @@
-"""Every Event the operator posts is built by `kube.events.event`: the loop's on Engines, the
+"""Every Event the operator posts is built by `kube.base.events.event`: the loop's on Engines, the
 lanes' loop's on EmbedLanes, the webhook's on unmutated pods. The bodies below are those each
 posted before the builder was their one home, field for field."""
 
@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube import events, webhook
-from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.embedlanes import LaneLoop
-from continuum_operator.kube.engine_pass import Event
-from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.settings import OperatorSettings, PodSettings
+from continuum_operator.kube.base import events
+from continuum_operator.kube.base.settings import OperatorSettings, PodSettings
+from continuum_operator.kube.children import webhook
+from continuum_operator.kube.client.api import ApiError
+from continuum_operator.kube.engines.engine_pass import Event
+from continuum_operator.kube.engines.loop import Loop
+from continuum_operator.kube.lanes.loop import LaneLoop
+from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.base import API_VERSION
 from tests.fakes import FakeKubeApi
 

@@ -15,7 +15,9 @@ import yaml
 from continuum_operator.cli_model import TINY_SHAPE, sha256_of
 from continuum_operator.core.grants import PriorityPolicy
 from continuum_operator.gguf import read_facts
-from continuum_operator.kube import ledger, mind_status, routing
+from continuum_operator.kube.grants import mind_status
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import routing
 from continuum_operator.manifests import load_all, load_one, parse
 from continuum_operator.model import Engine, Mind, MindClass
 from continuum_operator.testing.tiny_gguf import write_tiny_gguf

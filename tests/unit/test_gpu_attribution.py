@@ -22,11 +22,11 @@ from continuum_operator.core.gpu_check import GpuVerdict
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, BoardLeases
-from continuum_operator.kube.cache import BoardEntry, Snapshot
-from continuum_operator.kube.engine_pass import Memory, Writes
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION
-from continuum_operator.kube.reconcile import reconcile
-from continuum_operator.kube.settings import GpuClaims
+from continuum_operator.kube.base.settings import GpuClaims
+from continuum_operator.kube.engines.engine_pass import Memory, Writes
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.state.cache import BoardEntry, Snapshot
+from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from continuum_operator.model.board import MemoryMode, NodeBoard, NodeBoardStatus, PoolKind
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, board_body, engine_body

@@ -1,6 +1,6 @@
 """What every engine and lane pod the operator builds says to the node's GPU stack: which GPUs
 it sees (none unless it was given some), the RuntimeClass it runs with, and the GPU sharing
-modes an engine cannot run under (kube/gpu_env.py)."""
+modes an engine cannot run under (kube/workloads/gpu_env.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from continuum_operator.cli import main
-from continuum_operator.kube import lane_objects, objects
-from continuum_operator.kube.engine_pass import Memory
-from continuum_operator.kube.reconcile import reconcile
-from continuum_operator.kube.settings import GpuSharing, PodSettings
+from continuum_operator.kube.base.settings import GpuSharing, PodSettings
+from continuum_operator.kube.engines.engine_pass import Memory
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import lane_objects
 from continuum_operator.model.embedlane import EmbedLane
 from tests import builders
 from tests.helm import ROOT, documents, find_helm, one, template
@@ -135,7 +136,7 @@ def test_the_agent_sees_the_device_plugins_mps_pipes_through_the_host_path_the_c
 
 
 def test_a_facts_job_reads_its_file_seeing_no_gpu() -> None:
-    from continuum_operator.kube import facts_job
+    from continuum_operator.kube.workloads import facts_job
 
     engine, _ = builders.engine_planned_on_a_gpu()
     job = facts_job.facts_job(engine, "u", PodSettings())

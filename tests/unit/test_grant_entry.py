@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from continuum_operator.core.grants import Grant, GrantReason
 from continuum_operator.engine.admission import GrantTableError, Refusal, admit_turn, parse_table
-from continuum_operator.kube import ledger
+from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import Engine
 from continuum_operator.model.grant import GrantEntry, grant_entries, parse_entries

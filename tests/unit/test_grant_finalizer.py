@@ -9,7 +9,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.kube.mind_writes import FINALIZER
+from continuum_operator.kube.grants.mind_writes import FINALIZER
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind
 
 

@@ -1,6 +1,7 @@
-"""The grant ledger as the API server holds it (`kube.ledger`): entries the gateway reads, the
-pool from the plan and the launch, drains, releases named by their reclaim, and projections.
-Each step's log lines are judged by `continuum check-log`, which shares nothing with it."""
+"""The grant ledger as the API server holds it (`kube.ledger.grant_ledger`): entries the gateway
+reads, the pool from the plan and the launch, drains, releases named by their reclaim, and
+projections. Each step's log lines are judged by `continuum check-log`, which shares nothing with
+it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Any
 from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
 from continuum_operator.engine.admission import table_from_ledger
-from continuum_operator.kube import ledger, mind_status, routing
+from continuum_operator.kube.grants import mind_status
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import routing
 from continuum_operator.model.mind import GrantState
 
 NS = "minds"

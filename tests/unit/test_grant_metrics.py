@@ -14,7 +14,7 @@ from continuum_operator.core.grants import (
     MindDemand,
     allocate,
 )
-from continuum_operator.kube.metrics import OperatorMetrics
+from continuum_operator.kube.base.metrics import OperatorMetrics
 from continuum_operator.model.mind import GrantState
 
 ENGINE = {"namespace": "minds", "engine": "coder"}

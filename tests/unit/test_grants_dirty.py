@@ -1,7 +1,7 @@
-"""The grants loop steps only the engines something changed for (`kube.minds`): a Mind created,
-changed or deleted marks the engine she names (and the one she named before); an Engine whose
-body changed, whose review time or grace deadline came, or whose ledger write failed is stepped
-again; every engine when the classes or quotas change, at a leader's first pass and every
+"""The grants loop steps only the engines something changed for (`kube.grants.loop`): a Mind
+created, changed or deleted marks the engine she names (and the one she named before); an Engine
+whose body changed, whose review time or grace deadline came, or whose ledger write failed is
+stepped again; every engine when the classes or quotas change, at a leader's first pass and every
 `full_pass_seconds`. Each test counts the `ledger.step` calls of a pass, by engine."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube import ledger
-from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.cache import EngineKey
-from continuum_operator.kube.mind_cache import MindCache
-from continuum_operator.kube.minds import GrantsLoop
+from continuum_operator.kube.client.api import ApiError
+from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.state.cache import EngineKey
+from continuum_operator.kube.state.mind_cache import MindCache
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind
 
 N = 6  # engines, each with two minds

@@ -1,8 +1,8 @@
-"""The grants loop on the controller kernel (`kube.minds`, `kube.kernel`): its decisions one at
-a time, each assumed in the pass's quota use so that engines whose writes are in flight together
-never overshoot a TokenQuota; a Mind's failed write taken again after a backoff; the full pass
-as the kernel's resync; the Minds' writes as asyncio tasks (`kube.mind_writer`), one Mind's in
-order, projections first; and the loop run by `kernel.run`, woken by the watches."""
+"""The grants loop on the controller kernel (`kube.grants.loop`, `kube.base.kernel`): its decisions
+one at a time, each assumed in the pass's quota use so that engines whose writes are in flight
+together never overshoot a TokenQuota; a Mind's failed write taken again after a backoff; the full
+pass as the kernel's resync; the Minds' writes as asyncio tasks (`kube.grants.write_queue`), one
+Mind's in order, projections first; and the loop run by `kernel.run`, woken by the watches."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.mind_writer import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
+from continuum_operator.kube.client.api import ApiError
+from continuum_operator.kube.grants.write_queue import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
 from tests.builders import stored_ledger
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind, quota
 from tests.waiting import until

@@ -1,7 +1,7 @@
-"""The leader's ledger writes (`kube.minds.GrantsLoop`, `kube.ledger_write`) against a stand-in
-API server: the Engine's GrantLedger made at its first step, owned by it; each step a replace of
-the ledger's status carrying its resourceVersion, never a blind merge; on 409 the ledger is read
-again and the step decided again on what it now says; a ledger an earlier Engine of the name
+"""The leader's ledger writes (`kube.grants.loop.GrantsLoop`, `kube.grants.ledger_write`) against a
+stand-in API server: the Engine's GrantLedger made at its first step, owned by it; each step a
+replace of the ledger's status carrying its resourceVersion, never a blind merge; on 409 the ledger
+is read again and the step decided again on what it now says; a ledger an earlier Engine of the name
 left is replaced, never read as this one's."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from continuum_operator.engine.admission import table_from_ledger
-from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.grant_settings import GrantSettings
-from continuum_operator.kube.ledger_write import seed_ledgers
-from continuum_operator.kube.mind_cache import MindCache
-from continuum_operator.kube.minds import GrantsLoop
+from continuum_operator.kube.base.grant_settings import GrantSettings
+from continuum_operator.kube.client.api import ApiError
+from continuum_operator.kube.grants.ledger_write import seed_ledgers
+from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.state.cache import Cache
+from continuum_operator.kube.state.mind_cache import MindCache
 from tests.builders import ledger_path
 from tests.fakes import FakeKubeApi
 

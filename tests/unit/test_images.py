@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.base.settings import PodSettings
 from tests.helm import CHART, ROOT
 
 IMAGES = ROOT / "images"

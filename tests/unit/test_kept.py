@@ -1,4 +1,4 @@
-"""The caches keep every field but managed fields and annotations (`kube.kept`): what a
+"""The caches keep every field but managed fields and annotations (`kube.client.kept`): what a
 namespace's objects cost the operator follows what decisions read, not what their writers put
 in annotations (docs/tenancy.md, "What a namespace's objects cost the operator")."""
 
@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 from continuum_operator.core.replan import ACCEPT_ANNOTATION
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.kept import LAST_APPLIED, kept
-from continuum_operator.kube.mind_cache import MindCache
+from continuum_operator.kube.client.kept import LAST_APPLIED, kept
+from continuum_operator.kube.state.cache import Cache
+from continuum_operator.kube.state.mind_cache import MindCache
 
 
 def applied(kind: str, spec: dict[str, Any], **meta: Any) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def test_a_mind_of_240_kb_annotations_costs_the_cache_what_a_bare_one_does() -> 
 
 def test_an_engines_acceptance_of_a_held_plan_is_kept_and_nothing_else() -> None:
     """The upgrade hold reads `continuum.dev/accept-plan` from the cached Engine
-    (`kube.placed_engine`): dropped with the rest, a person's acceptance was never seen."""
+    (`kube.engines.placed`): dropped with the rest, a person's acceptance was never seen."""
     obj = applied("Engine", {"contextTokensPerMind": 512})
     obj["metadata"]["annotations"][ACCEPT_ANNOTATION] = "p-1234"
     engines = Cache()

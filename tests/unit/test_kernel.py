@@ -1,4 +1,4 @@
-"""The controller kernel (`kube.kernel`): a keyed work queue with dirty marks, a resync,
+"""The controller kernel (`kube.base.kernel`): a keyed work queue with dirty marks, a resync,
 a leader gate and retries with backoff, and the loop that drains it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from continuum_operator.kube import kernel
-from continuum_operator.kube.kernel import KernelSettings, PassHooks, WorkQueue
+from continuum_operator.kube.base import kernel
+from continuum_operator.kube.base.kernel import KernelSettings, PassHooks, WorkQueue
 
 SETTINGS = KernelSettings(
     resync_seconds=60, debounce_seconds=0, retry_seconds=1, max_retry_seconds=8

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube.api import ApiError, KubeApi
+from continuum_operator.kube.client.api import ApiError, KubeApi
 
 
 class Response:

@@ -7,8 +7,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.merge_patch import merge_diff, merge_patch
+from continuum_operator.kube.client.merge_patch import merge_diff, merge_patch
+from continuum_operator.kube.state.cache import Cache
 
 
 def deployment(rv: int, ready: int) -> dict[str, Any]:

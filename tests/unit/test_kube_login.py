@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from continuum_operator.kube.api import KubeApi
+from continuum_operator.kube.client.api import KubeApi
 
 
 def test_in_a_pod_without_a_kubeconfig_the_service_account_is_used(

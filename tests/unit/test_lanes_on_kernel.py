@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from continuum_operator.kube import kernel
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.embedlanes import LaneLoop
-from continuum_operator.kube.kernel import KernelSettings
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base import kernel
+from continuum_operator.kube.base.kernel import KernelSettings
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.lanes.loop import LaneLoop
+from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.base import API_VERSION
 from tests.fakes import FakeKubeApi
 

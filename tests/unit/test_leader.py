@@ -1,4 +1,4 @@
-"""Leader election (`kube.leader`) against a stand-in for the API server's Lease semantics:
+"""Leader election (`kube.process.leader`) against a stand-in for the API server's Lease semantics:
 create refused when it exists, replace refused (409) on a stale resourceVersion. Time is a fake
 clock: no sleeps."""
 
@@ -13,8 +13,8 @@ import pytest
 from urllib3.exceptions import MaxRetryError
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube.grant_settings import LeaderSettings, leader_settings
-from continuum_operator.kube.leader import Elector, lead
+from continuum_operator.kube.base.grant_settings import LeaderSettings, leader_settings
+from continuum_operator.kube.process.leader import Elector, lead
 from tests.fakes import FakeKubeApi
 
 

@@ -1,8 +1,8 @@
-"""An Engine's ledger stays bounded whatever the number of minds (`kube.ledger.bounded`,
-docs/grants.md "Bounded"): the object keeps every holder, the head of the queue and the first
-refusals, and its journal their lines; the rest is each Mind's own status and the log's. A new
-leader takes the rest from the log (or, with none, from the Minds' status), so the log stays
-whole across leaders and crashes: `check-log` judges it."""
+"""An Engine's ledger stays bounded whatever the number of minds
+(`kube.ledger.grant_ledger.bounded`, docs/grants.md "Bounded"): the object keeps every holder, the
+head of the queue and the first refusals, and its journal their lines; the rest is each Mind's own
+status and the log's. A new leader takes the rest from the log (or, with none, from the Minds'
+status), so the log stays whole across leaders and crashes: `check-log` judges it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 
 from continuum_operator import checklog
 from continuum_operator.engine.admission import BEYOND_TABLE, Refusal, admit_turn, table_from_ledger
-from continuum_operator.kube import ledger
-from continuum_operator.kube.grant_settings import GrantSettings
-from continuum_operator.kube.mind_writer import Write
-from continuum_operator.kube.minds import GrantsLoop
+from continuum_operator.kube.base.grant_settings import GrantSettings
+from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.grants.write_queue import Write
+from continuum_operator.kube.ledger import grant_ledger as ledger
 from tests.builders import ledger_path
 from tests.unit.test_tenancy_loop import BASE, World, engine
 

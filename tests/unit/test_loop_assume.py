@@ -8,12 +8,12 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from continuum_operator.kube.api import ApiError
-from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.merge_patch import merge_patch
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.client.api import ApiError
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.client.merge_patch import merge_patch
+from continuum_operator.kube.engines.loop import Loop
+from continuum_operator.kube.state.cache import Cache
 from tests.fakes import Awaited
 from tests.unit.test_loop_dirty import NOW, FakeApi, agent_lease, engine_on, node_board
 

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 
 from continuum_operator.core.heartbeat import agent_lease_metadata
-from continuum_operator.kube import ledger
-from continuum_operator.kube import loop as loop_module
-from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, EngineKey, format_time
-from continuum_operator.kube.engine_pass import Memory, Writes
-from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.merge_patch import merge_patch
-from continuum_operator.kube.reconcile import reconcile
-from continuum_operator.kube.settings import LoopSettings, OperatorSettings
+from continuum_operator.kube.base.settings import LoopSettings, OperatorSettings
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.client.merge_patch import merge_patch
+from continuum_operator.kube.engines import loop as loop_module
+from continuum_operator.kube.engines.engine_pass import Memory, Writes
+from continuum_operator.kube.engines.loop import Loop
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.state.cache import Cache, EngineKey, format_time
 from continuum_operator.model.base import API_VERSION
 from tests.builders import board_body, engine_body
 from tests.fakes import FakeKubeApi

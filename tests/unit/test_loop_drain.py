@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from continuum_operator.kube import ledger
-from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, DeploymentEntry
-from continuum_operator.kube.engine_pass import Memory, Writes
-from continuum_operator.kube.loop import DRAIN_HOLD_SECONDS, Loop
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.engines.engine_pass import Memory, Writes
+from continuum_operator.kube.engines.loop import DRAIN_HOLD_SECONDS, Loop
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.state.cache import Cache, DeploymentEntry
+from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from tests.builders import observe_with_ledger
 from tests.fakes import FakeKubeApi
 

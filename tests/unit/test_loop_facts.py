@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube import loop as loop_module
-from continuum_operator.kube.async_api import AsyncKubeApi
-from continuum_operator.kube.cache import Cache, EngineKey, JobEntry
-from continuum_operator.kube.engine_pass import Memory, Writes
-from continuum_operator.kube.facts_read import read_job_facts
-from continuum_operator.kube.loop import Loop
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.engines import loop as loop_module
+from continuum_operator.kube.engines.engine_pass import Memory, Writes
+from continuum_operator.kube.engines.facts_read import read_job_facts
+from continuum_operator.kube.engines.loop import Loop
+from continuum_operator.kube.state.cache import Cache, EngineKey, JobEntry
 from tests.builders import engine_body
 from tests.fakes import FakeKubeApi
 

@@ -1,8 +1,8 @@
 """The loops' API calls are awaited on the event loop, not run in its executor's threads
-(`kube.async_api`): with an executor that runs nothing, the Engines' loop still places and
+(`kube.client.async_api`): with an executor that runs nothing, the Engines' loop still places and
 launches its engines, the lanes' loop writes its lanes and the placed pods reach their boards.
 When each call went through `asyncio.to_thread`, every write here failed (or waited for a
-thread: the executor was sized for them, `kube.run.api_threads`)."""
+thread: the executor was sized for them, `kube.process.run.api_threads`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from continuum_operator.kube import kernel
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.embedlanes import LaneLoop
-from continuum_operator.kube.kernel import KernelSettings
-from continuum_operator.kube.objects import ENGINE_LABEL
-from continuum_operator.kube.placed_pods import CONSUMER_LABELS, PlacedPods
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.base import kernel
+from continuum_operator.kube.base.kernel import KernelSettings
+from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.lanes.loop import LaneLoop
+from continuum_operator.kube.nodes.placed_pods import CONSUMER_LABELS, PlacedPods
+from continuum_operator.kube.state.cache import Cache
+from continuum_operator.kube.workloads.engine_objects import ENGINE_LABEL
 from tests.fakes import FakeKubeApi
 from tests.unit.test_lanes_on_kernel import lane
 from tests.unit.test_loop_dirty import NOW, World, node_board

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry
 from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.embed.metrics import LaneMetrics
 from continuum_operator.engine.metrics import EngineMetrics
-from continuum_operator.kube.metrics import OperatorMetrics
-from continuum_operator.kube.pool_metrics import PoolMetrics
+from continuum_operator.kube.base.metrics import OperatorMetrics
+from continuum_operator.kube.engines.pool_metrics import PoolMetrics
 from tests.builders import ROOT
 
 

@@ -14,8 +14,11 @@ from hypothesis import strategies as st
 
 from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
-from continuum_operator.kube import ledger, ledger_journal, mind_status, routing
-from continuum_operator.kube.transition_log import TransitionLog
+from continuum_operator.kube.grants import mind_status
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import journal as ledger_journal
+from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.model.board import NodeBoard, capacity_text, gib_text
 from continuum_operator.model.mind import Mind
 from tests.unit.test_tenancy_loop import World, mind

@@ -15,10 +15,10 @@ import yaml
 
 from continuum_operator.cli import main
 from continuum_operator.cli_place import EXIT_INVALID, EXIT_OK, EXIT_UNSCHEDULABLE
-from continuum_operator.kube.cache import BoardEntry, NodeEntry, Snapshot
-from continuum_operator.kube.engine_pass import Memory
-from continuum_operator.kube.lease_renewal import LeaseEntry
-from continuum_operator.kube.reconcile import reconcile
+from continuum_operator.kube.engines.engine_pass import Memory
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.state.cache import BoardEntry, NodeEntry, Snapshot
+from continuum_operator.kube.state.lease_renewal import LeaseEntry
 from tests.builders import board
 from tests.unit.test_reconcile import NOW, SETTINGS, after
 

@@ -1,14 +1,15 @@
 """Each NodeBoard's `spec.placed` lists the engine and lane pods the operator placed on that node
-(`kube.placed_pods`), so the node agent charges usage by pod UID without listing pods itself."""
+(`kube.nodes.placed_pods`), so the node agent charges usage by pod UID without listing pods
+itself."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from continuum_operator.kube.async_api import LIST_PAGE
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.placed_pods import CONSUMER_LABELS, PlacedPods, placed_by_node
+from continuum_operator.kube.client.async_api import LIST_PAGE
+from continuum_operator.kube.nodes.placed_pods import CONSUMER_LABELS, PlacedPods, placed_by_node
+from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.board import NodeBoardSpec
 from tests.fakes import FakeKubeApi
 

@@ -72,8 +72,8 @@ def test_the_host_compute_estimate_covers_what_llama_cpp_reserved(run: str) -> N
 
 
 def test_with_no_layers_on_the_device_a_cuda_build_still_reserves_a_device_graph() -> None:
-    """What the engine's pod must prevent (kube.objects hides the GPUs from an engine planned
-    with none): llama.cpp offloads large host ops to a GPU it can see."""
+    """What the engine's pod must prevent (kube.workloads.engine_objects hides the GPUs from an
+    engine planned with none): llama.cpp offloads large host ops to a GPU it can see."""
     device, _, receipt = load("big-ngl0-c4096-np1")
     assert device.weights == device.kv == device.compute == 0
     assert measured(receipt, False, "compute") > 40 * MiB

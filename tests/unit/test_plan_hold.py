@@ -22,7 +22,7 @@ from continuum_operator import cli
 from continuum_operator.core import replan as replan_module
 from continuum_operator.core.plan import ServingPlan, plan
 from continuum_operator.core.replan import ACCEPT_ANNOTATION, plan_id
-from continuum_operator.kube.reconcile import reconcile
+from continuum_operator.kube.engines.reconcile import reconcile
 from continuum_operator.model.engine import EngineSpec
 from tests.builders import board_body, engine
 from tests.unit.test_reconcile import NOW, SETTINGS, after, conditions, discrete, snapshot

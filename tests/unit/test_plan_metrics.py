@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from continuum_operator.kube.metrics import OperatorMetrics
+from continuum_operator.kube.base.metrics import OperatorMetrics
 
 
 def sample(m: OperatorMetrics, name: str, node: str) -> float | None:

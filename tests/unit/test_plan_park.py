@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from continuum_operator.core.plan import ReasonCode, SizeTable, plan
-from continuum_operator.kube import objects
-from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.base.settings import PodSettings
+from continuum_operator.kube.workloads import engine_objects as objects
 from tests.builders import GiB, board, board_body, engine, engine_body
 
 PARK = 3 * GiB

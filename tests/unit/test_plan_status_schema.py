@@ -44,8 +44,8 @@ def as_json_schema(node: Any) -> Any:
 
 def plans_as_status_holds_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
     """Every example pair's plan, and an unschedulable one per board, as `continuum plan -o
-    json` prints them (`ServingPlan.to_dict`, what `kube.engine_pass.plan_status` writes) with
-    the spec generation the operator adds."""
+    json` prints them (`ServingPlan.to_dict`, what `kube.engines.engine_pass.plan_status` writes)
+    with the spec generation the operator adds."""
     huge = unschedulable_engine(tmp_path)
     for board in BOARDS:
         for engine in [*ENGINES, huge]:

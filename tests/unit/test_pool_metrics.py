@@ -1,4 +1,4 @@
-"""Per node and pool gauges (`kube.pool_metrics`): capacity and measured use from the board,
+"""Per node and pool gauges (`kube.engines.pool_metrics`): capacity and measured use from the board,
 leases by consumer kind from the engines' and lanes' placements, floors, available bytes as
 capacity - max(leased, used), the node's memory mode; series of pools that are gone are dropped."""
 
@@ -8,8 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from continuum_operator.kube.cache import Cache
-from continuum_operator.kube.pool_metrics import PoolMetrics, pool_rows
+from continuum_operator.kube.engines.pool_metrics import PoolMetrics, pool_rows
+from continuum_operator.kube.state.cache import Cache
 from tests import builders
 
 GiB = 2**30

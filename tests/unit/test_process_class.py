@@ -142,7 +142,7 @@ def test_lowering_leaves_a_process_already_at_the_lowest_alone() -> None:
 
 
 def test_process_classes_are_named_as_the_webhook_marks_them() -> None:
-    from continuum_operator.kube import children
+    from continuum_operator.kube.children import membership as children
 
     assert str(ProcessClass.BACKGROUND) == children.BACKGROUND
     assert procclass.ENV == children.CLASS_ENV

@@ -1,5 +1,5 @@
 """An operator replica is ready (`/readyz`) only once its children's webhook serves knowing every
-Mind (kube/readiness.py): the Service sends admission reviews to ready replicas only, and one
+Mind (kube/base/readiness.py): the Service sends admission reviews to ready replicas only, and one
 that answered before listing the Minds admitted her service account's pods as ordinary ones."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from continuum_operator.kube.mind_cache import MindCache, list_minds
-from continuum_operator.kube.readiness import (
+from continuum_operator.kube.base.readiness import (
     MINDS_LISTED,
     WEBHOOK_SERVING,
     Readiness,
     serve_metrics,
 )
-from continuum_operator.kube.webhook import _Installing
+from continuum_operator.kube.children.webhook import _Installing
+from continuum_operator.kube.state.mind_cache import MindCache, list_minds
 from tests.fakes import FakeKubeApi
 
 

@@ -17,8 +17,8 @@ from continuum_operator.core.plan import ReasonCode, plan
 from continuum_operator.core.pools import BoardLeases
 from continuum_operator.core.receipt_bounds import SLACK_BYTES, out_of_bounds
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer, ReceiptPlacement
-from continuum_operator.kube import runtime_report
-from continuum_operator.kube.reconcile import reconcile
+from continuum_operator.kube.engines import runtime_report
+from continuum_operator.kube.engines.reconcile import reconcile
 from tests.builders import ROOT, board, engine
 from tests.unit.test_reconcile import NOW, SETTINGS, after, conditions
 from tests.unit.test_runtime_truth import SHA_NAMED, _launch, _receipt_for, _serving

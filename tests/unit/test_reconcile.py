@@ -9,26 +9,26 @@ from dataclasses import replace
 from typing import Any
 
 from continuum_operator.core.damping import DampingSettings, Outcome
-from continuum_operator.kube.cache import (
+from continuum_operator.kube.base.settings import (
+    GpuSharing,
+    OperatorSettings,
+    PlacementSettings,
+    PodSettings,
+)
+from continuum_operator.kube.client.merge_patch import merge_patch
+from continuum_operator.kube.engines.engine_pass import Memory, Writes, size_text
+from continuum_operator.kube.engines.placed import NODE_GONE_HOLD_SECONDS
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.state.cache import (
     BoardEntry,
     DeploymentEntry,
     JobEntry,
     NodeEntry,
     Snapshot,
 )
-from continuum_operator.kube.engine_pass import Memory, Writes, size_text
-from continuum_operator.kube.facts_job import facts_job_name, source_key
-from continuum_operator.kube.lease_renewal import LeaseEntry
-from continuum_operator.kube.merge_patch import merge_patch
-from continuum_operator.kube.objects import LAUNCH_ANNOTATION
-from continuum_operator.kube.placed_engine import NODE_GONE_HOLD_SECONDS
-from continuum_operator.kube.reconcile import reconcile
-from continuum_operator.kube.settings import (
-    GpuSharing,
-    OperatorSettings,
-    PlacementSettings,
-    PodSettings,
-)
+from continuum_operator.kube.state.lease_renewal import LeaseEntry
+from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
+from continuum_operator.kube.workloads.facts_job import facts_job_name, source_key
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, board, board_body, engine_body, example
 

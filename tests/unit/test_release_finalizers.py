@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube import mind_writes, release
+from continuum_operator.kube.grants import mind_writes
+from continuum_operator.kube.process import release
 from tests.builders import ROOT
 from tests.fakes import FakeKubeApi
 
@@ -146,8 +147,8 @@ def test_the_list_covers_every_finalizer_the_operator_writes() -> None:
         if re.search(r"[\"']finalizers[\"']\s*:", text):
             writers.append(path.relative_to(ROOT).as_posix())
     assert sorted(writers) == [
-        "operator/continuum_operator/kube/mind_writes.py",
-        "operator/continuum_operator/kube/release.py",
+        "operator/continuum_operator/kube/grants/mind_writes.py",
+        "operator/continuum_operator/kube/process/release.py",
     ]
 
 

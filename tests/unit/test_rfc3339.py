@@ -92,7 +92,7 @@ OWN_BEHAVIOUR = {
     "engine/admission.py",
     # A runtime report's `lastExit.at` is read only as engine/runtime.py writes it (whole
     # seconds, `Z`): anything else is no exit time.
-    "kube/runtime_report.py",
+    "kube/engines/runtime_report.py",
 }
 
 

@@ -38,12 +38,14 @@ from continuum_operator.engine.runtime import (
     error_line,
     thread_args,
 )
-from continuum_operator.kube import facts_job, objects
-from continuum_operator.kube.cache import DeploymentEntry, whole_cpus
-from continuum_operator.kube.engine_pass import Memory, pods_on
-from continuum_operator.kube.metrics import OperatorMetrics
-from continuum_operator.kube.reconcile import reconcile
-from continuum_operator.kube.settings import PodSettings
+from continuum_operator.kube.base.metrics import OperatorMetrics
+from continuum_operator.kube.base.settings import PodSettings
+from continuum_operator.kube.engines.engine_pass import Memory, pods_on
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.state.cache import DeploymentEntry
+from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import facts_job
+from continuum_operator.kube.workloads.lane_objects import whole_cpus
 from continuum_operator.model.engine import Engine
 from tests.builders import GiB, engine, engine_body
 from tests.unit.test_engine_runtime import fake_server
@@ -588,7 +590,7 @@ def test_engine_cpu_settings_that_cannot_make_a_guaranteed_pod_are_refused_by_na
 
 
 def test_with_dra_the_pod_claims_the_planned_gpus_by_uuid_instead_of_a_count() -> None:
-    from continuum_operator.kube.settings import GpuClaims
+    from continuum_operator.kube.base.settings import GpuClaims
 
     e = Engine.model_validate(engine_obj())
     plan_doc = {**_plan(33), "gpus": [1, 3]}

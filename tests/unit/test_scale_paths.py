@@ -13,9 +13,9 @@ from continuum_operator.core.bestfit import NodeView, choose, leftover_bytes, ra
 from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
-from continuum_operator.kube.api import resource_of
-from continuum_operator.kube.cache import Cache, EngineKey, parse_time
-from continuum_operator.kube.occupancy import other_leases
+from continuum_operator.kube.client.api import resource_of
+from continuum_operator.kube.state.cache import Cache, EngineKey, parse_time
+from continuum_operator.kube.state.occupancy import other_leases
 from tests.builders import board, board_body, engine_body
 from tests.builders import engine as parsed_engine
 

@@ -30,9 +30,12 @@ from continuum_operator.engine.runtime import (
     RuntimePhase,
     runtime_status,
 )
-from continuum_operator.kube import ledger, ledger_write, objects, routing
-from continuum_operator.kube.embedlanes import reconcile_lane
-from continuum_operator.kube.settings import GpuSharing, PodSettings
+from continuum_operator.kube.base.settings import GpuSharing, PodSettings
+from continuum_operator.kube.grants import ledger_write
+from continuum_operator.kube.lanes.lane_pass import reconcile_lane
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.embedlane import EmbedLaneStatus
 from continuum_operator.model.engine import EngineStatus
 from continuum_operator.model.grant_ledger import GrantLedgerStatus
@@ -162,7 +165,7 @@ def test_the_enforcement_is_kept_whole(sharing: GpuSharing, gpus: list[int]) -> 
 
 
 def test_the_ledgers_write_is_kept_whole() -> None:
-    """The GrantLedger's status replace of a ledger step (`kube.ledger_write`), through a
+    """The GrantLedger's status replace of a ledger step (`kube.grants.ledger_write`), through a
     preemption (a reclaim with its deadline and by), a drain (targetSlots) and a queue longer
     than the object keeps (grantQueue)."""
     ns = "minds"

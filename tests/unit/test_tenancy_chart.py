@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.kube.child_workloads import WORKLOADS
+from continuum_operator.kube.children.workloads import WORKLOADS
 from tests.helm import by_kind, documents, find_helm, one, template
 
 

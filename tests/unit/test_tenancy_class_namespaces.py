@@ -16,7 +16,7 @@ from continuum_operator.core.grants import (
     MindDemand,
     allocate,
 )
-from continuum_operator.kube import routing
+from continuum_operator.kube.ledger import routing
 from continuum_operator.model.mind import GrantState
 from tests.unit.test_tenancy_loop import World, engine, mind
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from continuum_operator.kube import routing
+from continuum_operator.kube.ledger import routing
 from continuum_operator.manifests import parse
 from continuum_operator.model import Engine, Mind, MindClass, TokenQuota
 

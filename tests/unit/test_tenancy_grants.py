@@ -18,7 +18,7 @@ from continuum_operator.core.grants import (
     MindDemand,
     allocate,
 )
-from continuum_operator.kube import ledger
+from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.model.mind import GrantState
 
 G, Q, R, X = GrantState.GRANTED, GrantState.QUEUED, GrantState.RECLAIMING, GrantState.RELEASED

@@ -1,6 +1,7 @@
-"""Tenancy in the grants loop (`kube.minds`, `kube.ledger`; docs/tenancy.md): Minds routed to an
-Engine of another namespace, refused where it does not serve hers or her class does not exist,
-and a namespace's TokenQuota held over several engines, its status written only when changed."""
+"""Tenancy in the grants loop (`kube.grants.loop`, `kube.ledger.grant_ledger`; docs/tenancy.md):
+Minds routed to an Engine of another namespace, refused where it does not serve hers or her class
+does not exist, and a namespace's TokenQuota held over several engines, its status written only when
+changed."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from continuum_operator.core.grants import MindDemand
-from continuum_operator.kube import routing
-from continuum_operator.kube.cache import Cache, format_time
-from continuum_operator.kube.grant_settings import GrantSettings
-from continuum_operator.kube.mind_cache import MindCache
-from continuum_operator.kube.minds import GrantsLoop
-from continuum_operator.kube.quota_use import QuotaUse, quota_status
+from continuum_operator.kube.base.grant_settings import GrantSettings
+from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.grants.quota_use import QuotaUse, quota_status
+from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.state.cache import Cache, format_time
+from continuum_operator.kube.state.mind_cache import MindCache
 from tests.builders import stored_ledger
 from tests.fakes import FakeKubeApi
 

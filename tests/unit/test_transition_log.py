@@ -1,5 +1,5 @@
-"""The operator's transition log (`kube.transition_log`): steps appended whole, `t` never going
-backwards across replicas, and a step the log missed (a leader died between the ledger write
+"""The operator's transition log (`kube.ledger.transition_log`): steps appended whole, `t` never
+going backwards across replicas, and a step the log missed (a leader died between the ledger write
 and the append) recovered from the Engine's journal exactly once."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from continuum_operator import checklog
-from continuum_operator.kube.transition_log import TransitionLog
+from continuum_operator.kube.ledger.transition_log import TransitionLog
 from tests.unit.test_tenancy_loop import World, engine, mind
 
 
@@ -65,7 +65,7 @@ def test_a_journaled_step_the_log_lacks_is_appended_once(tmp_path: Path) -> None
 
 def test_a_crash_point_exits_at_once_with_the_status_of_a_kill() -> None:
     code = (
-        "from continuum_operator.kube import crash\n"
+        "from continuum_operator.kube.base import crash\n"
         "crash.reached(crash.CrashPoint.AFTER_LOG)\n"
         "print('on')"
     )

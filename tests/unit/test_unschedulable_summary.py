@@ -10,10 +10,10 @@ from typing import Any
 from continuum_operator.core.bestfit import NodeView, choose
 from continuum_operator.core.plan import plan
 from continuum_operator.core.unfit import MAX_MESSAGE_BYTES, summarise
-from continuum_operator.kube.cache import BoardEntry, NodeEntry, Snapshot
-from continuum_operator.kube.engine_pass import Memory
-from continuum_operator.kube.lease_renewal import LeaseEntry
-from continuum_operator.kube.reconcile import reconcile
+from continuum_operator.kube.engines.engine_pass import Memory
+from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.state.cache import BoardEntry, NodeEntry, Snapshot
+from continuum_operator.kube.state.lease_renewal import LeaseEntry
 from tests.builders import GiB, board, board_body, engine, engine_body
 from tests.unit.test_reconcile import NOW, SETTINGS, after, engine_obj
 

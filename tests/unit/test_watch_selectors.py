@@ -1,4 +1,4 @@
-"""The operator's watches are filtered on the API server (`kube.handlers.select_on_server`):
+"""The operator's watches are filtered on the API server (`kube.state.handlers.select_on_server`):
 the agents' Leases by their label (never the kubelets' Leases beside them), and only the
 Deployments, Jobs and Services the operator made; the agent labels every Lease it writes."""
 
@@ -17,8 +17,8 @@ from continuum_operator.core.heartbeat import (
     agent_lease_metadata,
     node_of_lease,
 )
-from continuum_operator.kube.handlers import select_on_server
-from continuum_operator.kube.objects import MANAGED_BY
+from continuum_operator.kube.state.handlers import select_on_server
+from continuum_operator.kube.workloads.engine_objects import MANAGED_BY
 
 
 def _selectors(settings: kopf.OperatorSettings, group: str, plural: str) -> list[str]:

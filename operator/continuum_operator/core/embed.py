@@ -23,7 +23,7 @@ lane's maximum that the pools hold, never below its floor and never over-committ
 request now) or fails (larger than the lane's maximum), with a reason. Pure: no I/O, no clock.
 Neighbours: `core.pools` (the ledger), `core.modes` (which pools a device part is charged to),
 `core.placements` (leases read off lanes' status), `embed.lane` (the runtime that measures and
-serves), `kube.embedlanes` (writes the placement).
+serves), `kube.lanes.loop` (writes the placement).
 """
 
 from __future__ import annotations

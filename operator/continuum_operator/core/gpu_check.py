@@ -11,8 +11,8 @@ then charges each byte once, in the pool it is in, and frees the pool it is not 
 relaunch).
 
 Pure: the plan's GPUs and charges and the board's attribution in, a verdict and the charges to
-write out. `kube.reconcile` applies it to a running engine's status; `core.plan` keeps the GPUs
-an engine runs on when it is re-planned (`plan(..., on_gpus=...)`).
+write out. `kube.engines.reconcile` applies it to a running engine's status; `core.plan` keeps the
+GPUs an engine runs on when it is re-planned (`plan(..., on_gpus=...)`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ class Board:
     # as the agent attributes them; empty where it attributes nothing (`core.gpu_check`).
     gpus_in_use: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # Each GPU's UUID as its driver reports it (index -> "GPU-..."), where the agent read one:
-    # what a DRA claim selects a planned GPU by (`kube.objects.gpu_claim_template`).
+    # what a DRA claim selects a planned GPU by
+    # (`kube.workloads.engine_objects.gpu_claim_template`).
     gpu_uuids: Mapping[int, str] = field(default_factory=dict)
 
     @classmethod

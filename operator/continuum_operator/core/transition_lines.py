@@ -1,6 +1,6 @@
 """The grant lines of the transition log (docs/transition-log.md), as dicts ready for JSON.
 
-One writer for both authors of the log, the operator (`kube.ledger`) and the simulator
+One writer for both authors of the log, the operator (`kube.ledger.grant_ledger`) and the simulator
 (`core.simulate`), so that `continuum check-log` reads the same lines from either. Pure: the
 step's time is passed in.
 """

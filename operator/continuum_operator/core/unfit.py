@@ -15,7 +15,7 @@ group first, each with a few of its nodes, and the closest node with its own rea
 
 The node-by-node verdicts are `continuum place`'s (`reasons` in its JSON), offline, from the same
 `choose`. Pure. Neighbours: `core.bestfit` (the verdicts), `core.conditions` (the reasons),
-`kube.reconcile` and `cli_place` (the two callers).
+`kube.engines.reconcile` and `cli_place` (the two callers).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Prometheus metrics (`embed.metrics`), current at each scrape.
 
 The lease comes from the EmbedLane (`--lane NAMESPACE/NAME`, polled) or a file holding an
 EmbedLane or its `status.placement` (`--lane-file`, re-read when it changes).
-Neighbours: `embed.lane` (llama-cpp-python), `core.embed` (admission), `kube.embedlanes`.
+Neighbours: `embed.lane` (llama-cpp-python), `core.embed` (admission), `kube.lanes.loop`.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _lane_state(doc: dict[str, Any], max_context_tokens: int | None) -> LaneStat
         max_context_tokens=max_ctx,
         leased_context_tokens=leased,
         residence=placement.get("residence"),
-        # As the operator counts it (`kube.embedlanes`): what was embedded holds within the
+        # As the operator counts it (`kube.lanes.lane_pass`): what was embedded holds within the
         # lease; a pod on another node (a smaller one) calibrates within its own, not at the
         # largest context its predecessor embedded, which that node may never lease.
         largest_embedded_tokens=max(min(largest, leased), int(placement.get("floorTokens") or 0)),

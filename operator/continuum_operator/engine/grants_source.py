@@ -8,7 +8,7 @@ The gateway never grants on its own; it enforces the table the operator wrote. T
 - `watch_ledger`: the status of the Engine's GrantLedger (`model.grant_ledger`: its grants and
   the slot size of the launch they were made for), through a watch of that one object with the
   Kubernetes client. A thin shell: `admission.table_from_ledger` reads the object. The pod's
-  Role lets it read its own ledger and write none (`kube.engine_identity`).
+  Role lets it read its own ledger and write none (`kube.workloads.engine_identity`).
 
 Both call `on_table` with every new table and keep the last good one when a document cannot be
 read (logged, never guessed). The Engine itself is still read for its plan and status

@@ -67,7 +67,7 @@ from continuum_operator.engine.grants_source import (
 )
 from continuum_operator.engine.parking import ParkSettings, ParkStore
 from continuum_operator.engine.token_review import TokenReviewer
-from continuum_operator.kube.objects import LAUNCH_ENV
+from continuum_operator.kube.workloads.engine_objects import LAUNCH_ENV
 
 __all__ = [
     "EngineRuntime",
@@ -149,8 +149,8 @@ class LaunchSettings:
     stops it (count)."""
     restart_window_seconds: float = 600.0
     launch: str | None = None
-    """The pod's launch (`kube.objects.LAUNCH_ENV`), named in every report so the operator
-    reads only the current pod's."""
+    """The pod's launch (`kube.workloads.engine_objects.LAUNCH_ENV`), named in every report so the
+    operator reads only the current pod's."""
     park_dir: Path | None = None
     """The park store's directory (llama-server's `--slot-save-path`): the Engine's park tier,
     host memory or disk (docs/gateway.md, "A turn cut off"). None: a temporary directory."""

@@ -504,7 +504,7 @@ def _plan_schema(schema: dict[str, Any]) -> None:
 
 class EngineEnforcement(Spec):
     """The per-process caps applied to the engine's pod and their numbers
-    (`kube.objects.enforcement`), written by the operator with the pod it makes."""
+    (`kube.workloads.engine_objects.enforcement`), written by the operator with the pod it makes."""
 
     engine_args: bool = Field(description="The plan's arguments bound llama-server's buffers.")
     memory_limit_bytes: Bytes = Field(description="The container's memory limit (host bytes).")

@@ -3,11 +3,11 @@ it: its schema, its one parser, and its writer from the allocator's `Grant`s.
 
 The operator's leader writes the entries (`grant_entries`); two readers parse them through
 `parse_entries`, each with its own policy on an entry it cannot read: the operator's next step
-(`kube.ledger.read_grants`) skips it, the gateway (`engine.admission`) refuses the whole table
-and keeps its last good one. The CRD describes each entry from `GrantEntry` (`entry_schema`), so
-the API server refuses a malformed entry before either reader sees it, and prunes any field the
-schema does not list: every key `grant_entries` writes must be a field here (a unit test holds
-them together).
+(`kube.ledger.grant_ledger.read_grants`) skips it, the gateway (`engine.admission`) refuses the
+whole table and keeps its last good one. The CRD describes each entry from `GrantEntry`
+(`entry_schema`), so the API server refuses a malformed entry before either reader sees it, and
+prunes any field the schema does not list: every key `grant_entries` writes must be a field here (a
+unit test holds them together).
 
 Not imported by the `model` package itself: the reason is `core.grants`' enum, and `core.grants`
 imports `model.mind`.
@@ -157,8 +157,8 @@ class Unread:
     fields: tuple[str, ...]  # the wire names at fault; () when the entry itself is
 
 
-# The whole list in one call: a step reads up to ~320 entries (kube.ledger.QUEUE_KEPT and
-# REFUSED_KEPT beside the holders), and a list validates in one pass over pydantic-core.
+# The whole list in one call: a step reads up to ~320 entries (kube.ledger.grant_ledger.QUEUE_KEPT
+# and REFUSED_KEPT beside the holders), and a list validates in one pass over pydantic-core.
 _ENTRIES = TypeAdapter(list[GrantEntry])
 
 

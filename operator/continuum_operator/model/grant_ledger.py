@@ -1,7 +1,7 @@
 """GrantLedger: the grant ledger of one Engine's KV-cache pool, in an object of its own.
 
 One per Engine, of the same name and namespace, owned by it (deleted with it), written by the
-operator's leader alone (`kube.ledger_write`, a replace of its status conditioned on its
+operator's leader alone (`kube.grants.ledger_write`, a replace of its status conditioned on its
 resourceVersion) and read by the Engine's gateway (`engine.grants_source`), which enforces it.
 It was the Engine's `status.grants`: in an object of its own, a grant no longer rewrites the
 Engine (nine kilobytes sent to every Engine watcher at each grant), and the engine pod's right
@@ -39,8 +39,9 @@ def _grant_entries_schema(schema: dict[str, Any]) -> None:
 
 
 class GrantCapacity(Spec):
-    """The pool the grant ledger was last made for (`kube.ledger.GrantPool`), written with it by the
-    operator's leader: a launch that changed while minds hold slots of the old one drains."""
+    """The pool the grant ledger was last made for (`kube.ledger.grant_ledger.GrantPool`), written
+    with it by the operator's leader: a launch that changed while minds hold slots of the old one
+    drains."""
 
     phase: str = Field(
         max_length=32,
@@ -98,7 +99,7 @@ class GrantStepLine(Spec):
 
 
 class GrantStep(Spec):
-    """The journal of the ledger's last step (`kube.ledger_journal`), written with it: a leader
+    """The journal of the ledger's last step (`kube.ledger.journal`), written with it: a leader
     that died between the ledger write and the log append has its step logged by the next."""
 
     seq: int = Field(ge=0, description="The step's sequence number.")

@@ -2,7 +2,7 @@
 beside this module, what `continuum plan -o json` prints; tests/unit/test_plan_schema.py holds it
 to the plan) in the structural form the API server takes (the rest of the translation is
 `model.crdgen`'s, as for every schema), with `specGeneration`, the spec generation the plan was
-made for (`kube.engine_pass.plan_status`).
+made for (`kube.engines.engine_pass.plan_status`).
 
 One schema for both, so `kubectl explain engine.status.plan` says what docs/plan.md says, and
 the API server keeps every field the operator writes (a typed object prunes the fields its

@@ -1,0 +1,254 @@
+"""The adapter the operator's loops talk to the API server through, on the event loop: the verbs
+of `kube.client.api.KubeApi` (request, apply, merge_patch, delete, text, create), awaited.
+
+The transport is an aiohttp session (kopf's HTTP stack, so no second one) over the `kubernetes`
+client's configuration, loaded as the blocking adapter loads it (`kube.client.api.login`): the host,
+the TLS files and server name, the proxy, and the token, read from the configuration at each
+request so that its refresh hook runs (the pod's ServiceAccount token is read again as the
+kubelet rotates it). The request each verb sends and what an answer means are `kube.client.api`'s,
+shared with the blocking adapter.
+
+Not `kubernetes_asyncio`: kopf imports its generated client whenever it is installed, and that
+was 32 MiB of the operator's memory for a transport that sends plain dicts (docs/architecture.md).
+
+A transport failure (refused, reset, timed out) is raised as an `OSError`, as the blocking
+adapter's socket errors are, so the callers' `except (ApiError, OSError)` holds for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+from kubernetes import client
+
+from continuum_operator.kube.client.api import (
+    TIMEOUT_SECONDS,
+    ApiError,
+    Request,
+    RequestMeter,
+    answer,
+    apply_request,
+    call,
+    continue_token,
+    create_request,
+    delete_request,
+    login,
+    merge_patch_request,
+    page_query,
+    resource_of,
+    text_request,
+)
+from continuum_operator.kube.client.kept import resource_version
+
+__all__ = ["LIST_PAGE", "AsyncKubeApi", "login", "pages", "relist"]
+
+#: Connections to the API server at once: the loops' writes in flight (the Engines' 8, the
+#: grants loop's ledgers and Minds' writes, `--write-workers` each, the lanes', the seeds');
+#: a request past it waits for one, it is not refused.
+CONNECTIONS = 64
+
+#: Objects a list asks for at once. A list answered whole is parsed whole: every engine pod of
+#: a 2,000-engine cluster was the operator's largest allocation, about 250 MB of parsed JSON
+#: every five seconds (`bench/scale.py --memray`, docs/performance.md); a page at a time, a
+#: caller keeps what it reads of each page and lets the page go.
+LIST_PAGE = 250
+
+
+def tls_of(configuration: client.Configuration) -> ssl.SSLContext:
+    """The TLS the configuration asks for: its CA (else the system's), its client certificate,
+    and no verification only where the kubeconfig says `insecure-skip-tls-verify`."""
+    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
+    if configuration.cert_file:
+        context.load_cert_chain(configuration.cert_file, configuration.key_file or None)
+    if not configuration.verify_ssl:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+class AsyncKubeApi:
+    """`meter` records each request (the operator's metrics). Made by `connect` (on the running
+    loop, where its session lives); `close` ends it."""
+
+    def __init__(
+        self,
+        configuration: client.Configuration,
+        session: aiohttp.ClientSession,
+        meter: RequestMeter | None = None,
+    ) -> None:
+        self._config = configuration
+        self._session = session
+        self._host = str(configuration.host).rstrip("/")
+        self.meter = meter
+
+    @classmethod
+    async def connect(
+        cls, kubeconfig: str | None = None, meter: RequestMeter | None = None
+    ) -> AsyncKubeApi:
+        # In a thread: the loader reads files and may run a kubeconfig's exec plugin.
+        configuration = await asyncio.to_thread(login, kubeconfig)
+        connector = aiohttp.TCPConnector(limit=CONNECTIONS, ssl=tls_of(configuration))
+        timeout = aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return cls(configuration, session, meter)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    def _credentials(self) -> dict[str, str]:
+        # Asked for at each request: `auth_settings` runs the configuration's refresh hook.
+        token = self._config.auth_settings().get("BearerToken")
+        return {"Authorization": str(token["value"])} if token and token.get("value") else {}
+
+    @contextlib.asynccontextmanager
+    async def _opened(
+        self, r: Request, timeout: aiohttp.ClientTimeout | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`r` sent (within the session's deadline, or `timeout`), its answer open to be read
+        inside; a transport failure, sending or reading, raised as an `OSError`."""
+        body = None if r.body is None else json.dumps(r.body).encode()
+        try:
+            async with self._session.request(
+                r.method,
+                self._host + r.path,
+                params=list(r.query),
+                data=body,
+                headers={**r.headers, **self._credentials()},
+                proxy=self._config.proxy or None,
+                server_hostname=self._config.tls_server_name or None,
+                timeout=timeout or self._session.timeout,
+            ) as response:
+                yield response
+        except aiohttp.ClientError as err:
+            if isinstance(err, OSError):
+                raise
+            raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
+
+    async def send(self, r: Request) -> Any:
+        resource = resource_of(r.path)
+        if self.meter is not None:
+            self.meter.record_api_request(r.method, resource)
+        started = time.monotonic()
+        async with self._opened(r) as response:
+            data = await response.read()
+        if self.meter is not None:
+            self.meter.record_api_answer(r.method, resource, time.monotonic() - started)
+        return answer(r, response.status, data)
+
+    async def watch(
+        self, path: str, query: Sequence[tuple[str, str]], since: str, seconds: int = 300
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A collection's changes after resourceVersion `since`, an event (`type`, `object`)
+        at a time, bookmarks included, until the server ends the stream (after `seconds`).
+        An `ERROR` event is raised as `ApiError` with its code (410: `since` is too old; list
+        again)."""
+        if self.meter is not None:
+            self.meter.record_api_request("WATCH", resource_of(path))
+        asked = (*query, ("watch", "1"), ("resourceVersion", since),
+                 ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(seconds)))  # fmt: skip
+        r = Request("GET", path, query=asked, content_type=None)
+        # No total deadline: the stream is meant to stay open; a silent one is cut.
+        timeout = aiohttp.ClientTimeout(sock_connect=TIMEOUT_SECONDS, sock_read=seconds + 30)
+        async with self._opened(r, timeout) as response:
+            if response.status != 200:
+                answer(r, response.status, await response.read())
+            # Lines split here, not by the reader's readline: its line limit (64 KiB) is
+            # smaller than an object may be.
+            rest = b""
+            async for chunk in response.content.iter_any():
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield _event(line)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Sequence[tuple[str, str]] = (),
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = await self.send(call(method, path, body, query, content_type))
+        return result
+
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply, forced: fields this operator dropped are removed."""
+        result: dict[str, Any] = await self.send(apply_request(obj))
+        return result
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self.send(merge_patch_request(path, patch))
+        return result
+
+    async def delete(self, path: str) -> None:
+        await self.send(delete_request(path))
+
+    async def text(self, path: str, query: Sequence[tuple[str, str]] = ()) -> str:
+        """A plain-text answer (a pod's log)."""
+        return str(await self.send(text_request(path, query)))
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self.send(create_request(obj))
+        return result
+
+
+def _event(line: bytes) -> dict[str, Any]:
+    event: dict[str, Any] = json.loads(line)
+    if event.get("type") == "ERROR":
+        status = event.get("object") or {}
+        raise ApiError(
+            int(status.get("code") or 500), str(status.get("reason")), str(status.get("message"))
+        )
+    return event
+
+
+async def pages(
+    api: AsyncKubeApi, path: str, query: Sequence[tuple[str, str]] = (), limit: int = LIST_PAGE
+) -> AsyncIterator[dict[str, Any]]:
+    """A collection's list, a page at a time (`limit` and `continue`): each page is one answer
+    with `items` and `metadata`; all pages are of one snapshot (the first page's
+    resourceVersion)."""
+    token = ""
+    while True:
+        page = await api.request("GET", path, query=page_query(query, limit, token))
+        yield page
+        token = continue_token(page)
+        if not token:
+            return
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+async def relist(
+    api: AsyncKubeApi,
+    path: str,
+    observe: Callable[[dict[str, Any]], None],
+    key_of: Callable[[Mapping[str, Any]], K],
+    known: Mapping[K, Mapping[str, Any]],
+    forget: Callable[[K], None],
+) -> None:
+    """A collection listed into a cache, a page at a time (`observe` each object), as a new
+    leader does before its first pass; then what the cache (`known`) has and the list has not,
+    and is no newer than the list, `forget`: deleted before the list was taken. (A newer one
+    came from a watch event after the list: kept.)"""
+    listed: set[K] = set()
+    version = 0
+    async for page in pages(api, path):
+        version = int((page.get("metadata") or {}).get("resourceVersion") or version)
+        for obj in page.get("items") or []:
+            observe(obj)
+            listed.add(key_of(obj))
+    for key in set(known) - listed:
+        obj = known.get(key)
+        if obj is not None and resource_version(obj) <= version:
+            forget(key)

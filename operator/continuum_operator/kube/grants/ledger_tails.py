@@ -1,0 +1,92 @@
+"""Each engine's whole ledger as this leader last decided it. The Engine object keeps the
+holders and the head of a long queue (`ledger.bounded`); the entries it leaves out are kept here,
+for the next step and for the Minds' projections, and for a new leader (nothing kept yet) they
+are read from the transition log or, with no log, from the Minds' own status. No API calls.
+Neighbours: `kube.grants.loop` (the loop that steps), `kube.grants.ledger_write` (remembers each
+write), `kube.ledger.grant_ledger` (the entries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from continuum_operator.core.grants import Grant, MindDemand
+from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger.transition_log import TransitionLog
+from continuum_operator.kube.state.cache import EngineKey
+from continuum_operator.kube.state.mind_cache import MindCache
+
+__all__ = ["LedgerTails"]
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """An engine's ledger as this leader last decided it, for the step whose journal has `seq`:
+    the grants its object leaves out, and every entry (the projections read them)."""
+
+    seq: int
+    grants: dict[str, Grant]
+    entries: list[dict[str, Any]]
+
+
+class LedgerTails:
+    """What each engine's object leaves out of its ledger, by engine. `log`: the loop's
+    transition log as it is now (a new leader opens it again)."""
+
+    def __init__(self, log: Callable[[], TransitionLog], minds: MindCache) -> None:
+        self._log = log
+        self._minds = minds
+        self._tails: dict[EngineKey, _Tail] = {}
+
+    def entries_of(
+        self,
+        key: EngineKey,
+        body: Mapping[str, Any],
+        stored: list[dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The engine's whole ledger: as this leader last decided it for this body's step, else
+        the entries its object holds."""
+        status = body.get("status") or {}
+        tail = self._tails.get(key)
+        if tail is not None and tail.seq == _seq(status):
+            return tail.entries
+        return stored if stored is not None else list(status.get("grants") or [])
+
+    def tail_of(
+        self, key: EngineKey, body: Mapping[str, Any], demands: Mapping[str, MindDemand]
+    ) -> dict[str, Grant]:
+        """The entries the Engine object left out (`status.grantQueue`): from this leader's
+        memory of the step it last decided there; else as the transition log leaves them (its
+        next lines then follow from the log's, whatever a crash left unwritten); else, with no
+        log, from the Minds' own status."""
+        status = body.get("status") or {}
+        stored = {str(e.get("mind")) for e in status.get("grants") or []}
+        tail = self._tails.get(key)
+        if tail is not None and tail.seq == _seq(status):
+            return {m: g for m, g in tail.grants.items() if m not in stored}
+        waiting = self._log().waiting(f"{key[0]}/{key[1]}")
+        if waiting is not None:
+            return ledger.tail_from_log(waiting, stored)
+        if status.get(ledger.QUEUE_FIELD) is None:
+            return {}  # nothing was left out
+        return ledger.tail_from_minds(self._minds.minds_of([key]).get(key, []), stored, demands)
+
+    def remember(self, key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep) -> None:
+        """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
+        kept = {str(e.get("mind")) for e in s.kept}
+        left_out = {m: g for m, g in s.grants.items() if m not in kept}
+        self._tails[key] = _Tail(_seq(body.get("status") or {}), left_out, s.entries)
+
+    def forget(self, key: EngineKey) -> None:
+        """The engine is gone: nothing of its ledger is kept."""
+        self._tails.pop(key, None)
+
+
+def _seq(status: Mapping[str, Any]) -> int:
+    """The journal's seq of the ledger an Engine's GrantLedger holds (0: never written)."""
+    try:
+        return int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0)
+    except (TypeError, ValueError):
+        return 0

@@ -1,0 +1,225 @@
+"""`continuum release-finalizers`: take the operator's finalizers off what it finalizes, so that
+uninstalling it leaves nothing stuck `Terminating`.
+
+The operator finalizes one kind of object: a Mind holding a grant carries `continuum.dev/grant`
+(`kube.grants.mind_writes.FINALIZER`) until her grant is released through her engine's gateway. With
+no operator left to release it, a Mind deleted later would wait for ever (and a namespace holding
+her would never finish deleting). The chart runs this command as a `pre-delete` hook Job
+(templates/uninstall-hook.yaml); it can be run by hand with a kubeconfig as well.
+
+Order matters: a running operator adds the finalizer back to every holding Mind, so the command
+first stops it (`--stop-operator NAMESPACE/NAME`: its Deployment scaled to 0, then waits until
+none of its pods is left, terminating ones included), and only then takes the finalizers off.
+Each removal is a merge patch of the Mind's whole finalizer list conditioned on her
+resourceVersion: finalizers of others are kept, and a Mind changed meanwhile is read again.
+A Mind that is not being deleted keeps running without her finalizer; an operator installed
+later puts it back while she holds a grant.
+
+Neighbours: `kube.grants.mind_writes` (adds and drops the finalizer), `kube.client.api` (the
+adapter), `cli.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from continuum_operator.cli_errors import fail
+from continuum_operator.kube.client.api import (
+    ApiError,
+    KubeApi,
+    continue_token,
+    crd_path,
+    page_query,
+)
+from continuum_operator.model.base import label_selector
+
+__all__ = [
+    "FINALIZED",
+    "Released",
+    "StopTimeout",
+    "add_arguments",
+    "release_finalizers",
+    "stop_operator",
+]
+
+log = logging.getLogger("continuum.release")
+
+#: (plural of a continuum.dev kind, the finalizer the operator puts on it): everything the
+#: operator finalizes (a test greps the operator for finalizers to keep this list whole).
+FINALIZED: tuple[tuple[str, str], ...] = (("minds", "continuum.dev/grant"),)
+
+EXIT_OK = 0
+EXIT_API = 1
+EXIT_INVALID = 2
+CONFLICT_RETRIES = 5
+PAGE = 500
+
+
+class Api(Protocol):
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Sequence[tuple[str, str]] = (),
+        content_type: str = "application/json",
+    ) -> dict[str, Any]: ...
+
+    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
+
+
+@dataclass
+class Released:
+    """What one run did: objects seen and those it took a finalizer off ("kind ns/name")."""
+
+    seen: int = 0
+    released: list[str] = field(default_factory=list)
+
+
+class StopTimeout(Exception):
+    pass
+
+
+def stop_operator(
+    api: Api,
+    namespace: str,
+    name: str,
+    *,
+    timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Scale the operator's Deployment to 0 and wait until none of its pods is left. Returns
+    the pods it waited for; a Deployment that is not there is nothing to stop."""
+    path = f"/apis/apps/v1/namespaces/{quote(namespace)}/deployments/{quote(name)}"
+    try:
+        deployment = api.merge_patch(path, {"spec": {"replicas": 0}})
+    except ApiError as err:
+        if err.status == 404:
+            return 0
+        raise
+    labels = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    if not labels:
+        raise ApiError(422, "Invalid", f"Deployment {namespace}/{name} has no matchLabels")
+    selector = label_selector(labels)
+    pods_path = f"/api/v1/namespaces/{quote(namespace)}/pods"
+    deadline = clock() + timeout
+    waited = 0
+    while True:
+        pods = api.request("GET", pods_path, query=[("labelSelector", selector)]).get("items")
+        left = len(pods or [])
+        waited = max(waited, left)
+        if left == 0:
+            return waited
+        if clock() >= deadline:
+            raise StopTimeout(
+                f"Deployment {namespace}/{name}: {left} pod(s) still there after {timeout:.0f} s; "
+                "the operator would put the finalizers back: try again, or raise --timeout"
+            )
+        sleep(1.0)
+
+
+def _items(api: Api, path: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    token = ""
+    while True:
+        page = api.request("GET", path, query=page_query((), PAGE, token))
+        items += page.get("items") or []
+        token = continue_token(page)
+        if not token:
+            return items
+
+
+def _release_one(api: Api, plural: str, finalizer: str, obj: Mapping[str, Any]) -> bool:
+    """Take `finalizer` off one object; False when it is gone or no longer has it."""
+    meta = obj["metadata"]
+    path = crd_path(plural, meta.get("namespace"), meta["name"])
+    for _ in range(CONFLICT_RETRIES):
+        finalizers = list(meta.get("finalizers") or [])
+        if finalizer not in finalizers:
+            return False
+        patch = {
+            "metadata": {
+                "finalizers": [f for f in finalizers if f != finalizer],
+                "resourceVersion": meta.get("resourceVersion"),
+            }
+        }
+        try:
+            api.merge_patch(path, patch)
+            return True
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            if err.status != 409:
+                raise
+        try:
+            meta = api.request("GET", path)["metadata"]  # changed meanwhile: read it again
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+    raise ApiError(409, "Conflict", f"{path}: changed under {CONFLICT_RETRIES} tries")
+
+
+def release_finalizers(api: Api) -> Released:
+    """Take the operator's finalizers off every object it finalizes, in every namespace."""
+    done = Released()
+    for plural, finalizer in FINALIZED:
+        for obj in _items(api, crd_path(plural, None)):
+            done.seen += 1
+            if _release_one(api, plural, finalizer, obj):
+                meta = obj["metadata"]
+                done.released.append(f"{plural} {meta.get('namespace')}/{meta['name']}")
+    return done
+
+
+def cmd_release_finalizers(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    stop: tuple[str, str] | None = None
+    if args.stop_operator is not None:
+        ns, slash, name = str(args.stop_operator).partition("/")
+        if not slash or not ns or not name:
+            return fail(
+                f"--stop-operator {args.stop_operator!r}: expected NAMESPACE/NAME of "
+                "the operator's Deployment",
+                EXIT_INVALID,
+            )
+        stop = (ns, name)
+    if args.timeout <= 0:
+        return fail(f"--timeout {args.timeout}: must be > 0 seconds", EXIT_INVALID)
+    try:
+        api = KubeApi(args.kubeconfig)
+    except Exception as err:  # the config loaders raise several unrelated types
+        return fail(f"no cluster configuration: {err}", EXIT_INVALID)
+    try:
+        if stop is not None:
+            pods = stop_operator(api, *stop, timeout=args.timeout)
+            print(f"operator {stop[0]}/{stop[1]} stopped ({pods} pod(s) waited for)")
+        done = release_finalizers(api)
+    except (StopTimeout, ApiError, OSError) as err:
+        return fail(str(err), EXIT_API)
+    for what in done.released:
+        print(f"released {what}")
+    print(f"{len(done.released)} of {done.seen} object(s) had the operator's finalizer")
+    return EXIT_OK
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `continuum release-finalizers` (cli.py declares the command)."""
+    p.add_argument("--kubeconfig", help="default: in a pod its ServiceAccount, else $KUBECONFIG")
+    p.add_argument(
+        "--stop-operator",
+        metavar="NAMESPACE/NAME",
+        help="the operator's Deployment: scaled to 0 and waited for first (a running operator "
+        "puts the finalizers back)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for its pods to go"
+    )

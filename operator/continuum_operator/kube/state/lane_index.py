@@ -1,0 +1,71 @@
+"""What of an EmbedLane the caches index: the node its placement charges, what of it the
+engines' decisions read, which lanes a change elsewhere may move (`kube.state.cache` marks them for
+the lanes' reconciler), and which lanes this operator decides. Pure functions of the bodies; no
+API calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["decided_here", "lane_hold", "lane_nodes", "lanes_of", "lanes_on"]
+
+EngineKey = tuple[str, str]
+
+
+def lane_hold(body: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    """What of a lane the engines' decisions read: its placement, and whether it is measured."""
+    status = (body or {}).get("status") or {}
+    return status.get("placement"), (status.get("runtime") or {}).get("ready")
+
+
+def lanes_on(lanes: Mapping[EngineKey, Mapping[str, Any]], nodes: set[str]) -> list[EngineKey]:
+    """The lanes a change of room on `nodes` may move: placed there, or free to go anywhere."""
+    return [
+        key
+        for key, body in lanes.items()
+        if not (body.get("spec") or {}).get("engine") or not lane_nodes(body)
+        or lane_nodes(body) & nodes
+    ]  # fmt: skip
+
+
+def lanes_of(lanes: Mapping[EngineKey, Mapping[str, Any]], engine: EngineKey) -> list[EngineKey]:
+    """The lanes beside `engine` (its namespace's that name it)."""
+    return [
+        key
+        for key, body in list(lanes.items())
+        if key[0] == engine[0] and (body.get("spec") or {}).get("engine") == engine[1]
+    ]
+
+
+def lane_nodes(body: Mapping[str, Any] | None) -> set[str]:
+    """The node a lane's placement charges (all its leases are there)."""
+    raw = ((body or {}).get("status") or {}).get("placement") or {}
+    node = raw.get("node") if isinstance(raw, Mapping) else None
+    return {node} if isinstance(node, str) else set()
+
+
+def decided_here(
+    body: Mapping[str, Any],
+    engines: Mapping[EngineKey, Any],
+    ledgers: Mapping[EngineKey, Any],
+    labels: Mapping[str, str] | None,
+) -> bool:
+    """Whether this operator decides the lane: every lane, without `--engine-selector`. With
+    one, a lane beside an Engine it serves; never one beside an Engine another operator serves
+    (its GrantLedger is watched here: it lives), whatever the lane's labels say (deciding it
+    too, two operators overwrote its status and its pod at each resync); else a lane labelled
+    as the selector asks (a model of its own, or an Engine nobody serves)."""
+    if not labels:
+        return True
+    meta = body["metadata"]
+    engine = (body.get("spec") or {}).get("engine")
+    if isinstance(engine, str):
+        beside = (meta["namespace"], engine)
+        if beside in engines:
+            return True
+        if beside in ledgers:
+            return False
+    own = meta.get("labels") or {}
+    return all(own.get(k) == v for k, v in labels.items())
