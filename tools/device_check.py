@@ -157,7 +157,7 @@ def make_models(work: Path) -> dict[str, dict[str, Any]]:
     if r.returncode != 0:
         log(r.stderr[-2000:])
         try:  # what cmd_model_tiny writes, in this process
-            from continuum_operator.cli_model import TINY_SHAPE
+            from continuum_operator.cli.model import TINY_SHAPE
             from continuum_operator.testing import write_tiny_gguf
 
             write_tiny_gguf(tiny, TINY_SHAPE, seed=0)

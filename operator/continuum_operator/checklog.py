@@ -16,7 +16,6 @@ once every line of the step has been applied, when the log's time moves on or en
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
@@ -24,9 +23,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from continuum_operator.cli_errors import fail
-from continuum_operator.cli_output import add_output_argument, render
 
 EXIT_OK = 0
 EXIT_VIOLATIONS = 1
@@ -597,30 +593,3 @@ def check_file(path: Path | str) -> list[Violation]:
 
 
 # --- the command -----------------------------------------------------------------------------
-
-
-def cmd_check_log(args: argparse.Namespace) -> int:
-    path: Path = args.file
-    try:
-        violations = check_file(path)
-    except LogFormatError as err:
-        where = f"{path}:{err.line}" if err.line else str(path)
-        return fail(f"{where}: {err.message}", EXIT_INVALID)
-    except OSError as err:
-        return fail(f"{path}: {err.strerror or err}", EXIT_INVALID)
-    if args.output != "table":
-        doc = {"ok": not violations, "violations": [v.to_dict() for v in violations]}
-        print(render(doc, args.output))
-    elif violations:
-        for v in violations:
-            print(v)
-        print(f"{len(violations)} violation(s) in {path}")
-    else:
-        print(f"ok: {path}: invariants 1-7 hold")
-    return EXIT_VIOLATIONS if violations else EXIT_OK
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of `continuum check-log` (cli.py declares the command)."""
-    p.add_argument("file", type=Path, metavar="FILE", help="a transition log, JSON lines")
-    add_output_argument(p, table="one line per violation, or ok")

@@ -20,7 +20,6 @@ Outside the pure core: it uses psutil. Neighbours: `cli` (registers `run`), `kub
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -33,9 +32,7 @@ from typing import Any
 
 import psutil
 
-from continuum_operator.cli_errors import fail
-
-__all__ = ["ENV", "ProcessClass", "add_arguments", "lower", "lowest_priority", "run"]
+__all__ = ["ENV", "ProcessClass", "lower", "lowest_priority", "run"]
 
 ENV = "CONTINUUM_PROCESS_CLASS"
 UNIX_LOWEST = 19
@@ -159,35 +156,6 @@ def _forward_signals(child: subprocess.Popen[bytes]) -> dict[int, Any]:
     return previous
 
 
-def _default_class() -> str:
+def default_class() -> str:
     value = os.environ.get(ENV, "")
     return value if value in {str(c) for c in ProcessClass} else str(ProcessClass.NORMAL)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of `continuum run` (cli.py declares the command)."""
-    p.add_argument(
-        "--class",
-        dest="process_class",
-        choices=[str(c) for c in ProcessClass],
-        default=_default_class(),
-        help=f"process class (default: ${ENV}, else normal)",
-    )
-    p.add_argument(
-        "--sweep",
-        type=float,
-        default=2.0,
-        help="seconds between passes that lower descendants running above the class",
-    )
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    if not cmd:
-        return fail("continuum run: no command given (continuum run -- CMD ...)", EXIT_USAGE)
-    if args.sweep <= 0:
-        return fail("continuum run: --sweep must be more than 0 seconds", EXIT_USAGE)
-    return run(cmd, ProcessClass(args.process_class), args.sweep)

@@ -356,7 +356,8 @@ AGENT_UID = 65533  # images/agent/Dockerfile's user
 #: from the document (this node has no GPU), whose process list is the engine's PID.
 AGENT_READ = """
 import argparse, json, sys
-from continuum_operator.agent import cli, probe
+from continuum_operator.agent import probe
+from continuum_operator.cli import agent as cli
 from continuum_operator.testing.fake_nvml import FakeNvml
 nvml, placed, agent_args = (json.loads(a) for a in sys.argv[1:4])
 parser = argparse.ArgumentParser()

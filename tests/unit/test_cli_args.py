@@ -8,7 +8,7 @@ from enum import StrEnum
 
 import pytest
 
-from continuum_operator.cli_args import SettingFlag, add_flags, at_least_one, settings_from_flags
+from continuum_operator.cli.args import SettingFlag, add_flags, at_least_one, settings_from_flags
 
 
 class Colour(StrEnum):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from continuum_operator import cli
-from continuum_operator.cli_output import OUTPUTS, leaf_table, output_format
+from continuum_operator.cli.output import OUTPUTS, leaf_table, output_format
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 from tests.builders import ROOT
 

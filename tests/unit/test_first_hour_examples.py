@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from continuum_operator.cli_model import TINY_SHAPE, sha256_of
+from continuum_operator.cli.model import TINY_SHAPE, sha256_of
 from continuum_operator.core.grants import PriorityPolicy
 from continuum_operator.gguf import read_facts
 from continuum_operator.kube.grants import mind_status

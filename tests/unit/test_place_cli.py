@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from continuum_operator.cli import main
-from continuum_operator.cli_place import EXIT_INVALID, EXIT_OK, EXIT_UNSCHEDULABLE
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, EXIT_UNSCHEDULABLE
 from continuum_operator.kube.engines.engine_pass import Memory
 from continuum_operator.kube.engines.reconcile import reconcile
 from continuum_operator.kube.state.cache import BoardEntry, NodeEntry, Snapshot

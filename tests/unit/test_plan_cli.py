@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from continuum_operator.cli import EXIT_INVALID, EXIT_OK, EXIT_UNSCHEDULABLE, main
+from continuum_operator.cli import main
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, EXIT_UNSCHEDULABLE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BOARDS = sorted((EXAMPLES / "boards").glob("*.yaml"))

@@ -179,7 +179,7 @@ def _cli(
     import threading
 
     from continuum_operator.cli import build_parser
-    from continuum_operator.engine import turn as turn_module
+    from continuum_operator.cli import turn as turn_module
     from continuum_operator.engine.admission import GrantTable
     from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
     from tests.unit.fake_llama import FakeLlama, serve
@@ -210,7 +210,7 @@ def _cli(
         assert ready.wait(10)
         doc = mind_doc or {}
         doc.setdefault("status", {})["endpoint"] = state["url"]
-        monkeypatch.setattr(turn_module, "_read_mind", lambda ns, name: doc)
+        monkeypatch.setattr(turn_module, "read_mind", lambda ns, name: doc)
         args = build_parser().parse_args(["turn", *argv])
         rc: int = args.func(args)
         return rc
@@ -366,7 +366,7 @@ def test_a_reply_streamed_past_aiohttps_default_timeout_is_read_to_its_end(
         runner, base = await _serve_app(app)
         try:
             args = argparse.Namespace(mind="minds/mira", prompt="hi", max_tokens=None)
-            return await turn_module._take_turn(args, base, 30.0, None)
+            return await turn_module.take_turn(args, base, 30.0, None)
         finally:
             await runner.cleanup()
 
@@ -378,11 +378,12 @@ def test_a_token_file_that_cannot_be_read_is_a_bad_argument_named(
 ) -> None:
     import argparse
 
-    from continuum_operator.engine import turn as turn_module
+    from continuum_operator.cli import turn as turn_module
+    from continuum_operator.engine.turn import EXIT_INVALID
 
     args = argparse.Namespace(
         mind="minds/mira", prompt="hi", gateway="http://127.0.0.1:9", deadline=1.0,
         token_file=tmp_path / "no-such-token", max_tokens=None,
     )  # fmt: skip
-    assert turn_module.cmd_turn(args) == turn_module.EXIT_INVALID
+    assert turn_module.cmd_turn(args) == EXIT_INVALID
     assert "--token-file" in capsys.readouterr().err

@@ -47,7 +47,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from continuum_operator.cli_errors import fail
+from continuum_operator.cli.errors import fail
 from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build

@@ -47,8 +47,8 @@ from typing import Any
 from aiohttp import web
 
 from continuum_operator import manifests
-from continuum_operator.cli_args import at_least_one
-from continuum_operator.cli_errors import fail
+from continuum_operator.cli.args import at_least_one
+from continuum_operator.cli.errors import fail
 from continuum_operator.core import receipts, rfc3339
 from continuum_operator.core.receipts import (
     Receipt,

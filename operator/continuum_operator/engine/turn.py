@@ -14,18 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-
-from continuum_operator.cli_errors import fail
 
 MIND_HEADER = "X-Continuum-Mind"
 TURN_HEADER = "X-Continuum-Turn"
@@ -264,7 +260,7 @@ async def _open(
 EXIT_OK, EXIT_REFUSED, EXIT_INVALID, EXIT_CUT = 0, 1, 2, 3
 
 
-def _read_mind(namespace: str, name: str) -> dict[str, Any]:
+def read_mind(namespace: str, name: str) -> dict[str, Any]:
     """The Mind object (her endpoint and turn deadline), with the kubeconfig or in-cluster."""
     # Imported here: the turn client itself needs no Kubernetes, only this command does.
     from continuum_operator.engine.grants_source import custom_objects
@@ -276,7 +272,7 @@ def _read_mind(namespace: str, name: str) -> dict[str, Any]:
     return mind
 
 
-async def _take_turn(
+async def take_turn(
     args: argparse.Namespace, gateway: str, deadline: float, token: str | None
 ) -> int:
     err = sys.stderr
@@ -312,59 +308,3 @@ async def _take_turn(
         print(f"error: {gateway}: no answer within 30 s of connecting", file=err)
         return EXIT_REFUSED
     return EXIT_OK
-
-
-def cmd_turn(args: argparse.Namespace) -> int:
-    namespace, _, name = args.mind.partition("/")
-    if not namespace or not name:
-        return fail(f"{args.mind}: expected NAMESPACE/NAME of a Mind", EXIT_INVALID)
-    token = os.environ.get("CONTINUUM_TOKEN") or None
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except (OSError, UnicodeDecodeError) as err:
-            return fail(
-                f"--token-file {args.token_file}: cannot read it ({err}); give the file of "
-                "her service account token projected with the engine's audience "
-                "(docs/gateway.md), or set CONTINUUM_TOKEN",
-                EXIT_INVALID,
-            )
-    gateway, deadline = args.gateway, args.deadline
-    if gateway is None or deadline is None:
-        try:
-            mind = _read_mind(namespace, name)
-        except Exception as err:  # no cluster, no such Mind: say which and what to give
-            return fail(
-                f"cannot read Mind {args.mind} ({err}); give --gateway URL "
-                "(and --deadline SECONDS) to take a turn without the cluster",
-                EXIT_INVALID,
-            )
-        gateway = gateway or (mind.get("status") or {}).get("endpoint")
-        if deadline is None:
-            deadline = float((mind.get("spec") or {}).get("turnDeadlineSeconds", 1500))
-        if not gateway:
-            return fail(
-                f"Mind {args.mind} has no status.endpoint yet (no engine serves her); "
-                "give --gateway URL",
-                EXIT_INVALID,
-            )
-    return asyncio.run(_take_turn(args, str(gateway), float(deadline), token))
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of `continuum turn` (cli.py declares the command)."""
-    p.add_argument("mind", help="NAMESPACE/NAME of the Mind")
-    p.add_argument("prompt", help="what to say")
-    p.add_argument("--gateway", help="the engine's URL (default: the Mind's status.endpoint)")
-    p.add_argument(
-        "--token-file",
-        type=Path,
-        help="her service account token, projected with the engine's audience (default: "
-        "$CONTINUUM_TOKEN)",
-    )
-    p.add_argument("--max-tokens", type=int, help="the most tokens to generate (the grant caps)")
-    p.add_argument(
-        "--deadline",
-        type=float,
-        help="seconds to wait for a grant (default: the Mind's spec.turnDeadlineSeconds)",
-    )

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
+from continuum_operator.cli.args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.model.base import label_selector
 
 __all__ = ["GrantSettings", "LeaderSettings", "add_arguments", "grant_settings", "leader_settings"]

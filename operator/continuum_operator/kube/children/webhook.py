@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
+from continuum_operator.cli.args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.core import rfc3339
 from continuum_operator.kube.base import events
 from continuum_operator.kube.base.readiness import MINDS_LISTED, WEBHOOK_SERVING, Readiness

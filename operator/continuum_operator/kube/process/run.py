@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from continuum_operator.cli_args import SettingFlag, add_flags, at_least_one, settings_from_flags
+from continuum_operator.cli.args import SettingFlag, add_flags, at_least_one, settings_from_flags
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.kube.base import grant_settings
 from continuum_operator.kube.base.settings import GpuClaims, GpuSharing, OperatorSettings

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.cli_errors import fail
-from continuum_operator.cli_output import render
-from continuum_operator.cli_place import PlaceError, load_boards
+from continuum_operator.cli.errors import fail
+from continuum_operator.cli.output import render
+from continuum_operator.cli.place import PlaceError, load_boards
 from continuum_operator.core.placements import engine_leases
 from continuum_operator.core.pools import Board
 from continuum_operator.core.replan import ACCEPT_ANNOTATION, plan_id, replan

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.cli_errors import fail
-from continuum_operator.cli_output import add_output_argument, render
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, EXIT_UNSCHEDULABLE, fail
+from continuum_operator.cli.output import add_output_argument, render
 from continuum_operator.core import conditions as cond
 from continuum_operator.core import unfit
 from continuum_operator.core.bestfit import Decision, NodeView, choose, with_unmeasured
@@ -38,9 +38,6 @@ from continuum_operator.model.engine import Engine
 
 __all__ = ["add_arguments", "cmd_place", "place_doc"]
 
-EXIT_OK = 0
-EXIT_INVALID = 2
-EXIT_UNSCHEDULABLE = 3
 
 #: Files read from --boards (not its subdirectories), in name order.
 BOARD_SUFFIXES = (".yaml", ".yml", ".json")

@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.cli_errors import fail
-from continuum_operator.cli_output import add_output_argument, render
+from continuum_operator.cli.errors import fail
+from continuum_operator.cli.output import add_output_argument, render
 from continuum_operator.engine.digest import hash_file, mismatch_message
 from continuum_operator.gguf import FactsError, GgufReadError, read_facts
 

@@ -1,86 +1,29 @@
-"""The `continuum` command: offline planning now; operator, agent and engine as they land.
-
-Exit codes follow one rule across subcommands: 0 done, 2 invalid input (a message naming the
-file, the field path and what is wrong), 3 a valid request that cannot be satisfied (reasons
-printed).
+"""The `continuum` command: the table of its subcommands (`SUBCOMMANDS`), each one's argument
+parsing and output in a module of this package (`cli.plan`, `cli.place`, ...), the work itself
+in the package that does it. Exit codes follow one rule (`cli.errors`).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from pathlib import Path
-from typing import Any
 
-from continuum_operator import (
-    checklog,
-    cli_facts,
-    cli_model,
-    cli_place,
-    cli_replay,
-    procclass,
-    scenario,
-)
-from continuum_operator.agent import cli as agent_cli
-from continuum_operator.cli_args import Subcommand
-from continuum_operator.cli_errors import fail
-from continuum_operator.cli_output import add_output_argument, render
-from continuum_operator.core.placements import engine_leases
-from continuum_operator.core.plan import ServingPlan, plan
-from continuum_operator.core.pools import Board, BoardLeases
+from continuum_operator.cli import agent as cli_agent
+from continuum_operator.cli import check_log as cli_check_log
+from continuum_operator.cli import facts as cli_facts
+from continuum_operator.cli import model as cli_model
+from continuum_operator.cli import place as cli_place
+from continuum_operator.cli import plan as cli_plan
+from continuum_operator.cli import release as cli_release
+from continuum_operator.cli import run as cli_run
+from continuum_operator.cli import simulate as cli_simulate
+from continuum_operator.cli import turn as cli_turn
+from continuum_operator.cli.args import Subcommand
 from continuum_operator.embed import runtime as embed_runtime
 from continuum_operator.engine import runtime as engine_runtime
-from continuum_operator.engine import turn as turn_cli
-from continuum_operator.engine.receipts import ReceiptFileError, load_receipts
-from continuum_operator.kube.process import release as release_cli
 from continuum_operator.kube.process import run as operator_cli
-from continuum_operator.manifests import ManifestError, load_all, load_one
-from continuum_operator.model.board import NodeBoard
-from continuum_operator.model.engine import Engine
-
-EXIT_OK = 0
-EXIT_INVALID = 2
-EXIT_UNSCHEDULABLE = 3
-
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
-
-
-def plan_table(p: ServingPlan) -> str:
-    rows = [
-        ("Node", p.node),
-        ("Memory mode", f"{p.memory_mode}" + ("" if p.governed else " (device ungoverned)")),
-        ("Schedulable", "yes" if p.schedulable else "no"),
-        ("Layers on device", f"{p.layers_on_device}/{p.total_layers}"
-         + (" (GPU-servable)" if p.gpu_servable else "")),
-        ("Minds grantable", f"{p.minds_grantable} x {p.context_tokens_per_mind} tokens"),
-        ("Pool tokens", f"{p.pool_tokens} ({p.kv_cache_type})"),
-        ("Budget", f"device {_mib(p.budget.device)}, host {_mib(p.budget.host)}, "
-         f"per-process cap {_mib(p.budget.per_process_cap)}"),
-    ]  # fmt: skip
-    out = [f"{k + ':':<18} {v}" for k, v in rows]
-    out.append("")
-    out.append(
-        f"{'BYTES':<8} {'WEIGHTS':>12} {'KV':>12} {'COMPUTE':>12} {'RESERVE':>12} {'TOTAL':>12}"
-    )
-    for side, part in (("device", p.device), ("host", p.host)):
-        cells = (part.weights, part.kv, part.compute, part.reserve, part.total)
-        out.append(f"{side:<8} " + " ".join(f"{_mib(c):>12}" for c in cells))
-    out.append("")
-    out.append("Charges: " + (", ".join(f"{pool} {_mib(n)}" for pool, n in p.charges) or "none"))
-    out.append("Engine args: " + " ".join(p.engine_args))
-    out.append("Reasons:")
-    out.extend(f"  {r.code}: {r.message}" for r in p.reasons)
-    return "\n".join(out)
-
-
-def _print_plan(p: ServingPlan, output: str) -> None:
-    doc: dict[str, Any] = p.to_dict()
-    print(render(doc, output, lambda: plan_table(p)))
 
 
 def _version() -> str:
@@ -91,53 +34,6 @@ def _version() -> str:
         return "unknown (continuum-operator is not installed: pip install -e .)"
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    if args.replay:
-        return cli_replay.cmd_replay(args)
-    if args.board is None or args.engine is None:
-        return fail(
-            "plan needs --board FILE and --engine FILE (or --replay, with --engines and "
-            "--boards, to re-plan every placed Engine before an upgrade)",
-            EXIT_INVALID,
-        )
-    try:
-        board = load_one(NodeBoard, args.board)
-        engine = load_one(Engine, args.engine)
-        others = [e for path in args.lease for e in load_all(Engine, path)]
-        receipts = load_receipts(args.receipt)
-    except (ManifestError, ReceiptFileError) as err:
-        return fail(str(err), EXIT_INVALID)
-    facts = engine.spec.model.facts
-    if facts is None:
-        return fail(
-            f"{args.engine}: spec.model.facts: this Engine names a model source but no "
-            "inline facts; run `continuum facts MODEL.gguf` and put its output in "
-            "spec.model.facts to plan offline",
-            EXIT_INVALID,
-        )
-    me = (engine.metadata.namespace, engine.metadata.name)
-    leases = engine_leases(e for e in others if (e.metadata.namespace, e.metadata.name) != me)
-    core_board = Board.from_resource(board)
-    result = plan(
-        core_board, engine.spec, facts, BoardLeases.of(core_board, leases), receipts=receipts
-    )
-    _print_plan(result, args.output)
-    if not result.schedulable:
-        for reason in result.reasons:
-            print(f"unschedulable: {reason.code}: {reason.message}", file=sys.stderr)
-        return EXIT_UNSCHEDULABLE
-    return EXIT_OK
-
-
-def _plan_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of `continuum plan`."""
-    p.add_argument("--board", type=Path, help="a NodeBoard YAML file")
-    p.add_argument("--engine", type=Path, help="an Engine YAML file")
-    cli_place.add_placed_inputs(p)
-    cli_replay.add_arguments(p)
-    add_output_argument(p, table="the plan's rows, bytes per side and its reasons")
-
-
 #: The subcommands of `continuum`, in the order `continuum --help` lists them. Each module says
 #: how its arguments are parsed and what runs; this table says what the command is called and
 #: how `--help` presents it, so that every subcommand is registered the same way.
@@ -146,8 +42,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "plan",
         help="plan an Engine on one node's board, offline",
         description="Compute the serving plan of an Engine on a NodeBoard, as the operator would.",
-        add_arguments=_plan_arguments,
-        run=cmd_plan,
+        add_arguments=cli_plan.add_arguments,
+        run=cli_plan.cmd_plan,
     ),
     Subcommand(
         "place",
@@ -161,8 +57,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "simulate",
         help="simulate engines and minds in virtual time through the real allocator",
         description="Discrete-event simulation of grants, reclaims, relaunches and turns.",
-        add_arguments=scenario.add_arguments,
-        run=scenario.cmd_simulate,
+        add_arguments=cli_simulate.add_arguments,
+        run=cli_simulate.cmd_simulate,
     ),
     Subcommand(
         "check-log",
@@ -170,8 +66,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         description="Check a grant transition log (JSON lines, docs/transition-log.md) against "
         "the invariants of docs/design.md rule 7. Exits 0 when they hold, 1 with violations, 2 for "
         "an unreadable, malformed, empty or truncated log.",
-        add_arguments=checklog.add_arguments,
-        run=checklog.cmd_check_log,
+        add_arguments=cli_check_log.add_arguments,
+        run=cli_check_log.cmd_check_log,
     ),
     Subcommand(
         "facts",
@@ -204,8 +100,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "reason, up to her spec.turnDeadlineSeconds), stream one chat reply to stdout, and say "
         "the grant, the slot and any cut-off on stderr. Exit 0 done, 1 refused or no grant by "
         "the deadline, 2 bad arguments, 3 the turn was cut (her grant is being reclaimed).",
-        add_arguments=turn_cli.add_arguments,
-        run=turn_cli.cmd_turn,
+        add_arguments=cli_turn.add_arguments,
+        run=cli_turn.cmd_turn,
     ),
     Subcommand(
         "embed",
@@ -221,8 +117,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         help="run the node agent: probe memory, write the NodeBoard, renew the node's Lease",
         description="Probe this node's GPUs (NVML, Metal) and host memory (psutil, cgroups), "
         "write its NodeBoard when it changed past a threshold, and renew its Lease.",
-        add_arguments=agent_cli.add_arguments,
-        run=agent_cli.cmd_agent,
+        add_arguments=cli_agent.add_arguments,
+        run=cli_agent.cmd_agent,
     ),
     Subcommand(
         "operator",
@@ -237,8 +133,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         description="Stop the operator (optional), then remove continuum.dev/grant from every "
         "Mind, so that Minds deleted with no operator running do not stay Terminating. The "
         "chart runs it as a pre-delete hook.",
-        add_arguments=release_cli.add_arguments,
-        run=release_cli.cmd_release_finalizers,
+        add_arguments=cli_release.add_arguments,
+        run=cli_release.cmd_release_finalizers,
     ),
     Subcommand(
         "run",
@@ -248,8 +144,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
             "OS's lowest ordinary priority (nice 19 on Unix, IDLE_PRIORITY_CLASS on Windows), "
             "for a mind's own work beside the engine that serves her (docs/design.md rule 8)."
         ),
-        add_arguments=procclass.add_arguments,
-        run=procclass.cmd_run,
+        add_arguments=cli_run.add_arguments,
+        run=cli_run.cmd_run,
         usage="continuum run [--class {normal,background}] [--sweep SECONDS] -- CMD [ARGS...]",
     ),
 )
@@ -270,7 +166,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code: int = args.func(args)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,8 +26,8 @@ from continuum_operator.agent import attribution, probe
 from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
-from continuum_operator.cli_errors import fail
-from continuum_operator.cli_output import add_output_argument, render
+from continuum_operator.cli.errors import fail
+from continuum_operator.cli.output import add_output_argument, render
 from continuum_operator.core.board_change import Thresholds
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.core.nodeboard import board_status

@@ -13,7 +13,7 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from continuum_operator.cli_errors import fail
+from continuum_operator.cli.errors import fail
 from continuum_operator.testing.tiny_gguf import TinyModelShape, write_tiny_gguf
 
 __all__ = ["TINY_SHAPE", "add_arguments", "cmd_model_tiny", "sha256_of"]
