@@ -56,7 +56,7 @@ images:
 e2e: venv images
 	$(VENV)/bin/pytest -q --durations=30 -m e2e tests
 
-# The chart carries byte-for-byte copies of crds/ (tests/unit/test_chart.py checks the drift).
+# The chart carries byte-for-byte copies of crds/ (tests/unit/project/test_chart.py checks the drift).
 crds: venv
 	$(PY) -m continuum_operator.model.crdgen crds
 	cp crds/*.yaml charts/continuum/files/crds/

@@ -1,8 +1,9 @@
 """The operator's two loops in-process, against an API server kept in memory: the CPU of their
 passes as they run now (only what changed decided) and as every pass ran before (every engine).
 
-`bench/scale.py --decide-only` runs `run` and prints its figures; tests/unit/test_scale_paths.py
-runs it at a tiny size and checks that a pass at rest decides fewer engines than a full pass.
+`bench/scale.py --decide-only` runs `run` and prints its figures;
+tests/unit/core/test_scale_paths.py runs it at a tiny size and checks that a pass at rest decides
+fewer engines than a full pass.
 
 1. The plan loop (`kube.engines.loop.Loop.pass_once`, on a real `kube.state.cache.Cache`): placing
 every
@@ -17,7 +18,7 @@ engines
 
 CPU is `time.process_time` around the pass alone: every thread of this process (the loops' API
 calls are awaited on the event loop, `kube.client.async_api`'s surface over the in-memory server
-(`tests.fakes.Awaited`), whose work is included).
+(`tests.support.fakes.Awaited`), whose work is included).
 The watch events that the writes cause (their echoes) are handed to the caches between passes,
 as kopf would, untimed. A grants pass here waits for the Mind writes (projections, finalizers)
 it queued (`GrantsLoop.drain`), so they are in the pass's figure.
@@ -37,7 +38,7 @@ from typing import Any
 
 from bench.kube_bench import GROUP, VERSION, micro, mind_body
 from bench.scale import KINDS, _engine, _nodes
-from tests.fakes import Awaited
+from tests.support.fakes import Awaited
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, NODE_ANNOTATION, lease_name
 from continuum_operator.kube.base.grant_settings import GrantSettings

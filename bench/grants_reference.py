@@ -1,6 +1,6 @@
 """The grant allocator as it was before the second scale pass (commit 247c309), kept verbatim
 but for its imports and its `Policy`: the reference `bench/grants.py` times beside the real one,
-and the property test (tests/unit/test_grants_reference.py) compares the two on random ledgers.
+and the property test (tests/unit/core/test_grants_reference.py) compares the two on random ledgers.
 The data types are the real module's, so the two answers compare field by field. `Policy` is
 the switches the allocator took then; the real one takes a `GrantPolicy`, and
 `core.broken_policies.weakened` makes the one that answers as the same switches.

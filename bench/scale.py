@@ -448,7 +448,7 @@ def _in_chunks(items: list[dict[str, Any]], size: int = 250) -> list[list[dict[s
 def _apply_grant_finalizer_policy(kc: str, path: str) -> None:
     """The chart's policy as `helm template` renders it for an API server that serves it, and
     a dry-run Mind created until it carries the finalizer (the policy is then in force)."""
-    from tests.helm import find_helm
+    from tests.support.helm import find_helm
 
     rendered = subprocess.run(
         [str(find_helm()), "template", "bench", str(ROOT / "charts/continuum"),

@@ -3,10 +3,10 @@
     python bench/unschedulable.py [--engines 2000] [--passes 5]
 
 Four nodes with two engines each serving, and `--engines` Engines whose node selector matches
-no node (tests/unit/test_loop_dirty.py's world, its in-memory API server). Once every engine has
-been decided, the bench times passes at rest (nothing observed, the clock 5 s on each time, as
-the loop's `resync_seconds`) and, in the same run, passes that decide every engine (the full
-resync, as a pass at rest was while an engine that fits nowhere was never quiet). Prints the
+no node (tests/unit/kube/engines/test_loop_dirty.py's world, its in-memory API server). Once every
+engine has been decided, the bench times passes at rest (nothing observed, the clock 5 s on each
+time, as the loop's `resync_seconds`) and, in the same run, passes that decide every engine (the
+full resync, as a pass at rest was while an engine that fits nowhere was never quiet). Prints the
 CPU of each (`time.process_time`, mean of `--passes`) and the engines each decided.
 """
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "operator"))
 
-from tests.unit.test_loop_dirty import World, engine_on  # noqa: E402
+from tests.support.engine_loop import World, engine_on  # noqa: E402
 
 
 def timed(w: World, passes: int, *, everything: bool) -> tuple[float, int]:

@@ -29,7 +29,7 @@ from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.board import NodeBoard, NodeBoardStatus
 from continuum_operator.testing.fake_nvml import FakeNvml
 from tests.e2e.conftest import ROOT, Cluster
-from tests.waiting import until
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e
 

@@ -2,8 +2,8 @@
 it limits (`kubectl --as`, `kubectl auth can-i`), and the refusal read for the rule it names.
 
 One section per boundary, in the order of docs/security.md. The chart's objects are rendered by
-`helm template` (tests/helm.py) and applied into each test's own namespace; cluster-wide ones
-carry a release name of their own and are deleted when the test ends."""
+`helm template` (tests/support/helm.py) and applied into each test's own namespace; cluster-wide
+ones carry a release name of their own and are deleted when the test ends."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from tests.e2e.test_grants import (
 from tests.e2e.test_grants import engine as grants_engine
 from tests.e2e.test_grants import gpu_node as grants_gpu_node
 from tests.e2e.test_operator import wait_for
-from tests.helm import by_kind, documents, find_helm, one, template
+from tests.support.helm import by_kind, documents, find_helm, one, template
 
 pytestmark = pytest.mark.e2e
 

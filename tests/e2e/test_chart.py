@@ -37,7 +37,7 @@ from tests.e2e.test_operator import (
     write_board,
 )
 from tests.e2e.test_operator import engine as operator_e2e_engine
-from tests.helm import CHART, documents, find_helm, helm
+from tests.support.helm import CHART, documents, find_helm, helm
 
 pytestmark = pytest.mark.e2e
 

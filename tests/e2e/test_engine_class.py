@@ -37,7 +37,7 @@ from tests.e2e.test_boundaries import (
     tag,
 )
 from tests.e2e.test_children import crds, operator, wait_for, wait_ready
-from tests.helm import documents, find_helm, one, template
+from tests.support.helm import documents, find_helm, one, template
 
 pytestmark = pytest.mark.e2e
 

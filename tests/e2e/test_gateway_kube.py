@@ -23,7 +23,7 @@ from continuum_operator.engine.grants_source import EngineStatusWriter, watch_le
 from continuum_operator.kube.ledger import cached as ledger_object
 from continuum_operator.model.mind import GrantState
 from tests.e2e.conftest import Cluster
-from tests.waiting import until
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e
 
@@ -162,7 +162,7 @@ def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_
     from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
     from continuum_operator.engine.token_review import TokenReviewer
     from continuum_operator.engine.turn import MIND_HEADER, turn
-    from tests.unit.fake_llama import FakeLlama, serve
+    from tests.support.fake_llama import FakeLlama, serve
 
     audience = engine_audience(namespace, "coder-8b")
     for account in ("mira", "mira-child"):

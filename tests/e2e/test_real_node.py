@@ -34,7 +34,7 @@ from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
 from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from continuum_operator.testing.mind_pod import mind_pod, service_account
 from tests.e2e.conftest import CLUSTER_SCRIPT, ROOT, Cluster
-from tests.helm import CHART, find_helm, helm
+from tests.support.helm import CHART, find_helm, helm
 
 pytestmark = pytest.mark.e2e
 

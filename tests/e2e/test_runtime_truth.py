@@ -4,8 +4,9 @@ KWOK runs no container) reaches the operator's next plan, conditions and metrics
 follow the plan and the node's cores.
 
 What needs a real pod (a replaced model file refused by the runtime itself, llama-server's
-thread count seen in its process, a crash loop stopped) is in tests/unit/test_runtime_truth.py
-against a stand-in llama-server, and on a real node in the node's own tests.
+thread count seen in its process, a crash loop stopped) is in
+tests/unit/kube/engines/test_runtime_truth.py against a stand-in llama-server, and on a real node in
+the node's own tests.
 """
 
 from __future__ import annotations

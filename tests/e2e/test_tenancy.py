@@ -34,7 +34,7 @@ from tests.e2e.test_grants import (  # the grants e2e's own helpers, reused
     states,
 )
 from tests.e2e.test_operator import wait_for
-from tests.helm import by_kind, documents, find_helm, template
+from tests.support.helm import by_kind, documents, find_helm, template
 
 pytestmark = pytest.mark.e2e
 

@@ -467,7 +467,7 @@ class SizeTable:
     figures as the plan's own (`_Sizer.parts`, receipts included). No board changes them, only
     the budget they are held against, so best fit's pre-filter (`core.prefilter`) reads them
     once per engine for a whole fleet. The arithmetic is `_Sizer._parts` term by term, over
-    arrays: a change to one is a change to the other (tests/unit/test_bestfit_prefilter.py
+    arrays: a change to one is a change to the other (tests/unit/core/test_bestfit_prefilter.py
     holds them equal)."""
 
     #: The most bytes a figure may reach to be computed in int64 with room to add and

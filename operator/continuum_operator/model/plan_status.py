@@ -1,12 +1,12 @@
 """An Engine's `status.plan` as its CRD types it: the plan's JSON Schema (`plan_output.schema.json`
-beside this module, what `continuum plan -o json` prints; tests/unit/test_plan_schema.py holds it
-to the plan) in the structural form the API server takes (the rest of the translation is
+beside this module, what `continuum plan -o json` prints; tests/unit/model/test_plan_schema.py holds
+it to the plan) in the structural form the API server takes (the rest of the translation is
 `model.crdgen`'s, as for every schema), with `specGeneration`, the spec generation the plan was
 made for (`kube.engines.engine_pass.plan_status`).
 
 One schema for both, so `kubectl explain engine.status.plan` says what docs/plan.md says, and
 the API server keeps every field the operator writes (a typed object prunes the fields its
-schema does not name: tests/unit/test_plan_status_schema.py checks the plans of every example
+schema does not name: tests/unit/model/test_plan_status_schema.py checks the plans of every example
 against it). Pure: reads a file of this package.
 """
 

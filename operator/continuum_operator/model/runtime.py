@@ -4,10 +4,10 @@ the one writer of its part (docs/design.md "One writer per status field").
 
 Typed so the API server keeps what they write and `kubectl explain` says what it means. A
 structural schema prunes a field it does not name, silently: every key a writer writes is a
-field here (tests/unit/test_status_writers.py builds each document with its writer's own code and
-reads it with these models, unknown keys refused). A writer writes None for what it does not
-know (the document is a merge patch, where a key left out would keep its old value): those fields
-are nullable. No defaults in the schema: the API server would write them into stored objects.
+field here (tests/unit/kube/engines/test_status_writers.py builds each document with its writer's
+own code and reads it with these models, unknown keys refused). A writer writes None for what it
+does not know (the document is a merge patch, where a key left out would keep its old value): those
+fields are nullable. No defaults in the schema: the API server would write them into stored objects.
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""What a stranger's tokens cost the door (`engine.token_review.TokenReviewer`): anyone who
+reaches an engine's or a lane's port may send tokens, each a TokenReview with the API server.
+
+Found by review: the cache of answers was cleared whenever it passed 4,096 tokens, so 4,097
+garbage tokens had every mind reviewed again behind them, and reviews were neither bounded nor
+shared between requests of one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from continuum_operator.engine import token_review
+from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
+from continuum_operator.engine.token_review import Caller, TokenReviewer
+from tests.support.waiting import until
+
+AUDIENCE = "continuum.dev/engine/ml/coder"
+
+
+class Api:
+    """The API server's TokenReview: `good` is mira's token; any other is refused. With
+    `hold`, every review waits for it to be set (the reviews run in threads)."""
+
+    def __init__(self, hold: threading.Event | None = None) -> None:
+        self.hold = hold
+        self.calls: list[str] = []
+
+    def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
+        token = review.spec.token
+        self.calls.append(token)
+        if self.hold is not None:
+            assert self.hold.wait(10)
+        ok = token == "good"
+        user = SimpleNamespace(username="system:serviceaccount:minds:mira") if ok else None
+        audiences = [AUDIENCE] if ok else []
+        return SimpleNamespace(
+            status=SimpleNamespace(authenticated=ok, user=user, audiences=audiences)
+        )
+
+
+def test_strangers_tokens_do_not_evict_a_minds_accepted_token() -> None:
+    api = Api()
+    reviewer = TokenReviewer(AUDIENCE, api=api)
+
+    async def main() -> None:
+        assert await reviewer("good") == ServiceAccount("minds", "mira")
+        for i in range(token_review.ACCEPTED_KEPT + 1):
+            assert await reviewer(f"garbage-{i}") is None
+        assert await reviewer("good") == ServiceAccount("minds", "mira")
+
+    asyncio.run(main())
+    assert api.calls.count("good") == 1
+    assert len(reviewer._refused) == token_review.REFUSED_KEPT  # the oldest went first
+
+
+def test_a_refused_token_sent_again_costs_one_review() -> None:
+    api = Api()
+    reviewer = TokenReviewer(AUDIENCE, api=api)
+
+    async def main() -> None:
+        for _ in range(50):
+            assert await reviewer("forged") is None
+
+    asyncio.run(main())
+    assert api.calls == ["forged"]
+
+
+def held() -> tuple[threading.Event, Api, TokenReviewer]:
+    """A reviewer whose API server answers once the event is set."""
+    hold = threading.Event()
+    api = Api(hold)
+    return hold, api, TokenReviewer(AUDIENCE, api=api)
+
+
+def test_requests_of_one_token_in_flight_share_one_review() -> None:
+    hold, api, reviewer = held()
+
+    async def main() -> None:
+        asks = [asyncio.create_task(reviewer("good")) for _ in range(20)]
+        await until(lambda: api.calls == ["good"])
+        await asyncio.sleep(0.05)
+        asks[0].cancel()  # one caller goes away: the others still get their answer
+        hold.set()
+        answers = await asyncio.gather(*asks[1:])
+        assert set(answers) == {ServiceAccount("minds", "mira")}
+
+    asyncio.run(main())
+    assert api.calls == ["good"]
+
+
+def test_a_stranger_waits_for_at_most_two_reviews_and_the_rest_are_turned_away() -> None:
+    hold, api, reviewer = held()
+
+    async def main() -> None:
+        stranger = Caller("10.0.0.9")
+        waiting = [
+            asyncio.create_task(reviewer(f"garbage-{i}", stranger))
+            for i in range(token_review.STRANGER_PER_SOURCE)
+        ]
+        await until(lambda: len(api.calls) == token_review.STRANGER_PER_SOURCE)
+        with pytest.raises(ReviewUnavailable, match="wait for review already"):
+            await reviewer("one-more", stranger)
+        hold.set()
+        assert await asyncio.gather(*waiting) == [None] * token_review.STRANGER_PER_SOURCE
+
+    asyncio.run(main())
+    assert "one-more" not in api.calls
+
+
+def test_an_api_server_that_does_not_answer_is_unavailable_and_not_kept() -> None:
+    class DownApi:
+        calls = 0
+
+        def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
+            self.calls += 1
+            raise ConnectionError("connection refused")
+
+    api = DownApi()
+    reviewer = TokenReviewer(AUDIENCE, api=api)
+    for _ in range(2):
+        with pytest.raises(ReviewUnavailable, match="connection refused"):
+            asyncio.run(reviewer("good"))
+    assert api.calls == 2
