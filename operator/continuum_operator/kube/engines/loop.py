@@ -78,13 +78,13 @@ class Loop:
         cache: Cache,
         clock: Callable[[], float] = time.time,
         metrics: OperatorMetrics | None = None,
+        may_write: Callable[[], bool] = lambda: True,
     ) -> None:
         self.api = api
+        self.may_write = may_write  # asked by the kernel before each engine's writes
         self.settings = settings
         self.cache = cache
-        self.clock = clock
-        # Freshness is `now` minus when a renewal was seen: both on this one clock.
-        cache.clock = clock
+        self.clock = clock  # the cache's too (`kube.process.run` gives both the one clock)
         self.metrics = metrics or OperatorMetrics()
         self.pools = PoolMetrics(self.metrics.registry)
         self.memory: dict[str, Memory] = {}
@@ -119,11 +119,16 @@ class Loop:
             except (ApiError, OSError) as err:
                 log.warning("installing the priority classes failed, retrying: %s", err)
                 await asyncio.sleep(2)
-        await kernel.run(self.reconciler(), self.queue, self.kernel, stop, clock=self.clock)
+        await kernel.run(
+            self.reconciler(), self.queue, self.kernel, stop,
+            may_write=self.may_write, clock=self.clock,
+        )  # fmt: skip
 
     async def pass_once(self) -> None:
         """One pass of the kernel over the engines marked now."""
-        await kernel.drain(self.reconciler(), self.queue, self.kernel, clock=self.clock)
+        await kernel.drain(
+            self.reconciler(), self.queue, self.kernel, may_write=self.may_write, clock=self.clock
+        )
 
     def reconciler(self) -> kernel.Reconciler[EngineKey, EngineWrites]:
         return self

@@ -123,8 +123,6 @@ class GrantsLoop:
         # The Minds' watches mark this queue; the Engines' wake it (`before_pass` compares).
         self.queue: WorkQueue[EngineKey] = minds.queue
         self.queue.resynced_at = None  # a new loop's first pass takes every engine
-        engines.grants_queue = self.queue
-        engines.quotas_read = lambda: bool(minds.quotas)
         self.kernel = KernelSettings(
             resync_seconds=full_pass_seconds,
             debounce_seconds=DEBOUNCE_SECONDS,

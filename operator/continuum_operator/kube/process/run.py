@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from continuum_operator.kube.base.readiness import Readiness
     from continuum_operator.kube.client.api import KubeApi
     from continuum_operator.kube.client.async_api import AsyncKubeApi
+    from continuum_operator.kube.state.cache import Cache
+    from continuum_operator.kube.state.mind_cache import MindCache
 
-__all__ = ["add_arguments", "cmd_operator", "serve", "settings_from"]
+__all__ = ["add_arguments", "cmd_operator", "join_caches", "serve", "settings_from"]
 
 
 #: A count of 1 or more (whole CPUs keep an engine pod in the Guaranteed class).
@@ -279,6 +281,15 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
     return replace(settings, pods=pods, children=webhook.settings_from(args))
 
 
+def join_caches(engines: Cache, minds: MindCache) -> None:
+    """The one place the caches are wired to each other (no loop rewires another's objects):
+    an Engine's change wakes the grants' queue (the Minds' cache's, which the grants loop
+    drains), and the Engines' cache learns whether any TokenQuota exists (an Engine's ledger
+    then changes every quota's room)."""
+    engines.grants_queue = minds.queue
+    engines.quotas_read = lambda: bool(minds.quotas)
+
+
 def parse_selector(text: str) -> dict[str, str]:
     """`a=b,c=d` into labels: an equality selector (`model.base.label_selector` writes it
     back for the watch)."""
@@ -347,22 +358,28 @@ async def _operate(
     from continuum_operator.kube.state.mind_cache import register as register_minds
 
     freshness = settings.freshness
+    # One clock for the cache and every loop: freshness is `now` minus when a renewal was seen.
+    clock = time.time
     cache = Cache(
-        lease_namespace=freshness.lease_namespace, max_lease_seconds=freshness.max_ttl_seconds
+        lease_namespace=freshness.lease_namespace,
+        max_lease_seconds=freshness.max_ttl_seconds,
+        clock=clock,
     )
-    loop = Loop(api, settings, cache, metrics=metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     registry = registry_for(cache, engine_labels)
     # Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
+    join_caches(cache, mind_cache)
     # A pod her service account creates is her child (`children.mind_of_creator`).
     webhook.register(registry, api, settings.pods, settings.children, metrics, mind_cache, ready)
     register_minds(registry, mind_cache)
     elector = Elector(
         lease_api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader
     )
+    # Every reconciler writes only while this replica leads, asked at each write (the kernel).
+    loop = Loop(api, settings, cache, clock=clock, metrics=metrics, may_write=elector.is_leader)
     grants_loop = GrantsLoop(
         api,
         grants,
@@ -370,6 +387,7 @@ async def _operate(
         mind_cache,
         may_write=elector.is_leader,
         metrics=metrics,
+        clock=clock,
         resync_seconds=settings.loop.resync_seconds,
         full_pass_seconds=settings.loop.full_resync_seconds,
         pod_port=settings.pods.port,
@@ -377,7 +395,7 @@ async def _operate(
     # Each node's engine and lane pods, told to its agent (which may not list pods itself).
     placed = PlacedPods(api, cache, settings.loop.resync_seconds)
     # EmbedLanes, on the controller kernel (as the Engines' and the grants' loops are).
-    lanes = LaneLoop(api, settings, cache, time.time, engine_labels)
+    lanes = LaneLoop(api, settings, cache, clock, engine_labels, may_write=elector.is_leader)
     decisions = asyncio.create_task(
         lead(elector, stop, [loop.run, grants_loop.run, placed.run, lanes.run])
     )
