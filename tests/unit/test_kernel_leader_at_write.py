@@ -1,9 +1,9 @@
 """Leadership is asked at each write, not once a pass: a replica that loses its Lease in the
 middle of a pass sends no write after (another replica may lead by then, and both would write).
 One test per reconciler that writes only while leading (docs/design.md, "Who writes what"):
-the kernel itself, the Engines', the lanes' and the grants' loops. The kernel asks before each
-key's writes: a key whose writes had begun sends the rest of them (its status, then its
-event), the keys after it none."""
+the kernel itself, the Engines', the lanes' and the grants' loops, and the placed pods. The
+kernel asks before each key's writes: a key whose writes had begun sends the rest of them (its
+status, then its event), the keys after it none."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from continuum_operator.kube.base.kernel import KernelSettings, PassHooks, WorkQ
 from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.engines.loop import Loop
 from continuum_operator.kube.lanes.loop import LaneLoop
+from continuum_operator.kube.nodes.placed_pods import CONSUMER_LABELS, PlacedPods
 from continuum_operator.kube.state.cache import Cache
 from tests.builders import engine_body, observe_with_ledger
 from tests.fakes import FakeKubeApi
 from tests.unit.test_lanes_on_kernel import lane
+from tests.unit.test_placed_pods import pod
 from tests.unit.test_tenancy_loop import World, engine, mind
 
 NOW = 1_000.0
@@ -129,3 +131,24 @@ def test_the_grants_loop_sends_no_write_after_the_lease_is_lost_mid_pass(tmp_pat
     w.loop.pass_once()
     # Engine a's ledger (made, then its status written), nothing of engine b's or any Mind's.
     assert written == [f"{LEDGERS}", f"{LEDGERS}/a/status"]
+
+
+def test_the_placed_pods_send_no_write_after_the_lease_is_lost_mid_pass() -> None:
+    lease = Lease()
+    pods = [pod("ns", f"u{i}", f"gpu-{i}", {"continuum.dev/engine": "coder"}) for i in (1, 2)]
+    api = FakeKubeApi(pods)
+    cache = Cache()
+    for node in ("gpu-1", "gpu-2"):
+        body = {"metadata": {"name": node, "resourceVersion": "1"}, "spec": {}}
+        api.add(body, "nodeboards")
+        cache.observe_board(body, deleted=False)
+    written = loses_the_lease_at_its_first_write(api, lease)
+    publisher = PlacedPods(api.aio, cache, may_write=lease)  # type: ignore[arg-type]
+
+    async def listed_then_published() -> int:
+        for label, kind in CONSUMER_LABELS:
+            await publisher.relist(label, kind)
+        return await publisher.publish_once()
+
+    assert asyncio.run(listed_then_published()) == 1
+    assert written == ["/apis/continuum.dev/v1alpha1/nodeboards/gpu-1"]

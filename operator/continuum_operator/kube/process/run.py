@@ -15,8 +15,9 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from continuum_operator.cli_args import SettingFlag, add_flags, at_least_one, settings_from_flags
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
@@ -347,10 +348,6 @@ async def _operate(
 ) -> int:
     import kopf
 
-    from continuum_operator.kube.engines.loop import Loop
-    from continuum_operator.kube.grants.loop import GrantsLoop
-    from continuum_operator.kube.lanes.loop import LaneLoop
-    from continuum_operator.kube.nodes.placed_pods import PlacedPods
     from continuum_operator.kube.process.leader import Elector, lead
     from continuum_operator.kube.state.cache import Cache
     from continuum_operator.kube.state.handlers import registry_for
@@ -358,12 +355,12 @@ async def _operate(
     from continuum_operator.kube.state.mind_cache import register as register_minds
 
     freshness = settings.freshness
-    # One clock for the cache and every loop: freshness is `now` minus when a renewal was seen.
-    clock = time.time
+    # One clock for the cache and every loop (`_reconcilers`): freshness is `now` minus when a
+    # renewal was seen.
     cache = Cache(
         lease_namespace=freshness.lease_namespace,
         max_lease_seconds=freshness.max_ttl_seconds,
-        clock=clock,
+        clock=time.time,
     )
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -378,27 +375,10 @@ async def _operate(
     elector = Elector(
         lease_api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader
     )
-    # Every reconciler writes only while this replica leads, asked at each write (the kernel).
-    loop = Loop(api, settings, cache, clock=clock, metrics=metrics, may_write=elector.is_leader)
-    grants_loop = GrantsLoop(
-        api,
-        grants,
-        cache,
-        mind_cache,
-        may_write=elector.is_leader,
-        metrics=metrics,
-        clock=clock,
-        resync_seconds=settings.loop.resync_seconds,
-        full_pass_seconds=settings.loop.full_resync_seconds,
-        pod_port=settings.pods.port,
+    reconcilers = _reconcilers(
+        api, settings, grants, cache, mind_cache, elector.is_leader, metrics, engine_labels
     )
-    # Each node's engine and lane pods, told to its agent (which may not list pods itself).
-    placed = PlacedPods(api, cache, settings.loop.resync_seconds)
-    # EmbedLanes, on the controller kernel (as the Engines' and the grants' loops are).
-    lanes = LaneLoop(api, settings, cache, clock, engine_labels, may_write=elector.is_leader)
-    decisions = asyncio.create_task(
-        lead(elector, stop, [loop.run, grants_loop.run, placed.run, lanes.run])
-    )
+    decisions = asyncio.create_task(lead(elector, stop, [r.run for r in reconcilers]))
     decisions.add_done_callback(lambda _: stop.set())  # a lost Lease stops this replica
     try:
         await kopf.operator(
@@ -411,6 +391,57 @@ async def _operate(
         stop.set()
         code = await decisions
     return code
+
+
+def _reconcilers(
+    api: AsyncKubeApi,
+    settings: OperatorSettings,
+    grants: grant_settings.GrantSettings,
+    cache: Cache,
+    mind_cache: MindCache,
+    may_write: Callable[[], bool],
+    metrics: OperatorMetrics,
+    engine_labels: dict[str, str] | None,
+) -> list[Reconciling]:
+    """Every reconciler on the kernel, wired here and nowhere else: the cache's clock, and
+    the leader's gate, which the kernel asks at each write."""
+    from continuum_operator.kube.base.kernel import KernelSettings
+    from continuum_operator.kube.engines.loop import Loop
+    from continuum_operator.kube.grants.loop import GrantsLoop
+    from continuum_operator.kube.lanes.loop import LaneLoop
+    from continuum_operator.kube.nodes.placed_pods import PlacedPods
+
+    clock = cache.clock
+    engines = Loop(api, settings, cache, clock=clock, metrics=metrics, may_write=may_write)
+    grants_loop = GrantsLoop(
+        api,
+        grants,
+        cache,
+        mind_cache,
+        may_write=may_write,
+        metrics=metrics,
+        clock=clock,
+        resync_seconds=settings.loop.resync_seconds,
+        full_pass_seconds=settings.loop.full_resync_seconds,
+        pod_port=settings.pods.port,
+    )
+    # Each node's engine and lane pods, told to its agent (which may not list pods itself).
+    placed = PlacedPods(
+        api,
+        cache,
+        KernelSettings(
+            resync_seconds=settings.loop.full_resync_seconds,
+            debounce_seconds=settings.loop.debounce_seconds,
+        ),
+        may_write=may_write,
+        clock=clock,
+    )
+    lanes = LaneLoop(api, settings, cache, clock, engine_labels, may_write=may_write)
+    return [engines, grants_loop, placed, lanes]
+
+
+class Reconciling(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
