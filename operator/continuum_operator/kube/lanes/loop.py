@@ -47,10 +47,7 @@ class LaneLoop(PassHooks[LaneKey]):
 
     @property
     def kernel(self) -> KernelSettings:
-        loop = self.settings.loop
-        return KernelSettings(
-            resync_seconds=loop.full_resync_seconds, debounce_seconds=loop.debounce_seconds
-        )
+        return self.settings.kernels.lanes
 
     async def run(self, stop: asyncio.Event) -> None:
         await kernel.run(

@@ -32,6 +32,7 @@ from urllib.parse import quote
 
 from continuum_operator.kube.base import kernel
 from continuum_operator.kube.base.kernel import KernelSettings, PassHooks, WorkQueue
+from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.client.async_api import AsyncKubeApi, pages
 from continuum_operator.kube.state.cache import Cache
@@ -101,7 +102,7 @@ class PlacedPods(PassHooks[str]):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.api, self.cache, self.may_write, self.clock = api, cache, may_write, clock
-        self.kernel = settings or KernelSettings()
+        self.kernel = settings or OperatorSettings().kernels.placed
         self.queue: WorkQueue[str] = cache.placed_queue
         self.pods: dict[str, tuple[str, str, dict[str, Any]]] = {}  # uid -> label, kind, pod
         self.on_node: dict[str, set[str]] = {}  # node -> the uids of its pods

@@ -276,10 +276,20 @@ _LOOP_FLAGS = (
 
 
 def settings_from(args: argparse.Namespace) -> OperatorSettings:
+    """Every setting of the operator, in one object, from its flags."""
     settings = settings_from_flags(OperatorSettings(), _flags(), args)
     # The children's priority class is a flag of the webhook's (`webhook.add_arguments`).
     pods = replace(settings.pods, children_priority_class=args.children_priority_class)
-    return replace(settings, pods=pods, children=webhook.settings_from(args))
+    # The grants' and the leader's flags are `grant_settings`'s (the Lease's name takes the
+    # selector's digest).
+    leader = grant_settings.leader_settings(args, parse_selector(args.engine_selector))
+    return replace(
+        settings,
+        pods=pods,
+        children=webhook.settings_from(args),
+        grants=grant_settings.grant_settings(args),
+        leader=leader,
+    )
 
 
 def join_caches(engines: Cache, minds: MindCache) -> None:
@@ -308,8 +318,6 @@ async def serve(
     kubeconfig: str | None,
     metrics_port: int = 0,
     engine_labels: dict[str, str] | None = None,
-    grants: grant_settings.GrantSettings | None = None,
-    leadership: grant_settings.LeaderSettings | None = None,
 ) -> int:
     # Imported here: `continuum plan` and friends need not load kopf and the Kubernetes client.
     from continuum_operator.kube.base.metrics import OperatorMetrics
@@ -328,10 +336,7 @@ async def serve(
     api = await AsyncKubeApi.connect(kubeconfig, meter=metrics)
     lease_api = KubeApi(kubeconfig, meter=metrics)
     try:
-        return await _operate(
-            settings, api, lease_api, metrics, ready, engine_labels,
-            grants or grant_settings.GrantSettings(), leadership,
-        )  # fmt: skip
+        return await _operate(settings, api, lease_api, metrics, ready, engine_labels)
     finally:
         await api.close()
 
@@ -343,8 +348,6 @@ async def _operate(
     metrics: OperatorMetrics,
     ready: Readiness,
     engine_labels: dict[str, str] | None,
-    grants: grant_settings.GrantSettings,
-    leadership: grant_settings.LeaderSettings | None,
 ) -> int:
     import kopf
 
@@ -372,11 +375,9 @@ async def _operate(
     # A pod her service account creates is her child (`children.mind_of_creator`).
     webhook.register(registry, api, settings.pods, settings.children, metrics, mind_cache, ready)
     register_minds(registry, mind_cache)
-    elector = Elector(
-        lease_api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader
-    )
+    elector = Elector(lease_api, settings.leader, on_change=metrics.set_leader)
     reconcilers = _reconcilers(
-        api, settings, grants, cache, mind_cache, elector.is_leader, metrics, engine_labels
+        api, settings, cache, mind_cache, elector.is_leader, metrics, engine_labels
     )
     decisions = asyncio.create_task(lead(elector, stop, [r.run for r in reconcilers]))
     decisions.add_done_callback(lambda _: stop.set())  # a lost Lease stops this replica
@@ -396,16 +397,15 @@ async def _operate(
 def _reconcilers(
     api: AsyncKubeApi,
     settings: OperatorSettings,
-    grants: grant_settings.GrantSettings,
     cache: Cache,
     mind_cache: MindCache,
     may_write: Callable[[], bool],
     metrics: OperatorMetrics,
     engine_labels: dict[str, str] | None,
 ) -> list[Reconciling]:
-    """Every reconciler on the kernel, wired here and nowhere else: the cache's clock, and
-    the leader's gate, which the kernel asks at each write."""
-    from continuum_operator.kube.base.kernel import KernelSettings
+    """Every reconciler on the kernel, wired here and nowhere else: the cache's clock, the
+    leader's gate (which the kernel asks at each write) and each one's kernel settings, all from
+    the one settings object (`OperatorSettings.kernels`)."""
     from continuum_operator.kube.engines.loop import Loop
     from continuum_operator.kube.grants.loop import GrantsLoop
     from continuum_operator.kube.lanes.loop import LaneLoop
@@ -413,29 +413,20 @@ def _reconcilers(
 
     clock = cache.clock
     engines = Loop(api, settings, cache, clock=clock, metrics=metrics, may_write=may_write)
+    kernels = settings.kernels
     grants_loop = GrantsLoop(
         api,
-        grants,
+        settings.grants,
         cache,
         mind_cache,
         may_write=may_write,
         metrics=metrics,
         clock=clock,
-        resync_seconds=settings.loop.resync_seconds,
-        full_pass_seconds=settings.loop.full_resync_seconds,
+        kernel=kernels.grants,
         pod_port=settings.pods.port,
     )
     # Each node's engine and lane pods, told to its agent (which may not list pods itself).
-    placed = PlacedPods(
-        api,
-        cache,
-        KernelSettings(
-            resync_seconds=settings.loop.full_resync_seconds,
-            debounce_seconds=settings.loop.debounce_seconds,
-        ),
-        may_write=may_write,
-        clock=clock,
-    )
+    placed = PlacedPods(api, cache, kernels.placed, may_write=may_write, clock=clock)
     lanes = LaneLoop(api, settings, cache, clock, engine_labels, may_write=may_write)
     return [engines, grants_loop, placed, lanes]
 
@@ -455,8 +446,4 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's login reads it too
     labels = parse_selector(args.engine_selector)
-    grants = grant_settings.grant_settings(args)
-    leadership = grant_settings.leader_settings(args, labels)
-    return asyncio.run(
-        serve(settings_from(args), args.kubeconfig, args.metrics_port, labels, grants, leadership)
-    )
+    return asyncio.run(serve(settings_from(args), args.kubeconfig, args.metrics_port, labels))
