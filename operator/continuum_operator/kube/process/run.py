@@ -253,8 +253,8 @@ _LOOP_FLAGS = (
     SettingFlag(
         "--full-resync",
         "loop.full_resync_seconds",
-        "seconds between passes that decide every engine, changed or not (each "
-        "Engine's placement, and each Engine's grant ledger)",
+        "seconds between passes that decide everything, changed or not (each "
+        "Engine's placement and grant ledger, each EmbedLane, each node's placed pods)",
         type=float,
     ),
     SettingFlag(
