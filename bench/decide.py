@@ -48,6 +48,7 @@ from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.client.merge_patch import merge_patch
 from continuum_operator.kube.engines.loop import Loop
 from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.process.run import join_caches
 from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
 
@@ -304,8 +305,8 @@ def run(
 def _plan_world(
     api: MemoryApi, nodes: int, engines: int, slots: int
 ) -> tuple[Cache, CountingLoop, Clock]:
-    cache = Cache()
     clock = Clock(time.time())
+    cache = Cache(clock=clock)  # the loop's clock, as `kube.process.run` gives both
     sync: Any = api
     fake: Any = Awaited(sync)
     real: AsyncKubeApi = fake
@@ -356,6 +357,7 @@ def _grants_world(
     api: MemoryApi, cache: Cache, glog: Path, minds: int, engines: int, clock: Clock
 ) -> tuple[CountingGrants, MindCache]:
     mcache = MindCache()
+    join_caches(cache, mcache)
     for cls, priority in CLASSES:
         mcache.observe_class({"metadata": {"name": f"d-{cls}"},
                               "spec": {"priority": priority, "protectionWindowSeconds": 300}},

@@ -23,6 +23,7 @@ from continuum_operator.agent import nvml
 from continuum_operator.agent.run import Agent, AgentSettings
 from continuum_operator.agent.writer import AgentApi, connect
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name, node_of_lease
+from continuum_operator.kube.base.kernel import KernelSettings
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.nodes.placed_pods import PlacedPods
 from continuum_operator.kube.state.cache import Cache
@@ -131,7 +132,8 @@ def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(
         # they change. A second engine pod, made after the list, reaches the board by the watch.
         api = await AsyncKubeApi.connect(str(cluster.kubeconfig))
         stop = asyncio.Event()
-        task = asyncio.create_task(PlacedPods(api, cache, interval=0.2).run(stop))
+        placed = PlacedPods(api, cache, KernelSettings(debounce_seconds=0.05))
+        task = asyncio.create_task(placed.run(stop))
         try:
             await until(lambda: pod_uid in uids_placed(), timeout=30)
             later = {**engine_pod, "metadata": {**engine_pod["metadata"], "name": "llama-70b-1"}}

@@ -103,7 +103,7 @@ class World:
 
     def __init__(self, short_lease: str | None = None, full_resync: float = 60.0) -> None:
         self.now = NOW
-        self.cache = Cache()
+        self.cache = Cache(clock=lambda: self.now)  # the loop's clock (`kube.process.run`)
         self.api = FakeApi(self.cache)
         fake: Any = self.api.aio
         real: AsyncKubeApi = fake

@@ -8,6 +8,7 @@ from typing import Any
 
 from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.process.run import join_caches
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.state.mind_cache import MindCache
 from tests.support.builders import stored_ledger
@@ -51,6 +52,7 @@ class World:
         self.api = FakeKubeApi()
         self.engines = Cache()
         self.cache = MindCache()
+        join_caches(self.engines, self.cache)
         settings = GrantSettings(transition_log=tmp_path / "log.jsonl", write_workers=2)
         self.loop = GrantsLoop(
             self.api.aio,  # type: ignore[arg-type]

@@ -1,9 +1,10 @@
 """Settings of the operator's grants loop (`kube.grants.loop`) and leader election
-(`kube.process.leader`).
+(`kube.process.leader`): the `grants` and `leader` sections of
+`kube.base.settings.OperatorSettings`.
 
-Kept apart from `kube.base.settings` and free of kopf and the Kubernetes client, so the `continuum`
-command's parser stays quick. Every field says its unit, default and why; `continuum operator`
-fills them from flags (docs/operator.md, "Grants" and "Leader election").
+In a module of their own with their flags, free of kopf and the Kubernetes client, so the
+`continuum` command's parser stays quick. Every field says its unit, default and why; `continuum
+operator` fills them from flags (docs/operator.md, "Grants" and "Leader election").
 """
 
 from __future__ import annotations

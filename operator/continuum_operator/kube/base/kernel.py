@@ -5,10 +5,11 @@ A reconciler supplies every key it governs, a decision per key from the cache as
 (`decide`, no API calls) and the writes of a decision (`write`); the watches mark keys dirty.
 The kernel does the rest, once for every reconciler on it: it waits for a mark or the resync
 period, waits the debounce so a burst of events is one pass, decides only the keys marked
-(every key at a resync: the safety net for a missed event), writes only while `may_write`
-says this replica leads, and takes a key whose write failed again after a backoff that
-doubles from `retry_seconds` up to `max_retry_seconds` (a conflict, the API server away)
-without holding up the others.
+(every key at a resync: the safety net for a missed event), sends each key's writes only if
+`may_write` says this replica still leads (asked at each key's write, not once a pass: a Lease
+lost mid-pass stops the writes not sent yet), and takes a key whose write failed again after a
+backoff that doubles from `retry_seconds` up to `max_retry_seconds` (a conflict, the API server
+away) without holding up the others.
 
 Keys are decided one at a time, in the reconciler's `order`, so a decision sees every decision
 before it: a reconciler whose writes others must see records them in the cache as it decides
@@ -150,7 +151,8 @@ async def drain(
     may_write: Callable[[], bool] = lambda: True,
     clock: Callable[[], float] = time.time,
 ) -> int:
-    """One pass: decide and write every key due now. Returns how many keys it decided."""
+    """One pass: decide and write every key due now, each write only while `may_write`
+    (asked before each). Returns how many keys it decided."""
     if not may_write():
         return 0  # not leading: the marks wait for this replica to lead
     now = clock()
@@ -168,6 +170,11 @@ async def drain(
 
     async def write(key: K, writes: W) -> None:
         try:
+            # Asked at each write, not once a pass: a Lease lost mid-pass stops the writes not
+            # yet sent (another replica may lead now); the key waits, marked, for a leader.
+            if not may_write():
+                queue.mark(key, wake=False)
+                return
             await reconciler.write(key, writes)
         except Exception:
             failed(key)

@@ -1,7 +1,9 @@
 """The operator's settings: one object of documented topic sections (STYLE.md habit 6).
 
 Every field says its unit, its default and why. `continuum operator` fills them from flags;
-tests build them directly with short timings.
+tests build them directly with short timings. The grants' and the leader election's sections live
+in `kube.base.grant_settings` beside their flags; every reconciler's kernel settings are read from
+this one object (`OperatorSettings.kernels`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from enum import StrEnum
 
 from continuum_operator.core.damping import DampingSettings
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
+from continuum_operator.kube.base.grant_settings import GrantSettings, LeaderSettings
+from continuum_operator.kube.base.kernel import KernelSettings
 
 
 class GpuSharing(StrEnum):
@@ -170,7 +174,28 @@ class LoopSettings:
     """Watch events within this window are handled in one pass (seconds)."""
     full_resync_seconds: float = 60.0
     """Every engine is decided at least this often, changed or not (seconds); in between a
-    pass decides only the engines whose inputs changed and those not quiet (`kube.engines.loop`)."""
+    pass decides only the engines whose inputs changed and those not quiet (`kube.engines.loop`).
+    Every lane, mind and node's placed pods likewise: each reconciler's full resync."""
+    engine_writers: int = 8
+    """Engines whose writes are in flight at once, within a pass (the Engines' `writers`; the
+    grants' is `GrantSettings.write_workers`)."""
+    grants_debounce_seconds: float = 0.05
+    """The grants' debounce (seconds): shorter than the others', a Mind waits for her grant."""
+    grants_retry_seconds: float = 0.5
+    """An engine whose grants' write failed is stepped again after this, doubled per failure in
+    a row up to `grants_max_retry_seconds` (seconds)."""
+    grants_max_retry_seconds: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """Each reconciler's kernel settings (`kube.base.kernel`), all read from one
+    `OperatorSettings` (`OperatorSettings.kernels`): no reconciler holds timings of its own."""
+
+    engines: KernelSettings
+    lanes: KernelSettings
+    grants: KernelSettings
+    placed: KernelSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,3 +206,33 @@ class OperatorSettings:
     damping: DampingSettings = field(default_factory=DampingSettings)
     loop: LoopSettings = field(default_factory=LoopSettings)
     children: ChildrenSettings = field(default_factory=ChildrenSettings)
+    grants: GrantSettings = field(default_factory=GrantSettings)
+    leader: LeaderSettings = field(default_factory=LeaderSettings)
+
+    @property
+    def kernels(self) -> Kernels:
+        loop = self.loop
+        # The Engines' and the grants' decisions change by the clock (deadlines, boards going
+        # stale, reviews): a pass at least every `resync_seconds`.
+        return Kernels(
+            engines=KernelSettings(
+                resync_seconds=loop.full_resync_seconds,
+                debounce_seconds=loop.debounce_seconds,
+                pass_seconds=loop.resync_seconds,
+                writers=loop.engine_writers,
+            ),
+            lanes=KernelSettings(
+                resync_seconds=loop.full_resync_seconds, debounce_seconds=loop.debounce_seconds
+            ),
+            grants=KernelSettings(
+                resync_seconds=loop.full_resync_seconds,
+                debounce_seconds=loop.grants_debounce_seconds,
+                retry_seconds=loop.grants_retry_seconds,
+                max_retry_seconds=loop.grants_max_retry_seconds,
+                pass_seconds=loop.resync_seconds,
+                writers=self.grants.write_workers,
+            ),
+            placed=KernelSettings(
+                resync_seconds=loop.full_resync_seconds, debounce_seconds=loop.debounce_seconds
+            ),
+        )

@@ -7,7 +7,7 @@ its `engine_queue`; the kernel decides each marked engine against a fresh snapsh
 changed, the Deployment and Service when their launch changed, and the events. Engines are
 decided one after another, so two engines never lease the same bytes: each decision's status
 patch is assumed in the cache before the next engine is decided, while the writes go out
-WRITERS at a time.
+`loop.engine_writers` at a time (its kernel settings: `OperatorSettings.kernels.engines`).
 
 A pass decides only the engines that may decide differently: those whose inputs changed (their
 Engine, Deployment, Job or Service, or a board, Lease, Node, engine or lane on their node; the
@@ -51,7 +51,6 @@ from continuum_operator.model.base import API_VERSION
 
 log = logging.getLogger("continuum.operator")
 
-WRITERS = 8  # engines whose writes are in flight at once, within a pass
 # The longest a relaunch's Deployment waits for the old engine's grants to drain: well past the
 # grace deadline (30 s by default) that ends every drain.
 DRAIN_HOLD_SECONDS = 180.0
@@ -78,13 +77,13 @@ class Loop:
         cache: Cache,
         clock: Callable[[], float] = time.time,
         metrics: OperatorMetrics | None = None,
+        may_write: Callable[[], bool] = lambda: True,
     ) -> None:
         self.api = api
+        self.may_write = may_write  # asked by the kernel before each engine's writes
         self.settings = settings
         self.cache = cache
-        self.clock = clock
-        # Freshness is `now` minus when a renewal was seen: both on this one clock.
-        cache.clock = clock
+        self.clock = clock  # the cache's too (`kube.process.run` gives both the one clock)
         self.metrics = metrics or OperatorMetrics()
         self.pools = PoolMetrics(self.metrics.registry)
         self.memory: dict[str, Memory] = {}
@@ -99,13 +98,7 @@ class Loop:
         self.facts_unread: set[EngineKey] = set()  # whose facts Job's answer could not be read
         self.instance = socket.gethostname()
         self.queue: WorkQueue[EngineKey] = cache.engine_queue
-        loop = settings.loop
-        self.kernel = KernelSettings(
-            resync_seconds=loop.full_resync_seconds,
-            debounce_seconds=loop.debounce_seconds,
-            pass_seconds=loop.resync_seconds,
-            writers=WRITERS,
-        )
+        self.kernel: KernelSettings = settings.kernels.engines
 
     async def install_priority_classes(self) -> None:
         for pc in priority_classes(self.settings.pods):
@@ -119,11 +112,16 @@ class Loop:
             except (ApiError, OSError) as err:
                 log.warning("installing the priority classes failed, retrying: %s", err)
                 await asyncio.sleep(2)
-        await kernel.run(self.reconciler(), self.queue, self.kernel, stop, clock=self.clock)
+        await kernel.run(
+            self.reconciler(), self.queue, self.kernel, stop,
+            may_write=self.may_write, clock=self.clock,
+        )  # fmt: skip
 
     async def pass_once(self) -> None:
         """One pass of the kernel over the engines marked now."""
-        await kernel.drain(self.reconciler(), self.queue, self.kernel, clock=self.clock)
+        await kernel.drain(
+            self.reconciler(), self.queue, self.kernel, may_write=self.may_write, clock=self.clock
+        )
 
     def reconciler(self) -> kernel.Reconciler[EngineKey, EngineWrites]:
         return self

@@ -39,7 +39,7 @@ one last stepped (another writer, or it is gone: its minds are told); one whose 
 grace deadline has come (`before_pass`); one whose write failed, after its backoff (the kernel;
 a Mind's failed write takes her engine again too). Every engine at a leader's first pass (it
 also recovers every journal), when the MindClasses or TokenQuotas change, and every
-`full_pass_seconds` (60 s: the kernel's resync), a safety net. In a pass, the engines whose
+`loop.full_resync_seconds` (60 s: the kernel's resync), a safety net. In a pass, the engines whose
 grace deadline is due go first, each stepped at its deadline (the release is forced then) and
 written one after another; then the engines with minds of a namespace under a TokenQuota; then
 the rest, all stepped at one time after the due ones' writes, so the log's `t` stays in order.
@@ -64,6 +64,7 @@ from continuum_operator.kube.base import kernel
 from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.base.kernel import KernelSettings, WorkQueue
 from continuum_operator.kube.base.metrics import OperatorMetrics
+from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.client.kept import resource_version
@@ -90,9 +91,6 @@ __all__ = ["GrantsLoop"]
 
 log = logging.getLogger("continuum.grants")
 
-DEBOUNCE_SECONDS = 0.05  # events within this window after the first are one pass
-RETRY_SECONDS = 0.5  # a failed engine's first backoff (doubled per failure in a row)
-
 
 class GrantsLoop:
     def __init__(
@@ -105,8 +103,7 @@ class GrantsLoop:
         may_write: Callable[[], bool] = lambda: True,
         metrics: OperatorMetrics | None = None,
         clock: Callable[[], float] = time.time,
-        resync_seconds: float = 5.0,
-        full_pass_seconds: float = 60.0,
+        kernel: KernelSettings | None = None,
         pod_port: int = 8080,
     ) -> None:
         self.api = api
@@ -116,23 +113,14 @@ class GrantsLoop:
         self.may_write = may_write
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
-        self.full_pass_seconds = full_pass_seconds
         self.policy = PriorityPolicy(grace_seconds=settings.grace_seconds)
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
         # The Minds' watches mark this queue; the Engines' wake it (`before_pass` compares).
         self.queue: WorkQueue[EngineKey] = minds.queue
         self.queue.resynced_at = None  # a new loop's first pass takes every engine
-        engines.grants_queue = self.queue
-        engines.quotas_read = lambda: bool(minds.quotas)
-        self.kernel = KernelSettings(
-            resync_seconds=full_pass_seconds,
-            debounce_seconds=DEBOUNCE_SECONDS,
-            retry_seconds=RETRY_SECONDS,
-            max_retry_seconds=30.0,
-            pass_seconds=resync_seconds,
-            writers=settings.write_workers,
-        )
+        # Its kernel settings, from the one settings object (`OperatorSettings.kernels`).
+        self.kernel = kernel or OperatorSettings(grants=settings).kernels.grants
         self.writer = MindWriter(settings.write_workers, lambda: self.may_write(), self._failed)
         # The loop reads the clock it has now (tests set it after construction).
         self.mind_writes = MindWrites(

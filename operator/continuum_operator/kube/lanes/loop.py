@@ -37,18 +37,29 @@ class LaneLoop(PassHooks[LaneKey]):
         cache: Cache,
         clock: Callable[[], float],
         engine_labels: Mapping[str, str] | None = None,
+        may_write: Callable[[], bool] = lambda: True,
     ) -> None:
         self.api, self.settings, self.cache, self.clock = api, settings, cache, clock
+        self.may_write = may_write  # asked by the kernel before each lane's writes
         self.engine_labels = engine_labels  # `--engine-selector`: which lanes are this one's
         self.applied: dict[LaneKey, str] = {}  # what was last applied of each lane's pod
         self.absent: set[LaneKey] = set()  # lanes whose Deployment this process deleted
 
+    @property
+    def kernel(self) -> KernelSettings:
+        return self.settings.kernels.lanes
+
     async def run(self, stop: asyncio.Event) -> None:
-        loop = self.settings.loop
-        every = KernelSettings(
-            resync_seconds=loop.full_resync_seconds, debounce_seconds=loop.debounce_seconds
+        await kernel.run(
+            self, self.cache.lane_queue, self.kernel, stop,
+            may_write=self.may_write, clock=self.clock,
+        )  # fmt: skip
+
+    async def pass_once(self) -> int:
+        """One pass of the kernel over the lanes marked now."""
+        return await kernel.drain(
+            self, self.cache.lane_queue, self.kernel, may_write=self.may_write, clock=self.clock
         )
-        await kernel.run(self, self.cache.lane_queue, every, stop, clock=self.clock)
 
     def keys(self) -> list[LaneKey]:
         return [k for k, b in list(self.cache.lanes.items()) if self._takes(b)]

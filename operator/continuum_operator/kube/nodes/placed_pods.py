@@ -6,9 +6,12 @@ one node (a field selector is the client's choice, not a rule), so its token cou
 spec in the cluster. The operator already lists pods; it tells each agent its node's share, and
 the agent's only read is its own board (docs/security.md, "The node agent").
 
-One writer: the leader, every `interval` seconds, patches only the boards whose list changed.
-A board that does not exist yet (a node whose agent has not started) is skipped: the agent
-creates it, and the next round fills it.
+A reconciler on the controller kernel (`kube.base.kernel`), on the leader, as the others are: its
+keys are the nodes with a board, its decision a node's list from the pods kept here (None when
+the board already says it), its write the board's `spec.placed` merge patch. A node is marked
+when one of its pods changes (the watches here) or its board does (the cache's `placed_queue`,
+`kube.state.cache`); every node at each full resync. A board that does not exist yet (a node whose
+agent has not started) is skipped: the agent creates it, and its watch event marks the node.
 
 The pods are listed once (a page at a time) and then watched, each kept only as far as
 placement reads it. They were listed whole every round: at 2,000 engines, megabytes of pods
@@ -22,10 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
+from continuum_operator.kube.base import kernel
+from continuum_operator.kube.base.kernel import KernelSettings, PassHooks, WorkQueue
+from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.client.async_api import AsyncKubeApi, pages
 from continuum_operator.kube.state.cache import Cache
@@ -82,15 +89,41 @@ def _placed_fields(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-class PlacedPods:
+class PlacedPods(PassHooks[str]):
     """Keeps every NodeBoard's `spec.placed` equal to the operator's pods on that node."""
 
-    def __init__(self, api: AsyncKubeApi, cache: Cache, interval: float = 5.0) -> None:
-        self.api = api
-        self.cache = cache
-        self.interval = interval
+    def __init__(
+        self,
+        api: AsyncKubeApi,
+        cache: Cache,
+        settings: KernelSettings | None = None,
+        *,
+        may_write: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api, self.cache, self.may_write, self.clock = api, cache, may_write, clock
+        self.kernel = settings or OperatorSettings().kernels.placed
+        self.queue: WorkQueue[str] = cache.placed_queue
         self.pods: dict[str, tuple[str, str, dict[str, Any]]] = {}  # uid -> label, kind, pod
+        self.on_node: dict[str, set[str]] = {}  # node -> the uids of its pods
         self.listed: set[str] = set()  # the labels whose pods have been listed
+        self.written = 0  # boards written (a count for tests and the log)
+
+    # -- the pods, kept from the list and the watch; each change marks its nodes ----------------
+
+    def _keep(self, uid: str, entry: tuple[str, str, dict[str, Any]] | None) -> None:
+        """The pod `uid` now `entry` (None: gone); the node it left and the one it is on marked."""
+        old = self.pods.pop(uid, None)
+        if old is not None and (node := _node_of(old[2])):
+            self.on_node[node].discard(uid)
+            if not self.on_node[node]:
+                del self.on_node[node]
+            self.queue.mark(node)
+        if entry is not None:
+            self.pods[uid] = entry
+            if node := _node_of(entry[2]):
+                self.on_node.setdefault(node, set()).add(uid)
+                self.queue.mark(node)
 
     async def relist(self, label: str, kind: str) -> str:
         """The label's pods, listed into `pods` (those gone since dropped); the list's
@@ -102,10 +135,15 @@ class PlacedPods:
             for pod in page.get("items") or []:
                 cut = _placed_fields(pod)
                 found[str(cut["metadata"]["uid"])] = (label, kind, cut)
-        for uid in [u for u, (lab, _, _) in self.pods.items() if lab == label]:
-            self.pods.pop(uid)
-        self.pods.update(found)
-        self.listed.add(label)
+        for uid in [u for u, (lab, _, _) in self.pods.items() if lab == label and u not in found]:
+            self._keep(uid, None)
+        for uid, entry in found.items():
+            if self.pods.get(uid) != entry:
+                self._keep(uid, entry)
+        if label not in self.listed:
+            self.listed.add(label)
+            if len(self.listed) == len(CONSUMER_LABELS):
+                self.queue.mark_all()  # every kind listed: each node's list is news now
         return version
 
     def observe(self, label: str, kind: str, event: Mapping[str, Any]) -> None:
@@ -114,10 +152,9 @@ class PlacedPods:
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         if event.get("type") == "BOOKMARK" or not uid:
             return
-        if event.get("type") == "DELETED":
-            self.pods.pop(uid, None)
-        else:
-            self.pods[uid] = (label, kind, _placed_fields(pod))
+        self._keep(
+            uid, None if event.get("type") == "DELETED" else (label, kind, _placed_fields(pod))
+        )
 
     async def follow(self, label: str, kind: str, stop: asyncio.Event) -> None:
         """List, then watch from the list's version for as long as this replica leads; a
@@ -142,40 +179,52 @@ class PlacedPods:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
 
-    async def publish_once(self) -> int:
-        """One round: the boards written (none before every kind of pod has been listed: an
-        empty list then is not news)."""
+    # -- the kernel's hooks ---------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Every node with a board; none before every kind of pod has been listed (an empty
+        list then is not news)."""
         if len(self.listed) < len(CONSUMER_LABELS):
-            return 0
-        wanted = placed_by_node(self.pods.values())
-        written = 0
-        for node in sorted(self.cache.boards):
-            placed = wanted.get(node, [])
-            if self.cache.board_placed.get(node, []) == placed:
-                continue
-            path = f"/apis/{GROUP}/{VERSION}/{NodeBoard.PLURAL}/{quote(node)}"
-            try:
-                await self.api.merge_patch(path, {"spec": {"placed": placed}})
-            except ApiError as err:
-                if err.status != 404:  # deleted meanwhile: its node went
-                    log.warning("writing NodeBoard %s spec.placed failed: %s", node, err)
-                continue
-            self.cache.board_placed[node] = placed
-            written += 1
-        return written
+            return []
+        return sorted(self.cache.boards)
+
+    def decide(self, node: str, now: float) -> list[Placed] | None:
+        """The node's list, where its board says otherwise (None: nothing to write)."""
+        if node not in self.cache.boards or len(self.listed) < len(CONSUMER_LABELS):
+            return None
+        mine = (self.pods[uid] for uid in self.on_node.get(node, ()))
+        placed = placed_by_node(mine).get(node, [])
+        return None if self.cache.board_placed.get(node, []) == placed else placed
+
+    async def write(self, node: str, placed: list[Placed]) -> None:
+        path = f"/apis/{GROUP}/{VERSION}/{NodeBoard.PLURAL}/{quote(node)}"
+        try:
+            await self.api.merge_patch(path, {"spec": {"placed": placed}})
+        except ApiError as err:
+            if err.status == 404:  # deleted meanwhile: its node went
+                return
+            raise  # the kernel takes the node again after a backoff
+        self.cache.board_placed[node] = placed
+        self.written += 1
+
+    async def publish_once(self) -> int:
+        """One pass of the kernel over the nodes marked now: the boards written."""
+        before = self.written
+        await kernel.drain(self, self.queue, self.kernel, may_write=self.may_write,
+                           clock=self.clock)  # fmt: skip
+        return self.written - before
 
     async def run(self, stop: asyncio.Event) -> None:
         watches = [asyncio.create_task(self.follow(label, kind, stop))
                    for label, kind in CONSUMER_LABELS]  # fmt: skip
         try:
-            while not stop.is_set():
-                try:
-                    await self.publish_once()
-                except Exception:  # one bad round must not stop the operator; the next retries
-                    log.exception("publishing the placed pods failed")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval)
+            await kernel.run(self, self.queue, self.kernel, stop, may_write=self.may_write,
+                             clock=self.clock)  # fmt: skip
         finally:
             for task in watches:
                 task.cancel()
             await asyncio.gather(*watches, return_exceptions=True)
+
+
+def _node_of(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("spec") or {}).get("nodeName") or "")

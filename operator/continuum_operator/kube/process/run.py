@@ -15,8 +15,9 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from continuum_operator.cli.args import SettingFlag, add_flags, at_least_one, settings_from_flags
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
     from continuum_operator.kube.base.readiness import Readiness
     from continuum_operator.kube.client.api import KubeApi
     from continuum_operator.kube.client.async_api import AsyncKubeApi
+    from continuum_operator.kube.state.cache import Cache
+    from continuum_operator.kube.state.mind_cache import MindCache
 
-__all__ = ["add_arguments", "cmd_operator", "serve", "settings_from"]
+__all__ = ["add_arguments", "cmd_operator", "join_caches", "serve", "settings_from"]
 
 
 #: A count of 1 or more (whole CPUs keep an engine pod in the Guaranteed class).
@@ -250,8 +253,8 @@ _LOOP_FLAGS = (
     SettingFlag(
         "--full-resync",
         "loop.full_resync_seconds",
-        "seconds between passes that decide every engine, changed or not (each "
-        "Engine's placement, and each Engine's grant ledger)",
+        "seconds between passes that decide everything, changed or not (each "
+        "Engine's placement and grant ledger, each EmbedLane, each node's placed pods)",
         type=float,
     ),
     SettingFlag(
@@ -273,10 +276,29 @@ _LOOP_FLAGS = (
 
 
 def settings_from(args: argparse.Namespace) -> OperatorSettings:
+    """Every setting of the operator, in one object, from its flags."""
     settings = settings_from_flags(OperatorSettings(), _flags(), args)
     # The children's priority class is a flag of the webhook's (`webhook.add_arguments`).
     pods = replace(settings.pods, children_priority_class=args.children_priority_class)
-    return replace(settings, pods=pods, children=webhook.settings_from(args))
+    # The grants' and the leader's flags are `grant_settings`'s (the Lease's name takes the
+    # selector's digest).
+    leader = grant_settings.leader_settings(args, parse_selector(args.engine_selector))
+    return replace(
+        settings,
+        pods=pods,
+        children=webhook.settings_from(args),
+        grants=grant_settings.grant_settings(args),
+        leader=leader,
+    )
+
+
+def join_caches(engines: Cache, minds: MindCache) -> None:
+    """The one place the caches are wired to each other (no loop rewires another's objects):
+    an Engine's change wakes the grants' queue (the Minds' cache's, which the grants loop
+    drains), and the Engines' cache learns whether any TokenQuota exists (an Engine's ledger
+    then changes every quota's room)."""
+    engines.grants_queue = minds.queue
+    engines.quotas_read = lambda: bool(minds.quotas)
 
 
 def parse_selector(text: str) -> dict[str, str]:
@@ -296,8 +318,6 @@ async def serve(
     kubeconfig: str | None,
     metrics_port: int = 0,
     engine_labels: dict[str, str] | None = None,
-    grants: grant_settings.GrantSettings | None = None,
-    leadership: grant_settings.LeaderSettings | None = None,
 ) -> int:
     # Imported here: `continuum plan` and friends need not load kopf and the Kubernetes client.
     from continuum_operator.kube.base.metrics import OperatorMetrics
@@ -316,10 +336,7 @@ async def serve(
     api = await AsyncKubeApi.connect(kubeconfig, meter=metrics)
     lease_api = KubeApi(kubeconfig, meter=metrics)
     try:
-        return await _operate(
-            settings, api, lease_api, metrics, ready, engine_labels,
-            grants or grant_settings.GrantSettings(), leadership,
-        )  # fmt: skip
+        return await _operate(settings, api, lease_api, metrics, ready, engine_labels)
     finally:
         await api.close()
 
@@ -331,15 +348,9 @@ async def _operate(
     metrics: OperatorMetrics,
     ready: Readiness,
     engine_labels: dict[str, str] | None,
-    grants: grant_settings.GrantSettings,
-    leadership: grant_settings.LeaderSettings | None,
 ) -> int:
     import kopf
 
-    from continuum_operator.kube.engines.loop import Loop
-    from continuum_operator.kube.grants.loop import GrantsLoop
-    from continuum_operator.kube.lanes.loop import LaneLoop
-    from continuum_operator.kube.nodes.placed_pods import PlacedPods
     from continuum_operator.kube.process.leader import Elector, lead
     from continuum_operator.kube.state.cache import Cache
     from continuum_operator.kube.state.handlers import registry_for
@@ -347,40 +358,28 @@ async def _operate(
     from continuum_operator.kube.state.mind_cache import register as register_minds
 
     freshness = settings.freshness
+    # One clock for the cache and every loop (`_reconcilers`): freshness is `now` minus when a
+    # renewal was seen.
     cache = Cache(
-        lease_namespace=freshness.lease_namespace, max_lease_seconds=freshness.max_ttl_seconds
+        lease_namespace=freshness.lease_namespace,
+        max_lease_seconds=freshness.max_ttl_seconds,
+        clock=time.time,
     )
-    loop = Loop(api, settings, cache, metrics=metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     registry = registry_for(cache, engine_labels)
     # Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
+    join_caches(cache, mind_cache)
     # A pod her service account creates is her child (`children.mind_of_creator`).
     webhook.register(registry, api, settings.pods, settings.children, metrics, mind_cache, ready)
     register_minds(registry, mind_cache)
-    elector = Elector(
-        lease_api, leadership or grant_settings.LeaderSettings(), on_change=metrics.set_leader
+    elector = Elector(lease_api, settings.leader, on_change=metrics.set_leader)
+    reconcilers = _reconcilers(
+        api, settings, cache, mind_cache, elector.is_leader, metrics, engine_labels
     )
-    grants_loop = GrantsLoop(
-        api,
-        grants,
-        cache,
-        mind_cache,
-        may_write=elector.is_leader,
-        metrics=metrics,
-        resync_seconds=settings.loop.resync_seconds,
-        full_pass_seconds=settings.loop.full_resync_seconds,
-        pod_port=settings.pods.port,
-    )
-    # Each node's engine and lane pods, told to its agent (which may not list pods itself).
-    placed = PlacedPods(api, cache, settings.loop.resync_seconds)
-    # EmbedLanes, on the controller kernel (as the Engines' and the grants' loops are).
-    lanes = LaneLoop(api, settings, cache, time.time, engine_labels)
-    decisions = asyncio.create_task(
-        lead(elector, stop, [loop.run, grants_loop.run, placed.run, lanes.run])
-    )
+    decisions = asyncio.create_task(lead(elector, stop, [r.run for r in reconcilers]))
     decisions.add_done_callback(lambda _: stop.set())  # a lost Lease stops this replica
     try:
         await kopf.operator(
@@ -395,6 +394,47 @@ async def _operate(
     return code
 
 
+def _reconcilers(
+    api: AsyncKubeApi,
+    settings: OperatorSettings,
+    cache: Cache,
+    mind_cache: MindCache,
+    may_write: Callable[[], bool],
+    metrics: OperatorMetrics,
+    engine_labels: dict[str, str] | None,
+) -> list[Reconciling]:
+    """Every reconciler on the kernel, wired here and nowhere else: the cache's clock, the
+    leader's gate (which the kernel asks at each write) and each one's kernel settings, all from
+    the one settings object (`OperatorSettings.kernels`)."""
+    from continuum_operator.kube.engines.loop import Loop
+    from continuum_operator.kube.grants.loop import GrantsLoop
+    from continuum_operator.kube.lanes.loop import LaneLoop
+    from continuum_operator.kube.nodes.placed_pods import PlacedPods
+
+    clock = cache.clock
+    engines = Loop(api, settings, cache, clock=clock, metrics=metrics, may_write=may_write)
+    kernels = settings.kernels
+    grants_loop = GrantsLoop(
+        api,
+        settings.grants,
+        cache,
+        mind_cache,
+        may_write=may_write,
+        metrics=metrics,
+        clock=clock,
+        kernel=kernels.grants,
+        pod_port=settings.pods.port,
+    )
+    # Each node's engine and lane pods, told to its agent (which may not list pods itself).
+    placed = PlacedPods(api, cache, kernels.placed, may_write=may_write, clock=clock)
+    lanes = LaneLoop(api, settings, cache, clock, engine_labels, may_write=may_write)
+    return [engines, grants_loop, placed, lanes]
+
+
+class Reconciling(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -406,8 +446,4 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's login reads it too
     labels = parse_selector(args.engine_selector)
-    grants = grant_settings.grant_settings(args)
-    leadership = grant_settings.leader_settings(args, labels)
-    return asyncio.run(
-        serve(settings_from(args), args.kubeconfig, args.metrics_port, labels, grants, leadership)
-    )
+    return asyncio.run(serve(settings_from(args), args.kubeconfig, args.metrics_port, labels))

@@ -151,10 +151,12 @@ class Cache:
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
     lanes: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)  # EmbedLanes
-    # Each board's `spec.placed` as last seen (`kube.nodes.placed_pods` writes only what differs).
+    # Each board's `spec.placed` as last seen (`kube.nodes.placed_pods` writes only what differs),
+    # and the nodes whose board changed, to decide again (its reconciler's queue).
     board_placed: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    placed_queue: WorkQueue[str] = field(default_factory=WorkQueue)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    clock: Callable[[], float] = time.time  # the loop's: when a Lease's renewal was seen
+    clock: Callable[[], float] = time.time  # the loops' (`kube.process.run`): renewals seen
     engine_leases: dict[EngineKey, PlacedLeases] = field(default_factory=dict)
     engines_on: dict[str, frozenset[EngineKey]] = field(default_factory=dict)
     # Engines, their index and assumed patches change together, with no lock: every observer,
@@ -174,11 +176,11 @@ class Cache:
     # the lanes of an Engine that changed, those placed on a node whose room changed, and those
     # that may go to any node (not placed yet, or with a model of their own).
     lane_queue: WorkQueue[EngineKey] = field(default_factory=WorkQueue)
-    # The grants loop's queue (`kube.grants.loop` sets it), woken by an Engine's watch event: its
-    # pass finds which engines changed by comparing their bodies with those it last stepped.
+    # The grants loop's queue (`kube.process.run.join_caches` sets it), woken by an Engine's watch
+    # event: its pass finds which engines changed by comparing their bodies with those it last
+    # stepped.
     grants_queue: WorkQueue[EngineKey] | None = None
-    # Whether a TokenQuota exists (`kube.grants.loop` sets it): the passes then read every
-    # GrantLedger.
+    # Whether a TokenQuota exists (`join_caches` sets it): the passes then read every GrantLedger.
     quotas_read: Callable[[], bool] = lambda: False
 
     def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
@@ -263,6 +265,7 @@ class Cache:
 
     def observe_board(self, obj: Mapping[str, Any], deleted: bool) -> None:
         name = obj["metadata"]["name"]
+        self.placed_queue.mark(name)
         if deleted:
             self.boards.pop(name, None)
             self.board_placed.pop(name, None)

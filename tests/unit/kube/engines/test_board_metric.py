@@ -21,12 +21,13 @@ GiB = 2**30
 
 
 def _cache() -> Cache:
-    return Cache(clock=lambda: NOW)  # the loop gives it its own clock when made
+    return Cache(clock=lambda: NOW)
 
 
 def _loop(cache: Cache, metrics: OperatorMetrics, clock: list[float]) -> Loop:
     fake: Any = object()  # record_boards makes no API call
     api: AsyncKubeApi = fake
+    cache.clock = lambda: clock[0]  # one clock for the cache and the loop (`kube.process.run`)
     return Loop(api, OperatorSettings(), cache, clock=lambda: clock[0], metrics=metrics)
 
 

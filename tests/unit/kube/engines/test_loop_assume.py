@@ -64,7 +64,7 @@ class SideBySideApi(Awaited):
 
 
 def world(engines: int, parties: int, failing: set[str]) -> tuple[Loop, Cache, SideBySideApi]:
-    cache = Cache()
+    cache = Cache(clock=lambda: NOW)
     api = SideBySideApi(cache, parties, failing)
     fake: Any = api
     real: AsyncKubeApi = fake

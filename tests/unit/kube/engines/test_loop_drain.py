@@ -49,7 +49,7 @@ class World:
     def __init__(self, body: dict[str, Any]) -> None:
         self.now = 1_000.0
         self.api = FakeKubeApi()
-        cache = Cache()
+        cache = Cache(clock=lambda: self.now)
         observe_with_ledger(cache, body)
         cache.deployments[("ns", "coder")] = DeploymentEntry("old-launch", 1, 1, 1, 1, 1)
         fake: Any = self.api.aio

@@ -77,7 +77,7 @@ class FactsWorld:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, api: FakeKubeApi, job: JobEntry) -> None:
         fake: Any = api.aio
         real: AsyncKubeApi = fake
-        self.cache = Cache()
+        self.cache = Cache(clock=lambda: 1_800_000_000.0)
         self.loop = Loop(real, OperatorSettings(), self.cache, clock=lambda: 1_800_000_000.0)
         body = api.objects["/apis/continuum.dev/v1alpha1/namespaces/ns/engines/eng"]
         self.cache.observe_engine(body, deleted=False)

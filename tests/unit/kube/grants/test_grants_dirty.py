@@ -2,7 +2,8 @@
 created, changed or deleted marks the engine she names (and the one she named before); an Engine
 whose body changed, whose review time or grace deadline came, or whose ledger write failed is
 stepped again; every engine when the classes or quotas change, at a leader's first pass and every
-`full_pass_seconds`. Each test counts the `ledger.step` calls of a pass, by engine."""
+`loop.full_resync_seconds` (the kernel's resync). Each test counts the `ledger.step` calls of a
+pass, by engine."""
 
 from __future__ import annotations
 
@@ -200,7 +201,7 @@ def test_every_engine_is_stepped_at_the_full_pass(tmp_path: Path, steps: list[st
     w, clock = world(tmp_path)
     w.loop.pass_once()
     steps.clear()
-    clock.now += w.loop.full_pass_seconds
+    clock.now += w.loop.kernel.resync_seconds
     w.loop.pass_once()
     assert sorted(steps) == [f"e{e}" for e in range(N)]
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.grants.write_queue import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
 from tests.support.builders import stored_ledger
@@ -108,7 +109,8 @@ def test_a_minds_failed_projection_write_is_retried_after_the_backoff(tmp_path: 
 
 def test_the_full_pass_is_the_kernels_resync(tmp_path: Path) -> None:
     w = World(tmp_path)
-    assert w.loop.kernel.resync_seconds == w.loop.full_pass_seconds
+    assert w.loop.kernel == OperatorSettings(grants=w.loop.settings).kernels.grants
+    assert w.loop.kernel.resync_seconds == OperatorSettings().loop.full_resync_seconds
     assert w.loop.queue is w.cache.queue and w.engines.grants_queue is w.loop.queue
 
 

@@ -17,6 +17,7 @@ from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.grants.ledger_write import seed_ledgers
 from continuum_operator.kube.grants.loop import GrantsLoop
+from continuum_operator.kube.process.run import join_caches
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.state.mind_cache import MindCache
 from tests.support.builders import ledger_path
@@ -65,6 +66,7 @@ def setup(
     api = api or FakeKubeApi()
     api.add(engine_body(), "engines")
     engines, cache = Cache(), MindCache()
+    join_caches(engines, cache)
     engines.observe_engine(api.objects[ENGINE_PATH], deleted=False, nudge=False)
     for m in minds:
         cache.observe_mind(m, deleted=False, nudge=False)
@@ -174,6 +176,7 @@ def test_a_new_leader_reads_the_ledgers_before_its_first_step(tmp_path: Path) ->
     written = len(api.puts)
     # A new leader: a cache with the Engine and its Minds, not (yet) the ledger's watch event.
     engines = Cache()
+    join_caches(engines, loop.minds)
     engines.observe_engine(api.objects[ENGINE_PATH], deleted=False, nudge=False)
     settings = GrantSettings(transition_log=tmp_path / "log2.jsonl", write_workers=1)
     again = GrantsLoop(api.aio, settings, engines, loop.minds, clock=loop.clock)  # type: ignore[arg-type]

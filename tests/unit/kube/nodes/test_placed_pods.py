@@ -12,18 +12,10 @@ from continuum_operator.kube.nodes.placed_pods import CONSUMER_LABELS, PlacedPod
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.board import NodeBoardSpec
 from tests.support.fakes import FakeKubeApi
+from tests.support.placed_pods import pod
 
 ENGINE = "continuum.dev/engine"
 LANE = "continuum.dev/embedlane"
-
-
-def pod(
-    ns: str, uid: str, node: str | None, labels: dict[str, str], phase: str = "Running"
-) -> dict[str, Any]:
-    spec = {"nodeName": node} if node else {}
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"namespace": ns, "name": f"p-{uid}", "uid": uid, "labels": labels},
-            "spec": spec, "status": {"phase": phase}}  # fmt: skip
 
 
 def test_each_node_gets_its_engine_and_lane_pods_by_uid_and_nothing_else() -> None:
@@ -144,3 +136,26 @@ def test_watch_events_keep_the_pods_current_and_nothing_is_written_before_both_l
         ("/apis/continuum.dev/v1alpha1/nodeboards/gpu-2", {"spec": {"placed": [
             {"uid": "u2", "kind": "Engine", "namespace": "team-a", "name": "coder"}]}}),
     ]  # fmt: skip
+
+
+def test_a_pod_or_a_board_that_changed_marks_its_node_alone_and_a_new_board_is_filled() -> None:
+    # On the kernel: a pass decides only the nodes marked, and a board made after the pods were
+    # listed (its agent started late) is written when its watch event marks it.
+    api = FakeKubeApi([pod("team-a", "u1", "gpu-1", {ENGINE: "coder"}),
+                       pod("team-a", "u3", "gpu-3", {ENGINE: "coder"})])  # fmt: skip
+    api.add(board("gpu-1"), "nodeboards")
+    cache = Cache()
+    cache.observe_board(board("gpu-1"), deleted=False)
+    publisher = PlacedPods(api.aio, cache)  # type: ignore[arg-type]
+    assert round_of(publisher) == 1  # gpu-1; gpu-3 has no board yet
+    publisher.observe(ENGINE, "Engine", {"type": "ADDED", "object": pod(
+        "team-b", "u2", "gpu-2", {ENGINE: "other"})})  # fmt: skip
+    assert cache.placed_queue.take(publisher.keys(), 0.0) == ["gpu-2"]
+    api.add(board("gpu-3"), "nodeboards")
+    cache.observe_board(board("gpu-3"), deleted=False)
+    assert asyncio.run(publisher.publish_once()) == 1
+    assert api.patched[-1] == (
+        "/apis/continuum.dev/v1alpha1/nodeboards/gpu-3",
+        {"spec": {"placed": [{"uid": "u3", "kind": "Engine", "namespace": "team-a",
+                              "name": "coder"}]}},
+    )  # fmt: skip
