@@ -250,7 +250,6 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
 ) -> None:
     """Real TokenReviews in front of the real llama-server: the official client's API key is her
     projected token with the engine's audience."""
-    from kubernetes import client, config
 
     from continuum_operator.engine.token_review import TokenReviewer
 
@@ -264,7 +263,6 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
         return str(out).strip()
 
     mine, plain, child = token("mira", audience), token("mira"), token("mira-child", audience)
-    api = client.AuthenticationV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
     mira = f"{namespace}/mira"
 
     async def body(e: Engine) -> None:
@@ -289,5 +287,5 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
             await agent(child, mira).chat.completions.create(model="tiny", messages=HELLO)
         assert "id_task" not in (await e.slots())[0]
 
-    reviewer = TokenReviewer(audience, api=api)
+    reviewer = TokenReviewer(audience, kubeconfig=str(cluster.kubeconfig))
     run_engine(llama_server_bin, model, table(granted(mira)), body, review_token=reviewer)

@@ -12,7 +12,6 @@ import asyncio
 import time
 
 import pytest
-from kubernetes import client, config
 
 from continuum_operator.engine.admission import ServiceAccount, engine_audience
 from continuum_operator.engine.token_review import TokenReviewer, caller_of
@@ -28,8 +27,7 @@ def test_a_minds_token_is_refused_within_ten_seconds_of_her_account_being_delete
     cluster.kubectl("create", "serviceaccount", "mira", "-n", namespace)
     made = cluster.kubectl("create", "token", "mira", "-n", namespace, f"--audience={audience}")
     token = str(made.stdout).strip()
-    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    reviewer = TokenReviewer(audience, api=client.AuthenticationV1Api(api_client))
+    reviewer = TokenReviewer(audience, kubeconfig=str(cluster.kubeconfig))
     mira = ServiceAccount(namespace, "mira")
     caller = caller_of(token, "10.0.0.7", lambda account: account == mira)
     assert caller.known  # her claims put her in the minds' lane

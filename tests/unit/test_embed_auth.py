@@ -36,6 +36,7 @@ from continuum_operator.kube.settings import PodSettings
 from continuum_operator.model.embedlane import EmbedLane
 from tests import builders
 from tests.helm import by_kind, documents, find_helm, template
+from tests.unit.fake_apiserver import review_answer, reviewed_token
 from tests.unit.test_lane_metrics import WordModel
 
 NS, LANE = "team-a", "notes"
@@ -52,29 +53,21 @@ ISSUED = {
 
 
 class FakeApiServer:
-    """`AuthenticationV1Api.create_token_review` as the API server answers it: authenticated
-    only for an audience the token was issued with, naming the audiences that matched."""
+    """A TokenReview as the API server answers it: authenticated only for an audience the
+    token was issued with, naming the audiences that matched."""
 
     def __init__(self) -> None:
         self.reviews: list[tuple[str, list[str]]] = []
         self.down = False  # unreachable: every review fails
 
-    def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-        token, asked = review.spec.token, list(review.spec.audiences or [])
+    async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
+        token, asked = reviewed_token(review)
         self.reviews.append((token, asked))
         if self.down:
             raise ConnectionError("connection refused")
         user, audiences = ISSUED.get(token, ("", set()))
         matched = [a for a in asked if a in audiences]
-        if not user or not matched:
-            return SimpleNamespace(
-                status=SimpleNamespace(authenticated=False, user=None, audiences=None)
-            )
-        return SimpleNamespace(
-            status=SimpleNamespace(
-                authenticated=True, user=SimpleNamespace(username=user), audiences=matched
-            )
-        )
+        return review_answer(user if user and matched else None, matched)
 
 
 @dataclass

@@ -9,8 +9,6 @@ shared between requests of one token.
 from __future__ import annotations
 
 import asyncio
-import threading
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +16,7 @@ import pytest
 from continuum_operator.engine import token_review
 from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
 from continuum_operator.engine.token_review import Caller, TokenReviewer
+from tests.unit.fake_apiserver import review_answer, reviewed_token
 from tests.waiting import until
 
 AUDIENCE = "continuum.dev/engine/ml/coder"
@@ -25,23 +24,19 @@ AUDIENCE = "continuum.dev/engine/ml/coder"
 
 class Api:
     """The API server's TokenReview: `good` is mira's token; any other is refused. With
-    `hold`, every review waits for it to be set (the reviews run in threads)."""
+    `hold`, every review waits for it to be set."""
 
-    def __init__(self, hold: threading.Event | None = None) -> None:
+    def __init__(self, hold: asyncio.Event | None = None) -> None:
         self.hold = hold
         self.calls: list[str] = []
 
-    def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-        token = review.spec.token
+    async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
+        token, _ = reviewed_token(review)
         self.calls.append(token)
         if self.hold is not None:
-            assert self.hold.wait(10)
+            await asyncio.wait_for(self.hold.wait(), 10)
         ok = token == "good"
-        user = SimpleNamespace(username="system:serviceaccount:minds:mira") if ok else None
-        audiences = [AUDIENCE] if ok else []
-        return SimpleNamespace(
-            status=SimpleNamespace(authenticated=ok, user=user, audiences=audiences)
-        )
+        return review_answer("system:serviceaccount:minds:mira" if ok else None, [AUDIENCE])
 
 
 def test_strangers_tokens_do_not_evict_a_minds_accepted_token() -> None:
@@ -71,9 +66,9 @@ def test_a_refused_token_sent_again_costs_one_review() -> None:
     assert api.calls == ["forged"]
 
 
-def held() -> tuple[threading.Event, Api, TokenReviewer]:
+def held() -> tuple[asyncio.Event, Api, TokenReviewer]:
     """A reviewer whose API server answers once the event is set."""
-    hold = threading.Event()
+    hold = asyncio.Event()
     api = Api(hold)
     return hold, api, TokenReviewer(AUDIENCE, api=api)
 
@@ -117,7 +112,7 @@ def test_an_api_server_that_does_not_answer_is_unavailable_and_not_kept() -> Non
     class DownApi:
         calls = 0
 
-        def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
+        async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
             self.calls += 1
             raise ConnectionError("connection refused")
 

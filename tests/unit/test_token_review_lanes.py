@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,6 +27,7 @@ from continuum_operator.engine.token_review import (
     caller_of,
     claimed_account,
 )
+from tests.unit.fake_apiserver import review_answer, reviewed_token
 from tests.waiting import until
 
 AUDIENCE = "continuum.dev/engine/ml/coder"
@@ -52,27 +51,22 @@ MIRA_SUB = "system:serviceaccount:minds:mira"
 
 class Api:
     """The API server's TokenReview: accepts the tokens in `good`; strangers' reviews wait
-    `stranger_seconds` (a busy API server), and `hold` stops every review until set."""
+    `stranger_seconds` (a busy API server)."""
 
     def __init__(self, *good: str, stranger_seconds: float = 0.0) -> None:
         self.good = set(good)
         self.stranger_seconds = stranger_seconds
         self.calls: list[str] = []
-        self.lock = threading.Lock()
 
-    def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-        token = review.spec.token
-        with self.lock:
-            self.calls.append(token)
+    async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
+        token, _ = reviewed_token(review)
+        self.calls.append(token)
         ok = token in self.good
         if not ok:
-            time.sleep(self.stranger_seconds)
+            await asyncio.sleep(self.stranger_seconds)
         claimed = claimed_account(token)
         name = f"system:serviceaccount:{claimed.namespace}:{claimed.name}" if claimed else MIRA_SUB
-        user = SimpleNamespace(username=name) if ok else None
-        return SimpleNamespace(
-            status=SimpleNamespace(authenticated=ok, user=user, audiences=[AUDIENCE] if ok else [])
-        )
+        return review_answer(name if ok else None, [AUDIENCE])
 
 
 def knows_mira(account: ServiceAccount) -> bool:
@@ -219,12 +213,12 @@ class TestRevocation:
 
 @pytest.mark.parametrize("n", [token_review.KNOWN_PER_SOURCE])
 def test_one_source_holds_at_most_two_waiting_reviews_of_a_mind(n: int) -> None:
-    hold = threading.Event()
+    hold = asyncio.Event()
 
     class HeldApi(Api):
-        def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-            assert hold.wait(10)
-            return super().create_token_review(review, _request_timeout)
+        async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
+            await asyncio.wait_for(hold.wait(), 10)
+            return await super().create(review, seconds=seconds)
 
     api = HeldApi()
     reviewer = TokenReviewer(AUDIENCE, api=api)
