@@ -23,6 +23,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import (
     GrantTable,
     ServiceAccount,
@@ -31,7 +32,6 @@ from continuum_operator.engine.admission import (
 )
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
-from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
@@ -251,7 +251,7 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
     """Real TokenReviews in front of the real llama-server: the official client's API key is her
     projected token with the engine's audience."""
 
-    from continuum_operator.engine.token_review import TokenReviewer
+    from continuum_operator.door.token_review import TokenReviewer
 
     audience = engine_audience(namespace, "tiny")
     for account in ("mira", "mira-child"):

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from continuum_operator.door.token_review import TokenReviewer, caller_of
 from continuum_operator.engine.admission import ServiceAccount, engine_audience
-from continuum_operator.engine.token_review import TokenReviewer, caller_of
 from tests.e2e.conftest import Cluster
 
 pytestmark = pytest.mark.e2e

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser, main
+from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine.admission import ReviewUnavailable
 from continuum_operator.engine.runtime import _reviewer
-from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube import engine_identity, objects
 from continuum_operator.kube.api import path_of
 from continuum_operator.kube.settings import PodSettings

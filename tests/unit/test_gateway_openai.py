@@ -19,6 +19,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import (
     GrantTable,
     ReviewUnavailable,
@@ -26,7 +27,6 @@ from continuum_operator.engine.admission import (
     TableEntry,
 )
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
-from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 from tests.unit.fake_llama import FakeLlama, serve

@@ -1,4 +1,4 @@
-"""What a stranger's tokens cost the door (`engine.token_review.TokenReviewer`): anyone who
+"""What a stranger's tokens cost the door (`door.token_review.TokenReviewer`): anyone who
 reaches an engine's or a lane's port may send tokens, each a TokenReview with the API server.
 
 Found by review: the cache of answers was cleared whenever it passed 4,096 tokens, so 4,097
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.engine import token_review
+from continuum_operator.door import token_review
+from continuum_operator.door.token_review import Caller, TokenReviewer
 from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
-from continuum_operator.engine.token_review import Caller, TokenReviewer
 from tests.unit.fake_apiserver import review_answer, reviewed_token
 from tests.waiting import until
 

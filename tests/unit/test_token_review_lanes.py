@@ -1,6 +1,6 @@
 """Strangers cannot lock a mind out through token review, nor make the API server review
 without bound, and a token the API server stops accepting stops working within seconds
-(`engine.token_review`).
+(`door.token_review`).
 
 Found by an attacker against the gateway: 100 connections sending random bearer tokens kept
 the reviewer's 64 pending reviews full, so a mind whose token was not cached was answered 503
@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from continuum_operator.engine import token_review
-from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
-from continuum_operator.engine.token_review import (
+from continuum_operator.door import token_review
+from continuum_operator.door.token_review import (
     Caller,
     TokenReviewer,
     caller_of,
     claimed_account,
 )
+from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
 from tests.unit.fake_apiserver import review_answer, reviewed_token
 from tests.waiting import until
 

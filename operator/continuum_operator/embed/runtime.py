@@ -10,8 +10,9 @@ context grows only to what the lease holds, so it never over-commits its pool.
 
 The door (docs/embedlanes.md, "The door"): each `POST /v1/embeddings` carries a bearer token
 (the OpenAI client's API key), reviewed with the API server for the lane's own audience
-(`engine.admission.lane_audience`, not an engine's) by the engine gateway's `TokenReviewer`; a
-service account of the lane's namespace is served, one of another namespace refused (403), no
+(`door.accounts.lane_audience`, not an engine's) by `door.token_review.TokenReviewer`, as the
+engine's gateway reviews minds' tokens; a service account of the lane's namespace is served,
+one of another namespace refused (403), no
 token or one not issued for that audience refused (401), all in OpenAI's error shape. On with
 `--lane NS/NAME`; `--unsafe-no-review` opens the port to anyone (a machine of one's own).
 
@@ -50,17 +51,18 @@ from aiohttp import web
 from continuum_operator.cli_errors import fail
 from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
-from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
-from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
-from continuum_operator.engine.admission import (
+from continuum_operator.door.accounts import (
+    REVIEW_RETRY_SECONDS,
     ReviewUnavailable,
     ServiceAccount,
     lane_audience,
-    review_unavailable,
+    review_unavailable_message,
 )
+from continuum_operator.door.openai_errors import error_body, error_type
+from continuum_operator.door.token_review import Caller, TokenReviewer, caller_of
+from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
+from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
 from continuum_operator.engine.gateway import admin_application, serve_app
-from continuum_operator.engine.openai_api import error_body, error_type
-from continuum_operator.engine.token_review import Caller, TokenReviewer, caller_of
 from continuum_operator.kube.api import crd_path
 from continuum_operator.kube.async_api import AsyncKubeApi, follow
 from continuum_operator.manifests import ManifestError, yaml_documents
@@ -376,13 +378,13 @@ class LaneRuntime:
         token = token.strip()
         sent = scheme.lower() == "bearer" and bool(token)
         try:
-            # Her namespace's tokens wait in a lane of their own (engine.token_review).
+            # Her namespace's tokens wait in a lane of their own (door.token_review).
             caller = caller_of(token, request.remote or "", self._of_namespace)
             account = await self.door.review(token, caller) if sent else None
         except ReviewUnavailable as err:  # not judged: her client may send it again
-            said = review_unavailable(str(err))  # the engine gateway's words and wait
-            doc = _error(503, "ReviewUnavailable", str(said.body["message"]))
-            headers = {"Retry-After": str(said.retry_after)}
+            # The engine gateway's words and wait.
+            doc = _error(503, "ReviewUnavailable", review_unavailable_message(str(err)))
+            headers = {"Retry-After": str(REVIEW_RETRY_SECONDS)}
             return web.json_response(doc, status=503, headers=headers)
         refusal = refuse_caller(
             account, sent=sent, audience=self.door.audience, namespace=self.door.namespace

@@ -35,6 +35,7 @@ from aiohttp.http_exceptions import LineTooLong
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import GrantReason
+from continuum_operator.door.token_review import Caller, caller_of
 from continuum_operator.engine.admission import (
     Admission,
     Answer,
@@ -87,7 +88,6 @@ from continuum_operator.engine.request_cost import (
     costly_fields,
     request_cost_error,
 )
-from continuum_operator.engine.token_review import Caller, caller_of
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.engine.upstream import BadUpstreamRequest, UpstreamDown
 from continuum_operator.engine.watchdog import Watchdog, WatchdogSettings, cut_message

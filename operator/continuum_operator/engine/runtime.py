@@ -56,6 +56,7 @@ from continuum_operator.core.receipts import (
     parse_llama_log,
     read_for_receipt,
 )
+from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine import digest
 from continuum_operator.engine.admission import GrantTableError, engine_audience
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
@@ -66,7 +67,6 @@ from continuum_operator.engine.grants_source import (
     watch_ledger,
 )
 from continuum_operator.engine.parking import ParkSettings, ParkStore
-from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube.async_api import AsyncKubeApi
 from continuum_operator.kube.objects import LAUNCH_ENV
 

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount, service_account
+from continuum_operator.door.accounts import ReviewUnavailable, ServiceAccount, service_account
 from continuum_operator.kube.async_api import AsyncKubeApi
 
 __all__ = [
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 #: Seconds one TokenReview may take, connected and answered: a review that never answers would
 #: hold her request (and its place in its lane) forever.
-REVIEW_TIMEOUT = 15.0
+REVIEW_TIMEOUT = 10.0
 #: TokenReviews in flight at once, per lane; the lane's others wait their turn.
 REVIEWS_PER_LANE = 4
 #: Distinct tokens waiting in the minds' lane, all together and per (source, account).
