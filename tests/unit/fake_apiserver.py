@@ -41,6 +41,9 @@ class FakeApiServer:
     oldest: int = 0
     #: (method, plural, query) of each request, a watch's method being WATCH.
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    #: The service account each token is, for the audiences it was issued with (TokenReviews).
+    tokens: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+    reviews: list[dict[str, Any]] = field(default_factory=list)
     _news: asyncio.Event = field(default_factory=asyncio.Event)
     _ended: int = 0  # streams opened before `end_streams` at this count end
 
@@ -93,7 +96,7 @@ class FakeApiServer:
         watching = query.get("watch") == "1"
         self.requests.append(("WATCH" if watching else request.method, plural, query))
         if request.path == "/apis/authentication.k8s.io/v1/tokenreviews":
-            return web.json_response({"status": {"authenticated": False}})
+            return web.json_response(self._review(await request.json()))
         if watching:
             return await self._watch(request, plural, query)
         if request.method == "GET" and not name:
@@ -108,6 +111,13 @@ class FakeApiServer:
             patch = await request.json()
             obj = self.put(plural, {**obj, "status": {**obj.get("status", {}), **patch["status"]}})
         return web.json_response(obj)
+
+    def _review(self, review: dict[str, Any]) -> dict[str, Any]:
+        self.reviews.append(review)
+        token, asked = reviewed_token(review)
+        user, issued = self.tokens.get(token, ("", []))
+        matched = [a for a in asked if a in issued]
+        return review_answer(user if user and matched else None, matched)
 
     async def _watch(
         self, request: web.Request, plural: str, query: dict[str, str]

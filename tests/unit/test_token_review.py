@@ -9,6 +9,7 @@ shared between requests of one token.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from continuum_operator.door import token_review
 from continuum_operator.door.token_review import Caller, TokenReviewer
 from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
-from tests.unit.fake_apiserver import review_answer, reviewed_token
+from tests.unit.fake_apiserver import review_answer, reviewed_token, served
 from tests.waiting import until
 
 AUDIENCE = "continuum.dev/engine/ml/coder"
@@ -106,6 +107,26 @@ def test_a_stranger_waits_for_at_most_two_reviews_and_the_rest_are_turned_away()
 
     asyncio.run(main())
     assert "one-more" not in api.calls
+
+
+def test_a_token_is_reviewed_over_the_adapter_with_the_audience(tmp_path: Path) -> None:
+    """The TokenReview the reviewer sends on `AsyncKubeApi` is one the API server takes: a
+    TokenReview of the token for the door's audience, created at its collection."""
+
+    async def main() -> None:
+        async with served(tmp_path) as (fake, api):
+            mira = "system:serviceaccount:minds:mira"
+            fake.tokens = {"good": (mira, [AUDIENCE]), "elsewhere": (mira, ["another"])}
+            reviewer = TokenReviewer(AUDIENCE, api=api)
+            assert await reviewer("good") == ServiceAccount("minds", "mira")
+            assert await reviewer("elsewhere") is None  # issued for another audience
+            assert await reviewer("forged") is None
+            sent = fake.reviews[0]
+            assert sent["apiVersion"] == "authentication.k8s.io/v1"
+            assert sent["kind"] == "TokenReview"
+            assert sent["spec"] == {"token": "good", "audiences": [AUDIENCE]}
+
+    asyncio.run(main())
 
 
 def test_an_api_server_that_does_not_answer_is_unavailable_and_not_kept() -> None:

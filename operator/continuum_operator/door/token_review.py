@@ -214,6 +214,7 @@ class TokenReviewer:
         review = {
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenReview",
+            "metadata": {},
             "spec": {"token": token, "audiences": [self.audience]},
         }
         api = self.api or await self._api()
