@@ -236,6 +236,7 @@ def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_
             await runner.cleanup()
             await gateway.close()
             await upstream_runner.cleanup()
+            await reviewer.close()
 
     asyncio.run(main())
 

@@ -286,6 +286,7 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
         with pytest.raises(openai.PermissionDeniedError):  # another account naming her
             await agent(child, mira).chat.completions.create(model="tiny", messages=HELLO)
         assert "id_task" not in (await e.slots())[0]
+        await reviewer.close()
 
     reviewer = TokenReviewer(audience, kubeconfig=str(cluster.kubeconfig))
     run_engine(llama_server_bin, model, table(granted(mira)), body, review_token=reviewer)

@@ -33,13 +33,16 @@ def test_a_minds_token_is_refused_within_ten_seconds_of_her_account_being_delete
     assert caller.known  # her claims put her in the minds' lane
 
     async def main() -> float:
-        assert await reviewer(token, caller) == mira
-        cluster.kubectl("delete", "serviceaccount", "mira", "-n", namespace)
-        deleted = time.monotonic()
-        while await reviewer(token, caller) is not None:  # she keeps using it
-            assert time.monotonic() - deleted < 60
-            await asyncio.sleep(0.25)
-        return time.monotonic() - deleted
+        try:
+            assert await reviewer(token, caller) == mira
+            cluster.kubectl("delete", "serviceaccount", "mira", "-n", namespace)
+            deleted = time.monotonic()
+            while await reviewer(token, caller) is not None:  # she keeps using it
+                assert time.monotonic() - deleted < 60
+                await asyncio.sleep(0.25)
+            return time.monotonic() - deleted
+        finally:
+            await reviewer.close()
 
     refused_after = asyncio.run(main())
     assert refused_after <= reviewer.accepted_seconds + 2.0, refused_after

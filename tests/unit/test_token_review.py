@@ -121,6 +121,12 @@ def test_a_token_is_reviewed_over_the_adapter_with_the_audience(tmp_path: Path) 
             assert await reviewer("good") == ServiceAccount("minds", "mira")
             assert await reviewer("elsewhere") is None  # issued for another audience
             assert await reviewer("forged") is None
+            # One with no adapter connects its own at its first review, and closes it.
+            own = TokenReviewer(AUDIENCE, kubeconfig=str(tmp_path / "kubeconfig"))
+            assert await own("good") == ServiceAccount("minds", "mira")
+            connected = own.api
+            await own.close()
+            assert connected is not None and connected._session.closed and own.api is None
             sent = fake.reviews[0]
             assert sent["apiVersion"] == "authentication.k8s.io/v1"
             assert sent["kind"] == "TokenReview"

@@ -170,7 +170,7 @@ class TokenReviewer:
 
     `api`: the process's adapter (`kube.async_api.AsyncKubeApi`, or anything with its
     `create`); None: one is connected at the first review, from `kubeconfig` (else
-    $KUBECONFIG, ~/.kube, or the pod's ServiceAccount)."""
+    $KUBECONFIG, ~/.kube, or the pod's ServiceAccount), and `close` closes it."""
 
     audience: str
     _: KW_ONLY
@@ -200,6 +200,7 @@ class TokenReviewer:
         default_factory=lambda: asyncio.Semaphore(REVIEWS_PER_LANE), init=False
     )
     _connecting: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+    _connected: AsyncKubeApi | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._bucket.level, self._bucket.at = float(STRANGER_BURST), self.clock()
@@ -207,8 +208,14 @@ class TokenReviewer:
     async def _api(self) -> Any:
         async with self._connecting:
             if self.api is None:
-                self.api = await AsyncKubeApi.connect(self.kubeconfig)
+                self.api = self._connected = await AsyncKubeApi.connect(self.kubeconfig)
         return self.api
+
+    async def close(self) -> None:
+        """Close the adapter this reviewer connected (one it was given is its giver's)."""
+        if self._connected is not None:
+            await self._connected.close()
+            self.api = self._connected = None
 
     async def _review(self, token: str) -> ServiceAccount | None:
         review = {

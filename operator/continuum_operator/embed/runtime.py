@@ -579,7 +579,8 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
         for sink in sinks:
             await sink(doc)
 
-    runtime = LaneRuntime(model, state, publish=publish, door=_door(args, api))
+    door = _door(args, api)
+    runtime = LaneRuntime(model, state, publish=publish, door=door)
     flusher = asyncio.create_task(runtime.flush_loop())
     if lane_obj is not None:
         source = asyncio.create_task(lane_obj.watch(runtime.set_state))
@@ -615,6 +616,8 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
         for runner in runners:
             await runner.cleanup()
         model.close()
+        if door is not None and isinstance(door.review, TokenReviewer):
+            await door.review.close()
     return EXIT_OK
 
 

@@ -714,7 +714,7 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
         GatewaySettings(
             upstream="http://127.0.0.1:0",
             grace_seconds=args.grace,
-            review_token=_reviewer(args, api),
+            review_token=(reviewer := _reviewer(args, api)),
             context_shift="--context-shift" in launch.args,
         )
     )
@@ -749,6 +749,8 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
         for runner in runners:
             await runner.cleanup()
         await gateway.close()
+        if reviewer is not None:
+            await reviewer.close()
     return EXIT_OK
 
 
