@@ -9,9 +9,15 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from continuum_operator.embed.runtime import LaneObject, LaneState
+from continuum_operator.kube import lane_objects
+from continuum_operator.model.embedlane import EmbedLane
 from tests.unit.fake_apiserver import NS, served
 from tests.waiting import until
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LANES = "embedlanes"
 
@@ -54,3 +60,15 @@ def test_a_grown_lease_reaches_the_lane_by_its_watch_not_by_reads(tmp_path: Path
     asyncio.run(main())
     # The lane's own write came back by the watch too (a MODIFIED, the same lease).
     assert [s.leased_context_tokens for s in states] == [512, 2048, 2048]
+
+
+def test_the_lanes_role_lets_its_pod_list_and_watch_its_own_lane_by_name() -> None:
+    """What the watch asks (a list and a watch of the lane's collection, its field selector on
+    the lane's name) its pod's Role grants, for that one lane; a Role of `get` alone refused
+    the lane its lease in a cluster."""
+    doc = yaml.safe_load((ROOT / "examples" / "embedlanes" / "notes.yaml").read_text())
+    lane = EmbedLane.model_validate(doc)
+    role = next(o for o in lane_objects.lane_identity(lane, "uid-1") if o["kind"] == "Role")
+    rule = next(r for r in role["rules"] if r["resources"] == [LANES])
+    assert {"get", "list", "watch"} <= set(rule["verbs"])
+    assert rule["resourceNames"] == [lane.metadata.name]
