@@ -16,8 +16,9 @@ After `--warmup` seconds (llama-server loaded, the lane calibrated), for `--seco
 changes each GrantLedger's grants and each EmbedLane's lease every `--change-every` seconds (as
 the operator would), and samples each process's resident memory (the Python process, not
 llama-server) every second. Printed per process: requests a minute, by verb and resource, and
-RSS (at the end and the largest seen); then whether each change reached each process (the
-engines' status.runtime written, the lanes still serving).
+RSS (at the end and the largest seen); then how soon each process acted on each change: an
+engine answers the turn of a mind (her token reviewed, as in a cluster) as its ledger now says,
+a lane reports its new lease (its `/v1/runtime`, live).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -98,6 +101,9 @@ class CountingProxy:
         async with self.session.request(
             request.method, host + request.path_qs, data=await request.read() or None,
             headers=headers, server_hostname=self.config.tls_server_name or None,
+            # As sent: the kubernetes client sends a body with no Content-Type, which the API
+            # server takes as JSON, where aiohttp's default (octet-stream) is a 415.
+            skip_auto_headers=["Content-Type"],
         ) as upstream:  # fmt: skip
             response = web.StreamResponse(status=upstream.status)
             response.content_type = upstream.content_type
@@ -127,13 +133,24 @@ class Runner:
     what: str  # "engine" or "lane"
     name: str  # its Engine's or EmbedLane's name
     proxy: CountingProxy
+    port: int = field(default_factory=lambda: free_port())  # the gateway's; the lane's admin
+    token: str = ""  # the mind m1's token for this engine's audience
     proc: asyncio.subprocess.Process | None = None
     rss: list[int] = field(default_factory=list)
+    #: Seconds from each change to the process acting on it; changes it never acted on.
+    latencies: list[float] = field(default_factory=list)
+    missed: int = 0
 
     def sample(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(psutil.Error):
                 self.rss.append(psutil.Process(self.proc.pid).memory_info().rss)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def base_tree(commit: str, into: Path) -> Path:
@@ -201,11 +218,12 @@ async def start(r: Runner, work: Path, base: Path, models: dict[str, Path], llam
         env["PYTHONPATH"] = str(base)
     if r.what == "engine":
         argv = ["engine", "--engine", f"{NS}/{r.name}", "--model", str(models["engine"]),
-                "--no-receipt", "--listen", "127.0.0.1:0", "--llama-server", llama,
+                "--no-receipt", "--listen", f"127.0.0.1:{r.port}", "--llama-server", llama,
                 "--", "-c", "2048", "--parallel", "2", "-t", "1"]  # fmt: skip
     else:
         argv = ["embed", "--model", str(models["lane"]), "--lane", f"{NS}/{r.name}",
-                "--listen", "127.0.0.1:0", "--threads", "1"]  # fmt: skip
+                "--listen", "127.0.0.1:0", "--admin-listen", f"127.0.0.1:{r.port}",
+                "--threads", "1"]  # fmt: skip
     log = (work / f"{r.name}-{r.what}.log").open("wb")
     r.proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "continuum_operator.cli", *argv, stdout=log, stderr=log, env=env
@@ -237,6 +255,14 @@ async def run(args: argparse.Namespace, work: Path) -> int:
                for tree in ("before", "after") for what in ("engine", "lane")]  # fmt: skip
     async with await AsyncKubeApi.connect(kubeconfig) as api:
         await objects(api, kubectl, [r.name for r in runners])
+        subprocess.run([*kubectl, "create", "serviceaccount", "m1", "-n", NS], check=True,
+                       capture_output=True)  # fmt: skip
+        for r in runners:
+            audience = f"continuum.dev/engine/{NS}/{r.name}"
+            r.token = subprocess.run(
+                [*kubectl, "create", "token", "m1", "-n", NS, f"--audience={audience}",
+                 "--duration=2h"], check=True, capture_output=True, text=True,
+            ).stdout.strip()  # fmt: skip
         for r in runners:
             await r.proxy.start()
             await start(r, work, base, models, llama)
@@ -245,19 +271,10 @@ async def run(args: argparse.Namespace, work: Path) -> int:
             for r in runners:
                 r.proxy.counts.clear()
                 r.rss.clear()
-            loop = asyncio.get_running_loop()
-            began = loop.time()
-            step = 0
-            while (elapsed := loop.time() - began) < args.seconds:
-                if elapsed >= step * args.change_every:
-                    step += 1
-                    for r in runners:
-                        await (grant if r.what == "engine" else lease)(api, r.name, step)
-                for r in runners:
-                    r.sample()
-                await asyncio.sleep(1.0)
-            report(runners, loop.time() - began)
-            await tell_reached(api, runners, step)
+            async with aiohttp.ClientSession() as session:
+                seconds, steps = await measure(args, api, runners, session)
+            report(runners, seconds)
+            await tell_reached(api, runners, steps)
         finally:
             for r in runners:
                 if r.proc is not None and r.proc.returncode is None:
@@ -268,16 +285,93 @@ async def run(args: argparse.Namespace, work: Path) -> int:
     return 0
 
 
+async def measure(
+    args: argparse.Namespace,
+    api: AsyncKubeApi,
+    runners: list[Runner],
+    session: aiohttp.ClientSession,
+) -> tuple[float, int]:
+    """Every `--change-every` seconds for `--seconds`, each ledger's grants and each lane's lease
+    changed, and how long until each process acts on it: memory sampled each second meanwhile.
+    The seconds measured and the changes made."""
+    loop = asyncio.get_running_loop()
+
+    async def sample() -> None:
+        while True:
+            for r in runners:
+                r.sample()
+            await asyncio.sleep(1.0)
+
+    sampler = asyncio.create_task(sample())
+    began, step = loop.time(), 0
+    try:
+        while loop.time() - began < args.seconds:
+            step += 1
+            changed = loop.time()
+            for r in runners:
+                await (grant if r.what == "engine" else lease)(api, r.name, step)
+            until = changed + args.change_every
+            await asyncio.gather(*(reach(r, api, session, step, changed, until) for r in runners))
+            await asyncio.sleep(max(0.0, until - loop.time()))
+    finally:
+        sampler.cancel()
+    return loop.time() - began, step
+
+
+async def reach(
+    r: Runner,
+    api: AsyncKubeApi,
+    session: aiohttp.ClientSession,
+    step: int,
+    changed: float,
+    until: float,
+) -> None:
+    """Wait for `r` to act on change `step`: an engine answers m1's turn as its ledger now
+    says (201: granted on odd steps; 403: not in its table), a lane reports the lease."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < until - 0.2:
+        if await (engine_acts if r.what == "engine" else lane_acts)(r, api, session, step):
+            r.latencies.append(loop.time() - changed)
+            return
+        await asyncio.sleep(0.1)
+    r.missed += 1
+
+
+async def engine_acts(
+    r: Runner, api: AsyncKubeApi, session: aiohttp.ClientSession, step: int
+) -> bool:
+    url = f"http://127.0.0.1:{r.port}/v1/turns"
+    headers = {"Authorization": f"Bearer {r.token}"}
+    with contextlib.suppress(aiohttp.ClientError):
+        async with session.post(url, headers=headers) as answer:
+            return answer.status == (201 if step % 2 else 403)
+    return False
+
+
+async def lane_acts(
+    r: Runner, api: AsyncKubeApi, session: aiohttp.ClientSession, step: int
+) -> bool:
+    """The lane's own report, live (`/v1/runtime` on its admin address), holds the lease."""
+    with contextlib.suppress(aiohttp.ClientError):
+        async with session.get(f"http://127.0.0.1:{r.port}/v1/runtime") as answer:
+            runtime = await answer.json()
+            return bool(runtime.get("leasedContextTokens") == (512 if step % 2 else 1024))
+    return False
+
+
 async def tell_reached(api: AsyncKubeApi, runners: list[Runner], steps: int) -> None:
     """Whether each process was alive and doing its job at the end."""
-    print(f"\n{steps} changes of each ledger and lease")
+    print(f"\n{steps} changes of each ledger and lease, and how soon each process acted on them")
     for r in runners:
         alive = "running" if r.proc is not None and r.proc.returncode is None else "EXITED"
         plural = "engines" if r.what == "engine" else "embedlanes"
         status = (await api.request("GET", crd_path(plural, NS, r.name))).get("status") or {}
         runtime = status.get("runtime") or {}
         said = runtime.get("phase") if r.what == "engine" else runtime.get("contextTokens")
-        print(f"{r.tree + ' ' + r.what:<16} {alive}; status.runtime: {said}")
+        took = (f"median {statistics.median(r.latencies):.2f} s, most {max(r.latencies):.2f} s"
+                if r.latencies else "never")  # fmt: skip
+        acted = f"acted on {len(r.latencies)} of {len(r.latencies) + r.missed} changes"
+        print(f"{r.tree + ' ' + r.what:<16} {alive}; {acted} ({took}); status.runtime: {said}")
 
 
 def main() -> int:
