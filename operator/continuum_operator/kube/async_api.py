@@ -1,5 +1,7 @@
 """The adapter the operator's loops talk to the API server through, on the event loop: the verbs
-of `kube.api.KubeApi` (request, apply, merge_patch, delete, text, create), awaited.
+of `kube.api.KubeApi` (request, apply, merge_patch, delete, text, create), awaited. The engine's
+and the lane's processes talk through it too, one each, and keep their one object with `follow`
+(a list, then a watch resumed from the last version seen).
 
 The transport is an aiohttp session (kopf's HTTP stack, so no second one) over the `kubernetes`
 client's configuration, loaded as the blocking adapter loads it (`kube.api.login`): the host,
