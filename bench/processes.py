@@ -16,7 +16,8 @@ After `--warmup` seconds (llama-server loaded, the lane calibrated), for `--seco
 changes each GrantLedger's grants and each EmbedLane's lease every `--change-every` seconds (as
 the operator would), and samples each process's resident memory (the Python process, not
 llama-server) every second. Printed per process: requests a minute, by verb and resource, and
-RSS (at the end and the largest seen); then how soon each process acted on each change: an
+RSS (at the end and the largest seen) and its threads (the most seen; a lane's include
+llama.cpp's); then how soon each process acted on each change: an
 engine answers the turn of a mind (her token reviewed, as in a cluster) as its ledger now says,
 a lane reports its new lease (its `/v1/runtime`, live).
 """
@@ -137,6 +138,7 @@ class Runner:
     token: str = ""  # the mind m1's token for this engine's audience
     proc: asyncio.subprocess.Process | None = None
     rss: list[int] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)
     #: Seconds from each change to the process acting on it; changes it never acted on.
     latencies: list[float] = field(default_factory=list)
     missed: int = 0
@@ -144,7 +146,9 @@ class Runner:
     def sample(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(psutil.Error):
-                self.rss.append(psutil.Process(self.proc.pid).memory_info().rss)
+                proc = psutil.Process(self.proc.pid)
+                self.rss.append(proc.memory_info().rss)
+                self.threads.append(proc.num_threads())
 
 
 def free_port() -> int:
@@ -232,15 +236,16 @@ async def start(r: Runner, work: Path, base: Path, models: dict[str, Path], llam
 
 def report(runners: list[Runner], seconds: float) -> None:
     print(f"\nrequests a minute over {seconds:.0f} s, and resident memory (MiB)")
-    print(
-        f"{'process':<16} {'req/min':>8} {'RSS end':>8} {'RSS max':>8}  requests a minute by kind"
-    )
+    head = f"{'process':<16} {'req/min':>8} {'RSS end':>8} {'RSS max':>8} {'threads':>7}"
+    print(f"{head}  requests a minute by kind")
     for r in runners:
         total = sum(r.proxy.counts.values()) * 60 / seconds
         kinds = ", ".join(f"{k} {v * 60 / seconds:.1f}" for k, v in sorted(r.proxy.counts.items()))
         end = r.rss[-1] / 2**20 if r.rss else float("nan")
         top = max(r.rss) / 2**20 if r.rss else float("nan")
-        print(f"{r.tree + ' ' + r.what:<16} {total:>8.1f} {end:>8.1f} {top:>8.1f}  {kinds}")
+        threads = max(r.threads) if r.threads else 0
+        row = f"{r.tree + ' ' + r.what:<16} {total:>8.1f} {end:>8.1f} {top:>8.1f} {threads:>7}"
+        print(f"{row}  {kinds}")
 
 
 async def run(args: argparse.Namespace, work: Path) -> int:
