@@ -18,8 +18,8 @@ import anthropic
 import openai
 import pytest
 
+from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import ServiceAccount, TableEntry
-from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from tests.e2e.llama_fixtures import TinyModel

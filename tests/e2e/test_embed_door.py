@@ -118,7 +118,7 @@ def test_the_lane_serves_its_namespaces_accounts_by_token_and_refuses_the_rest(
         proc = subprocess.Popen(
             [sys.executable, "-m", "continuum_operator.cli", "embed", "--model", str(model),
              "--lane", f"{namespace}/{LANE}", "--listen", f"127.0.0.1:{port}",
-             "--admin-listen", f"127.0.0.1:{admin_port}", "--poll", "0.5"],
+             "--admin-listen", f"127.0.0.1:{admin_port}"],
             stdout=log, stderr=subprocess.STDOUT, env=cluster.env,
         )  # fmt: skip
         try:

@@ -317,7 +317,7 @@ def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_
     proc = subprocess.Popen(
         [sys.executable, "-m", "continuum_operator.cli", "embed", "--model", str(model),
          "--model-sha256", sha, "--lane", f"{namespace}/search",
-         "--listen", f"127.0.0.1:{port}", "--poll", "0.5"],
+         "--listen", f"127.0.0.1:{port}"],
         stdout=log, stderr=subprocess.STDOUT, env=cluster.env,
     )  # fmt: skip
     try:

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import config
 
 from continuum_operator import yaml_text
 from continuum_operator.engine import grants_source
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.gateway import SlotRelease
 from continuum_operator.engine.grants_source import EngineStatusWriter, watch_ledger
+from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.ledger import cached as ledger_object
 from continuum_operator.model.mind import GrantState
 from tests.e2e.conftest import Cluster
@@ -68,10 +68,6 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
     _install_crds(cluster)
     cluster.apply(_engine(namespace))
     granted = {"mind": f"{namespace}/mira", "state": "Granted", "slot": 0, "tokens": 16384}
-    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    from kubernetes import client
-
-    objects = client.CustomObjectsApi(api_client)
     tables: list[GrantTable | None] = []
 
     def last() -> GrantTable:
@@ -80,6 +76,7 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
         return table
 
     async def main() -> None:
+        objects = await AsyncKubeApi.connect(str(cluster.kubeconfig))
         watcher = asyncio.create_task(
             watch_ledger(namespace, "coder-8b", tables.append, api=objects)
         )
@@ -133,10 +130,10 @@ def test_the_engine_shell_watches_its_ledger_and_writes_only_status_runtime(
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+            await objects.close()
 
     with caplog.at_level(logging.INFO, logger=grants_source.log.name):
         asyncio.run(main())
-    api_client.close()
     # Each wait told once, at INFO: a pod started before its ledger is not an error each second.
     told = [r for r in caplog.records if r.name == grants_source.log.name]
     assert [r.levelno for r in told] == [logging.INFO] * 3, [r.getMessage() for r in told]
@@ -158,9 +155,9 @@ def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_
     from aiohttp import ClientSession
 
     from continuum_operator.core.grants import EnginePhase
+    from continuum_operator.door.token_review import TokenReviewer
     from continuum_operator.engine.admission import ServiceAccount, TableEntry, engine_audience
     from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
-    from continuum_operator.engine.token_review import TokenReviewer
     from continuum_operator.engine.turn import MIND_HEADER, turn
     from tests.support.fake_llama import FakeLlama, serve
 
@@ -176,10 +173,7 @@ def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_
     plain = token("mira").strip()  # the API server's audience only
     other_engine = token("mira", engine_audience(namespace, "other")).strip()
     child = token("mira-child", audience).strip()
-    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    from kubernetes import client
-
-    reviewer = TokenReviewer(audience, api=client.AuthenticationV1Api(api_client))
+    reviewer = TokenReviewer(audience, kubeconfig=str(cluster.kubeconfig))
     mira, child_mind = f"{namespace}/mira", f"{namespace}/mira-child"
     entries = {
         m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=512)
@@ -242,9 +236,9 @@ def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_
             await runner.cleanup()
             await gateway.close()
             await upstream_runner.cleanup()
+            await reviewer.close()
 
     asyncio.run(main())
-    api_client.close()
 
 
 def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status(

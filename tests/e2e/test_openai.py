@@ -23,6 +23,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import (
     GrantTable,
     ServiceAccount,
@@ -31,7 +32,6 @@ from continuum_operator.engine.admission import (
 )
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
-from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
@@ -250,9 +250,8 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
 ) -> None:
     """Real TokenReviews in front of the real llama-server: the official client's API key is her
     projected token with the engine's audience."""
-    from kubernetes import client, config
 
-    from continuum_operator.engine.token_review import TokenReviewer
+    from continuum_operator.door.token_review import TokenReviewer
 
     audience = engine_audience(namespace, "tiny")
     for account in ("mira", "mira-child"):
@@ -264,7 +263,6 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
         return str(out).strip()
 
     mine, plain, child = token("mira", audience), token("mira"), token("mira-child", audience)
-    api = client.AuthenticationV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
     mira = f"{namespace}/mira"
 
     async def body(e: Engine) -> None:
@@ -288,6 +286,7 @@ def test_her_token_is_her_key_and_no_other_accounts_is(
         with pytest.raises(openai.PermissionDeniedError):  # another account naming her
             await agent(child, mira).chat.completions.create(model="tiny", messages=HELLO)
         assert "id_task" not in (await e.slots())[0]
+        await reviewer.close()
 
-    reviewer = TokenReviewer(audience, api=api)
+    reviewer = TokenReviewer(audience, kubeconfig=str(cluster.kubeconfig))
     run_engine(llama_server_bin, model, table(granted(mira)), body, review_token=reviewer)

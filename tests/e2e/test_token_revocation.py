@@ -12,10 +12,9 @@ import asyncio
 import time
 
 import pytest
-from kubernetes import client, config
 
+from continuum_operator.door.token_review import TokenReviewer, caller_of
 from continuum_operator.engine.admission import ServiceAccount, engine_audience
-from continuum_operator.engine.token_review import TokenReviewer, caller_of
 from tests.e2e.conftest import Cluster
 
 pytestmark = pytest.mark.e2e
@@ -28,20 +27,22 @@ def test_a_minds_token_is_refused_within_ten_seconds_of_her_account_being_delete
     cluster.kubectl("create", "serviceaccount", "mira", "-n", namespace)
     made = cluster.kubectl("create", "token", "mira", "-n", namespace, f"--audience={audience}")
     token = str(made.stdout).strip()
-    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    reviewer = TokenReviewer(audience, api=client.AuthenticationV1Api(api_client))
+    reviewer = TokenReviewer(audience, kubeconfig=str(cluster.kubeconfig))
     mira = ServiceAccount(namespace, "mira")
     caller = caller_of(token, "10.0.0.7", lambda account: account == mira)
     assert caller.known  # her claims put her in the minds' lane
 
     async def main() -> float:
-        assert await reviewer(token, caller) == mira
-        cluster.kubectl("delete", "serviceaccount", "mira", "-n", namespace)
-        deleted = time.monotonic()
-        while await reviewer(token, caller) is not None:  # she keeps using it
-            assert time.monotonic() - deleted < 60
-            await asyncio.sleep(0.25)
-        return time.monotonic() - deleted
+        try:
+            assert await reviewer(token, caller) == mira
+            cluster.kubectl("delete", "serviceaccount", "mira", "-n", namespace)
+            deleted = time.monotonic()
+            while await reviewer(token, caller) is not None:  # she keeps using it
+                assert time.monotonic() - deleted < 60
+                await asyncio.sleep(0.25)
+            return time.monotonic() - deleted
+        finally:
+            await reviewer.close()
 
     refused_after = asyncio.run(main())
     assert refused_after <= reviewer.accepted_seconds + 2.0, refused_after

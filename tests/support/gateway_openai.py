@@ -13,13 +13,13 @@ import aiohttp
 import anthropic
 import openai
 
+from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import (
     GrantTable,
     ServiceAccount,
     TableEntry,
 )
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
-from continuum_operator.engine.token_review import Caller
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
 from tests.support.fake_llama import FakeLlama, serve

@@ -1,18 +1,16 @@
-"""A fake API server answering TokenReviews and the JWTs it issues, for the tests of token
-review and its lanes."""
+"""Shared by the tests: moved from tests.unit.engine.test_token_review_lanes."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
-import threading
-import time
-from types import SimpleNamespace
 from typing import Any
 
-from continuum_operator.engine.token_review import (
+from continuum_operator.door.token_review import (
     claimed_account,
 )
+from tests.support.fake_apiserver import review_answer, reviewed_token
 
 AUDIENCE = "continuum.dev/engine/ml/coder"
 
@@ -34,24 +32,19 @@ MIRA_SUB = "system:serviceaccount:minds:mira"
 
 class Api:
     """The API server's TokenReview: accepts the tokens in `good`; strangers' reviews wait
-    `stranger_seconds` (a busy API server), and `hold` stops every review until set."""
+    `stranger_seconds` (a busy API server)."""
 
     def __init__(self, *good: str, stranger_seconds: float = 0.0) -> None:
         self.good = set(good)
         self.stranger_seconds = stranger_seconds
         self.calls: list[str] = []
-        self.lock = threading.Lock()
 
-    def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-        token = review.spec.token
-        with self.lock:
-            self.calls.append(token)
+    async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
+        token, _ = reviewed_token(review)
+        self.calls.append(token)
         ok = token in self.good
         if not ok:
-            time.sleep(self.stranger_seconds)
+            await asyncio.sleep(self.stranger_seconds)
         claimed = claimed_account(token)
         name = f"system:serviceaccount:{claimed.namespace}:{claimed.name}" if claimed else MIRA_SUB
-        user = SimpleNamespace(username=name) if ok else None
-        return SimpleNamespace(
-            status=SimpleNamespace(authenticated=ok, user=user, audiences=[AUDIENCE] if ok else [])
-        )
+        return review_answer(name if ok else None, [AUDIENCE])

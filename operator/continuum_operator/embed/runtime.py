@@ -10,8 +10,9 @@ context grows only to what the lease holds, so it never over-commits its pool.
 
 The door (docs/embedlanes.md, "The door"): each `POST /v1/embeddings` carries a bearer token
 (the OpenAI client's API key), reviewed with the API server for the lane's own audience
-(`engine.admission.lane_audience`, not an engine's) by the engine gateway's `TokenReviewer`; a
-service account of the lane's namespace is served, one of another namespace refused (403), no
+(`door.accounts.lane_audience`, not an engine's) by `door.token_review.TokenReviewer`, as the
+engine's gateway reviews minds' tokens; a service account of the lane's namespace is served,
+one of another namespace refused (403), no
 token or one not issued for that audience refused (401), all in OpenAI's error shape. On with
 `--lane NS/NAME`; `--unsafe-no-review` opens the port to anyone (a machine of one's own).
 
@@ -22,7 +23,7 @@ EmbedLane, or both, only when it changed. On the admin address only (`--admin-po
 engine's): `GET /v1/runtime` answers the same document, `GET /metrics` the same counts as
 Prometheus metrics (`embed.metrics`), current at each scrape.
 
-The lease comes from the EmbedLane (`--lane NAMESPACE/NAME`, polled) or a file holding an
+The lease comes from the EmbedLane (`--lane NAMESPACE/NAME`, watched) or a file holding an
 EmbedLane or its `status.placement` (`--lane-file`, re-read when it changes).
 Neighbours: `embed.lane` (llama-cpp-python), `core.embed` (admission), `kube.lanes.loop`.
 """
@@ -50,20 +51,21 @@ from aiohttp import web
 from continuum_operator.cli.errors import fail
 from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
-from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
-from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
-from continuum_operator.engine.admission import (
+from continuum_operator.door.accounts import (
+    REVIEW_RETRY_SECONDS,
     ReviewUnavailable,
     ServiceAccount,
     lane_audience,
-    review_unavailable,
+    review_unavailable_message,
 )
+from continuum_operator.door.openai_errors import error_body, error_type
+from continuum_operator.door.token_review import Caller, TokenReviewer, caller_of
+from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
+from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
 from continuum_operator.engine.gateway import admin_application, serve_app
-from continuum_operator.engine.grants_source import custom_objects as _custom_objects
-from continuum_operator.engine.openai_api import error_body, error_type
-from continuum_operator.engine.token_review import Caller, TokenReviewer, caller_of
+from continuum_operator.kube.client.api import crd_path
+from continuum_operator.kube.client.async_api import AsyncKubeApi, follow
 from continuum_operator.manifests import ManifestError, yaml_documents
-from continuum_operator.model.base import GROUP, VERSION
 
 __all__ = [
     "Door",
@@ -376,13 +378,13 @@ class LaneRuntime:
         token = token.strip()
         sent = scheme.lower() == "bearer" and bool(token)
         try:
-            # Her namespace's tokens wait in a lane of their own (engine.token_review).
+            # Her namespace's tokens wait in a lane of their own (door.token_review).
             caller = caller_of(token, request.remote or "", self._of_namespace)
             account = await self.door.review(token, caller) if sent else None
         except ReviewUnavailable as err:  # not judged: her client may send it again
-            said = review_unavailable(str(err))  # the engine gateway's words and wait
-            doc = _error(503, "ReviewUnavailable", str(said.body["message"]))
-            headers = {"Retry-After": str(said.retry_after)}
+            # The engine gateway's words and wait.
+            doc = _error(503, "ReviewUnavailable", review_unavailable_message(str(err)))
+            headers = {"Retry-After": str(REVIEW_RETRY_SECONDS)}
             return web.json_response(doc, status=503, headers=headers)
         refusal = refuse_caller(
             account, sent=sent, audience=self.door.audience, namespace=self.door.namespace
@@ -480,33 +482,53 @@ async def watch_lane_file(
 
 
 class LaneObject:
-    """The EmbedLane in the API: read for its lease, patched for `status.runtime` only."""
+    """The EmbedLane in the API: read and followed for its lease, patched for
+    `status.runtime` only, on the process's adapter (`kube.client.async_api`)."""
 
-    def __init__(self, namespace: str, name: str, *, api: Any = None) -> None:
+    def __init__(self, namespace: str, name: str, *, api: AsyncKubeApi) -> None:
         self.namespace, self.name = namespace, name
-        self.api = api or _custom_objects()
+        self.api = api
 
     async def read(self) -> dict[str, Any]:
-        obj: dict[str, Any] = await asyncio.to_thread(
-            self.api.get_namespaced_custom_object,
-            GROUP, VERSION, self.namespace, "embedlanes", self.name,
-        )  # fmt: skip
-        return obj
+        return await self.api.request("GET", crd_path("embedlanes", self.namespace, self.name))
 
     async def write(self, runtime: dict[str, Any]) -> None:
-        await asyncio.to_thread(
-            self.api.patch_namespaced_custom_object_status,
-            GROUP, VERSION, self.namespace, "embedlanes", self.name,
-            {"status": {"runtime": runtime}},
-        )  # fmt: skip
+        path = crd_path("embedlanes", self.namespace, self.name, sub="status")
+        await self.api.merge_patch(path, {"status": {"runtime": runtime}})
 
-    async def watch(self, on_state: Callable[[LaneState], None], poll_seconds: float) -> None:
-        while True:
+    async def watch(self, on_state: Callable[[LaneState], None]) -> None:
+        """`on_state` with the lane's lease now and at each change of the lane: a watch of
+        the one object (`follow`: resumed where a stream ended, listed again after a 410),
+        not a read every few seconds. A lane gone, or one whose lease cannot be read, keeps
+        the last lease (logged) until the next change."""
+        lane = f"EmbedLane {self.namespace}/{self.name}"
+
+        def seen(obj: dict[str, Any]) -> None:
             try:
-                on_state(lane_state_from(await self.read()))
-            except Exception as err:  # the last lease holds until the next read
-                log.warning("reading EmbedLane %s/%s failed: %s", self.namespace, self.name, err)
-            await asyncio.sleep(poll_seconds)
+                on_state(lane_state_from(obj))
+            except ValueError as err:
+                log.warning("%s: %s; keeping the last lease", lane, err)
+
+        async def listed(items: list[dict[str, Any]]) -> None:
+            if items:
+                seen(items[0])
+            else:
+                log.warning("%s not found; keeping the last lease", lane)
+
+        def changed(event: dict[str, Any]) -> None:
+            if event.get("type") == "DELETED":
+                log.warning("%s deleted; keeping the last lease", lane)
+            else:
+                seen(event.get("object") or {})
+
+        await follow(
+            self.api,
+            crd_path("embedlanes", self.namespace),
+            [("fieldSelector", f"metadata.name={self.name}")],
+            listed,
+            changed,
+            what=lane,
+        )
 
 
 def _file_publisher(path: Path) -> Publish:
@@ -522,10 +544,21 @@ def _file_publisher(path: Path) -> Publish:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    # One adapter for every API call of the process, on its loop (the lane's watch and status,
+    # the callers' TokenReviews); with --lane-file the reviewer connects its own at its first
+    # review, so a machine with no cluster runs without one.
+    if args.lane is None:
+        return await _serve(args, None)
+    async with await AsyncKubeApi.connect() as api:
+        return await _serve(args, api)
+
+
+async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
     lane_obj: LaneObject | None = None
     if args.lane is not None:
+        assert api is not None
         ns, _, name = args.lane.partition("/")
-        lane_obj = LaneObject(ns, name)
+        lane_obj = LaneObject(ns, name, api=api)
         state = lane_state_from(await lane_obj.read(), args.max_context_tokens)
     else:
         state = read_lane_file(args.lane_file, args.max_context_tokens)
@@ -546,10 +579,11 @@ async def serve(args: argparse.Namespace) -> int:
         for sink in sinks:
             await sink(doc)
 
-    runtime = LaneRuntime(model, state, publish=publish, door=_door(args))
+    door = _door(args, api)
+    runtime = LaneRuntime(model, state, publish=publish, door=door)
     flusher = asyncio.create_task(runtime.flush_loop())
     if lane_obj is not None:
-        source = asyncio.create_task(lane_obj.watch(runtime.set_state, args.poll))
+        source = asyncio.create_task(lane_obj.watch(runtime.set_state))
     else:
         source = asyncio.create_task(
             watch_lane_file(args.lane_file, args.max_context_tokens, runtime.set_state)
@@ -582,10 +616,12 @@ async def serve(args: argparse.Namespace) -> int:
         for runner in runners:
             await runner.cleanup()
         model.close()
+        if door is not None and isinstance(door.review, TokenReviewer):
+            await door.review.close()
     return EXIT_OK
 
 
-def _door(args: argparse.Namespace) -> Door | None:
+def _door(args: argparse.Namespace, api: AsyncKubeApi | None = None) -> Door | None:
     """Token review, on unless the unsafe local flag opens the door (`cmd_embed` checked that
     an audience and a namespace are known otherwise)."""
     if args.unsafe_no_review:
@@ -600,7 +636,7 @@ def _door(args: argparse.Namespace) -> Door | None:
         audience = audience or lane_audience(lane_ns, lane_name)
         namespace = namespace or lane_ns
     assert audience and namespace
-    return Door(TokenReviewer(audience), audience, namespace)
+    return Door(TokenReviewer(audience, api=api), audience, namespace)
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -666,4 +702,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--status-file", type=Path, help="also write status.runtime here (JSON)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
-    p.add_argument("--poll", type=float, default=2.0, help="seconds between EmbedLane reads")

@@ -24,6 +24,15 @@ from typing import Any
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import EnginePhase, GrantReason
+from continuum_operator.door.accounts import (
+    REVIEW_RETRY_SECONDS,
+    ReviewUnavailable,
+    ServiceAccount,
+    engine_audience,
+    lane_audience,
+    review_unavailable_message,
+    service_account,
+)
 from continuum_operator.model.grant import GrantEntry, parse_entries
 from continuum_operator.model.mind import GrantState
 
@@ -450,49 +459,6 @@ def admit_request(
 
 # --- who is asking --------------------------------------------------------------------------
 
-SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceAccount:
-    """The service account a reviewed token belongs to."""
-
-    namespace: str
-    name: str
-
-    @property
-    def mind(self) -> str:
-        """The one Mind it speaks for: the Mind of its name in its namespace (docs/gateway.md)."""
-        return f"{self.namespace}/{self.name}"
-
-
-def service_account(username: str | None) -> ServiceAccount | None:
-    """The service account of a user name (`system:serviceaccount:NS:NAME`), or None."""
-    if not username or not username.startswith(SERVICE_ACCOUNT_PREFIX):
-        return None
-    namespace, _, name = username[len(SERVICE_ACCOUNT_PREFIX) :].partition(":")
-    return ServiceAccount(namespace, name) if namespace and name and ":" not in name else None
-
-
-def engine_audience(namespace: str, name: str) -> str:
-    """The audience a mind's token must carry for this engine (and no other) to accept it."""
-    return f"continuum.dev/engine/{namespace}/{name}"
-
-
-def lane_audience(namespace: str, name: str) -> str:
-    """The audience a caller's token must carry for this embed lane (and no other) to accept
-    it: not an engine's, so a token a mind holds for her engine does not open a lane."""
-    return f"continuum.dev/embedlane/{namespace}/{name}"
-
-
-class ReviewUnavailable(Exception):
-    """A token that could not be reviewed now (the API server did not answer, or too many
-    reviews wait): not a refusal of the token; the request may be sent again."""
-
-
-#: Retry-After (seconds) when her token could not be reviewed.
-REVIEW_RETRY_SECONDS = 2
-
 
 def review_unavailable(why: str) -> Admission:
     """The answer when her token could not be reviewed (the API server did not answer, or too
@@ -500,7 +466,7 @@ def review_unavailable(why: str) -> Admission:
     return _refuse(
         Refusal.REVIEW_UNAVAILABLE,
         503,
-        {"message": f"your token could not be reviewed now ({why}); send the request again"},
+        {"message": review_unavailable_message(why)},
         REVIEW_RETRY_SECONDS,
     )
 

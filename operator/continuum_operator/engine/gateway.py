@@ -35,6 +35,7 @@ from aiohttp.http_exceptions import LineTooLong
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import GrantReason
+from continuum_operator.door.token_review import Caller, caller_of
 from continuum_operator.engine.admission import (
     Admission,
     Answer,
@@ -87,7 +88,6 @@ from continuum_operator.engine.request_cost import (
     costly_fields,
     request_cost_error,
 )
-from continuum_operator.engine.token_review import Caller, caller_of
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.engine.upstream import BadUpstreamRequest, UpstreamDown
 from continuum_operator.engine.watchdog import Watchdog, WatchdogSettings, cut_message
@@ -697,7 +697,7 @@ class Gateway:
         if review is None:
             return asked, None
         token = _token(request)
-        # Minds' tokens are reviewed in a lane of their own (engine.token_review).
+        # Minds' tokens are reviewed in a lane of their own (door.token_review).
         caller = caller_of(token, request.remote or "", self._in_table)
         try:
             account = await review(token, caller) if token else None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from continuum_operator.door.openai_errors import error_body, error_type
 from continuum_operator.engine.admission import SPECIAL_TOKEN_MARGIN, Admission, OverGrant
 
 __all__ = [
@@ -165,13 +166,6 @@ class FieldError:
         return error_body(
             self.message, "invalid_request_error", "unsupported_parameter", self.param
         )
-
-
-def error_body(
-    message: str, type_: str, code: str | int | None = None, param: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _int_field(body: Mapping[str, Any], name: str) -> int | None:
@@ -320,24 +314,6 @@ def cap_body(body: dict[str, Any], slot: int, n_predict: int | None) -> dict[str
         out["n_predict"] = n_predict
         out["max_tokens"] = n_predict
     return out
-
-
-#: OpenAI error type per status, for answers of the grant protocol.
-_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_error",
-}
-
-
-def error_type(status: int) -> str:
-    """OpenAI's error `type` of an answer of this status (the embed lane's answers too)."""
-    return _TYPES.get(status, "api_error")
 
 
 def refusal_body(adm: Admission) -> dict[str, Any]:

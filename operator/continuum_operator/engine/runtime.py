@@ -56,6 +56,7 @@ from continuum_operator.core.receipts import (
     parse_llama_log,
     read_for_receipt,
 )
+from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine import digest
 from continuum_operator.engine.admission import GrantTableError, engine_audience
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
@@ -66,7 +67,7 @@ from continuum_operator.engine.grants_source import (
     watch_ledger,
 )
 from continuum_operator.engine.parking import ParkSettings, ParkStore
-from continuum_operator.engine.token_review import TokenReviewer
+from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.workloads.engine_objects import LAUNCH_ENV
 
 __all__ = [
@@ -697,17 +698,27 @@ def _previous_runtime(path: Path | None) -> dict[str, Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    plan, previous = await _plan_and_previous_runtime(args)
+    # One adapter for every API call of the process, on its loop (the ledger's watch, the
+    # Engine's status, the minds' TokenReviews); with --grants FILE the reviewer connects
+    # its own at its first review, so a machine with no cluster runs without one.
+    if args.engine is None:
+        return await _serve(args, None)
+    async with await AsyncKubeApi.connect() as api:
+        return await _serve(args, api)
+
+
+async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
+    plan, previous = await _plan_and_previous_runtime(args, api)
     launch = _launch_settings(args, plan, previous)
     gateway = Gateway(
         GatewaySettings(
             upstream="http://127.0.0.1:0",
             grace_seconds=args.grace,
-            review_token=_reviewer(args),
+            review_token=(reviewer := _reviewer(args, api)),
             context_shift="--context-shift" in launch.args,
         )
     )
-    runtime = EngineRuntime(launch, gateway, publish=_publisher(args))
+    runtime = EngineRuntime(launch, gateway, publish=_publisher(args, api))
     # Minds' door and the cluster's: /metrics, /v1/releases and /v1/runtime are served on the
     # admin address only (docs/gateway.md, "Endpoints besides the protocol").
     admin = gateway.admin_app()
@@ -722,9 +733,11 @@ async def serve(args: argparse.Namespace) -> int:
     if args.grants is not None:
         source = asyncio.create_task(watch_file(args.grants, gateway.set_table))
     else:
-        assert args.engine is not None
+        assert args.engine is not None and api is not None
         engine_ns, _, engine_name = args.engine.partition("/")
-        source = asyncio.create_task(watch_ledger(engine_ns, engine_name, gateway.set_table))
+        source = asyncio.create_task(
+            watch_ledger(engine_ns, engine_name, gateway.set_table, api=api)
+        )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(runtime.stop()))
@@ -736,20 +749,22 @@ async def serve(args: argparse.Namespace) -> int:
         for runner in runners:
             await runner.cleanup()
         await gateway.close()
+        if reviewer is not None:
+            await reviewer.close()
     return EXIT_OK
 
 
 async def _plan_and_previous_runtime(
-    args: argparse.Namespace,
+    args: argparse.Namespace, api: AsyncKubeApi | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan to launch and the runtime document of the run before: from the files named,
     else from the Engine's status."""
     plan = load_plan(args.plan)
     previous = _previous_runtime(args.status_file)
-    if args.engine is not None:
+    if args.engine is not None and api is not None:
         namespace, _, name = args.engine.partition("/")
         try:
-            status = await read_engine_status(namespace, name)
+            status = await read_engine_status(namespace, name, api=api)
         except Exception as err:  # the receipt is still made; only the error is not
             log.warning("could not read Engine %s's status: %s", args.engine, err)
         else:
@@ -786,14 +801,16 @@ def _launch_settings(
     )
 
 
-def _publisher(args: argparse.Namespace) -> Callable[[dict[str, Any]], Awaitable[None]]:
+def _publisher(
+    args: argparse.Namespace, api: AsyncKubeApi | None
+) -> Callable[[dict[str, Any]], Awaitable[None]]:
     """Where the runtime document goes: `--status-file`, the Engine's status, or both."""
     sinks: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
     if args.status_file is not None:
         sinks.append(_file_publisher(args.status_file))
-    if args.engine is not None:
+    if args.engine is not None and api is not None:
         engine_ns, _, engine_name = args.engine.partition("/")
-        sinks.append(EngineStatusWriter(engine_ns, engine_name).write)
+        sinks.append(EngineStatusWriter(engine_ns, engine_name, api=api).write)
 
     async def publish(doc: dict[str, Any]) -> None:
         for sink in sinks:
@@ -818,7 +835,7 @@ async def _serve_gateway_and_admin(
     return runners
 
 
-def _reviewer(args: argparse.Namespace) -> TokenReviewer | None:
+def _reviewer(args: argparse.Namespace, api: AsyncKubeApi | None) -> TokenReviewer | None:
     """Token review, on unless the unsafe local flag says to believe the mind header."""
     if args.unsafe_trust_mind_header:
         log.warning(
@@ -831,7 +848,7 @@ def _reviewer(args: argparse.Namespace) -> TokenReviewer | None:
         namespace, _, name = args.engine.partition("/")
         audience = engine_audience(namespace, name)
     assert audience is not None  # cmd_engine checked
-    return TokenReviewer(audience)
+    return TokenReviewer(audience, api=api)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -857,6 +874,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(serve(args))
     except (GrantTableError, PlanFileError) as err:
+        return fail(str(err), EXIT_INVALID)
+    except ConnectionError as err:  # no API server to log in to
         return fail(str(err), EXIT_INVALID)
 
 

@@ -261,15 +261,12 @@ EXIT_OK, EXIT_REFUSED, EXIT_INVALID, EXIT_CUT = 0, 1, 2, 3
 
 
 def read_mind(namespace: str, name: str) -> dict[str, Any]:
-    """The Mind object (her endpoint and turn deadline), with the kubeconfig or in-cluster."""
+    """The Mind object (her endpoint and turn deadline), with the kubeconfig or in-cluster:
+    one GET before any turn, on the CLI's blocking adapter (`kube.client.api.KubeApi`)."""
     # Imported here: the turn client itself needs no Kubernetes, only this command does.
-    from continuum_operator.engine.grants_source import custom_objects
-    from continuum_operator.model.base import GROUP, VERSION
+    from continuum_operator.kube.client.api import KubeApi, crd_path
 
-    mind: dict[str, Any] = custom_objects().get_namespaced_custom_object(
-        GROUP, VERSION, namespace, "minds", name
-    )
-    return mind
+    return KubeApi().request("GET", crd_path("minds", namespace, name))
 
 
 async def take_turn(

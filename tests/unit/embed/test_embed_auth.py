@@ -25,11 +25,11 @@ import pytest
 import yaml
 
 from continuum_operator.cli import build_parser, main
+from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.embed import runtime as lane_runtime
 from continuum_operator.embed.runtime import Door, LaneRuntime, LaneState, _door
 from continuum_operator.engine.admission import engine_audience, lane_audience
 from continuum_operator.engine.gateway import serve_app
-from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.client.api import path_of
 from continuum_operator.kube.workloads import engine_identity, lane_objects
@@ -37,6 +37,7 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.embedlane import EmbedLane
 from tests.support import builders
 from tests.support.embed import WordModel
+from tests.support.fake_apiserver import review_answer, reviewed_token
 from tests.support.helm import by_kind, documents, find_helm, template
 
 NS, LANE = "team-a", "notes"
@@ -53,29 +54,21 @@ ISSUED = {
 
 
 class FakeApiServer:
-    """`AuthenticationV1Api.create_token_review` as the API server answers it: authenticated
-    only for an audience the token was issued with, naming the audiences that matched."""
+    """A TokenReview as the API server answers it: authenticated only for an audience the
+    token was issued with, naming the audiences that matched."""
 
     def __init__(self) -> None:
         self.reviews: list[tuple[str, list[str]]] = []
         self.down = False  # unreachable: every review fails
 
-    def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-        token, asked = review.spec.token, list(review.spec.audiences or [])
+    async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
+        token, asked = reviewed_token(review)
         self.reviews.append((token, asked))
         if self.down:
             raise ConnectionError("connection refused")
         user, audiences = ISSUED.get(token, ("", set()))
         matched = [a for a in asked if a in audiences]
-        if not user or not matched:
-            return SimpleNamespace(
-                status=SimpleNamespace(authenticated=False, user=None, audiences=None)
-            )
-        return SimpleNamespace(
-            status=SimpleNamespace(
-                authenticated=True, user=SimpleNamespace(username=user), audiences=matched
-            )
-        )
+        return review_answer(user if user and matched else None, matched)
 
 
 @dataclass

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser, main
+from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine.admission import ReviewUnavailable
 from continuum_operator.engine.runtime import _reviewer
-from continuum_operator.engine.token_review import TokenReviewer
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.client.api import path_of
 from continuum_operator.kube.workloads import engine_identity
@@ -39,12 +39,13 @@ class TestEveryEngineReviewsTokens:
         assert flags[flags.index("--admin-port") + 1] == str(objects.ADMIN_PORT)
 
     def test_an_engine_of_the_cluster_reviews_with_its_own_audience_by_default(self) -> None:
-        reviewer = _reviewer(engine_args("--engine", "ml/coder"))
+        reviewer = _reviewer(engine_args("--engine", "ml/coder"), None)
         assert isinstance(reviewer, TokenReviewer)
         assert reviewer.audience == "continuum.dev/engine/ml/coder"
 
     def test_only_the_unsafe_flag_believes_the_header(self) -> None:
-        assert _reviewer(engine_args("--engine", "ml/coder", "--unsafe-trust-mind-header")) is None
+        unsafe = engine_args("--engine", "ml/coder", "--unsafe-trust-mind-header")
+        assert _reviewer(unsafe, None) is None
 
     def test_a_review_the_api_server_never_answers_is_bounded_and_unavailable(self) -> None:
         import asyncio
@@ -56,9 +57,9 @@ class TestEveryEngineReviewsTokens:
             def __init__(self) -> None:
                 self.timeouts: list[Any] = []
 
-            def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-                self.timeouts.append(_request_timeout)
-                if _request_timeout is None:
+            async def create(self, review: Any, *, seconds: float | None = None) -> Any:
+                self.timeouts.append(seconds)
+                if seconds is None:
                     raise AssertionError("a review without a timeout would hang her request")
                 raise TimeoutError("read timed out")
 

@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine.body_limits import LINGER_SECONDS, BodyLimits, ConnectionLimits
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
-from continuum_operator.engine.token_review import TokenReviewer
 from tests.support.fake_llama import FakeLlama, serve
 from tests.support.gateway_openai import MIRA, granted, table
 from tests.support.token_review import AUDIENCE, MIRA_SUB, Api, jwt

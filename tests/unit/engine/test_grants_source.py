@@ -5,159 +5,117 @@ or written yet is a quiet wait, not an error each second."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
-from kubernetes import client
 
 from continuum_operator.engine import grants_source
 from continuum_operator.engine.admission import GrantTable
-from continuum_operator.model.base import GROUP, VERSION
-from continuum_operator.model.grant_ledger import GrantLedger
+from tests.support.fake_apiserver import NS, FakeApiServer, served
+from tests.support.grants_source import CAPACITY, LEDGERS, NAME, ledger
 from tests.support.waiting import until
 
-NS, NAME = "minds", "coder"
-CAPACITY = {"phase": "Serving", "slots": 2, "tokensPerSlot": 2048}
 
+def watched(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    script: Callable[[FakeApiServer, list[GrantTable | None]], Awaitable[None]],
+) -> tuple[list[GrantTable | None], list[str], FakeApiServer]:
+    """`watch_ledger` of the Engine `NS/NAME` (uid u-1) on the fake API server while `script`
+    changes its ledger; the tables handed over, what was told, and the server."""
+    tables: list[GrantTable | None] = []
+    seen: list[FakeApiServer] = []
 
-def ledger(version: int, status: dict[str, Any], owner: str = "u-1") -> dict[str, Any]:
-    meta = {"namespace": NS, "name": NAME, "resourceVersion": str(version),
-            "ownerReferences": [{"kind": "Engine", "name": NAME, "uid": owner}]}  # fmt: skip
-    return {"kind": GrantLedger.KIND, "metadata": meta, "status": status}
+    async def main() -> None:
+        async with served(tmp_path) as (fake, api):
+            seen.append(fake)
+            fake.put("engines", {"kind": "Engine", "metadata": {"name": NAME, "uid": "u-1"}})
+            task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
+            try:
+                await until(lambda: bool(fake.asked("WATCH", LEDGERS)))
+                await script(fake, tables)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
-
-class Stream:
-    """A watch response: its events as lines, then the end of the watch."""
-
-    def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.events = events
-
-    def stream(self, amt: Any = None, decode_content: bool = False) -> Iterator[bytes]:
-        for e in self.events:
-            yield (json.dumps(e) + "\n").encode()
-
-    def close(self) -> None:
-        pass
-
-    def release_conn(self) -> None:
-        pass
-
-
-class FakeLedgers:
-    """The GrantLedger API of one namespace: 404 until `absent_gets` gets have been answered,
-    then the ledger as made (no status); its watch then brings the operator's first write."""
-
-    def __init__(self, absent_gets: int, owner: str = "u-1", then_deleted: bool = False) -> None:
-        self.absent_gets = absent_gets
-        self.owner = owner  # the uid the ledgers name as their Engine's
-        self.then_deleted = then_deleted  # the watch brings a DELETED after the write
-        self.gets: list[tuple[str, ...]] = []
-        self.watches: list[dict[str, Any]] = []
-        self.idle = threading.Event()
-
-    def get_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str, name: str
-    ) -> dict[str, Any]:
-        if plural == "engines":  # the Engine itself: its uid
-            return {"metadata": {"namespace": NS, "name": NAME, "uid": "u-1"}}
-        self.gets.append((group, version, namespace, plural, name))
-        if len(self.gets) <= self.absent_gets:
-            raise client.ApiException(status=404, reason="Not Found")
-        return ledger(1, {}, self.owner)
-
-    def list_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str, **kwargs: Any
-    ) -> Stream:
-        self.watches.append({"plural": plural, **kwargs})
-        if len(self.watches) > 1:
-            self.idle.wait(0.05)  # a quiet watch that ends, as at its timeout
-            return Stream([])
-        written = ledger(2, {"grants": [], "grantCapacity": CAPACITY}, self.owner)
-        deleted = [{"type": "DELETED", "object": written}] if self.then_deleted else []
-        return Stream([{"type": "MODIFIED", "object": written}, *deleted])
+    with caplog.at_level(logging.INFO, logger=grants_source.log.name):
+        asyncio.run(main())
+    told = [r for r in caplog.records if r.name == grants_source.log.name]
+    assert all(r.levelno == logging.INFO for r in told), [r.getMessage() for r in told]
+    return tables, [r.getMessage() for r in told], seen[0]
 
 
 def test_a_ledger_not_made_yet_is_waited_for_quietly_then_watched(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
-    api = FakeLedgers(absent_gets=5)
-    tables: list[GrantTable | None] = []
-
-    async def main() -> None:
-        task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
+    async def script(fake: FakeApiServer, tables: list[GrantTable | None]) -> None:
+        await asyncio.sleep(0.1)  # a while with no ledger: no table, no error each second
+        fake.put(LEDGERS, ledger(None))
+        await asyncio.sleep(0.05)
+        fake.put(LEDGERS, ledger({"grants": [], "grantCapacity": CAPACITY}))
         await until(lambda: bool(tables))
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
-    with caplog.at_level(logging.INFO, logger=grants_source.log.name):
-        asyncio.run(main())
-    api.idle.set()
-
-    assert len(api.gets) == 6
-    assert {g[:4] for g in api.gets} == {(GROUP, VERSION, NS, GrantLedger.PLURAL)}
-    assert api.watches[0]["plural"] == GrantLedger.PLURAL
-    assert api.watches[0]["field_selector"] == f"metadata.name={NAME}"
-    assert api.watches[0]["resource_version"] == "1"
-    # Five 404s and a ledger made with no status: no table until its first write, told once
-    # each at INFO, never a warning.
+    tables, told, fake = watched(tmp_path, caplog, script)
     assert [t.slot_tokens if t else None for t in tables] == [2048]
-    told = [r for r in caplog.records if r.name == grants_source.log.name]
-    assert all(r.levelno == logging.INFO for r in told), [r.getMessage() for r in told]
-    assert [r.getMessage() for r in told] == [
+    # A wait told once each at INFO, never a warning.
+    assert told == [
         f"no GrantLedger {NS}/{NAME} yet; refusing turns until the operator writes one",
         f"GrantLedger {NS}/{NAME} made, its status not written yet; refusing turns until it is",
     ]
+    # Listed once (by name), then every change came by the one watch: no reads in a loop.
+    lists = fake.asked("GET", LEDGERS)
+    assert lists == [{"fieldSelector": f"metadata.name={NAME}", "limit": "250"}]
+    assert len(fake.asked("WATCH", LEDGERS)) == 1
+    assert len(fake.asked("GET", "engines")) == 1
 
 
 def test_a_ledger_an_earlier_engine_of_the_name_left_gives_no_table(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
-    api = FakeLedgers(absent_gets=0, owner="u-0")  # owned by the Engine deleted before
-    tables: list[GrantTable | None] = []
+    async def script(fake: FakeApiServer, tables: list[GrantTable | None]) -> None:
+        fake.put(LEDGERS, ledger({"grants": [], "grantCapacity": CAPACITY}, owner="u-0"))
+        await asyncio.sleep(0.1)
 
-    async def main() -> None:
-        task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
-        await until(lambda: len(api.watches) >= 2)  # its first write delivered, and passed
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    with caplog.at_level(logging.INFO, logger=grants_source.log.name):
-        asyncio.run(main())
-    api.idle.set()
+    tables, told, _ = watched(tmp_path, caplog, script)
     assert tables == []
-    told = [r.getMessage() for r in caplog.records if r.name == grants_source.log.name]
-    assert told == [
+    assert told[-1] == (
         f"GrantLedger {NS}/{NAME} belongs to an earlier Engine of that name; refusing turns "
         "until the operator replaces it"
-    ]
+    )
 
 
 def test_a_deleted_ledgers_table_is_withdrawn_not_enforced_as_if_held(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(grants_source, "RETRY_SECONDS", 0.01)
-    api = FakeLedgers(absent_gets=0, then_deleted=True)  # deleted by hand after its write
-    tables: list[GrantTable | None] = []
+    async def script(fake: FakeApiServer, tables: list[GrantTable | None]) -> None:
+        fake.put(LEDGERS, ledger({"grants": [], "grantCapacity": CAPACITY}))
+        await until(lambda: bool(tables))
+        fake.remove(LEDGERS, NAME)  # deleted by hand after its write
+        await until(lambda: len(tables) == 2)
 
-    async def main() -> None:
-        task = asyncio.create_task(grants_source.watch_ledger(NS, NAME, tables.append, api=api))
-        await until(lambda: len(api.watches) >= 2)
-        await asyncio.sleep(0.05)  # what the thread handed over reaches the loop
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    with caplog.at_level(logging.INFO, logger=grants_source.log.name):
-        asyncio.run(main())
-    api.idle.set()
+    tables, told, _ = watched(tmp_path, caplog, script)
     assert [t.slot_tokens if t else None for t in tables] == [2048, None]  # withdrawn once
-    told = [r.getMessage() for r in caplog.records if r.name == grants_source.log.name]
     assert f"GrantLedger {NS}/{NAME} deleted; refusing turns until the operator writes one" in told
+
+
+def test_the_engines_status_is_read_and_its_runtime_written_once_per_change(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        async with served(tmp_path) as (fake, api):
+            status = {"plan": {"node": "n1"}, "runtime": {"phase": "Old"}}
+            fake.put("engines", {"kind": "Engine", "metadata": {"name": NAME}, "status": status})
+            assert await grants_source.read_engine_plan(NS, NAME, api=api) == {"node": "n1"}
+            writer = grants_source.EngineStatusWriter(NS, NAME, api=api)
+            await writer.write({"phase": "Serving"})
+            await writer.write({"phase": "Serving"})  # unchanged: not sent again
+            after = await grants_source.read_engine_status(NS, NAME, api=api)
+            assert after == {"plan": {"node": "n1"}, "runtime": {"phase": "Serving"}}
+            assert len(fake.asked("PATCH", "engines")) == 1
+
+    asyncio.run(main())
 
 
 def test_a_withdrawn_table_refuses_her_turn_where_the_deleted_one_granted_it() -> None:

@@ -81,6 +81,7 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "NetworkPolicy": "networkpolicies",
         "ResourceClaimTemplate": "resourceclaimtemplates",
         "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
+        "TokenReview": "tokenreviews",
     }[str(obj["kind"])]
     ns = obj["metadata"].get("namespace")
     path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"
@@ -205,10 +206,16 @@ def login(kubeconfig: str | None) -> client.Configuration:
     refresh hook) or from the kubeconfig (its certificates written to files, an exec plugin
     run). Blocking: it may read files and run a plugin."""
     configuration = client.Configuration()
-    if in_cluster(kubeconfig):
-        config.load_incluster_config(client_configuration=configuration)
-    else:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    try:
+        if in_cluster(kubeconfig):
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    except config.ConfigException as err:  # an OSError, as an unreachable server is
+        raise ConnectionError(
+            f"no API server to log in to: {err}; name a kubeconfig (--kubeconfig or "
+            "$KUBECONFIG) or run in a pod"
+        ) from err
     return configuration
 
 

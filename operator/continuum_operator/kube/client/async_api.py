@@ -1,5 +1,7 @@
 """The adapter the operator's loops talk to the API server through, on the event loop: the verbs
-of `kube.client.api.KubeApi` (request, apply, merge_patch, delete, text, create), awaited.
+of `kube.client.api.KubeApi` (request, apply, merge_patch, delete, text, create), awaited. The
+engine's and the lane's processes talk through it too, one each, and keep their one object with
+`follow` (a list, then a watch resumed from the last version seen).
 
 The transport is an aiohttp session (kopf's HTTP stack, so no second one) over the `kubernetes`
 client's configuration, loaded as the blocking adapter loads it (`kube.client.api.login`): the host,
@@ -20,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -47,7 +50,9 @@ from continuum_operator.kube.client.api import (
 )
 from continuum_operator.kube.client.kept import resource_version
 
-__all__ = ["LIST_PAGE", "AsyncKubeApi", "login", "pages", "relist"]
+__all__ = ["LIST_PAGE", "AsyncKubeApi", "follow", "login", "pages", "relist"]
+
+log = logging.getLogger(__name__)
 
 #: Connections to the API server at once: the loops' writes in flight (the Engines' 8, the
 #: grants loop's ledgers and Minds' writes, `--write-workers` each, the lanes', the seeds');
@@ -102,6 +107,12 @@ class AsyncKubeApi:
     async def close(self) -> None:
         await self._session.close()
 
+    async def __aenter__(self) -> AsyncKubeApi:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     def _credentials(self) -> dict[str, str]:
         # Asked for at each request: `auth_settings` runs the configuration's refresh hook.
         token = self._config.auth_settings().get("BearerToken")
@@ -131,12 +142,14 @@ class AsyncKubeApi:
                 raise
             raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
 
-    async def send(self, r: Request) -> Any:
+    async def send(self, r: Request, seconds: float | None = None) -> Any:
+        """`r`'s answer; within `seconds` where given, else the session's deadline."""
         resource = resource_of(r.path)
         if self.meter is not None:
             self.meter.record_api_request(r.method, resource)
         started = time.monotonic()
-        async with self._opened(r) as response:
+        timeout = None if seconds is None else aiohttp.ClientTimeout(total=seconds)
+        async with self._opened(r, timeout) as response:
             data = await response.read()
         if self.meter is not None:
             self.meter.record_api_answer(r.method, resource, time.monotonic() - started)
@@ -196,8 +209,11 @@ class AsyncKubeApi:
         """A plain-text answer (a pod's log)."""
         return str(await self.send(text_request(path, query)))
 
-    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = await self.send(create_request(obj))
+    async def create(
+        self, obj: Mapping[str, Any], *, seconds: float | None = None
+    ) -> dict[str, Any]:
+        """`obj` made (a TokenReview: reviewed); answered within `seconds` where given."""
+        result: dict[str, Any] = await self.send(create_request(obj), seconds)
         return result
 
 
@@ -252,3 +268,61 @@ async def relist(
         obj = known.get(key)
         if obj is not None and resource_version(obj) <= version:
             forget(key)
+
+
+async def follow(
+    api: AsyncKubeApi,
+    path: str,
+    query: Sequence[tuple[str, str]],
+    listed: Callable[[list[dict[str, Any]]], Awaitable[None]],
+    changed: Callable[[dict[str, Any]], None],
+    *,
+    what: str,
+    retry_seconds: float = 1.0,
+    seconds: int = 300,
+) -> None:
+    """A collection followed until cancelled, as an informer does: listed (`listed` with its
+    items), then watched from the list's resourceVersion, `changed` with each ADDED, MODIFIED
+    or DELETED event. A stream the server ends (at `seconds`) or that drops is watched again
+    from the last resourceVersion seen, a bookmark's included, so nothing is listed again; a
+    version the server no longer has (410 Gone) is listed again at once (after `retry_seconds`
+    where the version was a list's own, so a server in that state is not listed in a loop).
+    Any other failure (`listed`'s too) is logged, naming `what`, and listed again after
+    `retry_seconds`."""
+    since = ""
+    while True:
+        fresh = not since  # watched from a list just taken
+        try:
+            if fresh:
+                since = await _listed(api, path, query, listed)
+            async for event in api.watch(path, query, since, seconds):
+                meta = (event.get("object") or {}).get("metadata") or {}
+                since = str(meta.get("resourceVersion") or since)
+                fresh = False
+                if event.get("type") != "BOOKMARK":
+                    changed(event)
+        except ApiError as err:
+            since = ""
+            if err.status != 410:
+                log.warning("watching %s failed, listing again: %s", what, err)
+            if err.status != 410 or fresh:  # a list's own version gone: not in a loop
+                await asyncio.sleep(retry_seconds)
+        except OSError as err:  # the connection dropped: watched again from `since`
+            log.warning("watching %s failed, watching again: %s", what, err)
+            await asyncio.sleep(retry_seconds)
+
+
+async def _listed(
+    api: AsyncKubeApi,
+    path: str,
+    query: Sequence[tuple[str, str]],
+    listed: Callable[[list[dict[str, Any]]], Awaitable[None]],
+) -> str:
+    """The collection listed (every page) and handed to `listed`; the list's resourceVersion."""
+    items: list[dict[str, Any]] = []
+    version = ""
+    async for page in pages(api, path, query):
+        version = str((page.get("metadata") or {}).get("resourceVersion") or version)
+        items += page.get("items") or []
+    await listed(items)
+    return version

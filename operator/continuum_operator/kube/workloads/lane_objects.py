@@ -106,9 +106,15 @@ def why_no_pod(
     return None
 
 
+#: What the lane's pod may do with its own EmbedLane (by name): read it, and list and watch it
+#: with a field selector on its name, as `continuum embed --lane` follows its lease.
+LANE_READ_VERBS = ["get", "list", "watch"]
+
+
 def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
-    """The pod's identity: it reads its own EmbedLane and patches its status.runtime, and it
-    may review its callers' tokens (TokenReviews, through `system:auth-delegator`)."""
+    """The pod's identity: it reads and watches its own EmbedLane and patches its
+    status.runtime, and it may review its callers' tokens (TokenReviews, through
+    `system:auth-delegator`)."""
     name = deployment_name(lane)
     ns = lane.metadata.namespace
     meta = {
@@ -118,7 +124,7 @@ def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
         "ownerReferences": [_owner(lane, uid)],
     }
     return [
-        *engine_identity.own_account(meta, "embedlanes", lane.metadata.name, ["get"]),
+        *engine_identity.own_account(meta, "embedlanes", lane.metadata.name, LANE_READ_VERBS),
         engine_identity.token_review_binding(
             token_review_binding_name(lane),
             {**_labels(lane), "continuum.dev/embedlane-namespace": ns},

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from continuum_operator.kube.base import kernel
 from continuum_operator.kube.base.kernel import KernelSettings
@@ -21,21 +20,7 @@ from continuum_operator.kube.workloads.engine_objects import ENGINE_LABEL
 from tests.support.engine_loop import NOW, World, node_board
 from tests.support.fakes import FakeKubeApi
 from tests.support.lanes import lane
-
-T = TypeVar("T")
-
-
-class NoThreads(ThreadPoolExecutor):
-    """An executor that runs nothing (a loop's default executor must be a thread pool): each
-    job asked of it is counted and refused."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-        self.asked: list[str] = []
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        self.asked.append(getattr(fn, "__qualname__", repr(fn)))
-        raise RuntimeError("no thread here")
+from tests.support.threads import NoThreads, T
 
 
 def without_threads(work: Callable[[], Coroutine[Any, Any, T]]) -> tuple[T, list[str]]:

@@ -1,6 +1,6 @@
 """Strangers cannot lock a mind out through token review, nor make the API server review
 without bound, and a token the API server stops accepting stops working within seconds
-(`engine.token_review`).
+(`door.token_review`).
 
 Found by an attacker against the gateway: 100 connections sending random bearer tokens kept
 the reviewer's 64 pending reviews full, so a mind whose token was not cached was answered 503
@@ -12,20 +12,19 @@ it (its pod or account deleted).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any
 
 import pytest
 
-from continuum_operator.engine import token_review
-from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
-from continuum_operator.engine.token_review import (
+from continuum_operator.door import token_review
+from continuum_operator.door.token_review import (
     Caller,
     TokenReviewer,
     caller_of,
     claimed_account,
 )
+from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount
 from tests.support.token_review import AUDIENCE, MIRA_SUB, Api, jwt
 from tests.support.waiting import until
 
@@ -176,12 +175,12 @@ class TestRevocation:
 
 @pytest.mark.parametrize("n", [token_review.KNOWN_PER_SOURCE])
 def test_one_source_holds_at_most_two_waiting_reviews_of_a_mind(n: int) -> None:
-    hold = threading.Event()
+    hold = asyncio.Event()
 
     class HeldApi(Api):
-        def create_token_review(self, review: Any, _request_timeout: Any = None) -> Any:
-            assert hold.wait(10)
-            return super().create_token_review(review, _request_timeout)
+        async def create(self, review: dict[str, Any], *, seconds: float | None = None) -> Any:
+            await asyncio.wait_for(hold.wait(), 10)
+            return await super().create(review, seconds=seconds)
 
     api = HeldApi()
     reviewer = TokenReviewer(AUDIENCE, api=api)

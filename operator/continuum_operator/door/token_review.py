@@ -7,7 +7,8 @@ cannot keep a mind waiting:
 
 - **Two lanes.** A token whose claims name an account the door knows (a Mind in the grant
   table: `Caller.known`) is reviewed in the minds' lane, every other in the strangers' lane;
-  each lane has threads of its own, so a mind's review never waits behind a stranger's. The
+  each lane has reviews in flight of its own (`REVIEWS_PER_LANE`), so a mind's review never
+  waits behind a stranger's. The
   claims are read unverified (`claimed_account`), and only to choose the lane and to shorten
   how long an answer is kept, never to accept: whatever a token says of itself, only the API
   server's answer lets it in.
@@ -39,18 +40,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import importlib
 import json
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from continuum_operator.engine.admission import ReviewUnavailable, ServiceAccount, service_account
-from continuum_operator.engine.grants_source import custom_objects
+from continuum_operator.door.accounts import ReviewUnavailable, ServiceAccount, service_account
+from continuum_operator.kube.client.async_api import AsyncKubeApi
 
 __all__ = [
     "KNOWN_PER_SOURCE",
@@ -68,10 +67,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Seconds to connect to and hear from the API server for one TokenReview.
-REVIEW_TIMEOUT = (5.0, 10.0)
-#: TokenReviews running at once, per lane (each holds one of its lane's threads).
-THREADS_PER_LANE = 4
+#: Seconds one TokenReview may take, connected and answered: a review that never answers would
+#: hold her request (and its place in its lane) forever.
+REVIEW_TIMEOUT = 10.0
+#: TokenReviews in flight at once, per lane; the lane's others wait their turn.
+REVIEWS_PER_LANE = 4
 #: Distinct tokens waiting in the minds' lane, all together and per (source, account).
 KNOWN_WAITING = 256
 KNOWN_PER_SOURCE = 2
@@ -135,10 +135,6 @@ def caller_of(token: str, source: str, knows: Callable[[ServiceAccount], bool]) 
     return Caller(source, claimed is not None and knows(claimed), claimed)
 
 
-def _review_threads(lane: str) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(THREADS_PER_LANE, thread_name_prefix=f"token-review-{lane}")
-
-
 @dataclass(slots=True)
 class _Bucket:
     """Reviews a lane may start: `rate` a second, at most `burst` at once."""
@@ -170,11 +166,16 @@ class TokenReviewer:
     account it belongs to, or None (refused). A token is accepted only where the API server
     says it was issued for that audience, so a service account's ordinary token (the API
     server's audience) or one projected for another engine or lane is refused. Raises
-    `ReviewUnavailable` when no answer could be had, or the caller's lane is full."""
+    `ReviewUnavailable` when no answer could be had, or the caller's lane is full.
+
+    `api`: the process's adapter (`kube.client.async_api.AsyncKubeApi`, or anything with its
+    `create`); None: one is connected at the first review, from `kubeconfig` (else
+    $KUBECONFIG, ~/.kube, or the pod's ServiceAccount), and `close` closes it."""
 
     audience: str
     _: KW_ONLY
     api: Any = None
+    kubeconfig: str | None = None
     accepted_seconds: float = 10.0
     refresh_seconds: float = 5.0
     refused_seconds: float = 10.0
@@ -191,33 +192,47 @@ class TokenReviewer:
     _bucket: _Bucket = field(
         default_factory=lambda: _Bucket(STRANGER_REVIEWS_PER_SECOND, STRANGER_BURST), init=False
     )
-    # Threads of their own: reviews do not take the default pool's threads (the runtime's
-    # other blocking calls), and strangers' reviews do not take the minds'.
-    _known_threads: ThreadPoolExecutor = field(
-        default_factory=lambda: _review_threads("known"), init=False
+    # Places of their own: strangers' reviews do not take the minds'.
+    _known_lane: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(REVIEWS_PER_LANE), init=False
     )
-    _stranger_threads: ThreadPoolExecutor = field(
-        default_factory=lambda: _review_threads("stranger"), init=False
+    _stranger_lane: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(REVIEWS_PER_LANE), init=False
     )
+    _connecting: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+    _connected: AsyncKubeApi | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._bucket.level, self._bucket.at = float(STRANGER_BURST), self.clock()
 
-    def _review(self, token: str) -> ServiceAccount | None:
-        client: Any = importlib.import_module("kubernetes.client")
-        if self.api is None:
-            custom_objects()  # loads the configuration
-            self.api = client.AuthenticationV1Api()
-        review = client.V1TokenReview(
-            spec=client.V1TokenReviewSpec(token=token, audiences=[self.audience])
-        )
-        # Bounded: a review that never answers would hold her request (and its slot) forever.
-        status = self.api.create_token_review(review, _request_timeout=REVIEW_TIMEOUT).status
-        if status is None or not status.authenticated or status.user is None:
+    async def _api(self) -> Any:
+        async with self._connecting:
+            if self.api is None:
+                self.api = self._connected = await AsyncKubeApi.connect(self.kubeconfig)
+        return self.api
+
+    async def close(self) -> None:
+        """Close the adapter this reviewer connected (one it was given is its giver's)."""
+        if self._connected is not None:
+            await self._connected.close()
+            self.api = self._connected = None
+
+    async def _review(self, token: str) -> ServiceAccount | None:
+        review = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "metadata": {},
+            "spec": {"token": token, "audiences": [self.audience]},
+        }
+        api = self.api or await self._api()
+        answered = await api.create(review, seconds=REVIEW_TIMEOUT)
+        status = answered.get("status") or {}
+        user = status.get("user") or {}
+        if not status.get("authenticated") or not user:
             return None
-        if self.audience not in (status.audiences or []):
+        if self.audience not in (status.get("audiences") or []):
             return None  # an authenticator that ignored the audience: not proof enough
-        return service_account(status.user.username)
+        return service_account(user.get("username"))
 
     def _kept(self, token: str, now: float) -> tuple[bool, ServiceAccount | None]:
         """(known, account) from the caches; a token in use past its refresh is reviewed again."""
@@ -255,7 +270,7 @@ class TokenReviewer:
 
         async def again() -> None:
             try:
-                await self._reviewed(token, self._known_threads)
+                await self._reviewed(token, self._known_lane)
             except ReviewUnavailable:
                 pass  # kept until its entry lapses; then reviewed before it is served
             finally:
@@ -263,10 +278,10 @@ class TokenReviewer:
 
         asyncio.get_running_loop().create_task(again())
 
-    async def _reviewed(self, token: str, threads: ThreadPoolExecutor) -> ServiceAccount | None:
-        loop = asyncio.get_running_loop()
+    async def _reviewed(self, token: str, lane: asyncio.Semaphore) -> ServiceAccount | None:
         try:
-            account = await loop.run_in_executor(threads, self._review, token)
+            async with lane:
+                account = await self._review(token)
         except Exception as err:  # not answered: not judged, not kept
             log.warning("token review failed: %s", err)
             raise ReviewUnavailable(f"the API server did not answer the review: {err}") from err
@@ -313,9 +328,9 @@ class TokenReviewer:
         if waiting is None:
             in_known, key = self._lane(caller, now)
             self._admit(in_known, key, now)
-            threads = self._known_threads if in_known else self._stranger_threads
+            lane = self._known_lane if in_known else self._stranger_lane
             # A task of its own: a caller who goes away does not cancel the others' answer.
-            task = asyncio.get_running_loop().create_task(self._reviewed(token, threads))
+            task = asyncio.get_running_loop().create_task(self._reviewed(token, lane))
             waiting = self._pending[token] = _Waiting(task, in_known, key)
             task.add_done_callback(lambda done: self._settled(token, done, in_known, key))
         return await asyncio.shield(waiting.task)

@@ -1,0 +1,4 @@
+"""A runtime's door, shared by the engine's gateway (`engine`) and an embed lane (`embed`),
+neither of which imports the other: who a bearer token speaks for (`accounts`, pure) and the
+TokenReview that says so, bounded against strangers (`token_review`).
+"""
