@@ -366,6 +366,29 @@ class TestParkWhenIdle:
             store(tmp_path), table(granted(), queued(ANN)), body, FakeLlama(save_path=str(tmp_path))
         )
 
+    def test_a_mind_parked_idle_is_reported_idle_until_she_asks_again(self, tmp_path: Path) -> None:
+        # Idle, her slot may go to a mind waiting (the operator reclaims it, `Parked`); any
+        # request of hers, even one refused as queued, says she is back.
+        async def body(rig: Rig) -> None:
+            parks = rig.gateway.park
+            assert parks is not None
+            await ask(rig, MIRA, "a b c d e f g")
+            async with rig.http.post(f"{rig.url}/v1/park", headers={MIND_HEADER: MIRA}) as resp:
+                assert resp.status == 200
+            assert parks.to_status()["idle"] == [MIRA]
+            given = table(reclaiming(), granted(ANN, slot=1))
+            rig.gateway.set_table(given)
+            await until(lambda: released(rig))
+            assert parks.to_status()["idle"] == [MIRA]  # her context stays parked, she idle
+            rig.gateway.set_table(table(queued(MIRA), granted(ANN, slot=0)))
+            async with rig.http.post(
+                f"{rig.url}/completion", json={"prompt": "hi"}, headers={MIND_HEADER: MIRA}
+            ) as resp:
+                assert resp.status == 429
+            assert parks.to_status()["idle"] == [] and parks.waiting(MIRA)
+
+        run(store(tmp_path), table(granted()), body, FakeLlama(save_path=str(tmp_path)))
+
     def test_an_engine_without_a_store_says_it_parks_nothing(self, tmp_path: Path) -> None:
         async def body(rig: Rig) -> None:
             async with rig.http.post(f"{rig.url}/v1/park", headers={MIND_HEADER: MIRA}) as resp:

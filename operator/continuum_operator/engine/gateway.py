@@ -578,6 +578,7 @@ class Gateway:
                 return web.json_response({"parked": False, "reason": parked.value})
             with contextlib.suppress(UpstreamDown):  # still hers: restored on another slot only
                 await self._erase_held(adm.slot)
+        self.park.went_idle(mind)  # her slot goes to whoever waits, until she asks again
         return web.json_response({"parked": True, "tokens": parked.tokens, "slot": adm.slot})
 
     async def _ensure_clean(self, slot: int, mind: str) -> Resumed | None:
@@ -772,6 +773,8 @@ class Gateway:
         return web.json_response({"turn": tid, **adm.body}, status=201)
 
     def _admit_turn(self, mind: str, asked: int | None) -> Admission:
+        if self.park is not None:
+            self.park.back(mind)  # she asks again: no longer parked idle
         return admit_turn(
             self.table,
             mind,
@@ -823,6 +826,8 @@ class Gateway:
 
     def _admit(self, mind: str, tid: str) -> Admission:
         """Whether this request runs: inside her open turn, or as a turn of one request."""
+        if self.park is not None:
+            self.park.back(mind)  # she asks again: no longer parked idle
         if not tid:
             # No turn named: a turn of this one request, answered as opening a turn would be.
             # Her explicit turn, if any, is left as it is.

@@ -96,6 +96,9 @@ class ParkStore:
     #: the files they write, which no index names until then.
     saving: dict[str, asyncio.Event] = field(default_factory=dict)
     writing: set[str] = field(default_factory=set)
+    #: Minds parked at their own ask (`POST /v1/park`) who have asked nothing since: the
+    #: operator gives their slots to minds waiting (core.grants, `Parked`).
+    idle: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.bytes_per_token = self.settings.bytes_per_token
@@ -137,8 +140,7 @@ class ParkStore:
             tmp.write_text(text)
             os.replace(tmp, self.settings.path / INDEX)
         self._gauge()
-        if self.changed is not None:
-            self.changed()
+        self._publish()
 
     def _delete(self, p: Parked, why: Dropped) -> None:
         (self.settings.path / p.file).unlink(missing_ok=True)
@@ -224,6 +226,22 @@ class ParkStore:
             rate = n_bytes / (ms / 1000)
             self.write_rate = (self.write_rate + rate) / 2 if self.write_rate > 0 else rate
 
+    def went_idle(self, mind: str) -> None:
+        """She parked herself: reported idle until she asks anything again."""
+        if mind not in self.idle:
+            self.idle.add(mind)
+            self._publish()
+
+    def back(self, mind: str) -> None:
+        """She asks again (a request, a turn): no longer idle."""
+        if mind in self.idle:
+            self.idle.discard(mind)
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.changed is not None:
+            self.changed()
+
     def waiting(self, mind: str) -> bool:
         """She has a park to restore, or one being saved (her save runs behind her release)."""
         return mind in self.parked or mind in self.saving
@@ -267,6 +285,10 @@ class ParkStore:
         if gone:
             self._save_index()
         self.sweep()
+        left = {m for m in self.idle if table.entry(m) is None and not table.left_out}
+        if left:  # her Mind deleted: nothing to report of her
+            self.idle -= left
+            self._publish()
 
     def to_status(self) -> dict[str, Any]:
         return {
@@ -277,6 +299,7 @@ class ParkStore:
                 {"mind": p.mind, "tokens": p.tokens, "bytes": p.bytes}
                 for p in sorted(self.parked.values(), key=lambda p: p.at)
             ],
+            "idle": sorted(self.idle),
         }
 
 

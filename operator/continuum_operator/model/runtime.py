@@ -88,6 +88,10 @@ class ParkStoreStatus(Spec):
     minds: Annotated[list[ParkedMind], Field(max_length=4096)] = Field(
         description="Each parked context, oldest first (evicted first when the store is full)."
     )
+    idle: Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=4096)] = Field(
+        description="Minds that parked themselves idle (POST /v1/park) and have asked nothing "
+        "since: the operator gives their slots to minds waiting (reason Parked)."
+    )
 
 
 class RuntimeExit(Spec):
