@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,8 @@ class Trial:
     evaluated: int
     reused: int
     restored: int
+    #: The save's own time as llama-server reports it (`timings.save_ms`), 0 without a park.
+    save_ms: float = 0.0
 
 
 async def ask(
@@ -160,7 +162,16 @@ async def trial(
 async def run(upstream: str, park_dir: Path, lengths: list[int], slot_tokens: int) -> list[Trial]:
     gateway = Gateway(GatewaySettings(upstream=upstream, health_seconds=0.5))
     settings = ParkSettings(park_dir, 8 * 2**30, "bench", bytes_per_token=KV_BYTES_PER_TOKEN * 1.1)
-    store = ParkStore(settings, gateway._post_json, gateway.metrics)
+    saves: list[float] = []
+
+    async def post(path: str, body: Any) -> tuple[int, Any]:
+        """llama-server's slot actions, the saves' own times noted."""
+        status, payload = await gateway._post_json(path, body)
+        if "action=save" in path and isinstance(payload, dict):
+            saves.append(float((payload.get("timings") or {}).get("save_ms") or 0.0))
+        return status, payload
+
+    store = ParkStore(settings, post, gateway.metrics)
     store.load()
     await gateway.start()
     for _ in range(1200):
@@ -175,7 +186,9 @@ async def run(upstream: str, park_dir: Path, lengths: list[int], slot_tokens: in
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
             for length in lengths:
                 for parked in (True, False):
+                    saves.clear()
                     t = await trial(gateway, store, http, url, length, parked, slot_tokens)
+                    t = replace(t, save_ms=sum(saves))
                     trials.append(t)
                     print(
                         f"  {length:>6} tokens {'parked' if parked else 'erased'}: first token "
@@ -193,8 +206,8 @@ def report(trials: list[Trial]) -> None:
     print()
     print("| context | parked: first token | evaluated / reused | erased: first token | "
           "evaluated / reused | erased / parked | reclaim parked | reclaim erased | "
-          "next holder parked | next holder erased |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "save (llama-server) | next holder parked | next holder erased |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for length in sorted({t.length for t in trials}):
         p = next(t for t in trials if t.length == length and t.parked)
         e = next(t for t in trials if t.length == length and not t.parked)
@@ -203,7 +216,8 @@ def report(trials: list[Trial]) -> None:
             f"(restored {p.restored}) | {e.first_token_seconds:.3f} s | {e.evaluated} / "
             f"{e.reused} | {e.first_token_seconds / p.first_token_seconds:.1f}x | "
             f"{p.reclaim_seconds * 1000:.1f} ms | {e.reclaim_seconds * 1000:.1f} ms | "
-            f"{p.next_holder_seconds * 1000:.1f} ms | {e.next_holder_seconds * 1000:.1f} ms |"
+            f"{p.save_ms:.1f} ms | {p.next_holder_seconds * 1000:.1f} ms | "
+            f"{e.next_holder_seconds * 1000:.1f} ms |"
         )
     for what, key in (("reclaim to slot released", "reclaim_seconds"),
                       ("next holder's first token", "next_holder_seconds")):  # fmt: skip
