@@ -101,6 +101,10 @@ class Trial:
     restored: int
     #: The save's own time as llama-server reports it (`timings.save_ms`), 0 without a park.
     save_ms: float = 0.0
+    #: From the release to the end of the save and erase behind it, as the gateway saw them.
+    behind_seconds: float = 0.0
+    #: The next holder's request as llama-server timed it (prompt and generation).
+    next_holder_llama_ms: float = 0.0
 
 
 async def ask(
@@ -133,16 +137,26 @@ async def trial(
     gateway.set_table(reclaiming(0, slot_tokens, since))
     while not any(r.grant_since == since for r in gateway.releases()):
         await asyncio.sleep(0.001)
-    reclaim = time.monotonic() - started
+    released_at = time.monotonic()
+    reclaim = released_at - started
+
+    async def behind() -> float:
+        """How long the save and the erase ran behind the release, as the gateway saw them."""
+        while gateway._parking:
+            await asyncio.sleep(0.001)
+        return time.monotonic() - released_at
+
+    watching = asyncio.create_task(behind())
     reclaimed = reclaiming(0, slot_tokens, since)
     gateway.set_table(
         GrantTable(
             slot_tokens, entries={**reclaimed.entries, **ann_granted(0, slot_tokens).entries}
         )
     )
-    next_holder, _ = await ask(http, url, context(NEW_TOKENS), ANN)
-    while gateway._parking:  # the save and erase behind the release have ended
-        await asyncio.sleep(0.001)
+    next_holder, ann = await ask(http, url, context(NEW_TOKENS), ANN)
+    ann_timings = ann.get("timings") or {}
+    ann_ms = float(ann_timings.get("prompt_ms") or 0) + float(ann_timings.get("predicted_ms") or 0)
+    behind_seconds = await watching  # the save and erase behind the release have ended
     gateway.set_table(granted(1, slot_tokens, ann_granted(0, slot_tokens)))
     seconds, reply = await ask(http, url, context(length) + context(NEW_TOKENS))
     timings = reply.get("timings") or {}
@@ -156,6 +170,8 @@ async def trial(
         int(timings.get("prompt_n") or 0),
         int(timings.get("cache_n") or 0),
         int(resumed.get("restoredTokens") or 0),
+        behind_seconds=behind_seconds,
+        next_holder_llama_ms=ann_ms,
     )
 
 
@@ -193,7 +209,8 @@ async def run(upstream: str, park_dir: Path, lengths: list[int], slot_tokens: in
                     print(
                         f"  {length:>6} tokens {'parked' if parked else 'erased'}: first token "
                         f"{t.first_token_seconds:.3f} s, reclaim {t.reclaim_seconds * 1000:.1f} "
-                        f"ms, next holder's first token {t.next_holder_seconds * 1000:.1f} ms",
+                        f"ms, next holder's first token {t.next_holder_seconds * 1000:.1f} ms "
+                        f"({t.next_holder_llama_ms:.1f} ms in llama-server)",
                         flush=True,
                     )
     finally:
@@ -206,8 +223,9 @@ def report(trials: list[Trial]) -> None:
     print()
     print("| context | parked: first token | evaluated / reused | erased: first token | "
           "evaluated / reused | erased / parked | reclaim parked | reclaim erased | "
-          "save (llama-server) | next holder parked | next holder erased |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "save (llama-server) | save + erase (gateway) | next holder parked | "
+          "next holder erased |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for length in sorted({t.length for t in trials}):
         p = next(t for t in trials if t.length == length and t.parked)
         e = next(t for t in trials if t.length == length and not t.parked)
@@ -216,7 +234,8 @@ def report(trials: list[Trial]) -> None:
             f"(restored {p.restored}) | {e.first_token_seconds:.3f} s | {e.evaluated} / "
             f"{e.reused} | {e.first_token_seconds / p.first_token_seconds:.1f}x | "
             f"{p.reclaim_seconds * 1000:.1f} ms | {e.reclaim_seconds * 1000:.1f} ms | "
-            f"{p.save_ms:.1f} ms | {p.next_holder_seconds * 1000:.1f} ms | "
+            f"{p.save_ms:.1f} ms | {p.behind_seconds * 1000:.1f} ms | "
+            f"{p.next_holder_seconds * 1000:.1f} ms | "
             f"{e.next_holder_seconds * 1000:.1f} ms |"
         )
     for what, key in (("reclaim to slot released", "reclaim_seconds"),
