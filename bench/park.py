@@ -8,14 +8,20 @@ and each way (parked, erased), in the same run:
 
 1. she is granted slot 0 and sends her context (a prompt of that length, one token generated);
 2. her grant is reclaimed: the time until the gateway reports the slot released is the
-   reclaim's (with a park: the save, then the erase; without: the erase);
-3. she is granted slot 1 (clean) and sends her context again with a few new tokens, one token
+   reclaim's (with a park the save and then the erase run behind the release; without, the
+   erase is before it);
+3. at once, Ann is granted the slot released and sends a prompt of 8 tokens, one generated:
+   the time of that request is the next holder's first token. Parked, it waits for what is
+   left of Mira's save and erase (the worst case: in a cluster the operator records the release
+   and writes the next grant first, which takes longer than the save did here);
+4. she is granted slot 1 (clean) and sends her context again with a few new tokens, one token
    generated: the time of that request is her time to first token. Parked, the gateway
    restores her context first and llama-server evaluates only the new tokens; erased, it
    evaluates the whole prompt.
 
 Printed: per length, each way's time to first token and the tokens llama-server evaluated
-(`prompt_n`) and reused (`cache_n`), the ratio, and the reclaim's time each way.
+(`prompt_n`) and reused (`cache_n`), the ratio, the reclaim's time and the next holder's first
+token each way.
 
 Run: `.venv/bin/python bench/park.py` (`--lengths 256 1024` for a quick look).
 """
@@ -29,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +56,7 @@ SHAPE = TinyModelShape(
     context_length=65536,
 )  # fmt: skip
 MIRA = "minds/mira"
+ANN = "minds/ann"
 NEW_TOKENS = 8
 # K and V of every layer, f16: the first estimate of a park's size before a save measures it.
 KV_BYTES_PER_TOKEN = 2 * SHAPE.n_layer * SHAPE.n_head_kv * (SHAPE.n_embd // SHAPE.n_head) * 2
@@ -59,9 +66,14 @@ def context(length: int) -> list[int]:
     return [3 + (i * 7919) % (SHAPE.vocab_size - 3) for i in range(length)]
 
 
-def granted(slot: int, slot_tokens: int) -> GrantTable:
+def granted(slot: int, slot_tokens: int, others: GrantTable | None = None) -> GrantTable:
     entry = TableEntry(MIRA, GrantState.GRANTED, "SlotFree", slot=slot, tokens=slot_tokens)
-    return GrantTable(slot_tokens, entries={MIRA: entry})
+    return GrantTable(slot_tokens, entries={**(others.entries if others else {}), MIRA: entry})
+
+
+def ann_granted(slot: int, slot_tokens: int) -> GrantTable:
+    entry = TableEntry(ANN, GrantState.GRANTED, "SlotFree", slot=slot, tokens=slot_tokens)
+    return GrantTable(slot_tokens, entries={ANN: entry})
 
 
 def reclaiming(slot: int, slot_tokens: int, since: str) -> GrantTable:
@@ -82,16 +94,25 @@ class Trial:
     length: int
     parked: bool
     reclaim_seconds: float
+    next_holder_seconds: float
     first_token_seconds: float
     evaluated: int
     reused: int
     restored: int
+    #: The save's own time as llama-server reports it (`timings.save_ms`), 0 without a park.
+    save_ms: float = 0.0
+    #: From the release to the end of the save and erase behind it, as the gateway saw them.
+    behind_seconds: float = 0.0
+    #: The next holder's request as llama-server timed it (prompt and generation).
+    next_holder_llama_ms: float = 0.0
 
 
-async def ask(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> tuple[float, Any]:
+async def ask(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], mind: str = MIRA
+) -> tuple[float, Any]:
     body = {"prompt": prompt, "n_predict": 1, "temperature": 0.0, "cache_prompt": True}
     started = time.monotonic()
-    async with http.post(f"{url}/completion", json=body, headers={MIND_HEADER: MIRA}) as resp:
+    async with http.post(f"{url}/completion", json=body, headers={MIND_HEADER: mind}) as resp:
         reply = await resp.json()
         assert resp.status == 200, reply
     return time.monotonic() - started, reply
@@ -108,6 +129,7 @@ async def trial(
 ) -> Trial:
     gateway.park = store if parked else None
     await gateway._erase(1)  # her next slot starts clean, as a freed slot is
+    await gateway._erase(0)  # and so does her first (Ann held it last)
     gateway.set_table(granted(0, slot_tokens))
     await ask(http, url, context(length))
     since = f"r-{length}-{parked}-{time.time()}"
@@ -115,8 +137,27 @@ async def trial(
     gateway.set_table(reclaiming(0, slot_tokens, since))
     while not any(r.grant_since == since for r in gateway.releases()):
         await asyncio.sleep(0.001)
-    reclaim = time.monotonic() - started
-    gateway.set_table(granted(1, slot_tokens))
+    released_at = time.monotonic()
+    reclaim = released_at - started
+
+    async def behind() -> float:
+        """How long the save and the erase ran behind the release, as the gateway saw them."""
+        while gateway._parking:
+            await asyncio.sleep(0.001)
+        return time.monotonic() - released_at
+
+    watching = asyncio.create_task(behind())
+    reclaimed = reclaiming(0, slot_tokens, since)
+    gateway.set_table(
+        GrantTable(
+            slot_tokens, entries={**reclaimed.entries, **ann_granted(0, slot_tokens).entries}
+        )
+    )
+    next_holder, ann = await ask(http, url, context(NEW_TOKENS), ANN)
+    ann_timings = ann.get("timings") or {}
+    ann_ms = float(ann_timings.get("prompt_ms") or 0) + float(ann_timings.get("predicted_ms") or 0)
+    behind_seconds = await watching  # the save and erase behind the release have ended
+    gateway.set_table(granted(1, slot_tokens, ann_granted(0, slot_tokens)))
     seconds, reply = await ask(http, url, context(length) + context(NEW_TOKENS))
     timings = reply.get("timings") or {}
     resumed = (reply.get("continuum") or {}).get("resumed") or {}
@@ -124,17 +165,29 @@ async def trial(
         length,
         parked,
         reclaim,
+        next_holder,
         seconds,
         int(timings.get("prompt_n") or 0),
         int(timings.get("cache_n") or 0),
         int(resumed.get("restoredTokens") or 0),
+        behind_seconds=behind_seconds,
+        next_holder_llama_ms=ann_ms,
     )
 
 
 async def run(upstream: str, park_dir: Path, lengths: list[int], slot_tokens: int) -> list[Trial]:
     gateway = Gateway(GatewaySettings(upstream=upstream, health_seconds=0.5))
     settings = ParkSettings(park_dir, 8 * 2**30, "bench", bytes_per_token=KV_BYTES_PER_TOKEN * 1.1)
-    store = ParkStore(settings, gateway._post_json, gateway.metrics)
+    saves: list[float] = []
+
+    async def post(path: str, body: Any) -> tuple[int, Any]:
+        """llama-server's slot actions, the saves' own times noted."""
+        status, payload = await gateway._post_json(path, body)
+        if "action=save" in path and isinstance(payload, dict):
+            saves.append(float((payload.get("timings") or {}).get("save_ms") or 0.0))
+        return status, payload
+
+    store = ParkStore(settings, post, gateway.metrics)
     store.load()
     await gateway.start()
     for _ in range(1200):
@@ -149,11 +202,15 @@ async def run(upstream: str, park_dir: Path, lengths: list[int], slot_tokens: in
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
             for length in lengths:
                 for parked in (True, False):
+                    saves.clear()
                     t = await trial(gateway, store, http, url, length, parked, slot_tokens)
+                    t = replace(t, save_ms=sum(saves))
                     trials.append(t)
                     print(
                         f"  {length:>6} tokens {'parked' if parked else 'erased'}: first token "
-                        f"{t.first_token_seconds:.3f} s, reclaim {t.reclaim_seconds * 1000:.1f} ms",
+                        f"{t.first_token_seconds:.3f} s, reclaim {t.reclaim_seconds * 1000:.1f} "
+                        f"ms, next holder's first token {t.next_holder_seconds * 1000:.1f} ms "
+                        f"({t.next_holder_llama_ms:.1f} ms in llama-server)",
                         flush=True,
                     )
     finally:
@@ -165,8 +222,10 @@ async def run(upstream: str, park_dir: Path, lengths: list[int], slot_tokens: in
 def report(trials: list[Trial]) -> None:
     print()
     print("| context | parked: first token | evaluated / reused | erased: first token | "
-          "evaluated / reused | erased / parked | reclaim parked | reclaim erased |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "evaluated / reused | erased / parked | reclaim parked | reclaim erased | "
+          "save (llama-server) | save + erase (gateway) | next holder parked | "
+          "next holder erased |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for length in sorted({t.length for t in trials}):
         p = next(t for t in trials if t.length == length and t.parked)
         e = next(t for t in trials if t.length == length and not t.parked)
@@ -174,14 +233,19 @@ def report(trials: list[Trial]) -> None:
             f"| {length} | {p.first_token_seconds:.3f} s | {p.evaluated} / {p.reused} "
             f"(restored {p.restored}) | {e.first_token_seconds:.3f} s | {e.evaluated} / "
             f"{e.reused} | {e.first_token_seconds / p.first_token_seconds:.1f}x | "
-            f"{p.reclaim_seconds * 1000:.1f} ms | {e.reclaim_seconds * 1000:.1f} ms |"
+            f"{p.reclaim_seconds * 1000:.1f} ms | {e.reclaim_seconds * 1000:.1f} ms | "
+            f"{p.save_ms:.1f} ms | {p.behind_seconds * 1000:.1f} ms | "
+            f"{p.next_holder_seconds * 1000:.1f} ms | "
+            f"{e.next_holder_seconds * 1000:.1f} ms |"
         )
-    parked = [t.reclaim_seconds * 1000 for t in trials if t.parked]
-    erased = [t.reclaim_seconds * 1000 for t in trials if not t.parked]
-    print(
-        f"\nreclaim to slot released, median: parked {statistics.median(parked):.1f} ms, "
-        f"erased {statistics.median(erased):.1f} ms"
-    )
+    for what, key in (("reclaim to slot released", "reclaim_seconds"),
+                      ("next holder's first token", "next_holder_seconds")):  # fmt: skip
+        parked = [getattr(t, key) * 1000 for t in trials if t.parked]
+        erased = [getattr(t, key) * 1000 for t in trials if not t.parked]
+        print(
+            f"{what}, median: parked {statistics.median(parked):.1f} ms, "
+            f"erased {statistics.median(erased):.1f} ms"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

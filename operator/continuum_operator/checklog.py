@@ -48,8 +48,9 @@ EVENTS = frozenset({"capacity", "transition", "wait", "waitEnd", "turn"})
 
 # A mind leaving the queue without a slot: she left, or she is refused (docs/grants.md).
 _REFUSED_OR_GONE = frozenset({"MindDeleted", "ContextTooLarge", "ClassLimit", "ClassNotAllowed"})
-# Reclaims that are not a preemption: the engine's, or the mind's (she left, or is refused).
-_FORCED = _REFUSED_OR_GONE | {"EngineShrunk", "EngineRelaunching"}
+# Reclaims that are not a preemption: the engine's, or the mind's (she left, or is refused,
+# or parked herself idle).
+_FORCED = _REFUSED_OR_GONE | {"EngineShrunk", "EngineRelaunching", "Parked"}
 
 # The table of docs/transition-log.md: (from, to) -> the reasons allowed.
 ALLOWED: Mapping[tuple[str | None, str], frozenset[str]] = {

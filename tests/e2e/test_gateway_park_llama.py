@@ -48,14 +48,19 @@ async def ask(e: Engine, mind: str, prompt: list[int]) -> dict[str, Any]:
 
 
 async def reclaim(e: Engine, mind: str, slot: int, others: GrantTable, grace: float = 10.0) -> Any:
-    """Her slot reclaimed, the others' entries as given: her release, once reported."""
+    """Her slot reclaimed, the others' entries as given: her release, once reported and its
+    park (saved behind the release) ended."""
     entries = {**others.entries, mind: reclaiming(mind, slot, grace)}
     e.gateway.set_table(GrantTable(others.slot_tokens, others.phase, entries))
     deadline = time.monotonic() + 30
-    while not any(r.mind == mind for r in e.gateway.releases()):
+
+    def hers() -> Any:
+        return next((r for r in e.gateway.releases() if r.mind == mind), None)
+
+    while (r := hers()) is None or r.parked_tokens is None:
         assert time.monotonic() < deadline, "never released"
         await asyncio.sleep(0.02)
-    return next(r for r in e.gateway.releases() if r.mind == mind)
+    return r
 
 
 def run_parking(

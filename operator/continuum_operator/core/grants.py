@@ -16,6 +16,9 @@ Rule 7 in code:
   protection window is not preempted, nor a mind reclaimed within that window. These are the
   decisions of `PriorityPolicy`, the operator's `GrantPolicy`: another policy (an order, a
   choice of victims) is another implementation of that protocol, passed to `allocate`.
+- A mind the gateway parked idle at her own ask (`idle`) gives her slot to a mind waiting,
+  before anyone is preempted and whatever her protection window (`Parked`); queued and still
+  idle, she is served after everyone else and preempts nobody.
 - An engine changing size or relaunching drains: every grant is reclaimed (the lowest ranked
   beyond the new size with `EngineShrunk`, the rest `EngineRelaunching`), protection windows
   notwithstanding, because llama.cpp cannot resize a KV buffer in place. Queued minds wait
@@ -67,6 +70,9 @@ class GrantReason(StrEnum):
     SLOT_RELEASED = "SlotReleased"
     GRACE_EXPIRED = "GraceExpired"
     REQUEUED = "Requeued"
+    # Reclaimed from a mind whose context the gateway parked when she went idle (her own ask),
+    # for a mind waiting: her slot holds nothing of hers, so a long pause costs her no slot.
+    PARKED = "Parked"
 
 
 # Refusals: the mind holds nothing until her spec (or her class, or the engine) changes.
@@ -620,12 +626,15 @@ def allocate(
     released: Collection[str] = (),
     policy: GrantPolicy = PriorityPolicy(),
     quota_left: Mapping[str, int] | None = None,
+    idle: Collection[str] = (),
 ) -> Allocation:
     """The ledger that should hold now, and the transitions that get there.
 
     `policy`: the order the queue is served in and who preempts whom (`GrantPolicy`).
     `quota_left`: by namespace, the most tokens its minds may hold on this engine (absent: no
-    limit)."""
+    limit). `idle`: minds the gateway parked when they went idle and that have sent nothing
+    since: their slots go to waiting minds first (`Parked`), before any preemption, and while
+    queued they are served after everyone else and preempt nobody."""
     demand = {m.name: m for m in minds}
     step = _Step(grants, demand, now, quota_left, policy.rank)
     ledger = step.grants
@@ -672,7 +681,7 @@ def allocate(
             step.move(name, _RELEASED, refusal)
 
     if capacity.phase is EnginePhase.SERVING:
-        _serve(step, capacity, policy)
+        _serve(step, capacity, policy, idle)
     else:
         _drain(step, capacity, policy)
     review = _review_at(step, capacity, policy)
@@ -796,15 +805,34 @@ def _preempt(
     return preempting
 
 
-def _serve(step: _Step, capacity: Capacity, policy: GrantPolicy) -> None:
+def _take_idle(
+    step: _Step, uncovered: list[MindDemand], policy: GrantPolicy, idle: Collection[str]
+) -> list[MindDemand]:
+    """The first minds of `uncovered`, each given the slot of a mind parked idle (reclaimed
+    `Parked`, whatever her rank or protection window: she asked, and her context is saved);
+    the lowest ranked idle mind's first."""
+    if not idle or not uncovered:
+        return []
+    parked = [g for m, g in reversed(step.in_state(_GRANTED)) if m.name in idle]
+    served = uncovered[: len(parked)]
+    for m, g in zip(served, parked, strict=False):
+        _set_wait_reason(step, [m.name], GrantReason.WAITING_FOR_RECLAIM)
+        _reclaim(step, g, GrantReason.PARKED, policy, by=m.name)
+    return served
+
+
+def _serve(step: _Step, capacity: Capacity, policy: GrantPolicy, idle: Collection[str]) -> None:
     holders = [g for g in step.grants.values() if g.state in _HOLDING]
     taken = {g.slot for g in holders}
     free_slots = [s for s in range(capacity.slots) if s not in taken]
     _move_stray(step, capacity, holders, free_slots)
 
     # Free slots to the queue in order; a mind her namespace's quota holds back is passed
-    # over (the slot goes to whoever is behind her) and preempts nobody.
+    # over (the slot goes to whoever is behind her) and preempts nobody. A mind parked idle
+    # (and silent since) is served after everyone else, and preempts nobody either.
     queued = _queued(step)
+    if idle:
+        queued = [m for m in queued if m.name not in idle] + [m for m in queued if m.name in idle]
     over_quota: list[MindDemand] = []
     granted_now: set[str] = set()
     quota_left = step.quota_left
@@ -842,6 +870,12 @@ def _serve(step: _Step, capacity: Capacity, policy: GrantPolicy) -> None:
     uncovered = queue[covered:]
 
     still_waiting: list[MindDemand] = []
+    if idle:
+        still_waiting.extend(m for m in uncovered if m.name in idle)
+        uncovered = [m for m in uncovered if m.name not in idle]
+    took_idle = _take_idle(step, uncovered, policy, idle)
+    waiting_for_reclaim.extend(took_idle)
+    uncovered = uncovered[len(took_idle) :]
     waiting_for_reclaim.extend(_preempt(step, uncovered, policy, still_waiting))
 
     _set_wait_reason(step, (m.name for m in waiting_for_reclaim), GrantReason.WAITING_FOR_RECLAIM)

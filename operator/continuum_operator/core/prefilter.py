@@ -41,9 +41,10 @@ import numpy as np
 import numpy.typing as npt
 
 from continuum_operator.core.modes import DeviceBudget, rules_of
-from continuum_operator.core.plan import SizeTable
+from continuum_operator.core.plan import SizeTable, disk_park_bytes
 from continuum_operator.core.plan_reasons import ReasonCode
 from continuum_operator.core.pools import Board, BoardLeases, Pool
+from continuum_operator.model.board import PoolKind
 from continuum_operator.model.engine import EngineSpec
 
 __all__ = ["NO_BUDGET", "Best", "Boards", "Kind", "Outcome", "Shortfalls", "kind_of", "outcome"]
@@ -55,6 +56,8 @@ Pred = Callable[[Int64s, Int64s], Bools]
 
 #: Stands for "no budget on this side": above any figure a `SizeTable` computes in int64.
 NO_BUDGET = 2**62
+#: A board's disk room where it reports no disk pool (a park store on disk is refused there).
+NO_DISK = -1
 
 
 class Kind(IntEnum):
@@ -79,13 +82,18 @@ def kind_of(board: Board) -> Kind | None:
     if any(p.capacity_bytes > SizeTable.LIMIT for p in pools.values()):
         return None
     budget = rules_of(board.memory_mode).device_budget
+    disk = pools.get("disk")
+    if disk is not None and (disk.kind is not PoolKind.DISK or disk.device is not None):
+        return None
+    memory = [key for key in pools if key != "disk"]  # the disk pool only holds park stores
     if budget is DeviceBudget.SHARED_POOL:
         # One pool, which both the host view and the device view of any GPU are.
-        return Kind.UNIFIED if len(pools) == 1 and board.device_view(0) is host else None
+        return Kind.UNIFIED if len(memory) == 1 and board.device_view(0) is host else None
     if host.key != "host" or host.device is not None or "unified" in pools:
         return None
     if budget is DeviceBudget.EACH_GPU:
-        for key, p in pools.items():
+        for key in memory:
+            p = pools[key]
             if key != "host" and (p.device is None or key != f"device/{p.device}"):
                 return None  # not the pool `Board.device_view` finds for its GPU
         return Kind.DISCRETE
@@ -110,6 +118,7 @@ class Boards:
     def __init__(self, ledgers: Sequence[BoardLeases], kinds: Sequence[Kind]) -> None:
         """One row for each board (with the leases on it), of its `kind_of`."""
         hosts: list[int] = []
+        disks: list[int] = []
         caps: list[int] = []
         gpu_rows: list[list[int]] = []
         falls_back: list[bool] = []
@@ -118,6 +127,8 @@ class Boards:
             falls_back.append(rules_of(board.memory_mode).auto_falls_back_to_host)
             host = board.host_view()
             hosts.append(0 if host is None else _available(ledger, host))
+            disk = board.pools.get("disk")
+            disks.append(NO_DISK if disk is None else _available(ledger, disk))
             cap = board.per_process_cap_bytes
             caps.append(NO_BUDGET if cap is None else cap)
             if kind is Kind.DISCRETE:
@@ -137,6 +148,7 @@ class Boards:
                 gpu_available[i, : len(row)] = row
         self.kind = np.asarray(kinds, dtype=np.int8)
         self.host_available = np.asarray(hosts, dtype=np.int64)  # the unified pool if unified
+        self.disk_available = np.asarray(disks, dtype=np.int64)  # NO_DISK: no disk pool
         self.cap = np.asarray(caps, dtype=np.int64)  # the per-process cap, NO_BUDGET if none
         self.gpus = np.asarray([len(r) for r in gpu_rows], dtype=np.int64)  # discrete
         self.gpu_available = gpu_available  # each board's GPUs, most available first
@@ -182,8 +194,11 @@ class _Budgets:
     host: Int64s
     shared: Int64s  # unified: both sides together
     checked: Bools  # the device is checked (`Budgeted.device_checked`)
-    refused: Bools  # no budget at all: no host pool, or fewer GPUs than the spec asks
+    #: No budget at all (no host pool, or fewer GPUs than the spec asks), or no room for its
+    #: park store on disk (`plan._disk_refusal`, `no_disk`).
+    refused: Bools
     checked_open: Bools  # checked and not refused
+    no_disk: Bools  # refused for its park store on disk alone
 
     def take(self, rows: Int64s) -> _Budgets:
         return _Budgets(
@@ -193,6 +208,7 @@ class _Budgets:
             self.checked[rows],
             self.refused[rows],
             self.checked_open[rows],
+            self.no_disk[rows],
         )
 
     def fits(self, device: Int64s | int, host: Int64s | int) -> Bools:
@@ -209,6 +225,7 @@ class _Budgets:
             self.checked[:, None],
             self.refused[:, None],
             self.checked_open[:, None],
+            self.no_disk[:, None],
         )
 
 
@@ -228,7 +245,12 @@ def _budgets(boards: Boards, spec: EngineSpec) -> _Budgets:
         device = np.where(boards.declared, np.minimum(declared, boards.cap), device)
         checked, checked_open = boards.every, ~refused
     shared = np.where(boards.one_pool, host, NO_BUDGET)
-    return _Budgets(device, host, shared, checked, refused, checked_open)
+    # A park store on disk needs the disk pool's room, checked by the plan after the budget.
+    disk = disk_park_bytes(spec)
+    no_disk = ~refused & (boards.disk_available < disk) if disk else np.zeros_like(refused)
+    return _Budgets(
+        device, host, shared, checked, refused | no_disk, checked_open & ~no_disk, no_disk
+    )
 
 
 def _search(
@@ -429,6 +451,9 @@ class Outcome:
         shortfall = np.where(b.refused, -1, np.maximum(over, 0))
         offload, memory = str(ReasonCode.OFFLOAD_DOES_NOT_FIT), str(ReasonCode.INSUFFICIENT_MEMORY)
         codes = [offload if short else memory for short in offload_short.tolist()]
+        no_pool = self.boards.disk_available == NO_DISK
+        for r in np.flatnonzero(b.no_disk).tolist():
+            codes[r] = str(ReasonCode.NO_DISK_POOL if no_pool[r] else ReasonCode.INSUFFICIENT_DISK)
         return Shortfalls(codes, shortfall)
 
 
@@ -532,6 +557,8 @@ def _leftover(
     left: Int64s = np.maximum(
         0, boards.host_available[rows] - (host + reserve) - np.where(one_pool, device, 0)
     )
+    if disk := disk_park_bytes(spec):  # its park store on disk: the disk pool is charged too
+        left += np.maximum(0, boards.disk_available[rows] - disk)
     # `ModeRules.reserves`: one pool keeps one reserve (on the host side); otherwise each GPU
     # used keeps its own. A device part is charged where it has bytes (`plan._charges`).
     if isinstance(level, int) and isinstance(device, int):  # one plan's bytes for every row

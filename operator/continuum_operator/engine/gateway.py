@@ -26,7 +26,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -80,7 +80,7 @@ from continuum_operator.engine.dialects import (
 from continuum_operator.engine.llama_routes import LlamaRoutes
 from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from continuum_operator.engine.openai_api import prompt_bound
-from continuum_operator.engine.park import NotParked, Parked
+from continuum_operator.engine.park import PARKING, NotParked, Parked, Parking
 from continuum_operator.engine.parking import ParkStore, Resumed
 from continuum_operator.engine.request_cost import (
     DEFAULT_BOUNDS,
@@ -163,12 +163,20 @@ class SlotRelease:
     reason: str
     grant_since: str | None
     at: float
-    #: None: llama-server had not erased it by the reclaim's deadline (erased before the next
-    #: holder's first request).
+    #: None: not erased when released (a park's save runs behind the release, or llama-server
+    #: had not erased it by the deadline): erased before the next holder's first request.
     erased_tokens: int | None
-    #: Her context parked before the erase (its tokens), or why it was not.
-    parked_tokens: int = 0
+    #: Her context parked before the erase (its tokens), or why it was not; None with no
+    #: reason: the save runs behind the release (filled in when it ends).
+    parked_tokens: int | None = 0
     not_parked: str | None = None
+
+    def as_parked(self, parked: Parked | NotParked | Parking, erased: int | None) -> SlotRelease:
+        """This release as her park went: its tokens, why not, or (PARKING) not known yet."""
+        if parked is PARKING:
+            return replace(self, erased_tokens=None, parked_tokens=None, not_parked=None)
+        tokens, why = (parked.tokens, None) if isinstance(parked, Parked) else (0, parked.value)
+        return replace(self, erased_tokens=erased, parked_tokens=tokens, not_parked=why)
 
     def to_status(self) -> dict[str, Any]:
         return {
@@ -241,6 +249,8 @@ class Gateway:
         self.slot_owner: dict[int, str] = {}
         self.released: dict[tuple[str, int, str | None], SlotRelease] = {}
         self._releasing: dict[tuple[str, int, str | None], asyncio.Task[None]] = {}
+        # Saves of reclaimed slots running behind their releases (each then erases its slot).
+        self._parking: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[], None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
@@ -270,7 +280,9 @@ class Gateway:
 
     async def close(self) -> None:
         tasks = [
-            t for t in (self._health, self._watching, *self._releasing.values()) if t is not None
+            t
+            for t in (self._health, self._watching, *self._releasing.values(), *self._parking)
+            if t is not None
         ]
         for t in tasks:
             t.cancel()
@@ -371,17 +383,20 @@ class Gateway:
         )
         try:
             # Her requests were cut; each lands as soon as the gateway has let go of it. Her
-            # context is parked between the cut and the erase where the save can finish
-            # before the deadline (the park store's rule).
-            parked: Parked | NotParked = NotParked.NO_TIME
+            # context is saved where the save can finish before the deadline (the park store's
+            # rule), behind the release: the save and the erase hold the slot's lock, so they
+            # delay the slot's next holder's first request, if it comes that soon, not the
+            # reclaim.
+            parked: Parked | NotParked | Parking = NotParked.NO_TIME
             erased: int | None = None
             try:
                 async with asyncio.timeout(max(0.0, deadline - self.clock())):
                     async with self._flights_done:
                         await self._flights_done.wait_for(lambda: not self.flights.get(rel.mind))
                     if self._still_reclaiming(rel):
-                        parked = await self._park(rel, deadline)
-                    erased = await self._erase_while_reclaiming(rel)
+                        parked = await self._park_behind(rel, deadline)
+                    if parked is not PARKING:
+                        erased = await self._erase_while_reclaiming(rel)
             except TimeoutError:
                 # llama-server did not save or erase by the deadline (stalled, restarting): the
                 # release is recorded on time all the same, parked or not as the save went; the
@@ -395,16 +410,8 @@ class Gateway:
                 )
             if not self._still_reclaiming(rel):
                 return  # the operator moved on (forced at the deadline): nothing to report
-            record = SlotRelease(
-                rel.mind,
-                rel.slot,
-                rel.reason,
-                rel.since,
-                self.clock(),
-                erased,
-                parked.tokens if isinstance(parked, Parked) else 0,
-                None if isinstance(parked, Parked) else parked,
-            )
+            record = SlotRelease(rel.mind, rel.slot, rel.reason, rel.since, self.clock(), erased)
+            record = record.as_parked(parked, erased)
             self.released[rel.key] = record
             self.metrics.slot_released(rel.reason)
             log.info("released slot %d of %s (%s)", rel.slot, rel.mind, rel.reason)
@@ -412,15 +419,42 @@ class Gateway:
         finally:
             self._releasing.pop(rel.key, None)
 
-    async def _park(self, rel: Release, deadline: float) -> Parked | NotParked:
-        """Save her slot to the park store, between the cut and the erase, if the save can
-        finish before the reclaim's deadline; else why not (the slot is erased as without)."""
+    async def _park_behind(self, rel: Release, deadline: float) -> NotParked | Parking:
+        """Start saving her slot to the park store, then erasing it, behind the release, where
+        the save can finish before the reclaim's deadline: PARKING, the slot's lock taken for
+        them; else why not (the slot is erased as without a store)."""
         if self.park is None:
             return NotParked.NO_STORE
         if self.slot_owner.get(rel.slot) != rel.mind:
             return NotParked.EMPTY  # erased already, or another's: nothing of hers to save
-        async with self._slot_locks.setdefault(rel.slot, asyncio.Lock()):
-            return await self._save(rel.mind, rel.slot, deadline)
+        why = self.park.verdict(self.slot_tokens.get(rel.slot, 0), deadline)
+        if why is not None:
+            return why
+        lock = self._slot_locks.setdefault(rel.slot, asyncio.Lock())
+        await lock.acquire()
+        task = asyncio.create_task(self._save_then_erase(rel, deadline, lock))
+        self._parking.add(task)
+        task.add_done_callback(self._parking.discard)
+        return PARKING
+
+    async def _save_then_erase(self, rel: Release, deadline: float, lock: asyncio.Lock) -> None:
+        """Her slot saved, then erased, the slot's `lock` held (taken for this by the release):
+        by the deadline at the latest, when the lock is let go, her slot still marked hers
+        if not erased (so erased before its next holder's first request)."""
+        parked: Parked | NotParked = NotParked.NO_TIME
+        erased: int | None = None
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                parked = await self._save(rel.mind, rel.slot, deadline)
+                erased = await self._erase_held(rel.slot)
+        except (TimeoutError, UpstreamDown) as err:
+            log.warning("slot %d of %s: park, erase unfinished: %r", rel.slot, rel.mind, err)
+        finally:
+            lock.release()
+        record = self.released.get(rel.key)
+        if record is not None:  # still reported: said as it went
+            self.released[rel.key] = record.as_parked(parked, erased)
+            self._changed()
 
     async def _save(self, mind: str, slot: int, deadline: float) -> Parked | NotParked:
         """Her slot saved to the park store (the slot's lock held)."""
@@ -544,21 +578,22 @@ class Gateway:
                 return web.json_response({"parked": False, "reason": parked.value})
             with contextlib.suppress(UpstreamDown):  # still hers: restored on another slot only
                 await self._erase_held(adm.slot)
+        self.park.went_idle(mind)  # her slot goes to whoever waits, until she asks again
         return web.json_response({"parked": True, "tokens": parked.tokens, "slot": adm.slot})
 
     async def _ensure_clean(self, slot: int, mind: str) -> Resumed | None:
         """Erase a slot that may still hold another mind's context, then mark it hers; where
         it does not hold hers and she has a parked context, restore it into the slot first
         (her first request of a new grant): what was restored."""
-        owner = self.slot_owner.get(slot)
-        if owner is not None and owner != mind:
-            await self._erase(slot)
-        if owner == mind or self.park is None or not self.park.waiting(mind):
-            self.slot_owner[slot] = mind
-            return None
-        lock = self._slot_locks.setdefault(slot, asyncio.Lock())
-        async with lock:
+        # All under the slot's lock: a second request of hers waits for the first one's
+        # restore, rather than finding the slot marked hers and running without it.
+        async with self._slot_locks.setdefault(slot, asyncio.Lock()):
+            owner = self.slot_owner.get(slot)
+            if owner is not None and owner != mind:
+                await self._erase_held(slot)
             self.slot_owner[slot] = mind  # from here the slot may hold hers
+            if owner == mind or self.park is None or not self.park.waiting(mind):
+                return None
             resumed = await self.park.resume(mind, slot)
         if resumed is not None:
             self.slot_tokens[slot] = resumed.tokens
@@ -738,6 +773,8 @@ class Gateway:
         return web.json_response({"turn": tid, **adm.body}, status=201)
 
     def _admit_turn(self, mind: str, asked: int | None) -> Admission:
+        if self.park is not None:
+            self.park.back(mind)  # she asks again: no longer parked idle
         return admit_turn(
             self.table,
             mind,
@@ -789,6 +826,8 @@ class Gateway:
 
     def _admit(self, mind: str, tid: str) -> Admission:
         """Whether this request runs: inside her open turn, or as a turn of one request."""
+        if self.park is not None:
+            self.park.back(mind)  # she asks again: no longer parked idle
         if not tid:
             # No turn named: a turn of this one request, answered as opening a turn would be.
             # Her explicit turn, if any, is left as it is.

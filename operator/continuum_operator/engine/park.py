@@ -12,17 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 from continuum_operator.core.grants import REFUSALS, GrantReason
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.model.mind import GrantState
 
 __all__ = [
+    "PARKING",
     "Dropped",
     "NotParked",
     "ParkVerdict",
     "Parked",
+    "Parking",
     "evictions",
     "gone_minds",
     "park_verdict",
@@ -44,6 +46,15 @@ class NotParked(StrEnum):
     TOO_LARGE = "TooLarge"  # larger than the whole store
     NO_TIME = "NoTime"  # the save could not finish before the reclaim's deadline
     SAVE_FAILED = "SaveFailed"  # llama-server did not save it
+
+
+class Parking(Enum):
+    """A reclaimed slot whose save was started behind its release: its outcome comes later."""
+
+    PARKING = "Parking"
+
+
+PARKING = Parking.PARKING
 
 
 class Dropped(StrEnum):

@@ -11,6 +11,7 @@ refuses `POST /slots/{id}` to them (docs/gateway.md, "Every route").
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -91,6 +92,13 @@ class ParkStore:
     #: Learned from saves: the largest bytes per saved token, the slowest write rate.
     bytes_per_token: float = 0.0
     write_rate: float = 0.0
+    #: The saves in flight: each mind's ends when her save is answered (or given up), and
+    #: the files they write, which no index names until then.
+    saving: dict[str, asyncio.Event] = field(default_factory=dict)
+    writing: set[str] = field(default_factory=set)
+    #: Minds parked at their own ask (`POST /v1/park`) who have asked nothing since: the
+    #: operator gives their slots to minds waiting (core.grants, `Parked`).
+    idle: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.bytes_per_token = self.settings.bytes_per_token
@@ -112,11 +120,18 @@ class ParkStore:
                 self.parked[p.mind] = p
             else:
                 self._delete(p, Dropped.SHAPE)
-        kept = {p.file for p in self.parked.values()}
+        self.sweep()
+        self._save_index()
+
+    def sweep(self) -> None:
+        """Delete the store's files that no index names and no save in flight writes: a save
+        given up at the reclaim's deadline, which llama-server may still have written after
+        (it cannot be cancelled), or a file an earlier runtime left."""
+        kept = {p.file for p in self.parked.values()} | self.writing
         for path in self.settings.path.glob(PREFIX + "*"):
             if path.name not in kept:
                 path.unlink(missing_ok=True)
-        self._save_index()
+                log.info("deleted %s, a park no index names (a save given up)", path.name)
 
     def _save_index(self) -> None:
         text = json.dumps([asdict(p) for p in self.parked.values()])
@@ -125,8 +140,7 @@ class ParkStore:
             tmp.write_text(text)
             os.replace(tmp, self.settings.path / INDEX)
         self._gauge()
-        if self.changed is not None:
-            self.changed()
+        self._publish()
 
     def _delete(self, p: Parked, why: Dropped) -> None:
         (self.settings.path / p.file).unlink(missing_ok=True)
@@ -143,8 +157,9 @@ class ParkStore:
 
     # --- park, resume, forget -----------------------------------------------------------------
 
-    async def park(self, mind: str, slot: int, tokens: int, deadline: float) -> Parked | NotParked:
-        """Save her slot (at most `tokens` tokens) if it can be saved before `deadline`."""
+    def verdict(self, tokens: int, deadline: float) -> NotParked | None:
+        """Why a slot of at most `tokens` tokens would not be saved before `deadline` (counted
+        as a skip), or None: a save would be started."""
         verdict = park_verdict(
             budget=self.settings.budget_bytes,
             tokens=tokens,
@@ -154,17 +169,37 @@ class ParkStore:
         )
         if verdict.reason is not None:
             self.metrics.park_skipped(verdict.reason.value)
-            return verdict.reason
+        return verdict.reason
+
+    async def park(self, mind: str, slot: int, tokens: int, deadline: float) -> Parked | NotParked:
+        """Save her slot (at most `tokens` tokens) if it can be saved before `deadline`."""
+        if (why := self.verdict(tokens, deadline)) is not None:
+            return why
+        expected = int(tokens * self.bytes_per_token)
+        done = self.saving[mind] = asyncio.Event()
+        name = f"{PREFIX}{hashlib.sha256(mind.encode()).hexdigest()[:24]}-{secrets.token_hex(6)}"
+        self.writing.add(name)
+        try:
+            return await self._park(mind, slot, name, expected)
+        finally:
+            # Answered, failed or given up (cancelled at the deadline): a file no index names
+            # is deleted now, and by the next sweep if llama-server writes it later.
+            self.writing.discard(name)
+            if all(p.file != name for p in self.parked.values()):
+                (self.settings.path / name).unlink(missing_ok=True)
+            if self.saving.get(mind) is done:
+                del self.saving[mind]
+            done.set()
+
+    async def _park(self, mind: str, slot: int, name: str, expected: int) -> Parked | NotParked:
         old = self.parked.get(mind)
         if old is not None:
             self._delete(old, Dropped.REPLACED)
-        for p in evictions(self.parked, self.settings.budget_bytes, verdict.expected_bytes):
+        for p in evictions(self.parked, self.settings.budget_bytes, expected):
             self._delete(p, Dropped.EVICTED)
-        name = f"{PREFIX}{hashlib.sha256(mind.encode()).hexdigest()[:24]}-{secrets.token_hex(6)}"
         status, payload = await self.post(f"/slots/{slot}?action=save", {"filename": name})
         saved = _figures(payload, "n_saved", "n_written")
         if status != 200 or saved is None or saved[0] <= 0:
-            (self.settings.path / name).unlink(missing_ok=True)
             log.warning("slot %d of %s not saved: %s %s", slot, mind, status, payload)
             self.metrics.park_skipped(NotParked.SAVE_FAILED.value)
             return NotParked.SAVE_FAILED
@@ -175,7 +210,6 @@ class ParkStore:
         for old_park in evictions(self.parked, self.settings.budget_bytes, n_bytes):
             self._delete(old_park, Dropped.EVICTED)
         if n_bytes > self.settings.budget_bytes:
-            (self.settings.path / name).unlink(missing_ok=True)
             self.metrics.park_skipped(NotParked.TOO_LARGE.value)
             return NotParked.TOO_LARGE
         self.parked[mind] = p
@@ -192,12 +226,32 @@ class ParkStore:
             rate = n_bytes / (ms / 1000)
             self.write_rate = (self.write_rate + rate) / 2 if self.write_rate > 0 else rate
 
+    def went_idle(self, mind: str) -> None:
+        """She parked herself: reported idle until she asks anything again."""
+        if mind not in self.idle:
+            self.idle.add(mind)
+            self._publish()
+
+    def back(self, mind: str) -> None:
+        """She asks again (a request, a turn): no longer idle."""
+        if mind in self.idle:
+            self.idle.discard(mind)
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.changed is not None:
+            self.changed()
+
     def waiting(self, mind: str) -> bool:
-        return mind in self.parked
+        """She has a park to restore, or one being saved (her save runs behind her release)."""
+        return mind in self.parked or mind in self.saving
 
     async def resume(self, mind: str, slot: int) -> Resumed | None:
-        """Restore her parked context into `slot` (which holds nothing of another mind's):
-        what was restored, or None where she has none or it no longer fits this launch."""
+        """Restore her parked context into `slot` (which holds nothing of another mind's),
+        once a save of hers in flight has ended: what was restored, or None where she has
+        none or it no longer fits this launch."""
+        if (saving := self.saving.get(mind)) is not None:
+            await saving.wait()
         p = self.parked.pop(mind, None)
         if p is None:
             return None
@@ -230,6 +284,11 @@ class ParkStore:
             self._delete(self.parked[mind], why)
         if gone:
             self._save_index()
+        self.sweep()
+        left = {m for m in self.idle if table.entry(m) is None and not table.left_out}
+        if left:  # her Mind deleted: nothing to report of her
+            self.idle -= left
+            self._publish()
 
     def to_status(self) -> dict[str, Any]:
         return {
@@ -240,6 +299,7 @@ class ParkStore:
                 {"mind": p.mind, "tokens": p.tokens, "bytes": p.bytes}
                 for p in sorted(self.parked.values(), key=lambda p: p.at)
             ],
+            "idle": sorted(self.idle),
         }
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from continuum_operator.model.base import (
+    Bytes,
     Conditions,
     Name,
     ObservedGeneration,
@@ -79,10 +80,23 @@ class GrantProjection(Spec):
     message: str = Field(default="", description="Why, in words, and what would change it.")
 
 
+class ParkedContext(Spec):
+    """Her context in her Engine's park store (docs/gateway.md, "Parked contexts"), as the
+    engine reports it (`status.runtime.park`): restored at her next request on a slot."""
+
+    tokens: int = Field(ge=0, le=16_777_216, description="Tokens of her context parked.")
+    bytes: Bytes = Field(description="Bytes of the Engine's park store it takes.")
+
+
 class MindStatus(Spec):
     """Her grant, where she takes turns, and her conditions; written by the operator."""
 
     grant: GrantProjection | None = None
+    parked: ParkedContext | None = Field(
+        default=None,
+        description="Her context parked in her Engine's park store, as its runtime last "
+        "reported it; absent: none.",
+    )
     endpoint: str | None = Field(
         default=None,
         max_length=2048,

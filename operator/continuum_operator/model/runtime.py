@@ -56,11 +56,13 @@ class SlotReleaseStatus(Spec):
     grant_since: str | None = nullable("The reclaim's `since` in the ledger (RFC 3339).")
     at: str = Field(max_length=64, description="When the slot was released (RFC 3339).")
     erased_tokens: int | None = nullable(
-        "Tokens of her context erased from the slot; null: llama-server had not erased it by "
-        "the reclaim's deadline (the gateway erases it before its next holder's first request)."
+        "Tokens of her context erased from the slot; null: not erased when released (her park "
+        "is saved behind the release, or llama-server had not erased it by the deadline): the "
+        "gateway erases it before its next holder's first request."
     )
     parked_tokens: Tokens | None = nullable(
-        "Tokens of her context saved to the park store before the erase (0: not parked)."
+        "Tokens of her context saved to the park store before the erase (0: not parked); "
+        "null: the save runs behind the release (filled in when it ends, if still reported)."
     )
     not_parked: str | None = nullable(
         "Why her context was erased without a park: NoStore, Empty, SizeUnknown, TooLarge, "
@@ -85,6 +87,10 @@ class ParkStoreStatus(Spec):
     parked_contexts: Count = Field(description="Contexts parked now.")
     minds: Annotated[list[ParkedMind], Field(max_length=4096)] = Field(
         description="Each parked context, oldest first (evicted first when the store is full)."
+    )
+    idle: Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=4096)] = Field(
+        description="Minds that parked themselves idle (POST /v1/park) and have asked nothing "
+        "since: the operator gives their slots to minds waiting (reason Parked)."
     )
 
 

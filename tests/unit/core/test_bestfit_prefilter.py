@@ -83,6 +83,8 @@ def boards(draw: st.DrawFn, name: str) -> Board:
             ps = [draw(pools(PoolKind.UNIFIED)), draw(pools(PoolKind.DEVICE, 0))]
         else:
             ps = [draw(pools(PoolKind.HOST)), draw(pools(PoolKind.UNIFIED))]
+    if draw(st.booleans()):  # its agent probes the disk (park stores on disk are charged there)
+        ps.append(draw(pools(PoolKind.DISK)))
     return Board(name, mode, {p.key: p for p in ps}, per_process_cap_bytes=cap)
 
 
@@ -155,6 +157,8 @@ def engines(draw: st.DrawFn) -> dict[str, Any]:
         "reserveBytes": draw(st.integers(min_value=0, max_value=4096)) * MiB,
         "placement": placement,
     }
+    if draw(st.booleans()):
+        spec["park"] = {"tier": draw(st.sampled_from(["host", "disk"])), "bytes": draw(mib)}
     return engine_body(**spec)
 
 

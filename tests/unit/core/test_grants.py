@@ -203,3 +203,31 @@ def test_a_deleted_mind_gives_back_her_slot_through_a_reclaim_and_leaves_the_led
 def test_the_same_inputs_give_the_same_allocation() -> None:
     minds = [mind(f"m{i}", i % 3, float(i)) for i in range(12)]
     assert run({}, minds, cap(5), 0.0) == run({}, list(reversed(minds)), cap(5), 0.0)
+
+
+def test_a_mind_parked_idle_gives_her_slot_to_the_first_waiting_and_keeps_her_place() -> None:
+    # Ann holds the one slot, inside her protection window, equal in priority to Bob who
+    # waits: nothing would preempt her. Parked idle, her slot goes to Bob.
+    first = run({}, [mind("ann", window=600.0)], cap(1), 0.0)
+    minds = [mind("ann", window=600.0), mind("bob", arrival=1.0)]
+    waiting = run(first.grants, minds, cap(1), 10.0)
+    assert states(waiting) == {"ann": G, "bob": Q}
+    idle = run(waiting.grants, minds, cap(1), 11.0, idle={"ann"})
+    ann = idle.grants["ann"]
+    assert (ann.state, ann.reason, ann.by) == (R, GrantReason.PARKED, "bob")
+    assert idle.grants["bob"].reason is GrantReason.WAITING_FOR_RECLAIM
+    # The gateway reports her slot released: Bob is granted it; she waits, idle, behind him.
+    after = run(idle.grants, minds, cap(1), 12.0, released={"ann"}, idle={"ann"})
+    assert states(after) == {"ann": Q, "bob": G}
+    assert after.grants["ann"].reason is GrantReason.POOL_FULL
+    # A slot frees beside Cy, who came after her: while she is idle it is Cy's; once she asks
+    # again (no longer idle) she has her place back, before Cy.
+    more = [*minds, mind("cy", arrival=2.0)]
+    assert states(run(after.grants, more, cap(2), 13.0, idle={"ann"}))["cy"] is G
+    assert states(run(after.grants, more, cap(2), 13.0)) == {"ann": G, "bob": G, "cy": Q}
+
+
+def test_a_mind_parked_idle_keeps_her_slot_while_nobody_waits() -> None:
+    first = run({}, [mind("ann"), mind("bob", arrival=1.0)], cap(2), 0.0)
+    idle = run(first.grants, [mind("ann"), mind("bob", arrival=1.0)], cap(2), 1.0, idle={"ann"})
+    assert states(idle) == {"ann": G, "bob": G} and idle.transitions == ()

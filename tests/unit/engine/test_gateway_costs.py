@@ -273,8 +273,8 @@ def test_a_cut_stream_of_each_dialect_says_the_watchdogs_reason_and_what_to_chan
 def test_a_reclaim_during_a_stalled_loop_parks_nothing_and_is_released_by_its_deadline(
     tmp_path: Path,
 ) -> None:
-    # A park store: the save, asked between the cut and the erase, waits on the stalled loop;
-    # at the deadline the release is recorded all the same, not parked and not erased.
+    # A park store: the save, asked behind the release, waits on the stalled loop; at the
+    # deadline it is given up, and the release says so: not parked and not erased.
     fake = StallingLlama(after_cut=5.0)
 
     async def body(e: Engine) -> None:
@@ -286,6 +286,7 @@ def test_a_reclaim_during_a_stalled_loop_parks_nothing_and_is_released_by_its_de
         e.gateway.set_table(table(reclaiming(MIRA, seconds=2.0)))
         assert (await asking)[0] == 409
         await until(lambda: bool(e.gateway.releases()), timeout=5)
+        await until(lambda: e.gateway.releases()[0].parked_tokens is not None, timeout=5)
         assert time.monotonic() - reclaimed < 3.0  # by her 2 s deadline, not the stall's 5 s
         [release] = e.gateway.releases()
         status = release.to_status()

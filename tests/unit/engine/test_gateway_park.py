@@ -6,10 +6,13 @@ tests/e2e/test_gateway_park_llama.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+from aiohttp import web
 
 from continuum_operator.engine.admission import GrantTable, TableEntry
 from continuum_operator.engine.gateway import SlotRelease
@@ -87,6 +90,8 @@ class TestParkAndResume:
             await ask(rig, MIRA, "a b c d e f g")  # 8 prompt + 3 generated tokens in slot 0
             rig.gateway.set_table(table(reclaiming(), granted(VIP, slot=1)))
             await until(lambda: released(rig))
+            # The save runs behind the release; its record is filled in when it ends.
+            await until(lambda: rig.gateway.releases()[0].parked_tokens is not None)
             (record,) = rig.gateway.releases()
             status = record.to_status()
             assert (status["parkedTokens"], status["notParked"], status["erasedTokens"]) == (
@@ -235,6 +240,31 @@ class TestParkAndResume:
         loaded.load()
         assert loaded.parked == {} and outside.read_bytes() == b"keep"
 
+    def test_a_save_given_up_at_the_deadline_leaves_no_file_behind(self, tmp_path: Path) -> None:
+        # llama-server wrote the file, but its answer came too late: the save was given up.
+        # The file is deleted then, and again if llama-server writes it after.
+        written: list[str] = []
+
+        async def slow_save(path: str, body: object) -> tuple[int, object]:
+            assert isinstance(body, dict)
+            (tmp_path / body["filename"]).write_bytes(b"x" * 1100)
+            written.append(body["filename"])
+            await asyncio.sleep(10)
+            raise AssertionError("given up before")
+
+        parks = ParkStore(store(tmp_path), slow_save, EngineMetrics())
+        parks.load()
+
+        async def give_up() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(parks.park(MIRA, 0, 11, time.time() + 10), 0.1)
+
+        asyncio.run(give_up())
+        assert written and parks.parked == {} and files(tmp_path) == []
+        (tmp_path / written[0]).write_bytes(b"x" * 1100)  # llama-server got to it later
+        parks.forget(table(granted()))
+        assert files(tmp_path) == []
+
     def test_a_small_saves_time_does_not_teach_the_write_rate(self, tmp_path: Path) -> None:
         saves = [(100, 100 * 100, 50.0), (10_000, 10_000 * 1000, 20.0)]
 
@@ -248,6 +278,71 @@ class TestParkAndResume:
         assert parks.write_rate == 100e6  # 10 kB in 50 ms is its fixed cost, not a rate
         asyncio.run(parks.park(ANN, 1, 10_000, time.time() + 10))
         assert parks.write_rate == (100e6 + 10_000 * 1000 / 0.02) / 2
+
+
+class _RestoreWatch(FakeLlama):
+    """The stand-in, noting at each completion how many restores it had answered."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.restores_seen: list[int] = []
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        self.restores_seen.append(len(self.restored))
+        return await super().completion(request)
+
+
+class TestParkBehindTheRelease:
+    def test_the_slot_is_released_before_the_save_and_its_next_holder_waits_for_it(
+        self, tmp_path: Path
+    ) -> None:
+        # Saving takes llama-server 0.5 s here: the release is reported without waiting for
+        # it; the next holder's first request waits for the save and the erase instead.
+        async def body(rig: Rig) -> None:
+            await ask(rig, MIRA, "a b c d e f g")
+            started = time.monotonic()
+            rig.gateway.set_table(table(reclaiming(), granted(VIP, slot=1)))
+            await until(lambda: released(rig))
+            assert time.monotonic() - started < 0.25
+            (record,) = rig.gateway.releases()
+            assert (record.parked_tokens, record.not_parked, record.erased_tokens) == (
+                None,
+                None,
+                None,
+            )
+            assert rig.fake.erased == []  # the save runs; the erase follows it
+            rig.gateway.set_table(table(reclaiming(), granted(ANN, slot=0), granted(VIP, slot=1)))
+            reply = await ask(rig, ANN, "hello")
+            assert time.monotonic() - started >= 0.5  # she waited for the save
+            assert "resumed" not in reply["continuum"]  # type: ignore[operator]
+            assert rig.fake.erased[0] == 0 and len(rig.fake.saved) == 1
+            (record,) = rig.gateway.releases()  # filled in once the save ended
+            assert (record.parked_tokens, record.not_parked, record.erased_tokens) == (
+                11,
+                None,
+                11,
+            )
+
+        fake = FakeLlama(save_path=str(tmp_path), save_seconds=0.5)
+        run(store(tmp_path), table(granted(), granted(VIP, slot=1)), body, fake)
+
+    def test_her_first_requests_at_once_all_run_after_her_restore(self, tmp_path: Path) -> None:
+        async def body(rig: Rig) -> None:
+            await ask(rig, MIRA, "a b c d e f g")
+            rig.gateway.set_table(table(reclaiming(), granted(VIP, slot=1)))
+            await until(lambda: released(rig))
+            await until(lambda: bool(rig.fake.erased))  # saved, then erased
+            rig.gateway.set_table(table(granted(VIP, slot=0), granted(MIRA, slot=1)))
+            fake = rig.fake
+            assert isinstance(fake, _RestoreWatch)
+            fake.restores_seen.clear()
+            replies = await asyncio.gather(*(ask(rig, MIRA, "a b c d e f g h") for _ in "ab"))
+            resumed = [r["continuum"].get("resumed") for r in replies]  # type: ignore[attr-defined]
+            assert sorted(map(bool, resumed)) == [False, True]  # one restore, for the first
+            assert fake.restores_seen == [1, 1]  # neither ran before it
+
+        fake = _RestoreWatch(save_path=str(tmp_path), save_seconds=0.3)
+        run(store(tmp_path), table(granted(), granted(VIP, slot=1)), body, fake)
 
 
 class TestParkWhenIdle:
@@ -270,6 +365,29 @@ class TestParkWhenIdle:
         run(
             store(tmp_path), table(granted(), queued(ANN)), body, FakeLlama(save_path=str(tmp_path))
         )
+
+    def test_a_mind_parked_idle_is_reported_idle_until_she_asks_again(self, tmp_path: Path) -> None:
+        # Idle, her slot may go to a mind waiting (the operator reclaims it, `Parked`); any
+        # request of hers, even one refused as queued, says she is back.
+        async def body(rig: Rig) -> None:
+            parks = rig.gateway.park
+            assert parks is not None
+            await ask(rig, MIRA, "a b c d e f g")
+            async with rig.http.post(f"{rig.url}/v1/park", headers={MIND_HEADER: MIRA}) as resp:
+                assert resp.status == 200
+            assert parks.to_status()["idle"] == [MIRA]
+            given = table(reclaiming(), granted(ANN, slot=1))
+            rig.gateway.set_table(given)
+            await until(lambda: released(rig))
+            assert parks.to_status()["idle"] == [MIRA]  # her context stays parked, she idle
+            rig.gateway.set_table(table(queued(MIRA), granted(ANN, slot=0)))
+            async with rig.http.post(
+                f"{rig.url}/completion", json={"prompt": "hi"}, headers={MIND_HEADER: MIRA}
+            ) as resp:
+                assert resp.status == 429
+            assert parks.to_status()["idle"] == [] and parks.waiting(MIRA)
+
+        run(store(tmp_path), table(granted()), body, FakeLlama(save_path=str(tmp_path)))
 
     def test_an_engine_without_a_store_says_it_parks_nothing(self, tmp_path: Path) -> None:
         async def body(rig: Rig) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "MindConditionType",
     "Projection",
     "engine_not_found",
+    "parked_of",
     "place_in_line",
     "projection",
     "refused_projection",
@@ -54,9 +55,25 @@ class Projection:
     grant: dict[str, Any] | None
     conditions: Conditions
     endpoint: str | None = None
+    #: Her context in the engine's park store (`{tokens, bytes}`), None: none parked.
+    parked: dict[str, int] | None = None
 
-    def at(self, endpoint: str | None) -> Projection:
-        return replace(self, endpoint=endpoint)
+    def at(self, endpoint: str | None, parked: dict[str, int] | None = None) -> Projection:
+        return replace(self, endpoint=endpoint, parked=parked)
+
+
+def parked_of(engine: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Each mind's parked context as the engine's runtime reports its park store
+    (`status.runtime.park.minds`): `{tokens, bytes}` by mind."""
+    park = ((engine.get("status") or {}).get("runtime") or {}).get("park") or {}
+    out: dict[str, dict[str, int]] = {}
+    for m in park.get("minds") or []:
+        if isinstance(m, Mapping) and isinstance(m.get("mind"), str):
+            out[m["mind"]] = {
+                "tokens": int(m.get("tokens") or 0),
+                "bytes": int(m.get("bytes") or 0),
+            }
+    return out
 
 
 def place_in_line(position: object) -> str:

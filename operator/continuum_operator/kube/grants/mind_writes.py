@@ -107,6 +107,7 @@ class MindWrites:
         pool = status.get(ledger.CAPACITY_FIELD) or {}
         slot_tokens = int(pool.get("tokensPerSlot") or 0)
         name = f"{key[0]}/{key[1]}"
+        parked = mind_status.parked_of(engine)
         jobs: list[Job] = []
         for m in sorted(minds, key=routing.mind_key):
             meta = m["metadata"]
@@ -132,7 +133,7 @@ class MindWrites:
                     quota_note=notes.quota_note(meta["namespace"]) if notes else "",
                     engine_note=ledger.engine_note(engine),
                 )
-            projected = projected.at(self.endpoint(key))
+            projected = projected.at(self.endpoint(key), parked.get(mkey))
             if self._projection(m, projected) is not None:
                 jobs.append((PROJECTION_WRITE, mkey, partial(self.project_one, mkey, projected)))
             holding = entry is not None and entry.get("state") in HOLDING_STATES
@@ -242,7 +243,12 @@ class MindWrites:
             if generation is not None:
                 c["observedGeneration"] = generation
             conditions.append(c)
-        new = {"grant": projected.grant, "conditions": conditions, "endpoint": projected.endpoint}
+        new = {
+            "grant": projected.grant,
+            "conditions": conditions,
+            "endpoint": projected.endpoint,
+            "parked": projected.parked,
+        }
         if generation is not None:
             new["observedGeneration"] = generation
         if _without_nulls({k: old.get(k) for k in new}) == _without_nulls(new):

@@ -62,6 +62,7 @@ __all__ = [
     "bounded",
     "capacity_of",
     "engine_note",
+    "idle_of",
     "log_lines",
     "read_grants",
     "released_of",
@@ -347,6 +348,13 @@ def released_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> set[s
     return out
 
 
+def idle_of(engine: Mapping[str, Any]) -> set[str]:
+    """Minds the gateway parked at their own ask and that have asked nothing since
+    (status.runtime.park.idle): their slots go to minds waiting (`core.grants`, `Parked`)."""
+    runtime = (engine.get("status") or {}).get("runtime") or {}
+    return {str(m) for m in ((runtime.get("park") or {}).get("idle") or [])}
+
+
 # --- one step ---------------------------------------------------------------------------------
 
 
@@ -400,6 +408,7 @@ def step(
         released=released,
         policy=policy,
         quota_left=quota_left,
+        idle=idle_of(engine),
     )
     segments = [(pool, result.transitions)]
     if pool.capacity.phase is EnginePhase.DRAINING and not result.holders():

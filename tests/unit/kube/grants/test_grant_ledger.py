@@ -204,3 +204,27 @@ def test_a_deleted_mind_is_reclaimed_and_leaves_the_ledger_once_released() -> No
     run.step(102.0)
     assert run.entry("a") is None
     assert run.check() == []
+
+
+def test_a_mind_the_gateway_reports_parked_idle_gives_her_slot_to_the_mind_waiting() -> None:
+    run = Run(engine(slots=1))
+    minds = (mind("ann", "low", created=1), mind("bob", "low", created=2))
+    run.step(100.0, *minds)
+    run.step(101.0, *minds)
+    assert run.entry("ann")["state"] == "Granted"  # type: ignore[index]
+    # The gateway parked Ann at her ask, and says so in its park store's status.
+    park = {"budgetBytes": 1, "parkedBytes": 0, "parkedContexts": 0, "minds": [],
+            "idle": [f"{NS}/ann"]}  # fmt: skip
+    run.body["status"]["runtime"] = {"slotReleases": [], "park": park}
+    run.step(102.0, *minds)
+    ann = run.entry("ann")
+    assert ann is not None and (ann["state"], ann["reason"], ann["by"]) == (
+        "Reclaiming",
+        "Parked",
+        f"{NS}/bob",
+    )
+    run.release("ann")
+    run.step(103.0, *minds)
+    assert run.entry("bob")["state"] == "Granted"  # type: ignore[index]
+    assert run.entry("ann")["state"] == "Queued"  # type: ignore[index]
+    assert run.check() == []

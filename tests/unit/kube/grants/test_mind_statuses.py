@@ -22,7 +22,7 @@ from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.model.board import NodeBoard, capacity_text, gib_text
 from continuum_operator.model.mind import Mind
 from tests.support.builders import ROOT
-from tests.support.grants_world import World, mind
+from tests.support.grants_world import BASE, World, mind
 
 NS = "team-a"
 POLICY = PriorityPolicy(grace_seconds=30.0)
@@ -107,6 +107,33 @@ def test_an_engine_never_launched_is_starting_then_serving_then_relaunching(tmp_
     w.loop.pass_once()
     assert w.status("grantledgers", NS, "coder")[ledger.CAPACITY_FIELD]["phase"] == "Relaunching"
     assert shown(w, "bob")[:2] == ("Queued", "EngineRelaunching")
+
+
+def test_a_mind_parked_on_her_engine_says_her_context_and_its_bytes(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.engine(engine(SERVING))
+    w.mind(mind(NS, "ann", "coder"))
+    w.mind(mind(NS, "bob", "coder", second=2))
+    w.loop.pass_once()
+    assert "parked" not in w.status("minds", NS, "ann")
+    # The engine's runtime reports Ann's context in its park store.
+    body = w.api.objects[f"/apis/continuum.dev/v1alpha1/namespaces/{NS}/engines/coder"]
+    park = {"budgetBytes": 10**9, "parkedBytes": 4096, "parkedContexts": 1,
+            "minds": [{"mind": f"{NS}/ann", "tokens": 2000, "bytes": 4096}]}  # fmt: skip
+    runtime = {**(body["status"].get("runtime") or {}), "park": park}
+    w.engine({**body, "metadata": {**body["metadata"], "resourceVersion": "11"},
+              "status": {**body["status"], "runtime": runtime}})  # fmt: skip
+    w.loop.pass_once()
+    assert w.status("minds", NS, "ann")["parked"] == {"tokens": 2000, "bytes": 4096}
+    assert w.status("minds", NS, "bob").get("parked") is None
+    assert Mind.model_validate(w.api.objects[f"{BASE}/{NS}/minds/ann"]).status is not None
+    # Restored (or dropped): the engine no longer lists her, and nor does her status.
+    body = w.api.objects[f"/apis/continuum.dev/v1alpha1/namespaces/{NS}/engines/coder"]
+    runtime = {**runtime, "park": {**park, "parkedBytes": 0, "parkedContexts": 0, "minds": []}}
+    w.engine({**body, "metadata": {**body["metadata"], "resourceVersion": "12"},
+              "status": {**body["status"], "runtime": runtime}})  # fmt: skip
+    w.loop.pass_once()
+    assert w.status("minds", NS, "ann").get("parked") is None
 
 
 def test_after_a_drain_the_successor_not_yet_ready_is_a_relaunch_not_a_first_start() -> None:
