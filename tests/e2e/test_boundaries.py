@@ -32,6 +32,7 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.embedlane import EmbedLane
 from continuum_operator.model.engine import Engine
+from tests import builders
 from tests.e2e.conftest import Cluster
 from tests.e2e.llama_fixtures import free_port
 from tests.e2e.test_children import WEBHOOK, wait_ready
@@ -359,7 +360,7 @@ def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is
          "metadata": {"name": "coder", "namespace": ns}}
     )  # fmt: skip
     pods = PodSettings()
-    plan = {"node": "n1", "gpus": [0], "engineArgs": ["--ctx-size", "1024"], "bytes": {}}
+    plan = builders.plan_on_a_gpu(node="n1", gpus=(0,), engine_args=("--ctx-size", "1024"))
     deployment = objects.deployment(engine, "uid", plan, pods, node_has_gpus=True)
     job = facts_job.facts_job(engine, "uid", pods)
     lane = EmbedLane.model_validate(

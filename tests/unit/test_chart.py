@@ -482,7 +482,7 @@ def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
     engine, p = builders.engine_planned_on_a_gpu()
     pods = PodSettings()
     claim = objects.gpu_claim_template(
-        engine, "uid-1", {"gpus": [0]}, PodSettings(gpu_claims=GpuClaims.DRA)
+        engine, "uid-1", builders.plan_on_a_gpu(gpus=(0,)), PodSettings(gpu_claims=GpuClaims.DRA)
     )
     assert claim is not None
     lane = EmbedLane.model_validate(
@@ -572,7 +572,7 @@ def test_the_operator_may_write_the_gpu_claim_templates_it_makes_with_dra_and_no
     rules = one(default_docs, "ClusterRole", "-operator")["rules"]
     engine = builders.engine(builders.engine_body())
     claim = objects.gpu_claim_template(
-        engine, "uid-1", {"gpus": [1]}, PodSettings(gpu_claims=GpuClaims.DRA)
+        engine, "uid-1", builders.plan_on_a_gpu(gpus=(1,)), PodSettings(gpu_claims=GpuClaims.DRA)
     )
     assert claim is not None
     group = claim["apiVersion"].rpartition("/")[0]

@@ -55,8 +55,8 @@ def test_a_lane_on_the_host_sees_no_gpu_whatever_its_image_says() -> None:
 
 def test_engine_and_lane_pods_run_with_the_configured_runtime_class_and_none_by_default() -> None:
     engine, plan_doc = builders.engine_planned_on_a_gpu()
-    assert plan_doc["gpus"] == [0]
-    on_cpu = {**plan_doc, "gpus": [], "layersOnDevice": 0}
+    assert plan_doc.gpus == (0,)
+    on_cpu = plan_doc.model_copy(update={"gpus": (), "layers_on_device": 0})
     for pods, expected in ((PodSettings(), None), (PodSettings(runtime_class="nvidia"), "nvidia")):
         for p in (plan_doc, on_cpu):
             dep = objects.deployment(engine, "u", p, pods, node_has_gpus=True)

@@ -29,7 +29,7 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import Engine, ModelFacts
-from continuum_operator.model.plan_status import READING, SPEC_GENERATION
+from continuum_operator.model.plan_status import READING, SPEC_GENERATION, PlanStatus
 
 __all__ = [
     "READING",
@@ -37,7 +37,6 @@ __all__ = [
     "Event",
     "Memory",
     "Writes",
-    "memory_mode",
     "placement_status",
     "plan_status",
     "planned_engine",
@@ -90,25 +89,16 @@ def size_text(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def memory_mode(plan_doc: Mapping[str, Any]) -> MemoryMode:
-    """The mode a written plan was made on; a plan that names none, or one this operator does
-    not know, counts as unknown (rule 3: never guessed)."""
-    try:
-        return MemoryMode(str(plan_doc.get("memoryMode")))
-    except ValueError:
-        return MemoryMode.UNKNOWN
-
-
-def planned_engine(plan_doc: Mapping[str, Any], engine: Engine) -> cond.PlannedEngine:
+def planned_engine(plan: PlanStatus, engine: Engine) -> cond.PlannedEngine:
     """A written plan as the conditions read it."""
     return cond.PlannedEngine(
-        node=str(plan_doc.get("node", "")),
-        memory_mode=memory_mode(plan_doc),
-        layers_on_device=int(plan_doc.get("layersOnDevice", 0)),
-        total_layers=int(plan_doc.get("totalLayers", 0)),
-        minds_grantable=int(plan_doc.get("mindsGrantable", 0)),
+        node=plan.node,
+        memory_mode=plan.memory_mode,
+        layers_on_device=plan.layers_on_device,
+        total_layers=plan.total_layers,
+        minds_grantable=plan.minds_grantable,
         minds_max=engine.spec.minds.max,
-        gpu_servable=bool(plan_doc.get("gpuServable", False)),
+        gpu_servable=plan.gpu_servable,
     )
 
 
@@ -127,17 +117,10 @@ def _event_type(c: Condition) -> str:
     return "Warning" if bad else "Normal"
 
 
-def plan_status(
-    p: ServingPlan, generation: int | None, reading: str | None = None
-) -> dict[str, Any]:
+def plan_status(p: ServingPlan, generation: int | None, reading: str | None = None) -> PlanStatus:
     """The plan as status holds it, with the spec generation it was made for and the reading
     of its node it was made on (`core.replan.node_reading`), where known."""
-    doc = p.to_dict()
-    if generation is not None:
-        doc[SPEC_GENERATION] = generation
-    if reading is not None:
-        doc[READING] = reading
-    return doc
+    return PlanStatus.model_validate({**p.to_dict(), SPEC_GENERATION: generation, READING: reading})
 
 
 def placement_status(p: ServingPlan, now: float) -> dict[str, Any]:
@@ -197,7 +180,7 @@ class EnginePass:
         self,
         f: cond.EngineFacts,
         engine: Engine | None,
-        plan_doc: Mapping[str, Any] | None,
+        plan: PlanStatus | None,
         node_has_gpus: bool = False,
         pods: PodSettings | None = None,
     ) -> Writes:
@@ -215,25 +198,25 @@ class EnginePass:
         new["observedGeneration"] = self.generation
         deployment = service = None
         identity: tuple[dict[str, Any], ...] = ()
-        if engine is not None and plan_doc is not None:
+        if engine is not None and plan is not None:
             deployment = objects.deployment(
-                engine, self.uid, plan_doc, pods, node_has_gpus=node_has_gpus
+                engine, self.uid, plan, pods, node_has_gpus=node_has_gpus
             )
             service = objects.service(engine, self.uid, pods)
             identity = (
                 *engine_identity.engine_rbac(engine, self.uid),
                 engine_identity.network_policy(engine, self.uid, pods),
             )
-            claim = objects.gpu_claim_template(engine, self.uid, plan_doc, pods)
+            claim = objects.gpu_claim_template(engine, self.uid, plan, pods)
             if claim is not None:  # before the Deployment, as its pods name it
                 identity = (*identity, claim)
-            new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
+            new["enforcement"] = objects.enforcement(plan, pods, node_has_gpus=node_has_gpus)
         patch = status_patch(self.status, new)
         return Writes(
             status_patch={"status": patch} if patch else None,
             deployment=deployment,
             service=service,
-            delete_workload=plan_doc is None,
+            delete_workload=plan is None,
             events=tuple(self.events),
             memory=Memory(self.damper, self.backoff, self.memory.facts_error, self.node_gone_since),
             damping=f.damping,
@@ -244,13 +227,17 @@ class EnginePass:
             identity=identity,
         )
 
+    def write_plan(self, plan: PlanStatus) -> PlanStatus:
+        """Write `plan` as status.plan this pass; returns it."""
+        self.new["plan"] = plan.to_status()
+        return plan
+
     def relaunch(
         self, candidate: ServingPlan, reason: str, reading: str | None = None
-    ) -> dict[str, Any]:
+    ) -> PlanStatus:
         """Record a relaunch with `candidate` (made on the node's `reading`); returns its plan
         as status holds it."""
-        plan_doc = plan_status(candidate, self.generation, reading)
-        self.new["plan"] = plan_doc
+        plan = self.write_plan(plan_status(candidate, self.generation, reading))
         self.new["placement"] = placement_status(candidate, self.now)
         self.new["relaunches"] = {
             "count": self.damper.relaunches,
@@ -258,13 +245,15 @@ class EnginePass:
             "lastReason": reason,
         }
         self.events.append(Event("Normal", "Relaunching", reason))
-        return plan_doc
+        return plan
 
     def evidence(self) -> runtime_report.Evidence:
         """The receipts of this Engine's model that its launch in force measured (`launch`:
         its hash; None, as when placing anew: the runtime's report is of no launch to keep),
         and why others found were set aside."""
-        return runtime_report.receipts_of(self.status, self.engine.spec.model.sha256, self.launch)
+        return runtime_report.receipts_of(
+            self.status, self.engine.status.plan, self.engine.spec.model.sha256, self.launch
+        )
 
     def receipts(self) -> tuple[Receipt, ...]:
         """The receipts a plan of this Engine may use (`evidence`)."""

@@ -172,9 +172,9 @@ def reconcile(
         facts = read
     assert facts is not None  # ModelRef requires facts or a source
     p.engine, p.facts = engine, facts
-    placement, plan_doc = p.status.get("placement"), p.status.get("plan")
-    if placement and plan_doc:
-        kept = placed(p, placement, plan_doc)
+    placement, plan = p.status.get("placement"), engine.status.plan
+    if placement and plan is not None:
+        kept = placed(p, placement, plan)
         if kept is not None:
             return kept
     return _place(p)
@@ -209,8 +209,7 @@ def _place(p: EnginePass) -> Writes:
     assert board is not None  # only boards that validate are weighed
     others = other_leases(snap, p.key, node=chosen.node)
     reading = engine_reading(board, engine.spec, p.facts, others, p.receipts(), p.llama_build())
-    plan_doc = plan_status(chosen, p.generation, reading)
-    p.new["plan"] = plan_doc
+    plan = p.write_plan(plan_status(chosen, p.generation, reading))
     p.new["placement"] = placement_status(chosen, p.now)
     p.events.append(
         Event(
@@ -225,14 +224,14 @@ def _place(p: EnginePass) -> Writes:
     node_entry = snap.nodes.get(chosen.node)
     f = cond.EngineFacts(
         generation=p.generation,
-        planned=planned_engine(plan_doc, engine),
+        planned=planned_engine(plan, engine),
         pod=cond.PodPhase.PENDING,
     )
     p.damper = replace(p.damper, candidate=None, readings=0, last_reading=None)
     return p.finish(
         f,
         engine,
-        plan_doc,
+        plan,
         bool(node_entry and node_entry.gpus_allocatable > 0),
         pods_on(snap, chosen.node, p.settings),
     )
