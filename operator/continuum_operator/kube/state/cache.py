@@ -38,6 +38,7 @@ from continuum_operator.kube.workloads.facts_job import FACTS_FOR_LABEL
 from continuum_operator.kube.workloads.lane_objects import whole_cpus
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import EnginePlacement
+from continuum_operator.model.json_body import at, integer, labels_at, object_at, text
 
 EngineKey = tuple[str, str]  # (namespace, name)
 
@@ -106,9 +107,9 @@ class PlacedLeases:
     assumed: bool
 
 
-def placed_leases(key: EngineKey, body: Mapping[str, Any]) -> PlacedLeases | None:
+def placed_leases(key: EngineKey, body: Mapping[str, object]) -> PlacedLeases | None:
     """None: no placement, or one that does not validate (skipped, not guessed)."""
-    raw = (body.get("status") or {}).get("placement")
+    raw = at(body, "status", "placement")
     if not raw:
         return None
     try:
@@ -191,7 +192,7 @@ class Cache:
         self.engines[key] = body
         self._index_engine(key, body)
 
-    def settle_status(self, key: EngineKey, answer: Mapping[str, Any] | None) -> None:
+    def settle_status(self, key: EngineKey, answer: Mapping[str, object] | None) -> None:
         """The answer of an assumed status patch; None: it failed, and the engine is as observed
         without it (decided again at the next pass)."""
         pending = self._pending.pop(key, None)
@@ -238,7 +239,7 @@ class Cache:
             engines_on=engines_on,
         )
 
-    def _index_engine(self, key: EngineKey, body: Mapping[str, Any] | None) -> None:
+    def _index_engine(self, key: EngineKey, body: Mapping[str, object] | None) -> None:
         """Keep `engine_leases` and `engines_on` in line with `engines[key]`."""
         old = self.engine_leases.pop(key, None)
         new = placed_leases(key, body) if body is not None else None
@@ -261,15 +262,17 @@ class Cache:
     def _nudge(self) -> None:
         self.changed.set()
 
-    def observe_board(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        name = obj["metadata"]["name"]
+    def observe_board(self, obj: Mapping[str, object], deleted: bool) -> None:
+        name = _name(obj)
         if deleted:
             self.boards.pop(name, None)
             self.board_placed.pop(name, None)
         else:
-            rv = str(obj["metadata"].get("resourceVersion", ""))
-            placed = (obj.get("spec") or {}).get("placed")
-            self.board_placed[name] = list(placed) if isinstance(placed, list) else []
+            rv = text(obj, "metadata", "resourceVersion") or ""
+            placed = at(obj, "spec", "placed")
+            self.board_placed[name] = [
+                labels_at(p) for p in (placed if isinstance(placed, list) else ())
+            ]
             try:
                 resource = NodeBoard.model_validate(dict(obj))
                 caps = tuple(str(c.mechanism) for c in resource.status.cap_mechanisms)
@@ -283,28 +286,28 @@ class Cache:
         self.mark_nodes((name,))
         self._nudge()
 
-    def observe_lease(self, obj: Mapping[str, Any], deleted: bool) -> None:
+    def observe_lease(self, obj: Mapping[str, object], deleted: bool) -> None:
         """The agent's Lease of a node (`core.heartbeat`); the kubelet's own Lease is ignored."""
-        meta = obj["metadata"]
-        if meta.get("namespace") != self.lease_namespace:
+        if text(obj, "metadata", "namespace") != self.lease_namespace:
             return
-        node = node_of_lease(meta["name"], meta.get("annotations") or {})
+        node = node_of_lease(_name(obj), labels_at(obj, "metadata", "annotations"))
         if node is None:
             return
         known = self.leases.get(node)
         if deleted:
             self.leases.pop(node, None)
         else:
-            spec = obj.get("spec") or {}
-            duration = spec.get("leaseDurationSeconds")
-            renew_time = parse_time(spec.get("renewTime") or spec.get("acquireTime"))
+            duration = integer(obj, "spec", "leaseDurationSeconds")
+            renew_time = parse_time(
+                text(obj, "spec", "renewTime") or text(obj, "spec", "acquireTime")
+            )
             now = self.clock()
             entry = LeaseEntry(
                 renew_time=renew_time,
                 duration_seconds=(
                     min(float(duration), self.max_lease_seconds) if duration is not None else None
                 ),
-                resource_version=str(meta.get("resourceVersion", "")),
+                resource_version=text(obj, "metadata", "resourceVersion") or "",
                 counted_from=renewal_counted_from(known, renew_time, now),
             )
             self.leases[node] = entry
@@ -315,18 +318,18 @@ class Cache:
         self.mark_nodes((node,))
         self._nudge()
 
-    def observe_node(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        name = obj["metadata"]["name"]
+    def observe_node(self, obj: Mapping[str, object], deleted: bool) -> None:
+        name = _name(obj)
         if deleted:
             self.nodes.pop(name, None)
         else:
-            allocatable = (obj.get("status") or {}).get("allocatable") or {}
+            allocatable = labels_at(obj, "status", "allocatable")  # quantities, as strings
             try:
                 gpus = int(allocatable.get(GPU_RESOURCE, 0))
             except ValueError:
                 gpus = 0
             entry = NodeEntry(
-                dict(obj["metadata"].get("labels") or {}),
+                labels_at(obj, "metadata", "labels"),
                 gpus,
                 whole_cpus(allocatable.get("cpu")),
             )
@@ -336,9 +339,8 @@ class Cache:
         self.mark_nodes((name,))
         self._nudge()
 
-    def observe_engine(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+    def observe_engine(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
+        key = _key(obj)
         pending = self._pending.get(key)
         known = self.engines.get(key)
         if deleted:
@@ -365,15 +367,14 @@ class Cache:
             if self.grants_queue is not None:
                 self.grants_queue.wake()
 
-    def observe_ledger(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+    def observe_ledger(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
         """An Engine's GrantLedger, merged into the Engine's cached body. No plan reads the
         ledger but a relaunch's wait for the drain of the old launch's grants: only then is the
         Engine marked for the plan loop (one mark per grant was a plan decide per grant)."""
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+        key = _key(obj)
         known = self.ledgers.get(key)
         if deleted:
-            if known is None or known["metadata"].get("uid") != meta.get("uid"):
+            if known is None or known["metadata"].get("uid") != at(obj, "metadata", "uid"):
                 return  # an earlier ledger of the name, already replaced
             self.ledgers.pop(key)
         elif newer(obj, known):
@@ -411,10 +412,9 @@ class Cache:
         if nudge and self.grants_queue is not None:
             self.grants_queue.wake()
 
-    def observe_lane(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+    def observe_lane(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
         """An EmbedLane (`kube.lanes.loop`); its placement is in every engine's ledger."""
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+        key = _key(obj)
         known = self.lanes.get(key)
         if deleted:
             self.lanes.pop(key, None)
@@ -428,9 +428,8 @@ class Cache:
         if nudge:
             self._nudge()
 
-    def observe_service(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+    def observe_service(self, obj: Mapping[str, object], deleted: bool) -> None:
+        key = _key(obj)
         if deleted:
             self.services.discard(key)
         else:
@@ -438,29 +437,32 @@ class Cache:
         self.engine_queue.mark(key)
         self._nudge()
 
-    def observe_job(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        meta = obj["metadata"]
-        engine = (meta.get("labels") or {}).get(FACTS_FOR_LABEL)
+    def observe_job(self, obj: Mapping[str, object], deleted: bool) -> None:
+        engine = labels_at(obj, "metadata", "labels").get(FACTS_FOR_LABEL)
         if not engine:
             return
-        key = (meta["namespace"], engine)
+        namespace, name = _key(obj)
+        key = (namespace, engine)
         if deleted:
-            if key in self.jobs and self.jobs[key].name == meta["name"]:
+            if key in self.jobs and self.jobs[key].name == name:
                 del self.jobs[key]
         else:
-            status = obj.get("status") or {}
+            status = object_at(obj, "status")
             self.jobs[key] = JobEntry(
-                name=meta["name"],
-                source=(meta.get("annotations") or {}).get("continuum.dev/model-source", ""),
+                name=name,
+                source=labels_at(obj, "metadata", "annotations").get(
+                    "continuum.dev/model-source", ""
+                ),
                 succeeded=_job_ended(status, "Complete"),
                 failed=_job_ended(status, "Failed"),
             )
         self.engine_queue.mark(key)
         self._nudge()
 
-    def observe_deployment(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+    def observe_deployment(
+        self, obj: Mapping[str, object], deleted: bool, nudge: bool = True
+    ) -> None:
+        key = _key(obj)
         known = self.deployments.get(key)
         if deleted:
             self.deployments.pop(key, None)
@@ -469,16 +471,14 @@ class Cache:
             # ready while the write was in flight): keeping it would hide the readiness forever.
             pass
         else:
-            spec = obj.get("spec") or {}
-            status = obj.get("status") or {}
-            template = (spec.get("template") or {}).get("metadata") or {}
+            template = labels_at(obj, "spec", "template", "metadata", "annotations")
             self.deployments[key] = DeploymentEntry(
-                launch=(template.get("annotations") or {}).get(LAUNCH_ANNOTATION),
-                generation=int(meta.get("generation", 0)),
-                observed_generation=int(status.get("observedGeneration", 0)),
-                ready_replicas=int(status.get("readyReplicas", 0)),
-                updated_replicas=int(status.get("updatedReplicas", 0)),
-                replicas=int(status.get("replicas", 0)),
+                launch=template.get(LAUNCH_ANNOTATION),
+                generation=integer(obj, "metadata", "generation") or 0,
+                observed_generation=integer(obj, "status", "observedGeneration") or 0,
+                ready_replicas=integer(obj, "status", "readyReplicas") or 0,
+                updated_replicas=integer(obj, "status", "updatedReplicas") or 0,
+                replicas=integer(obj, "status", "replicas") or 0,
                 resource_version=resource_version(obj),
             )
         self.engine_queue.mark(key, wake=nudge)
@@ -486,7 +486,19 @@ class Cache:
             self._nudge()
 
 
-def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
+def _job_ended(status: Mapping[str, object], kind: str) -> bool:
+    conditions = status.get("conditions")
     return any(
-        c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []
+        at(c, "type") == kind and at(c, "status") == "True"
+        for c in (conditions if isinstance(conditions, list) else ())
     )
+
+
+def _name(obj: Mapping[str, object]) -> str:
+    """The object's name (every object the API server sends has one)."""
+    return text(obj, "metadata", "name") or ""
+
+
+def _key(obj: Mapping[str, object]) -> EngineKey:
+    """A namespaced object's (namespace, name)."""
+    return (text(obj, "metadata", "namespace") or "", _name(obj))

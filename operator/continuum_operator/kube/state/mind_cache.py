@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
@@ -172,13 +172,13 @@ def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:
     """Watch Minds, MindClasses and TokenQuotas into `minds`."""
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="minds", registry=registry)
-    async def mind(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_mind(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+    async def mind(event: kopf.RawEvent, **_: object) -> None:
+        minds.observe_mind(event["object"], event.get("type") == "DELETED")
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="mindclasses", registry=registry)
-    async def mindclass(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_class(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+    async def mindclass(event: kopf.RawEvent, **_: object) -> None:
+        minds.observe_class(event["object"], event.get("type") == "DELETED")
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="tokenquotas", registry=registry)
-    async def tokenquota(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_quota(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+    async def tokenquota(event: kopf.RawEvent, **_: object) -> None:
+        minds.observe_quota(event["object"], event.get("type") == "DELETED")
