@@ -27,6 +27,7 @@ from continuum_operator.model.base import (
     spec_config_with_rules,
 )
 from continuum_operator.model.kv import KvCacheType as KvCacheType  # re-exported: its home before
+from continuum_operator.model.plan_status import EnginePoolBytes as EnginePoolBytes  # re-exported
 from continuum_operator.model.plan_status import PlanStatus, plan_status_schema
 from continuum_operator.model.runtime import EngineRuntimeStatus
 
@@ -445,16 +446,6 @@ class EngineSpec(Spec):
         description="Namespaces whose Minds may draw on this engine besides its own; '*': "
         "every namespace. Minds of others get no grant (EngineNotAllowed, docs/tenancy.md).",
     )
-
-
-class EnginePoolBytes(Spec):
-    """Bytes leased in one pool of the node."""
-
-    pool: str = Field(
-        pattern=r"^(unified|host|disk|device/[0-9]+)$",
-        description="unified, host, disk (a park store on disk), or device/N for GPU N.",
-    )
-    bytes: Bytes = Field(description="Bytes leased there.")
 
 
 class EnginePlacement(Spec):

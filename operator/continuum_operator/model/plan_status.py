@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from continuum_operator.model.base import Spec
+from continuum_operator.model.base import Bytes, Spec
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.kv import KvCacheType
 from continuum_operator.model.receipt import Receipt
@@ -32,9 +32,9 @@ from continuum_operator.model.receipt import Receipt
 __all__ = [
     "READING",
     "SPEC_GENERATION",
+    "EnginePoolBytes",
     "PlanBudget",
     "PlanBytes",
-    "PlanCharge",
     "PlanPart",
     "PlanReason",
     "PlanStatus",
@@ -134,11 +134,16 @@ class PlanBytes(Spec):
     host: PlanPart
 
 
-class PlanCharge(Spec):
-    """Bytes charged to one pool of the node (`device/0`, `host`, `unified`, `disk`)."""
+# A plan's charge and its placement's lease are one idea: the placement is written from the
+# plan's charges (`core.placements.placement_of`).
+class EnginePoolBytes(Spec):
+    """Bytes leased in one pool of the node."""
 
-    pool: str
-    bytes: int
+    pool: str = Field(
+        pattern=r"^(unified|host|disk|device/[0-9]+)$",
+        description="unified, host, disk (a park store on disk), or device/N for GPU N.",
+    )
+    bytes: Bytes = Field(description="Bytes leased there.")
 
 
 class PlanReason(Spec):
@@ -166,7 +171,7 @@ class PlanStatus(Spec):
     gpus: tuple[int, ...]
     budget: PlanBudget
     bytes: PlanBytes
-    charges: tuple[PlanCharge, ...]
+    charges: tuple[EnginePoolBytes, ...]
     engine_args: tuple[str, ...]
     reasons: tuple[PlanReason, ...]
     source: Literal["receipt", "estimate"]

@@ -28,7 +28,7 @@ from continuum_operator.kube.workloads import engine_identity
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
-from continuum_operator.model.engine import Engine, ModelFacts
+from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
 from continuum_operator.model.plan_status import READING, SPEC_GENERATION, PlanStatus
 
 __all__ = [
@@ -123,10 +123,9 @@ def plan_status(p: ServingPlan, generation: int | None, reading: str | None = No
     return PlanStatus.model_validate({**p.to_dict(), SPEC_GENERATION: generation, READING: reading})
 
 
-def placement_status(p: ServingPlan, now: float) -> dict[str, Any]:
+def placement_status(p: ServingPlan, now: float) -> EnginePlacement:
     """The plan's placement as status holds it: a lease assumed from `now`."""
-    placed = placement_of(p).model_copy(update={"assumed_at": format_time(now)})
-    return placed.model_dump(by_alias=True, mode="json", exclude_none=True)
+    return placement_of(p).model_copy(update={"assumed_at": format_time(now)})
 
 
 class EnginePass:
@@ -232,13 +231,18 @@ class EnginePass:
         self.new["plan"] = plan.to_status()
         return plan
 
+    def write_placement(self, placement: EnginePlacement) -> EnginePlacement:
+        """Write `placement` as status.placement this pass; returns it."""
+        self.new["placement"] = placement.model_dump(by_alias=True, mode="json", exclude_none=True)
+        return placement
+
     def relaunch(
         self, candidate: ServingPlan, reason: str, reading: str | None = None
     ) -> PlanStatus:
         """Record a relaunch with `candidate` (made on the node's `reading`); returns its plan
         as status holds it."""
         plan = self.write_plan(plan_status(candidate, self.generation, reading))
-        self.new["placement"] = placement_status(candidate, self.now)
+        self.write_placement(placement_status(candidate, self.now))
         self.new["relaunches"] = {
             "count": self.damper.relaunches,
             "lastTime": format_time(self.now),

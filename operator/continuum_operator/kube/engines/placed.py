@@ -8,9 +8,7 @@ damper), `core.gpu_check` (the GPUs in use).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from continuum_operator.core import conditions as cond
 from continuum_operator.core import gpu_check
@@ -42,7 +40,8 @@ from continuum_operator.kube.engines.engine_pass import (
 from continuum_operator.kube.state.cache import Snapshot, parse_time
 from continuum_operator.kube.state.occupancy import is_fresh, other_leases
 from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.model.plan_status import PlanCharge, PlanStatus
+from continuum_operator.model.engine import EnginePlacement
+from continuum_operator.model.plan_status import EnginePoolBytes, PlanStatus
 
 __all__ = ["NODE_GONE_HOLD_SECONDS", "placed"]
 
@@ -52,10 +51,10 @@ __all__ = ["NODE_GONE_HOLD_SECONDS", "placed"]
 NODE_GONE_HOLD_SECONDS = 10.0
 
 
-def placed(p: EnginePass, placement: dict[str, Any], plan: PlanStatus) -> Writes | None:
+def placed(p: EnginePass, placement: EnginePlacement, plan: PlanStatus) -> Writes | None:
     """Keep, confirm, re-plan or relaunch a placed engine; None when it must be placed anew."""
     snap, now, settings, engine = p.snap, p.now, p.settings, p.engine
-    node = str(placement["node"])
+    node = placement.node
     node_entry = snap.nodes.get(node)
     if node_entry is None and _node_gone_long_enough(p, node):
         return None
@@ -64,17 +63,17 @@ def placed(p: EnginePass, placement: dict[str, Any], plan: PlanStatus) -> Writes
     launch = p.launch = objects.launch_hash(engine, plan, pods)
     dep = snap.deployments.get(p.key)
     running = dep is not None and dep.running(launch)
-    assumed_at = parse_time(placement.get("assumedAt"))
+    assumed_at = parse_time(placement.assumed_at)
     if (
-        placement.get("assumed", True)
+        placement.assumed
         and not running
         and assumed_at is not None
         and now - assumed_at > settings.placement.pod_start_timeout_seconds
     ):
         _release_never_started(p, node)
         return None
-    if running and placement.get("assumed", True):
-        p.new["placement"] = {**placement, "assumed": False}
+    if running and placement.assumed:
+        placement = p.write_placement(placement.model_copy(update={"assumed": False}))
     fresh = is_fresh(snap, node, now, p.ttl)
     board = snap.boards.get(node)
     outcome: Outcome | None = None
@@ -151,7 +150,7 @@ def _weigh(
     p: EnginePass,
     node: str,
     board: Board,
-    placement: dict[str, Any],
+    placement: EnginePlacement,
     plan: PlanStatus,
     running: bool,
     spec_changed: bool,
@@ -203,7 +202,7 @@ def _weigh(
 def _weigh_same_spec(
     p: EnginePass,
     node: str,
-    placement: dict[str, Any],
+    placement: EnginePlacement,
     plan: PlanStatus,
     replayed: Replayed,
     running: bool,
@@ -276,7 +275,7 @@ def _replan(
     p: EnginePass,
     node: str,
     board: Board,
-    placement: Mapping[str, Any],
+    placement: EnginePlacement,
     on_gpus: tuple[int, ...] = (),
 ) -> Replayed:
     """The plan the engine would get on its own node now, crediting back what it holds, on
@@ -288,7 +287,7 @@ def _replan(
         p.engine.spec,
         p.facts,
         p.me,
-        [(str(x["pool"]), int(x["bytes"])) for x in placement.get("pools", [])],
+        [(x.pool, x.bytes) for x in placement.pools],
         other_leases(p.snap, p.key, node=node),
         other_leases(p.snap, p.key, assumed_only=True, node=node),
         receipts=p.receipts(),
@@ -298,8 +297,8 @@ def _replan(
 
 
 def _follow_gpus(
-    p: EnginePass, board: Board, plan: PlanStatus, placement: dict[str, Any]
-) -> tuple[PlanStatus, dict[str, Any]]:
+    p: EnginePass, board: Board, plan: PlanStatus, placement: EnginePlacement
+) -> tuple[PlanStatus, EnginePlacement]:
     """The plan and lease of a running engine with its device charges moved to the GPUs
     its processes use, where its board says they are not the charged ones
     (`core.gpu_check`); as they were otherwise (no attribution, as charged, incomplete).
@@ -317,28 +316,28 @@ def _follow_gpus(
         update={
             "gpus": tuple(gpu.in_use),
             "charges": tuple(
-                PlanCharge(pool=pool, bytes=n) for pool, n in gpu_check.moved_charges(charges, gpu)
+                EnginePoolBytes(pool=pool, bytes=n)
+                for pool, n in gpu_check.moved_charges(charges, gpu)
             ),
         }
     )
-    was = p.new.get("placement") or placement
-    pools = [(str(x["pool"]), int(x["bytes"])) for x in was.get("pools") or ()]
-    moved = [{"pool": pool, "bytes": n} for pool, n in gpu_check.moved_charges(pools, gpu)]
-    placement = {**was, "gpus": list(gpu.in_use), "pools": moved}
+    pools = [(x.pool, x.bytes) for x in placement.pools]
+    moved = [EnginePoolBytes(pool=pool, bytes=n) for pool, n in gpu_check.moved_charges(pools, gpu)]
     p.write_plan(plan)
-    p.new["placement"] = placement
+    placement = p.write_placement(
+        placement.model_copy(update={"gpus": list(gpu.in_use), "pools": moved})
+    )
     p.events.append(Event("Warning", "GpuMismatch", gpu.message()))
     return plan, placement
 
 
-def _recharge(p: EnginePass, replayed: Replayed, placement: Mapping[str, Any]) -> PlanStatus:
+def _recharge(p: EnginePass, replayed: Replayed, placement: EnginePlacement) -> PlanStatus:
     """The running launch's plan and lease re-written with the re-plan's bytes (the same
     arguments): the placement keeps whether it is assumed and since when."""
     candidate = replayed.plan
     plan = p.write_plan(plan_status(candidate, p.generation, replayed.reading))
-    pools = placement_status(candidate, p.now)["pools"]
-    kept = p.new.get("placement") or placement
-    p.new["placement"] = {**kept, "pools": pools}
+    pools = placement_status(candidate, p.now).pools
+    p.write_placement(placement.model_copy(update={"pools": pools}))
     source = "receipt" if candidate.receipt is not None else "estimate"
     p.events.append(
         Event(

@@ -172,8 +172,8 @@ def reconcile(
         facts = read
     assert facts is not None  # ModelRef requires facts or a source
     p.engine, p.facts = engine, facts
-    placement, plan = p.status.get("placement"), engine.status.plan
-    if placement and plan is not None:
+    placement, plan = engine.status.placement, engine.status.plan
+    if placement is not None and plan is not None:
         kept = placed(p, placement, plan)
         if kept is not None:
             return kept
@@ -210,7 +210,7 @@ def _place(p: EnginePass) -> Writes:
     others = other_leases(snap, p.key, node=chosen.node)
     reading = engine_reading(board, engine.spec, p.facts, others, p.receipts(), p.llama_build())
     plan = p.write_plan(plan_status(chosen, p.generation, reading))
-    p.new["placement"] = placement_status(chosen, p.now)
+    p.write_placement(placement_status(chosen, p.now))
     p.events.append(
         Event(
             "Normal",
