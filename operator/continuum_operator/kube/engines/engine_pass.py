@@ -29,6 +29,7 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
+from continuum_operator.model.json_body import integer, labels_at, object_at, text
 from continuum_operator.model.plan_status import READING, SPEC_GENERATION, PlanStatus
 
 __all__ = [
@@ -136,41 +137,45 @@ class EnginePass:
 
     def __init__(
         self,
-        body: Mapping[str, Any],
+        body: Mapping[str, object],
         snap: Snapshot,
         memory: Memory,
         now: float,
         settings: OperatorSettings,
     ) -> None:
-        meta = body["metadata"]
         self.snap, self.now, self.settings = snap, now, settings
-        self.key: EngineKey = (meta["namespace"], meta["name"])
-        self.uid = str(meta.get("uid", ""))
-        self.generation: int | None = meta.get("generation")
-        self.status: dict[str, Any] = dict(body.get("status") or {})
+        self.key: EngineKey = (
+            text(body, "metadata", "namespace") or "",
+            text(body, "metadata", "name") or "",
+        )
+        self.uid = text(body, "metadata", "uid") or ""
+        self.generation = integer(body, "metadata", "generation")
+        self.status = object_at(body, "status")
+        conditions = self.status.get("conditions")
         self.old_conditions = [
-            Condition.model_validate(c) for c in self.status.get("conditions") or []
+            Condition.model_validate(c)
+            for c in (conditions if isinstance(conditions, list) else ())
         ]
         self.events: list[Event] = []
-        self.new: dict[str, Any] = {}  # status parts this pass writes (None removes one)
+        self.new: dict[str, object] = {}  # status parts this pass writes (None removes one)
         self.facts_in = cond.EngineFacts(generation=self.generation)
         self.me = consumer_name(ConsumerKind.ENGINE, *self.key)
         self.ttl = settings.freshness.default_ttl_seconds
         damper = memory.damper
-        relaunches = self.status.get("relaunches")
+        relaunches = object_at(self.status, "relaunches")
         if damper.relaunches == 0 and relaunches:
             # After a restart: the count and the cooldown come back from status; evidence not.
             damper = replace(
                 damper,
-                relaunches=int(relaunches.get("count", 0)),
-                last_relaunch_at=parse_time(relaunches.get("lastTime")),
+                relaunches=integer(relaunches, "count") or 0,
+                last_relaunch_at=parse_time(text(relaunches, "lastTime")),
             )
         self.damper = damper
         self.backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
         self.memory = memory
         self.node_gone_since: float | None = None
         self.launch: str | None = None  # the launch in force, once `placed` knows it
-        self.annotations: Mapping[str, str] = dict(meta.get("annotations") or {})
+        self.annotations: Mapping[str, str] = labels_at(body, "metadata", "annotations")
         self.held = ""  # why a new plan is held (`core.replan`), for the PlanHeld condition
 
     # -- the end of every pass ----------------------------------------------------------------

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,6 +48,7 @@ from continuum_operator.kube.state.occupancy import is_fresh, lease_is_fresh
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.json_body import at, text
 
 log = logging.getLogger("continuum.operator")
 
@@ -137,10 +138,10 @@ class Loop:
     def _order(self, only: set[EngineKey] | None = None) -> list[EngineKey]:
         """Placed engines first, then the oldest; with `only`, those engines alone."""
 
-        def key(item: tuple[EngineKey, dict[str, Any]]) -> tuple[int, str, EngineKey]:
+        def key(item: tuple[EngineKey, Mapping[str, object]]) -> tuple[int, str, EngineKey]:
             body = item[1]
-            placed = bool((body.get("status") or {}).get("placement"))
-            created = str(body["metadata"].get("creationTimestamp", ""))
+            placed = bool(at(body, "status", "placement"))
+            created = text(body, "metadata", "creationTimestamp") or ""
             return (0 if placed else 1, created, item[0])
 
         engines = self.cache.engines
@@ -420,9 +421,8 @@ def _service_digest(writes: Writes) -> str:
     return repr((writes.service, writes.identity))
 
 
-def _has_facts(body: dict[str, Any], source: str) -> bool:
-    read = (body.get("status") or {}).get("modelFacts") or {}
-    return bool(read) and read.get("source") == source
+def _has_facts(body: Mapping[str, object], source: str) -> bool:
+    return bool(source) and text(body, "status", "modelFacts", "source") == source
 
 
 def _stub(api_version: str, kind: str, ns: str, name: str) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from continuum_operator.kube.workloads import facts_job
 from continuum_operator.kube.workloads.gpu_env import gpu_sharing_refusal
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.engine import Engine, ModelFacts
+from continuum_operator.model.json_body import object_at
 
 __all__ = ["facts_disagreements", "reconcile"]
 
@@ -63,7 +64,7 @@ def _unschedulable(decision: Decision) -> cond.Problem:
 
 def _facts_from_file(
     engine: Engine,
-    status: Mapping[str, Any],
+    status: Mapping[str, object],
     snap: Snapshot,
     memory: Memory,
     key: EngineKey,
@@ -72,10 +73,10 @@ def _facts_from_file(
 ) -> tuple[ModelFacts | None, cond.Problem | None, dict[str, Any] | None]:
     """Facts read from the model's file: from status, or a Job to read them (docs/design.md)."""
     source = facts_job.source_key(engine)
-    read = status.get("modelFacts") or {}
+    read = object_at(status, "modelFacts")
     if read and read.get("source") == source:
         try:
-            return ModelFacts.model_validate(read["facts"]), None, None
+            return ModelFacts.model_validate(read.get("facts")), None, None
         except ValueError as err:
             why = f"status.modelFacts.facts cannot be planned from: {err}"
             return None, cond.Problem(cond.Reason.FACTS_MISSING, why), None
@@ -123,13 +124,13 @@ def _per_layer_list(value: int | list[int], layers: int) -> list[int]:
     return list(value) if isinstance(value, list) else [value] * layers
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = str(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def reconcile(
-    body: Mapping[str, Any],
+    body: Mapping[str, object],
     snap: Snapshot,
     memory: Memory,
     now: float,

@@ -23,12 +23,12 @@ import calendar
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import ValidationError
 
 from continuum_operator.core import conditions as cond
 from continuum_operator.core.receipts import Receipt
+from continuum_operator.model.json_body import at, object_at, text
 from continuum_operator.model.plan_status import PlanStatus
 
 __all__ = ["Evidence", "current_runtime", "receipts_of", "runtime_report"]
@@ -48,7 +48,7 @@ class Evidence:
 
 
 def receipts_of(
-    status: Mapping[str, Any],
+    status: Mapping[str, object],
     plan: PlanStatus | None,
     model_sha256: str | None,
     launch: str | None,
@@ -60,9 +60,8 @@ def receipts_of(
     nothing was launched."""
     if model_sha256 is None or plan is None:
         return Evidence()
-    runtime = current_runtime(status, launch) or {}
     found: list[Receipt] = []
-    reported = runtime.get("receipts")
+    reported = at(current_runtime(status, launch), "receipts")
     for item in reported[:_MOST_RECEIPTS] if isinstance(reported, list) else ():
         try:
             found.append(Receipt.model_validate(item))
@@ -116,10 +115,12 @@ def _not_of_launch(r: Receipt, plan: PlanStatus) -> str:
     )
 
 
-def current_runtime(status: Mapping[str, Any], launch: str | None) -> Mapping[str, Any] | None:
+def current_runtime(
+    status: Mapping[str, object], launch: str | None
+) -> Mapping[str, object] | None:
     """`status.runtime` when it is the report of `launch`; None otherwise."""
-    runtime = status.get("runtime")
-    if not isinstance(runtime, Mapping) or launch is None or runtime.get("launch") != launch:
+    runtime = object_at(status, "runtime")
+    if launch is None or runtime.get("launch") != launch:
         return None
     return runtime
 
@@ -134,20 +135,20 @@ def _epoch(text: object) -> float | None:
 
 
 def runtime_report(
-    runtime: Mapping[str, Any] | None, now: float, window_seconds: float
+    runtime: Mapping[str, object] | None, now: float, window_seconds: float
 ) -> cond.RuntimeReport:
     """What the conditions say of the current launch's runtime."""
     if runtime is None:
         return cond.RuntimeReport()
-    phase = runtime.get("phase")
-    message = str(runtime.get("message") or "")
+    phase = text(runtime, "phase")
+    message = text(runtime, "message") or ""
     if phase in _REFUSING:
-        return cond.RuntimeReport(refused=cond.Problem(_REFUSING[phase], message or str(phase)))
-    last = runtime.get("lastExit")
+        return cond.RuntimeReport(refused=cond.Problem(_REFUSING[phase], message or phase))
+    last = at(runtime, "lastExit")
     if not isinstance(last, Mapping):
         return cond.RuntimeReport()
-    at = _epoch(last.get("at"))
-    if at is None or now - at > window_seconds:
+    exited = _epoch(last.get("at"))
+    if exited is None or now - exited > window_seconds:
         return cond.RuntimeReport()
     restarts = runtime.get("restarts")
     line = str(last.get("line") or "")
