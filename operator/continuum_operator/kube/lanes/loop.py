@@ -8,7 +8,6 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from continuum_operator.kube.base import events, kernel
 from continuum_operator.kube.base.kernel import KernelSettings, PassHooks
@@ -21,6 +20,7 @@ from continuum_operator.kube.state.cache import Cache, format_time
 from continuum_operator.kube.state.occupancy import LaneKey
 from continuum_operator.kube.workloads import lane_objects
 from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.json_body import object_at
 
 log = logging.getLogger("continuum.operator.embedlanes")
 
@@ -53,7 +53,7 @@ class LaneLoop(PassHooks[LaneKey]):
     def keys(self) -> list[LaneKey]:
         return [k for k, b in list(self.cache.lanes.items()) if self._takes(b)]
 
-    def _takes(self, body: Mapping[str, Any]) -> bool:
+    def _takes(self, body: Mapping[str, object]) -> bool:
         return not is_deleting(body) and lane_index.decided_here(
             body, self.cache.engines, self.cache.ledgers, self.engine_labels
         )
@@ -118,11 +118,10 @@ class LaneLoop(PassHooks[LaneKey]):
         self.absent.discard(key)
         return True
 
-    async def post_event(self, lane: Mapping[str, Any], event: events.Event) -> None:
-        meta = lane["metadata"]
+    async def post_event(self, lane: Mapping[str, object], event: events.Event) -> None:
         await events.post(
             self.api,
-            events.reference(API_VERSION, "EmbedLane", meta),
+            events.reference(API_VERSION, "EmbedLane", object_at(lane, "metadata")),
             event,
             instance=socket.gethostname(),
             now=format_time(self.clock()),

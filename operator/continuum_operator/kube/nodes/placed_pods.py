@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
 from urllib.parse import quote
 
 from continuum_operator.kube.client.api import ApiError
@@ -33,8 +33,9 @@ from continuum_operator.kube.workloads.engine_objects import ENGINE_LABEL
 from continuum_operator.kube.workloads.lane_objects import LANE_LABEL
 from continuum_operator.model.base import GROUP, VERSION
 from continuum_operator.model.board import NodeBoard
+from continuum_operator.model.json_body import labels_at, text
 
-__all__ = ["PlacedPods", "placed_by_node"]
+__all__ = ["PlacedPods", "PodSeen", "placed_by_node"]
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +50,40 @@ _ENDED = frozenset({"Succeeded", "Failed"})
 Placed = dict[str, str]
 
 
-def placed_by_node(pods: Iterable[tuple[str, str, Mapping[str, Any]]]) -> dict[str, list[Placed]]:
+@dataclass(frozen=True, slots=True)
+class PodSeen:
+    """What a board's `spec.placed` reads of one of the operator's pods; the rest of the Pod
+    (its containers, most of its status) is not kept."""
+
+    uid: str
+    namespace: str
+    labels: Mapping[str, str]
+    node: str | None  # spec.nodeName: None until it is bound
+    phase: str | None
+
+    @classmethod
+    def of(cls, pod: object) -> PodSeen:
+        """A Pod as the API sends it, read."""
+        return cls(
+            uid=text(pod, "metadata", "uid") or "",
+            namespace=text(pod, "metadata", "namespace") or "",
+            labels=labels_at(pod, "metadata", "labels"),
+            node=text(pod, "spec", "nodeName"),
+            phase=text(pod, "status", "phase"),
+        )
+
+
+def placed_by_node(pods: Iterable[tuple[str, str, PodSeen]]) -> dict[str, list[Placed]]:
     """`(label, kind, pod)` to each node's list, in a stable order (so an unchanged node compares
     equal). Pods not yet bound to a node, or ended, hold nothing there."""
     out: dict[str, list[Placed]] = {}
     for label, kind, pod in pods:
-        meta = pod.get("metadata") or {}
-        node = (pod.get("spec") or {}).get("nodeName")
-        name = (meta.get("labels") or {}).get(label)
-        phase = (pod.get("status") or {}).get("phase")
-        if not node or not name or not meta.get("uid") or phase in _ENDED:
+        name = pod.labels.get(label)
+        if not pod.node or not name or not pod.uid or pod.phase in _ENDED:
             continue
-        out.setdefault(str(node), []).append(
-            {"uid": str(meta["uid"]), "kind": kind, "namespace": str(meta.get("namespace")),
-             "name": str(name)}
-        )  # fmt: skip
+        out.setdefault(pod.node, []).append(
+            {"uid": pod.uid, "kind": kind, "namespace": pod.namespace, "name": name}
+        )
     for node, placed in out.items():
         placed.sort(key=lambda p: (p["kind"], p["namespace"], p["name"], p["uid"]))
         if len(placed) > PLACED_MAX:
@@ -73,15 +93,6 @@ def placed_by_node(pods: Iterable[tuple[str, str, Mapping[str, Any]]]) -> dict[s
     return out
 
 
-def _placed_fields(pod: Mapping[str, Any]) -> dict[str, Any]:
-    meta = pod.get("metadata") or {}
-    return {
-        "metadata": {k: meta.get(k) for k in ("uid", "namespace", "labels")},
-        "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
-        "status": {"phase": (pod.get("status") or {}).get("phase")},
-    }
-
-
 class PlacedPods:
     """Keeps every NodeBoard's `spec.placed` equal to the operator's pods on that node."""
 
@@ -89,35 +100,34 @@ class PlacedPods:
         self.api = api
         self.cache = cache
         self.interval = interval
-        self.pods: dict[str, tuple[str, str, dict[str, Any]]] = {}  # uid -> label, kind, pod
+        self.pods: dict[str, tuple[str, str, PodSeen]] = {}  # uid -> label, kind, pod
         self.listed: set[str] = set()  # the labels whose pods have been listed
 
     async def relist(self, label: str, kind: str) -> str:
         """The label's pods, listed into `pods` (those gone since dropped); the list's
         resourceVersion, to watch from."""
-        found: dict[str, tuple[str, str, dict[str, Any]]] = {}
+        found: dict[str, tuple[str, str, PodSeen]] = {}
         version = ""
         async for page in pages(self.api, PODS, [("labelSelector", label)]):
-            version = str((page.get("metadata") or {}).get("resourceVersion") or version)
+            version = text(page, "metadata", "resourceVersion") or version
             for pod in page.get("items") or []:
-                cut = _placed_fields(pod)
-                found[str(cut["metadata"]["uid"])] = (label, kind, cut)
+                seen = PodSeen.of(pod)
+                found[seen.uid] = (label, kind, seen)
         for uid in [u for u, (lab, _, _) in self.pods.items() if lab == label]:
             self.pods.pop(uid)
         self.pods.update(found)
         self.listed.add(label)
         return version
 
-    def observe(self, label: str, kind: str, event: Mapping[str, Any]) -> None:
-        """A watch event: the pod kept (cut) or dropped."""
-        pod = event.get("object") or {}
-        uid = str((pod.get("metadata") or {}).get("uid") or "")
-        if event.get("type") == "BOOKMARK" or not uid:
+    def observe(self, label: str, kind: str, event: Mapping[str, object]) -> None:
+        """A watch event: the pod kept (what placement reads of it) or dropped."""
+        seen = PodSeen.of(event.get("object"))
+        if event.get("type") == "BOOKMARK" or not seen.uid:
             return
         if event.get("type") == "DELETED":
-            self.pods.pop(uid, None)
+            self.pods.pop(seen.uid, None)
         else:
-            self.pods[uid] = (label, kind, _placed_fields(pod))
+            self.pods[seen.uid] = (label, kind, seen)
 
     async def follow(self, label: str, kind: str, stop: asyncio.Event) -> None:
         """List, then watch from the list's version for as long as this replica leads; a
@@ -129,8 +139,7 @@ class PlacedPods:
                     since = await self.relist(label, kind)
                 async for event in self.api.watch(PODS, [("labelSelector", label)], since):
                     self.observe(label, kind, event)
-                    meta = (event.get("object") or {}).get("metadata") or {}
-                    since = str(meta.get("resourceVersion") or since)
+                    since = text(event, "object", "metadata", "resourceVersion") or since
             except ApiError as err:
                 if err.status != 410:
                     log.warning("watching the %s pods failed, listing again: %s", kind, err)

@@ -129,7 +129,7 @@ class Snapshot:
     engines: Mapping[EngineKey, Mapping[str, Any]]
     deployments: Mapping[EngineKey, DeploymentEntry]
     jobs: Mapping[EngineKey, JobEntry] = field(default_factory=dict)
-    lanes: Mapping[EngineKey, Mapping[str, Any]] = field(default_factory=dict)  # EmbedLanes
+    lanes: Mapping[EngineKey, Mapping[str, object]] = field(default_factory=dict)  # EmbedLanes
     # Each engine's placement as leases (parsed once per watch event, not once per decision) and
     # the engines placed on each node; None: derived from `engines` (a snapshot built by hand).
     engine_leases: Mapping[EngineKey, PlacedLeases] | None = None
@@ -151,7 +151,7 @@ class Cache:
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
-    lanes: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)  # EmbedLanes
+    lanes: dict[EngineKey, Mapping[str, object]] = field(default_factory=dict)  # EmbedLanes
     # Each board's `spec.placed` as last seen (`kube.nodes.placed_pods` writes only what differs).
     board_placed: dict[str, list[dict[str, str]]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
