@@ -30,7 +30,7 @@ from continuum_operator.kube.process.leader import WALL_CLOCK_OFFSET_ENV
 from continuum_operator.kube.workloads import engine_identity, facts_job, lane_objects
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine
 from tests import builders
 from tests.e2e.conftest import Cluster
@@ -368,7 +368,9 @@ def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is
          "metadata": {"name": "notes", "namespace": ns},
          "spec": {"maxContextTokens": 512, "engine": "coder"}}
     )  # fmt: skip
-    placement = {"verdict": "Fits", "residence": "host", "node": "n1", "pools": []}
+    placement = EmbedLanePlacement.model_validate(
+        {"verdict": "Fits", "residence": "host", "node": "n1", "pools": []}
+    )
     lane_deployment = lane_objects.lane_deployment(lane, "uid", placement, engine, pods)
     for what, body in (("engine", deployment), ("facts", job), ("lane", lane_deployment)):
         admitted = _dry_run_pod(cluster, ns, body["spec"]["template"]["spec"])

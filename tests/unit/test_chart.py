@@ -23,7 +23,7 @@ from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.grants import mind_writes
 from continuum_operator.kube.workloads import engine_identity, lane_objects
 from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests import builders
 from tests.helm import CHART, ROOT, by_kind, documents, find_helm, helm, one, template
 
@@ -488,7 +488,9 @@ def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
     lane = EmbedLane.model_validate(
         yaml.safe_load((ROOT / "examples" / "embedlanes" / "notes.yaml").read_text())
     )
-    placement = {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    placement = EmbedLanePlacement.model_validate(
+        {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    )
     return [
         objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
         objects.service(engine, "uid-1", pods),

@@ -387,7 +387,11 @@ def _with_workload(
 ) -> LaneWrites:
     """The pod the lane's placement calls for, after this pass's status patch."""
     status = merge_patch(p.status, (writes.status_patch or {}).get("status") or {})
-    placement = status.get("placement")
+    try:
+        raw = status.get("placement")
+        placement = EmbedLanePlacement.model_validate(raw) if raw else None
+    except ValidationError:
+        placement = None
     engine: Engine | None = None
     facts: ModelFacts | None = None
     if lane.spec.engine is not None:
@@ -397,7 +401,7 @@ def _with_workload(
         except ValidationError:
             engine = None
         facts = _facts_of_engine(body) if body is not None else None
-    why = lane_objects.why_no_pod(lane, placement or {}, engine, settings.pods)
+    why = lane_objects.why_no_pod(lane, placement, engine, settings.pods)
     if why is not None or placement is None:
         return replace(writes, no_pod=why)
     uid = text(p.body, "metadata", "uid") or ""
