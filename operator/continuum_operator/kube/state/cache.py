@@ -170,7 +170,9 @@ class Cache:
     # Status patches sent and not answered yet ("assumed", as kube-scheduler assumes a pod), each
     # with the last body observed without it: the patch is merged over every body observed
     # meanwhile, so the bytes it leases stay counted, and dropped if the write fails.
-    _pending: dict[EngineKey, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
+    _pending: dict[EngineKey, tuple[Mapping[str, object], dict[str, Any]]] = field(
+        default_factory=dict
+    )
     # EmbedLanes to decide again (`kube.lanes.loop`, on `kube.base.kernel`): a lane that changed,
     # the lanes of an Engine that changed, those placed on a node whose room changed, and those
     # that may go to any node (not placed yet, or with a model of their own).
@@ -182,7 +184,7 @@ class Cache:
     # GrantLedger.
     quotas_read: Callable[[], bool] = lambda: False
 
-    def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
+    def assume_status(self, key: EngineKey, patch: Mapping[str, object]) -> None:
         """Record a status patch as written before its answer (`settle_status` ends it)."""
         known = self.engines.get(key)
         if known is None:
