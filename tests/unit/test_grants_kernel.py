@@ -14,6 +14,7 @@ from typing import Any
 
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.grants.write_queue import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
+from continuum_operator.model.json_body import object_at
 from tests.builders import stored_ledger
 from tests.unit.test_tenancy_loop import BASE, World, engine, mind, quota
 from tests.waiting import until
@@ -132,7 +133,8 @@ def test_a_ledger_of_an_engine_this_operator_does_not_serve_wakes_no_pass(
     assert ("team-b", "theirs") in w.engines.ledgers  # kept, should its Engine come to this one
     mine = w.engines.ledgers[("team-a", "coder")]
     w.engines.observe_ledger(
-        {**mine, "metadata": {**mine["metadata"], "resourceVersion": "99999"}}, deleted=False
+        {**mine, "metadata": {**object_at(mine, "metadata"), "resourceVersion": "99999"}},
+        deleted=False,
     )
     assert queue.changed.is_set()
 

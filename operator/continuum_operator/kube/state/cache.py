@@ -126,7 +126,7 @@ class Snapshot:
     boards: Mapping[str, BoardEntry]
     leases: Mapping[str, LeaseEntry]  # by node name
     nodes: Mapping[str, NodeEntry]
-    engines: Mapping[EngineKey, Mapping[str, Any]]
+    engines: Mapping[EngineKey, Mapping[str, object]]
     deployments: Mapping[EngineKey, DeploymentEntry]
     jobs: Mapping[EngineKey, JobEntry] = field(default_factory=dict)
     lanes: Mapping[EngineKey, Mapping[str, object]] = field(default_factory=dict)  # EmbedLanes
@@ -146,7 +146,7 @@ class Cache:
     # Engines, each with its GrantLedger's status merged in (`kube.ledger.cached`); the
     # GrantLedgers themselves by their Engine's key.
     engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
-    ledgers: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    ledgers: dict[EngineKey, Mapping[str, object]] = field(default_factory=dict)
     holders: ledger_object.HolderIndex = field(default_factory=ledger_object.HolderIndex)
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
@@ -376,7 +376,7 @@ class Cache:
         key = _key(obj)
         known = self.ledgers.get(key)
         if deleted:
-            if known is None or known["metadata"].get("uid") != at(obj, "metadata", "uid"):
+            if known is None or at(known, "metadata", "uid") != at(obj, "metadata", "uid"):
                 return  # an earlier ledger of the name, already replaced
             self.ledgers.pop(key)
         elif newer(obj, known):

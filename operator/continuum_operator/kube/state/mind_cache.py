@@ -63,7 +63,7 @@ class MindCache:
                 self.groups.setdefault(routing.engine_key_of(body), {})[key] = body
 
     def _put(
-        self, key: str, old: dict[str, Any] | None, new: dict[str, Any] | None, wake: bool
+        self, key: str, old: Mapping[str, object] | None, new: dict[str, Any] | None, wake: bool
     ) -> None:
         """Replace a Mind, marking the engine she named and the one she names (`wake`: a pass
         soon; False leaves the marks to the next pass)."""
