@@ -29,7 +29,14 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
-from continuum_operator.model.json_body import integer, labels_at, object_at, text
+from continuum_operator.model.json_body import (
+    integer,
+    items_at,
+    labels_at,
+    namespaced_name,
+    object_at,
+    text,
+)
 from continuum_operator.model.plan_status import READING, SPEC_GENERATION, PlanStatus
 
 __all__ = [
@@ -144,18 +151,12 @@ class EnginePass:
         settings: OperatorSettings,
     ) -> None:
         self.snap, self.now, self.settings = snap, now, settings
-        self.key: EngineKey = (
-            text(body, "metadata", "namespace") or "",
-            text(body, "metadata", "name") or "",
-        )
+        self.key: EngineKey = namespaced_name(body)
         self.uid = text(body, "metadata", "uid") or ""
         self.generation = integer(body, "metadata", "generation")
         self.status = object_at(body, "status")
-        conditions = self.status.get("conditions")
-        self.old_conditions = [
-            Condition.model_validate(c)
-            for c in (conditions if isinstance(conditions, list) else ())
-        ]
+        conditions = items_at(self.status, "conditions")
+        self.old_conditions = [Condition.model_validate(c) for c in conditions]
         self.events: list[Event] = []
         self.new: dict[str, object] = {}  # status parts this pass writes (None removes one)
         self.facts_in = cond.EngineFacts(generation=self.generation)

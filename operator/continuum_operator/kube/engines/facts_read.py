@@ -13,7 +13,7 @@ from continuum_operator.kube.client.api import ApiError, crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.state.cache import EngineKey, JobEntry, format_time
 from continuum_operator.model.engine import ModelFacts
-from continuum_operator.model.json_body import at, text
+from continuum_operator.model.json_body import items_at, text
 
 
 async def _pod_names(api: AsyncKubeApi, ns: str, job: JobEntry) -> list[str]:
@@ -21,8 +21,7 @@ async def _pod_names(api: AsyncKubeApi, ns: str, job: JobEntry) -> list[str]:
     answer = await api.request(
         "GET", f"/api/v1/namespaces/{ns}/pods", query=[("labelSelector", f"job-name={job.name}")]
     )
-    items = at(answer, "items")
-    names = (text(pod, "metadata", "name") for pod in (items if isinstance(items, list) else ()))
+    names = (text(pod, "metadata", "name") for pod in items_at(answer, "items"))
     return [name for name in names if name]
 
 

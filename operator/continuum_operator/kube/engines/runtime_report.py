@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from continuum_operator.core import conditions as cond
 from continuum_operator.core.receipts import Receipt
-from continuum_operator.model.json_body import at, object_at, text
+from continuum_operator.model.json_body import at, items_at, object_at, text
 from continuum_operator.model.plan_status import PlanStatus
 
 __all__ = ["Evidence", "current_runtime", "receipts_of", "runtime_report"]
@@ -61,8 +61,7 @@ def receipts_of(
     if model_sha256 is None or plan is None:
         return Evidence()
     found: list[Receipt] = []
-    reported = at(current_runtime(status, launch), "receipts")
-    for item in reported[:_MOST_RECEIPTS] if isinstance(reported, list) else ():
+    for item in items_at(current_runtime(status, launch), "receipts")[:_MOST_RECEIPTS]:
         try:
             found.append(Receipt.model_validate(item))
         except ValidationError:

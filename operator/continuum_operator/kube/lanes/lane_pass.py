@@ -52,7 +52,14 @@ from continuum_operator.kube.workloads import lane_objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
-from continuum_operator.model.json_body import at, integer, object_at, text
+from continuum_operator.model.json_body import (
+    at,
+    integer,
+    items_at,
+    namespaced_name,
+    object_at,
+    text,
+)
 from continuum_operator.model.plan_status import PlanStatus
 
 __all__ = [
@@ -138,8 +145,7 @@ def _in_force(engine: Mapping[str, object]) -> tuple[PlanStatus, EnginePlacement
 def _receipts(status: Mapping[str, object], model_sha256: str | None) -> tuple[Receipt, ...]:
     """The lane runtime's receipts; where the model's digest is known, only that model's."""
     out = []
-    reported = at(status, "runtime", "receipts")
-    for raw in reported if isinstance(reported, list) else ():
+    for raw in items_at(status, "runtime", "receipts"):
         try:
             r = Receipt.model_validate(raw)
         except ValidationError:
@@ -154,19 +160,13 @@ class _LanePass:
         self, body: Mapping[str, object], snap: Snapshot, now: float, settings: OperatorSettings
     ) -> None:
         self.body, self.snap, self.now, self.settings = body, snap, now, settings
-        self.key: LaneKey = (
-            text(body, "metadata", "namespace") or "",
-            text(body, "metadata", "name") or "",
-        )
+        self.key: LaneKey = namespaced_name(body)
         self.me = consumer_name(ConsumerKind.EMBED_LANE, *self.key)
         self.generation = integer(body, "metadata", "generation")
         self.status = object_at(body, "status")
         self.runtime = object_at(self.status, "runtime")
-        conditions = self.status.get("conditions")
-        self.old_conditions = [
-            Condition.model_validate(c)
-            for c in (conditions if isinstance(conditions, list) else ())
-        ]
+        conditions = items_at(self.status, "conditions")
+        self.old_conditions = [Condition.model_validate(c) for c in conditions]
         self.held: EmbedLanePlacement | None = None
         try:
             raw = self.status.get("placement")
@@ -211,10 +211,9 @@ class _LanePass:
     def release(self, reason: str, message: str) -> LaneWrites:
         """Not placed, holding only its floors as a waiting lane (its pod goes), and why."""
         held = object_at(self.status, "placement")
-        parts = held.get("pools")
         pools = [
             {"pool": at(x, "pool"), "bytes": floor, "floorBytes": floor}
-            for x in (parts if isinstance(parts, list) else ())
+            for x in items_at(held, "pools")
             if (floor := at(x, "floorBytes"))
         ]
         kept = {"verdict": "Waits", "reason": reason, "message": message, "contextTokens": 0}

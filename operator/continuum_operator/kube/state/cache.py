@@ -38,7 +38,16 @@ from continuum_operator.kube.workloads.facts_job import FACTS_FOR_LABEL
 from continuum_operator.kube.workloads.lane_objects import whole_cpus
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import EnginePlacement
-from continuum_operator.model.json_body import at, integer, labels_at, object_at, text
+from continuum_operator.model.json_body import (
+    at,
+    integer,
+    items_at,
+    labels_at,
+    name_of,
+    namespaced_name,
+    object_at,
+    text,
+)
 
 EngineKey = tuple[str, str]  # (namespace, name)
 
@@ -265,16 +274,13 @@ class Cache:
         self.changed.set()
 
     def observe_board(self, obj: Mapping[str, object], deleted: bool) -> None:
-        name = _name(obj)
+        name = name_of(obj)
         if deleted:
             self.boards.pop(name, None)
             self.board_placed.pop(name, None)
         else:
             rv = text(obj, "metadata", "resourceVersion") or ""
-            placed = at(obj, "spec", "placed")
-            self.board_placed[name] = [
-                labels_at(p) for p in (placed if isinstance(placed, list) else ())
-            ]
+            self.board_placed[name] = [labels_at(p) for p in items_at(obj, "spec", "placed")]
             try:
                 resource = NodeBoard.model_validate(dict(obj))
                 caps = tuple(str(c.mechanism) for c in resource.status.cap_mechanisms)
@@ -292,7 +298,7 @@ class Cache:
         """The agent's Lease of a node (`core.heartbeat`); the kubelet's own Lease is ignored."""
         if text(obj, "metadata", "namespace") != self.lease_namespace:
             return
-        node = node_of_lease(_name(obj), labels_at(obj, "metadata", "annotations"))
+        node = node_of_lease(name_of(obj), labels_at(obj, "metadata", "annotations"))
         if node is None:
             return
         known = self.leases.get(node)
@@ -321,7 +327,7 @@ class Cache:
         self._nudge()
 
     def observe_node(self, obj: Mapping[str, object], deleted: bool) -> None:
-        name = _name(obj)
+        name = name_of(obj)
         if deleted:
             self.nodes.pop(name, None)
         else:
@@ -342,7 +348,7 @@ class Cache:
         self._nudge()
 
     def observe_engine(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
-        key = _key(obj)
+        key = namespaced_name(obj)
         pending = self._pending.get(key)
         known = self.engines.get(key)
         if deleted:
@@ -373,7 +379,7 @@ class Cache:
         """An Engine's GrantLedger, merged into the Engine's cached body. No plan reads the
         ledger but a relaunch's wait for the drain of the old launch's grants: only then is the
         Engine marked for the plan loop (one mark per grant was a plan decide per grant)."""
-        key = _key(obj)
+        key = namespaced_name(obj)
         known = self.ledgers.get(key)
         if deleted:
             if known is None or at(known, "metadata", "uid") != at(obj, "metadata", "uid"):
@@ -416,7 +422,7 @@ class Cache:
 
     def observe_lane(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
         """An EmbedLane (`kube.lanes.loop`); its placement is in every engine's ledger."""
-        key = _key(obj)
+        key = namespaced_name(obj)
         known = self.lanes.get(key)
         if deleted:
             self.lanes.pop(key, None)
@@ -431,7 +437,7 @@ class Cache:
             self._nudge()
 
     def observe_service(self, obj: Mapping[str, object], deleted: bool) -> None:
-        key = _key(obj)
+        key = namespaced_name(obj)
         if deleted:
             self.services.discard(key)
         else:
@@ -443,7 +449,7 @@ class Cache:
         engine = labels_at(obj, "metadata", "labels").get(FACTS_FOR_LABEL)
         if not engine:
             return
-        namespace, name = _key(obj)
+        namespace, name = namespaced_name(obj)
         key = (namespace, engine)
         if deleted:
             if key in self.jobs and self.jobs[key].name == name:
@@ -464,7 +470,7 @@ class Cache:
     def observe_deployment(
         self, obj: Mapping[str, object], deleted: bool, nudge: bool = True
     ) -> None:
-        key = _key(obj)
+        key = namespaced_name(obj)
         known = self.deployments.get(key)
         if deleted:
             self.deployments.pop(key, None)
@@ -489,18 +495,5 @@ class Cache:
 
 
 def _job_ended(status: Mapping[str, object], kind: str) -> bool:
-    conditions = status.get("conditions")
-    return any(
-        at(c, "type") == kind and at(c, "status") == "True"
-        for c in (conditions if isinstance(conditions, list) else ())
-    )
-
-
-def _name(obj: Mapping[str, object]) -> str:
-    """The object's name (every object the API server sends has one)."""
-    return text(obj, "metadata", "name") or ""
-
-
-def _key(obj: Mapping[str, object]) -> EngineKey:
-    """A namespaced object's (namespace, name)."""
-    return (text(obj, "metadata", "namespace") or "", _name(obj))
+    conditions = items_at(status, "conditions")
+    return any(at(c, "type") == kind and at(c, "status") == "True" for c in conditions)
