@@ -62,3 +62,20 @@ def test_no_module_of_a_typed_room_reads_a_plan_as_a_dict(room: str) -> None:
         if keys.search(line)
     ]
     assert found == []
+
+
+def test_a_json_body_reads_a_field_absent_null_or_of_another_type_as_absent() -> None:
+    from continuum_operator.model import json_body as jb
+
+    pod = {
+        "metadata": {"name": "p", "namespace": "ns", "labels": {"a": "1", "b": 2}},
+        "spec": {"nodeName": None, "priority": True, "containers": "not a list"},
+        "status": ["not", "an", "object"],
+    }
+    assert jb.namespaced_name(pod) == ("ns", "p") and jb.name_of({}) == ""
+    assert jb.labels_at(pod, "metadata", "labels") == {"a": "1"}  # 2 is no label value
+    assert jb.text(pod, "spec", "nodeName") is None
+    assert jb.integer(pod, "spec", "priority") is None  # a boolean is no count
+    assert jb.items_at(pod, "spec", "containers") == []
+    assert jb.object_at(pod, "status") == {} and jb.at(pod, "status", "phase") is None
+    assert jb.at(pod, "metadata", "labels", "a") == "1"
