@@ -5,14 +5,12 @@ passes as they run now (only what changed decided) and as every pass ran before 
 tests/unit/core/test_scale_paths.py runs it at a tiny size and checks that a pass at rest decides
 fewer engines than a full pass.
 
-1. The plan loop (`kube.engines.loop.Loop.pass_once`, on a real `kube.state.cache.Cache`): placing
-every
-   engine; a pass at rest (nothing changed); a pass after one NodeBoard changed; a pass after
-   one Engine's spec changed; a full pass (every engine decided, as every pass was before the
-   dirty set; the loop runs one every `full_resync_seconds`).
-2. The grants loop (`kube.grants.loop.GrantsLoop.pass_once`, on `kube.base.kernel` too) over the
-engines
-   the plan loop placed:
+1. The plan loop (`kube.engines.loop.Loop.pass_once`, on a real `kube.state.cache.Cache`):
+   placing every engine; a pass at rest (nothing changed); a pass after one NodeBoard changed;
+   a pass after one Engine's spec changed; a full pass (every engine decided, as every pass was
+   before the dirty set; the loop runs one every `full_resync_seconds`).
+2. The grants loop (`kube.grants.loop.GrantsLoop.pass_once`, on `kube.base.kernel` too) over
+   the engines the plan loop placed:
    the first pass, granting every Mind; a pass after one Mind created; a pass with nothing
    changed; a full pass (every engine's ledger stepped, as every pass was before).
 

@@ -53,7 +53,7 @@ def run_agent(cluster: Cluster, node: str, *extra: str) -> subprocess.CompletedP
     )  # fmt: skip
 
 
-def parse_time(text: str) -> datetime:
+def parse_rfc3339(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
@@ -77,7 +77,7 @@ def test_one_cycle_writes_the_board_status_and_the_nodes_lease(
     lease = cluster.get_json("lease", "-n", LEASE_NAMESPACE, lease_name(gpu_node))
     assert lease["spec"]["leaseDurationSeconds"] == 40
     assert lease["spec"]["holderIdentity"].startswith("continuum-agent")
-    renewed = parse_time(lease["spec"]["renewTime"])
+    renewed = parse_rfc3339(lease["spec"]["renewTime"])
     assert renewed >= before
     assert lease["metadata"]["ownerReferences"][0]["uid"] == node_uid
     meta = lease["metadata"]
@@ -94,7 +94,7 @@ def test_one_cycle_writes_the_board_status_and_the_nodes_lease(
     assert "board unchanged" in second.stdout
     assert cluster.get_json("nodeboard", gpu_node)["metadata"]["resourceVersion"] == version
     lease2 = cluster.get_json("lease", "-n", LEASE_NAMESPACE, lease_name(gpu_node))
-    assert parse_time(lease2["spec"]["renewTime"]) > renewed
+    assert parse_rfc3339(lease2["spec"]["renewTime"]) > renewed
 
 
 def test_a_recorded_eight_gpu_node_with_a_placed_engine_lands_on_the_api_server(

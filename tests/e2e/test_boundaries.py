@@ -30,7 +30,7 @@ from continuum_operator.kube.process.leader import WALL_CLOCK_OFFSET_ENV
 from continuum_operator.kube.workloads import engine_identity, facts_job, lane_objects
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine
 from tests.e2e.conftest import Cluster
 from tests.e2e.llama_fixtures import free_port
@@ -50,6 +50,7 @@ from tests.e2e.test_grants import (
 from tests.e2e.test_grants import engine as grants_engine
 from tests.e2e.test_grants import gpu_node as grants_gpu_node
 from tests.e2e.test_operator import wait_for
+from tests.support import builders
 from tests.support.helm import by_kind, documents, find_helm, one, template
 
 pytestmark = pytest.mark.e2e
@@ -359,7 +360,7 @@ def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is
          "metadata": {"name": "coder", "namespace": ns}}
     )  # fmt: skip
     pods = PodSettings()
-    plan = {"node": "n1", "gpus": [0], "engineArgs": ["--ctx-size", "1024"], "bytes": {}}
+    plan = builders.plan_on_a_gpu(node="n1", gpus=(0,), engine_args=("--ctx-size", "1024"))
     deployment = objects.deployment(engine, "uid", plan, pods, node_has_gpus=True)
     job = facts_job.facts_job(engine, "uid", pods)
     lane = EmbedLane.model_validate(
@@ -367,7 +368,9 @@ def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is
          "metadata": {"name": "notes", "namespace": ns},
          "spec": {"maxContextTokens": 512, "engine": "coder"}}
     )  # fmt: skip
-    placement = {"verdict": "Fits", "residence": "host", "node": "n1", "pools": []}
+    placement = EmbedLanePlacement.model_validate(
+        {"verdict": "Fits", "residence": "host", "node": "n1", "pools": []}
+    )
     lane_deployment = lane_objects.lane_deployment(lane, "uid", placement, engine, pods)
     for what, body in (("engine", deployment), ("facts", job), ("lane", lane_deployment)):
         admitted = _dry_run_pod(cluster, ns, body["spec"]["template"]["spec"])

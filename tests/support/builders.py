@@ -10,6 +10,7 @@ import yaml
 from continuum_operator.core.pools import Board
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import Engine
+from continuum_operator.model.plan_status import PlanStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -110,7 +111,7 @@ def observe_with_ledger(cache: Any, body: dict[str, Any], deleted: bool = False)
         cache.observe_ledger(ledger, deleted=deleted, nudge=False)
 
 
-def engine_planned_on_a_gpu() -> tuple[Engine, dict[str, Any]]:
+def engine_planned_on_a_gpu() -> tuple[Engine, PlanStatus]:
     """An Engine whose model is a hostPath file, and its plan on a node of one 80 GiB GPU: what
     the operator makes objects for (its Deployment, facts Job, lanes beside it)."""
     from continuum_operator.core.plan import plan
@@ -128,4 +129,9 @@ def engine_planned_on_a_gpu() -> tuple[Engine, dict[str, Any]]:
         )
     )
     assert made.spec.model.facts is not None
-    return made, plan(node, made.spec, made.spec.model.facts).to_dict()
+    return made, PlanStatus.model_validate(plan(node, made.spec, made.spec.model.facts).to_dict())
+
+
+def plan_on_a_gpu(**fields: object) -> PlanStatus:
+    """The plan of `engine_planned_on_a_gpu` with `fields` (by their Python names) in place."""
+    return engine_planned_on_a_gpu()[1].model_copy(update=fields)

@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from continuum_operator.core.heartbeat import agent_lease_metadata
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.base.settings import LoopSettings, OperatorSettings
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.client.merge_patch import merge_patch
 from continuum_operator.kube.engines.loop import Loop
-from continuum_operator.kube.state.cache import Cache, EngineKey, format_time
+from continuum_operator.kube.state.cache import Cache, EngineKey
 from tests.support.builders import board_body, engine_body
 from tests.support.fakes import FakeKubeApi
 
@@ -67,7 +68,7 @@ class FakeApi(FakeKubeApi):
 def agent_lease(node: str, renewed: float, duration: int = 3600, rv: int = 1) -> dict[str, Any]:
     return {
         "metadata": {**agent_lease_metadata(node), "resourceVersion": str(rv)},
-        "spec": {"renewTime": format_time(renewed), "leaseDurationSeconds": duration},
+        "spec": {"renewTime": format_seconds(renewed), "leaseDurationSeconds": duration},
     }
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from continuum_operator.cli import main
+from continuum_operator.model.plan_status import SPEC_GENERATION
 from tests.support.builders import ROOT
 
 BOARDS = sorted((ROOT / "examples" / "boards").glob("*.yaml"))
@@ -39,3 +44,16 @@ def as_json_schema(node: Any) -> Any:
     if "properties" in out:
         out["additionalProperties"] = False
     return out
+
+
+def plans_as_status_holds_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
+    """Every example pair's plan, and an unschedulable one per board, as `continuum plan -o
+    json` prints them (`ServingPlan.to_dict`, what `kube.engines.engine_pass.plan_status` writes)
+    with the spec generation the operator adds."""
+    huge = unschedulable_engine(tmp_path)
+    for board in BOARDS:
+        for engine in [*ENGINES, huge]:
+            code = main(["plan", "--board", str(board), "--engine", str(engine), "-o", "json"])
+            out, err = capsys.readouterr()
+            assert code in (0, 3), err
+            yield {**json.loads(out), SPEC_GENERATION: 7}

@@ -39,7 +39,7 @@ from continuum_operator.kube.engines.runtime_report import receipts_of
 from continuum_operator.manifests import ManifestError, load_all
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import Engine
-from continuum_operator.model.plan_status import READING
+from continuum_operator.model.plan_status import PlanStatus
 
 __all__ = ["cmd_replay", "replay"]
 
@@ -48,13 +48,13 @@ EXIT_OK, EXIT_INVALID, EXIT_CHANGES = 0, 2, 3
 CHANGES = frozenset({"Held", "Relaunch", "NoLongerFits"})
 
 
-def _summary(p: dict[str, Any]) -> dict[str, Any]:
+def _summary(p: PlanStatus) -> dict[str, Any]:
     return {
-        "layersOnDevice": p.get("layersOnDevice"),
-        "totalLayers": p.get("totalLayers"),
-        "mindsGrantable": p.get("mindsGrantable"),
-        "poolTokens": p.get("poolTokens"),
-        "engineArgs": list(p.get("engineArgs") or ()),
+        "layersOnDevice": p.layers_on_device,
+        "totalLayers": p.total_layers,
+        "mindsGrantable": p.minds_grantable,
+        "poolTokens": p.pool_tokens,
+        "engineArgs": list(p.engine_args),
     }
 
 
@@ -66,7 +66,7 @@ def replay_one(e: Engine, boards: dict[str, Board], engines: Sequence[Engine]) -
     """One Engine's verdict (`cli_replay`'s module doc) with its plan in force and the new one."""
     name = f"{e.metadata.namespace}/{e.metadata.name}"
     was, placement = e.status.plan, e.status.placement
-    if not was or placement is None:
+    if was is None or placement is None:
         return _skipped(name, "not placed: nothing runs that a new plan could relaunch")
     board = boards.get(placement.node)
     if board is None:
@@ -94,12 +94,12 @@ def replay_one(e: Engine, boards: dict[str, Board], engines: Sequence[Engine]) -
         [(x.pool, x.bytes) for x in placement.pools],
         engine_leases(others),
         engine_leases(o for o in others if o.status.placement and o.status.placement.assumed),
-        receipts=receipts_of(status, e.spec.model.sha256, None).receipts,
+        receipts=receipts_of(status, was, e.spec.model.sha256, None).receipts,
         llama_build=runtime.get("llamaBuild"),
-        on_gpus=tuple(int(g) for g in was.get("gpus") or ()),
+        on_gpus=was.gpus,
     )
     now = replayed.plan
-    doc = now.to_dict()
+    doc = PlanStatus.model_validate(now.to_dict())
     out: dict[str, Any] = {
         "engine": name,
         "node": placement.node,
@@ -109,15 +109,15 @@ def replay_one(e: Engine, boards: dict[str, Board], engines: Sequence[Engine]) -
     if not now.schedulable:
         why = now.reasons[-1].message if now.reasons else ""
         return {**out, "verdict": "NoLongerFits", "note": why}
-    if list(now.engine_args) != list(was.get("engineArgs") or ()):
-        unchanged = was.get(READING) in (None, replayed.reading)
+    if now.engine_args != was.engine_args:
+        unchanged = was.reading in (None, replayed.reading)
         accept = f"{ACCEPT_ANNOTATION}={plan_id(now.engine_args)}"
         if unchanged:
             note = f"held by the new operator until accepted: {accept}"
             return {**out, "verdict": "Held", "planId": plan_id(now.engine_args), "note": note}
         note = "the node reads otherwise than when the plan was made: damping relaunches it"
         return {**out, "verdict": "Relaunch", "planId": plan_id(now.engine_args), "note": note}
-    if doc["bytes"] != was.get("bytes") or doc["charges"] != was.get("charges"):
+    if doc.bytes != was.bytes or doc.charges != was.charges:
         return {**out, "verdict": "Recharged", "note": "the same arguments, other bytes"}
     return {**out, "verdict": "Same", "note": ""}
 

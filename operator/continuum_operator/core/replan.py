@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -30,6 +30,7 @@ from continuum_operator.core.plan import ServingPlan, plan, vet_receipts
 from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.model.engine import EngineSpec, ModelFacts
+from continuum_operator.model.plan_status import PlanStatus
 
 __all__ = [
     "ACCEPT_ANNOTATION",
@@ -97,14 +98,14 @@ def hold_verdict(
     return HoldVerdict.HELD
 
 
-def held_message(engine: str, was: Mapping[str, object], candidate: ServingPlan) -> str:
+def held_message(engine: str, was: PlanStatus, candidate: ServingPlan) -> str:
     """The PlanHeld condition's message: the old and new plans, why, and how to apply it."""
     ns, _, name = engine.partition("/")
     return (
         f"a new plan ({candidate.layers_on_device}/{candidate.total_layers} layers, "
         f"{candidate.minds_grantable} minds, {candidate.pool_tokens} pool tokens) differs from "
-        f"the plan in force ({was.get('layersOnDevice')}/{was.get('totalLayers')} layers, "
-        f"{was.get('mindsGrantable')} minds, {was.get('poolTokens')} pool tokens) while node "
+        f"the plan in force ({was.layers_on_device}/{was.total_layers} layers, "
+        f"{was.minds_grantable} minds, {was.pool_tokens} pool tokens) while node "
         f"{candidate.node} reads as it did when that plan was made: a change of the operator's "
         "code, not of the node, so it is held and the engine keeps serving as it is. To apply "
         f"it: kubectl annotate engine -n {ns} {name} --overwrite "

@@ -27,6 +27,8 @@ from continuum_operator.model.base import (
     spec_config_with_rules,
 )
 from continuum_operator.model.kv import KvCacheType as KvCacheType  # re-exported: its home before
+from continuum_operator.model.plan_status import EnginePoolBytes as EnginePoolBytes  # re-exported
+from continuum_operator.model.plan_status import PlanStatus, plan_status_schema
 from continuum_operator.model.runtime import EngineRuntimeStatus
 
 GiB = 1024**3
@@ -446,16 +448,6 @@ class EngineSpec(Spec):
     )
 
 
-class EnginePoolBytes(Spec):
-    """Bytes leased in one pool of the node."""
-
-    pool: str = Field(
-        pattern=r"^(unified|host|disk|device/[0-9]+)$",
-        description="unified, host, disk (a park store on disk), or device/N for GPU N.",
-    )
-    bytes: Bytes = Field(description="Bytes leased there.")
-
-
 class EnginePlacement(Spec):
     """The assumed lease: node and bytes per pool, written before the pod exists."""
 
@@ -495,9 +487,8 @@ _PLAN_DESCRIPTION = (
 
 def _plan_schema(schema: dict[str, Any]) -> None:
     """The CRD's `status.plan`: the plan's JSON Schema (`model.plan_status`), in place of the
-    open object pydantic writes for a dict."""
-    from continuum_operator.model.plan_status import plan_status_schema
-
+    schema pydantic writes for the model (the same fields, with the schema's descriptions and
+    bounds: one document for `continuum plan -o json` and the CRD)."""
     schema.clear()
     schema.update(plan_status_schema(_PLAN_DESCRIPTION))
 
@@ -532,9 +523,9 @@ class EngineStatus(Spec):
     """What the operator decided for the engine and what the running engine reports; each part
     has one writer (docs/design.md, "One writer per status field")."""
 
-    # A plain dict here, as the plan writes it (`ServingPlan.to_dict`); the CRD types it with
-    # the plan's own JSON Schema (`model.plan_status`).
-    plan: dict[str, Any] | None = Field(
+    # The CRD types it with the plan's own JSON Schema (`model.plan_status`), which the
+    # model's fields follow (tests/unit/model/test_plan_status_model.py).
+    plan: PlanStatus | None = Field(
         default=None,
         description=_PLAN_DESCRIPTION,
         json_schema_extra=_plan_schema,

@@ -8,6 +8,11 @@ One schema for both, so `kubectl explain engine.status.plan` says what docs/plan
 the API server keeps every field the operator writes (a typed object prunes the fields its
 schema does not name: tests/unit/model/test_plan_status_schema.py checks the plans of every example
 against it). Pure: reads a file of this package.
+
+`PlanStatus` is the same plan as the operator reads and writes it: a `core.plan.ServingPlan`
+becomes one (`kube.engines.engine_pass.plan_status`), and everything built from a plan in force
+(the engine's Deployment, its conditions, the damper's shape) reads its fields, never the dict.
+tests/unit/model/test_plan_status_model.py holds its fields to the schema's.
 """
 
 from __future__ import annotations
@@ -15,9 +20,27 @@ from __future__ import annotations
 import json
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["READING", "SPEC_GENERATION", "plan_output_schema", "plan_status_schema"]
+from pydantic import Field
+
+from continuum_operator.model.base import Bytes, Spec
+from continuum_operator.model.board import MemoryMode
+from continuum_operator.model.kv import KvCacheType
+from continuum_operator.model.receipt import Receipt
+
+__all__ = [
+    "READING",
+    "SPEC_GENERATION",
+    "EnginePoolBytes",
+    "PlanBudget",
+    "PlanBytes",
+    "PlanPart",
+    "PlanReason",
+    "PlanStatus",
+    "plan_output_schema",
+    "plan_status_schema",
+]
 
 SPEC_GENERATION = "specGeneration"
 READING = "reading"
@@ -75,3 +98,91 @@ def plan_status_schema(description: str) -> dict[str, Any]:
         "with other arguments on the same reading is held (PlanHeld, docs/operator.md).",
     }
     return {**schema, "description": description, "nullable": True}
+
+
+# -- the plan as the operator reads it ----------------------------------------------------------
+# Field for field the schema above (`plan_output.schema.json`, which describes each); what the
+# schema lets be null defaults to None, as a merge patch leaves such a field absent.
+
+
+class PlanBudget(Spec):
+    """What each side may use, net of reserve; None where it is not governed."""
+
+    device: int | None = None
+    host: int | None = None
+    per_process_cap: int | None = None
+    shared: int | None = None
+
+
+class PlanPart(Spec):
+    """Bytes one side (device or host) puts in its pool."""
+
+    weights: int
+    kv: int
+    compute: int
+    reserve: int
+    park: int
+    total: int
+
+    def in_use(self) -> int:
+        """The bytes the engine allocates on this side: all but the reserve kept free."""
+        return self.weights + self.kv + self.compute + self.park
+
+
+class PlanBytes(Spec):
+    device: PlanPart
+    host: PlanPart
+
+
+# A plan's charge and its placement's lease are one idea: the placement is written from the
+# plan's charges (`core.placements.placement_of`).
+class EnginePoolBytes(Spec):
+    """Bytes leased in one pool of the node."""
+
+    pool: str = Field(
+        pattern=r"^(unified|host|disk|device/[0-9]+)$",
+        description="unified, host, disk (a park store on disk), or device/N for GPU N.",
+    )
+    bytes: Bytes = Field(description="Bytes leased there.")
+
+
+class PlanReason(Spec):
+    """Why the plan is what it is: a code of `core.plan`'s and its message."""
+
+    code: str
+    message: str
+
+
+class PlanStatus(Spec):
+    """An Engine's `status.plan`: the serving plan (`continuum plan -o json`), with the spec
+    generation it was made for and the reading of its node it was made on, where known."""
+
+    node: str
+    memory_mode: MemoryMode
+    governed: bool
+    schedulable: bool
+    layers_on_device: int
+    total_layers: int
+    gpu_servable: bool
+    pool_tokens: int
+    minds_grantable: int
+    context_tokens_per_mind: int
+    kv_cache_type: KvCacheType
+    gpus: tuple[int, ...]
+    budget: PlanBudget
+    bytes: PlanBytes
+    charges: tuple[EnginePoolBytes, ...]
+    engine_args: tuple[str, ...]
+    reasons: tuple[PlanReason, ...]
+    source: Literal["receipt", "estimate"]
+    receipt: Receipt | None = None
+    spec_generation: int | None = Field(default=None, alias=SPEC_GENERATION)
+    reading: str | None = Field(default=None, alias=READING)
+
+    def to_status(self) -> dict[str, object]:
+        """The plan as status holds it: what `continuum plan -o json` prints, less its nulls (a
+        merge patch deletes a null field, so the API server never keeps one: a plan written
+        back unchanged is then no change), with the spec generation and the reading where
+        known."""
+        doc: dict[str, object] = self.model_dump(by_alias=True, mode="json", exclude_none=True)
+        return doc

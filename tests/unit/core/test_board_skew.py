@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 
 from continuum_operator.core.heartbeat import agent_lease_metadata
-from continuum_operator.kube.state.cache import Cache, format_time
+from continuum_operator.core.rfc3339 import format_seconds
+from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.state.occupancy import lease_is_fresh
 
 NOW = 1_800_000_000.0
@@ -25,7 +26,7 @@ class World:
     def renew(self) -> None:
         self.rv += 1
         meta = {**agent_lease_metadata("n1"), "resourceVersion": str(self.rv)}
-        spec = {"renewTime": format_time(self.now + self.skew), "leaseDurationSeconds": TTL}
+        spec = {"renewTime": format_seconds(self.now + self.skew), "leaseDurationSeconds": TTL}
         self.cache.observe_lease({"metadata": meta, "spec": spec}, deleted=False)
 
     def fresh(self) -> bool:
@@ -73,7 +74,7 @@ def test_a_lease_claiming_a_duration_of_years_is_stale_past_the_operators_longes
     w.cache = Cache(clock=lambda: w.now, max_lease_seconds=300.0)
     w.rv += 1
     meta = {**agent_lease_metadata("n1"), "resourceVersion": str(w.rv)}
-    spec = {"renewTime": format_time(w.now), "leaseDurationSeconds": 2**31 - 1}
+    spec = {"renewTime": format_seconds(w.now), "leaseDurationSeconds": 2**31 - 1}
     w.cache.observe_lease({"metadata": meta, "spec": spec}, deleted=False)
     w.now += 300
     assert w.fresh()

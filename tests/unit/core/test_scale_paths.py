@@ -13,8 +13,9 @@ from continuum_operator.core.bestfit import NodeView, choose, leftover_bytes, ra
 from continuum_operator.core.heartbeat import agent_lease_metadata
 from continuum_operator.core.plan import plan
 from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
+from continuum_operator.core.rfc3339 import parse as parse_rfc3339
 from continuum_operator.kube.client.api import resource_of
-from continuum_operator.kube.state.cache import Cache, EngineKey, parse_time
+from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.kube.state.occupancy import other_leases
 from tests.support.builders import board, board_body, engine_body
 from tests.support.builders import engine as parsed_engine
@@ -88,7 +89,7 @@ def test_the_cache_index_gives_the_leases_a_parse_of_every_engine_gives() -> Non
     }
 
 
-T0 = parse_time("2026-01-01T00:00:00.000000Z") or 0.0
+T0 = parse_rfc3339("2026-01-01T00:00:00.000000Z") or 0.0
 
 
 def test_a_lease_renewed_before_it_expired_does_not_wake_the_loop() -> None:
@@ -116,7 +117,7 @@ def test_a_lease_renewed_late_or_changed_wakes_the_loop(renew: str, duration: in
     cache = Cache(clock=lambda: now[0])
     cache.observe_lease(lease("n1", 1, "2026-01-01T00:00:00.000000Z"), deleted=False)
     cache.changed.clear()
-    now[0] = max(T0, parse_time(renew) or 0.0)
+    now[0] = max(T0, parse_rfc3339(renew) or 0.0)
     cache.observe_lease(lease("n1", 2, renew, duration), deleted=False)
     assert cache.changed.is_set()
 

@@ -34,7 +34,7 @@ from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.client.api import path_of
 from continuum_operator.kube.workloads import engine_identity, lane_objects
 from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
 from tests.support.embed import WordModel
 from tests.support.fake_apiserver import review_answer, reviewed_token
@@ -312,7 +312,9 @@ def pod_of() -> dict[str, Any]:
     body = builders.engine_body()
     body["spec"]["model"]["source"] = {"kind": "hostPath", "path": "/srv/models/embed.gguf"}
     body["metadata"] = {"name": "coder", "namespace": NS}
-    placement = {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    placement = EmbedLanePlacement.model_validate(
+        {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    )
     engine = builders.engine(body)
     dep = lane_objects.lane_deployment(lane(), "u", placement, engine, PodSettings())
     return dict(dep["spec"]["template"])

@@ -33,7 +33,8 @@ def engine_args(*extra: str) -> Any:
 
 class TestEveryEngineReviewsTokens:
     def test_the_operator_runs_each_engine_with_review_and_an_admin_port(self) -> None:
-        cmd = objects.command(engine(), {"engineArgs": ["-c", "1024"]}, PodSettings())
+        plan = builders.plan_on_a_gpu(engine_args=("-c", "1024"))
+        cmd = objects.command(engine(), plan, PodSettings())
         flags = cmd[: cmd.index("--")]
         assert "--review-tokens" in flags and "--unsafe-trust-mind-header" not in flags
         assert flags[flags.index("--admin-port") + 1] == str(objects.ADMIN_PORT)

@@ -19,9 +19,16 @@ from continuum_operator.core.receipt_bounds import SLACK_BYTES, out_of_bounds
 from continuum_operator.core.receipts import BufferKind, Receipt, ReceiptBuffer, ReceiptPlacement
 from continuum_operator.kube.engines import runtime_report
 from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.model.plan_status import PlanStatus
 from tests.support.builders import ROOT, board, engine
 from tests.support.reconcile import NOW, SETTINGS, after, conditions
 from tests.support.runtime_truth import SHA_NAMED, _launch, _receipt_for, _serving
+
+
+def _plan(body: dict[str, Any]) -> PlanStatus:
+    """The plan in force of an Engine's body."""
+    return PlanStatus.model_validate(body["status"]["plan"])
+
 
 H200 = ROOT / "tests" / "fixtures" / "h200"
 
@@ -163,7 +170,7 @@ def test_a_receipt_of_other_arguments_than_the_launch_in_force_is_set_aside() ->
     )
     runtime = {"receipts": dump(eight), "launch": _launch(body, snap)}
     evidence = runtime_report.receipts_of(
-        with_runtime(body, runtime)["status"], SHA_NAMED, _launch(body, snap)
+        with_runtime(body, runtime)["status"], _plan(body), SHA_NAMED, _launch(body, snap)
     )
     assert evidence.receipts == ()
     assert "is not of the launch in force (2 minds" in evidence.set_aside[0]
@@ -178,7 +185,10 @@ def test_a_report_of_another_launch_gives_no_receipt_and_an_honest_one_is_used()
     planned = body["status"]["plan"]
     honest = _receipt_for(planned, SHA_NAMED)
     status = with_runtime(body, {"receipts": dump(honest), "launch": "an-older-pod"})["status"]
-    assert runtime_report.receipts_of(status, SHA_NAMED, _launch(body, snap)).receipts == ()
+    in_force = _plan(body)
+    assert (
+        runtime_report.receipts_of(status, in_force, SHA_NAMED, _launch(body, snap)).receipts == ()
+    )
     status = with_runtime(body, {"receipts": dump(honest), "launch": _launch(body, snap)})["status"]
-    evidence = runtime_report.receipts_of(status, SHA_NAMED, _launch(body, snap))
+    evidence = runtime_report.receipts_of(status, in_force, SHA_NAMED, _launch(body, snap))
     assert (evidence.receipts, evidence.set_aside) == ((honest,), ())

@@ -4,7 +4,6 @@ API server keeps every field the operator writes there, and refuses what the pla
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +12,14 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 
-from continuum_operator.cli import main
 from continuum_operator.model.plan_status import READING, SPEC_GENERATION, plan_output_schema
 from tests.support.builders import ROOT
-from tests.support.plans import BOARDS, ENGINES, as_json_schema, unschedulable_engine
+from tests.support.plans import (
+    BOARDS,
+    ENGINES,
+    as_json_schema,
+    plans_as_status_holds_them,
+)
 
 
 def crd_plan_schema() -> dict[str, Any]:
@@ -24,19 +27,6 @@ def crd_plan_schema() -> dict[str, Any]:
     root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     plan: dict[str, Any] = root["properties"]["status"]["properties"]["plan"]
     return plan
-
-
-def plans_as_status_holds_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
-    """Every example pair's plan, and an unschedulable one per board, as `continuum plan -o
-    json` prints them (`ServingPlan.to_dict`, what `kube.engines.engine_pass.plan_status` writes)
-    with the spec generation the operator adds."""
-    huge = unschedulable_engine(tmp_path)
-    for board in BOARDS:
-        for engine in [*ENGINES, huge]:
-            code = main(["plan", "--board", str(board), "--engine", str(engine), "-o", "json"])
-            out, err = capsys.readouterr()
-            assert code in (0, 3), err
-            yield {**json.loads(out), SPEC_GENERATION: 7}
 
 
 def test_status_plan_is_typed_open_only_where_the_plan_copies_a_receipt_whole() -> None:

@@ -23,7 +23,7 @@ from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.grants import mind_writes
 from continuum_operator.kube.workloads import engine_identity, lane_objects
 from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
 from tests.support.builders import ROOT
 from tests.support.helm import CHART, by_kind, documents, find_helm, helm, one, template
@@ -483,13 +483,15 @@ def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
     engine, p = builders.engine_planned_on_a_gpu()
     pods = PodSettings()
     claim = objects.gpu_claim_template(
-        engine, "uid-1", {"gpus": [0]}, PodSettings(gpu_claims=GpuClaims.DRA)
+        engine, "uid-1", builders.plan_on_a_gpu(gpus=(0,)), PodSettings(gpu_claims=GpuClaims.DRA)
     )
     assert claim is not None
     lane = EmbedLane.model_validate(
         yaml.safe_load((ROOT / "examples" / "embedlanes" / "notes.yaml").read_text())
     )
-    placement = {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    placement = EmbedLanePlacement.model_validate(
+        {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    )
     return [
         objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
         objects.service(engine, "uid-1", pods),
@@ -573,7 +575,7 @@ def test_the_operator_may_write_the_gpu_claim_templates_it_makes_with_dra_and_no
     rules = one(default_docs, "ClusterRole", "-operator")["rules"]
     engine = builders.engine(builders.engine_body())
     claim = objects.gpu_claim_template(
-        engine, "uid-1", {"gpus": [1]}, PodSettings(gpu_claims=GpuClaims.DRA)
+        engine, "uid-1", builders.plan_on_a_gpu(gpus=(1,)), PodSettings(gpu_claims=GpuClaims.DRA)
     )
     assert claim is not None
     group = claim["apiVersion"].rpartition("/")[0]

@@ -157,7 +157,7 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
     from continuum_operator.kube.process.run import settings_from
     from continuum_operator.kube.workloads import engine_objects as objects
     from continuum_operator.kube.workloads import facts_job, lane_objects
-    from continuum_operator.model.embedlane import EmbedLane
+    from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
     from tests.support import builders
 
     docs = documents(template(helm_bin, {"imagePullSecrets": ["pull"]}).stdout)
@@ -174,7 +174,9 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
     lane = EmbedLane.model_validate(
         yaml.safe_load((CHART.parents[1] / "examples" / "embedlanes" / "notes.yaml").read_text())
     )
-    placement = {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    placement = EmbedLanePlacement.model_validate(
+        {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+    )
     made = [
         objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
         facts_job.facts_job(engine, "uid-1", pods),

@@ -19,17 +19,27 @@ from continuum_operator.core.placements import consumer_name, placement_of
 from continuum_operator.core.plan import ServingPlan
 from continuum_operator.core.pools import ConsumerKind
 from continuum_operator.core.receipts import Receipt
+from continuum_operator.core.rfc3339 import format_seconds
+from continuum_operator.core.rfc3339 import parse as parse_rfc3339
 from continuum_operator.kube.base.events import Event
 from continuum_operator.kube.base.settings import OperatorSettings, PodSettings, resolve_sharing
 from continuum_operator.kube.client.merge_patch import status_patch
 from continuum_operator.kube.engines import runtime_report
-from continuum_operator.kube.state.cache import EngineKey, Snapshot, format_time, parse_time
+from continuum_operator.kube.state.cache import EngineKey, Snapshot
 from continuum_operator.kube.workloads import engine_identity
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
-from continuum_operator.model.engine import Engine, ModelFacts
-from continuum_operator.model.plan_status import READING, SPEC_GENERATION
+from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
+from continuum_operator.model.json_body import (
+    integer,
+    items_at,
+    labels_at,
+    namespaced_name,
+    object_at,
+    text,
+)
+from continuum_operator.model.plan_status import READING, SPEC_GENERATION, PlanStatus
 
 __all__ = [
     "READING",
@@ -37,7 +47,6 @@ __all__ = [
     "Event",
     "Memory",
     "Writes",
-    "memory_mode",
     "placement_status",
     "plan_status",
     "planned_engine",
@@ -90,25 +99,16 @@ def size_text(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def memory_mode(plan_doc: Mapping[str, Any]) -> MemoryMode:
-    """The mode a written plan was made on; a plan that names none, or one this operator does
-    not know, counts as unknown (rule 3: never guessed)."""
-    try:
-        return MemoryMode(str(plan_doc.get("memoryMode")))
-    except ValueError:
-        return MemoryMode.UNKNOWN
-
-
-def planned_engine(plan_doc: Mapping[str, Any], engine: Engine) -> cond.PlannedEngine:
+def planned_engine(plan: PlanStatus, engine: Engine) -> cond.PlannedEngine:
     """A written plan as the conditions read it."""
     return cond.PlannedEngine(
-        node=str(plan_doc.get("node", "")),
-        memory_mode=memory_mode(plan_doc),
-        layers_on_device=int(plan_doc.get("layersOnDevice", 0)),
-        total_layers=int(plan_doc.get("totalLayers", 0)),
-        minds_grantable=int(plan_doc.get("mindsGrantable", 0)),
+        node=plan.node,
+        memory_mode=plan.memory_mode,
+        layers_on_device=plan.layers_on_device,
+        total_layers=plan.total_layers,
+        minds_grantable=plan.minds_grantable,
         minds_max=engine.spec.minds.max,
-        gpu_servable=bool(plan_doc.get("gpuServable", False)),
+        gpu_servable=plan.gpu_servable,
     )
 
 
@@ -127,23 +127,15 @@ def _event_type(c: Condition) -> str:
     return "Warning" if bad else "Normal"
 
 
-def plan_status(
-    p: ServingPlan, generation: int | None, reading: str | None = None
-) -> dict[str, Any]:
+def plan_status(p: ServingPlan, generation: int | None, reading: str | None = None) -> PlanStatus:
     """The plan as status holds it, with the spec generation it was made for and the reading
     of its node it was made on (`core.replan.node_reading`), where known."""
-    doc = p.to_dict()
-    if generation is not None:
-        doc[SPEC_GENERATION] = generation
-    if reading is not None:
-        doc[READING] = reading
-    return doc
+    return PlanStatus.model_validate({**p.to_dict(), SPEC_GENERATION: generation, READING: reading})
 
 
-def placement_status(p: ServingPlan, now: float) -> dict[str, Any]:
+def placement_status(p: ServingPlan, now: float) -> EnginePlacement:
     """The plan's placement as status holds it: a lease assumed from `now`."""
-    placed = placement_of(p).model_copy(update={"assumed_at": format_time(now)})
-    return placed.model_dump(by_alias=True, mode="json", exclude_none=True)
+    return placement_of(p).model_copy(update={"assumed_at": format_seconds(now)})
 
 
 class EnginePass:
@@ -154,41 +146,39 @@ class EnginePass:
 
     def __init__(
         self,
-        body: Mapping[str, Any],
+        body: Mapping[str, object],
         snap: Snapshot,
         memory: Memory,
         now: float,
         settings: OperatorSettings,
     ) -> None:
-        meta = body["metadata"]
         self.snap, self.now, self.settings = snap, now, settings
-        self.key: EngineKey = (meta["namespace"], meta["name"])
-        self.uid = str(meta.get("uid", ""))
-        self.generation: int | None = meta.get("generation")
-        self.status: dict[str, Any] = dict(body.get("status") or {})
-        self.old_conditions = [
-            Condition.model_validate(c) for c in self.status.get("conditions") or []
-        ]
+        self.key: EngineKey = namespaced_name(body)
+        self.uid = text(body, "metadata", "uid") or ""
+        self.generation = integer(body, "metadata", "generation")
+        self.status = object_at(body, "status")
+        conditions = items_at(self.status, "conditions")
+        self.old_conditions = [Condition.model_validate(c) for c in conditions]
         self.events: list[Event] = []
-        self.new: dict[str, Any] = {}  # status parts this pass writes (None removes one)
+        self.new: dict[str, object] = {}  # status parts this pass writes (None removes one)
         self.facts_in = cond.EngineFacts(generation=self.generation)
         self.me = consumer_name(ConsumerKind.ENGINE, *self.key)
         self.ttl = settings.freshness.default_ttl_seconds
         damper = memory.damper
-        relaunches = self.status.get("relaunches")
+        relaunches = object_at(self.status, "relaunches")
         if damper.relaunches == 0 and relaunches:
             # After a restart: the count and the cooldown come back from status; evidence not.
             damper = replace(
                 damper,
-                relaunches=int(relaunches.get("count", 0)),
-                last_relaunch_at=parse_time(relaunches.get("lastTime")),
+                relaunches=integer(relaunches, "count") or 0,
+                last_relaunch_at=parse_rfc3339(text(relaunches, "lastTime")),
             )
         self.damper = damper
         self.backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
         self.memory = memory
         self.node_gone_since: float | None = None
         self.launch: str | None = None  # the launch in force, once `placed` knows it
-        self.annotations: Mapping[str, str] = dict(meta.get("annotations") or {})
+        self.annotations: Mapping[str, str] = labels_at(body, "metadata", "annotations")
         self.held = ""  # why a new plan is held (`core.replan`), for the PlanHeld condition
 
     # -- the end of every pass ----------------------------------------------------------------
@@ -197,13 +187,13 @@ class EnginePass:
         self,
         f: cond.EngineFacts,
         engine: Engine | None,
-        plan_doc: Mapping[str, Any] | None,
+        plan: PlanStatus | None,
         node_has_gpus: bool = False,
         pods: PodSettings | None = None,
     ) -> Writes:
         pods = pods or self.settings.pods
         old = self.old_conditions
-        conditions = cond.merge(old, cond.engine_conditions(f), format_time(self.now))
+        conditions = cond.merge(old, cond.engine_conditions(f), format_seconds(self.now))
         for c in cond.transitions(old, conditions):
             if c.reason in _QUIET_REASONS:
                 continue  # progress the next transition reports (PodReady, Placed)
@@ -215,25 +205,25 @@ class EnginePass:
         new["observedGeneration"] = self.generation
         deployment = service = None
         identity: tuple[dict[str, Any], ...] = ()
-        if engine is not None and plan_doc is not None:
+        if engine is not None and plan is not None:
             deployment = objects.deployment(
-                engine, self.uid, plan_doc, pods, node_has_gpus=node_has_gpus
+                engine, self.uid, plan, pods, node_has_gpus=node_has_gpus
             )
             service = objects.service(engine, self.uid, pods)
             identity = (
                 *engine_identity.engine_rbac(engine, self.uid),
                 engine_identity.network_policy(engine, self.uid, pods),
             )
-            claim = objects.gpu_claim_template(engine, self.uid, plan_doc, pods)
+            claim = objects.gpu_claim_template(engine, self.uid, plan, pods)
             if claim is not None:  # before the Deployment, as its pods name it
                 identity = (*identity, claim)
-            new["enforcement"] = objects.enforcement(plan_doc, pods, node_has_gpus=node_has_gpus)
+            new["enforcement"] = objects.enforcement(plan, pods, node_has_gpus=node_has_gpus)
         patch = status_patch(self.status, new)
         return Writes(
             status_patch={"status": patch} if patch else None,
             deployment=deployment,
             service=service,
-            delete_workload=plan_doc is None,
+            delete_workload=plan is None,
             events=tuple(self.events),
             memory=Memory(self.damper, self.backoff, self.memory.facts_error, self.node_gone_since),
             damping=f.damping,
@@ -244,27 +234,38 @@ class EnginePass:
             identity=identity,
         )
 
+    def write_plan(self, plan: PlanStatus) -> PlanStatus:
+        """Write `plan` as status.plan this pass; returns it."""
+        self.new["plan"] = plan.to_status()
+        return plan
+
+    def write_placement(self, placement: EnginePlacement) -> EnginePlacement:
+        """Write `placement` as status.placement this pass; returns it."""
+        self.new["placement"] = placement.model_dump(by_alias=True, mode="json", exclude_none=True)
+        return placement
+
     def relaunch(
         self, candidate: ServingPlan, reason: str, reading: str | None = None
-    ) -> dict[str, Any]:
+    ) -> PlanStatus:
         """Record a relaunch with `candidate` (made on the node's `reading`); returns its plan
         as status holds it."""
-        plan_doc = plan_status(candidate, self.generation, reading)
-        self.new["plan"] = plan_doc
-        self.new["placement"] = placement_status(candidate, self.now)
+        plan = self.write_plan(plan_status(candidate, self.generation, reading))
+        self.write_placement(placement_status(candidate, self.now))
         self.new["relaunches"] = {
             "count": self.damper.relaunches,
-            "lastTime": format_time(self.now),
+            "lastTime": format_seconds(self.now),
             "lastReason": reason,
         }
         self.events.append(Event("Normal", "Relaunching", reason))
-        return plan_doc
+        return plan
 
     def evidence(self) -> runtime_report.Evidence:
         """The receipts of this Engine's model that its launch in force measured (`launch`:
         its hash; None, as when placing anew: the runtime's report is of no launch to keep),
         and why others found were set aside."""
-        return runtime_report.receipts_of(self.status, self.engine.spec.model.sha256, self.launch)
+        return runtime_report.receipts_of(
+            self.status, self.engine.status.plan, self.engine.spec.model.sha256, self.launch
+        )
 
     def receipts(self) -> tuple[Receipt, ...]:
         """The receipts a plan of this Engine may use (`evidence`)."""

@@ -26,12 +26,13 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from continuum_operator.core.conditions import ConditionType
 from continuum_operator.core.damping import Outcome
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.base import events, kernel
 from continuum_operator.kube.base.kernel import KernelSettings, WorkQueue
 from continuum_operator.kube.base.metrics import OperatorMetrics
@@ -43,11 +44,12 @@ from continuum_operator.kube.engines.facts_read import read_job_facts, read_job_
 from continuum_operator.kube.engines.pool_metrics import PoolMetrics
 from continuum_operator.kube.engines.reconcile import reconcile
 from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.state.cache import Cache, EngineKey, JobEntry, format_time
+from continuum_operator.kube.state.cache import Cache, EngineKey, JobEntry
 from continuum_operator.kube.state.occupancy import is_fresh, lease_is_fresh
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.json_body import at, text
 
 log = logging.getLogger("continuum.operator")
 
@@ -135,10 +137,10 @@ class Loop:
     def _order(self, only: set[EngineKey] | None = None) -> list[EngineKey]:
         """Placed engines first, then the oldest; with `only`, those engines alone."""
 
-        def key(item: tuple[EngineKey, dict[str, Any]]) -> tuple[int, str, EngineKey]:
+        def key(item: tuple[EngineKey, Mapping[str, object]]) -> tuple[int, str, EngineKey]:
             body = item[1]
-            placed = bool((body.get("status") or {}).get("placement"))
-            created = str(body["metadata"].get("creationTimestamp", ""))
+            placed = bool(at(body, "status", "placement"))
+            created = text(body, "metadata", "creationTimestamp") or ""
             return (0 if placed else 1, created, item[0])
 
         engines = self.cache.engines
@@ -408,7 +410,7 @@ class Loop:
             events.reference(API_VERSION, "Engine", meta),
             event,
             instance=self.instance,
-            now=format_time(self.clock()),
+            now=format_seconds(self.clock()),
             log=log,
         )
 
@@ -418,9 +420,8 @@ def _service_digest(writes: Writes) -> str:
     return repr((writes.service, writes.identity))
 
 
-def _has_facts(body: dict[str, Any], source: str) -> bool:
-    read = (body.get("status") or {}).get("modelFacts") or {}
-    return bool(read) and read.get("source") == source
+def _has_facts(body: Mapping[str, object], source: str) -> bool:
+    return bool(source) and text(body, "status", "modelFacts", "source") == source
 
 
 def _stub(api_version: str, kind: str, ns: str, name: str) -> dict[str, Any]:

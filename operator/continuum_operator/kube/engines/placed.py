@@ -8,9 +8,7 @@ damper), `core.gpu_check` (the GPUs in use).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from continuum_operator.core import conditions as cond
 from continuum_operator.core import gpu_check
@@ -27,23 +25,24 @@ from continuum_operator.core.replan import (
     plan_id,
     replan,
 )
+from continuum_operator.core.rfc3339 import parse as parse_rfc3339
 from continuum_operator.kube.base.settings import GpuClaims, OperatorSettings
 from continuum_operator.kube.engines import runtime_report
 from continuum_operator.kube.engines.engine_pass import (
-    READING,
     EnginePass,
     Event,
     Writes,
-    memory_mode,
     placement_status,
     plan_status,
     planned_engine,
     pods_on,
     size_text,
 )
-from continuum_operator.kube.state.cache import Snapshot, parse_time
+from continuum_operator.kube.state.cache import Snapshot
 from continuum_operator.kube.state.occupancy import is_fresh, other_leases
 from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.model.engine import EnginePlacement
+from continuum_operator.model.plan_status import EnginePoolBytes, PlanStatus
 
 __all__ = ["NODE_GONE_HOLD_SECONDS", "placed"]
 
@@ -53,35 +52,35 @@ __all__ = ["NODE_GONE_HOLD_SECONDS", "placed"]
 NODE_GONE_HOLD_SECONDS = 10.0
 
 
-def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -> Writes | None:
+def placed(p: EnginePass, placement: EnginePlacement, plan: PlanStatus) -> Writes | None:
     """Keep, confirm, re-plan or relaunch a placed engine; None when it must be placed anew."""
     snap, now, settings, engine = p.snap, p.now, p.settings, p.engine
-    node = str(placement["node"])
+    node = placement.node
     node_entry = snap.nodes.get(node)
     if node_entry is None and _node_gone_long_enough(p, node):
         return None
     has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
     pods = pods_on(snap, node, settings)
-    launch = p.launch = objects.launch_hash(engine, plan_doc, pods)
+    launch = p.launch = objects.launch_hash(engine, plan, pods)
     dep = snap.deployments.get(p.key)
     running = dep is not None and dep.running(launch)
-    assumed_at = parse_time(placement.get("assumedAt"))
+    assumed_at = parse_rfc3339(placement.assumed_at)
     if (
-        placement.get("assumed", True)
+        placement.assumed
         and not running
         and assumed_at is not None
         and now - assumed_at > settings.placement.pod_start_timeout_seconds
     ):
         _release_never_started(p, node)
         return None
-    if running and placement.get("assumed", True):
-        p.new["placement"] = {**placement, "assumed": False}
+    if running and placement.assumed:
+        placement = p.write_placement(placement.model_copy(update={"assumed": False}))
     fresh = is_fresh(snap, node, now, p.ttl)
     board = snap.boards.get(node)
     outcome: Outcome | None = None
     no_longer_fits = ""
     # A plan records the spec generation it was made for; older plans have none.
-    spec_changed = plan_doc.get("specGeneration") not in (None, p.generation)
+    spec_changed = plan.spec_generation not in (None, p.generation)
     # A spec changed while the board is stale waits for a fresh one (docs/design.md rule 4: no
     # relaunch on a stale board). The Deployment stays as it runs: built from the new spec
     # with the old plan it would carry the new spec's command line (a model digest), which is
@@ -98,12 +97,12 @@ def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -
         and pods.gpu_claims is GpuClaims.DEVICE_PLUGIN
     ):
         # The device plugin chose the pod's GPUs: the lease follows the ones it uses.
-        plan_doc, placement = _follow_gpus(p, board.board, plan_doc, placement)
+        plan, placement = _follow_gpus(p, board.board, plan, placement)
     if fresh and board is not None and board.board is not None:
-        weighed = _weigh(p, node, board.board, placement, plan_doc, running, spec_changed)
+        weighed = _weigh(p, node, board.board, placement, plan, running, spec_changed)
         if weighed is None:
             return None
-        plan_doc, running, outcome, no_longer_fits = weighed
+        plan, running, outcome, no_longer_fits = weighed
     pod = (
         cond.PodPhase.READY
         if running
@@ -112,10 +111,10 @@ def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -
         else cond.PodPhase.PENDING
     )
     # What the runtime of the launch in force reports (a refused model, a crash loop).
-    current = runtime_report.current_runtime(p.status, objects.launch_hash(engine, plan_doc, pods))
+    current = runtime_report.current_runtime(p.status, objects.launch_hash(engine, plan, pods))
     f = cond.EngineFacts(
         generation=p.generation,
-        planned=planned_engine(plan_doc, engine),
+        planned=planned_engine(plan, engine),
         board_fresh=fresh,
         pod=pod,
         damping=outcome,
@@ -125,7 +124,7 @@ def placed(p: EnginePass, placement: dict[str, Any], plan_doc: dict[str, Any]) -
         receipts_refused=_receipts_refused(p),
         plan_held=p.held,
     )
-    writes = p.finish(f, engine, plan_doc, has_gpus, pods)
+    writes = p.finish(f, engine, plan, has_gpus, pods)
     return replace(writes, deployment=None) if held else writes
 
 
@@ -152,11 +151,11 @@ def _weigh(
     p: EnginePass,
     node: str,
     board: Board,
-    placement: dict[str, Any],
-    plan_doc: dict[str, Any],
+    placement: EnginePlacement,
+    plan: PlanStatus,
     running: bool,
     spec_changed: bool,
-) -> tuple[dict[str, Any], bool, Outcome | None, str] | None:
+) -> tuple[PlanStatus, bool, Outcome | None, str] | None:
     """A placed engine against its fresh board: the plan in force, whether its pod still
     runs, what the damper decided and why it no longer fits (if so); None when it must be
     placed anew (its spec changed and this node no longer takes it)."""
@@ -164,7 +163,7 @@ def _weigh(
     outcome: Outcome | None = None
     no_longer_fits = ""
     node_entry = snap.nodes.get(node)
-    kept = () if spec_changed else tuple(int(g) for g in plan_doc.get("gpus") or ())
+    kept = () if spec_changed else plan.gpus
     replayed = _replan(p, node, board, placement, kept)
     candidate = replayed.plan
     labels = node_entry.labels if node_entry is not None else {}
@@ -182,8 +181,8 @@ def _weigh(
         return None
     if spec_changed:
         # What the user asked for is not damped: relaunch now if the arguments moved.
-        if candidate.engine_args != _shape(plan_doc).args:
-            plan_doc = _relaunch_now(
+        if candidate.engine_args != plan.engine_args:
+            plan = _relaunch_now(
                 p,
                 replayed,
                 f"spec changed (generation {p.generation}): "
@@ -192,36 +191,33 @@ def _weigh(
             )
             running, outcome = False, Outcome.RELAUNCH
         else:
-            plan_doc = plan_status(candidate, p.generation, replayed.reading)
-            p.new["plan"] = plan_doc
+            plan = p.write_plan(plan_status(candidate, p.generation, replayed.reading))
     elif not candidate.schedulable:
         # Not moved elsewhere (yet): said, so a person can act.
         no_longer_fits = candidate.reasons[-1].message if candidate.reasons else ""
     else:
-        plan_doc, running, outcome = _weigh_same_spec(
-            p, node, placement, plan_doc, replayed, running
-        )
-    return plan_doc, running, outcome, no_longer_fits
+        plan, running, outcome = _weigh_same_spec(p, node, placement, plan, replayed, running)
+    return plan, running, outcome, no_longer_fits
 
 
 def _weigh_same_spec(
     p: EnginePass,
     node: str,
-    placement: dict[str, Any],
-    plan_doc: dict[str, Any],
+    placement: EnginePlacement,
+    plan: PlanStatus,
     replayed: Replayed,
     running: bool,
-) -> tuple[dict[str, Any], bool, Outcome | None]:
+) -> tuple[PlanStatus, bool, Outcome | None]:
     """A schedulable re-plan of an engine whose spec did not change: held where its node reads
     as it did (a change of code: `core.replan`), applied where a person accepted it, else
     weighed by the damper; the plan in force records each reading it is confirmed on."""
     candidate, reading = replayed.plan, replayed.reading
-    recorded = plan_doc.get(READING)
+    recorded = plan.reading
     verdict = (
         hold_verdict(
-            _shape(plan_doc).args,
+            plan.engine_args,
             candidate,
-            recorded if isinstance(recorded, str) else None,
+            recorded,
             reading,
             p.annotations.get(ACCEPT_ANNOTATION),
         )
@@ -229,42 +225,40 @@ def _weigh_same_spec(
         else HoldVerdict.NONE
     )
     if verdict is HoldVerdict.HELD:
-        p.held = held_message(f"{p.key[0]}/{p.key[1]}", plan_doc, candidate)
+        p.held = held_message(f"{p.key[0]}/{p.key[1]}", plan, candidate)
         p.damper = replace(p.damper, candidate=None, readings=0, last_reading=None)
         if recorded is None:  # a plan of an operator before this one: its reading is now's
-            plan_doc = {**plan_doc, READING: reading}
-            p.new["plan"] = plan_doc
-        return plan_doc, running, None
+            plan = p.write_plan(plan.model_copy(update={"reading": reading}))
+        return plan, running, None
     if verdict is HoldVerdict.ACCEPTED:
         why = f"plan {plan_id(candidate.engine_args)} accepted ({ACCEPT_ANNOTATION}): "
-        plan_doc = _relaunch_now(p, replayed, why + _change(node, candidate, plan_doc))
-        return plan_doc, False, Outcome.RELAUNCH
+        plan = _relaunch_now(p, replayed, why + _change(node, candidate, plan))
+        return plan, False, Outcome.RELAUNCH
     p.damper, outcome = step(
         p.damper,
         Observation(
             now=p.now,
             reading=reading_of(p.snap, node),
-            running=_shape(plan_doc),
+            running=_shape(plan),
             candidate=PlanShape.of(candidate),
             in_flight=not running,
         ),
         p.settings.damping,
     )
     if outcome is Outcome.RELAUNCH:
-        plan_doc = p.relaunch(candidate, _change(node, candidate, plan_doc), reading)
+        plan = p.relaunch(candidate, _change(node, candidate, plan), reading)
         running = False
-    elif outcome is Outcome.UNCHANGED and _bytes_moved(candidate, plan_doc):
+    elif outcome is Outcome.UNCHANGED and _bytes_moved(candidate, plan):
         # The same launch, its bytes now measured (a receipt) or no longer: the
         # plan and the lease say what it holds; nothing relaunches for it.
-        plan_doc = _recharge(p, replayed, placement)
+        plan = _recharge(p, replayed, placement)
     elif outcome is Outcome.UNCHANGED and recorded != reading:
         # The plan in force, confirmed on the node as it reads now.
-        plan_doc = {**plan_doc, READING: reading}
-        p.new["plan"] = plan_doc
-    return plan_doc, running, outcome
+        plan = p.write_plan(plan.model_copy(update={"reading": reading}))
+    return plan, running, outcome
 
 
-def _relaunch_now(p: EnginePass, replayed: Replayed, why: str) -> dict[str, Any]:
+def _relaunch_now(p: EnginePass, replayed: Replayed, why: str) -> PlanStatus:
     """Relaunch with `replayed`'s plan at once, undamped: what a person asked for (a spec
     changed, a held plan accepted)."""
     p.damper = replace(
@@ -282,7 +276,7 @@ def _replan(
     p: EnginePass,
     node: str,
     board: Board,
-    placement: Mapping[str, Any],
+    placement: EnginePlacement,
     on_gpus: tuple[int, ...] = (),
 ) -> Replayed:
     """The plan the engine would get on its own node now, crediting back what it holds, on
@@ -294,7 +288,7 @@ def _replan(
         p.engine.spec,
         p.facts,
         p.me,
-        [(str(x["pool"]), int(x["bytes"])) for x in placement.get("pools", [])],
+        [(x.pool, x.bytes) for x in placement.pools],
         other_leases(p.snap, p.key, node=node),
         other_leases(p.snap, p.key, assumed_only=True, node=node),
         receipts=p.receipts(),
@@ -304,42 +298,47 @@ def _replan(
 
 
 def _follow_gpus(
-    p: EnginePass, board: Board, plan_doc: dict[str, Any], placement: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    p: EnginePass, board: Board, plan: PlanStatus, placement: EnginePlacement
+) -> tuple[PlanStatus, EnginePlacement]:
     """The plan and lease of a running engine with its device charges moved to the GPUs
     its processes use, where its board says they are not the charged ones
     (`core.gpu_check`); as they were otherwise (no attribution, as charged, incomplete).
     The same launch: nothing relaunches (docs/operator.md, "The GPU charged is the GPU in
     use")."""
     gpu = gpu_check.check(
-        [int(g) for g in plan_doc.get("gpus") or ()],
+        list(plan.gpus),
         board.gpus_in_use.get(p.me, ()),
-        memory_mode(plan_doc),
+        plan.memory_mode,
     )
     if gpu.verdict is not gpu_check.GpuVerdict.ELSEWHERE:
-        return plan_doc, placement
-
-    def moved(parts: Any) -> list[dict[str, Any]]:
-        pairs = [(str(x["pool"]), int(x["bytes"])) for x in parts or ()]
-        return [{"pool": pool, "bytes": n} for pool, n in gpu_check.moved_charges(pairs, gpu)]
-
-    plan_doc = {**plan_doc, "gpus": list(gpu.in_use), "charges": moved(plan_doc.get("charges"))}
-    was = p.new.get("placement") or placement
-    placement = {**was, "gpus": list(gpu.in_use), "pools": moved(was.get("pools"))}
-    p.new["plan"], p.new["placement"] = plan_doc, placement
+        return plan, placement
+    charges = [(c.pool, c.bytes) for c in plan.charges]
+    plan = plan.model_copy(
+        update={
+            "gpus": tuple(gpu.in_use),
+            "charges": tuple(
+                EnginePoolBytes(pool=pool, bytes=n)
+                for pool, n in gpu_check.moved_charges(charges, gpu)
+            ),
+        }
+    )
+    pools = [(x.pool, x.bytes) for x in placement.pools]
+    moved = [EnginePoolBytes(pool=pool, bytes=n) for pool, n in gpu_check.moved_charges(pools, gpu)]
+    p.write_plan(plan)
+    placement = p.write_placement(
+        placement.model_copy(update={"gpus": list(gpu.in_use), "pools": moved})
+    )
     p.events.append(Event("Warning", "GpuMismatch", gpu.message()))
-    return plan_doc, placement
+    return plan, placement
 
 
-def _recharge(p: EnginePass, replayed: Replayed, placement: Mapping[str, Any]) -> dict[str, Any]:
+def _recharge(p: EnginePass, replayed: Replayed, placement: EnginePlacement) -> PlanStatus:
     """The running launch's plan and lease re-written with the re-plan's bytes (the same
     arguments): the placement keeps whether it is assumed and since when."""
     candidate = replayed.plan
-    plan_doc = plan_status(candidate, p.generation, replayed.reading)
-    p.new["plan"] = plan_doc
-    pools = placement_status(candidate, p.now)["pools"]
-    kept = p.new.get("placement") or placement
-    p.new["placement"] = {**kept, "pools": pools}
+    plan = p.write_plan(plan_status(candidate, p.generation, replayed.reading))
+    pools = placement_status(candidate, p.now).pools
+    p.write_placement(placement.model_copy(update={"pools": pools}))
     source = "receipt" if candidate.receipt is not None else "estimate"
     p.events.append(
         Event(
@@ -349,7 +348,7 @@ def _recharge(p: EnginePass, replayed: Replayed, placement: Mapping[str, Any]) -
             + ", ".join(f"{pool} {size_text(n)}" for pool, n in candidate.charges),
         )
     )
-    return plan_doc
+    return plan
 
 
 def _release_never_started(p: EnginePass, node: str) -> None:
@@ -383,22 +382,22 @@ def _release_node_gone(p: EnginePass, node: str) -> None:
     p.damper = replace(p.damper, candidate=None, readings=0, last_reading=None)
 
 
-def _bytes_moved(candidate: ServingPlan, was: Mapping[str, Any]) -> bool:
+def _bytes_moved(candidate: ServingPlan, was: PlanStatus) -> bool:
     """Whether a plan of the same arguments holds other bytes than the plan in force: only a
     receipt found (or lost) moves them; budgets and reasons move with every board reading and
     are not worth a write."""
-    doc = candidate.to_dict()
-    return bool(doc["bytes"] != was.get("bytes") or doc["charges"] != was.get("charges"))
+    now = plan_status(candidate, None)
+    return now.bytes != was.bytes or now.charges != was.charges
 
 
-def _change(node: str, candidate: ServingPlan, was: Mapping[str, Any]) -> str:
-    old_args = " ".join(_shape(was).args)
+def _change(node: str, candidate: ServingPlan, was: PlanStatus) -> str:
+    old_args = " ".join(was.engine_args)
     return (
         f"plan changed on {node}: {candidate.layers_on_device}/"
         f"{candidate.total_layers} layers, {candidate.minds_grantable} minds, "
         f"{candidate.pool_tokens} pool tokens (was "
-        f"{was.get('layersOnDevice')}/{was.get('totalLayers')} "
-        f"layers, {was.get('mindsGrantable')} minds; args {old_args})"
+        f"{was.layers_on_device}/{was.total_layers} "
+        f"layers, {was.minds_grantable} minds; args {old_args})"
     )
 
 
@@ -408,12 +407,12 @@ def reading_of(snap: Snapshot, node: str) -> str:
     return f"{board.resource_version if board else '-'}/{lease.resource_version if lease else '-'}"
 
 
-def _shape(plan_doc: Mapping[str, Any]) -> PlanShape:
+def _shape(plan: PlanStatus) -> PlanShape:
     return PlanShape(
-        args=tuple(str(a) for a in plan_doc.get("engineArgs", [])),
-        layers_on_device=int(plan_doc.get("layersOnDevice", 0)),
-        total_layers=int(plan_doc.get("totalLayers", 0)),
-        pool_tokens=int(plan_doc.get("poolTokens", 0)),
+        args=plan.engine_args,
+        layers_on_device=plan.layers_on_device,
+        total_layers=plan.total_layers,
+        pool_tokens=plan.pool_tokens,
     )
 
 

@@ -51,6 +51,7 @@ from continuum_operator.kube.workloads import facts_job
 from continuum_operator.kube.workloads.gpu_env import gpu_sharing_refusal
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.engine import Engine, ModelFacts
+from continuum_operator.model.json_body import object_at
 
 __all__ = ["facts_disagreements", "reconcile"]
 
@@ -63,7 +64,7 @@ def _unschedulable(decision: Decision) -> cond.Problem:
 
 def _facts_from_file(
     engine: Engine,
-    status: Mapping[str, Any],
+    status: Mapping[str, object],
     snap: Snapshot,
     memory: Memory,
     key: EngineKey,
@@ -72,10 +73,10 @@ def _facts_from_file(
 ) -> tuple[ModelFacts | None, cond.Problem | None, dict[str, Any] | None]:
     """Facts read from the model's file: from status, or a Job to read them (docs/design.md)."""
     source = facts_job.source_key(engine)
-    read = status.get("modelFacts") or {}
+    read = object_at(status, "modelFacts")
     if read and read.get("source") == source:
         try:
-            return ModelFacts.model_validate(read["facts"]), None, None
+            return ModelFacts.model_validate(read.get("facts")), None, None
         except ValueError as err:
             why = f"status.modelFacts.facts cannot be planned from: {err}"
             return None, cond.Problem(cond.Reason.FACTS_MISSING, why), None
@@ -123,13 +124,13 @@ def _per_layer_list(value: int | list[int], layers: int) -> list[int]:
     return list(value) if isinstance(value, list) else [value] * layers
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = str(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def reconcile(
-    body: Mapping[str, Any],
+    body: Mapping[str, object],
     snap: Snapshot,
     memory: Memory,
     now: float,
@@ -172,9 +173,9 @@ def reconcile(
         facts = read
     assert facts is not None  # ModelRef requires facts or a source
     p.engine, p.facts = engine, facts
-    placement, plan_doc = p.status.get("placement"), p.status.get("plan")
-    if placement and plan_doc:
-        kept = placed(p, placement, plan_doc)
+    placement, plan = engine.status.placement, engine.status.plan
+    if placement is not None and plan is not None:
+        kept = placed(p, placement, plan)
         if kept is not None:
             return kept
     return _place(p)
@@ -209,9 +210,8 @@ def _place(p: EnginePass) -> Writes:
     assert board is not None  # only boards that validate are weighed
     others = other_leases(snap, p.key, node=chosen.node)
     reading = engine_reading(board, engine.spec, p.facts, others, p.receipts(), p.llama_build())
-    plan_doc = plan_status(chosen, p.generation, reading)
-    p.new["plan"] = plan_doc
-    p.new["placement"] = placement_status(chosen, p.now)
+    plan = p.write_plan(plan_status(chosen, p.generation, reading))
+    p.write_placement(placement_status(chosen, p.now))
     p.events.append(
         Event(
             "Normal",
@@ -225,14 +225,14 @@ def _place(p: EnginePass) -> Writes:
     node_entry = snap.nodes.get(chosen.node)
     f = cond.EngineFacts(
         generation=p.generation,
-        planned=planned_engine(plan_doc, engine),
+        planned=planned_engine(plan, engine),
         pod=cond.PodPhase.PENDING,
     )
     p.damper = replace(p.damper, candidate=None, readings=0, last_reading=None)
     return p.finish(
         f,
         engine,
-        plan_doc,
+        plan,
         bool(node_entry and node_entry.gpus_allocatable > 0),
         pods_on(snap, chosen.node, p.settings),
     )

@@ -23,12 +23,13 @@ import calendar
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import ValidationError
 
 from continuum_operator.core import conditions as cond
 from continuum_operator.core.receipts import Receipt
+from continuum_operator.model.json_body import at, items_at, object_at, text
+from continuum_operator.model.plan_status import PlanStatus
 
 __all__ = ["Evidence", "current_runtime", "receipts_of", "runtime_report"]
 
@@ -47,28 +48,29 @@ class Evidence:
 
 
 def receipts_of(
-    status: Mapping[str, Any], model_sha256: str | None, launch: str | None
+    status: Mapping[str, object],
+    plan: PlanStatus | None,
+    model_sha256: str | None,
+    launch: str | None,
 ) -> Evidence:
     """Receipts of the Engine's own model (none where its digest is not named) that the launch
-    in force (`launch`, its hash) measured: the runtime's, when its report names that launch,
-    then the plan's. A receipt that does not validate is skipped; one of another launch's
-    arguments is set aside, saying so. Without a plan in force, none: nothing was launched."""
-    plan = status.get("plan") or {}
-    if model_sha256 is None or not isinstance(plan, Mapping):
+    in force (`launch`, its hash, of `plan`, the plan in force) measured: the runtime's, when
+    its report names that launch, then the plan's. A receipt that does not validate is skipped;
+    one of another launch's arguments is set aside, saying so. Without a plan in force, none:
+    nothing was launched."""
+    if model_sha256 is None or plan is None:
         return Evidence()
-    runtime = current_runtime(status, launch) or {}
-    raw: list[Any] = []
-    if isinstance(runtime.get("receipts"), list):
-        raw.extend(runtime["receipts"][:_MOST_RECEIPTS])
-    if isinstance(plan.get("receipt"), Mapping):
-        raw.append(plan["receipt"])
-    out: list[Receipt] = []
-    aside: list[str] = []
-    for item in raw:
+    found: list[Receipt] = []
+    for item in items_at(current_runtime(status, launch), "receipts")[:_MOST_RECEIPTS]:
         try:
-            receipt = Receipt.model_validate(item)
+            found.append(Receipt.model_validate(item))
         except ValidationError:
             continue
+    if plan.receipt is not None:
+        found.append(plan.receipt)
+    out: list[Receipt] = []
+    aside: list[str] = []
+    for receipt in found:
         if receipt.model_sha256 != model_sha256 or receipt in out:
             continue
         why = _not_of_launch(receipt, plan)
@@ -84,16 +86,15 @@ def receipts_of(
 _MOST_RECEIPTS = 8
 
 
-def _not_of_launch(r: Receipt, plan: Mapping[str, Any]) -> str:
+def _not_of_launch(r: Receipt, plan: PlanStatus) -> str:
     """Why receipt `r` is not of the launch of `plan` (the plan in force), or ''."""
-    try:
-        minds = int(plan.get("mindsGrantable") or 0)
-        per_mind = int(plan.get("contextTokensPerMind") or 0)
-        layers = int(plan.get("layersOnDevice") or 0)
-    except (TypeError, ValueError):
-        return "the plan in force cannot be read"
-    gpus = len(plan.get("gpus") or ()) if layers > 0 else 0
-    launched = (minds, minds * per_mind, layers, gpus, str(plan.get("kvCacheType")))
+    minds, per_mind, layers = (
+        plan.minds_grantable,
+        plan.context_tokens_per_mind,
+        plan.layers_on_device,
+    )
+    gpus = len(plan.gpus) if layers > 0 else 0
+    launched = (minds, minds * per_mind, layers, gpus, str(plan.kv_cache_type))
     filed = (
         r.parallel,
         r.context_tokens,
@@ -108,15 +109,17 @@ def _not_of_launch(r: Receipt, plan: Mapping[str, Any]) -> str:
         f"{r.placement.layers_on_device} layers on {r.placement.gpus} GPU(s), "
         f"{r.kv_cache_type} KV is not of the launch in force ({minds} minds, "
         f"{minds * per_mind} tokens, {layers} layers on {gpus} GPU(s), "
-        f"{plan.get('kvCacheType')} KV): the engine's pod reports only what its own launch "
+        f"{plan.kv_cache_type} KV): the engine's pod reports only what its own launch "
         "measured, so it is not planned from"
     )
 
 
-def current_runtime(status: Mapping[str, Any], launch: str | None) -> Mapping[str, Any] | None:
+def current_runtime(
+    status: Mapping[str, object], launch: str | None
+) -> Mapping[str, object] | None:
     """`status.runtime` when it is the report of `launch`; None otherwise."""
-    runtime = status.get("runtime")
-    if not isinstance(runtime, Mapping) or launch is None or runtime.get("launch") != launch:
+    runtime = object_at(status, "runtime")
+    if launch is None or runtime.get("launch") != launch:
         return None
     return runtime
 
@@ -131,20 +134,20 @@ def _epoch(text: object) -> float | None:
 
 
 def runtime_report(
-    runtime: Mapping[str, Any] | None, now: float, window_seconds: float
+    runtime: Mapping[str, object] | None, now: float, window_seconds: float
 ) -> cond.RuntimeReport:
     """What the conditions say of the current launch's runtime."""
     if runtime is None:
         return cond.RuntimeReport()
-    phase = runtime.get("phase")
-    message = str(runtime.get("message") or "")
+    phase = text(runtime, "phase")
+    message = text(runtime, "message") or ""
     if phase in _REFUSING:
-        return cond.RuntimeReport(refused=cond.Problem(_REFUSING[phase], message or str(phase)))
-    last = runtime.get("lastExit")
+        return cond.RuntimeReport(refused=cond.Problem(_REFUSING[phase], message or phase))
+    last = at(runtime, "lastExit")
     if not isinstance(last, Mapping):
         return cond.RuntimeReport()
-    at = _epoch(last.get("at"))
-    if at is None or now - at > window_seconds:
+    exited = _epoch(last.get("at"))
+    if exited is None or now - exited > window_seconds:
         return cond.RuntimeReport()
     restarts = runtime.get("restarts")
     line = str(last.get("line") or "")

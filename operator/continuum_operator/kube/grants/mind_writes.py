@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.base import crash
 from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.client.api import ApiError, crd_path
@@ -25,7 +26,7 @@ from continuum_operator.kube.grants.write_queue import FINALIZER_WRITE, PROJECTI
 from continuum_operator.kube.ledger import cached as ledger_object
 from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger import routing
-from continuum_operator.kube.state.cache import EngineKey, format_time
+from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
 from continuum_operator.model.mind import HOLDING_STATES
 
@@ -227,7 +228,7 @@ class MindWrites:
         old = mind.get("status") or {}
         old_conds = {c.get("type"): c for c in old.get("conditions") or []}
         generation = meta.get("generation")
-        now = format_time(self.clock())
+        now = format_seconds(self.clock())
         conditions = []
         for type_, (ok, reason, message) in projected.conditions.items():
             status = "True" if ok else "False"

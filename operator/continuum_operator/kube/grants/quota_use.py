@@ -10,8 +10,9 @@ from enum import StrEnum
 from typing import Any
 
 from continuum_operator.core.grants import GrantReason, MindDemand
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.ledger import routing
-from continuum_operator.kube.state.cache import EngineKey, format_time
+from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["ClassNotes", "QuotaConditionType", "QuotaUse", "quota_status"]
@@ -176,7 +177,7 @@ def quota_status(quota: Mapping[str, Any], use: QuotaUse, now: float) -> dict[st
         "lastTransitionTime": (
             (prev or {}).get("lastTransitionTime") if (prev or {}).get("status") == status else None
         )
-        or format_time(now),
+        or format_seconds(now),
     }
     if generation is not None:
         condition["observedGeneration"] = generation

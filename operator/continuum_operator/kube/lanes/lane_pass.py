@@ -42,16 +42,26 @@ from continuum_operator.core.embed import (
 from continuum_operator.core.placements import consumer_name, lane_placement_leases
 from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Lease
 from continuum_operator.core.receipts import Receipt
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.base import events
 from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.merge_patch import merge_patch, status_patch
 from continuum_operator.kube.ledger.cached import engine_only
-from continuum_operator.kube.state.cache import Snapshot, format_time
+from continuum_operator.kube.state.cache import Snapshot
 from continuum_operator.kube.state.occupancy import LaneKey, is_fresh, lane_leases_in, other_leases
 from continuum_operator.kube.workloads import lane_objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
-from continuum_operator.model.engine import Engine, ModelFacts
+from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
+from continuum_operator.model.json_body import (
+    at,
+    integer,
+    items_at,
+    namespaced_name,
+    object_at,
+    text,
+)
+from continuum_operator.model.plan_status import PlanStatus
 
 __all__ = [
     "LaneConditionType",
@@ -101,17 +111,17 @@ def _engine_leases(snap: Snapshot) -> tuple[list[Lease], list[Lease]]:
     return other_leases(snap, nobody), other_leases(snap, nobody, assumed_only=True)
 
 
-def is_deleting(body: Mapping[str, Any]) -> bool:
-    return bool(body["metadata"].get("deletionTimestamp"))
+def is_deleting(body: Mapping[str, object]) -> bool:
+    return bool(at(body, "metadata", "deletionTimestamp"))
 
 
 def _fresh(snap: Snapshot, node: str, now: float, settings: OperatorSettings) -> bool:
     return is_fresh(snap, node, now, settings.freshness.default_ttl_seconds)
 
 
-def _facts_of_engine(engine: Mapping[str, Any]) -> ModelFacts | None:
-    inline = ((engine.get("spec") or {}).get("model") or {}).get("facts")
-    read = ((engine.get("status") or {}).get("modelFacts") or {}).get("facts")
+def _facts_of_engine(engine: Mapping[str, object]) -> ModelFacts | None:
+    inline = at(engine, "spec", "model", "facts")
+    read = at(engine, "status", "modelFacts", "facts")
     for raw in (inline, read):
         if raw:
             try:
@@ -121,10 +131,22 @@ def _facts_of_engine(engine: Mapping[str, Any]) -> ModelFacts | None:
     return None
 
 
-def _receipts(status: Mapping[str, Any], model_sha256: str | None) -> tuple[Receipt, ...]:
+def _in_force(engine: Mapping[str, object]) -> tuple[PlanStatus, EnginePlacement] | None:
+    """An Engine's plan and placement in force; None where it has not both (not placed, or a
+    part that does not validate: not guessed)."""
+    plan, placement = at(engine, "status", "plan"), at(engine, "status", "placement")
+    if not plan or not placement:
+        return None
+    try:
+        return PlanStatus.model_validate(plan), EnginePlacement.model_validate(placement)
+    except ValidationError:
+        return None
+
+
+def _receipts(status: Mapping[str, object], model_sha256: str | None) -> tuple[Receipt, ...]:
     """The lane runtime's receipts; where the model's digest is known, only that model's."""
     out = []
-    for raw in (status.get("runtime") or {}).get("receipts") or []:
+    for raw in items_at(status, "runtime", "receipts"):
         try:
             r = Receipt.model_validate(raw)
         except ValidationError:
@@ -136,18 +158,16 @@ def _receipts(status: Mapping[str, Any], model_sha256: str | None) -> tuple[Rece
 
 class _LanePass:
     def __init__(
-        self, body: Mapping[str, Any], snap: Snapshot, now: float, settings: OperatorSettings
+        self, body: Mapping[str, object], snap: Snapshot, now: float, settings: OperatorSettings
     ) -> None:
-        meta = body["metadata"]
         self.body, self.snap, self.now, self.settings = body, snap, now, settings
-        self.key: LaneKey = (meta["namespace"], meta["name"])
+        self.key: LaneKey = namespaced_name(body)
         self.me = consumer_name(ConsumerKind.EMBED_LANE, *self.key)
-        self.generation: int | None = meta.get("generation")
-        self.status: dict[str, Any] = dict(body.get("status") or {})
-        self.runtime: dict[str, Any] = dict(self.status.get("runtime") or {})
-        self.old_conditions = [
-            Condition.model_validate(c) for c in self.status.get("conditions") or []
-        ]
+        self.generation = integer(body, "metadata", "generation")
+        self.status = object_at(body, "status")
+        self.runtime = object_at(self.status, "runtime")
+        conditions = items_at(self.status, "conditions")
+        self.old_conditions = [Condition.model_validate(c) for c in conditions]
         self.held: EmbedLanePlacement | None = None
         try:
             raw = self.status.get("placement")
@@ -156,7 +176,7 @@ class _LanePass:
             self.held = None
 
     def finish(
-        self, placement: dict[str, Any] | None, placed: bool, reason: str, message: str
+        self, placement: Mapping[str, object] | None, placed: bool, reason: str, message: str
     ) -> LaneWrites:
         c = Condition(
             type=str(LaneConditionType.PLACED),
@@ -165,8 +185,8 @@ class _LanePass:
             message=message[:4096],
             observed_generation=self.generation,
         )
-        conditions = cond.merge(self.old_conditions, [c], format_time(self.now))
-        new: dict[str, Any] = {
+        conditions = cond.merge(self.old_conditions, [c], format_seconds(self.now))
+        new: dict[str, object] = {
             "placement": placement,
             "conditions": [x.model_dump(by_alias=True, exclude_none=True) for x in conditions],
             "observedGeneration": self.generation,
@@ -185,23 +205,24 @@ class _LanePass:
     def keep(self, reason: str, message: str) -> LaneWrites:
         """Keep what the lane holds (its bytes are still resident), and say why."""
         held = self.status.get("placement")
-        placed = isinstance(held, dict) and self._fits(held)
-        return self.finish(held, placed, reason, message)
+        if not isinstance(held, Mapping):
+            return self.finish(None, False, reason, message)
+        return self.finish(held, self._fits(held), reason, message)
 
     def release(self, reason: str, message: str) -> LaneWrites:
         """Not placed, holding only its floors as a waiting lane (its pod goes), and why."""
-        held = self.status.get("placement")
+        held = object_at(self.status, "placement")
         pools = [
-            {"pool": x["pool"], "bytes": x["floorBytes"], "floorBytes": x["floorBytes"]}
-            for x in (held.get("pools") or [] if isinstance(held, dict) else [])
-            if x.get("floorBytes")
+            {"pool": at(x, "pool"), "bytes": floor, "floorBytes": floor}
+            for x in items_at(held, "pools")
+            if (floor := at(x, "floorBytes"))
         ]
         kept = {"verdict": "Waits", "reason": reason, "message": message, "contextTokens": 0}
-        doc = {**held, **kept, "pools": pools} if pools and isinstance(held, dict) else None
+        doc = {**held, **kept, "pools": pools} if pools else None
         return self.finish(doc, False, reason, message)
 
     @staticmethod
-    def _fits(held: Mapping[str, Any]) -> bool:
+    def _fits(held: Mapping[str, object]) -> bool:
         return held.get("verdict") == str(Verdict.FITS)
 
     def ask(self, lane: EmbedLane, node: str) -> LaneAsk:
@@ -213,7 +234,7 @@ class _LanePass:
         largest = 0
         if self.held is not None and self.held.node == node:
             floors = {p.pool: p.floor_bytes for p in self.held.pools if p.floor_bytes > 0}
-            reported = int(self.runtime.get("largestContextTokens") or 0)
+            reported = integer(self.runtime, "largestContextTokens") or 0
             largest = max(min(reported, self.held.context_tokens), self.held.floor_tokens)
         largest = min(largest, lane.spec.max_context_tokens)
         own = lane.spec.model.facts if lane.spec.model is not None else None
@@ -248,7 +269,7 @@ class _LanePass:
         )  # fmt: skip
 
     def written(self, p: LanePlacement, gpus: list[int]) -> LaneWrites:
-        doc: dict[str, Any] | None = {
+        doc: dict[str, object] | None = {
             **p.to_dict(),
             "gpus": list(gpus) if p.residence is not Residence.HOST else [],
         }
@@ -274,14 +295,14 @@ class _LanePass:
                 f"Engine {self.key[0]}/{engine_name} not found (or not served by this operator): "
                 f"create it, or name an Engine of namespace {self.key[0]} in spec.engine",
             )
-        est = engine.get("status") or {}
-        placement, plan_doc = est.get("placement") or {}, est.get("plan") or {}
-        if not placement or not plan_doc:
+        in_force = _in_force(engine)
+        if in_force is None:
             return self.keep(
                 W.ENGINE_NOT_PLACED,
                 f"Engine {engine_name} is not placed yet; the lane goes where the engine goes",
             )
-        node = str(placement["node"])
+        plan, placement = in_force
+        node = placement.node
         entry = self.snap.boards.get(node)
         if entry is None or entry.board is None:
             return self.keep(W.NO_FRESH_BOARD, f"node {node} has no readable NodeBoard")
@@ -292,14 +313,14 @@ class _LanePass:
             return self.keep(W.FACTS_MISSING, f"Engine {engine_name}'s model facts are not known")
         offloads = self.runtime.get("gpuOffload")
         if offloads is None:
-            offloads = (est.get("runtime") or {}).get("gpuOffload")
+            offloads = at(engine, "status", "runtime", "gpuOffload")
         where, why = residence(
             backend_offloads=offloads if isinstance(offloads, bool) else None,
-            layers_on_device=int(plan_doc.get("layersOnDevice") or 0),
-            total_layers=int(plan_doc.get("totalLayers") or facts.layers + 1),
+            layers_on_device=plan.layers_on_device,
+            total_layers=plan.total_layers,
         )
-        gpus = [int(g) for g in placement.get("gpus") or []]
-        sha = ((engine.get("spec") or {}).get("model") or {}).get("sha256")
+        gpus = list(placement.gpus)
+        sha = text(engine, "spec", "model", "sha256")
         p = self.place_on(lane, entry.board, facts, where, why, gpus, sha)
         return self.written(p, gpus)
 
@@ -314,8 +335,8 @@ class _LanePass:
                 W.FACTS_MISSING,
                 "a lane with its own model needs spec.model.facts (`continuum facts MODEL.gguf`)",
             )
-        at = self.held.node if self.held is not None else ""  # gone with its board: anew
-        if self.held is not None and (at in self.snap.boards or at in self.snap.nodes):
+        held_on = self.held.node if self.held is not None else ""  # gone with its board: anew
+        if self.held is not None and (held_on in self.snap.boards or held_on in self.snap.nodes):
             entry = self.snap.boards.get(self.held.node)
             if entry is None or entry.board is None:
                 return self.keep(W.NO_FRESH_BOARD, f"node {self.held.node} has no NodeBoard")
@@ -343,7 +364,7 @@ _VERDICT_ORDER = {Verdict.FAILS: 0, Verdict.WAITS: 1, Verdict.FITS: 2}
 
 
 def reconcile_lane(
-    body: Mapping[str, Any], snap: Snapshot, now: float, settings: OperatorSettings
+    body: Mapping[str, object], snap: Snapshot, now: float, settings: OperatorSettings
 ) -> LaneWrites:
     """The status patch one pass over one EmbedLane needs (None: nothing changed)."""
     p = _LanePass(body, snap, now, settings)
@@ -366,7 +387,11 @@ def _with_workload(
 ) -> LaneWrites:
     """The pod the lane's placement calls for, after this pass's status patch."""
     status = merge_patch(p.status, (writes.status_patch or {}).get("status") or {})
-    placement = status.get("placement")
+    try:
+        raw = status.get("placement")
+        placement = EmbedLanePlacement.model_validate(raw) if raw else None
+    except ValidationError:
+        placement = None
     engine: Engine | None = None
     facts: ModelFacts | None = None
     if lane.spec.engine is not None:
@@ -376,10 +401,10 @@ def _with_workload(
         except ValidationError:
             engine = None
         facts = _facts_of_engine(body) if body is not None else None
-    why = lane_objects.why_no_pod(lane, placement or {}, engine, settings.pods)
+    why = lane_objects.why_no_pod(lane, placement, engine, settings.pods)
     if why is not None or placement is None:
         return replace(writes, no_pod=why)
-    uid = str(p.body["metadata"].get("uid", ""))
+    uid = text(p.body, "metadata", "uid") or ""
     return replace(
         writes,
         deployment=lane_objects.lane_deployment(

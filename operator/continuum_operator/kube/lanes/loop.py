@@ -8,8 +8,8 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
 
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.base import events, kernel
 from continuum_operator.kube.base.kernel import KernelSettings, PassHooks
 from continuum_operator.kube.base.settings import OperatorSettings
@@ -17,10 +17,11 @@ from continuum_operator.kube.client.api import ApiError, crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.lanes.lane_pass import LaneWrites, is_deleting, reconcile_lane
 from continuum_operator.kube.state import lane_index
-from continuum_operator.kube.state.cache import Cache, format_time
+from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.state.occupancy import LaneKey
 from continuum_operator.kube.workloads import lane_objects
 from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.json_body import object_at
 
 log = logging.getLogger("continuum.operator.embedlanes")
 
@@ -64,7 +65,7 @@ class LaneLoop(PassHooks[LaneKey]):
     def keys(self) -> list[LaneKey]:
         return [k for k, b in list(self.cache.lanes.items()) if self._takes(b)]
 
-    def _takes(self, body: Mapping[str, Any]) -> bool:
+    def _takes(self, body: Mapping[str, object]) -> bool:
         return not is_deleting(body) and lane_index.decided_here(
             body, self.cache.engines, self.cache.ledgers, self.engine_labels
         )
@@ -129,13 +130,12 @@ class LaneLoop(PassHooks[LaneKey]):
         self.absent.discard(key)
         return True
 
-    async def post_event(self, lane: Mapping[str, Any], event: events.Event) -> None:
-        meta = lane["metadata"]
+    async def post_event(self, lane: Mapping[str, object], event: events.Event) -> None:
         await events.post(
             self.api,
-            events.reference(API_VERSION, "EmbedLane", meta),
+            events.reference(API_VERSION, "EmbedLane", object_at(lane, "metadata")),
             event,
             instance=socket.gethostname(),
-            now=format_time(self.clock()),
+            now=format_seconds(self.clock()),
             log=log,
         )

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
 from urllib.parse import quote
 
 from continuum_operator.kube.base import kernel
@@ -40,8 +40,9 @@ from continuum_operator.kube.workloads.engine_objects import ENGINE_LABEL
 from continuum_operator.kube.workloads.lane_objects import LANE_LABEL
 from continuum_operator.model.base import GROUP, VERSION
 from continuum_operator.model.board import NodeBoard
+from continuum_operator.model.json_body import labels_at, text
 
-__all__ = ["PlacedPods", "placed_by_node"]
+__all__ = ["PlacedPods", "PodSeen", "placed_by_node"]
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +57,40 @@ _ENDED = frozenset({"Succeeded", "Failed"})
 Placed = dict[str, str]
 
 
-def placed_by_node(pods: Iterable[tuple[str, str, Mapping[str, Any]]]) -> dict[str, list[Placed]]:
+@dataclass(frozen=True, slots=True)
+class PodSeen:
+    """What a board's `spec.placed` reads of one of the operator's pods; the rest of the Pod
+    (its containers, most of its status) is not kept."""
+
+    uid: str
+    namespace: str
+    labels: Mapping[str, str]
+    node: str | None  # spec.nodeName: None until it is bound
+    phase: str | None
+
+    @classmethod
+    def of(cls, pod: object) -> PodSeen:
+        """A Pod as the API sends it, read."""
+        return cls(
+            uid=text(pod, "metadata", "uid") or "",
+            namespace=text(pod, "metadata", "namespace") or "",
+            labels=labels_at(pod, "metadata", "labels"),
+            node=text(pod, "spec", "nodeName"),
+            phase=text(pod, "status", "phase"),
+        )
+
+
+def placed_by_node(pods: Iterable[tuple[str, str, PodSeen]]) -> dict[str, list[Placed]]:
     """`(label, kind, pod)` to each node's list, in a stable order (so an unchanged node compares
     equal). Pods not yet bound to a node, or ended, hold nothing there."""
     out: dict[str, list[Placed]] = {}
     for label, kind, pod in pods:
-        meta = pod.get("metadata") or {}
-        node = (pod.get("spec") or {}).get("nodeName")
-        name = (meta.get("labels") or {}).get(label)
-        phase = (pod.get("status") or {}).get("phase")
-        if not node or not name or not meta.get("uid") or phase in _ENDED:
+        name = pod.labels.get(label)
+        if not pod.node or not name or not pod.uid or pod.phase in _ENDED:
             continue
-        out.setdefault(str(node), []).append(
-            {"uid": str(meta["uid"]), "kind": kind, "namespace": str(meta.get("namespace")),
-             "name": str(name)}
-        )  # fmt: skip
+        out.setdefault(pod.node, []).append(
+            {"uid": pod.uid, "kind": kind, "namespace": pod.namespace, "name": name}
+        )
     for node, placed in out.items():
         placed.sort(key=lambda p: (p["kind"], p["namespace"], p["name"], p["uid"]))
         if len(placed) > PLACED_MAX:
@@ -78,15 +98,6 @@ def placed_by_node(pods: Iterable[tuple[str, str, Mapping[str, Any]]]) -> dict[s
                         PLACED_MAX)  # fmt: skip
             del placed[PLACED_MAX:]
     return out
-
-
-def _placed_fields(pod: Mapping[str, Any]) -> dict[str, Any]:
-    meta = pod.get("metadata") or {}
-    return {
-        "metadata": {k: meta.get(k) for k in ("uid", "namespace", "labels")},
-        "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
-        "status": {"phase": (pod.get("status") or {}).get("phase")},
-    }
 
 
 class PlacedPods(PassHooks[str]):
@@ -104,37 +115,37 @@ class PlacedPods(PassHooks[str]):
         self.api, self.cache, self.may_write, self.clock = api, cache, may_write, clock
         self.kernel = settings or OperatorSettings().kernels.placed
         self.queue: WorkQueue[str] = cache.placed_queue
-        self.pods: dict[str, tuple[str, str, dict[str, Any]]] = {}  # uid -> label, kind, pod
+        self.pods: dict[str, tuple[str, str, PodSeen]] = {}  # uid -> label, kind, pod
         self.on_node: dict[str, set[str]] = {}  # node -> the uids of its pods
         self.listed: set[str] = set()  # the labels whose pods have been listed
         self.written = 0  # boards written (a count for tests and the log)
 
     # -- the pods, kept from the list and the watch; each change marks its nodes ----------------
 
-    def _keep(self, uid: str, entry: tuple[str, str, dict[str, Any]] | None) -> None:
+    def _keep(self, uid: str, entry: tuple[str, str, PodSeen] | None) -> None:
         """The pod `uid` now `entry` (None: gone); the node it left and the one it is on marked."""
         old = self.pods.pop(uid, None)
-        if old is not None and (node := _node_of(old[2])):
+        if old is not None and (node := old[2].node):
             self.on_node[node].discard(uid)
             if not self.on_node[node]:
                 del self.on_node[node]
             self.queue.mark(node)
         if entry is not None:
             self.pods[uid] = entry
-            if node := _node_of(entry[2]):
+            if node := entry[2].node:
                 self.on_node.setdefault(node, set()).add(uid)
                 self.queue.mark(node)
 
     async def relist(self, label: str, kind: str) -> str:
         """The label's pods, listed into `pods` (those gone since dropped); the list's
         resourceVersion, to watch from."""
-        found: dict[str, tuple[str, str, dict[str, Any]]] = {}
+        found: dict[str, tuple[str, str, PodSeen]] = {}
         version = ""
         async for page in pages(self.api, PODS, [("labelSelector", label)]):
-            version = str((page.get("metadata") or {}).get("resourceVersion") or version)
+            version = text(page, "metadata", "resourceVersion") or version
             for pod in page.get("items") or []:
-                cut = _placed_fields(pod)
-                found[str(cut["metadata"]["uid"])] = (label, kind, cut)
+                seen = PodSeen.of(pod)
+                found[seen.uid] = (label, kind, seen)
         for uid in [u for u, (lab, _, _) in self.pods.items() if lab == label and u not in found]:
             self._keep(uid, None)
         for uid, entry in found.items():
@@ -146,15 +157,12 @@ class PlacedPods(PassHooks[str]):
                 self.queue.mark_all()  # every kind listed: each node's list is news now
         return version
 
-    def observe(self, label: str, kind: str, event: Mapping[str, Any]) -> None:
-        """A watch event: the pod kept (cut) or dropped."""
-        pod = event.get("object") or {}
-        uid = str((pod.get("metadata") or {}).get("uid") or "")
-        if event.get("type") == "BOOKMARK" or not uid:
+    def observe(self, label: str, kind: str, event: Mapping[str, object]) -> None:
+        """A watch event: the pod kept (what placement reads of it) or dropped."""
+        seen = PodSeen.of(event.get("object"))
+        if event.get("type") == "BOOKMARK" or not seen.uid:
             return
-        self._keep(
-            uid, None if event.get("type") == "DELETED" else (label, kind, _placed_fields(pod))
-        )
+        self._keep(seen.uid, None if event.get("type") == "DELETED" else (label, kind, seen))
 
     async def follow(self, label: str, kind: str, stop: asyncio.Event) -> None:
         """List, then watch from the list's version for as long as this replica leads; a
@@ -166,8 +174,7 @@ class PlacedPods(PassHooks[str]):
                     since = await self.relist(label, kind)
                 async for event in self.api.watch(PODS, [("labelSelector", label)], since):
                     self.observe(label, kind, event)
-                    meta = (event.get("object") or {}).get("metadata") or {}
-                    since = str(meta.get("resourceVersion") or since)
+                    since = text(event, "object", "metadata", "resourceVersion") or since
             except ApiError as err:
                 if err.status != 410:
                     log.warning("watching the %s pods failed, listing again: %s", kind, err)
@@ -224,7 +231,3 @@ class PlacedPods(PassHooks[str]):
             for task in watches:
                 task.cancel()
             await asyncio.gather(*watches, return_exceptions=True)
-
-
-def _node_of(pod: Mapping[str, Any]) -> str:
-    return str((pod.get("spec") or {}).get("nodeName") or "")

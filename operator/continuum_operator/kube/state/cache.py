@@ -38,18 +38,18 @@ from continuum_operator.kube.workloads.facts_job import FACTS_FOR_LABEL
 from continuum_operator.kube.workloads.lane_objects import whole_cpus
 from continuum_operator.model.board import NodeBoard
 from continuum_operator.model.engine import EnginePlacement
+from continuum_operator.model.json_body import (
+    at,
+    integer,
+    items_at,
+    labels_at,
+    name_of,
+    namespaced_name,
+    object_at,
+    text,
+)
 
 EngineKey = tuple[str, str]  # (namespace, name)
-
-
-def parse_time(text: str | None) -> float | None:
-    """Seconds since the epoch of an RFC 3339 time as the API server writes it."""
-    return rfc3339.parse(text)
-
-
-def format_time(epoch: float) -> str:
-    """RFC 3339 in whole seconds, as conditions and events carry times."""
-    return rfc3339.format_seconds(epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +106,9 @@ class PlacedLeases:
     assumed: bool
 
 
-def placed_leases(key: EngineKey, body: Mapping[str, Any]) -> PlacedLeases | None:
+def placed_leases(key: EngineKey, body: Mapping[str, object]) -> PlacedLeases | None:
     """None: no placement, or one that does not validate (skipped, not guessed)."""
-    raw = (body.get("status") or {}).get("placement")
+    raw = at(body, "status", "placement")
     if not raw:
         return None
     try:
@@ -125,10 +125,10 @@ class Snapshot:
     boards: Mapping[str, BoardEntry]
     leases: Mapping[str, LeaseEntry]  # by node name
     nodes: Mapping[str, NodeEntry]
-    engines: Mapping[EngineKey, Mapping[str, Any]]
+    engines: Mapping[EngineKey, Mapping[str, object]]
     deployments: Mapping[EngineKey, DeploymentEntry]
     jobs: Mapping[EngineKey, JobEntry] = field(default_factory=dict)
-    lanes: Mapping[EngineKey, Mapping[str, Any]] = field(default_factory=dict)  # EmbedLanes
+    lanes: Mapping[EngineKey, Mapping[str, object]] = field(default_factory=dict)  # EmbedLanes
     # Each engine's placement as leases (parsed once per watch event, not once per decision) and
     # the engines placed on each node; None: derived from `engines` (a snapshot built by hand).
     engine_leases: Mapping[EngineKey, PlacedLeases] | None = None
@@ -145,12 +145,12 @@ class Cache:
     # Engines, each with its GrantLedger's status merged in (`kube.ledger.cached`); the
     # GrantLedgers themselves by their Engine's key.
     engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
-    ledgers: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    ledgers: dict[EngineKey, Mapping[str, object]] = field(default_factory=dict)
     holders: ledger_object.HolderIndex = field(default_factory=ledger_object.HolderIndex)
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
-    lanes: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)  # EmbedLanes
+    lanes: dict[EngineKey, Mapping[str, object]] = field(default_factory=dict)  # EmbedLanes
     # Each board's `spec.placed` as last seen (`kube.nodes.placed_pods` writes only what differs),
     # and the nodes whose board changed, to decide again (its reconciler's queue).
     board_placed: dict[str, list[dict[str, str]]] = field(default_factory=dict)
@@ -171,7 +171,9 @@ class Cache:
     # Status patches sent and not answered yet ("assumed", as kube-scheduler assumes a pod), each
     # with the last body observed without it: the patch is merged over every body observed
     # meanwhile, so the bytes it leases stay counted, and dropped if the write fails.
-    _pending: dict[EngineKey, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
+    _pending: dict[EngineKey, tuple[Mapping[str, object], dict[str, Any]]] = field(
+        default_factory=dict
+    )
     # EmbedLanes to decide again (`kube.lanes.loop`, on `kube.base.kernel`): a lane that changed,
     # the lanes of an Engine that changed, those placed on a node whose room changed, and those
     # that may go to any node (not placed yet, or with a model of their own).
@@ -183,7 +185,7 @@ class Cache:
     # Whether a TokenQuota exists (`join_caches` sets it): the passes then read every GrantLedger.
     quotas_read: Callable[[], bool] = lambda: False
 
-    def assume_status(self, key: EngineKey, patch: dict[str, Any]) -> None:
+    def assume_status(self, key: EngineKey, patch: Mapping[str, object]) -> None:
         """Record a status patch as written before its answer (`settle_status` ends it)."""
         known = self.engines.get(key)
         if known is None:
@@ -193,7 +195,7 @@ class Cache:
         self.engines[key] = body
         self._index_engine(key, body)
 
-    def settle_status(self, key: EngineKey, answer: Mapping[str, Any] | None) -> None:
+    def settle_status(self, key: EngineKey, answer: Mapping[str, object] | None) -> None:
         """The answer of an assumed status patch; None: it failed, and the engine is as observed
         without it (decided again at the next pass)."""
         pending = self._pending.pop(key, None)
@@ -240,7 +242,7 @@ class Cache:
             engines_on=engines_on,
         )
 
-    def _index_engine(self, key: EngineKey, body: Mapping[str, Any] | None) -> None:
+    def _index_engine(self, key: EngineKey, body: Mapping[str, object] | None) -> None:
         """Keep `engine_leases` and `engines_on` in line with `engines[key]`."""
         old = self.engine_leases.pop(key, None)
         new = placed_leases(key, body) if body is not None else None
@@ -263,16 +265,15 @@ class Cache:
     def _nudge(self) -> None:
         self.changed.set()
 
-    def observe_board(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        name = obj["metadata"]["name"]
+    def observe_board(self, obj: Mapping[str, object], deleted: bool) -> None:
+        name = name_of(obj)
         self.placed_queue.mark(name)
         if deleted:
             self.boards.pop(name, None)
             self.board_placed.pop(name, None)
         else:
-            rv = str(obj["metadata"].get("resourceVersion", ""))
-            placed = (obj.get("spec") or {}).get("placed")
-            self.board_placed[name] = list(placed) if isinstance(placed, list) else []
+            rv = text(obj, "metadata", "resourceVersion") or ""
+            self.board_placed[name] = [labels_at(p) for p in items_at(obj, "spec", "placed")]
             try:
                 resource = NodeBoard.model_validate(dict(obj))
                 caps = tuple(str(c.mechanism) for c in resource.status.cap_mechanisms)
@@ -286,28 +287,28 @@ class Cache:
         self.mark_nodes((name,))
         self._nudge()
 
-    def observe_lease(self, obj: Mapping[str, Any], deleted: bool) -> None:
+    def observe_lease(self, obj: Mapping[str, object], deleted: bool) -> None:
         """The agent's Lease of a node (`core.heartbeat`); the kubelet's own Lease is ignored."""
-        meta = obj["metadata"]
-        if meta.get("namespace") != self.lease_namespace:
+        if text(obj, "metadata", "namespace") != self.lease_namespace:
             return
-        node = node_of_lease(meta["name"], meta.get("annotations") or {})
+        node = node_of_lease(name_of(obj), labels_at(obj, "metadata", "annotations"))
         if node is None:
             return
         known = self.leases.get(node)
         if deleted:
             self.leases.pop(node, None)
         else:
-            spec = obj.get("spec") or {}
-            duration = spec.get("leaseDurationSeconds")
-            renew_time = parse_time(spec.get("renewTime") or spec.get("acquireTime"))
+            duration = integer(obj, "spec", "leaseDurationSeconds")
+            renew_time = rfc3339.parse(
+                text(obj, "spec", "renewTime") or text(obj, "spec", "acquireTime")
+            )
             now = self.clock()
             entry = LeaseEntry(
                 renew_time=renew_time,
                 duration_seconds=(
                     min(float(duration), self.max_lease_seconds) if duration is not None else None
                 ),
-                resource_version=str(meta.get("resourceVersion", "")),
+                resource_version=text(obj, "metadata", "resourceVersion") or "",
                 counted_from=renewal_counted_from(known, renew_time, now),
             )
             self.leases[node] = entry
@@ -318,18 +319,18 @@ class Cache:
         self.mark_nodes((node,))
         self._nudge()
 
-    def observe_node(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        name = obj["metadata"]["name"]
+    def observe_node(self, obj: Mapping[str, object], deleted: bool) -> None:
+        name = name_of(obj)
         if deleted:
             self.nodes.pop(name, None)
         else:
-            allocatable = (obj.get("status") or {}).get("allocatable") or {}
+            allocatable = labels_at(obj, "status", "allocatable")  # quantities, as strings
             try:
                 gpus = int(allocatable.get(GPU_RESOURCE, 0))
             except ValueError:
                 gpus = 0
             entry = NodeEntry(
-                dict(obj["metadata"].get("labels") or {}),
+                labels_at(obj, "metadata", "labels"),
                 gpus,
                 whole_cpus(allocatable.get("cpu")),
             )
@@ -339,9 +340,8 @@ class Cache:
         self.mark_nodes((name,))
         self._nudge()
 
-    def observe_engine(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+    def observe_engine(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
+        key = namespaced_name(obj)
         pending = self._pending.get(key)
         known = self.engines.get(key)
         if deleted:
@@ -368,15 +368,14 @@ class Cache:
             if self.grants_queue is not None:
                 self.grants_queue.wake()
 
-    def observe_ledger(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+    def observe_ledger(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
         """An Engine's GrantLedger, merged into the Engine's cached body. No plan reads the
         ledger but a relaunch's wait for the drain of the old launch's grants: only then is the
         Engine marked for the plan loop (one mark per grant was a plan decide per grant)."""
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+        key = namespaced_name(obj)
         known = self.ledgers.get(key)
         if deleted:
-            if known is None or known["metadata"].get("uid") != meta.get("uid"):
+            if known is None or at(known, "metadata", "uid") != at(obj, "metadata", "uid"):
                 return  # an earlier ledger of the name, already replaced
             self.ledgers.pop(key)
         elif newer(obj, known):
@@ -414,10 +413,9 @@ class Cache:
         if nudge and self.grants_queue is not None:
             self.grants_queue.wake()
 
-    def observe_lane(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+    def observe_lane(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
         """An EmbedLane (`kube.lanes.loop`); its placement is in every engine's ledger."""
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+        key = namespaced_name(obj)
         known = self.lanes.get(key)
         if deleted:
             self.lanes.pop(key, None)
@@ -431,9 +429,8 @@ class Cache:
         if nudge:
             self._nudge()
 
-    def observe_service(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+    def observe_service(self, obj: Mapping[str, object], deleted: bool) -> None:
+        key = namespaced_name(obj)
         if deleted:
             self.services.discard(key)
         else:
@@ -441,29 +438,32 @@ class Cache:
         self.engine_queue.mark(key)
         self._nudge()
 
-    def observe_job(self, obj: Mapping[str, Any], deleted: bool) -> None:
-        meta = obj["metadata"]
-        engine = (meta.get("labels") or {}).get(FACTS_FOR_LABEL)
+    def observe_job(self, obj: Mapping[str, object], deleted: bool) -> None:
+        engine = labels_at(obj, "metadata", "labels").get(FACTS_FOR_LABEL)
         if not engine:
             return
-        key = (meta["namespace"], engine)
+        namespace, name = namespaced_name(obj)
+        key = (namespace, engine)
         if deleted:
-            if key in self.jobs and self.jobs[key].name == meta["name"]:
+            if key in self.jobs and self.jobs[key].name == name:
                 del self.jobs[key]
         else:
-            status = obj.get("status") or {}
+            status = object_at(obj, "status")
             self.jobs[key] = JobEntry(
-                name=meta["name"],
-                source=(meta.get("annotations") or {}).get("continuum.dev/model-source", ""),
+                name=name,
+                source=labels_at(obj, "metadata", "annotations").get(
+                    "continuum.dev/model-source", ""
+                ),
                 succeeded=_job_ended(status, "Complete"),
                 failed=_job_ended(status, "Failed"),
             )
         self.engine_queue.mark(key)
         self._nudge()
 
-    def observe_deployment(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
-        meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"])
+    def observe_deployment(
+        self, obj: Mapping[str, object], deleted: bool, nudge: bool = True
+    ) -> None:
+        key = namespaced_name(obj)
         known = self.deployments.get(key)
         if deleted:
             self.deployments.pop(key, None)
@@ -472,16 +472,14 @@ class Cache:
             # ready while the write was in flight): keeping it would hide the readiness forever.
             pass
         else:
-            spec = obj.get("spec") or {}
-            status = obj.get("status") or {}
-            template = (spec.get("template") or {}).get("metadata") or {}
+            template = labels_at(obj, "spec", "template", "metadata", "annotations")
             self.deployments[key] = DeploymentEntry(
-                launch=(template.get("annotations") or {}).get(LAUNCH_ANNOTATION),
-                generation=int(meta.get("generation", 0)),
-                observed_generation=int(status.get("observedGeneration", 0)),
-                ready_replicas=int(status.get("readyReplicas", 0)),
-                updated_replicas=int(status.get("updatedReplicas", 0)),
-                replicas=int(status.get("replicas", 0)),
+                launch=template.get(LAUNCH_ANNOTATION),
+                generation=integer(obj, "metadata", "generation") or 0,
+                observed_generation=integer(obj, "status", "observedGeneration") or 0,
+                ready_replicas=integer(obj, "status", "readyReplicas") or 0,
+                updated_replicas=integer(obj, "status", "updatedReplicas") or 0,
+                replicas=integer(obj, "status", "replicas") or 0,
                 resource_version=resource_version(obj),
             )
         self.engine_queue.mark(key, wake=nudge)
@@ -489,7 +487,6 @@ class Cache:
             self._nudge()
 
 
-def _job_ended(status: Mapping[str, Any], kind: str) -> bool:
-    return any(
-        c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or []
-    )
+def _job_ended(status: Mapping[str, object], kind: str) -> bool:
+    conditions = items_at(status, "conditions")
+    return any(at(c, "type") == kind and at(c, "status") == "True" for c in conditions)

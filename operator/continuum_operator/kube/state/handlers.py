@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, cast
 
 import kopf
 
@@ -26,10 +25,6 @@ __all__ = ["registry_for", "select_on_server"]
 
 def _deleted(event: kopf.RawEvent) -> bool:
     return event.get("type") == "DELETED"
-
-
-def _obj(event: kopf.RawEvent) -> dict[str, Any]:
-    return cast(dict[str, Any], event["object"])
 
 
 def select_on_server(
@@ -61,15 +56,17 @@ def registry_for(
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> Any:
+    def login(settings: kopf.OperatorSettings, **_: object) -> kopf.ConnectionInfo | None:
         # A kubeconfig when one is named (local runs, tests); the pod's ServiceAccount in a
         # cluster (the chart's Deployment), where no kubeconfig exists.
         if os.environ.get("KUBECONFIG"):
-            return kopf.login_with_kubeconfig(**kwargs)
-        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+            return kopf.login_with_kubeconfig(settings=settings)
+        return kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+            settings=settings
+        )
 
     @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    def configure(settings: kopf.OperatorSettings, **_: object) -> None:
         settings.peering.standalone = (
             True  # leadership is a coordination Lease (kube.process.leader)
         )
@@ -79,20 +76,20 @@ def registry_for(
         select_on_server(settings, engine_labels)
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="engines", registry=registry)
-    async def engine(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_engine(_obj(event), _deleted(event))
+    async def engine(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_engine(event["object"], _deleted(event))
 
     @kopf.on.event(group=GROUP, version=VERSION, plural=ledger_object.PLURAL, registry=registry)
-    async def grantledger(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_ledger(_obj(event), _deleted(event))
+    async def grantledger(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_ledger(event["object"], _deleted(event))
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="embedlanes", registry=registry)
-    async def embedlane(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_lane(_obj(event), _deleted(event))
+    async def embedlane(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_lane(event["object"], _deleted(event))
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="nodeboards", registry=registry)
-    async def board(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_board(_obj(event), _deleted(event))
+    async def board(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_board(event["object"], _deleted(event))
 
     @kopf.on.event(
         group="coordination.k8s.io",
@@ -101,24 +98,24 @@ def registry_for(
         registry=registry,
         when=lambda namespace, **_: namespace == cache.lease_namespace,
     )
-    async def lease(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_lease(_obj(event), _deleted(event))
+    async def lease(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_lease(event["object"], _deleted(event))
 
     @kopf.on.event(group="", version="v1", plural="nodes", registry=registry)
-    async def node(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_node(_obj(event), _deleted(event))
+    async def node(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_node(event["object"], _deleted(event))
 
     @_watch_managed("apps", "deployments", registry)
-    async def deployment(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_deployment(_obj(event), _deleted(event))
+    async def deployment(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_deployment(event["object"], _deleted(event))
 
     @_watch_managed("batch", "jobs", registry)
-    async def job(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_job(_obj(event), _deleted(event))
+    async def job(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_job(event["object"], _deleted(event))
 
     @_watch_managed("", "services", registry)
-    async def service(event: kopf.RawEvent, **_: Any) -> None:
-        cache.observe_service(_obj(event), _deleted(event))
+    async def service(event: kopf.RawEvent, **_: object) -> None:
+        cache.observe_service(event["object"], _deleted(event))
 
     return registry
 

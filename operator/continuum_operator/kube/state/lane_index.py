@@ -7,49 +7,48 @@ API calls.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+
+from continuum_operator.model.json_body import at, labels_at, text
 
 __all__ = ["decided_here", "lane_hold", "lane_nodes", "lanes_of", "lanes_on"]
 
 EngineKey = tuple[str, str]
 
 
-def lane_hold(body: Mapping[str, Any] | None) -> tuple[Any, Any]:
-    """What of a lane the engines' decisions read: its placement, and whether it is measured."""
-    status = (body or {}).get("status") or {}
-    return status.get("placement"), (status.get("runtime") or {}).get("ready")
+def lane_hold(body: Mapping[str, object] | None) -> tuple[object, object]:
+    """What of a lane the engines' decisions read: its placement, and whether it is measured
+    (compared as written, for a change)."""
+    return at(body, "status", "placement"), at(body, "status", "runtime", "ready")
 
 
-def lanes_on(lanes: Mapping[EngineKey, Mapping[str, Any]], nodes: set[str]) -> list[EngineKey]:
+def lanes_on(lanes: Mapping[EngineKey, Mapping[str, object]], nodes: set[str]) -> list[EngineKey]:
     """The lanes a change of room on `nodes` may move: placed there, or free to go anywhere."""
     return [
         key
         for key, body in lanes.items()
-        if not (body.get("spec") or {}).get("engine") or not lane_nodes(body)
-        or lane_nodes(body) & nodes
-    ]  # fmt: skip
+        if not at(body, "spec", "engine") or not lane_nodes(body) or lane_nodes(body) & nodes
+    ]
 
 
-def lanes_of(lanes: Mapping[EngineKey, Mapping[str, Any]], engine: EngineKey) -> list[EngineKey]:
+def lanes_of(lanes: Mapping[EngineKey, Mapping[str, object]], engine: EngineKey) -> list[EngineKey]:
     """The lanes beside `engine` (its namespace's that name it)."""
     return [
         key
         for key, body in list(lanes.items())
-        if key[0] == engine[0] and (body.get("spec") or {}).get("engine") == engine[1]
+        if key[0] == engine[0] and at(body, "spec", "engine") == engine[1]
     ]
 
 
-def lane_nodes(body: Mapping[str, Any] | None) -> set[str]:
+def lane_nodes(body: Mapping[str, object] | None) -> set[str]:
     """The node a lane's placement charges (all its leases are there)."""
-    raw = ((body or {}).get("status") or {}).get("placement") or {}
-    node = raw.get("node") if isinstance(raw, Mapping) else None
-    return {node} if isinstance(node, str) else set()
+    node = text(body, "status", "placement", "node")
+    return {node} if node is not None else set()
 
 
 def decided_here(
-    body: Mapping[str, Any],
-    engines: Mapping[EngineKey, Any],
-    ledgers: Mapping[EngineKey, Any],
+    body: Mapping[str, object],
+    engines: Mapping[EngineKey, object],
+    ledgers: Mapping[EngineKey, object],
     labels: Mapping[str, str] | None,
 ) -> bool:
     """Whether this operator decides the lane: every lane, without `--engine-selector`. With
@@ -59,13 +58,12 @@ def decided_here(
     as the selector asks (a model of its own, or an Engine nobody serves)."""
     if not labels:
         return True
-    meta = body["metadata"]
-    engine = (body.get("spec") or {}).get("engine")
-    if isinstance(engine, str):
-        beside = (meta["namespace"], engine)
+    engine, namespace = text(body, "spec", "engine"), text(body, "metadata", "namespace")
+    if engine is not None and namespace is not None:
+        beside = (namespace, engine)
         if beside in engines:
             return True
         if beside in ledgers:
             return False
-    own = meta.get("labels") or {}
+    own = labels_at(body, "metadata", "labels")
     return all(own.get(k) == v for k, v in labels.items())

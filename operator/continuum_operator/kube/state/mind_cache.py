@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
@@ -18,6 +18,7 @@ from continuum_operator.kube.client.kept import kept, newer, resource_version
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.model.base import GROUP, VERSION
+from continuum_operator.model.json_body import at, text
 
 __all__ = ["MindCache", "list_minds", "register", "seed"]
 
@@ -40,7 +41,7 @@ class MindCache:
     groups: dict[EngineKey, dict[str, dict[str, Any]]] = field(default_factory=dict)
     queue: WorkQueue[EngineKey] = field(default_factory=WorkQueue)
 
-    def observe_mind(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+    def observe_mind(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
         """`nudge` False: the answer of our own write (or the leader's list): her engine is
         marked only if what the ledger reads of her changed; a watch event of a newer version
         marks it whatever changed (her status may need writing again)."""
@@ -62,7 +63,7 @@ class MindCache:
                 self.groups.setdefault(routing.engine_key_of(body), {})[key] = body
 
     def _put(
-        self, key: str, old: dict[str, Any] | None, new: dict[str, Any] | None, wake: bool
+        self, key: str, old: Mapping[str, object] | None, new: dict[str, Any] | None, wake: bool
     ) -> None:
         """Replace a Mind, marking the engine she named and the one she names (`wake`: a pass
         soon; False leaves the marks to the next pass)."""
@@ -101,17 +102,17 @@ class MindCache:
         """Every engine some Mind names."""
         return set(self.groups)
 
-    def observe_class(self, obj: Mapping[str, Any], deleted: bool) -> None:
+    def observe_class(self, obj: Mapping[str, object], deleted: bool) -> None:
         # (A class changes what every engine's minds demand: the loop compares the classes
         # it last stepped with and steps every engine when they differ.)
-        name = str(obj["metadata"]["name"])
+        name = text(obj, "metadata", "name") or ""
         if deleted:
             self.classes.pop(name, None)
         else:
             self.classes[name] = kept(obj)
         self.queue.wake()
 
-    def observe_quota(self, obj: Mapping[str, Any], deleted: bool, nudge: bool = True) -> None:
+    def observe_quota(self, obj: Mapping[str, object], deleted: bool, nudge: bool = True) -> None:
         key = routing.mind_key(obj)
         if deleted:
             self.quotas.pop(key, None)
@@ -153,18 +154,17 @@ async def list_minds(api: AsyncKubeApi, cache: MindCache) -> None:
     )
 
 
-def _demand_facts(mind: Mapping[str, Any]) -> tuple[Any, ...]:
+def _demand_facts(mind: Mapping[str, object]) -> tuple[object, ...]:
     """What the ledger reads of a Mind (`routing.route_minds`, `routing.demands_of`) and what
-    her projection and finalizer follow from: her engine, her deletion, class and size."""
-    meta = mind["metadata"]
-    spec = mind.get("spec") or {}
+    her projection and finalizer follow from: her engine, her deletion, class and size
+    (compared as written, for a change)."""
     return (
         routing.engine_key_of(mind),
-        bool(meta.get("deletionTimestamp")),
-        spec.get("className"),
-        spec.get("contextTokens"),
-        meta.get("creationTimestamp"),
-        meta.get("generation"),
+        bool(at(mind, "metadata", "deletionTimestamp")),
+        at(mind, "spec", "className"),
+        at(mind, "spec", "contextTokens"),
+        at(mind, "metadata", "creationTimestamp"),
+        at(mind, "metadata", "generation"),
     )
 
 
@@ -172,13 +172,13 @@ def register(registry: kopf.OperatorRegistry, minds: MindCache) -> None:
     """Watch Minds, MindClasses and TokenQuotas into `minds`."""
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="minds", registry=registry)
-    async def mind(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_mind(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+    async def mind(event: kopf.RawEvent, **_: object) -> None:
+        minds.observe_mind(event["object"], event.get("type") == "DELETED")
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="mindclasses", registry=registry)
-    async def mindclass(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_class(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+    async def mindclass(event: kopf.RawEvent, **_: object) -> None:
+        minds.observe_class(event["object"], event.get("type") == "DELETED")
 
     @kopf.on.event(group=GROUP, version=VERSION, plural="tokenquotas", registry=registry)
-    async def tokenquota(event: kopf.RawEvent, **_: Any) -> None:
-        minds.observe_quota(cast(dict[str, Any], event["object"]), event.get("type") == "DELETED")
+    async def tokenquota(event: kopf.RawEvent, **_: object) -> None:
+        minds.observe_quota(event["object"], event.get("type") == "DELETED")

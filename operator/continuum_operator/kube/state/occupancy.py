@@ -8,7 +8,6 @@ it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -17,6 +16,7 @@ from continuum_operator.core.pools import ConsumerKind, Lease
 from continuum_operator.kube.state.cache import EngineKey, Snapshot, placed_leases
 from continuum_operator.kube.state.lease_renewal import LeaseEntry
 from continuum_operator.model.embedlane import EmbedLanePlacement
+from continuum_operator.model.json_body import at
 
 __all__ = ["LaneKey", "is_fresh", "lane_leases_in", "lease_is_fresh", "other_leases"]
 
@@ -69,7 +69,7 @@ def other_leases(
 
 
 def lane_leases_in(
-    lanes: Mapping[LaneKey, Mapping[str, Any]],
+    lanes: Mapping[LaneKey, Mapping[str, object]],
     *,
     excluding: LaneKey | None = None,
     assumed_only: bool = False,
@@ -83,10 +83,9 @@ def lane_leases_in(
     for key, body in lanes.items():
         if key == excluding:
             continue
-        status = body.get("status") or {}
-        if assumed_only and (status.get("runtime") or {}).get("ready") is True:
+        if assumed_only and at(body, "status", "runtime", "ready") is True:
             continue
-        raw = status.get("placement")
+        raw = at(body, "status", "placement")
         if not raw:
             continue
         try:

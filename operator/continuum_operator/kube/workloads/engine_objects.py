@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from continuum_operator.kube.base.settings import GpuClaims, GpuSharing, PodSettings
@@ -29,6 +29,7 @@ from continuum_operator.kube.workloads.gpu_env import NO_GPU_ENV, runtime_class
 from continuum_operator.kube.workloads.park_volume import park_args, park_volume
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import Engine, ModelRef, ModelSourceKind
+from continuum_operator.model.plan_status import PlanStatus
 
 MiB = 2**20
 MODEL_MOUNT = "/models"
@@ -92,21 +93,16 @@ def _ceil_mib(n: int) -> int:
     return -(-n // MiB)
 
 
-def _part_in_use(plan: Mapping[str, Any], side: str) -> int:
-    """A side's bytes in use; a host park store (a memory emptyDir) is in the pod's memory."""
-    part = plan.get("bytes", {}).get(side, {})
-    return sum(int(part.get(k, 0)) for k in ("weights", "kv", "compute", "park"))
+def memory_limit_bytes(plan: PlanStatus, pods: PodSettings) -> int:
+    """Host bytes the engine allocates, plus the processes' overhead, in whole MiB; a host park
+    store (a memory emptyDir) is in the pod's memory."""
+    return _ceil_mib(plan.bytes.host.in_use() + pods.memory_overhead_bytes) * MiB
 
 
-def memory_limit_bytes(plan: Mapping[str, Any], pods: PodSettings) -> int:
-    """Host bytes the engine allocates, plus the processes' overhead, in whole MiB."""
-    return _ceil_mib(_part_in_use(plan, "host") + pods.memory_overhead_bytes) * MiB
-
-
-def enforcement(plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bool) -> Obj:
+def enforcement(plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool) -> Obj:
     """Which per-process caps apply to this engine, and their numbers (`status.enforcement`)."""
-    gpus = list(plan.get("gpus", []))
-    per_gpu = _ceil_mib(_part_in_use(plan, "device") // max(len(gpus), 1)) if gpus else 0
+    gpus = plan.gpus
+    per_gpu = _ceil_mib(plan.bytes.device.in_use() // max(len(gpus), 1)) if gpus else 0
     out: Obj = {
         "engineArgs": True,
         "memoryLimitBytes": memory_limit_bytes(plan, pods),
@@ -205,7 +201,7 @@ TMP_VOLUME: Obj = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 TMP_MOUNT: Obj = {"name": "tmp", "mountPath": "/tmp"}
 
 
-def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[str]:
+def command(engine: Engine, plan: PlanStatus, pods: PodSettings) -> list[str]:
     cmd = [
         "continuum",
         "engine",
@@ -232,10 +228,10 @@ def command(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> list[
         "--restart-window",
         f"{pods.restart_window_seconds:g}",
     ]
-    return [*cmd, "--", *[str(a) for a in plan.get("engineArgs", [])]]
+    return [*cmd, "--", *plan.engine_args]
 
 
-def engine_cpus(plan: Mapping[str, Any], pods: PodSettings) -> int:
+def engine_cpus(plan: PlanStatus, pods: PodSettings) -> int:
     """Whole CPUs of the engine's pod (request = limit), and llama-server's threads.
 
     A layer kept on the host runs on the CPU; a layer on the device on the GPU, driven by a
@@ -244,8 +240,7 @@ def engine_cpus(plan: Mapping[str, Any], pods: PodSettings) -> int:
     cpu_min + ceil((top - cpu_min) * host_layers / layers). Whole CPUs keep the pod eligible
     for exclusive cores under the kubelet's static CPU manager.
     """
-    total = int(plan.get("totalLayers") or 0)
-    on_device = int(plan.get("layersOnDevice") or 0)
+    total, on_device = plan.total_layers, plan.layers_on_device
     host_layers = max(0, total - on_device)
     if pods.node_cpus is None or total <= 0:
         return pods.cpu_min
@@ -260,9 +255,7 @@ GPU_CLAIM = "gpus"
 DRA_API_VERSION = "resource.k8s.io/v1"
 
 
-def gpu_claim_template(
-    engine: Engine, uid: str, plan: Mapping[str, Any], pods: PodSettings
-) -> Obj | None:
+def gpu_claim_template(engine: Engine, uid: str, plan: PlanStatus, pods: PodSettings) -> Obj | None:
     """The ResourceClaimTemplate of the GPUs the plan charged (`device/N`), with DRA only.
 
     The claim selects devices of `pods.dra_device_class` whose `uuid` attribute is the UUID
@@ -277,7 +270,7 @@ def gpu_claim_template(
     run on a GPU no lease charges. The name carries the indices: a template's spec cannot
     change, a plan on other GPUs is another template.
     """
-    gpus = [int(g) for g in plan.get("gpus", [])]
+    gpus = plan.gpus
     if pods.gpu_claims is not GpuClaims.DRA or not gpus:
         return None
     domain = pods.dra_driver
@@ -320,16 +313,16 @@ def gpu_claim_template(
     }
 
 
-def launch_hash(engine: Engine, plan: Mapping[str, Any], pods: PodSettings) -> str:
+def launch_hash(engine: Engine, plan: PlanStatus, pods: PodSettings) -> str:
     """Identity of one launch: a new value means the pod must be replaced (a relaunch)."""
-    key: dict[str, Any] = {"cmd": command(engine, plan, pods), "node": plan.get("node")}
+    key: dict[str, object] = {"cmd": command(engine, plan, pods), "node": plan.node}
     if pods.gpu_claims is GpuClaims.DRA:
-        key["gpus"] = list(plan.get("gpus", []))  # another claim: another pod
+        key["gpus"] = list(plan.gpus)  # another claim: another pod
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def deployment(
-    engine: Engine, uid: str, plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bool
+    engine: Engine, uid: str, plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool
 ) -> Obj:
     resources, env, claim = _engine_resources(engine, uid, plan, pods, node_has_gpus=node_has_gpus)
     container = _engine_container(engine, plan, pods, resources, env)
@@ -374,11 +367,11 @@ def deployment(
 
 
 def _engine_resources(
-    engine: Engine, uid: str, plan: Mapping[str, Any], pods: PodSettings, *, node_has_gpus: bool
+    engine: Engine, uid: str, plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool
 ) -> tuple[dict[str, str], list[Obj], Obj | None]:
     """The engine container's resources and environment, and the ResourceClaimTemplate its
     GPUs come from where they come from DRA."""
-    gpus = len(plan.get("gpus", [])) if node_has_gpus else 0
+    gpus = len(plan.gpus) if node_has_gpus else 0
     memory = str(memory_limit_bytes(plan, pods))
     resources: dict[str, str] = {"cpu": str(engine_cpus(plan, pods)), "memory": memory}
     # The runtime names its launch in status.runtime, so the operator reads only the report
@@ -407,7 +400,7 @@ def _engine_resources(
 
 def _engine_container(
     engine: Engine,
-    plan: Mapping[str, Any],
+    plan: PlanStatus,
     pods: PodSettings,
     resources: dict[str, str],
     env: list[Obj],
@@ -436,9 +429,7 @@ def _engine_container(
     return container
 
 
-def _engine_pod_spec(
-    engine: Engine, plan: Mapping[str, Any], pods: PodSettings, container: Obj
-) -> Obj:
+def _engine_pod_spec(engine: Engine, plan: PlanStatus, pods: PodSettings, container: Obj) -> Obj:
     """The engine's pod, pinned to the plan's node (its volumes and claims are added after)."""
     return {
         "priorityClassName": pods.engine_priority_class,
@@ -450,7 +441,7 @@ def _engine_pod_spec(
                     "nodeSelectorTerms": [
                         {
                             "matchFields": [
-                                {"key": "metadata.name", "operator": "In", "values": [plan["node"]]}
+                                {"key": "metadata.name", "operator": "In", "values": [plan.node]}
                             ]
                         }
                     ]

@@ -8,7 +8,6 @@ on GPUs gets them from the device plugin or its DRA claim, anything else sees no
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from continuum_operator.kube.base.settings import GpuSharing, PodSettings
 
@@ -37,7 +36,7 @@ def lane_gpu_env(gpus: Sequence[int]) -> list[dict[str, str]]:
     return [{"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(str(g) for g in gpus)}]
 
 
-def runtime_class(pods: PodSettings) -> dict[str, Any]:
+def runtime_class(pods: PodSettings) -> dict[str, str]:
     """`runtimeClassName` of an engine's or lane's pod, where one is configured
     (`--runtime-class`): the device plugin's default `envvar` strategy names the GPUs in
     NVIDIA_VISIBLE_DEVICES only, which nothing but NVIDIA's runtime acts on."""

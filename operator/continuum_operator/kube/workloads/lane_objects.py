@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from continuum_operator.core.embed import LaneSizer
@@ -32,7 +32,7 @@ from continuum_operator.kube.workloads import engine_identity
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.gpu_env import lane_gpu_env, runtime_class
 from continuum_operator.model.base import API_VERSION
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine, ModelFacts, ModelRef
 
 __all__ = [
@@ -85,17 +85,17 @@ def _model(lane: EmbedLane, engine: Engine | None) -> ModelRef | None:
 
 def why_no_pod(
     lane: EmbedLane,
-    placement: Mapping[str, Any],
+    placement: EmbedLanePlacement | None,
     engine: Engine | None,
     pods: PodSettings | None = None,
 ) -> str | None:
     """Why the lane gets no pod (None: it gets one); with `pods`, a hostPath model outside
     the allowed directories is one reason (`objects.host_path_refusal`)."""
-    if placement.get("verdict") != "Fits":
+    if placement is None or placement.verdict != "Fits":
         return "the lane is not placed"
-    if placement.get("residence") != "host":
+    if placement.residence != "host":
         return (
-            f"a lane residing on the {placement.get('residence')} needs a share of the engine's "
+            f"a lane residing on the {placement.residence} needs a share of the engine's "
             "GPU (HAMi or MPS); its pod is not created yet: run `continuum embed --lane` there"
         )
     model = _model(lane, engine)
@@ -191,7 +191,7 @@ def _weights(facts: ModelFacts | None) -> int:
 def lane_deployment(
     lane: EmbedLane,
     uid: str,
-    placement: Mapping[str, Any],
+    placement: EmbedLanePlacement,
     engine: Engine | None,
     pods: PodSettings,
     facts: ModelFacts | None = None,
@@ -207,9 +207,9 @@ def lane_deployment(
     memory = str(_memory_bytes(lane, placement, facts or model.facts))
     ns, name = lane.metadata.namespace, lane.metadata.name
     command = _command(lane, model, volume, pods)
-    node = str(placement["node"])
-    gpus = [int(g) for g in placement.get("gpus") or []]
-    key: dict[str, Any] = {"cmd": command, "node": node, "memory": memory}
+    node = placement.node
+    gpus = list(placement.gpus)
+    key: dict[str, object] = {"cmd": command, "node": node, "memory": memory}
     if gpus:  # the engine's GPUs it sees (a lane on the host keeps its launch)
         key["gpus"] = gpus
     launch = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -259,8 +259,8 @@ def _model_and_volume(
     return model, volume
 
 
-def _memory_bytes(lane: EmbedLane, placement: Mapping[str, Any], facts: ModelFacts | None) -> int:
-    leased = sum(int(p.get("bytes") or 0) for p in placement.get("pools") or [])
+def _memory_bytes(lane: EmbedLane, placement: EmbedLanePlacement, facts: ModelFacts | None) -> int:
+    leased = sum(p.bytes for p in placement.pools)
     # A lane with a model of its own has its weights in its lease already; one beside an
     # engine maps the engine's file, whose pages still count against this pod.
     weights = _weights(facts)
@@ -271,7 +271,7 @@ def _memory_bytes(lane: EmbedLane, placement: Mapping[str, Any], facts: ModelFac
     # lease but not the pod, which a changed limit would relaunch just after it started (seen
     # on the real node: a lane's first pod replaced 2 s after start, 60 KB smaller). A receipt
     # above the estimate still grows the pod.
-    tokens = int(placement.get("contextTokens") or 0)
+    tokens = placement.context_tokens
     if facts is not None and tokens > 0:
         host = max(host, LaneSizer(facts).estimate(tokens).total + weights)
     return host + RUNTIME_OVERHEAD_BYTES

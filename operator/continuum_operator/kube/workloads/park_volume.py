@@ -3,8 +3,6 @@ the runtime's arguments that name it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from continuum_operator.model.engine import Engine, ParkTier
 
 __all__ = ["PARK_DIR", "park_args", "park_volume"]
@@ -23,13 +21,13 @@ def park_args(engine: Engine) -> list[str]:
     return ["--park-dir", PARK_DIR, "--park-budget", str(park.bytes)]
 
 
-def park_volume(engine: Engine) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def park_volume(engine: Engine) -> tuple[dict[str, object], dict[str, str]] | None:
     """The park store's volume and mount: an emptyDir of spec.park.bytes, in memory (tier host,
     counted in the pod's memory limit as the plan counts it) or on the node's disk."""
     park = engine.spec.park
     if park is None:
         return None
-    empty: dict[str, Any] = {"sizeLimit": f"{-(-park.bytes // MiB)}Mi"}
+    empty = {"sizeLimit": f"{-(-park.bytes // MiB)}Mi"}
     if park.tier is ParkTier.HOST:
         empty["medium"] = "Memory"
     return {"name": "park", "emptyDir": empty}, {"name": "park", "mountPath": PARK_DIR}

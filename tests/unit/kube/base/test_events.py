@@ -23,7 +23,7 @@ from continuum_operator.model.base import API_VERSION
 from tests.support.fakes import FakeKubeApi
 
 NOW = 1_800_000_000.0
-STAMP = "2027-01-15T08:00:00Z"  # NOW as `format_time` writes it
+STAMP = "2027-01-15T08:00:00Z"  # NOW as `format_seconds` writes it
 
 
 def meta(name: str = "coder") -> dict[str, Any]:

@@ -9,11 +9,12 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE, lease_name
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.base.metrics import OperatorMetrics
 from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.engines.loop import Loop
-from continuum_operator.kube.state.cache import Cache, format_time
+from continuum_operator.kube.state.cache import Cache
 from tests.support import builders
 
 NOW = 1_800_000_000.0
@@ -40,7 +41,7 @@ def _lease(cache: Cache, node: str, renewed: float, seconds: int = 40) -> None:
     cache.observe_lease(
         {
             "metadata": {"name": lease_name(node), "namespace": LEASE_NAMESPACE},
-            "spec": {"renewTime": format_time(renewed), "leaseDurationSeconds": seconds},
+            "spec": {"renewTime": format_seconds(renewed), "leaseDurationSeconds": seconds},
         },
         deleted=False,
     )

@@ -17,7 +17,7 @@ from continuum_operator.kube.engines.reconcile import facts_disagreements, recon
 from continuum_operator.kube.process.run import settings_from
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads import facts_job, lane_objects
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine, ModelFacts
 from tests.support.reconcile import (
     NOW,
@@ -119,7 +119,9 @@ def test_a_lane_with_a_host_path_outside_the_allowed_directories_gets_no_pod() -
             },
         }
     )  # fmt: skip
-    placement = {"verdict": "Fits", "residence": "host", "node": "a"}
+    placement = EmbedLanePlacement.model_validate(
+        {"verdict": "Fits", "residence": "host", "node": "a"}
+    )
     why = lane_objects.why_no_pod(lane, placement, None, PodSettings())
     assert why is not None and "hostPath /etc/shadow is not under" in why
     allowed = PodSettings(allowed_host_path_prefixes=("/etc",))
@@ -161,7 +163,9 @@ def test_engine_facts_and_lane_pods_meet_the_restricted_profile() -> None:
             "spec": {"maxContextTokens": 512, "engine": "coder"},
         }
     )
-    placement = {"verdict": "Fits", "residence": "host", "node": "a", "pools": []}
+    placement = EmbedLanePlacement.model_validate(
+        {"verdict": "Fits", "residence": "host", "node": "a", "pools": []}
+    )
     lane_pod = lane_objects.lane_deployment(lane, "u", placement, engine, PodSettings())
     _restricted(lane_pod["spec"]["template"]["spec"])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ def facts_api(log: str | None, pods: int = 1) -> FakeKubeApi:
     return api
 
 
-def read_job(api: FakeKubeApi, key: EngineKey) -> tuple[dict[str, Any] | None, str | None]:
+def read_job(api: FakeKubeApi, key: EngineKey) -> tuple[Mapping[str, object] | None, str | None]:
     fake: Any = api.aio
     real: AsyncKubeApi = fake
     return asyncio.run(read_job_facts(real, key, JOB, 1_800_000_000.0))

@@ -11,6 +11,7 @@ import numpy as np
 from continuum_operator.core.plan import ReasonCode, SizeTable, plan
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.model.plan_status import PlanStatus
 from tests.support.builders import GiB, board, board_body, engine, engine_body
 
 PARK = 3 * GiB
@@ -79,10 +80,10 @@ def test_the_prefilters_arrays_hold_the_park_as_the_plan_does() -> None:
 
 
 def test_the_engine_pod_mounts_its_park_store_and_counts_a_host_one_in_its_memory() -> None:
-    def pod(**spec: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    def pod(**spec: object) -> tuple[dict[str, Any], PlanStatus]:
         e = engine(engine_body(**spec))
         assert e.spec.model.facts is not None
-        p = plan(board(discrete()), e.spec, e.spec.model.facts).to_dict()
+        p = PlanStatus.model_validate(plan(board(discrete()), e.spec, e.spec.model.facts).to_dict())
         d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
         return d["spec"]["template"]["spec"], p
 

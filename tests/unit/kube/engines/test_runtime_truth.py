@@ -44,7 +44,9 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads import facts_job
 from continuum_operator.kube.workloads.lane_objects import whole_cpus
 from continuum_operator.model.engine import Engine
-from tests.support.builders import GiB, engine, engine_body
+from continuum_operator.model.plan_status import PlanStatus
+from tests.support import builders
+from tests.support.builders import engine, engine_body
 from tests.support.engine_runtime import fake_server
 from tests.support.reconcile import (
     NOW,
@@ -457,10 +459,14 @@ def test_runtime_restarts_count_as_crashed_relaunches_once_each() -> None:
 # --- CPUs from the plan ------------------------------------------------------------------------
 
 
-def _plan(on_device: int, total: int = 33) -> dict[str, Any]:
-    return {"layersOnDevice": on_device, "totalLayers": total, "node": "a", "gpus": [0],
-            "engineArgs": ["--n-gpu-layers", str(on_device)],
-            "bytes": {"host": {"weights": GiB}}}  # fmt: skip
+def _plan(on_device: int, total: int = 33) -> PlanStatus:
+    return builders.plan_on_a_gpu(
+        layers_on_device=on_device,
+        total_layers=total,
+        node="a",
+        gpus=(0,),
+        engine_args=("--n-gpu-layers", str(on_device)),
+    )
 
 
 @pytest.mark.parametrize(
@@ -533,7 +539,7 @@ def test_with_dra_the_pod_claims_the_planned_gpus_by_uuid_instead_of_a_count() -
     from continuum_operator.kube.base.settings import GpuClaims
 
     e = Engine.model_validate(engine_obj())
-    plan_doc = {**_plan(33), "gpus": [1, 3]}
+    plan_doc = _plan(33).model_copy(update={"gpus": (1, 3)})
     uuids = tuple((i, f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd") for i in range(4))
     dra = PodSettings(gpu_claims=GpuClaims.DRA, node_gpu_uuids=uuids)
     template = objects.gpu_claim_template(e, "uid", plan_doc, dra)
@@ -558,7 +564,7 @@ def test_with_dra_the_pod_claims_the_planned_gpus_by_uuid_instead_of_a_count() -
     resources = pod["containers"][0]["resources"]
     assert "nvidia.com/gpu" not in resources["limits"] and resources["claims"] == [{"name": "gpus"}]
     # Other GPUs: another pod. With the device plugin, nothing of this.
-    moved = objects.launch_hash(e, {**plan_doc, "gpus": [0, 3]}, dra)
+    moved = objects.launch_hash(e, plan_doc.model_copy(update={"gpus": (0, 3)}), dra)
     assert moved != objects.launch_hash(e, plan_doc, dra)
     plugin = PodSettings()
     assert objects.gpu_claim_template(e, "uid", plan_doc, plugin) is None
@@ -566,4 +572,5 @@ def test_with_dra_the_pod_claims_the_planned_gpus_by_uuid_instead_of_a_count() -
     assert "resourceClaims" not in dep["spec"]["template"]["spec"]
     limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "2"
-    assert objects.gpu_claim_template(e, "uid", {**plan_doc, "gpus": []}, dra) is None
+    no_gpus = plan_doc.model_copy(update={"gpus": ()})
+    assert objects.gpu_claim_template(e, "uid", no_gpus, dra) is None

@@ -39,8 +39,9 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.embedlane import EmbedLaneStatus
 from continuum_operator.model.engine import EngineStatus
 from continuum_operator.model.grant_ledger import GrantLedgerStatus
+from continuum_operator.model.plan_status import PlanBytes, PlanPart
 from continuum_operator.model.runtime import EngineRuntimeStatus, LaneRuntimeStatus
-from tests.support import fake_llama
+from tests.support import builders, fake_llama
 from tests.support.builders import ROOT
 from tests.support.embed import WordModel
 from tests.support.lanes import host_lane, lane_obj, placed_engine, with_objects
@@ -152,10 +153,14 @@ def test_the_runtime_model_names_every_key_the_writer_writes(tmp_path: Path) -> 
 @pytest.mark.parametrize("sharing", list(GpuSharing))
 @pytest.mark.parametrize("gpus", [[], [0], [0, 1]])
 def test_the_enforcement_is_kept_whole(sharing: GpuSharing, gpus: list[int]) -> None:
-    plan = {
-        "gpus": gpus,
-        "bytes": {"device": {"weights": 2**30, "kv": 2**29}, "host": {"weights": 2**28}},
-    }
+    part = PlanPart(weights=0, kv=0, compute=0, reserve=0, park=0, total=0)
+    plan = builders.plan_on_a_gpu(
+        gpus=tuple(gpus),
+        bytes=PlanBytes(
+            device=part.model_copy(update={"weights": 2**30, "kv": 2**29}),
+            host=part.model_copy(update={"weights": 2**28}),
+        ),
+    )
     doc = objects.enforcement(plan, PodSettings(gpu_sharing=sharing), node_has_gpus=bool(gpus))
     strictly(EngineStatus, {"enforcement": doc})
     kept_whole("engines", {"enforcement": doc})

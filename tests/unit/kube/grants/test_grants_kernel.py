@@ -15,6 +15,7 @@ from typing import Any
 from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.grants.write_queue import FINALIZER_WRITE, PROJECTION_WRITE, MindWriter
+from continuum_operator.model.json_body import object_at
 from tests.support.builders import stored_ledger
 from tests.support.grants_world import BASE, World, engine, mind, quota
 from tests.support.waiting import until
@@ -134,7 +135,8 @@ def test_a_ledger_of_an_engine_this_operator_does_not_serve_wakes_no_pass(
     assert ("team-b", "theirs") in w.engines.ledgers  # kept, should its Engine come to this one
     mine = w.engines.ledgers[("team-a", "coder")]
     w.engines.observe_ledger(
-        {**mine, "metadata": {**mine["metadata"], "resourceVersion": "99999"}}, deleted=False
+        {**mine, "metadata": {**object_at(mine, "metadata"), "resourceVersion": "99999"}},
+        deleted=False,
     )
     assert queue.changed.is_set()
 

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from continuum_operator.core.grants import MindDemand
+from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.grants.quota_use import QuotaUse, quota_status
 from continuum_operator.kube.ledger import routing
-from continuum_operator.kube.state.cache import Cache, format_time
+from continuum_operator.kube.state.cache import Cache
 from tests.support.builders import stored_ledger
 from tests.support.grants_world import BASE, World, engine, mind, quota
 
@@ -263,7 +264,7 @@ def test_a_quota_condition_without_a_transition_time_gets_one() -> None:
     use = QuotaUse(routing.quota_limits([quota]), {})
     new = quota_status(quota, use, 1_800_000_000.0)
     assert new is not None
-    assert new["conditions"][0]["lastTransitionTime"] == format_time(1_800_000_000.0)
+    assert new["conditions"][0]["lastTransitionTime"] == format_seconds(1_800_000_000.0)
 
 
 def another_operators_engine(w: World, ns: str, entry: dict[str, Any]) -> None:

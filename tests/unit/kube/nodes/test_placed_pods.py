@@ -8,7 +8,12 @@ import asyncio
 from typing import Any
 
 from continuum_operator.kube.client.async_api import LIST_PAGE
-from continuum_operator.kube.nodes.placed_pods import CONSUMER_LABELS, PlacedPods, placed_by_node
+from continuum_operator.kube.nodes.placed_pods import (
+    CONSUMER_LABELS,
+    PlacedPods,
+    PodSeen,
+    placed_by_node,
+)
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.board import NodeBoardSpec
 from tests.support.fakes import FakeKubeApi
@@ -27,7 +32,7 @@ def test_each_node_gets_its_engine_and_lane_pods_by_uid_and_nothing_else() -> No
         (ENGINE, "Engine", pod("team-a", "u5", "gpu-1", {ENGINE: "old"}, "Succeeded")),
         (ENGINE, "Engine", pod("team-a", "u6", "gpu-1", {})),  # the label's value names it
     ]
-    by_node = placed_by_node(pods)
+    by_node = placed_by_node((label, kind, PodSeen.of(p)) for label, kind, p in pods)
     assert by_node == {
         "gpu-1": [
             {"uid": "u1", "kind": "Engine", "namespace": "team-a", "name": "coder"},
@@ -102,8 +107,7 @@ def test_pods_are_listed_a_page_at_a_time_and_kept_only_as_far_as_placement_read
     assert [q.get("continue", "") for q in asked] == ["", str(LIST_PAGE)]
     assert all(q["limit"] == str(LIST_PAGE) and q["labelSelector"] == ENGINE for q in asked)
     kept = [p for _, _, p in publisher.pods.values()]
-    assert sorted(p["metadata"]["uid"] for p in kept) == [f"u{i:03d}" for i in range(n)]
-    assert all("containers" not in p["spec"] and "name" not in p["metadata"] for p in kept)
+    assert sorted(p.uid for p in kept) == [f"u{i:03d}" for i in range(n)]
     assert sum(len(v) for v in placed_by_node(publisher.pods.values()).values()) == n
 
 

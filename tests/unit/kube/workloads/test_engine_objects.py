@@ -12,12 +12,13 @@ from continuum_operator.kube.workloads import engine_identity
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.engine import Engine
+from continuum_operator.model.plan_status import PlanStatus
 from tests.support.builders import GiB, MiB, board, board_body, engine, engine_body
 
 SHA = "ab" * 32
 
 
-def planned(**spec: Any) -> tuple[Engine, dict[str, Any]]:
+def planned(**spec: Any) -> tuple[Engine, PlanStatus]:
     e = engine(engine_body(**spec))
     b = board(
         board_body(
@@ -30,7 +31,7 @@ def planned(**spec: Any) -> tuple[Engine, dict[str, Any]]:
         )
     )
     assert e.spec.model.facts is not None
-    return e, plan(b, e.spec, e.spec.model.facts).to_dict()
+    return e, PlanStatus.model_validate(plan(b, e.spec, e.spec.model.facts).to_dict())
 
 
 def container(d: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def test_the_deployment_recreates_and_runs_the_plans_arguments_on_the_placed_nod
     assert d["spec"]["replicas"] == 1
     cmd = container(d)["command"]
     assert cmd[:4] == ["continuum", "engine", "--engine", "ns/eng"]
-    assert cmd[cmd.index("--") + 1 :] == p["engineArgs"]
+    assert cmd[cmd.index("--") + 1 :] == list(p.engine_args)
     terms = d["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]["nodeSelectorTerms"]
@@ -60,8 +61,8 @@ def test_requests_equal_limits_sized_from_the_plans_host_bytes() -> None:
     pods = PodSettings(memory_overhead_bytes=256 * MiB)
     r = container(objects.deployment(e, "u", p, pods, node_has_gpus=True))["resources"]
     assert r["requests"] == r["limits"]  # Guaranteed QoS
-    host = p["bytes"]["host"]
-    in_use = host["weights"] + host["kv"] + host["compute"]
+    host = p.bytes.host
+    in_use = host.weights + host.kv + host.compute
     assert int(r["limits"]["memory"]) >= in_use + 256 * MiB
     assert int(r["limits"]["memory"]) - (in_use + 256 * MiB) < MiB
     assert r["limits"]["nvidia.com/gpu"] == "1"
@@ -81,7 +82,7 @@ def test_an_engine_planned_with_nothing_on_a_gpu_sees_none() -> None:
     """A CUDA build of llama.cpp that can see a GPU holds a context and a graph there even at
     --n-gpu-layers 0 (562 MiB on an H200, tests/fixtures/h200): the pod hides the GPUs."""
     e, p = planned(offload="none")
-    assert p["layersOnDevice"] == 0 and p["gpus"] == []
+    assert p.layers_on_device == 0 and p.gpus == ()
     d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
     assert "nvidia.com/gpu" not in container(d)["resources"]["limits"]
     env = env_of(d)
@@ -95,15 +96,15 @@ def test_several_gpus_are_requested_when_the_plan_splits_the_model() -> None:
     e, p = planned(placement={"gpus": 2})
     r = container(objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True))["resources"]
     assert r["limits"]["nvidia.com/gpu"] == "2"
-    assert "--tensor-split" in p["engineArgs"]
+    assert "--tensor-split" in p.engine_args
 
 
 def test_hami_caps_each_gpu_at_the_plans_device_bytes() -> None:
     e, p = planned(placement={"gpus": 2})
     pods = PodSettings(gpu_sharing=GpuSharing.HAMI)
     r = container(objects.deployment(e, "u", p, pods, node_has_gpus=True))["resources"]
-    device = p["bytes"]["device"]
-    per_gpu_mib = -(-(device["weights"] + device["kv"] + device["compute"]) // 2 // MiB)
+    device = p.bytes.device
+    per_gpu_mib = -(-(device.weights + device.kv + device.compute) // 2 // MiB)
     assert r["limits"]["nvidia.com/gpumem"] == str(per_gpu_mib)
     rules = objects.enforcement(p, pods, node_has_gpus=True)
     assert rules["gpuSharing"] == "hami" and rules["hamiGpumemMiB"] == per_gpu_mib
@@ -158,9 +159,9 @@ def test_the_model_source_becomes_a_read_only_volume_and_its_digest_is_passed(
 def test_the_launch_changes_with_the_arguments_and_only_with_them() -> None:
     e, p = planned()
     pods = PodSettings()
-    same = objects.launch_hash(e, dict(p), pods)
+    same = objects.launch_hash(e, p.model_copy(), pods)
     assert objects.launch_hash(e, p, pods) == same
-    moved = {**p, "engineArgs": [*p["engineArgs"][:-1], "off"]}
+    moved = p.model_copy(update={"engine_args": (*p.engine_args[:-1], "off")})
     assert objects.launch_hash(e, moved, pods) != same
     d = objects.deployment(e, "u", p, pods, node_has_gpus=True)
     template = d["spec"]["template"]["metadata"]["annotations"]

@@ -18,16 +18,16 @@ from continuum_operator.kube.engines.engine_pass import Memory
 from continuum_operator.kube.engines.reconcile import reconcile
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads import lane_objects
-from continuum_operator.model.embedlane import EmbedLane
+from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
 from tests.support.builders import ROOT
 from tests.support.helm import documents, find_helm, one, template
 from tests.support.reconcile import NOW, SETTINGS, after, discrete, engine_obj, snapshot
 
-PLACEMENT = {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
+PLACEMENT = EmbedLanePlacement(node="n", verdict="Fits", residence="host")
 
 
-def lane_pod(pods: PodSettings, placement: dict[str, Any] = PLACEMENT) -> dict[str, Any]:
+def lane_pod(pods: PodSettings, placement: EmbedLanePlacement = PLACEMENT) -> dict[str, Any]:
     engine, _ = builders.engine_planned_on_a_gpu()
     lane = EmbedLane.model_validate(
         yaml.safe_load((ROOT / "examples" / "embedlanes" / "notes.yaml").read_text())
@@ -49,15 +49,15 @@ def test_a_lane_on_the_host_sees_no_gpu_whatever_its_image_says() -> None:
     seen = env(container)
     assert (seen["NVIDIA_VISIBLE_DEVICES"], seen["CUDA_VISIBLE_DEVICES"]) == ("void", "")
     # A lane placed on its engine's GPU (residence device) sees that GPU, and only it.
-    beside = {**PLACEMENT, "residence": "device", "gpus": [1]}
+    beside = PLACEMENT.model_copy(update={"residence": "device", "gpus": [1]})
     [container] = lane_pod(PodSettings(), beside)["containers"]
     assert env(container) == {"NVIDIA_VISIBLE_DEVICES": "1"}
 
 
 def test_engine_and_lane_pods_run_with_the_configured_runtime_class_and_none_by_default() -> None:
     engine, plan_doc = builders.engine_planned_on_a_gpu()
-    assert plan_doc["gpus"] == [0]
-    on_cpu = {**plan_doc, "gpus": [], "layersOnDevice": 0}
+    assert plan_doc.gpus == (0,)
+    on_cpu = plan_doc.model_copy(update={"gpus": (), "layers_on_device": 0})
     for pods, expected in ((PodSettings(), None), (PodSettings(runtime_class="nvidia"), "nvidia")):
         for p in (plan_doc, on_cpu):
             dep = objects.deployment(engine, "u", p, pods, node_has_gpus=True)
