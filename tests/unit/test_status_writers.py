@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -202,7 +202,7 @@ def test_the_ledgers_write_is_kept_whole() -> None:
     }
     policy = PriorityPolicy(grace_seconds=30.0)
     minds = [mind("a")]
-    written = []
+    written: list[dict[str, Any]] = []
     for t, change in enumerate(["first", "preempt", "drain", "crowd"]):
         if change == "preempt":
             minds.append(mind("boss", "high", 1))
@@ -213,9 +213,10 @@ def test_the_ledgers_write_is_kept_whole() -> None:
             minds += [mind(f"m{i}", second=2 + i) for i in range(ledger.QUEUE_KEPT + 4)]
         wanted = routing.demands_of(minds, classes, default or "low")
         s = ledger.step(body, wanted, 100.0 + t, policy)
-        doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t, "uid-1")
-        written.append(doc["status"])
-        body = {**body, "status": {**body["status"], **doc["status"]}}
+        doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t, "uid-1", "1")
+        status = cast(dict[str, Any], doc["status"])
+        written.append(status)
+        body = {**body, "status": {**body["status"], **status}}
     step = [w[ledger.STEP_FIELD] for w in written]
     lines = [x for s in step for x in s["lines"]]
     assert {x["event"] for x in lines} == {"capacity", "transition"}

@@ -17,6 +17,7 @@ from continuum_operator.core.grants import MindDemand
 from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.grants.loop import GrantsLoop
 from continuum_operator.kube.grants.quota_use import QuotaUse, quota_status
+from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import Cache, format_time
 from continuum_operator.kube.state.mind_cache import MindCache
@@ -270,7 +271,7 @@ def test_quota_limits_and_tokens_held_read_from_the_objects() -> None:
         {"mind": "a/o", "state": "Queued", "tokens": 0},
         {"mind": "b/p", "state": "Granted", "tokens": 9},
     ]
-    assert routing.tokens_held(entries) == {"a": 150, "b": 9}
+    assert routing.tokens_held(ledger.read_entries(entries)) == {"a": 150, "b": 9}
 
 
 def test_demands_carry_the_class_token_limit() -> None:
@@ -320,7 +321,9 @@ def test_passes_over_several_engines_never_take_a_namespace_past_its_quota(
         held: dict[str, int] = {}
         for name in ("one", "two", "three"):
             status = stored_ledger(w.api.objects, "shared", name)
-            for ns, tokens in routing.tokens_held(status.get("grants")).items():
+            for ns, tokens in routing.tokens_held(
+                ledger.read_entries(status.get("grants"))
+            ).items():
                 held[ns] = held.get(ns, 0) + tokens
         for ns, limit in quotas.items():
             assert held.get(ns, 0) <= limit, (ns, held, quotas)
@@ -338,7 +341,7 @@ def test_a_quota_condition_without_a_transition_time_gets_one() -> None:
     }
     use = QuotaUse(routing.quota_limits([quota]), {})
     new = quota_status(quota, use, 1_800_000_000.0)
-    assert new is not None
+    assert new is not None and isinstance(new["conditions"], list)
     assert new["conditions"][0]["lastTransitionTime"] == format_time(1_800_000_000.0)
 
 

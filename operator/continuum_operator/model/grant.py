@@ -110,7 +110,7 @@ class GrantEntry(Spec):
 
     @field_validator("deadline", mode="before")
     @classmethod
-    def _rfc3339_deadline(cls, value: Any) -> Any:
+    def _rfc3339_deadline(cls, value: object) -> object:
         """A grant table file may give the deadline as RFC 3339 (docs/gateway.md); a time
         without an offset is UTC."""
         if not isinstance(value, str):
@@ -146,13 +146,18 @@ class GrantEntry(Spec):
             protection_window=self.protection_window,
         )
 
+    def wire(self) -> dict[str, object]:
+        """The entry as the GrantLedger stores it: wire names, no nulls (an absent field is
+        None when read), in the fields' order."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
 
 @dataclass(frozen=True, slots=True)
 class Unread:
     """An entry `parse_entries` could not read: its place in the list and why, by field."""
 
     index: int
-    entry: Any
+    entry: object
     why: str
     fields: tuple[str, ...]  # the wire names at fault; () when the entry itself is
 
@@ -162,7 +167,7 @@ class Unread:
 _ENTRIES = TypeAdapter(list[GrantEntry])
 
 
-def parse_entries(raw: Iterable[Any] | None) -> tuple[list[GrantEntry], list[Unread]]:
+def parse_entries(raw: Iterable[object] | None) -> tuple[list[GrantEntry], list[Unread]]:
     """Typed entries from `status.grants` (or a grant table file's `grants`), and the entries
     that could not be read, in their order. What to do with those is the reader's policy."""
     items = list(raw or ())
@@ -180,7 +185,7 @@ def parse_entries(raw: Iterable[Any] | None) -> tuple[list[GrantEntry], list[Unr
     return entries, unread
 
 
-def _unread(index: int, item: Any, err: ValidationError) -> Unread:
+def _unread(index: int, item: object, err: ValidationError) -> Unread:
     errors = err.errors(include_url=False, include_context=False)
     fields = tuple(dict.fromkeys(str(e["loc"][0]) for e in errors if e["loc"]))
     why = "; ".join(
@@ -220,10 +225,10 @@ def grant_entries(
     grants: Mapping[str, Grant],
     demands: Mapping[str, MindDemand],
     asked: Mapping[str, int] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[GrantEntry]:
     """`status.grants` from the allocator's ledger: holders by slot, then the queue in order.
-    Plain dicts, built directly (a step writes every entry): each key is a `GrantEntry` field's
-    wire name."""
+    Built without validation (a step writes every entry, and each field comes from a typed
+    `Grant`); `GrantEntry.wire` gives each as the GrantLedger stores it."""
     asked = asked or {}
 
     def rank(g: Grant) -> tuple[int, float, str]:
@@ -238,33 +243,28 @@ def grant_entries(
             rank(g),
         ),
     )
-    out: list[dict[str, Any]] = []
+    out: list[GrantEntry] = []
     position = 0
     for g in ordered:
-        e: dict[str, Any] = {
-            "mind": g.mind,
-            "state": g.state.value,
-            "reason": g.reason.value,
-            "since": iso_micro(g.since),
-            "sinceUnix": g.since,
-            "tokens": g.tokens,
-            "priority": g.priority,
-            "protectionWindow": g.protection_window,
-        }
-        if g.slot is not None:
-            e["slot"] = g.slot
-        if g.by is not None:
-            e["by"] = g.by
-        if g.deadline is not None:
-            e["deadline"] = g.deadline
-        if g.granted_at is not None:
-            e["grantedAt"] = g.granted_at
-        if g.reclaimed_at is not None:
-            e["reclaimedAt"] = g.reclaimed_at
         if g.state is GrantState.QUEUED:
             position += 1
-            e["position"] = position
-        if g.reason in REFUSALS and g.mind in asked:
-            e["askedTokens"] = asked[g.mind]
-        out.append(e)
+        out.append(
+            GrantEntry.model_construct(
+                mind=g.mind,
+                state=g.state,
+                reason=g.reason,
+                since=iso_micro(g.since),
+                since_unix=g.since,
+                tokens=g.tokens,
+                priority=g.priority,
+                protection_window=g.protection_window,
+                slot=g.slot,
+                by=g.by,
+                deadline=g.deadline,
+                granted_at=g.granted_at,
+                reclaimed_at=g.reclaimed_at,
+                position=position if g.state is GrantState.QUEUED else None,
+                asked_tokens=asked.get(g.mind) if g.reason in REFUSALS else None,
+            )
+        )
     return out
