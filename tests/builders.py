@@ -129,3 +129,9 @@ def engine_planned_on_a_gpu() -> tuple[Engine, dict[str, Any]]:
     )
     assert made.spec.model.facts is not None
     return made, plan(node, made.spec, made.spec.model.facts).to_dict()
+
+
+def tree(value: object) -> Any:
+    """An object the shell built or answered, as a test reads it: every field reachable by
+    index (the product narrows what it reads; a test states the fields it expects)."""
+    return value

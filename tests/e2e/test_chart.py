@@ -27,6 +27,7 @@ import yaml
 
 from continuum_operator import yaml_text
 from continuum_operator.core.heartbeat import lease_name
+from tests.builders import tree
 from tests.e2e.conftest import ROOT, Cluster
 from tests.e2e.llama_fixtures import free_port
 from tests.e2e.test_operator import (
@@ -642,8 +643,10 @@ def test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades(
         deployment = cluster.get_json("deployment", f"{name}-continuum-operator", "-n", ns)
         args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         children = settings_from(build_parser().parse_args(args)).children
-        config = webhook.webhook_configuration(
-            {"url": "https://unused", "caBundle": first["ca.crt"]}, children
+        config = tree(
+            webhook.webhook_configuration(
+                {"url": "https://unused", "caBundle": first["ca.crt"]}, children
+            )
         )
         config["metadata"]["name"] = f"dry-run-{RUN}"
         accepted = yaml.safe_load(cluster.apply(config, "--dry-run=server", "-o", "yaml"))[

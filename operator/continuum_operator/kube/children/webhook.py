@@ -33,10 +33,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from continuum_operator.cli_args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.core import rfc3339
@@ -54,6 +54,7 @@ from continuum_operator.kube.children.membership import (
     mind_of,
     mutate,
 )
+from continuum_operator.kube.client.body import Body, Manifest, at
 from continuum_operator.kube.workloads.engine_objects import MANAGED_BY
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.base import GROUP
@@ -81,8 +82,6 @@ HANDLER_ID = "mind-children"
 UNMUTATED_REASON = "ChildNotMutated"
 INSTALL_ATTEMPTS = 5
 
-Obj = dict[str, Any]
-
 
 MATCH_CONDITION = (
     f"(has(object.metadata.labels) && '{MIND_LABEL}' in object.metadata.labels) || "
@@ -97,7 +96,7 @@ Minds). Pods the controllers make (a Deployment's, a Job's) are created by kube-
 accounts and are sent only when labelled: a mind's runtime labels their templates."""
 
 
-def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSettings) -> Obj:
+def webhook_configuration(client_config: Body, children: ChildrenSettings) -> Manifest:
     """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator,
     and the workloads a service account writes (`child_workloads.workloads_webhook`).
 
@@ -108,8 +107,8 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
     then admitted unmutated (Ignore) and counted when it is back.
     """
 
-    def client(handler_id: str) -> Obj:
-        found: Obj
+    def client(handler_id: str) -> Manifest:
+        found: Manifest
         if children.service is not None:
             namespace, name = children.service
             port = children.service_port if children.service_port is not None else children.port
@@ -169,9 +168,9 @@ class Unmarked:
     live: dict[str, tuple[str, str]] = field(default_factory=dict)
     """uid -> (namespace, name) of each unmarked child now present."""
 
-    def observe(self, pod: Mapping[str, Any], deleted: bool) -> bool:
+    def observe(self, pod: Body, deleted: bool) -> bool:
         """Records one watch event; True the first time an unmarked child is seen."""
-        meta = pod.get("metadata") or {}
+        meta = at(pod, "metadata")
         uid = str(meta.get("uid", ""))
         if deleted or mind_of(pod) is None or is_marked(pod):
             self.live.pop(uid, None)
@@ -185,10 +184,10 @@ class Unmarked:
         return sum(1 for ns, _ in self.live.values() if ns == namespace)
 
 
-def unmutated_event(pod: Mapping[str, Any], pods: PodSettings, instance: str, now: str) -> Obj:
+def unmutated_event(pod: Body, pods: PodSettings, instance: str, now: str) -> Manifest:
     """A Warning on the pod; its name is fixed per pod, so a restarted operator posts no twin."""
-    meta = pod["metadata"]
-    spec = pod.get("spec") or {}
+    meta = at(pod, "metadata")
+    spec = at(pod, "spec")
     message = (
         f"Pod {meta['namespace']}/{meta['name']} of mind {mind_of(pod)} was admitted without "
         f"the children's webhook (no {CLASS_ANNOTATION} mark): it runs at priority "
@@ -205,7 +204,7 @@ def unmutated_event(pod: Mapping[str, Any], pods: PodSettings, instance: str, no
         component=events.COMPONENT,
         instance=instance,
         now=now,
-        name=f"{meta['name'][:200]}.unmutated.{str(meta.get('uid', ''))[:8]}",
+        name=f"{str(meta['name'])[:200]}.unmutated.{str(meta.get('uid', ''))[:8]}",
         message_limit=None,
     )
 
@@ -335,15 +334,15 @@ class _Installing:
 
     def __init__(
         self,
-        server: Any,
-        install: Callable[[Mapping[str, Any]], Awaitable[None]],
+        server: kopf.WebhookServerProtocol,
+        install: Callable[[Body], Awaitable[None]],
         readiness: Readiness,
     ) -> None:
         self.server = server
         self.install = install
         self.readiness = readiness
 
-    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+    async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
         # kopf's server yields once it listens: the replica is ready for the Service's reviews
         # once the API server has the configuration that sends them.
         async for client_config in self.server(fn):
@@ -352,7 +351,7 @@ class _Installing:
             yield client_config
 
 
-def _server(children: ChildrenSettings) -> Any:
+def _server(children: ChildrenSettings) -> kopf.WebhookServer:
     import kopf
 
     class Server(kopf.WebhookServer):
@@ -372,7 +371,7 @@ async def install_webhook(
     api: AsyncKubeApi,
     pods: PodSettings,
     children: ChildrenSettings,
-    client_config: Mapping[str, Any],
+    client_config: Body,
 ) -> None:
     """The children's priority class, then the MutatingWebhookConfiguration pointing at this
     operator (kopf's admission server calls it with its client config)."""
@@ -417,16 +416,16 @@ def register(
     if not children.webhook:
         return
 
-    async def install(client_config: Mapping[str, Any]) -> None:
+    async def install(client_config: Body) -> None:
         await install_webhook(api, pods, children, client_config)
 
     @kopf.on.startup(registry=registry, backoff=2.0)
-    async def minds_listed(**_: Any) -> None:
+    async def minds_listed(**_: object) -> None:
         await list_minds(api, minds)
         readiness.done(MINDS_LISTED)
 
     @kopf.on.startup(registry=registry)
-    def admission(settings: kopf.OperatorSettings, **_: Any) -> None:
+    def admission(settings: kopf.OperatorSettings, **_: object) -> None:
         settings.admission.server = _Installing(_server(children), install, readiness)
         settings.admission.managed = None  # ours: matchConditions and a short timeout
 
@@ -437,8 +436,8 @@ def register(
         patch: kopf.Patch,
         warnings: list[str],
         dryrun: bool,
-        userinfo: Mapping[str, Any] | None = None,
-        **_: Any,
+        userinfo: kopf.UserInfo | None = None,
+        **_: object,
     ) -> None:
         creator = child_workloads.creator_mind(userinfo, minds)
         mutation = mutate(dict(body), pods, children, creator)
@@ -446,7 +445,7 @@ def register(
             return
         child_workloads.answer(patch, warnings, mutation)
         if not dryrun:
-            metrics.record_child_mutated(str(mutation.pod["metadata"].get("namespace", "")))
+            metrics.record_child_mutated(str(at(mutation.pod, "metadata").get("namespace", "")))
 
     # The pods her Deployments, Jobs... make: their templates, where she writes them.
     child_workloads.register(registry, pods, children, minds)
@@ -464,25 +463,25 @@ def _register_count(
     unmarked = Unmarked()
     instance = socket.gethostname()
 
-    async def post(pod: Mapping[str, Any]) -> None:
+    async def post(pod: Body) -> None:
         now = rfc3339.format_seconds(time.time())
         try:
             await api.create(unmutated_event(pod, pods, instance, now))
         except ApiError as err:
             if err.status != 409:  # 409: posted already, by this operator before a restart
-                log.warning("posting ChildNotMutated on %s failed: %s", pod["metadata"], err)
+                log.warning("posting ChildNotMutated on %s failed: %s", pod.get("metadata"), err)
 
     @kopf.on.startup(registry=registry)
-    def children_on_server(settings: kopf.OperatorSettings, **_: Any) -> None:
+    def children_on_server(settings: kopf.OperatorSettings, **_: object) -> None:
         # Only the children reach the operator: a label selector the API server applies (a
         # label filter alone would have every pod of the cluster cross the wire to be dropped).
         settings.watching.label_selectors["v1", "pods"] = MIND_LABEL
 
     @kopf.on.event("", "v1", "pods", labels={MIND_LABEL: kopf.PRESENT}, registry=registry)
-    async def child(event: kopf.RawEvent, **_: Any) -> None:
-        pod: Obj = dict(event["object"])
+    async def child(event: kopf.RawEvent, **_: object) -> None:
+        pod: Body = dict(event["object"])
         deleted = event.get("type") == "DELETED"
-        meta: Obj = pod.get("metadata") or {}
+        meta = at(pod, "metadata")
         ns = str(meta.get("namespace"))
         if unmarked.observe(pod, deleted):
             log.warning("child pod %s/%s of mind %s is unmutated", ns, meta["name"], mind_of(pod))

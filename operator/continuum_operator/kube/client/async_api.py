@@ -39,12 +39,14 @@ from continuum_operator.kube.client.api import (
     continue_token,
     create_request,
     delete_request,
+    document,
     login,
     merge_patch_request,
     page_query,
     resource_of,
     text_request,
 )
+from continuum_operator.kube.client.body import Body, at, bodies, integer, mapping
 from continuum_operator.kube.client.kept import resource_version
 
 __all__ = ["LIST_PAGE", "AsyncKubeApi", "login", "pages", "relist"]
@@ -131,7 +133,7 @@ class AsyncKubeApi:
                 raise
             raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
 
-    async def send(self, r: Request) -> Any:
+    async def send(self, r: Request) -> object:
         resource = resource_of(r.path)
         if self.meter is not None:
             self.meter.record_api_request(r.method, resource)
@@ -172,22 +174,20 @@ class AsyncKubeApi:
         self,
         method: str,
         path: str,
-        body: Any = None,
+        body: object = None,
         *,
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
     ) -> dict[str, Any]:
-        result: dict[str, Any] = await self.send(call(method, path, body, query, content_type))
-        return result
+        # Any: the rooms that read these answers narrow them themselves (`kube.client.body`).
+        return document(await self.send(call(method, path, body, query, content_type)))
 
-    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def apply(self, obj: Body) -> dict[str, object]:
         """Server-side apply, forced: fields this operator dropped are removed."""
-        result: dict[str, Any] = await self.send(apply_request(obj))
-        return result
+        return document(await self.send(apply_request(obj)))
 
-    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = await self.send(merge_patch_request(path, patch))
-        return result
+    async def merge_patch(self, path: str, patch: Body) -> dict[str, object]:
+        return document(await self.send(merge_patch_request(path, patch)))
 
     async def delete(self, path: str) -> None:
         await self.send(delete_request(path))
@@ -196,17 +196,18 @@ class AsyncKubeApi:
         """A plain-text answer (a pod's log)."""
         return str(await self.send(text_request(path, query)))
 
-    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = await self.send(create_request(obj))
-        return result
+    async def create(self, obj: Body) -> dict[str, object]:
+        return document(await self.send(create_request(obj)))
 
 
 def _event(line: bytes) -> dict[str, Any]:
-    event: dict[str, Any] = json.loads(line)
+    event = document(json.loads(line))
     if event.get("type") == "ERROR":
-        status = event.get("object") or {}
+        status = mapping(event.get("object"))
         raise ApiError(
-            int(status.get("code") or 500), str(status.get("reason")), str(status.get("message"))
+            integer(status.get("code")) or 500,
+            str(status.get("reason")),
+            str(status.get("message")),
         )
     return event
 
@@ -232,9 +233,9 @@ K = TypeVar("K", bound=Hashable)
 async def relist(
     api: AsyncKubeApi,
     path: str,
-    observe: Callable[[dict[str, Any]], None],
-    key_of: Callable[[Mapping[str, Any]], K],
-    known: Mapping[K, Mapping[str, Any]],
+    observe: Callable[[dict[str, object]], None],
+    key_of: Callable[[Body], K],
+    known: Mapping[K, Body],
     forget: Callable[[K], None],
 ) -> None:
     """A collection listed into a cache, a page at a time (`observe` each object), as a new
@@ -244,11 +245,12 @@ async def relist(
     listed: set[K] = set()
     version = 0
     async for page in pages(api, path):
-        version = int((page.get("metadata") or {}).get("resourceVersion") or version)
-        for obj in page.get("items") or []:
-            observe(obj)
-            listed.add(key_of(obj))
+        version = integer(at(page, "metadata").get("resourceVersion"), version) or version
+        for obj in bodies(page.get("items")):
+            item = dict(obj)
+            observe(item)
+            listed.add(key_of(item))
     for key in set(known) - listed:
-        obj = known.get(key)
-        if obj is not None and resource_version(obj) <= version:
+        had = known.get(key)
+        if had is not None and resource_version(had) <= version:
             forget(key)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["Body", "at", "bodies", "integer", "mapping", "text"]
+__all__ = ["Body", "Manifest", "at", "bodies", "integer", "mapping", "number", "object_in", "text"]
 
 #: An object as the API server sends it (decoded JSON); read through the helpers below.
 Body = Mapping[str, object]
+#: An object the shell builds or mutates to send (`object_in` writes into it).
+Manifest = dict[str, object]
 
 
 def mapping(value: object) -> Body:
@@ -55,4 +57,22 @@ def integer(value: object, default: int = 0) -> int:
             return int(value)
         except (ValueError, OverflowError):
             return default
+    return default
+
+
+def object_in(parent: dict[str, object], key: str) -> dict[str, object]:
+    """`parent[key]` to write into: an object of a body being built or mutated, set to an empty
+    one where it is missing or of another type."""
+    value = parent.get(key)
+    if isinstance(value, dict):
+        return value
+    made: dict[str, object] = {}
+    parent[key] = made
+    return made
+
+
+def number(value: object, default: float = 0.0) -> float:
+    """`value` as a float: an int or a float (not a bool); `default` else."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
     return default

@@ -258,7 +258,7 @@ async def seed_ledgers(api: AsyncKubeApi, engines: Cache) -> None:
             api,
             f"/apis/{API_VERSION}/{ledger_object.PLURAL}",
             lambda obj: engines.observe_ledger(obj, deleted=False, nudge=False),
-            lambda obj: (obj["metadata"]["namespace"], obj["metadata"]["name"]),
+            lambda obj: (str(at(obj, "metadata")["namespace"]), str(at(obj, "metadata")["name"])),
             engines.ledgers,
             lambda key: engines.observe_ledger(engines.ledgers[key], deleted=True, nudge=False),
         )

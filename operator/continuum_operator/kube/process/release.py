@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import quote
 
 from continuum_operator.cli_errors import fail
@@ -37,6 +37,7 @@ from continuum_operator.kube.client.api import (
     crd_path,
     page_query,
 )
+from continuum_operator.kube.client.body import Body, at, bodies, text
 from continuum_operator.model.base import label_selector
 
 __all__ = [
@@ -66,13 +67,13 @@ class Api(Protocol):
         self,
         method: str,
         path: str,
-        body: Any = None,
+        body: object = None,
         *,
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
-    ) -> dict[str, Any]: ...
+    ) -> dict[str, object]: ...
 
-    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
+    def merge_patch(self, path: str, patch: Body) -> dict[str, object]: ...
 
 
 @dataclass
@@ -105,7 +106,7 @@ def stop_operator(
         if err.status == 404:
             return 0
         raise
-    labels = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    labels = {k: str(v) for k, v in at(deployment, "spec", "selector", "matchLabels").items()}
     if not labels:
         raise ApiError(422, "Invalid", f"Deployment {namespace}/{name} has no matchLabels")
     selector = label_selector(labels)
@@ -114,7 +115,7 @@ def stop_operator(
     waited = 0
     while True:
         pods = api.request("GET", pods_path, query=[("labelSelector", selector)]).get("items")
-        left = len(pods or [])
+        left = len(pods) if isinstance(pods, list) else 0
         waited = max(waited, left)
         if left == 0:
             return waited
@@ -126,23 +127,24 @@ def stop_operator(
         sleep(1.0)
 
 
-def _items(api: Api, path: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
+def _items(api: Api, path: str) -> list[Body]:
+    items: list[Body] = []
     token = ""
     while True:
         page = api.request("GET", path, query=page_query((), PAGE, token))
-        items += page.get("items") or []
+        items += bodies(page.get("items"))
         token = continue_token(page)
         if not token:
             return items
 
 
-def _release_one(api: Api, plural: str, finalizer: str, obj: Mapping[str, Any]) -> bool:
+def _release_one(api: Api, plural: str, finalizer: str, obj: Body) -> bool:
     """Take `finalizer` off one object; False when it is gone or no longer has it."""
-    meta = obj["metadata"]
-    path = crd_path(plural, meta.get("namespace"), meta["name"])
+    meta = at(obj, "metadata")
+    path = crd_path(plural, text(meta.get("namespace")), str(meta["name"]))
     for _ in range(CONFLICT_RETRIES):
-        finalizers = list(meta.get("finalizers") or [])
+        listed = meta.get("finalizers")
+        finalizers = [str(f) for f in listed] if isinstance(listed, list) else []
         if finalizer not in finalizers:
             return False
         patch = {
@@ -160,7 +162,7 @@ def _release_one(api: Api, plural: str, finalizer: str, obj: Mapping[str, Any]) 
             if err.status != 409:
                 raise
         try:
-            meta = api.request("GET", path)["metadata"]  # changed meanwhile: read it again
+            meta = at(api.request("GET", path), "metadata")  # changed meanwhile: read it again
         except ApiError as err:
             if err.status == 404:
                 return False
@@ -175,8 +177,8 @@ def release_finalizers(api: Api) -> Released:
         for obj in _items(api, crd_path(plural, None)):
             done.seen += 1
             if _release_one(api, plural, finalizer, obj):
-                meta = obj["metadata"]
-                done.released.append(f"{plural} {meta.get('namespace')}/{meta['name']}")
+                meta = at(obj, "metadata")
+                done.released.append(f"{plural} {meta.get('namespace')}/{meta.get('name')}")
     return done
 
 
