@@ -110,7 +110,7 @@ def engine_runtime_documents(tmp_path: Path) -> list[dict[str, Any]]:
             releases=[release.to_status(), unknown.to_status()],
             threads=4,
             last_exit={"code": -9, "at": "2026-01-01T00:00:00Z", "line": "killed"},
-            model_file={**record.to_status(), "verdict": str(digest.Verdict.HASHED)},
+            model_file={**record.to_status(), "verdict": str(digest.DigestOutcome.HASHED)},
             launch="launch-1",
         ),
     ]

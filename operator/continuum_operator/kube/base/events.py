@@ -10,10 +10,9 @@ fields; the `reporting*` fields are what events.k8s.io/v1 readers group by.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
-
-from continuum_operator.kube.client.body import Body
 
 if TYPE_CHECKING:
     from continuum_operator.kube.client.async_api import AsyncKubeApi
@@ -45,7 +44,7 @@ class ObjectReference(TypedDict):
     uid: str | None
 
 
-def reference(api_version: str, kind: str, meta: Body) -> ObjectReference:
+def reference(api_version: str, kind: str, meta: Mapping[str, object]) -> ObjectReference:
     """An Event's `involvedObject`: the object by kind, namespace, name and uid."""
     uid = meta.get("uid")
     return {
@@ -58,7 +57,7 @@ def reference(api_version: str, kind: str, meta: Body) -> ObjectReference:
 
 
 def event(
-    involved: Body,
+    involved: Mapping[str, object],
     event_type: str,
     reason: str,
     message: str,
@@ -98,7 +97,7 @@ def event(
 
 async def post(
     api: AsyncKubeApi,
-    involved: Body,
+    involved: Mapping[str, object],
     note: Event,
     *,
     instance: str,

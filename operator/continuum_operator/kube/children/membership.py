@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
-from continuum_operator.kube.client.body import Body, Manifest, at, bodies, object_in
+from continuum_operator.kube.client.body import bodies, object_in
 from continuum_operator.model.base import GROUP
+from continuum_operator.model.json_body import object_at
 
 __all__ = [
     "BACKGROUND",
@@ -59,10 +60,10 @@ def mind_of_creator(username: str | None, is_mind: Callable[[str], bool]) -> str
     return name
 
 
-def mind_of(pod: Body) -> str | None:
+def mind_of(pod: Mapping[str, object]) -> str | None:
     """The mind whose child this pod is: its label, else an owner reference to a Mind."""
-    meta = at(pod, "metadata")
-    name = at(meta, "labels").get(MIND_LABEL)
+    meta = object_at(pod, "metadata")
+    name = object_at(meta, "labels").get(MIND_LABEL)
     if name:
         return str(name)
     for ref in bodies(meta.get("ownerReferences")):
@@ -71,19 +72,19 @@ def mind_of(pod: Body) -> str | None:
     return None
 
 
-def is_marked(pod: Body) -> bool:
-    return at(pod, "metadata", "annotations").get(CLASS_ANNOTATION) == BACKGROUND
+def is_marked(pod: Mapping[str, object]) -> bool:
+    return object_at(pod, "metadata", "annotations").get(CLASS_ANNOTATION) == BACKGROUND
 
 
 @dataclass(frozen=True, slots=True)
 class Mutation:
-    pod: Manifest
+    pod: dict[str, object]
     """The pod as it is admitted."""
     notes: tuple[str, ...] = ()
     """What was overridden, returned to the client as admission warnings."""
 
 
-def _without_cpu(resources: Manifest, side: str) -> str | None:
+def _without_cpu(resources: dict[str, object], side: str) -> str | None:
     """Removes `resources[side].cpu`; returns what it was."""
     values = resources.get(side)
     if not isinstance(values, dict) or "cpu" not in values:
@@ -95,7 +96,7 @@ def _without_cpu(resources: Manifest, side: str) -> str | None:
 
 
 def mutate(
-    pod: Body,
+    pod: Mapping[str, object],
     pods: PodSettings,
     children: ChildrenSettings,
     creator_mind: str | None = None,
@@ -109,7 +110,7 @@ def mutate(
     mind = mind_of(pod) or creator_mind
     if mind is None:
         return None
-    new: Manifest = copy.deepcopy(dict(pod))
+    new: dict[str, object] = copy.deepcopy(dict(pod))
     notes: list[str] = []
     meta = object_in(new, "metadata")
     labels = object_in(meta, "labels")

@@ -33,7 +33,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,10 +54,10 @@ from continuum_operator.kube.children.membership import (
     mind_of,
     mutate,
 )
-from continuum_operator.kube.client.body import Body, Manifest, at
 from continuum_operator.kube.workloads.engine_objects import MANAGED_BY
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.base import GROUP
+from continuum_operator.model.json_body import object_at
 
 if TYPE_CHECKING:  # imported when the operator starts: `continuum plan` loads neither
     import kopf
@@ -96,7 +96,9 @@ Minds). Pods the controllers make (a Deployment's, a Job's) are created by kube-
 accounts and are sent only when labelled: a mind's runtime labels their templates."""
 
 
-def webhook_configuration(client_config: Body, children: ChildrenSettings) -> Manifest:
+def webhook_configuration(
+    client_config: Mapping[str, object], children: ChildrenSettings
+) -> dict[str, object]:
     """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator,
     and the workloads a service account writes (`child_workloads.workloads_webhook`).
 
@@ -107,8 +109,8 @@ def webhook_configuration(client_config: Body, children: ChildrenSettings) -> Ma
     then admitted unmutated (Ignore) and counted when it is back.
     """
 
-    def client(handler_id: str) -> Manifest:
-        found: Manifest
+    def client(handler_id: str) -> dict[str, object]:
+        found: dict[str, object]
         if children.service is not None:
             namespace, name = children.service
             port = children.service_port if children.service_port is not None else children.port
@@ -168,9 +170,9 @@ class Unmarked:
     live: dict[str, tuple[str, str]] = field(default_factory=dict)
     """uid -> (namespace, name) of each unmarked child now present."""
 
-    def observe(self, pod: Body, deleted: bool) -> bool:
+    def observe(self, pod: Mapping[str, object], deleted: bool) -> bool:
         """Records one watch event; True the first time an unmarked child is seen."""
-        meta = at(pod, "metadata")
+        meta = object_at(pod, "metadata")
         uid = str(meta.get("uid", ""))
         if deleted or mind_of(pod) is None or is_marked(pod):
             self.live.pop(uid, None)
@@ -184,10 +186,12 @@ class Unmarked:
         return sum(1 for ns, _ in self.live.values() if ns == namespace)
 
 
-def unmutated_event(pod: Body, pods: PodSettings, instance: str, now: str) -> Manifest:
+def unmutated_event(
+    pod: Mapping[str, object], pods: PodSettings, instance: str, now: str
+) -> dict[str, object]:
     """A Warning on the pod; its name is fixed per pod, so a restarted operator posts no twin."""
-    meta = at(pod, "metadata")
-    spec = at(pod, "spec")
+    meta = object_at(pod, "metadata")
+    spec = object_at(pod, "spec")
     message = (
         f"Pod {meta['namespace']}/{meta['name']} of mind {mind_of(pod)} was admitted without "
         f"the children's webhook (no {CLASS_ANNOTATION} mark): it runs at priority "
@@ -335,7 +339,7 @@ class _Installing:
     def __init__(
         self,
         server: kopf.WebhookServerProtocol,
-        install: Callable[[Body], Awaitable[None]],
+        install: Callable[[Mapping[str, object]], Awaitable[None]],
         readiness: Readiness,
     ) -> None:
         self.server = server
@@ -371,7 +375,7 @@ async def install_webhook(
     api: AsyncKubeApi,
     pods: PodSettings,
     children: ChildrenSettings,
-    client_config: Body,
+    client_config: Mapping[str, object],
 ) -> None:
     """The children's priority class, then the MutatingWebhookConfiguration pointing at this
     operator (kopf's admission server calls it with its client config)."""
@@ -416,7 +420,7 @@ def register(
     if not children.webhook:
         return
 
-    async def install(client_config: Body) -> None:
+    async def install(client_config: Mapping[str, object]) -> None:
         await install_webhook(api, pods, children, client_config)
 
     @kopf.on.startup(registry=registry, backoff=2.0)
@@ -445,7 +449,9 @@ def register(
             return
         child_workloads.answer(patch, warnings, mutation)
         if not dryrun:
-            metrics.record_child_mutated(str(at(mutation.pod, "metadata").get("namespace", "")))
+            metrics.record_child_mutated(
+                str(object_at(mutation.pod, "metadata").get("namespace", ""))
+            )
 
     # The pods her Deployments, Jobs... make: their templates, where she writes them.
     child_workloads.register(registry, pods, children, minds)
@@ -463,7 +469,7 @@ def _register_count(
     unmarked = Unmarked()
     instance = socket.gethostname()
 
-    async def post(pod: Body) -> None:
+    async def post(pod: Mapping[str, object]) -> None:
         now = rfc3339.format_seconds(time.time())
         try:
             await api.create(unmutated_event(pod, pods, instance, now))
@@ -479,9 +485,9 @@ def _register_count(
 
     @kopf.on.event("", "v1", "pods", labels={MIND_LABEL: kopf.PRESENT}, registry=registry)
     async def child(event: kopf.RawEvent, **_: object) -> None:
-        pod: Body = dict(event["object"])
+        pod: Mapping[str, object] = dict(event["object"])
         deleted = event.get("type") == "DELETED"
-        meta = at(pod, "metadata")
+        meta = object_at(pod, "metadata")
         ns = str(meta.get("namespace"))
         if unmarked.observe(pod, deleted):
             log.warning("child pod %s/%s of mind %s is unmutated", ns, meta["name"], mind_of(pod))

@@ -28,7 +28,7 @@ from continuum_operator.kube.children.membership import (
     mind_of_creator,
     mutate,
 )
-from continuum_operator.kube.client.body import Body, Manifest, object_in
+from continuum_operator.kube.client.body import object_in
 from continuum_operator.model.base import GROUP
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ handler asks its Minds). The controllers' own writes (a Deployment's ReplicaSet)
 they copy a template that was mutated where she wrote it."""
 
 
-def _template(obj: Body, path: tuple[str, ...]) -> Manifest | None:
+def _template(obj: Mapping[str, object], path: tuple[str, ...]) -> dict[str, object] | None:
     node: object = obj
     for key in path:
         node = node.get(key) if isinstance(node, Mapping) else None
@@ -79,8 +79,8 @@ def _template(obj: Body, path: tuple[str, ...]) -> Manifest | None:
 
 def mutate_workload(
     resource: tuple[str, str],
-    obj: Body,
-    old: Body | None,
+    obj: Mapping[str, object],
+    old: Mapping[str, object] | None,
     pods: PodSettings,
     children: ChildrenSettings,
     creator_mind: str | None,
@@ -98,7 +98,7 @@ def mutate_workload(
         return None
     if old is not None and _template(old, path) == _template(obj, path):
         return None
-    new: Manifest = copy.deepcopy(dict(obj))
+    new: dict[str, object] = copy.deepcopy(dict(obj))
     template = _template(new, path)
     if template is None:  # the API server's validation refuses it; nothing to mutate
         return None
@@ -114,7 +114,7 @@ def mutate_workload(
     return Mutation(new, notes)
 
 
-def workloads_webhook(client: Body, timeout_seconds: int) -> Manifest:
+def workloads_webhook(client: Mapping[str, object], timeout_seconds: int) -> dict[str, object]:
     """The configuration's entry that sends the workloads a service account writes to
     `client` (the pods' client config, its path ending in this handler's id)."""
     by_group: dict[str, list[str]] = {}
@@ -143,7 +143,7 @@ def workloads_webhook(client: Body, timeout_seconds: int) -> Manifest:
     }
 
 
-def creator_mind(userinfo: Body | None, minds: MindCache) -> str | None:
+def creator_mind(userinfo: Mapping[str, object] | None, minds: MindCache) -> str | None:
     """The Mind whose service account sends the request (`children.mind_of_creator`)."""
     username = str((userinfo or {}).get("username") or "")
     return mind_of_creator(username, lambda key: key in minds.minds)

@@ -17,14 +17,14 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote
 
 from kubernetes import client, config
 
-from continuum_operator.kube.client.body import Body, at, mapping, text
+from continuum_operator.model.json_body import object_at, text
 
 __all__ = [
     "ApiError",
@@ -64,7 +64,7 @@ def crd_path(plural: str, namespace: str | None, name: str | None = None, sub: s
     return path + (f"/{sub}" if sub else "")
 
 
-def path_of(obj: Body, *, collection: bool = False) -> str:
+def path_of(obj: Mapping[str, object], *, collection: bool = False) -> str:
     """The REST path of a built object (core, grouped, namespaced or cluster-scoped)."""
     api_version = str(obj["apiVersion"])
     prefix = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
@@ -85,7 +85,7 @@ def path_of(obj: Body, *, collection: bool = False) -> str:
         "ResourceClaimTemplate": "resourceclaimtemplates",
         "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
     }[str(obj["kind"])]
-    meta = at(obj, "metadata")
+    meta = object_at(obj, "metadata")
     ns = text(meta.get("namespace"))
     path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"
     return path if collection else f"{path}/{quote(str(meta['name']))}"
@@ -98,9 +98,9 @@ def page_query(query: Sequence[tuple[str, str]], limit: int, token: str) -> list
     return [*query, ("limit", str(limit)), *([("continue", token)] if token else [])]
 
 
-def continue_token(page: Body) -> str:
+def continue_token(page: Mapping[str, object]) -> str:
     """The token of a list's next page ("": that was the last)."""
-    return str(at(page, "metadata").get("continue") or "")
+    return str(object_at(page, "metadata").get("continue") or "")
 
 
 def resource_of(path: str) -> str:
@@ -153,13 +153,13 @@ def call(
     return Request(method, path, body, tuple(query), content_type)
 
 
-def apply_request(obj: Body) -> Request:
+def apply_request(obj: Mapping[str, object]) -> Request:
     """Server-side apply, forced: fields this operator dropped are removed."""
     query = (("fieldManager", FIELD_MANAGER), ("force", "true"))
     return Request("PATCH", path_of(obj), dict(obj), query, "application/apply-patch+yaml")
 
 
-def merge_patch_request(path: str, patch: Body) -> Request:
+def merge_patch_request(path: str, patch: Mapping[str, object]) -> Request:
     return Request("PATCH", path, dict(patch), content_type="application/merge-patch+json")
 
 
@@ -174,7 +174,7 @@ def text_request(path: str, query: Sequence[tuple[str, str]] = ()) -> Request:
     return Request("GET", path, None, tuple(query), None, "text/plain, application/json")
 
 
-def create_request(obj: Body) -> Request:
+def create_request(obj: Mapping[str, object]) -> Request:
     return Request("POST", path_of(obj, collection=True), dict(obj))
 
 
@@ -191,7 +191,7 @@ def answer(request: Request, status: int, data: bytes | None) -> object:
         return {}
     reason, message = "Error", decoded[:500]
     with contextlib.suppress(ValueError):
-        doc = mapping(json.loads(decoded))
+        doc = object_at(json.loads(decoded))
         reason = str(doc.get("reason") or reason)
         message = str(doc.get("message") or message)
     raise ApiError(status, reason, message)
@@ -271,11 +271,11 @@ class KubeApi:
     ) -> dict[str, object]:
         return document(self.send(call(method, path, body, query, content_type)))
 
-    def apply(self, obj: Body) -> dict[str, object]:
+    def apply(self, obj: Mapping[str, object]) -> dict[str, object]:
         """Server-side apply, forced: fields this operator dropped are removed."""
         return document(self.send(apply_request(obj)))
 
-    def merge_patch(self, path: str, patch: Body) -> dict[str, object]:
+    def merge_patch(self, path: str, patch: Mapping[str, object]) -> dict[str, object]:
         return document(self.send(merge_patch_request(path, patch)))
 
     def delete(self, path: str) -> None:
@@ -285,5 +285,5 @@ class KubeApi:
         """A plain-text answer (a pod's log)."""
         return str(self.send(text_request(path, query)))
 
-    def create(self, obj: Body) -> dict[str, object]:
+    def create(self, obj: Mapping[str, object]) -> dict[str, object]:
         return document(self.send(create_request(obj)))

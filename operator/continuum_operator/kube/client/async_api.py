@@ -46,8 +46,9 @@ from continuum_operator.kube.client.api import (
     resource_of,
     text_request,
 )
-from continuum_operator.kube.client.body import Body, at, bodies, integer, mapping
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.client.kept import resource_version
+from continuum_operator.model.json_body import integer, object_at
 
 __all__ = ["LIST_PAGE", "AsyncKubeApi", "login", "pages", "relist"]
 
@@ -182,11 +183,11 @@ class AsyncKubeApi:
         # Any: the rooms that read these answers narrow them themselves (`kube.client.body`).
         return document(await self.send(call(method, path, body, query, content_type)))
 
-    async def apply(self, obj: Body) -> dict[str, object]:
+    async def apply(self, obj: Mapping[str, object]) -> dict[str, object]:
         """Server-side apply, forced: fields this operator dropped are removed."""
         return document(await self.send(apply_request(obj)))
 
-    async def merge_patch(self, path: str, patch: Body) -> dict[str, object]:
+    async def merge_patch(self, path: str, patch: Mapping[str, object]) -> dict[str, object]:
         return document(await self.send(merge_patch_request(path, patch)))
 
     async def delete(self, path: str) -> None:
@@ -196,16 +197,16 @@ class AsyncKubeApi:
         """A plain-text answer (a pod's log)."""
         return str(await self.send(text_request(path, query)))
 
-    async def create(self, obj: Body) -> dict[str, object]:
+    async def create(self, obj: Mapping[str, object]) -> dict[str, object]:
         return document(await self.send(create_request(obj)))
 
 
 def _event(line: bytes) -> dict[str, Any]:
     event = document(json.loads(line))
     if event.get("type") == "ERROR":
-        status = mapping(event.get("object"))
+        status = object_at(event.get("object"))
         raise ApiError(
-            integer(status.get("code")) or 500,
+            integer(status, "code") or 500,
             str(status.get("reason")),
             str(status.get("message")),
         )
@@ -234,8 +235,8 @@ async def relist(
     api: AsyncKubeApi,
     path: str,
     observe: Callable[[dict[str, object]], None],
-    key_of: Callable[[Body], K],
-    known: Mapping[K, Body],
+    key_of: Callable[[Mapping[str, object]], K],
+    known: Mapping[K, Mapping[str, object]],
     forget: Callable[[K], None],
 ) -> None:
     """A collection listed into a cache, a page at a time (`observe` each object), as a new
@@ -245,7 +246,7 @@ async def relist(
     listed: set[K] = set()
     version = 0
     async for page in pages(api, path):
-        version = integer(at(page, "metadata").get("resourceVersion"), version) or version
+        version = resource_version(page) or version
         for obj in bodies(page.get("items")):
             item = dict(obj)
             observe(item)

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from continuum_operator.kube.client.body import Body, at
 from continuum_operator.kube.ledger.grant_ledger import read_entries
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import object_at
 from continuum_operator.model.mind import GrantState
 
 __all__ = ["LedgerFacts", "grace_deadline"]
@@ -23,18 +23,18 @@ __all__ = ["LedgerFacts", "grace_deadline"]
 class LedgerFacts:
     """What a pass reads of one engine's ledger, kept while the body is the same object."""
 
-    body: Body
+    body: Mapping[str, object]
     due: float | None  # the earliest grace deadline of its ledger
     entries: list[GrantEntry]
 
     @classmethod
-    def of(cls, body: Body) -> LedgerFacts:
-        entries = read_entries(at(body, "status").get("grants"))
+    def of(cls, body: Mapping[str, object]) -> LedgerFacts:
+        entries = read_entries(object_at(body, "status").get("grants"))
         return cls(body, grace_deadline(entries), entries)
 
     @staticmethod
     def of_each(
-        old: Mapping[EngineKey, LedgerFacts], engines: Mapping[EngineKey, Body]
+        old: Mapping[EngineKey, LedgerFacts], engines: Mapping[EngineKey, Mapping[str, object]]
     ) -> dict[EngineKey, LedgerFacts]:
         """Every engine's facts: those of `old` whose body is the same object, the rest read."""
         return {

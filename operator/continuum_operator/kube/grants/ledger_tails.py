@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from continuum_operator.core.grants import Grant, MindDemand
-from continuum_operator.kube.client.body import Body, at, integer
 from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
 from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import integer, object_at
 
 __all__ = ["LedgerTails"]
 
@@ -44,25 +44,25 @@ class LedgerTails:
     def entries_of(
         self,
         key: EngineKey,
-        body: Body,
+        body: Mapping[str, object],
         stored: list[GrantEntry] | None = None,
     ) -> list[GrantEntry]:
         """The engine's whole ledger: as this leader last decided it for this body's step, else
         the entries its object holds."""
-        status = at(body, "status")
+        status = object_at(body, "status")
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return tail.entries
         return stored if stored is not None else ledger.read_entries(status.get("grants"))
 
     def tail_of(
-        self, key: EngineKey, body: Body, demands: Mapping[str, MindDemand]
+        self, key: EngineKey, body: Mapping[str, object], demands: Mapping[str, MindDemand]
     ) -> dict[str, Grant]:
         """The entries the Engine object left out (`status.grantQueue`): from this leader's
         memory of the step it last decided there; else as the transition log leaves them (its
         next lines then follow from the log's, whatever a crash left unwritten); else, with no
         log, from the Minds' own status."""
-        status = at(body, "status")
+        status = object_at(body, "status")
         stored = {e.mind for e in ledger.read_entries(status.get("grants"))}
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
@@ -74,17 +74,17 @@ class LedgerTails:
             return {}  # nothing was left out
         return ledger.tail_from_minds(self._minds.minds_of([key]).get(key, []), stored, demands)
 
-    def remember(self, key: EngineKey, body: Body, s: ledger.LedgerStep) -> None:
+    def remember(self, key: EngineKey, body: Mapping[str, object], s: ledger.LedgerStep) -> None:
         """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
         kept = {e.mind for e in s.kept}
         left_out = {m: g for m, g in s.grants.items() if m not in kept}
-        self._tails[key] = _Tail(_seq(at(body, "status")), left_out, s.entries)
+        self._tails[key] = _Tail(_seq(object_at(body, "status")), left_out, s.entries)
 
     def forget(self, key: EngineKey) -> None:
         """The engine is gone: nothing of its ledger is kept."""
         self._tails.pop(key, None)
 
 
-def _seq(status: Body) -> int:
+def _seq(status: Mapping[str, object]) -> int:
     """The journal's seq of the ledger an Engine's GrantLedger holds (0: never written)."""
-    return integer(at(status, ledger.STEP_FIELD).get("seq"))
+    return integer(status, ledger.STEP_FIELD, "seq") or 0

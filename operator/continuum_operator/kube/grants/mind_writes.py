@@ -17,7 +17,7 @@ from continuum_operator.kube.base import crash
 from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.client.api import ApiError, crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi
-from continuum_operator.kube.client.body import Body, at, bodies, integer
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.grants import mind_status
 from continuum_operator.kube.grants.mind_status import Projection
 from continuum_operator.kube.grants.quota_use import ClassNotes
@@ -28,6 +28,7 @@ from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import EngineKey, format_time
 from continuum_operator.kube.state.mind_cache import MindCache
 from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import integer, object_at
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["FINALIZER", "Job", "MindWrites"]
@@ -59,7 +60,7 @@ class MindWrites:
         settings: GrantSettings,
         clock: Callable[[], float],
         pod_port: int,
-        ledgers: Mapping[EngineKey, Body] | None = None,
+        ledgers: Mapping[EngineKey, Mapping[str, object]] | None = None,
         holders: ledger_object.HolderIndex | None = None,
     ) -> None:
         self.api = api
@@ -68,14 +69,16 @@ class MindWrites:
         self.clock = clock
         self.pod_port = pod_port
         #: Every GrantLedger as watched (`Cache.ledgers`), other operators' Engines' too.
-        self.ledgers: Mapping[EngineKey, Body] = ledgers if ledgers is not None else {}
+        self.ledgers: Mapping[EngineKey, Mapping[str, object]] = (
+            ledgers if ledgers is not None else {}
+        )
         #: Who those ledgers hold a slot for (`Cache.holders`, kept with them).
         self.holders = holders if holders is not None else ledger_object.HolderIndex()
         self.projections_written = 0
 
-    async def write_quota(self, quota: Body, status: Body) -> None:
+    async def write_quota(self, quota: Mapping[str, object], status: Mapping[str, object]) -> None:
         """A TokenQuota's status (`kube.grants.quota_use.quota_status`); a failure raises."""
-        meta = at(quota, "metadata")
+        meta = object_at(quota, "metadata")
         path = crd_path("tokenquotas", str(meta["namespace"]), str(meta["name"]), "status")
         try:
             answer = await self.api.merge_patch(path, {"status": status})
@@ -94,9 +97,9 @@ class MindWrites:
     def projection_jobs(
         self,
         key: EngineKey,
-        engine: Body,
+        engine: Mapping[str, object],
         ledger_entries: list[GrantEntry],
-        minds: Sequence[Body],
+        minds: Sequence[Mapping[str, object]],
         refused: Mapping[str, routing.Refused] | None = None,
         notes: ClassNotes | None = None,
     ) -> list[Job]:
@@ -104,12 +107,12 @@ class MindWrites:
         finalizers (on a Mind holding a slot, whose deletion must release it first; off a
         deleted Mind once the ledger no longer holds her)."""
         entries = {e.mind: e for e in ledger_entries}
-        pool = at(engine, "status", ledger.CAPACITY_FIELD)
-        slot_tokens = integer(pool.get("tokensPerSlot"))
+        pool = object_at(engine, "status", ledger.CAPACITY_FIELD)
+        slot_tokens = integer(pool, "tokensPerSlot") or 0
         name = f"{key[0]}/{key[1]}"
         jobs: list[Job] = []
         for m in sorted(minds, key=routing.mind_key):
-            meta = at(m, "metadata")
+            meta = object_at(m, "metadata")
             mkey = routing.mind_key(m)
             entry = entries.get(mkey)
             if meta.get("deletionTimestamp"):
@@ -117,7 +120,7 @@ class MindWrites:
                 if entry is None and finalized and not self.held_anywhere(mkey):
                     jobs.append((FINALIZER_WRITE, mkey, partial(self.finalize, m)))
                 continue
-            asked = integer(at(m, "spec").get("contextTokens"))
+            asked = integer(m, "spec", "contextTokens") or 0
             refusal = (refused or {}).get(mkey)
             if refusal is not None:
                 projected = mind_status.refused_projection(refusal)
@@ -140,7 +143,9 @@ class MindWrites:
                 jobs.append((FINALIZER_WRITE, mkey, partial(self.add_finalizer_to, mkey)))
         return jobs
 
-    def missing_engine_jobs(self, key: EngineKey, minds: Sequence[Body]) -> list[Job]:
+    def missing_engine_jobs(
+        self, key: EngineKey, minds: Sequence[Mapping[str, object]]
+    ) -> list[Job]:
         """The writes for Minds of an Engine the cache lacks: EngineNotFound projections where
         her status does not say so yet, and the finalizer off a deleted Mind. One job an
         engine, which first asks the API server whether the Engine exists, unless its
@@ -158,14 +163,14 @@ class MindWrites:
             return [
                 (FINALIZER_WRITE, mkey, partial(self.drop_finalizer, m))
                 for m in minds
-                if at(m, "metadata").get("deletionTimestamp")
+                if object_at(m, "metadata").get("deletionTimestamp")
                 and FINALIZER in _finalizers(m)
                 and not self.held_anywhere(mkey := routing.mind_key(m))
             ]
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
         deleted, stale = [], []
         for m in sorted(minds, key=routing.mind_key):
-            if at(m, "metadata").get("deletionTimestamp"):
+            if object_at(m, "metadata").get("deletionTimestamp"):
                 deleted.append(routing.mind_key(m))
             elif self._projection(m, projected) is not None:
                 stale.append(routing.mind_key(m))
@@ -200,12 +205,12 @@ class MindWrites:
     async def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""
         mind = self.minds.minds.get(mkey)
-        if mind is None or at(mind, "metadata").get("deletionTimestamp"):
+        if mind is None or object_at(mind, "metadata").get("deletionTimestamp"):
             return
         if FINALIZER not in _finalizers(mind):
             await self.add_finalizer(mind)
 
-    async def finalize(self, mind: Body) -> None:
+    async def finalize(self, mind: Mapping[str, object]) -> None:
         crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
         await self.drop_finalizer(mind)
 
@@ -220,10 +225,12 @@ class MindWrites:
         if self.projections_written == 1:
             crash.reached(crash.CrashPoint.MID_PROJECTIONS)
 
-    def _projection(self, mind: Body, projected: Projection) -> dict[str, object] | None:
+    def _projection(
+        self, mind: Mapping[str, object], projected: Projection
+    ) -> dict[str, object] | None:
         """The Mind's new status part, or None when hers already says it."""
-        meta = at(mind, "metadata")
-        old = at(mind, "status")
+        meta = object_at(mind, "metadata")
+        old = object_at(mind, "status")
         old_conds = {c.get("type"): c for c in bodies(old.get("conditions"))}
         generation = meta.get("generation")
         now = format_time(self.clock())
@@ -255,13 +262,15 @@ class MindWrites:
             return None
         return new
 
-    async def write_projection(self, mind: Body, projected: Projection) -> Body | None:
+    async def write_projection(
+        self, mind: Mapping[str, object], projected: Projection
+    ) -> Mapping[str, object] | None:
         """Write the Mind's projection if it differs; the Mind as written, or None. A failure
         (but her being gone) raises: the writer has her engine decided again."""
         new = self._projection(mind, projected)
         if new is None:
             return None
-        meta = at(mind, "metadata")
+        meta = object_at(mind, "metadata")
         patch = {"status": new}
         path = crd_path("minds", str(meta["namespace"]), str(meta["name"]), "status")
         try:
@@ -273,21 +282,21 @@ class MindWrites:
         self.minds.observe_mind(answer, deleted=False, nudge=False)
         return answer
 
-    async def add_finalizer(self, mind: Body) -> None:
+    async def add_finalizer(self, mind: Mapping[str, object]) -> None:
         finalizers = [*_finalizers(mind), FINALIZER]
         await self._patch_finalizers(mind, finalizers)
 
-    async def drop_finalizer(self, mind: Body) -> None:
+    async def drop_finalizer(self, mind: Mapping[str, object]) -> None:
         if FINALIZER not in _finalizers(mind):
             return
         finalizers = [f for f in _finalizers(mind) if f != FINALIZER]
         await self._patch_finalizers(mind, finalizers)
 
-    async def _patch_finalizers(self, mind: Body, finalizers: list[str]) -> None:
+    async def _patch_finalizers(self, mind: Mapping[str, object], finalizers: list[str]) -> None:
         """Patch her finalizers, conditioned on her resourceVersion. A failure (but her being
         gone) raises: a 409 (she changed meanwhile) or another, her engine is decided again
         after a backoff, from her as the cache has her then."""
-        meta = at(mind, "metadata")
+        meta = object_at(mind, "metadata")
         patch = {
             "metadata": {"finalizers": finalizers, "resourceVersion": meta.get("resourceVersion")}
         }
@@ -298,13 +307,13 @@ class MindWrites:
             if err.status != 404:
                 raise
             return
-        if at(answer, "metadata").get("deletionTimestamp") and not finalizers:
+        if object_at(answer, "metadata").get("deletionTimestamp") and not finalizers:
             self.minds.observe_mind(answer, deleted=True, nudge=False)
         else:
             self.minds.observe_mind(answer, deleted=False, nudge=False)
 
 
-def _finalizers(obj: Body) -> list[str]:
+def _finalizers(obj: Mapping[str, object]) -> list[str]:
     """The object's finalizers (`metadata.finalizers`; the strings among them)."""
-    found = at(obj, "metadata").get("finalizers")
+    found = object_at(obj, "metadata").get("finalizers")
     return [f for f in found if isinstance(f, str)] if isinstance(found, list) else []

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from continuum_operator.core.grants import GrantReason, MindDemand
-from continuum_operator.kube.client.body import Body, at, bodies
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import EngineKey, format_time
 from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import object_at
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["ClassNotes", "QuotaConditionType", "QuotaUse", "quota_status"]
@@ -115,19 +116,19 @@ class ClassNotes:
     default: str
     quotas: QuotaUse
 
-    def class_note(self, mind: Body) -> str:
-        name = str(at(mind, "spec").get("className") or self.default)
+    def class_note(self, mind: Mapping[str, object]) -> str:
+        name = str(object_at(mind, "spec").get("className") or self.default)
         facts = self.classes.get(name)
         if facts is None or facts.max_tokens is None:
             return "her class allows fewer"
         return f"MindClass {name} allows at most {facts.max_tokens}"
 
-    def namespace_note(self, mind: Body) -> str:
+    def namespace_note(self, mind: Mapping[str, object]) -> str:
         """Her class and the namespaces it allows (for `ClassNotAllowed`)."""
-        name = str(at(mind, "spec").get("className") or self.default)
+        name = str(object_at(mind, "spec").get("className") or self.default)
         facts = self.classes.get(name)
         allowed = sorted(facts.allowed_namespaces or ()) if facts is not None else []
-        namespace = at(mind, "metadata").get("namespace")
+        namespace = object_at(mind, "metadata").get("namespace")
         return (
             f"MindClass {name} may not be used by Minds of namespace "
             f"{namespace}; it allows namespaces: {', '.join(allowed) or 'none'}"
@@ -147,10 +148,12 @@ class QuotaConditionType(StrEnum):
     LIMITING = "Limiting"
 
 
-def quota_status(quota: Body, use: QuotaUse, now: float) -> dict[str, object] | None:
+def quota_status(
+    quota: Mapping[str, object], use: QuotaUse, now: float
+) -> dict[str, object] | None:
     """A TokenQuota's new status, or None when hers already says it. Every TokenQuota of a
     namespace reports the namespace's use; the one that limits is the tightest."""
-    meta = at(quota, "metadata")
+    meta = object_at(quota, "metadata")
     ns = str(meta["namespace"])
     held, queued = use.minds(ns)
     used = use.used(ns)
@@ -164,7 +167,7 @@ def quota_status(quota: Body, use: QuotaUse, now: float) -> dict[str, object] | 
         reason, message = "Looser", f"TokenQuota {limit.quota} is tighter and applies"
     else:
         reason, message = "WithinQuota", f"{used} tokens held"
-    old = at(quota, "status")
+    old = object_at(quota, "status")
     prev = {c.get("type"): c for c in bodies(old.get("conditions"))}.get(
         QuotaConditionType.LIMITING
     )

@@ -46,11 +46,12 @@ from continuum_operator.core.grants import (
     allocate,
 )
 from continuum_operator.core.transition_lines import capacity_line, transition_line
-from continuum_operator.kube.client.body import Body, at, bodies, integer, mapping, text
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.ledger.routing import mind_key
 from continuum_operator.kube.ledger.transition_log import Place
 from continuum_operator.model.grant import GrantEntry, grant_entries, iso_micro, parse_entries
 from continuum_operator.model.grant_ledger import GrantQueue
+from continuum_operator.model.json_body import integer, object_at, text
 from continuum_operator.model.mind import HOLDING_STATES, GrantState, ProjectedState
 
 __all__ = [
@@ -176,7 +177,7 @@ def tail_from_log(waiting: Mapping[str, Place], kept: Collection[str]) -> dict[s
 
 
 def tail_from_minds(
-    minds: Iterable[Body], kept: Collection[str], demands: Mapping[str, MindDemand]
+    minds: Iterable[Mapping[str, object]], kept: Collection[str], demands: Mapping[str, MindDemand]
 ) -> dict[str, Grant]:
     """The entries an Engine object left out, as each Mind's own status says them (a new
     leader's view: the one that wrote the ledger kept them in memory). Only a Mind whose status
@@ -185,12 +186,12 @@ def tail_from_minds(
     out: dict[str, Grant] = {}
     for m in minds:
         name = mind_key(m)
-        status = at(m, "status")
-        grant = at(status, "grant")
+        status = object_at(m, "status")
+        grant = object_at(status, "grant")
         demand = demands.get(name)
         if name in kept or demand is None:
             continue
-        if status.get("observedGeneration") != at(m, "metadata").get("generation"):
+        if status.get("observedGeneration") != object_at(m, "metadata").get("generation"):
             continue
         since = _parse_time(grant.get("since"))
         try:
@@ -219,7 +220,7 @@ def tail_from_minds(
 # --- the pool ---------------------------------------------------------------------------------
 
 
-def launch_of(plan: Body) -> str | None:
+def launch_of(plan: Mapping[str, object]) -> str | None:
     """Identity of the engine process a plan runs: a new value is a relaunch (new KV buffers)."""
     if not plan or not plan.get("engineArgs"):
         return None
@@ -236,21 +237,21 @@ def holds_another_launch(status: object) -> bool:
     """Whether the ledger still holds grants made on another launch than the plan's: the engine
     process they live in must run until its gateway reports them released (or their grace
     deadline forces them), so the successor's Deployment waits (kube.engines.loop)."""
-    status = mapping(status)
-    recorded = at(status, CAPACITY_FIELD).get("launch")
-    if recorded is None or recorded == launch_of(at(status, "plan")):
+    status = object_at(status)
+    recorded = object_at(status, CAPACITY_FIELD).get("launch")
+    if recorded is None or recorded == launch_of(object_at(status, "plan")):
         return False
     return any(e.state in HOLDING_STATES for e in read_entries(status.get("grants")))
 
 
-def _condition(status: Body, type_: cond.ConditionType) -> Body:
+def _condition(status: Mapping[str, object], type_: cond.ConditionType) -> Mapping[str, object]:
     for c in bodies(status.get("conditions")):
         if c.get("type") == type_:
             return c
     return {}
 
 
-def _ready(status: Body) -> bool:
+def _ready(status: Mapping[str, object]) -> bool:
     return _condition(status, cond.ConditionType.READY).get("status") == "True"
 
 
@@ -260,7 +261,7 @@ _NEVER_PLACED = frozenset({cond.Reason.INVALID_SPEC, cond.Reason.FACTS_MISSING})
 _SERVED = frozenset({EnginePhase.SERVING, EnginePhase.DRAINING, EnginePhase.RELAUNCHING})
 
 
-def _unschedulable(status: Body) -> bool:
+def _unschedulable(status: Mapping[str, object]) -> bool:
     """Whether no node takes the engine as it is: its Unschedulable condition, or a spec the
     planner refuses (its Planned condition)."""
     return (
@@ -269,9 +270,9 @@ def _unschedulable(status: Body) -> bool:
     )
 
 
-def engine_note(engine: Body) -> str:
+def engine_note(engine: Mapping[str, object]) -> str:
     """Why an engine is not serving, in its Ready condition's words ('' when it says nothing)."""
-    ready = _condition(at(engine, "status"), cond.ConditionType.READY)
+    ready = _condition(object_at(engine, "status"), cond.ConditionType.READY)
     if ready.get("status") == "True":
         return ""
     reason, message = str(ready.get("reason") or ""), str(ready.get("message") or "")
@@ -299,7 +300,7 @@ class GrantPool:
         return doc
 
 
-def capacity_of(engine: Body, grants: Mapping[str, Grant]) -> GrantPool:
+def capacity_of(engine: Mapping[str, object], grants: Mapping[str, Grant]) -> GrantPool:
     """The engine's pool as the allocator must see it now.
 
     - Serving: the pod of the current plan is ready (the plan loop's `Ready` condition) and the
@@ -312,21 +313,21 @@ def capacity_of(engine: Body, grants: Mapping[str, Grant]) -> GrantPool:
       served before (the ledger's last pool says so); `Starting` when it never has (not placed
       yet, or its first pod not ready).
     """
-    spec = at(engine, "spec")
-    status = at(engine, "status")
-    plan = at(status, "plan")
-    tokens = integer(plan.get("contextTokensPerMind") or spec.get("contextTokensPerMind"))
-    slots = integer(plan.get("mindsGrantable")) if plan.get("schedulable", True) else 0
+    spec = object_at(engine, "spec")
+    status = object_at(engine, "status")
+    plan = object_at(status, "plan")
+    tokens = integer(plan, "contextTokensPerMind") or integer(spec, "contextTokensPerMind") or 0
+    slots = (integer(plan, "mindsGrantable") or 0) if plan.get("schedulable", True) else 0
     launch = launch_of(plan)
-    recorded = at(status, CAPACITY_FIELD)
+    recorded = object_at(status, CAPACITY_FIELD)
     holding = any(g.state in HOLDING_STATES for g in grants.values())
     old_launch = text(recorded.get("launch"))
     if holding and old_launch is not None and old_launch != launch:
         return GrantPool(
             Capacity(
                 EnginePhase.DRAINING,
-                integer(recorded.get("slots")),
-                integer(recorded.get("tokensPerSlot")) or tokens,
+                integer(recorded, "slots") or 0,
+                integer(recorded, "tokensPerSlot") or tokens,
                 target_slots=slots,
             ),
             old_launch,
@@ -345,10 +346,10 @@ def capacity_of(engine: Body, grants: Mapping[str, Grant]) -> GrantPool:
 # --- the gateway's releases ----------------------------------------------------------------
 
 
-def released_of(engine: Body, grants: Mapping[str, Grant]) -> set[str]:
+def released_of(engine: Mapping[str, object], grants: Mapping[str, Grant]) -> set[str]:
     """Minds whose reclaim the gateway reported released (status.runtime.slotReleases): the
     report names the reclaim by (mind, slot, grantSince), so an old report frees nothing new."""
-    runtime = at(engine, "status", "runtime")
+    runtime = object_at(engine, "status", "runtime")
     out: set[str] = set()
     for r in bodies(runtime.get("slotReleases")):
         g = grants.get(str(r.get("mind")))
@@ -390,7 +391,7 @@ class LedgerStep:
 
 
 def step(
-    engine: Body,
+    engine: Mapping[str, object],
     demands: Mapping[str, MindDemand],
     now: float,
     policy: GrantPolicy,
@@ -401,7 +402,7 @@ def step(
     namespace, the tokens its minds may hold on this engine (`core.grants.allocate`). `tail`:
     the entries the Engine object left out (`status.grantQueue`), from the leader's memory of
     its last write or from the Minds' own status (`tail_from_minds`)."""
-    status = at(engine, "status")
+    status = object_at(engine, "status")
     stored_raw = status.get("grants")
     stored = read_entries(stored_raw)
     grants = read_grants(stored)
@@ -455,12 +456,12 @@ def step(
 
 
 def log_lines(
-    t: float, engine: str, recorded: Body | None, s: LedgerStep
+    t: float, engine: str, recorded: Mapping[str, object] | None, s: LedgerStep
 ) -> list[dict[str, object]]:
     """The transition log's lines for one step (docs/transition-log.md): a `capacity` line
     wherever the pool differs from the one before, then the transitions under it."""
     lines: list[dict[str, object]] = []
-    before: Body | None = recorded
+    before: Mapping[str, object] | None = recorded
     for pool, transitions in s.segments:
         doc = pool.to_status()
         if before is None or _pool_key(before) != _pool_key(doc):
@@ -475,5 +476,5 @@ def queue_doc(queue: GrantQueue | None) -> dict[str, object] | None:
     return None if queue is None else queue.model_dump(by_alias=True)
 
 
-def _pool_key(doc: Body) -> tuple[object, ...]:
+def _pool_key(doc: Mapping[str, object]) -> tuple[object, ...]:
     return (doc.get("phase"), doc.get("slots"), doc.get("tokensPerSlot"))

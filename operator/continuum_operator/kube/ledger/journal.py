@@ -11,7 +11,6 @@ from collections.abc import Collection, Iterable, Mapping
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import GrantReason
-from continuum_operator.kube.client.body import Body
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["DEPARTED_KEPT", "journal", "read_journal", "rfc3339_exact", "unix_of"]
@@ -30,7 +29,7 @@ _JOURNAL_TIMES = ("t", "deadline")
 
 
 def journal(
-    seq: int, t: float, lines: Iterable[Body], kept: Collection[str] | None = None
+    seq: int, t: float, lines: Iterable[Mapping[str, object]], kept: Collection[str] | None = None
 ) -> dict[str, object]:
     """`status.grantStep`: a step's seq, time and log lines, times as RFC 3339 for a reader of
     the Engine (the log keeps Unix seconds; `read_journal` turns them back exactly).
@@ -44,7 +43,7 @@ def journal(
     slot, and nothing else would tell the log (at most one such mind a slot); so is a deleted
     mind's departure (the first `DEPARTED_KEPT`), which nothing would decide again."""
 
-    def text(line: Body) -> dict[str, object]:
+    def text(line: Mapping[str, object]) -> dict[str, object]:
         return {
             k: rfc3339_exact(v) if k in _JOURNAL_TIMES and isinstance(v, int | float) else v
             for k, v in line.items()

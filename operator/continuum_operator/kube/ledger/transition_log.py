@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from continuum_operator.kube.client.body import Body, number
+from continuum_operator.kube.client.body import number
 
 __all__ = ["Place", "TransitionLog"]
 
@@ -99,7 +99,7 @@ class TransitionLog:
             self.places.pop(engine, None)
         self.ledgers[engine] = ledger
 
-    def _place(self, line: Body) -> None:
+    def _place(self, line: Mapping[str, object]) -> None:
         """Keep a transition's mind in `places` while it leaves her waiting."""
         engine, mind = line.get("engine"), line.get("mind")
         if line.get("event") != "transition" or not isinstance(engine, str):
@@ -133,13 +133,13 @@ class TransitionLog:
             return False
         return self.seqs.get(engine, 0) >= seq
 
-    def append(self, engine: str, seq: int, lines: Sequence[Body]) -> None:
+    def append(self, engine: str, seq: int, lines: Sequence[Mapping[str, object]]) -> None:
         if not lines:
             return
         with self.lock:
             self._append(engine, seq, lines)
 
-    def _append(self, engine: str, seq: int, lines: Sequence[Body]) -> None:
+    def _append(self, engine: str, seq: int, lines: Sequence[Mapping[str, object]]) -> None:
         t = max(self.last_t, *(number(line.get("t")) for line in lines))
         written = [
             {**line, "t": max(number(line.get("t")), self.last_t), "seq": seq} for line in lines
@@ -173,7 +173,7 @@ class TransitionLog:
         finally:
             os.close(fd)
 
-    def recover(self, engine: str, journal: Body | None) -> bool:
+    def recover(self, engine: str, journal: Mapping[str, object] | None) -> bool:
         """Append the journaled step of an Engine if the log lacks it; True if it did."""
         if not journal:
             return False

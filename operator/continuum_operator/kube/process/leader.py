@@ -45,7 +45,7 @@ from continuum_operator.core import rfc3339
 from continuum_operator.kube.base import crash
 from continuum_operator.kube.base.grant_settings import LeaderSettings
 from continuum_operator.kube.client.api import ApiError, KubeApi
-from continuum_operator.kube.client.body import at, integer
+from continuum_operator.model.json_body import integer, object_at
 
 __all__ = ["Elector", "lead"]
 
@@ -141,19 +141,17 @@ class Elector:
                 return False
             self._held(started)
             return True
-        spec = at(lease, "spec")
+        spec = object_at(lease, "spec")
         holder = str(spec.get("holderIdentity") or "")
-        record = (str(at(lease, "metadata").get("resourceVersion", "")), repr(spec))
+        record = (str(object_at(lease, "metadata").get("resourceVersion", "")), repr(spec))
         if record != self.observed:
             # Any write is the holder's word that it still holds: counted from now, on our clock.
             self.observed, self.observed_at = record, self.monotonic()
-        duration = float(
-            integer(spec.get("leaseDurationSeconds")) or self.settings.duration_seconds
-        )
+        duration = float(integer(spec, "leaseDurationSeconds") or self.settings.duration_seconds)
         mine = holder == self.identity
         if not mine and holder and self.monotonic() < self.observed_at + duration:
             return False  # held, and renewed within its duration as we saw it: stand by
-        transitions = integer(spec.get("leaseTransitions")) + (0 if mine else 1)
+        transitions = (integer(spec, "leaseTransitions") or 0) + (0 if mine else 1)
         acquired = _parse(spec.get("acquireTime")) if mine else None
         try:
             renewed = {**lease, "spec": self._spec(now, acquired, transitions)}
@@ -179,7 +177,7 @@ class Elector:
             return
         try:
             lease = self.api.request("GET", self.path)
-            spec = at(lease, "spec")
+            spec = object_at(lease, "spec")
             if spec.get("holderIdentity") != self.identity:
                 return
             self.api.request("PUT", self.path, {**lease, "spec": {**spec, "holderIdentity": ""}})

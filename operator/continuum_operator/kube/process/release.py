@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import quote
@@ -37,8 +37,9 @@ from continuum_operator.kube.client.api import (
     crd_path,
     page_query,
 )
-from continuum_operator.kube.client.body import Body, at, bodies, text
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.model.base import label_selector
+from continuum_operator.model.json_body import object_at, text
 
 __all__ = [
     "FINALIZED",
@@ -73,7 +74,7 @@ class Api(Protocol):
         content_type: str = "application/json",
     ) -> dict[str, object]: ...
 
-    def merge_patch(self, path: str, patch: Body) -> dict[str, object]: ...
+    def merge_patch(self, path: str, patch: Mapping[str, object]) -> dict[str, object]: ...
 
 
 @dataclass
@@ -106,7 +107,9 @@ def stop_operator(
         if err.status == 404:
             return 0
         raise
-    labels = {k: str(v) for k, v in at(deployment, "spec", "selector", "matchLabels").items()}
+    labels = {
+        k: str(v) for k, v in object_at(deployment, "spec", "selector", "matchLabels").items()
+    }
     if not labels:
         raise ApiError(422, "Invalid", f"Deployment {namespace}/{name} has no matchLabels")
     selector = label_selector(labels)
@@ -127,8 +130,8 @@ def stop_operator(
         sleep(1.0)
 
 
-def _items(api: Api, path: str) -> list[Body]:
-    items: list[Body] = []
+def _items(api: Api, path: str) -> list[Mapping[str, object]]:
+    items: list[Mapping[str, object]] = []
     token = ""
     while True:
         page = api.request("GET", path, query=page_query((), PAGE, token))
@@ -138,9 +141,9 @@ def _items(api: Api, path: str) -> list[Body]:
             return items
 
 
-def _release_one(api: Api, plural: str, finalizer: str, obj: Body) -> bool:
+def _release_one(api: Api, plural: str, finalizer: str, obj: Mapping[str, object]) -> bool:
     """Take `finalizer` off one object; False when it is gone or no longer has it."""
-    meta = at(obj, "metadata")
+    meta = object_at(obj, "metadata")
     path = crd_path(plural, text(meta.get("namespace")), str(meta["name"]))
     for _ in range(CONFLICT_RETRIES):
         listed = meta.get("finalizers")
@@ -162,7 +165,9 @@ def _release_one(api: Api, plural: str, finalizer: str, obj: Body) -> bool:
             if err.status != 409:
                 raise
         try:
-            meta = at(api.request("GET", path), "metadata")  # changed meanwhile: read it again
+            meta = object_at(
+                api.request("GET", path), "metadata"
+            )  # changed meanwhile: read it again
         except ApiError as err:
             if err.status == 404:
                 return False
@@ -177,7 +182,7 @@ def release_finalizers(api: Api) -> Released:
         for obj in _items(api, crd_path(plural, None)):
             done.seen += 1
             if _release_one(api, plural, finalizer, obj):
-                meta = at(obj, "metadata")
+                meta = object_at(obj, "metadata")
                 done.released.append(f"{plural} {meta.get('namespace')}/{meta.get('name')}")
     return done
 

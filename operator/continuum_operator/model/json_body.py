@@ -1,0 +1,48 @@
+"""Reading a JSON object as the API server sends it, where no model of ours describes it (a Node,
+a Deployment, a Job, a Pod) or where a part is read before, or without, validating the whole.
+
+Each reader narrows what it finds: a field that is absent, null or of another type reads as
+absent (None, an empty object), never as a crash, so a foreign or half-written object is
+skipped, not guessed. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["at", "integer", "labels_at", "object_at", "text"]
+
+_EMPTY: Mapping[str, object] = {}
+
+
+def at(value: object, *path: str) -> object:
+    """The value at `path` (keys of nested objects); None where a step is missing or is not an
+    object."""
+    for key in path:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def object_at(value: object, *path: str) -> Mapping[str, object]:
+    """The object at `path`; an empty one where there is none."""
+    found = at(value, *path)
+    return found if isinstance(found, Mapping) else _EMPTY
+
+
+def text(value: object, *path: str) -> str | None:
+    """The string at `path`, or None."""
+    found = at(value, *path)
+    return found if isinstance(found, str) else None
+
+
+def integer(value: object, *path: str) -> int | None:
+    """The whole number at `path` (a JSON integer, not a boolean), or None."""
+    found = at(value, *path)
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def labels_at(value: object, *path: str) -> dict[str, str]:
+    """The string-to-string map at `path` (labels, annotations): its string entries."""
+    return {k: v for k, v in object_at(value, *path).items() if isinstance(v, str)}
