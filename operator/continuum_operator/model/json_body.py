@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["at", "integer", "labels_at", "object_at", "text"]
+__all__ = [
+    "at",
+    "integer",
+    "items_at",
+    "labels_at",
+    "name_of",
+    "namespaced_name",
+    "object_at",
+    "text",
+]
 
 _EMPTY: Mapping[str, object] = {}
 
@@ -31,6 +40,12 @@ def object_at(value: object, *path: str) -> Mapping[str, object]:
     return found if isinstance(found, Mapping) else _EMPTY
 
 
+def items_at(value: object, *path: str) -> list[object]:
+    """The list at `path`; an empty one where there is none."""
+    found = at(value, *path)
+    return list(found) if isinstance(found, list) else []
+
+
 def text(value: object, *path: str) -> str | None:
     """The string at `path`, or None."""
     found = at(value, *path)
@@ -46,3 +61,13 @@ def integer(value: object, *path: str) -> int | None:
 def labels_at(value: object, *path: str) -> dict[str, str]:
     """The string-to-string map at `path` (labels, annotations): its string entries."""
     return {k: v for k, v in object_at(value, *path).items() if isinstance(v, str)}
+
+
+def name_of(obj: object) -> str:
+    """An object's `metadata.name` (every object the API server sends has one; '' if not)."""
+    return text(obj, "metadata", "name") or ""
+
+
+def namespaced_name(obj: object) -> tuple[str, str]:
+    """A namespaced object's (namespace, name)."""
+    return text(obj, "metadata", "namespace") or "", name_of(obj)

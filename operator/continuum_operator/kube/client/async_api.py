@@ -180,7 +180,7 @@ class AsyncKubeApi:
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
     ) -> dict[str, Any]:
-        # Any: the rooms that read these answers narrow them themselves (`kube.client.body`).
+        # Loosely typed: the rooms that read these answers narrow them (`model.json_body`).
         return document(await self.send(call(method, path, body, query, content_type)))
 
     async def apply(self, obj: Mapping[str, object]) -> dict[str, object]:
