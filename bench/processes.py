@@ -50,6 +50,7 @@ from bench.kube_bench import ROOT, cluster_down, cluster_up
 from continuum_operator.kube.client.api import crd_path, resource_of
 from continuum_operator.kube.client.async_api import AsyncKubeApi, login, tls_of
 from continuum_operator.kube.ledger import cached as ledger_object
+from continuum_operator.model.json_body import at
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 
 NS = "bench-processes"
@@ -370,9 +371,8 @@ async def tell_reached(api: AsyncKubeApi, runners: list[Runner], steps: int) -> 
     for r in runners:
         alive = "running" if r.proc is not None and r.proc.returncode is None else "EXITED"
         plural = "engines" if r.what == "engine" else "embedlanes"
-        status = (await api.request("GET", crd_path(plural, NS, r.name))).get("status") or {}
-        runtime = status.get("runtime") or {}
-        said = runtime.get("phase") if r.what == "engine" else runtime.get("contextTokens")
+        got = await api.request("GET", crd_path(plural, NS, r.name))
+        said = at(got, "status", "runtime", "phase" if r.what == "engine" else "contextTokens")
         took = (f"median {statistics.median(r.latencies):.2f} s, most {max(r.latencies):.2f} s"
                 if r.latencies else "never")  # fmt: skip
         acted = f"acted on {len(r.latencies)} of {len(r.latencies) + r.missed} changes"

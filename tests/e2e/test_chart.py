@@ -37,6 +37,7 @@ from tests.e2e.test_operator import (
     write_board,
 )
 from tests.e2e.test_operator import engine as operator_e2e_engine
+from tests.support.builders import tree
 from tests.support.helm import CHART, documents, find_helm, helm
 
 pytestmark = pytest.mark.e2e
@@ -642,8 +643,10 @@ def test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades(
         deployment = cluster.get_json("deployment", f"{name}-continuum-operator", "-n", ns)
         args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         children = settings_from(build_parser().parse_args(args)).children
-        config = webhook.webhook_configuration(
-            {"url": "https://unused", "caBundle": first["ca.crt"]}, children
+        config = tree(
+            webhook.webhook_configuration(
+                {"url": "https://unused", "caBundle": first["ca.crt"]}, children
+            )
         )
         config["metadata"]["name"] = f"dry-run-{RUN}"
         accepted = yaml.safe_load(cluster.apply(config, "--dry-run=server", "-o", "yaml"))[

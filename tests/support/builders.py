@@ -135,3 +135,9 @@ def engine_planned_on_a_gpu() -> tuple[Engine, PlanStatus]:
 def plan_on_a_gpu(**fields: object) -> PlanStatus:
     """The plan of `engine_planned_on_a_gpu` with `fields` (by their Python names) in place."""
     return engine_planned_on_a_gpu()[1].model_copy(update=fields)
+
+
+def tree(value: object) -> Any:
+    """An object the shell built or answered, as a test reads it: every field reachable by
+    index (the product narrows what it reads; a test states the fields it expects)."""
+    return value

@@ -69,9 +69,9 @@ from continuum_operator.manifests import ManifestError, yaml_documents
 
 __all__ = [
     "Door",
+    "LanePhase",
     "LaneRuntime",
     "LaneState",
-    "RuntimePhase",
     "add_arguments",
     "lane_state_from",
     "refuse_caller",
@@ -89,7 +89,9 @@ Publish = Callable[[dict[str, Any]], Awaitable[None]]
 Review = Callable[[str, Caller], Awaitable[ServiceAccount | None]]
 
 
-class RuntimePhase(StrEnum):
+class LanePhase(StrEnum):
+    """Where an EmbedLane's runtime is (the engine's is `engine.runtime.RuntimePhase`)."""
+
     CALIBRATING = "Calibrating"
     SERVING = "Serving"
 
@@ -197,7 +199,7 @@ class LaneRuntime:
     #: Who may call; None: anyone who reaches the port (`--unsafe-no-review` only).
     door: Door | None = None
     clock: Callable[[], float] = time.monotonic
-    phase: RuntimePhase = RuntimePhase.CALIBRATING
+    phase: LanePhase = LanePhase.CALIBRATING
     largest: int = 0
     receipts: dict[int, Receipt] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
@@ -221,7 +223,7 @@ class LaneRuntime:
         kept = sorted(self.receipts.items())[-RECEIPTS_KEPT:]
         return {
             "phase": self.phase.value,
-            "ready": self.phase is RuntimePhase.SERVING,
+            "ready": self.phase is LanePhase.SERVING,
             "gpuOffload": gpu_offload_supported(),
             "llamaBuild": llama_build(),
             "maxContextTokens": self.state.max_context_tokens,
@@ -287,7 +289,7 @@ class LaneRuntime:
             self.receipts[loaded.cells] = loaded.receipt
         self.largest = max(self.largest, target)
         self.metrics.set_context(self.largest, self.model.cells)
-        self.phase = RuntimePhase.SERVING
+        self.phase = LanePhase.SERVING
         await self.publish_status()
 
     # -- requests ---------------------------------------------------------------------------
@@ -296,7 +298,7 @@ class LaneRuntime:
         self, texts: list[str], wait_seconds: float = 0.0
     ) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of one embedding request."""
-        if self.phase is not RuntimePhase.SERVING:
+        if self.phase is not LanePhase.SERVING:
             self.metrics.refused("Calibrating")
             return 503, _error(503, "Calibrating", "the lane is calibrating; try again shortly")
         async with self._lock:
@@ -428,7 +430,7 @@ class LaneRuntime:
         return web.json_response({"ok": True})
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        ready = self.phase is RuntimePhase.SERVING
+        ready = self.phase is LanePhase.SERVING
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 

@@ -35,8 +35,8 @@ __all__ = [
     "CHUNK_BYTES",
     "DigestCheck",
     "DigestMismatch",
+    "DigestOutcome",
     "FileStamp",
-    "Verdict",
     "VerifiedModel",
     "hash_file",
     "mismatch_message",
@@ -98,14 +98,16 @@ class VerifiedModel:
             return None
 
 
-class Verdict(StrEnum):
+class DigestOutcome(StrEnum):
+    """How a model file's digest was had (`DigestCheck.verdict`)."""
+
     HASHED = "Hashed"  # computed now
     SKIPPED = "Skipped"  # the same file this runtime verified before
 
 
 @dataclass(frozen=True, slots=True)
 class DigestCheck:
-    verdict: Verdict
+    verdict: DigestOutcome
     actual: str
     record: VerifiedModel
 
@@ -178,8 +180,8 @@ def verify(
         and previous.node == node
         and previous.stamp == stamp
     ):
-        return DigestCheck(Verdict.SKIPPED, previous.sha256, previous)
+        return DigestCheck(DigestOutcome.SKIPPED, previous.sha256, previous)
     actual = hash_file(path, progress=progress)
     # Recorded with the stamp from before the read: a file written while it was read (its
     # digest of neither version) has another stamp by now, so the next start hashes it again.
-    return DigestCheck(Verdict.HASHED, actual, VerifiedModel(str(path), actual, stamp, node))
+    return DigestCheck(DigestOutcome.HASHED, actual, VerifiedModel(str(path), actual, stamp, node))

@@ -35,6 +35,7 @@ from continuum_operator.kube.client.api import crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi, follow
 from continuum_operator.manifests import ManifestError, yaml_documents
 from continuum_operator.model.grant_ledger import GrantLedger, engine_owners
+from continuum_operator.model.json_body import text
 
 __all__ = [
     "EngineStatusWriter",
@@ -104,7 +105,7 @@ async def watch_ledger(
     async def listed(items: list[dict[str, Any]]) -> None:
         # The Engine's uid at each list: a ledger owned by another is not its grants.
         engine = await api.request("GET", crd_path("engines", namespace, name))
-        tables.owner = str((engine.get("metadata") or {}).get("uid") or "")
+        tables.owner = text(engine, "metadata", "uid") or ""
         if items:
             tables.deliver(items[0])
         else:

@@ -470,7 +470,7 @@ class EngineRuntime:
             rehash=launch.rehash and self._verified is launch.verified,  # the first check only
             progress=progress,
         )
-        if check.verdict is digest.Verdict.SKIPPED:
+        if check.verdict is digest.DigestOutcome.SKIPPED:
             log.info("model %s: same file as verified before (sha256 %s); not hashed", path,
                      check.actual)  # fmt: skip
         if not check.matches(launch.model_sha256):

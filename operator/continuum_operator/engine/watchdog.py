@@ -116,7 +116,10 @@ def step_seconds(before: Reading | None, now: Reading) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class CutDecision:
+    """One probe judged: the new reference time, the probes over the bound in a row, and
+    whether to cut."""
+
     reference: float
     over: int
     cut: bool
@@ -124,15 +127,15 @@ class Verdict:
 
 def decide(
     step: float, reference: float, over: int, suspects: int, settings: WatchdogSettings
-) -> Verdict:
+) -> CutDecision:
     """Pure: the new reference and count of probes over the bound, and whether to cut."""
     bound = settings.factor * max(reference, settings.floor_seconds)
     if suspects == 0:
         smoothed = step if reference <= 0 else reference + settings.smoothing * (step - reference)
-        return Verdict(smoothed, 0, cut=False)
+        return CutDecision(smoothed, 0, cut=False)
     if step <= bound:
-        return Verdict(reference, 0, cut=False)
-    return Verdict(reference, over + 1, cut=over + 1 >= settings.patience)
+        return CutDecision(reference, 0, cut=False)
+    return CutDecision(reference, over + 1, cut=over + 1 >= settings.patience)
 
 
 @dataclass(eq=False)

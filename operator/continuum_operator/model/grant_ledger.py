@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from continuum_operator.model.base import LabelNamedMeta, Resource, Spec, nullable
+from continuum_operator.model.grant import GrantEntry, entry_schema
 
 __all__ = [
     "GrantCapacity",
@@ -30,11 +31,8 @@ __all__ = [
 
 
 def _grant_entries_schema(schema: dict[str, Any]) -> None:
-    """The CRD's `status.grants` items: `model.grant.GrantEntry`. Imported when a schema is
-    made, not with this module: an entry's reason is `core.grants`' enum, and `core.grants`
-    imports this package."""
-    from continuum_operator.model.grant import entry_schema
-
+    """The CRD's `status.grants` items: `GrantEntry` with its enums inlined and no defaults
+    (`model.grant.entry_schema`), as the CRD has always said them."""
     schema["items"] = entry_schema()
 
 
@@ -112,10 +110,10 @@ class GrantLedgerStatus(Spec):
     """The ledger, the pool it was made for, what it leaves out, and its last step's journal,
     written together in one replace by the operator's leader."""
 
-    # Plain dicts here: each reader parses them through `model.grant` with its own policy on an
-    # entry it cannot read (the operator skips it, the gateway refuses the table), so one bad
-    # entry does not make the whole ledger unreadable. The CRD types each entry.
-    grants: list[dict[str, Any]] | None = Field(
+    # Each reader of a stored object parses the entries one by one (`model.grant.parse_entries`)
+    # with its own policy on an entry it cannot read (the operator skips it, the gateway refuses
+    # the table), so one bad entry does not make the whole ledger unreadable.
+    grants: list[GrantEntry] | None = Field(
         default=None,
         description="The grant ledger of the engine's pool, one entry per Mind (state, tokens, "
         "slot, since, reason), written only by the operator's leader (docs/grants.md).",

@@ -41,8 +41,9 @@ def every_kind_of_grant() -> dict[str, Grant]:
     return {g.mind: g for g in grants}
 
 
-def written() -> list[dict[str, Any]]:
-    return grant_entries(every_kind_of_grant(), {}, {"ns/d": 99_999})
+def written() -> list[dict[str, object]]:
+    """The entries as the GrantLedger stores them."""
+    return [e.wire() for e in grant_entries(every_kind_of_grant(), {}, {"ns/d": 99_999})]
 
 
 def crd_entry_schema() -> dict[str, Any]:
@@ -104,16 +105,22 @@ class TestTheCrdSchema:
         deadline = crd_entry_schema()["properties"]["deadline"]
         assert "type" not in deadline and deadline["x-kubernetes-preserve-unknown-fields"]
 
-    def test_the_ledger_model_keeps_entries_as_they_are_for_each_reader_to_parse(self) -> None:
-        entries = [{"mind": "no-namespace", "state": "Held"}]
+    def test_the_ledger_model_types_its_entries_and_the_operator_reads_them_one_by_one(
+        self,
+    ) -> None:
         body: dict[str, Any] = {
             "apiVersion": API_VERSION,
             "kind": "GrantLedger",
             "metadata": {"name": "coder", "namespace": "minds"},
-            "status": {"grants": entries},
+            "status": {"grants": written()},
         }
-        # One bad entry does not make the whole ledger unreadable (each reader skips or refuses).
-        assert GrantLedger.model_validate(body).status.grants == entries
+        typed = GrantLedger.model_validate(body).status.grants
+        assert typed is not None and [e.wire() for e in typed] == written()
+        bad = [*written(), {"mind": "no-namespace", "state": "Held"}]
+        with pytest.raises(ValidationError):
+            GrantLedger.model_validate({**body, "status": {"grants": bad}})
+        # One bad entry does not make the whole ledger unreadable: the operator skips it.
+        assert [e.wire() for e in ledger.read_entries(bad)] == written()
 
     def test_an_engine_names_no_ledger_field(self) -> None:
         # The ledger is a GrantLedger's: an Engine's status that carries one is refused.
@@ -197,7 +204,7 @@ class TestEachReadersPolicy:
             {"mind": "ns/bad", "state": "Held", "reason": "PoolFull"},
             {"mind": "ns/noreason", "state": "Queued"},
         ]
-        assert ledger.read_grants(raw) == every_kind_of_grant()
+        assert ledger.read_grants(ledger.read_entries(raw)) == every_kind_of_grant()
 
     def test_the_gateway_refuses_the_whole_table_for_one_entry_it_cannot_read(self) -> None:
         doc = {

@@ -25,7 +25,7 @@ from continuum_operator.kube.workloads import engine_identity, lane_objects
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
-from tests.support.builders import ROOT
+from tests.support.builders import ROOT, tree
 from tests.support.helm import CHART, by_kind, documents, find_helm, helm, one, template
 
 Rule = Mapping[str, Any]
@@ -258,9 +258,9 @@ def test_the_webhook_configuration_names_the_charts_service_unless_a_url_is_aske
     args = _parse(_container(one(custom_docs, "Deployment", "-operator"))["args"])
     children = settings_from(args).children
     service = one(custom_docs, "Service", "-webhook")
-    client = webhook.webhook_configuration({"url": "https://ignored"}, children)["webhooks"][0][
-        "clientConfig"
-    ]
+    client = tree(webhook.webhook_configuration({"url": "https://ignored"}, children))["webhooks"][
+        0
+    ]["clientConfig"]
     assert client["service"] == {
         "namespace": service["metadata"]["namespace"],
         "name": service["metadata"]["name"],

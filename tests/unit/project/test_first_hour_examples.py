@@ -20,6 +20,7 @@ from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger import routing
 from continuum_operator.manifests import load_all, load_one, parse
 from continuum_operator.model import Engine, Mind, MindClass
+from continuum_operator.model.grant import GrantEntry
 from continuum_operator.testing.tiny_gguf import write_tiny_gguf
 from tests.support.builders import ROOT
 
@@ -116,19 +117,19 @@ def test_the_minds_examples_do_what_their_comment_says_then_queue_moves_on_a_del
     classes, default = routing.classes_of(documents(MINDS / "classes.yaml"))
     policy = PriorityPolicy(grace_seconds=5.0)
 
-    def step(now: float, present: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def step(now: float, present: list[dict[str, Any]]) -> dict[str, GrantEntry]:
         demands = routing.demands_of(present, classes, default)
         s = ledger.step(engine, demands, now, policy)
-        engine["status"]["grants"] = s.entries
+        engine["status"]["grants"] = [e.wire() for e in s.entries]
         engine["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
-        return {e["mind"].split("/")[1]: e for e in s.entries}
+        return {e.mind.split("/")[1]: e for e in s.entries}
 
     entries = step(100.0, minds)
     shown = {}
     for name, e in entries.items():
         grant = mind_status.projection(e, "minds/tiny-chat", 1024, 0).grant
         assert grant is not None
-        shown[name] = (grant["state"], grant["tokens"], grant["reason"])
+        shown[name] = (grant.state, grant.tokens, grant.reason)
     expected = seen_in_comment()
     assert set(expected) == {"ada", "bo", "cy", "dee"}
     assert shown == {
@@ -139,13 +140,13 @@ def test_the_minds_examples_do_what_their_comment_says_then_queue_moves_on_a_del
 
     # bo deleted: reclaimed, released at her grace deadline (no gateway reports it), cy granted.
     rest = [m for m in minds if m["metadata"]["name"] != "bo"]
-    assert (step(101.0, rest)["bo"]["state"], step(101.0, rest)["cy"]["state"]) == (
+    assert (step(101.0, rest)["bo"].state, step(101.0, rest)["cy"].state) == (
         "Reclaiming",
         "Queued",
     )
     after = step(106.0, rest)
     assert "bo" not in after
-    assert (after["cy"]["state"], after["cy"]["reason"]) == ("Granted", "SlotFree")
+    assert (after["cy"].state, after["cy"].reason) == ("Granted", "SlotFree")
 
 
 # --- continuum model tiny ---------------------------------------------------------------------

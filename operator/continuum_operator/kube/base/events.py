@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from continuum_operator.kube.client.async_api import AsyncKubeApi
@@ -34,19 +34,30 @@ class Event:
     message: str
 
 
-def reference(api_version: str, kind: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+class ObjectReference(TypedDict):
+    """An Event's `involvedObject` as the operator writes it."""
+
+    apiVersion: str
+    kind: str
+    name: str
+    namespace: str
+    uid: str | None
+
+
+def reference(api_version: str, kind: str, meta: Mapping[str, object]) -> ObjectReference:
     """An Event's `involvedObject`: the object by kind, namespace, name and uid."""
+    uid = meta.get("uid")
     return {
         "apiVersion": api_version,
         "kind": kind,
-        "name": meta["name"],
-        "namespace": meta["namespace"],
-        "uid": meta.get("uid"),
+        "name": str(meta["name"]),
+        "namespace": str(meta["namespace"]),
+        "uid": str(uid) if uid is not None else None,
     }
 
 
 def event(
-    involved: Mapping[str, Any],
+    involved: Mapping[str, object],
     event_type: str,
     reason: str,
     message: str,
@@ -56,14 +67,14 @@ def event(
     now: str,
     name: str | None = None,
     message_limit: int | None = MESSAGE_LIMIT,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """An Event on `involved` (a `reference`), in its namespace, seen once at `now` (RFC 3339).
 
     Named `name` where one name per occurrence keeps a restarted operator from posting a twin
     (the API server refuses the second create); else the API server names it after the object.
     The message is cut at `message_limit` characters (None: posted whole).
     """
-    meta: dict[str, Any] = (
+    meta: dict[str, object] = (
         {"name": name} if name is not None else {"generateName": f"{involved['name']}."}
     )
     meta["namespace"] = involved["namespace"]
@@ -86,7 +97,7 @@ def event(
 
 async def post(
     api: AsyncKubeApi,
-    involved: Mapping[str, Any],
+    involved: Mapping[str, object],
     note: Event,
     *,
     instance: str,

@@ -12,7 +12,6 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -21,6 +20,7 @@ from continuum_operator.core.grants import Grant, GrantReason, Transition
 from continuum_operator.core.receipts import is_host_buffer
 from continuum_operator.kube.base.readiness import Readiness, serve_metrics
 from continuum_operator.metric_families import MetricSet, counter, gauge, histogram
+from continuum_operator.model.json_body import integer
 from continuum_operator.model.mind import GrantState
 
 __all__ = [
@@ -212,7 +212,7 @@ class OperatorMetrics(MetricSet):
         self.relaunches.labels(namespace, engine, RelaunchCause.PLANNED).inc()
 
     def record_runtime_restarts(
-        self, namespace: str, engine: str, status: Mapping[str, Any] | None
+        self, namespace: str, engine: str, status: Mapping[str, object] | None
     ) -> None:
         """llama-server's restarts that `status.runtime.restarts` reports and this replica has
         not counted: the increase within one launch, all of a new launch's. The first report
@@ -247,7 +247,7 @@ class OperatorMetrics(MetricSet):
     def set_memory_mode_unknown(self, namespace: str, engine: str, unknown: bool) -> None:
         self.memory_mode_unknown.labels(namespace, engine).set(1 if unknown else 0)
 
-    def set_plan(self, namespace: str, engine: str, plan: Mapping[str, Any] | None) -> None:
+    def set_plan(self, namespace: str, engine: str, plan: Mapping[str, object] | None) -> None:
         """The engine's plan as its status holds it; no plan (unschedulable), no series."""
         key = (namespace, engine)
         node = str(plan.get("node") or "") if plan else ""
@@ -259,9 +259,9 @@ class OperatorMetrics(MetricSet):
             del self.planned_on[key]
         if not plan or not node:
             return
-        self.plan_layers.labels(namespace, engine, node).set(int(plan.get("layersOnDevice", 0)))
-        self.plan_pool_tokens.labels(namespace, engine, node).set(int(plan.get("poolTokens", 0)))
-        self.plan_slots.labels(namespace, engine, node).set(int(plan.get("mindsGrantable", 0)))
+        self.plan_layers.labels(namespace, engine, node).set(integer(plan, "layersOnDevice") or 0)
+        self.plan_pool_tokens.labels(namespace, engine, node).set(integer(plan, "poolTokens") or 0)
+        self.plan_slots.labels(namespace, engine, node).set(integer(plan, "mindsGrantable") or 0)
         self.planned_on[key] = node
 
     def set_boards_fresh(self, fresh: dict[str, bool]) -> None:
@@ -328,7 +328,7 @@ class OperatorMetrics(MetricSet):
         self.grants_queued.labels(namespace, engine).set(queued)
 
     def set_estimate_error(
-        self, namespace: str, engine: str, status: Mapping[str, Any] | None
+        self, namespace: str, engine: str, status: Mapping[str, object] | None
     ) -> None:
         """The plan in the Engine's status against its runtime's receipt (docs/design.md rule 5);
         no receipt of the plan's placement, no series (see `estimate_errors`)."""
@@ -375,7 +375,7 @@ def _is_cycle(t: Transition, before: Grant | None) -> bool:
     return t.at - before.reclaimed_at < CYCLE_WINDOWS * t.protection_window
 
 
-def estimate_errors(status: Mapping[str, Any]) -> dict[str, float]:
+def estimate_errors(status: Mapping[str, object]) -> dict[str, float]:
     """(planned - allocated) / allocated bytes per pool side, for the Engine's `status.plan`
     against the receipt in its `status.runtime` of the same placement.
 

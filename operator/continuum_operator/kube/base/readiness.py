@@ -10,20 +10,20 @@ things it waits for are done (the Minds listed, its webhook serving and configur
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+if TYPE_CHECKING:  # the standard WSGI types, as typeshed names them
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+
 __all__ = ["MINDS_LISTED", "WEBHOOK_SERVING", "Readiness", "serve_metrics"]
 
 MINDS_LISTED = "the Minds listed"
 WEBHOOK_SERVING = "the children's webhook serving"
-
-StartResponse = Callable[[str, list[tuple[str, str]]], Any]
-WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
 
 class Readiness:
@@ -40,11 +40,11 @@ class Readiness:
         return tuple(sorted(self._waiting))
 
 
-def routed(metrics: WsgiApp, readiness: Readiness) -> WsgiApp:
+def routed(metrics: WSGIApplication, readiness: Readiness) -> WSGIApplication:
     """`/readyz` answered from `readiness` (200, or 503 naming what it waits for); any other
     path to the metrics app, as prometheus_client serves it."""
 
-    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterator[bytes]:
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != "/readyz":
             yield from metrics(environ, start_response)
             return
@@ -62,7 +62,7 @@ def routed(metrics: WsgiApp, readiness: Readiness) -> WsgiApp:
 
 
 class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # a probe every few seconds
+    def log_message(self, format: str, *args: object) -> None:  # a probe every few seconds
         pass
 
 

@@ -14,10 +14,11 @@ import copy
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
+from continuum_operator.kube.client.body import bodies, object_in
 from continuum_operator.model.base import GROUP
+from continuum_operator.model.json_body import object_at
 
 __all__ = [
     "BACKGROUND",
@@ -39,7 +40,6 @@ CLASS_ANNOTATION = "continuum.dev/process-class"
 CLASS_ENV = "CONTINUUM_PROCESS_CLASS"
 BACKGROUND = "background"
 
-Obj = dict[str, Any]
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
@@ -60,32 +60,31 @@ def mind_of_creator(username: str | None, is_mind: Callable[[str], bool]) -> str
     return name
 
 
-def mind_of(pod: Mapping[str, Any]) -> str | None:
+def mind_of(pod: Mapping[str, object]) -> str | None:
     """The mind whose child this pod is: its label, else an owner reference to a Mind."""
-    meta = pod.get("metadata") or {}
-    name = (meta.get("labels") or {}).get(MIND_LABEL)
+    meta = object_at(pod, "metadata")
+    name = object_at(meta, "labels").get(MIND_LABEL)
     if name:
         return str(name)
-    for ref in meta.get("ownerReferences") or []:
+    for ref in bodies(meta.get("ownerReferences")):
         if ref.get("kind") == "Mind" and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
             return str(ref.get("name"))
     return None
 
 
-def is_marked(pod: Mapping[str, Any]) -> bool:
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    return annotations.get(CLASS_ANNOTATION) == BACKGROUND
+def is_marked(pod: Mapping[str, object]) -> bool:
+    return object_at(pod, "metadata", "annotations").get(CLASS_ANNOTATION) == BACKGROUND
 
 
 @dataclass(frozen=True, slots=True)
 class Mutation:
-    pod: Obj
+    pod: dict[str, object]
     """The pod as it is admitted."""
     notes: tuple[str, ...] = ()
     """What was overridden, returned to the client as admission warnings."""
 
 
-def _without_cpu(resources: Obj, side: str) -> str | None:
+def _without_cpu(resources: dict[str, object], side: str) -> str | None:
     """Removes `resources[side].cpu`; returns what it was."""
     values = resources.get(side)
     if not isinstance(values, dict) or "cpu" not in values:
@@ -97,7 +96,7 @@ def _without_cpu(resources: Obj, side: str) -> str | None:
 
 
 def mutate(
-    pod: Mapping[str, Any],
+    pod: Mapping[str, object],
     pods: PodSettings,
     children: ChildrenSettings,
     creator_mind: str | None = None,
@@ -111,20 +110,17 @@ def mutate(
     mind = mind_of(pod) or creator_mind
     if mind is None:
         return None
-    new: Obj = copy.deepcopy(dict(pod))
+    new: dict[str, object] = copy.deepcopy(dict(pod))
     notes: list[str] = []
-    meta = new.setdefault("metadata", {})
-    labels = meta.get("labels") or {}
+    meta = object_in(new, "metadata")
+    labels = object_in(meta, "labels")
     if MIND_LABEL not in labels:  # an owned or made child gets the label: the count watches it
         if LABEL_VALUE.fullmatch(mind):
             labels[MIND_LABEL] = mind
         else:  # a label would refuse the pod: it is admitted without, and not counted if missed
             notes.append(f"mind name {mind} is no label value: {MIND_LABEL} not set")
-    meta["labels"] = labels
-    annotations = meta.get("annotations") or {}
-    annotations[CLASS_ANNOTATION] = BACKGROUND
-    meta["annotations"] = annotations
-    spec = new.setdefault("spec", {})
+    object_in(meta, "annotations")[CLASS_ANNOTATION] = BACKGROUND
+    spec = object_in(new, "spec")
     asked = spec.get("priorityClassName")
     if asked and asked != pods.children_priority_class:
         notes.append(f"priorityClassName {asked} replaced by {pods.children_priority_class}")
@@ -143,12 +139,16 @@ def mutate(
         if not pod_resources:
             del spec["resources"]
     for kind in ("initContainers", "containers"):
-        for container in spec.get(kind) or []:
-            resources = container.get("resources") or {}
+        listed = spec.get(kind)
+        for container in listed if isinstance(listed, list) else []:
+            if not isinstance(container, dict):
+                continue
+            resources = object_in(container, "resources")
             name = container.get("name")
             if (was := _without_cpu(resources, "limits")) is not None:
                 notes.append(f"container {name}: CPU limit {was} removed")
-            asked = (resources.get("requests") or {}).get("cpu")
+            requests = object_in(resources, "requests")
+            asked = requests.get("cpu")
             if asked is not None and str(asked) != children.cpu_request:
                 # Said, so a LimitRange's refusal of the request ("minimum cpu ... is 100m,
                 # but request is 1m") names who wrote 1m into a pod that asked for more.
@@ -156,8 +156,7 @@ def mutate(
                     f"container {name}: CPU request {asked} replaced by {children.cpu_request} "
                     "(a mind's child, docs/children.md)"
                 )
-            resources.setdefault("requests", {})["cpu"] = children.cpu_request
-            container["resources"] = resources
-            env = [e for e in container.get("env") or [] if e.get("name") != CLASS_ENV]
+            requests["cpu"] = children.cpu_request
+            env = [e for e in bodies(container.get("env")) if e.get("name") != CLASS_ENV]
             container["env"] = [*env, {"name": CLASS_ENV, "value": BACKGROUND}]
     return Mutation(new, tuple(notes))

@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from continuum_operator.cli.args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.core import rfc3339
@@ -57,6 +57,7 @@ from continuum_operator.kube.children.membership import (
 from continuum_operator.kube.workloads.engine_objects import MANAGED_BY
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.base import GROUP
+from continuum_operator.model.json_body import object_at
 
 if TYPE_CHECKING:  # imported when the operator starts: `continuum plan` loads neither
     import kopf
@@ -81,8 +82,6 @@ HANDLER_ID = "mind-children"
 UNMUTATED_REASON = "ChildNotMutated"
 INSTALL_ATTEMPTS = 5
 
-Obj = dict[str, Any]
-
 
 MATCH_CONDITION = (
     f"(has(object.metadata.labels) && '{MIND_LABEL}' in object.metadata.labels) || "
@@ -97,7 +96,9 @@ Minds). Pods the controllers make (a Deployment's, a Job's) are created by kube-
 accounts and are sent only when labelled: a mind's runtime labels their templates."""
 
 
-def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSettings) -> Obj:
+def webhook_configuration(
+    client_config: Mapping[str, object], children: ChildrenSettings
+) -> dict[str, object]:
     """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator,
     and the workloads a service account writes (`child_workloads.workloads_webhook`).
 
@@ -108,8 +109,8 @@ def webhook_configuration(client_config: Mapping[str, Any], children: ChildrenSe
     then admitted unmutated (Ignore) and counted when it is back.
     """
 
-    def client(handler_id: str) -> Obj:
-        found: Obj
+    def client(handler_id: str) -> dict[str, object]:
+        found: dict[str, object]
         if children.service is not None:
             namespace, name = children.service
             port = children.service_port if children.service_port is not None else children.port
@@ -169,9 +170,9 @@ class Unmarked:
     live: dict[str, tuple[str, str]] = field(default_factory=dict)
     """uid -> (namespace, name) of each unmarked child now present."""
 
-    def observe(self, pod: Mapping[str, Any], deleted: bool) -> bool:
+    def observe(self, pod: Mapping[str, object], deleted: bool) -> bool:
         """Records one watch event; True the first time an unmarked child is seen."""
-        meta = pod.get("metadata") or {}
+        meta = object_at(pod, "metadata")
         uid = str(meta.get("uid", ""))
         if deleted or mind_of(pod) is None or is_marked(pod):
             self.live.pop(uid, None)
@@ -185,10 +186,12 @@ class Unmarked:
         return sum(1 for ns, _ in self.live.values() if ns == namespace)
 
 
-def unmutated_event(pod: Mapping[str, Any], pods: PodSettings, instance: str, now: str) -> Obj:
+def unmutated_event(
+    pod: Mapping[str, object], pods: PodSettings, instance: str, now: str
+) -> dict[str, object]:
     """A Warning on the pod; its name is fixed per pod, so a restarted operator posts no twin."""
-    meta = pod["metadata"]
-    spec = pod.get("spec") or {}
+    meta = object_at(pod, "metadata")
+    spec = object_at(pod, "spec")
     message = (
         f"Pod {meta['namespace']}/{meta['name']} of mind {mind_of(pod)} was admitted without "
         f"the children's webhook (no {CLASS_ANNOTATION} mark): it runs at priority "
@@ -205,7 +208,7 @@ def unmutated_event(pod: Mapping[str, Any], pods: PodSettings, instance: str, no
         component=events.COMPONENT,
         instance=instance,
         now=now,
-        name=f"{meta['name'][:200]}.unmutated.{str(meta.get('uid', ''))[:8]}",
+        name=f"{str(meta['name'])[:200]}.unmutated.{str(meta.get('uid', ''))[:8]}",
         message_limit=None,
     )
 
@@ -335,15 +338,15 @@ class _Installing:
 
     def __init__(
         self,
-        server: Any,
-        install: Callable[[Mapping[str, Any]], Awaitable[None]],
+        server: kopf.WebhookServerProtocol,
+        install: Callable[[Mapping[str, object]], Awaitable[None]],
         readiness: Readiness,
     ) -> None:
         self.server = server
         self.install = install
         self.readiness = readiness
 
-    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+    async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
         # kopf's server yields once it listens: the replica is ready for the Service's reviews
         # once the API server has the configuration that sends them.
         async for client_config in self.server(fn):
@@ -352,7 +355,7 @@ class _Installing:
             yield client_config
 
 
-def _server(children: ChildrenSettings) -> Any:
+def _server(children: ChildrenSettings) -> kopf.WebhookServer:
     import kopf
 
     class Server(kopf.WebhookServer):
@@ -372,7 +375,7 @@ async def install_webhook(
     api: AsyncKubeApi,
     pods: PodSettings,
     children: ChildrenSettings,
-    client_config: Mapping[str, Any],
+    client_config: Mapping[str, object],
 ) -> None:
     """The children's priority class, then the MutatingWebhookConfiguration pointing at this
     operator (kopf's admission server calls it with its client config)."""
@@ -417,16 +420,16 @@ def register(
     if not children.webhook:
         return
 
-    async def install(client_config: Mapping[str, Any]) -> None:
+    async def install(client_config: Mapping[str, object]) -> None:
         await install_webhook(api, pods, children, client_config)
 
     @kopf.on.startup(registry=registry, backoff=2.0)
-    async def minds_listed(**_: Any) -> None:
+    async def minds_listed(**_: object) -> None:
         await list_minds(api, minds)
         readiness.done(MINDS_LISTED)
 
     @kopf.on.startup(registry=registry)
-    def admission(settings: kopf.OperatorSettings, **_: Any) -> None:
+    def admission(settings: kopf.OperatorSettings, **_: object) -> None:
         settings.admission.server = _Installing(_server(children), install, readiness)
         settings.admission.managed = None  # ours: matchConditions and a short timeout
 
@@ -437,8 +440,8 @@ def register(
         patch: kopf.Patch,
         warnings: list[str],
         dryrun: bool,
-        userinfo: Mapping[str, Any] | None = None,
-        **_: Any,
+        userinfo: kopf.UserInfo | None = None,
+        **_: object,
     ) -> None:
         creator = child_workloads.creator_mind(userinfo, minds)
         mutation = mutate(dict(body), pods, children, creator)
@@ -446,7 +449,9 @@ def register(
             return
         child_workloads.answer(patch, warnings, mutation)
         if not dryrun:
-            metrics.record_child_mutated(str(mutation.pod["metadata"].get("namespace", "")))
+            metrics.record_child_mutated(
+                str(object_at(mutation.pod, "metadata").get("namespace", ""))
+            )
 
     # The pods her Deployments, Jobs... make: their templates, where she writes them.
     child_workloads.register(registry, pods, children, minds)
@@ -464,25 +469,25 @@ def _register_count(
     unmarked = Unmarked()
     instance = socket.gethostname()
 
-    async def post(pod: Mapping[str, Any]) -> None:
+    async def post(pod: Mapping[str, object]) -> None:
         now = rfc3339.format_seconds(time.time())
         try:
             await api.create(unmutated_event(pod, pods, instance, now))
         except ApiError as err:
             if err.status != 409:  # 409: posted already, by this operator before a restart
-                log.warning("posting ChildNotMutated on %s failed: %s", pod["metadata"], err)
+                log.warning("posting ChildNotMutated on %s failed: %s", pod.get("metadata"), err)
 
     @kopf.on.startup(registry=registry)
-    def children_on_server(settings: kopf.OperatorSettings, **_: Any) -> None:
+    def children_on_server(settings: kopf.OperatorSettings, **_: object) -> None:
         # Only the children reach the operator: a label selector the API server applies (a
         # label filter alone would have every pod of the cluster cross the wire to be dropped).
         settings.watching.label_selectors["v1", "pods"] = MIND_LABEL
 
     @kopf.on.event("", "v1", "pods", labels={MIND_LABEL: kopf.PRESENT}, registry=registry)
-    async def child(event: kopf.RawEvent, **_: Any) -> None:
-        pod: Obj = dict(event["object"])
+    async def child(event: kopf.RawEvent, **_: object) -> None:
+        pod: Mapping[str, object] = dict(event["object"])
         deleted = event.get("type") == "DELETED"
-        meta: Obj = pod.get("metadata") or {}
+        meta = object_at(pod, "metadata")
         ns = str(meta.get("namespace"))
         if unmarked.observe(pod, deleted):
             log.warning("child pod %s/%s of mind %s is unmutated", ns, meta["name"], mind_of(pod))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.children.membership import (
@@ -28,6 +28,7 @@ from continuum_operator.kube.children.membership import (
     mind_of_creator,
     mutate,
 )
+from continuum_operator.kube.client.body import object_in
 from continuum_operator.model.base import GROUP
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ __all__ = [
 
 HANDLER_ID = "mind-workloads"
 """kopf's id of the workloads' handler: the last part of its webhook's URL path."""
-
-Obj = dict[str, Any]
 
 WORKLOADS: dict[tuple[str, str], tuple[str, ...]] = {
     ("apps", "deployments"): ("spec", "template"),
@@ -71,8 +70,8 @@ handler asks its Minds). The controllers' own writes (a Deployment's ReplicaSet)
 they copy a template that was mutated where she wrote it."""
 
 
-def _template(obj: Mapping[str, Any], path: tuple[str, ...]) -> Obj | None:
-    node: Any = obj
+def _template(obj: Mapping[str, object], path: tuple[str, ...]) -> dict[str, object] | None:
+    node: object = obj
     for key in path:
         node = node.get(key) if isinstance(node, Mapping) else None
     return node if isinstance(node, dict) else None
@@ -80,8 +79,8 @@ def _template(obj: Mapping[str, Any], path: tuple[str, ...]) -> Obj | None:
 
 def mutate_workload(
     resource: tuple[str, str],
-    obj: Mapping[str, Any],
-    old: Mapping[str, Any] | None,
+    obj: Mapping[str, object],
+    old: Mapping[str, object] | None,
     pods: PodSettings,
     children: ChildrenSettings,
     creator_mind: str | None,
@@ -99,14 +98,14 @@ def mutate_workload(
         return None
     if old is not None and _template(old, path) == _template(obj, path):
         return None
-    new: Obj = copy.deepcopy(dict(obj))
+    new: dict[str, object] = copy.deepcopy(dict(obj))
     template = _template(new, path)
     if template is None:  # the API server's validation refuses it; nothing to mutate
         return None
     as_pod = {"metadata": template.get("metadata") or {}, "spec": template.get("spec") or {}}
     mutation = mutate(as_pod, pods, children, creator_mind)
     assert mutation is not None  # a creator mind makes every pod a child
-    spec = mutation.pod["spec"]
+    spec = object_in(mutation.pod, "spec")
     spec.pop("priority", None)
     spec.pop("preemptionPolicy", None)
     template["metadata"] = mutation.pod["metadata"]
@@ -115,7 +114,7 @@ def mutate_workload(
     return Mutation(new, notes)
 
 
-def workloads_webhook(client: Obj, timeout_seconds: int) -> Obj:
+def workloads_webhook(client: Mapping[str, object], timeout_seconds: int) -> dict[str, object]:
     """The configuration's entry that sends the workloads a service account writes to
     `client` (the pods' client config, its path ending in this handler's id)."""
     by_group: dict[str, list[str]] = {}
@@ -144,20 +143,22 @@ def workloads_webhook(client: Obj, timeout_seconds: int) -> Obj:
     }
 
 
-def creator_mind(userinfo: Mapping[str, Any] | None, minds: MindCache) -> str | None:
+def creator_mind(userinfo: Mapping[str, object] | None, minds: MindCache) -> str | None:
     """The Mind whose service account sends the request (`children.mind_of_creator`)."""
     username = str((userinfo or {}).get("username") or "")
     return mind_of_creator(username, lambda key: key in minds.minds)
 
 
-def answer(patch: Any, warnings: list[str], mutation: Mutation) -> None:
+def answer(patch: kopf.Patch, warnings: list[str], mutation: Mutation) -> None:
     """The admission's answer: the object as mutated (kopf makes the JSON patch from the
     difference), its notes as warnings the client prints."""
     warnings.extend(mutation.notes)
 
-    def replace(raw: Any) -> None:
-        raw.clear()
-        raw.update(copy.deepcopy(mutation.pod))
+    def replace(raw: kopf.RawBody) -> None:
+        # kopf hands the object as the plain dict it diffs: replaced in place, whole.
+        body = cast("dict[str, object]", raw)
+        body.clear()
+        body.update(copy.deepcopy(mutation.pod))
 
     patch.fns.append(replace)
 
@@ -177,9 +178,9 @@ def register(
         patch: kopf.Patch,
         warnings: list[str],
         resource: kopf.Resource,
-        userinfo: Mapping[str, Any] | None = None,
+        userinfo: kopf.UserInfo | None = None,
         old: kopf.Body | None = None,
-        **_: Any,
+        **_: object,
     ) -> None:
         key = (resource.group, resource.plural)
         was = dict(old) if old is not None else None

@@ -19,10 +19,12 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import quote
 
 from kubernetes import client, config
+
+from continuum_operator.model.json_body import object_at, text
 
 __all__ = [
     "ApiError",
@@ -31,6 +33,7 @@ __all__ = [
     "answer",
     "continue_token",
     "crd_path",
+    "document",
     "in_cluster",
     "login",
     "page_query",
@@ -61,7 +64,7 @@ def crd_path(plural: str, namespace: str | None, name: str | None = None, sub: s
     return path + (f"/{sub}" if sub else "")
 
 
-def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
+def path_of(obj: Mapping[str, object], *, collection: bool = False) -> str:
     """The REST path of a built object (core, grouped, namespaced or cluster-scoped)."""
     api_version = str(obj["apiVersion"])
     prefix = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
@@ -83,9 +86,10 @@ def path_of(obj: Mapping[str, Any], *, collection: bool = False) -> str:
         "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
         "TokenReview": "tokenreviews",
     }[str(obj["kind"])]
-    ns = obj["metadata"].get("namespace")
+    meta = object_at(obj, "metadata")
+    ns = text(meta.get("namespace"))
     path = f"{prefix}/namespaces/{quote(ns)}/{plural}" if ns else f"{prefix}/{plural}"
-    return path if collection else f"{path}/{quote(obj['metadata']['name'])}"
+    return path if collection else f"{path}/{quote(str(meta['name']))}"
 
 
 def page_query(query: Sequence[tuple[str, str]], limit: int, token: str) -> list[tuple[str, str]]:
@@ -95,9 +99,9 @@ def page_query(query: Sequence[tuple[str, str]], limit: int, token: str) -> list
     return [*query, ("limit", str(limit)), *([("continue", token)] if token else [])]
 
 
-def continue_token(page: Mapping[str, Any]) -> str:
+def continue_token(page: Mapping[str, object]) -> str:
     """The token of a list's next page ("": that was the last)."""
-    return str((page.get("metadata") or {}).get("continue") or "")
+    return str(object_at(page, "metadata").get("continue") or "")
 
 
 def resource_of(path: str) -> str:
@@ -121,7 +125,7 @@ class Request:
 
     method: str
     path: str
-    body: Any = None
+    body: object = None
     query: tuple[tuple[str, str], ...] = ()
     content_type: str | None = "application/json"
     accept: str = "application/json"
@@ -143,20 +147,20 @@ class Request:
 def call(
     method: str,
     path: str,
-    body: Any = None,
+    body: object = None,
     query: Sequence[tuple[str, str]] = (),
     content_type: str = "application/json",
 ) -> Request:
     return Request(method, path, body, tuple(query), content_type)
 
 
-def apply_request(obj: Mapping[str, Any]) -> Request:
+def apply_request(obj: Mapping[str, object]) -> Request:
     """Server-side apply, forced: fields this operator dropped are removed."""
     query = (("fieldManager", FIELD_MANAGER), ("force", "true"))
     return Request("PATCH", path_of(obj), dict(obj), query, "application/apply-patch+yaml")
 
 
-def merge_patch_request(path: str, patch: Mapping[str, Any]) -> Request:
+def merge_patch_request(path: str, patch: Mapping[str, object]) -> Request:
     return Request("PATCH", path, dict(patch), content_type="application/merge-patch+json")
 
 
@@ -171,26 +175,34 @@ def text_request(path: str, query: Sequence[tuple[str, str]] = ()) -> Request:
     return Request("GET", path, None, tuple(query), None, "text/plain, application/json")
 
 
-def create_request(obj: Mapping[str, Any]) -> Request:
+def create_request(obj: Mapping[str, object]) -> Request:
     return Request("POST", path_of(obj, collection=True), dict(obj))
 
 
-def answer(request: Request, status: int, data: bytes | None) -> Any:
+def answer(request: Request, status: int, data: bytes | None) -> object:
     """What a request's answer means: the document (or the text, for `text_request`), or the
     `ApiError` the server's Status object says."""
-    text = data.decode() if data else ""
+    decoded = data.decode() if data else ""
     if 200 <= status <= 299:
         if request.plain:
-            return text
-        return json.loads(text) if text else {}
+            return decoded
+        parsed: object = json.loads(decoded) if decoded else {}
+        return parsed
     if status == 404 and request.gone_ok:
         return {}
-    reason, message = "Error", text[:500]
-    with contextlib.suppress(ValueError, AttributeError):
-        doc = json.loads(text)
+    reason, message = "Error", decoded[:500]
+    with contextlib.suppress(ValueError):
+        doc = object_at(json.loads(decoded))
         reason = str(doc.get("reason") or reason)
         message = str(doc.get("message") or message)
     raise ApiError(status, reason, message)
+
+
+def document(answer: object) -> dict[str, object]:
+    """An answer that must be a JSON object (an object's body, a list's page)."""
+    if not isinstance(answer, dict):
+        raise ApiError(500, "InvalidAnswer", f"expected a JSON object, got {type(answer).__name__}")
+    return answer
 
 
 def in_cluster(kubeconfig: str | None) -> bool:
@@ -236,7 +248,7 @@ class KubeApi:
         self.meter = meter
         self._client = client.ApiClient(login(kubeconfig))
 
-    def send(self, r: Request) -> Any:
+    def send(self, r: Request) -> object:
         resource = resource_of(r.path)
         if self.meter is not None:
             self.meter.record_api_request(r.method, resource)
@@ -259,22 +271,19 @@ class KubeApi:
         self,
         method: str,
         path: str,
-        body: Any = None,
+        body: object = None,
         *,
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
-    ) -> dict[str, Any]:
-        result: dict[str, Any] = self.send(call(method, path, body, query, content_type))
-        return result
+    ) -> dict[str, object]:
+        return document(self.send(call(method, path, body, query, content_type)))
 
-    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: Mapping[str, object]) -> dict[str, object]:
         """Server-side apply, forced: fields this operator dropped are removed."""
-        result: dict[str, Any] = self.send(apply_request(obj))
-        return result
+        return document(self.send(apply_request(obj)))
 
-    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self.send(merge_patch_request(path, patch))
-        return result
+    def merge_patch(self, path: str, patch: Mapping[str, object]) -> dict[str, object]:
+        return document(self.send(merge_patch_request(path, patch)))
 
     def delete(self, path: str) -> None:
         self.send(delete_request(path))
@@ -283,6 +292,5 @@ class KubeApi:
         """A plain-text answer (a pod's log)."""
         return str(self.send(text_request(path, query)))
 
-    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self.send(create_request(obj))
-        return result
+    def create(self, obj: Mapping[str, object]) -> dict[str, object]:
+        return document(self.send(create_request(obj)))

@@ -26,7 +26,7 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import aiohttp
 from kubernetes import client
@@ -42,13 +42,16 @@ from continuum_operator.kube.client.api import (
     continue_token,
     create_request,
     delete_request,
+    document,
     login,
     merge_patch_request,
     page_query,
     resource_of,
     text_request,
 )
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.client.kept import resource_version
+from continuum_operator.model.json_body import integer, items_at, object_at, text
 
 __all__ = ["LIST_PAGE", "AsyncKubeApi", "follow", "login", "pages", "relist"]
 
@@ -142,7 +145,7 @@ class AsyncKubeApi:
                 raise
             raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
 
-    async def send(self, r: Request, seconds: float | None = None) -> Any:
+    async def send(self, r: Request, seconds: float | None = None) -> object:
         """`r`'s answer; within `seconds` where given, else the session's deadline."""
         resource = resource_of(r.path)
         if self.meter is not None:
@@ -157,7 +160,7 @@ class AsyncKubeApi:
 
     async def watch(
         self, path: str, query: Sequence[tuple[str, str]], since: str, seconds: int = 300
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[dict[str, object]]:
         """A collection's changes after resourceVersion `since`, an event (`type`, `object`)
         at a time, bookmarks included, until the server ends the stream (after `seconds`).
         An `ERROR` event is raised as `ApiError` with its code (410: `since` is too old; list
@@ -185,22 +188,20 @@ class AsyncKubeApi:
         self,
         method: str,
         path: str,
-        body: Any = None,
+        body: object = None,
         *,
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
-    ) -> dict[str, Any]:
-        result: dict[str, Any] = await self.send(call(method, path, body, query, content_type))
-        return result
+    ) -> dict[str, object]:
+        # Loosely typed: the rooms that read these answers narrow them (`model.json_body`).
+        return document(await self.send(call(method, path, body, query, content_type)))
 
-    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def apply(self, obj: Mapping[str, object]) -> dict[str, object]:
         """Server-side apply, forced: fields this operator dropped are removed."""
-        result: dict[str, Any] = await self.send(apply_request(obj))
-        return result
+        return document(await self.send(apply_request(obj)))
 
-    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = await self.send(merge_patch_request(path, patch))
-        return result
+    async def merge_patch(self, path: str, patch: Mapping[str, object]) -> dict[str, object]:
+        return document(await self.send(merge_patch_request(path, patch)))
 
     async def delete(self, path: str) -> None:
         await self.send(delete_request(path))
@@ -210,26 +211,27 @@ class AsyncKubeApi:
         return str(await self.send(text_request(path, query)))
 
     async def create(
-        self, obj: Mapping[str, Any], *, seconds: float | None = None
-    ) -> dict[str, Any]:
+        self, obj: Mapping[str, object], *, seconds: float | None = None
+    ) -> dict[str, object]:
         """`obj` made (a TokenReview: reviewed); answered within `seconds` where given."""
-        result: dict[str, Any] = await self.send(create_request(obj), seconds)
-        return result
+        return document(await self.send(create_request(obj), seconds))
 
 
-def _event(line: bytes) -> dict[str, Any]:
-    event: dict[str, Any] = json.loads(line)
+def _event(line: bytes) -> dict[str, object]:
+    event = document(json.loads(line))
     if event.get("type") == "ERROR":
-        status = event.get("object") or {}
+        status = object_at(event.get("object"))
         raise ApiError(
-            int(status.get("code") or 500), str(status.get("reason")), str(status.get("message"))
+            integer(status, "code") or 500,
+            str(status.get("reason")),
+            str(status.get("message")),
         )
     return event
 
 
 async def pages(
     api: AsyncKubeApi, path: str, query: Sequence[tuple[str, str]] = (), limit: int = LIST_PAGE
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[dict[str, object]]:
     """A collection's list, a page at a time (`limit` and `continue`): each page is one answer
     with `items` and `metadata`; all pages are of one snapshot (the first page's
     resourceVersion)."""
@@ -248,9 +250,9 @@ K = TypeVar("K", bound=Hashable)
 async def relist(
     api: AsyncKubeApi,
     path: str,
-    observe: Callable[[dict[str, Any]], None],
-    key_of: Callable[[Mapping[str, Any]], K],
-    known: Mapping[K, Mapping[str, Any]],
+    observe: Callable[[dict[str, object]], None],
+    key_of: Callable[[Mapping[str, object]], K],
+    known: Mapping[K, Mapping[str, object]],
     forget: Callable[[K], None],
 ) -> None:
     """A collection listed into a cache, a page at a time (`observe` each object), as a new
@@ -260,13 +262,14 @@ async def relist(
     listed: set[K] = set()
     version = 0
     async for page in pages(api, path):
-        version = int((page.get("metadata") or {}).get("resourceVersion") or version)
-        for obj in page.get("items") or []:
-            observe(obj)
-            listed.add(key_of(obj))
+        version = resource_version(page) or version
+        for obj in bodies(page.get("items")):
+            item = dict(obj)
+            observe(item)
+            listed.add(key_of(item))
     for key in set(known) - listed:
-        obj = known.get(key)
-        if obj is not None and resource_version(obj) <= version:
+        had = known.get(key)
+        if had is not None and resource_version(had) <= version:
             forget(key)
 
 
@@ -274,8 +277,8 @@ async def follow(
     api: AsyncKubeApi,
     path: str,
     query: Sequence[tuple[str, str]],
-    listed: Callable[[list[dict[str, Any]]], Awaitable[None]],
-    changed: Callable[[dict[str, Any]], None],
+    listed: Callable[[list[dict[str, object]]], Awaitable[None]],
+    changed: Callable[[dict[str, object]], None],
     *,
     what: str,
     retry_seconds: float = 1.0,
@@ -296,8 +299,7 @@ async def follow(
             if fresh:
                 since = await _listed(api, path, query, listed)
             async for event in api.watch(path, query, since, seconds):
-                meta = (event.get("object") or {}).get("metadata") or {}
-                since = str(meta.get("resourceVersion") or since)
+                since = text(event, "object", "metadata", "resourceVersion") or since
                 fresh = False
                 if event.get("type") != "BOOKMARK":
                     changed(event)
@@ -316,13 +318,13 @@ async def _listed(
     api: AsyncKubeApi,
     path: str,
     query: Sequence[tuple[str, str]],
-    listed: Callable[[list[dict[str, Any]]], Awaitable[None]],
+    listed: Callable[[list[dict[str, object]]], Awaitable[None]],
 ) -> str:
     """The collection listed (every page) and handed to `listed`; the list's resourceVersion."""
-    items: list[dict[str, Any]] = []
+    items: list[dict[str, object]] = []
     version = ""
     async for page in pages(api, path, query):
-        version = str((page.get("metadata") or {}).get("resourceVersion") or version)
-        items += page.get("items") or []
+        version = text(page, "metadata", "resourceVersion") or version
+        items += [item for item in items_at(page, "items") if isinstance(item, dict)]
     await listed(items)
     return version

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
 
 from continuum_operator.core.replan import ACCEPT_ANNOTATION
+from continuum_operator.model.json_body import object_at
 
 __all__ = ["KEPT_ANNOTATIONS", "LAST_APPLIED", "kept", "newer", "resource_version"]
 
@@ -28,7 +28,7 @@ plan (`core.replan`, read by `kube.engines.placed`). A decision that comes to re
 it here; every other annotation is dropped from the caches."""
 
 
-def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
+def kept(obj: Mapping[str, object]) -> dict[str, object]:
     """A deep copy of `obj` without its managed fields and annotations (but KEPT_ANNOTATIONS).
 
     The annotations are not copied before they are dropped: what the cache holds grows with
@@ -50,15 +50,15 @@ def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
     return body
 
 
-def resource_version(obj: Mapping[str, Any]) -> int:
+def resource_version(obj: Mapping[str, object]) -> int:
     """An object's resourceVersion as a number, to order what the caches keep (0: none)."""
     try:
-        return int(obj["metadata"].get("resourceVersion", 0))
-    except (TypeError, ValueError):
+        return int(str(object_at(obj, "metadata").get("resourceVersion") or 0))
+    except ValueError:
         return 0
 
 
-def newer(obj: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
+def newer(obj: Mapping[str, object], known: Mapping[str, object] | None) -> bool:
     """Whether a cache takes `obj` over the body it has of the name: a watch event older than
     the answer of the cache's own write (or than an event already seen) must not undo it. An
     equal version is taken (the same object, as answered and as watched)."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from continuum_operator.kube.ledger.grant_ledger import read_entries
 from continuum_operator.kube.state.cache import EngineKey
+from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import object_at
 from continuum_operator.model.mind import GrantState
 
 __all__ = ["LedgerFacts", "grace_deadline"]
@@ -21,18 +23,18 @@ __all__ = ["LedgerFacts", "grace_deadline"]
 class LedgerFacts:
     """What a pass reads of one engine's ledger, kept while the body is the same object."""
 
-    body: Mapping[str, Any]
+    body: Mapping[str, object]
     due: float | None  # the earliest grace deadline of its ledger
-    entries: list[dict[str, Any]]
+    entries: list[GrantEntry]
 
     @classmethod
-    def of(cls, body: Mapping[str, Any]) -> LedgerFacts:
-        entries = (body.get("status") or {}).get("grants") or []
+    def of(cls, body: Mapping[str, object]) -> LedgerFacts:
+        entries = read_entries(object_at(body, "status").get("grants"))
         return cls(body, grace_deadline(entries), entries)
 
     @staticmethod
     def of_each(
-        old: Mapping[EngineKey, LedgerFacts], engines: Mapping[EngineKey, Mapping[str, Any]]
+        old: Mapping[EngineKey, LedgerFacts], engines: Mapping[EngineKey, Mapping[str, object]]
     ) -> dict[EngineKey, LedgerFacts]:
         """Every engine's facts: those of `old` whose body is the same object, the rest read."""
         return {
@@ -41,11 +43,9 @@ class LedgerFacts:
         }
 
 
-def grace_deadline(entries: Iterable[Mapping[str, Any]]) -> float | None:
+def grace_deadline(entries: Iterable[GrantEntry]) -> float | None:
     """The earliest grace deadline of a ledger's entries."""
     deadlines = [
-        float(e["deadline"])
-        for e in entries
-        if e.get("state") == GrantState.RECLAIMING and isinstance(e.get("deadline"), int | float)
+        e.deadline for e in entries if e.state == GrantState.RECLAIMING and e.deadline is not None
     ]
     return min(deadlines) if deadlines else None

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from continuum_operator.core.grants import Grant, MindDemand
 from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
+from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import integer, object_at
 
 __all__ = ["LedgerTails"]
 
@@ -28,7 +29,7 @@ class _Tail:
 
     seq: int
     grants: dict[str, Grant]
-    entries: list[dict[str, Any]]
+    entries: list[GrantEntry]
 
 
 class LedgerTails:
@@ -43,26 +44,26 @@ class LedgerTails:
     def entries_of(
         self,
         key: EngineKey,
-        body: Mapping[str, Any],
-        stored: list[dict[str, Any]] | None = None,
-    ) -> list[dict[str, Any]]:
+        body: Mapping[str, object],
+        stored: list[GrantEntry] | None = None,
+    ) -> list[GrantEntry]:
         """The engine's whole ledger: as this leader last decided it for this body's step, else
         the entries its object holds."""
-        status = body.get("status") or {}
+        status = object_at(body, "status")
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return tail.entries
-        return stored if stored is not None else list(status.get("grants") or [])
+        return stored if stored is not None else ledger.read_entries(status.get("grants"))
 
     def tail_of(
-        self, key: EngineKey, body: Mapping[str, Any], demands: Mapping[str, MindDemand]
+        self, key: EngineKey, body: Mapping[str, object], demands: Mapping[str, MindDemand]
     ) -> dict[str, Grant]:
         """The entries the Engine object left out (`status.grantQueue`): from this leader's
         memory of the step it last decided there; else as the transition log leaves them (its
         next lines then follow from the log's, whatever a crash left unwritten); else, with no
         log, from the Minds' own status."""
-        status = body.get("status") or {}
-        stored = {str(e.get("mind")) for e in status.get("grants") or []}
+        status = object_at(body, "status")
+        stored = {e.mind for e in ledger.read_entries(status.get("grants"))}
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return {m: g for m, g in tail.grants.items() if m not in stored}
@@ -73,20 +74,17 @@ class LedgerTails:
             return {}  # nothing was left out
         return ledger.tail_from_minds(self._minds.minds_of([key]).get(key, []), stored, demands)
 
-    def remember(self, key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep) -> None:
+    def remember(self, key: EngineKey, body: Mapping[str, object], s: ledger.LedgerStep) -> None:
         """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
-        kept = {str(e.get("mind")) for e in s.kept}
+        kept = {e.mind for e in s.kept}
         left_out = {m: g for m, g in s.grants.items() if m not in kept}
-        self._tails[key] = _Tail(_seq(body.get("status") or {}), left_out, s.entries)
+        self._tails[key] = _Tail(_seq(object_at(body, "status")), left_out, s.entries)
 
     def forget(self, key: EngineKey) -> None:
         """The engine is gone: nothing of its ledger is kept."""
         self._tails.pop(key, None)
 
 
-def _seq(status: Mapping[str, Any]) -> int:
+def _seq(status: Mapping[str, object]) -> int:
     """The journal's seq of the ledger an Engine's GrantLedger holds (0: never written)."""
-    try:
-        return int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0)
-    except (TypeError, ValueError):
-        return 0
+    return integer(status, ledger.STEP_FIELD, "seq") or 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from continuum_operator.core.grants import GrantPolicy, MindDemand
 from continuum_operator.kube.base import crash
@@ -30,6 +29,8 @@ from continuum_operator.kube.ledger import journal as ledger_journal
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.grant import wire_entries
+from continuum_operator.model.json_body import integer, object_at, text
 from continuum_operator.model.mind import HOLDING_STATES, GrantState
 
 __all__ = ["LedgerWriter", "seed_ledgers"]
@@ -71,11 +72,11 @@ class LedgerWriter:
     async def write(
         self,
         key: EngineKey,
-        body: dict[str, Any],
+        body: Mapping[str, object],
         s: ledger.LedgerStep,
         now: float,
         quotas: QuotaUse | None = None,
-    ) -> dict[str, Any] | None:
+    ) -> Mapping[str, object] | None:
         """Replace the GrantLedger's status with the new ledger, conditioned on the version the
         step was decided from; the Engine's body with it (None: not written). Decided again
         after a conflict within the room `quotas` leaves now (engines decided since the first
@@ -88,7 +89,7 @@ class LedgerWriter:
             # did not log reaches a new leader here when its cache had not yet seen that write
             # (the pass's recovery found nothing missing; the write was refused, 409, and the
             # ledger read back carries it).
-            replaced = (body.get("status") or {}).get(ledger.STEP_FIELD)
+            replaced = object_at(body, "status").get(ledger.STEP_FIELD)
             self._log().recover(engine, ledger_journal.read_journal(replaced))
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
             version = ledger_object.version_of(body)
@@ -96,8 +97,7 @@ class LedgerWriter:
                 uid = ledger_object.uid_of(body)
                 if version is None:
                     version, uid = await self._create(body)
-                doc, seq, lines = _ledger_doc(key, body, s, now, uid)
-                doc["metadata"]["resourceVersion"] = version
+                doc, seq, lines = _ledger_doc(key, body, s, now, uid, version)
                 answer = await self.api.request("PUT", path, doc)
             except ApiError as err:
                 if err.status == 404 and version is None:
@@ -132,19 +132,19 @@ class LedgerWriter:
         log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
         return None
 
-    async def _create(self, body: Mapping[str, Any]) -> tuple[str, str | None]:
+    async def _create(self, body: Mapping[str, object]) -> tuple[str, str | None]:
         """The Engine's GrantLedger, made empty and owned by it: its resourceVersion and uid.
         409 if it exists (this cache has not seen it, or it is an earlier Engine's:
         `_read_again`)."""
-        ns = body["metadata"]["namespace"]
+        ns = str(object_at(body, "metadata")["namespace"])
         made = await self.api.request(
             "POST", crd_path(ledger_object.PLURAL, ns), ledger_object.new_ledger(body)
         )
         self.engines.observe_ledger(made, deleted=False, nudge=False)
-        meta = made["metadata"]
-        return str(meta["resourceVersion"]), meta.get("uid")
+        meta = object_at(made, "metadata")
+        return str(meta["resourceVersion"]), text(meta.get("uid"))
 
-    async def _read_again(self, key: EngineKey) -> dict[str, Any] | None:
+    async def _read_again(self, key: EngineKey) -> Mapping[str, object] | None:
         """After a 409: the GrantLedger read into the cache, and the Engine's body with it. A
         ledger an earlier Engine of this name left (another owner) is deleted, on its uid, so
         the next try makes this one's. None: the Engine is gone, or the read failed."""
@@ -160,7 +160,7 @@ class LedgerWriter:
         if engine is None:
             return None
         if fresh is not None and not ledger_object.owned_by(fresh, engine):
-            uid = fresh["metadata"].get("uid")
+            uid = object_at(fresh, "metadata").get("uid")
             log.info("Engine %s/%s: replacing the GrantLedger of an earlier Engine", ns, name)
             try:
                 await self.api.request(
@@ -180,22 +180,22 @@ class LedgerWriter:
     def _written(
         self,
         key: EngineKey,
-        body: Mapping[str, Any],
-        answer: dict[str, Any],
+        body: Mapping[str, object],
+        answer: Mapping[str, object],
         s: ledger.LedgerStep,
         seq: int,
-        lines: list[dict[str, Any]],
+        lines: list[dict[str, object]],
     ) -> None:
         """After the ledger write landed: the cache, the log, the metrics and the log lines."""
         ns, name = key
         engine = f"{ns}/{name}"
         crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
-        before = {**self.tails.tail_of(key, body, {}), **ledger.read_grants(
-            (body.get("status") or {}).get("grants"))}  # fmt: skip
+        stored = ledger.read_entries(object_at(body, "status").get("grants"))
+        before = {**self.tails.tail_of(key, body, {}), **ledger.read_grants(stored)}
         self.tails.remember(key, answer, s)
         self._log().append(engine, seq, lines)
         crash.reached(crash.CrashPoint.AFTER_LOG)
-        states = [str(e.get("state")) for e in s.entries]
+        states = [e.state for e in s.entries]
         self.metrics.record_grant_step(
             ns,
             name,
@@ -203,7 +203,7 @@ class LedgerWriter:
             # The ledger this step started from: when a wait began, when a reclaim did.
             before,
             sum(1 for x in states if x in HOLDING_STATES),
-            states.count(GrantState.QUEUED.value),
+            states.count(GrantState.QUEUED),
         )
         for tr in s.transitions():
             log.info(
@@ -218,31 +218,37 @@ class LedgerWriter:
 
 
 def _ledger_doc(
-    key: EngineKey, body: Mapping[str, Any], s: ledger.LedgerStep, now: float, uid: str | None
-) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
+    key: EngineKey,
+    body: Mapping[str, object],
+    s: ledger.LedgerStep,
+    now: float,
+    uid: str | None,
+    version: str,
+) -> tuple[dict[str, object], int, list[dict[str, object]]]:
     """The GrantLedger as its status replace sends it (the ledger, the pool it was made for and
-    the step's journal, in one write; its resourceVersion is set by the caller), the step's
-    seq and its log lines. The lines name the GrantLedger (`uid`): an Engine made again under
+    the step's journal, in one write, conditioned on `version`), the step's seq and its log
+    lines. The lines name the GrantLedger (`uid`): an Engine made again under
     its name starts a ledger of its own, whose `seq` counts from 1 again."""
     ns, name = key
     engine = f"{ns}/{name}"
-    status = {k: v for k, v in (body.get("status") or {}).items() if k in ledger.LEDGER_FIELDS}
-    seq = int((status.get(ledger.STEP_FIELD) or {}).get("seq") or 0) + 1
-    lines = ledger.log_lines(now, engine, status.get(ledger.CAPACITY_FIELD), s)
+    status = {k: v for k, v in object_at(body, "status").items() if k in ledger.LEDGER_FIELDS}
+    seq = (integer(status, ledger.STEP_FIELD, "seq") or 0) + 1
+    recorded = status.get(ledger.CAPACITY_FIELD)
+    lines = ledger.log_lines(now, engine, object_at(recorded) if recorded is not None else None, s)
     if uid is not None:
         lines = [{**line, "ledger": uid} for line in lines]
-    status["grants"] = s.kept
+    status["grants"] = wire_entries(s.kept)
     status[ledger.CAPACITY_FIELD] = s.pool.to_status()
-    kept = {str(e.get("mind")) for e in s.kept}
+    kept = {e.mind for e in s.kept}
     status[ledger.STEP_FIELD] = ledger_journal.journal(seq, now, lines, kept)
     if s.queue is not None:
-        status[ledger.QUEUE_FIELD] = s.queue
+        status[ledger.QUEUE_FIELD] = ledger.queue_doc(s.queue)
     else:
         status.pop(ledger.QUEUE_FIELD, None)
-    doc = {
+    doc: dict[str, object] = {
         "apiVersion": API_VERSION,
         "kind": ledger_object.KIND,
-        "metadata": {"name": name, "namespace": ns},
+        "metadata": {"name": name, "namespace": ns, "resourceVersion": version},
         "status": status,
     }
     return doc, seq, lines
@@ -258,7 +264,10 @@ async def seed_ledgers(api: AsyncKubeApi, engines: Cache) -> None:
             api,
             f"/apis/{API_VERSION}/{ledger_object.PLURAL}",
             lambda obj: engines.observe_ledger(obj, deleted=False, nudge=False),
-            lambda obj: (obj["metadata"]["namespace"], obj["metadata"]["name"]),
+            lambda obj: (
+                str(object_at(obj, "metadata")["namespace"]),
+                str(object_at(obj, "metadata")["name"]),
+            ),
             engines.ledgers,
             lambda key: engines.observe_ledger(engines.ledgers[key], deleted=True, nudge=False),
         )

@@ -55,7 +55,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -86,6 +86,7 @@ from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache, seed
+from continuum_operator.model.json_body import object_at
 
 __all__ = ["GrantsLoop"]
 
@@ -238,7 +239,7 @@ class GrantsLoop:
         self.view = PassView(classes, default, limits, facts, quotas, self.log.time(self.clock()))
         self.view.due_done.set()
 
-    def _body_changed(self, key: EngineKey, body: Mapping[str, Any]) -> bool:
+    def _body_changed(self, key: EngineKey, body: Mapping[str, object]) -> bool:
         seen = self.engine_seen.get(key)
         if seen is body:
             return False
@@ -353,7 +354,7 @@ class GrantsLoop:
     def _step(
         self,
         key: EngineKey,
-        body: dict[str, Any],
+        body: Mapping[str, object],
         demands: Mapping[str, MindDemand],
         now: float,
         quota_left: Mapping[str, int] | None,
@@ -369,14 +370,14 @@ class GrantsLoop:
             self.tails.remember(key, body, s)
         return s
 
-    async def _write(self, key: EngineKey, writes: GrantWrites) -> dict[str, Any] | None:
+    async def _write(self, key: EngineKey, writes: GrantWrites) -> Mapping[str, object] | None:
         """An engine not due: once the due engines' writes of the pass have landed (their `t`
         is earlier), its ledger."""
         await self._view().due_done.wait()
         assert writes.body is not None and writes.step is not None
         return await self._write_ledger(key, writes.body, writes.step, writes.now)
 
-    async def _write_due(self, key: EngineKey, writes: GrantWrites) -> dict[str, Any] | None:
+    async def _write_due(self, key: EngineKey, writes: GrantWrites) -> Mapping[str, object] | None:
         """A due engine: its ledger, written one after another in the order decided; stepped
         again at each further deadline that came by then (its release forced at that time)."""
         view = self._view()
@@ -405,10 +406,10 @@ class GrantsLoop:
     async def _write_ledger(
         self,
         key: EngineKey,
-        body: dict[str, Any],
+        body: Mapping[str, object],
         s: ledger.LedgerStep,
         now: float,
-    ) -> dict[str, Any] | None:
+    ) -> Mapping[str, object] | None:
         """The ledger's write; the Engine as written (None: this replica no longer leads)."""
         if not self.may_write():
             return None
@@ -419,7 +420,7 @@ class GrantsLoop:
         quotas.stepped(key, self.tails.entries_of(key, answer))
         return answer
 
-    def _tell_gone(self, key: EngineKey, minds: list[dict[str, Any]]) -> None:
+    def _tell_gone(self, key: EngineKey, minds: Sequence[Mapping[str, object]]) -> None:
         """Minds of an Engine this operator does not have (deleted, never made, or another
         operator's): `MindWrites.missing_engine_jobs` tells which (from its GrantLedger, else
         the API server) before it tells them or releases a deleted one."""
@@ -453,8 +454,8 @@ class GrantsLoop:
             delay = max(0.0, min(times) - self.clock())
             self._wake = asyncio.get_running_loop().call_later(delay, self.queue.wake)
 
-    def _due(self, body: Mapping[str, Any]) -> float | None:
-        return grace_deadline((body.get("status") or {}).get("grants") or [])
+    def _due(self, body: Mapping[str, object]) -> float | None:
+        return grace_deadline(ledger.read_entries(object_at(body, "status").get("grants")))
 
     def _demands_of(self, key: EngineKey) -> dict[str, MindDemand]:
         """The minds that want a grant of this Engine, from the caches as they are now (only
@@ -466,11 +467,11 @@ class GrantsLoop:
 
 def _wanted(
     key: EngineKey,
-    body: dict[str, Any] | None,
-    minds: list[dict[str, Any]],
+    body: Mapping[str, object] | None,
+    minds: Sequence[Mapping[str, object]],
     classes: Mapping[str, routing.ClassFacts],
     default: str,
-) -> tuple[list[dict[str, Any]], Mapping[str, routing.Refused], dict[str, MindDemand]]:
+) -> tuple[list[Mapping[str, object]], Mapping[str, routing.Refused], dict[str, MindDemand]]:
     """The minds naming this Engine that go to it, those refused and why, and what each that
     goes wants of its ledger."""
     by_engine, refused = routing.route_minds(

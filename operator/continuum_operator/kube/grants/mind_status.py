@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
 
 from continuum_operator.core.grants import REFUSALS, GrantReason
 from continuum_operator.kube.ledger.routing import Refused, RouteReason
-from continuum_operator.model.grant import iso_micro
-from continuum_operator.model.mind import GrantState, ProjectedState
+from continuum_operator.model.grant import GrantEntry, iso_micro
+from continuum_operator.model.json_body import integer, items_at, text
+from continuum_operator.model.mind import GrantProjection, GrantState, ProjectedState
 
 __all__ = [
     "MindConditionType",
@@ -52,7 +52,7 @@ class Projection:
     """What the operator says in a Mind's status: her `status.grant` (None: the ledger does not
     hold her), her conditions, and the address her turns are served at (None: no engine)."""
 
-    grant: dict[str, Any] | None
+    grant: GrantProjection | None
     conditions: Conditions
     endpoint: str | None = None
     #: Her context in the engine's park store (`{tokens, bytes}`), None: none parked.
@@ -62,17 +62,13 @@ class Projection:
         return replace(self, endpoint=endpoint, parked=parked)
 
 
-def parked_of(engine: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+def parked_of(engine: Mapping[str, object]) -> dict[str, dict[str, int]]:
     """Each mind's parked context as the engine's runtime reports its park store
     (`status.runtime.park.minds`): `{tokens, bytes}` by mind."""
-    park = ((engine.get("status") or {}).get("runtime") or {}).get("park") or {}
     out: dict[str, dict[str, int]] = {}
-    for m in park.get("minds") or []:
-        if isinstance(m, Mapping) and isinstance(m.get("mind"), str):
-            out[m["mind"]] = {
-                "tokens": int(m.get("tokens") or 0),
-                "bytes": int(m.get("bytes") or 0),
-            }
+    for m in items_at(engine, "status", "runtime", "park", "minds"):
+        if (mind := text(m, "mind")) is not None:
+            out[mind] = {"tokens": integer(m, "tokens") or 0, "bytes": integer(m, "bytes") or 0}
     return out
 
 
@@ -95,7 +91,7 @@ def place_in_line(position: object) -> str:
 
 
 def projection(
-    entry: Mapping[str, Any] | None,
+    entry: GrantEntry | None,
     engine: str,
     slot_tokens: int,
     asked: int,
@@ -120,41 +116,41 @@ def projection(
         return Projection(
             None, {MindConditionType.GRANTED: absent, MindConditionType.CONTEXT_TOO_LARGE: FITS}
         )
-    state = str(entry.get("state"))
-    reason = str(entry.get("reason") or "")
+    state = entry.state
+    reason = entry.reason.value if entry.reason is not None else ""
     if state == GrantState.GRANTED:
-        message = f"slot {entry.get('slot')} of Engine {engine}, {entry.get('tokens')} tokens"
+        message = f"slot {entry.slot} of Engine {engine}, {entry.tokens} tokens"
     elif state == GrantState.RECLAIMING:
-        by = f" by {entry['by']}" if entry.get("by") else ""
-        deadline = entry.get("deadline")
-        when = f", released by {iso_micro(float(deadline))}" if deadline is not None else ""
+        by = f" by {entry.by}" if entry.by else ""
+        deadline = entry.deadline
+        when = f", released by {iso_micro(deadline)}" if deadline is not None else ""
         message = f"being reclaimed ({reason}{by}): the turn ends now{when}"
     elif state == GrantState.QUEUED and reason == GrantReason.QUOTA_EXCEEDED:
         message = (
-            f"queued (QuotaExceeded), {place_in_line(entry.get('position'))}: {quota_note}; "
+            f"queued (QuotaExceeded), {place_in_line(entry.position)}: {quota_note}; "
             "she is granted when the namespace's minds release enough tokens, or raise the "
             "TokenQuota's spec.maxTokens"
         )
     elif state == GrantState.QUEUED and reason in _ENGINE_WAITS:
         why = f": {engine_note}" if engine_note else ""
         message = (
-            f"queued ({reason}), {place_in_line(entry.get('position'))}: Engine {engine} is "
+            f"queued ({reason}), {place_in_line(entry.position)}: Engine {engine} is "
             f"not serving{why}"
         )
     elif state == GrantState.QUEUED:
-        message = f"queued ({reason}), {place_in_line(entry.get('position'))}"
+        message = f"queued ({reason}), {place_in_line(entry.position)}"
     else:
         message = _refusal_message(reason, engine, slot_tokens, asked, class_note, namespace_note)
     refused = state == GrantState.RELEASED and reason in REFUSALS
     too_large = refused and reason in _SIZE_REFUSALS
-    grant: dict[str, Any] = {
-        "state": ProjectedState.REFUSED.value if refused else state,
-        "tokens": int(entry.get("tokens") or 0),
-        "slot": entry.get("slot"),  # None: removed by the merge patch
-        "since": entry.get("since"),
-        "reason": reason,
-        "message": message,
-    }
+    grant = GrantProjection(
+        state=ProjectedState.REFUSED if refused else ProjectedState(state.value),
+        tokens=entry.tokens,
+        slot=entry.slot,  # None: removed by the merge patch
+        since=entry.since,
+        reason=reason,
+        message=message,
+    )
     conditions: dict[str, tuple[bool, str, str]] = {
         MindConditionType.GRANTED: (state == GrantState.GRANTED, reason, message),
         MindConditionType.CONTEXT_TOO_LARGE: (
@@ -202,14 +198,9 @@ def engine_not_found(key: tuple[str, str]) -> Refused:
 def refused_projection(refused: Refused) -> Projection:
     """The projection of a Mind kept out of the allocator: `Refused`, holding nothing, and why
     (in `kubectl get minds` as in her Granted condition)."""
-    grant = {
-        "state": ProjectedState.REFUSED.value,
-        "tokens": 0,
-        "slot": None,
-        "since": None,
-        "reason": refused.reason.value,
-        "message": refused.message,
-    }
+    grant = GrantProjection(
+        state=ProjectedState.REFUSED, reason=refused.reason.value, message=refused.message
+    )
     return Projection(
         grant,
         {

@@ -10,15 +10,15 @@ Minds as last seen, and our writes' answers fed back to it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
 
 from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.base import crash
 from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.client.api import ApiError, crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.grants import mind_status
 from continuum_operator.kube.grants.mind_status import Projection
 from continuum_operator.kube.grants.quota_use import ClassNotes
@@ -28,6 +28,8 @@ from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
+from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import integer, object_at
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["FINALIZER", "Job", "MindWrites"]
@@ -40,9 +42,9 @@ FINALIZER = "continuum.dev/grant"
 Job = tuple[int, str, Write]
 
 
-def _without_nulls(value: Any) -> Any:
+def _without_nulls(value: object) -> object:
     """A merge patch's effect: null removes a key, so compare without them."""
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {k: _without_nulls(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
         return [_without_nulls(v) for v in value]
@@ -59,7 +61,7 @@ class MindWrites:
         settings: GrantSettings,
         clock: Callable[[], float],
         pod_port: int,
-        ledgers: Mapping[EngineKey, Mapping[str, Any]] | None = None,
+        ledgers: Mapping[EngineKey, Mapping[str, object]] | None = None,
         holders: ledger_object.HolderIndex | None = None,
     ) -> None:
         self.api = api
@@ -68,15 +70,17 @@ class MindWrites:
         self.clock = clock
         self.pod_port = pod_port
         #: Every GrantLedger as watched (`Cache.ledgers`), other operators' Engines' too.
-        self.ledgers: Mapping[EngineKey, Mapping[str, Any]] = ledgers if ledgers is not None else {}
+        self.ledgers: Mapping[EngineKey, Mapping[str, object]] = (
+            ledgers if ledgers is not None else {}
+        )
         #: Who those ledgers hold a slot for (`Cache.holders`, kept with them).
         self.holders = holders if holders is not None else ledger_object.HolderIndex()
         self.projections_written = 0
 
-    async def write_quota(self, quota: Mapping[str, Any], status: dict[str, Any]) -> None:
+    async def write_quota(self, quota: Mapping[str, object], status: Mapping[str, object]) -> None:
         """A TokenQuota's status (`kube.grants.quota_use.quota_status`); a failure raises."""
-        meta = quota["metadata"]
-        path = crd_path("tokenquotas", meta["namespace"], meta["name"], "status")
+        meta = object_at(quota, "metadata")
+        path = crd_path("tokenquotas", str(meta["namespace"]), str(meta["name"]), "status")
         try:
             answer = await self.api.merge_patch(path, {"status": status})
         except ApiError as err:
@@ -94,32 +98,31 @@ class MindWrites:
     def projection_jobs(
         self,
         key: EngineKey,
-        engine: dict[str, Any],
-        ledger_entries: list[dict[str, Any]],
-        minds: list[dict[str, Any]],
+        engine: Mapping[str, object],
+        ledger_entries: list[GrantEntry],
+        minds: Sequence[Mapping[str, object]],
         refused: Mapping[str, routing.Refused] | None = None,
         notes: ClassNotes | None = None,
     ) -> list[Job]:
         """The writes that bring this engine's Minds in line with its ledger: projections, and
         finalizers (on a Mind holding a slot, whose deletion must release it first; off a
         deleted Mind once the ledger no longer holds her)."""
-        status = engine.get("status") or {}
-        entries = {str(e.get("mind")): e for e in ledger_entries}
-        pool = status.get(ledger.CAPACITY_FIELD) or {}
-        slot_tokens = int(pool.get("tokensPerSlot") or 0)
+        entries = {e.mind: e for e in ledger_entries}
+        pool = object_at(engine, "status", ledger.CAPACITY_FIELD)
+        slot_tokens = integer(pool, "tokensPerSlot") or 0
         name = f"{key[0]}/{key[1]}"
         parked = mind_status.parked_of(engine)
         jobs: list[Job] = []
         for m in sorted(minds, key=routing.mind_key):
-            meta = m["metadata"]
+            meta = object_at(m, "metadata")
             mkey = routing.mind_key(m)
             entry = entries.get(mkey)
             if meta.get("deletionTimestamp"):
-                finalized = FINALIZER in (meta.get("finalizers") or [])
+                finalized = FINALIZER in _finalizers(m)
                 if entry is None and finalized and not self.held_anywhere(mkey):
                     jobs.append((FINALIZER_WRITE, mkey, partial(self.finalize, m)))
                 continue
-            asked = int((m.get("spec") or {}).get("contextTokens") or 0)
+            asked = integer(m, "spec", "contextTokens") or 0
             refusal = (refused or {}).get(mkey)
             if refusal is not None:
                 projected = mind_status.refused_projection(refusal)
@@ -131,18 +134,20 @@ class MindWrites:
                     asked,
                     class_note=notes.class_note(m) if notes else "",
                     namespace_note=notes.namespace_note(m) if notes else "",
-                    quota_note=notes.quota_note(meta["namespace"]) if notes else "",
+                    quota_note=notes.quota_note(str(meta.get("namespace"))) if notes else "",
                     engine_note=ledger.engine_note(engine),
                 )
             projected = projected.at(self.endpoint(key), parked.get(mkey))
             if self._projection(m, projected) is not None:
                 jobs.append((PROJECTION_WRITE, mkey, partial(self.project_one, mkey, projected)))
-            holding = entry is not None and entry.get("state") in HOLDING_STATES
-            if holding and FINALIZER not in (meta.get("finalizers") or []):
+            holding = entry is not None and entry.state in HOLDING_STATES
+            if holding and FINALIZER not in _finalizers(m):
                 jobs.append((FINALIZER_WRITE, mkey, partial(self.add_finalizer_to, mkey)))
         return jobs
 
-    def missing_engine_jobs(self, key: EngineKey, minds: list[dict[str, Any]]) -> list[Job]:
+    def missing_engine_jobs(
+        self, key: EngineKey, minds: Sequence[Mapping[str, object]]
+    ) -> list[Job]:
         """The writes for Minds of an Engine the cache lacks: EngineNotFound projections where
         her status does not say so yet, and the finalizer off a deleted Mind. One job an
         engine, which first asks the API server whether the Engine exists, unless its
@@ -160,14 +165,14 @@ class MindWrites:
             return [
                 (FINALIZER_WRITE, mkey, partial(self.drop_finalizer, m))
                 for m in minds
-                if m["metadata"].get("deletionTimestamp")
-                and FINALIZER in (m["metadata"].get("finalizers") or [])
+                if object_at(m, "metadata").get("deletionTimestamp")
+                and FINALIZER in _finalizers(m)
                 and not self.held_anywhere(mkey := routing.mind_key(m))
             ]
         projected = mind_status.refused_projection(mind_status.engine_not_found(key))
         deleted, stale = [], []
         for m in sorted(minds, key=routing.mind_key):
-            if m["metadata"].get("deletionTimestamp"):
+            if object_at(m, "metadata").get("deletionTimestamp"):
                 deleted.append(routing.mind_key(m))
             elif self._projection(m, projected) is not None:
                 stale.append(routing.mind_key(m))
@@ -202,12 +207,12 @@ class MindWrites:
     async def add_finalizer_to(self, mkey: str) -> None:
         """Add the finalizer to the Mind as the cache has her now (after her projection)."""
         mind = self.minds.minds.get(mkey)
-        if mind is None or mind["metadata"].get("deletionTimestamp"):
+        if mind is None or object_at(mind, "metadata").get("deletionTimestamp"):
             return
-        if FINALIZER not in (mind["metadata"].get("finalizers") or []):
+        if FINALIZER not in _finalizers(mind):
             await self.add_finalizer(mind)
 
-    async def finalize(self, mind: dict[str, Any]) -> None:
+    async def finalize(self, mind: Mapping[str, object]) -> None:
         crash.reached(crash.CrashPoint.BEFORE_FINALIZER_REMOVAL)
         await self.drop_finalizer(mind)
 
@@ -222,11 +227,13 @@ class MindWrites:
         if self.projections_written == 1:
             crash.reached(crash.CrashPoint.MID_PROJECTIONS)
 
-    def _projection(self, mind: Mapping[str, Any], projected: Projection) -> dict[str, Any] | None:
+    def _projection(
+        self, mind: Mapping[str, object], projected: Projection
+    ) -> dict[str, object] | None:
         """The Mind's new status part, or None when hers already says it."""
-        meta = mind["metadata"]
-        old = mind.get("status") or {}
-        old_conds = {c.get("type"): c for c in old.get("conditions") or []}
+        meta = object_at(mind, "metadata")
+        old = object_at(mind, "status")
+        old_conds = {c.get("type"): c for c in bodies(old.get("conditions"))}
         generation = meta.get("generation")
         now = format_seconds(self.clock())
         conditions = []
@@ -234,7 +241,7 @@ class MindWrites:
             status = "True" if ok else "False"
             prev = old_conds.get(str(type_)) or {}
             since = prev.get("lastTransitionTime") if prev.get("status") == status else None
-            c: dict[str, Any] = {
+            c: dict[str, object] = {
                 "type": str(type_),
                 "status": status,
                 "reason": reason or "Unknown",
@@ -244,8 +251,10 @@ class MindWrites:
             if generation is not None:
                 c["observedGeneration"] = generation
             conditions.append(c)
-        new = {
-            "grant": projected.grant,
+        grant = projected.grant
+        new: dict[str, object] = {
+            # Every field, nulls too: a merge patch's null removes what she held (her slot).
+            "grant": grant.model_dump(mode="json", by_alias=True) if grant else None,
             "conditions": conditions,
             "endpoint": projected.endpoint,
             "parked": projected.parked,
@@ -257,16 +266,16 @@ class MindWrites:
         return new
 
     async def write_projection(
-        self, mind: dict[str, Any], projected: Projection
-    ) -> dict[str, Any] | None:
+        self, mind: Mapping[str, object], projected: Projection
+    ) -> Mapping[str, object] | None:
         """Write the Mind's projection if it differs; the Mind as written, or None. A failure
         (but her being gone) raises: the writer has her engine decided again."""
         new = self._projection(mind, projected)
         if new is None:
             return None
-        meta = mind["metadata"]
+        meta = object_at(mind, "metadata")
         patch = {"status": new}
-        path = crd_path("minds", meta["namespace"], meta["name"], "status")
+        path = crd_path("minds", str(meta["namespace"]), str(meta["name"]), "status")
         try:
             answer = await self.api.merge_patch(path, patch)
         except ApiError as err:
@@ -276,34 +285,38 @@ class MindWrites:
         self.minds.observe_mind(answer, deleted=False, nudge=False)
         return answer
 
-    async def add_finalizer(self, mind: dict[str, Any]) -> None:
-        meta = mind["metadata"]
-        finalizers = [*(meta.get("finalizers") or []), FINALIZER]
+    async def add_finalizer(self, mind: Mapping[str, object]) -> None:
+        finalizers = [*_finalizers(mind), FINALIZER]
         await self._patch_finalizers(mind, finalizers)
 
-    async def drop_finalizer(self, mind: dict[str, Any]) -> None:
-        meta = mind["metadata"]
-        if FINALIZER not in (meta.get("finalizers") or []):
+    async def drop_finalizer(self, mind: Mapping[str, object]) -> None:
+        if FINALIZER not in _finalizers(mind):
             return
-        finalizers = [f for f in meta.get("finalizers") or [] if f != FINALIZER]
+        finalizers = [f for f in _finalizers(mind) if f != FINALIZER]
         await self._patch_finalizers(mind, finalizers)
 
-    async def _patch_finalizers(self, mind: dict[str, Any], finalizers: list[str]) -> None:
+    async def _patch_finalizers(self, mind: Mapping[str, object], finalizers: list[str]) -> None:
         """Patch her finalizers, conditioned on her resourceVersion. A failure (but her being
         gone) raises: a 409 (she changed meanwhile) or another, her engine is decided again
         after a backoff, from her as the cache has her then."""
-        meta = mind["metadata"]
+        meta = object_at(mind, "metadata")
         patch = {
             "metadata": {"finalizers": finalizers, "resourceVersion": meta.get("resourceVersion")}
         }
-        path = crd_path("minds", meta["namespace"], meta["name"])
+        path = crd_path("minds", str(meta["namespace"]), str(meta["name"]))
         try:
             answer = await self.api.merge_patch(path, patch)
         except ApiError as err:
             if err.status != 404:
                 raise
             return
-        if answer.get("metadata", {}).get("deletionTimestamp") and not finalizers:
+        if object_at(answer, "metadata").get("deletionTimestamp") and not finalizers:
             self.minds.observe_mind(answer, deleted=True, nudge=False)
         else:
             self.minds.observe_mind(answer, deleted=False, nudge=False)
+
+
+def _finalizers(obj: Mapping[str, object]) -> list[str]:
+    """The object's finalizers (`metadata.finalizers`; the strings among them)."""
+    found = object_at(obj, "metadata").get("finalizers")
+    return [f for f in found if isinstance(f, str)] if isinstance(found, list) else []

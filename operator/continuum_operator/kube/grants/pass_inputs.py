@@ -7,9 +7,8 @@ appends anything; the engine a failed Mind write takes again. No API calls. Neig
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from continuum_operator.kube.grants.ledger_facts import LedgerFacts
 from continuum_operator.kube.grants.quota_use import QuotaUse
@@ -19,6 +18,7 @@ from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
+from continuum_operator.model.json_body import object_at
 
 __all__ = ["GrantWrites", "PassView", "engine_of_write", "recover_journals"]
 
@@ -46,22 +46,22 @@ class GrantWrites:
     """One engine's decision: the ledger step to write (None: it did not change), and the Minds
     whose projections and finalizers follow from it. `body` None: the Engine is gone."""
 
-    body: dict[str, Any] | None
+    body: Mapping[str, object] | None
     step: ledger.LedgerStep | None
     now: float
     due: bool
-    minds: list[dict[str, Any]]
+    minds: Sequence[Mapping[str, object]]
     refused: Mapping[str, routing.Refused]
 
 
 def recover_journals(
-    log: TransitionLog, keys: Iterable[EngineKey], engines: Mapping[EngineKey, dict[str, Any]]
+    log: TransitionLog, keys: Iterable[EngineKey], engines: Mapping[EngineKey, Mapping[str, object]]
 ) -> None:
     """Append the steps a dead leader wrote but did not log (each engine's journal)."""
     for key in keys:
         log.recover(
             f"{key[0]}/{key[1]}",
-            ledger_journal.read_journal((engines[key].get("status") or {}).get(ledger.STEP_FIELD)),
+            ledger_journal.read_journal(object_at(engines[key], "status").get(ledger.STEP_FIELD)),
         )
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from continuum_operator.core.grants import GrantReason, MindDemand
 from continuum_operator.core.rfc3339 import format_seconds
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import EngineKey
+from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import object_at
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = ["ClassNotes", "QuotaConditionType", "QuotaUse", "quota_status"]
@@ -27,7 +29,7 @@ class QuotaUse:
     def __init__(
         self,
         limits: Mapping[str, routing.QuotaLimit],
-        entries: Mapping[EngineKey, list[dict[str, Any]]],
+        entries: Mapping[EngineKey, list[GrantEntry]],
     ) -> None:
         self.limits = dict(limits)
         self.entries = dict(entries)
@@ -58,7 +60,7 @@ class QuotaUse:
             for ns, lim in self.limits.items()
         }
 
-    def assume(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
+    def assume(self, key: EngineKey, entries: list[GrantEntry]) -> None:
         """A step decided and not yet written: until its write lands, the engine holds, in each
         namespace, the more of what it held and what the step holds. A grant counts at once; a
         release only once written (should the write fail, nobody granted on tokens that were
@@ -68,7 +70,7 @@ class QuotaUse:
         self._put(key, {ns: max(n, before.get(ns, 0)) for ns, n in {**before, **held}.items()})
         self.entries[key] = entries
 
-    def stepped(self, key: EngineKey, entries: list[dict[str, Any]]) -> None:
+    def stepped(self, key: EngineKey, entries: list[GrantEntry]) -> None:
         """The engine's whole ledger as written (not only what its object keeps)."""
         held = routing.tokens_held(entries) if self.limits else {}
         before = self.by_engine.get(key, {})
@@ -89,8 +91,7 @@ class QuotaUse:
             key
             for key, entries in self.entries.items()
             for e in entries
-            if e.get("reason") == GrantReason.QUOTA_EXCEEDED.value
-            and str(e.get("mind") or "").partition("/")[0] in namespaces
+            if e.reason is GrantReason.QUOTA_EXCEEDED and e.mind.partition("/")[0] in namespaces
         }
 
     def minds(self, namespace: str) -> tuple[int, list[str]]:
@@ -98,12 +99,12 @@ class QuotaUse:
         held, queued = 0, []
         for entries in self.entries.values():
             for e in entries:
-                ns, _, name = str(e.get("mind") or "").partition("/")
+                ns, _, name = e.mind.partition("/")
                 if ns != namespace:
                     continue
-                if e.get("state") in HOLDING_STATES:
+                if e.state in HOLDING_STATES:
                     held += 1
-                elif e.get("reason") == GrantReason.QUOTA_EXCEEDED.value:
+                elif e.reason is GrantReason.QUOTA_EXCEEDED:
                     queued.append(name)
         return held, sorted(queued)
 
@@ -116,21 +117,22 @@ class ClassNotes:
     default: str
     quotas: QuotaUse
 
-    def class_note(self, mind: Mapping[str, Any]) -> str:
-        name = (mind.get("spec") or {}).get("className") or self.default
+    def class_note(self, mind: Mapping[str, object]) -> str:
+        name = str(object_at(mind, "spec").get("className") or self.default)
         facts = self.classes.get(name)
         if facts is None or facts.max_tokens is None:
             return "her class allows fewer"
         return f"MindClass {name} allows at most {facts.max_tokens}"
 
-    def namespace_note(self, mind: Mapping[str, Any]) -> str:
+    def namespace_note(self, mind: Mapping[str, object]) -> str:
         """Her class and the namespaces it allows (for `ClassNotAllowed`)."""
-        name = (mind.get("spec") or {}).get("className") or self.default
+        name = str(object_at(mind, "spec").get("className") or self.default)
         facts = self.classes.get(name)
         allowed = sorted(facts.allowed_namespaces or ()) if facts is not None else []
+        namespace = object_at(mind, "metadata").get("namespace")
         return (
             f"MindClass {name} may not be used by Minds of namespace "
-            f"{mind['metadata']['namespace']}; it allows namespaces: {', '.join(allowed) or 'none'}"
+            f"{namespace}; it allows namespaces: {', '.join(allowed) or 'none'}"
         )
 
     def quota_note(self, namespace: str) -> str:
@@ -147,10 +149,13 @@ class QuotaConditionType(StrEnum):
     LIMITING = "Limiting"
 
 
-def quota_status(quota: Mapping[str, Any], use: QuotaUse, now: float) -> dict[str, Any] | None:
+def quota_status(
+    quota: Mapping[str, object], use: QuotaUse, now: float
+) -> dict[str, object] | None:
     """A TokenQuota's new status, or None when hers already says it. Every TokenQuota of a
     namespace reports the namespace's use; the one that limits is the tightest."""
-    ns = str(quota["metadata"]["namespace"])
+    meta = object_at(quota, "metadata")
+    ns = str(meta["namespace"])
     held, queued = use.minds(ns)
     used = use.used(ns)
     limit = use.limits.get(ns)
@@ -163,11 +168,13 @@ def quota_status(quota: Mapping[str, Any], use: QuotaUse, now: float) -> dict[st
         reason, message = "Looser", f"TokenQuota {limit.quota} is tighter and applies"
     else:
         reason, message = "WithinQuota", f"{used} tokens held"
-    old = quota.get("status") or {}
-    prev = {c.get("type"): c for c in old.get("conditions") or []}.get(QuotaConditionType.LIMITING)
+    old = object_at(quota, "status")
+    prev = {c.get("type"): c for c in bodies(old.get("conditions"))}.get(
+        QuotaConditionType.LIMITING
+    )
     status = "True" if limiting else "False"
-    generation = quota["metadata"].get("generation")
-    condition: dict[str, Any] = {
+    generation = meta.get("generation")
+    condition: dict[str, object] = {
         "type": QuotaConditionType.LIMITING.value,
         "status": status,
         "reason": reason,
@@ -181,7 +188,7 @@ def quota_status(quota: Mapping[str, Any], use: QuotaUse, now: float) -> dict[st
     }
     if generation is not None:
         condition["observedGeneration"] = generation
-    new: dict[str, Any] = {
+    new: dict[str, object] = {
         "usedTokens": used,
         "mindsHeld": held,
         "mindsQueued": len(queued),

@@ -17,12 +17,13 @@ and the writer replaces it (`kube.grants.ledger_write`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
-from continuum_operator.kube.ledger.grant_ledger import LEDGER_FIELDS
+from continuum_operator.kube.ledger.grant_ledger import LEDGER_FIELDS, read_entries
 from continuum_operator.kube.ledger.routing import tokens_held
 from continuum_operator.model.base import API_VERSION
+from continuum_operator.model.grant import GrantEntry
 from continuum_operator.model.grant_ledger import GrantLedger, engine_owners
+from continuum_operator.model.json_body import object_at
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = [
@@ -47,51 +48,51 @@ KIND = GrantLedger.KIND
 LEDGER_META = "grantLedger"
 
 
-def owned_by(ledger: Mapping[str, Any], engine: Mapping[str, Any]) -> bool:
+def owned_by(ledger: Mapping[str, object], engine: Mapping[str, object]) -> bool:
     """Whether `ledger` is this Engine's: its owner is the Engine's uid (either side without a
     uid, as bodies built by hand in tests: yes)."""
-    uid = (engine.get("metadata") or {}).get("uid")
+    uid = object_at(engine, "metadata").get("uid")
     owners = engine_owners(ledger)
     return not uid or not owners or uid in owners
 
 
-def merged(engine: Mapping[str, Any], ledger: Mapping[str, Any] | None) -> dict[str, Any]:
+def merged(engine: Mapping[str, object], ledger: Mapping[str, object] | None) -> dict[str, object]:
     """The Engine body with `ledger`'s status as its ledger fields and its metadata under
     `LEDGER_META`; None or another Engine's ledger: an Engine with no ledger yet. Whatever
     ledger fields the Engine body carried (another one's merge) are replaced, not mixed."""
-    status = {k: v for k, v in (engine.get("status") or {}).items() if k not in LEDGER_FIELDS}
+    status = {k: v for k, v in object_at(engine, "status").items() if k not in LEDGER_FIELDS}
     body = {k: v for k, v in engine.items() if k != LEDGER_META}
     if ledger is not None and owned_by(ledger, engine):
-        status.update({k: v for k, v in (ledger.get("status") or {}).items() if k in LEDGER_FIELDS})
-        body[LEDGER_META] = dict(ledger.get("metadata") or {})
+        status.update({k: v for k, v in object_at(ledger, "status").items() if k in LEDGER_FIELDS})
+        body[LEDGER_META] = dict(object_at(ledger, "metadata"))
     body["status"] = status
     return body
 
 
-def engine_only(body: Mapping[str, Any]) -> dict[str, Any]:
+def engine_only(body: Mapping[str, object]) -> dict[str, object]:
     """The Engine as the API server holds it, from a cached body (`model.engine.Engine`
     validates it: its status names no ledger field)."""
     return merged(body, None)
 
 
-def uid_of(body: Mapping[str, Any]) -> str | None:
+def uid_of(body: Mapping[str, object]) -> str | None:
     """The uid of the GrantLedger merged into this body (None: no ledger yet, or none given)."""
-    meta = body.get(LEDGER_META)
-    return str(meta["uid"]) if meta and meta.get("uid") else None
+    uid = object_at(body, LEDGER_META).get("uid")
+    return str(uid) if uid else None
 
 
-def version_of(body: Mapping[str, Any]) -> str | None:
+def version_of(body: Mapping[str, object]) -> str | None:
     """The resourceVersion of the GrantLedger merged into this body (None: no ledger yet)."""
-    meta = body.get(LEDGER_META)
-    return str(meta["resourceVersion"]) if meta and meta.get("resourceVersion") else None
+    version = object_at(body, LEDGER_META).get("resourceVersion")
+    return str(version) if version else None
 
 
-def new_ledger(engine: Mapping[str, Any]) -> dict[str, Any]:
+def new_ledger(engine: Mapping[str, object]) -> dict[str, object]:
     """The GrantLedger the writer creates for an Engine: its name and namespace, owned by it
     (the garbage collector deletes it with the Engine). No status: a create ignores it (the
     status subresource); the ledger is written next, conditioned on the new version."""
-    meta = engine["metadata"]
-    out: dict[str, Any] = {"name": meta["name"], "namespace": meta["namespace"]}
+    meta = object_at(engine["metadata"])
+    out: dict[str, object] = {"name": meta["name"], "namespace": meta["namespace"]}
     if meta.get("uid"):
         out["ownerReferences"] = [
             {
@@ -105,17 +106,14 @@ def new_ledger(engine: Mapping[str, Any]) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": GrantLedger.KIND, "metadata": out}
 
 
-def _grants(ledger: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """A GrantLedger object's entries (`status.grants`; none for no ledger)."""
-    grants: list[dict[str, Any]] = ((ledger or {}).get("status") or {}).get("grants") or []
-    return grants
+def _grants(ledger: Mapping[str, object] | None) -> list[GrantEntry]:
+    """A GrantLedger object's entries (`status.grants`; none for no ledger), those read."""
+    return read_entries(object_at(ledger, "status").get("grants"))
 
 
-def holders(ledger: Mapping[str, Any] | None) -> frozenset[str]:
+def holders(ledger: Mapping[str, object] | None) -> frozenset[str]:
     """The Minds ("namespace/name") a GrantLedger holds a slot for (Granted or Reclaiming)."""
-    return frozenset(
-        str(e.get("mind")) for e in _grants(ledger) if e.get("state") in HOLDING_STATES
-    )
+    return frozenset(e.mind for e in _grants(ledger) if e.state in HOLDING_STATES)
 
 
 class HolderIndex:
@@ -129,8 +127,8 @@ class HolderIndex:
     def replace(
         self,
         key: tuple[str, str],
-        old: Mapping[str, Any] | None,
-        new: Mapping[str, Any] | None,
+        old: Mapping[str, object] | None,
+        new: Mapping[str, object] | None,
     ) -> None:
         """The GrantLedger of Engine `key` went from `old` to `new` (None: none)."""
         before, after = holders(old), holders(new)
@@ -149,14 +147,14 @@ class HolderIndex:
 
 
 def others_entries(
-    ledgers: Mapping[tuple[str, str], Mapping[str, Any]], mine: Mapping[tuple[str, str], Any]
-) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    ledgers: Mapping[tuple[str, str], Mapping[str, object]], mine: Mapping[tuple[str, str], object]
+) -> dict[tuple[str, str], list[GrantEntry]]:
     """The entries of every GrantLedger whose Engine is not among `mine` (another operator's,
     or one this operator has just forgotten), by Engine: what they hold counts toward the
     namespaces' TokenQuotas all the same."""
     return {key: _grants(ledger) for key, ledger in ledgers.items() if key not in mine}
 
 
-def held_tokens(ledger: Mapping[str, Any] | None) -> dict[str, int]:
+def held_tokens(ledger: Mapping[str, object] | None) -> dict[str, int]:
     """Tokens each namespace holds in a GrantLedger (what a TokenQuota counts)."""
     return tokens_held(_grants(ledger))

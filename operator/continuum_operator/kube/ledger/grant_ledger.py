@@ -5,9 +5,10 @@ has one home"), merged into the cached Engine body (`kube.ledger.cached`). This 
 translation between that list of entries and the pure allocator (`core.grants`), with no API calls,
 so each rule is shown in unit tests:
 
-- `read_grants` / `grant_entries`: entries <-> `Grant`s. An entry's fields, its parser and its
-  writer are `model.grant` (the gateway parses the same entries); here is the operator's
-  policy on an entry it cannot read. Times the allocator compares are Unix seconds (floats
+- `read_entries` / `read_grants` / `grant_entries`: stored entries -> `GrantEntry`s <->
+  `Grant`s. An entry's fields, its parser and its writer are `model.grant` (the gateway parses
+  the same entries; `GrantEntry.wire` is what is stored); here is the operator's policy on an
+  entry it cannot read. Times the allocator compares are Unix seconds (floats
   survive the API server's JSON exactly); `since` is RFC 3339 with microseconds, and names one
   reclaim.
 - `capacity_of`: the pool to allocate from, from the plan and the Ready condition the plan
@@ -30,7 +31,6 @@ import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from continuum_operator.core import conditions as cond
 from continuum_operator.core import rfc3339
@@ -46,9 +46,12 @@ from continuum_operator.core.grants import (
     allocate,
 )
 from continuum_operator.core.transition_lines import capacity_line, transition_line
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.ledger.routing import mind_key
 from continuum_operator.kube.ledger.transition_log import Place
-from continuum_operator.model.grant import grant_entries, iso_micro, parse_entries
+from continuum_operator.model.grant import GrantEntry, grant_entries, iso_micro, parse_entries
+from continuum_operator.model.grant_ledger import GrantQueue
+from continuum_operator.model.json_body import integer, items_at, object_at, text
 from continuum_operator.model.mind import HOLDING_STATES, GrantState, ProjectedState
 
 __all__ = [
@@ -64,6 +67,8 @@ __all__ = [
     "engine_note",
     "idle_of",
     "log_lines",
+    "queue_doc",
+    "read_entries",
     "read_grants",
     "released_of",
     "step",
@@ -90,36 +95,44 @@ QUEUE_KEPT = 256
 REFUSED_KEPT = 64
 
 
-def _parse_time(text: Any) -> float | None:
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        return float(text)
-    return rfc3339.parse(text)
+def _parse_time(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return rfc3339.parse(value)
 
 
 # --- entries -> grants ------------------------------------------------------------------------
 
 
-def read_grants(entries: Iterable[Mapping[str, Any]] | None) -> dict[str, Grant]:
-    """The allocator's ledger from `status.grants`. The operator's policy on an entry it cannot
-    read (`model.grant.parse_entries`), or that has no reason to allocate from: skip it, and
-    decide the step from the rest (the mind's next demand brings her back)."""
+def read_entries(raw: object) -> list[GrantEntry]:
+    """The entries of `status.grants` as stored. The operator's policy on an entry it cannot
+    read (`model.grant.parse_entries`): skip it, and decide the step from the rest (the mind's
+    next demand brings her back)."""
+    if not isinstance(raw, list):
+        return []
+    entries, _ = parse_entries(raw)
+    return entries
+
+
+def read_grants(entries: Iterable[GrantEntry]) -> dict[str, Grant]:
+    """The allocator's ledger from the entries read; an entry with no reason to allocate from
+    is skipped as one not read."""
     grants: dict[str, Grant] = {}
-    entries_read, _ = parse_entries(entries)
-    for e in entries_read:
+    for e in entries:
         g = e.grant()
         if g is not None:
             grants[g.mind] = g
     return grants
 
 
-def bounded(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def bounded(entries: list[GrantEntry]) -> tuple[list[GrantEntry], GrantQueue | None]:
     """What the Engine object keeps of a ledger's entries: every holder, the first
     `QUEUE_KEPT` of the queue and the first `REFUSED_KEPT` refusals; and `status.grantQueue`
     (the totals, and what is kept), or None when nothing was left out."""
-    kept: list[dict[str, Any]] = []
+    kept: list[GrantEntry] = []
     queued = refused = 0
     for e in entries:
-        state = e.get("state")
+        state = e.state
         if state == GrantState.QUEUED:
             queued += 1
             if queued > QUEUE_KEPT:
@@ -131,12 +144,12 @@ def bounded(entries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[s
         kept.append(e)
     if queued <= QUEUE_KEPT and refused <= REFUSED_KEPT:
         return kept, None
-    return kept, {
-        "queued": queued,
-        "refused": refused,
-        "keptQueued": min(queued, QUEUE_KEPT),
-        "keptRefused": min(refused, REFUSED_KEPT),
-    }
+    return kept, GrantQueue(
+        queued=queued,
+        refused=refused,
+        kept_queued=min(queued, QUEUE_KEPT),
+        kept_refused=min(refused, REFUSED_KEPT),
+    )
 
 
 def tail_from_log(waiting: Mapping[str, Place], kept: Collection[str]) -> dict[str, Grant]:
@@ -165,7 +178,7 @@ def tail_from_log(waiting: Mapping[str, Place], kept: Collection[str]) -> dict[s
 
 
 def tail_from_minds(
-    minds: Iterable[Mapping[str, Any]], kept: Collection[str], demands: Mapping[str, MindDemand]
+    minds: Iterable[Mapping[str, object]], kept: Collection[str], demands: Mapping[str, MindDemand]
 ) -> dict[str, Grant]:
     """The entries an Engine object left out, as each Mind's own status says them (a new
     leader's view: the one that wrote the ledger kept them in memory). Only a Mind whose status
@@ -174,12 +187,12 @@ def tail_from_minds(
     out: dict[str, Grant] = {}
     for m in minds:
         name = mind_key(m)
-        status = m.get("status") or {}
-        grant = status.get("grant") or {}
+        status = object_at(m, "status")
+        grant = object_at(status, "grant")
         demand = demands.get(name)
         if name in kept or demand is None:
             continue
-        if status.get("observedGeneration") != m["metadata"].get("generation"):
+        if status.get("observedGeneration") != object_at(m, "metadata").get("generation"):
             continue
         since = _parse_time(grant.get("since"))
         try:
@@ -208,7 +221,7 @@ def tail_from_minds(
 # --- the pool ---------------------------------------------------------------------------------
 
 
-def launch_of(plan: Mapping[str, Any]) -> str | None:
+def launch_of(plan: Mapping[str, object]) -> str | None:
     """Identity of the engine process a plan runs: a new value is a relaunch (new KV buffers)."""
     if not plan or not plan.get("engineArgs"):
         return None
@@ -221,24 +234,25 @@ def launch_of(plan: Mapping[str, Any]) -> str | None:
 LEDGER_FIELDS = frozenset({"grants", CAPACITY_FIELD, STEP_FIELD, QUEUE_FIELD})
 
 
-def holds_another_launch(status: Mapping[str, Any]) -> bool:
+def holds_another_launch(status: object) -> bool:
     """Whether the ledger still holds grants made on another launch than the plan's: the engine
     process they live in must run until its gateway reports them released (or their grace
     deadline forces them), so the successor's Deployment waits (kube.engines.loop)."""
-    recorded = (status.get(CAPACITY_FIELD) or {}).get("launch")
-    if recorded is None or recorded == launch_of(status.get("plan") or {}):
+    status = object_at(status)
+    recorded = object_at(status, CAPACITY_FIELD).get("launch")
+    if recorded is None or recorded == launch_of(object_at(status, "plan")):
         return False
-    return any(e.get("state") in HOLDING_STATES for e in status.get("grants") or [])
+    return any(e.state in HOLDING_STATES for e in read_entries(status.get("grants")))
 
 
-def _condition(status: Mapping[str, Any], type_: cond.ConditionType) -> Mapping[str, Any]:
-    for c in status.get("conditions") or []:
+def _condition(status: Mapping[str, object], type_: cond.ConditionType) -> Mapping[str, object]:
+    for c in bodies(status.get("conditions")):
         if c.get("type") == type_:
-            return dict(c)
+            return c
     return {}
 
 
-def _ready(status: Mapping[str, Any]) -> bool:
+def _ready(status: Mapping[str, object]) -> bool:
     return _condition(status, cond.ConditionType.READY).get("status") == "True"
 
 
@@ -248,7 +262,7 @@ _NEVER_PLACED = frozenset({cond.Reason.INVALID_SPEC, cond.Reason.FACTS_MISSING})
 _SERVED = frozenset({EnginePhase.SERVING, EnginePhase.DRAINING, EnginePhase.RELAUNCHING})
 
 
-def _unschedulable(status: Mapping[str, Any]) -> bool:
+def _unschedulable(status: Mapping[str, object]) -> bool:
     """Whether no node takes the engine as it is: its Unschedulable condition, or a spec the
     planner refuses (its Planned condition)."""
     return (
@@ -257,9 +271,9 @@ def _unschedulable(status: Mapping[str, Any]) -> bool:
     )
 
 
-def engine_note(engine: Mapping[str, Any]) -> str:
+def engine_note(engine: Mapping[str, object]) -> str:
     """Why an engine is not serving, in its Ready condition's words ('' when it says nothing)."""
-    ready = _condition(engine.get("status") or {}, cond.ConditionType.READY)
+    ready = _condition(object_at(engine, "status"), cond.ConditionType.READY)
     if ready.get("status") == "True":
         return ""
     reason, message = str(ready.get("reason") or ""), str(ready.get("message") or "")
@@ -273,8 +287,10 @@ class GrantPool:
     capacity: Capacity
     launch: str | None
 
-    def to_status(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
+    def to_status(self) -> dict[str, object]:
+        """`status.grantCapacity` (`model.grant_ledger.GrantCapacity`) as written: `launch`
+        always, null when the plan runs none."""
+        doc: dict[str, object] = {
             "phase": self.capacity.phase.value,
             "slots": self.capacity.slots,
             "tokensPerSlot": self.capacity.tokens_per_slot,
@@ -285,7 +301,7 @@ class GrantPool:
         return doc
 
 
-def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> GrantPool:
+def capacity_of(engine: Mapping[str, object], grants: Mapping[str, Grant]) -> GrantPool:
     """The engine's pool as the allocator must see it now.
 
     - Serving: the pod of the current plan is ready (the plan loop's `Ready` condition) and the
@@ -298,21 +314,21 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Grant
       served before (the ledger's last pool says so); `Starting` when it never has (not placed
       yet, or its first pod not ready).
     """
-    spec = engine.get("spec") or {}
-    status = engine.get("status") or {}
-    plan = status.get("plan") or {}
-    tokens = int(plan.get("contextTokensPerMind") or spec.get("contextTokensPerMind") or 0)
-    slots = int(plan.get("mindsGrantable") or 0) if plan.get("schedulable", True) else 0
+    spec = object_at(engine, "spec")
+    status = object_at(engine, "status")
+    plan = object_at(status, "plan")
+    tokens = integer(plan, "contextTokensPerMind") or integer(spec, "contextTokensPerMind") or 0
+    slots = (integer(plan, "mindsGrantable") or 0) if plan.get("schedulable", True) else 0
     launch = launch_of(plan)
-    recorded = status.get(CAPACITY_FIELD) or {}
+    recorded = object_at(status, CAPACITY_FIELD)
     holding = any(g.state in HOLDING_STATES for g in grants.values())
-    old_launch = recorded.get("launch")
+    old_launch = text(recorded.get("launch"))
     if holding and old_launch is not None and old_launch != launch:
         return GrantPool(
             Capacity(
                 EnginePhase.DRAINING,
-                int(recorded.get("slots") or 0),
-                int(recorded.get("tokensPerSlot") or tokens),
+                integer(recorded, "slots") or 0,
+                integer(recorded, "tokensPerSlot") or tokens,
                 target_slots=slots,
             ),
             old_launch,
@@ -331,12 +347,12 @@ def capacity_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> Grant
 # --- the gateway's releases ----------------------------------------------------------------
 
 
-def released_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> set[str]:
+def released_of(engine: Mapping[str, object], grants: Mapping[str, Grant]) -> set[str]:
     """Minds whose reclaim the gateway reported released (status.runtime.slotReleases): the
     report names the reclaim by (mind, slot, grantSince), so an old report frees nothing new."""
-    runtime = (engine.get("status") or {}).get("runtime") or {}
+    runtime = object_at(engine, "status", "runtime")
     out: set[str] = set()
-    for r in runtime.get("slotReleases") or []:
+    for r in bodies(runtime.get("slotReleases")):
         g = grants.get(str(r.get("mind")))
         if (
             g is not None
@@ -348,11 +364,10 @@ def released_of(engine: Mapping[str, Any], grants: Mapping[str, Grant]) -> set[s
     return out
 
 
-def idle_of(engine: Mapping[str, Any]) -> set[str]:
+def idle_of(engine: Mapping[str, object]) -> set[str]:
     """Minds the gateway parked at their own ask and that have asked nothing since
     (status.runtime.park.idle): their slots go to minds waiting (`core.grants`, `Parked`)."""
-    runtime = (engine.get("status") or {}).get("runtime") or {}
-    return {str(m) for m in ((runtime.get("park") or {}).get("idle") or [])}
+    return {m for m in items_at(engine, "status", "runtime", "park", "idle") if isinstance(m, str)}
 
 
 # --- one step ---------------------------------------------------------------------------------
@@ -368,11 +383,11 @@ class LedgerStep:
 
     grants: dict[str, Grant]
     segments: tuple[tuple[GrantPool, tuple[Transition, ...]], ...]
-    entries: list[dict[str, Any]]
+    entries: list[GrantEntry]
     changed: bool
     review_at: float | None
-    kept: list[dict[str, Any]] = field(default_factory=list)
-    queue: dict[str, Any] | None = None
+    kept: list[GrantEntry] = field(default_factory=list)
+    queue: GrantQueue | None = None
 
     @property
     def pool(self) -> GrantPool:
@@ -383,7 +398,7 @@ class LedgerStep:
 
 
 def step(
-    engine: Mapping[str, Any],
+    engine: Mapping[str, object],
     demands: Mapping[str, MindDemand],
     now: float,
     policy: GrantPolicy,
@@ -394,8 +409,10 @@ def step(
     namespace, the tokens its minds may hold on this engine (`core.grants.allocate`). `tail`:
     the entries the Engine object left out (`status.grantQueue`), from the leader's memory of
     its last write or from the Minds' own status (`tail_from_minds`)."""
-    status = engine.get("status") or {}
-    grants = read_grants(status.get("grants"))
+    status = object_at(engine, "status")
+    stored_raw = status.get("grants")
+    stored = read_entries(stored_raw)
+    grants = read_grants(stored)
     for name, g in (tail or {}).items():
         grants.setdefault(name, g)
     pool = capacity_of(engine, grants)
@@ -430,8 +447,9 @@ def step(
     kept, queue = bounded(entries)
     changed = (
         (status.get(CAPACITY_FIELD) or None) != pool.to_status()
-        or kept != (status.get("grants") or [])
-        or queue != status.get(QUEUE_FIELD)
+        or kept != stored
+        or len(stored) != (len(stored_raw) if isinstance(stored_raw, list) else 0)  # one unread
+        or queue_doc(queue) != status.get(QUEUE_FIELD)
         or any(ts for _, ts in segments)  # a move of a mind the object does not keep
     )
     return LedgerStep(
@@ -446,12 +464,12 @@ def step(
 
 
 def log_lines(
-    t: float, engine: str, recorded: Mapping[str, Any] | None, s: LedgerStep
-) -> list[dict[str, Any]]:
+    t: float, engine: str, recorded: Mapping[str, object] | None, s: LedgerStep
+) -> list[dict[str, object]]:
     """The transition log's lines for one step (docs/transition-log.md): a `capacity` line
     wherever the pool differs from the one before, then the transitions under it."""
-    lines: list[dict[str, Any]] = []
-    before: Mapping[str, Any] | None = recorded
+    lines: list[dict[str, object]] = []
+    before: Mapping[str, object] | None = recorded
     for pool, transitions in s.segments:
         doc = pool.to_status()
         if before is None or _pool_key(before) != _pool_key(doc):
@@ -461,5 +479,10 @@ def log_lines(
     return lines
 
 
-def _pool_key(doc: Mapping[str, Any]) -> tuple[Any, ...]:
+def queue_doc(queue: GrantQueue | None) -> dict[str, object] | None:
+    """`status.grantQueue` as the GrantLedger stores it (None: not written)."""
+    return None if queue is None else queue.model_dump(by_alias=True)
+
+
+def _pool_key(doc: Mapping[str, object]) -> tuple[object, ...]:
     return (doc.get("phase"), doc.get("slots"), doc.get("tokensPerSlot"))

@@ -8,7 +8,6 @@ the journal), `kube.ledger.transition_log` (appends it).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import GrantReason
@@ -30,8 +29,8 @@ _JOURNAL_TIMES = ("t", "deadline")
 
 
 def journal(
-    seq: int, t: float, lines: Iterable[Mapping[str, Any]], kept: Collection[str] | None = None
-) -> dict[str, Any]:
+    seq: int, t: float, lines: Iterable[Mapping[str, object]], kept: Collection[str] | None = None
+) -> dict[str, object]:
     """`status.grantStep`: a step's seq, time and log lines, times as RFC 3339 for a reader of
     the Engine (the log keeps Unix seconds; `read_journal` turns them back exactly).
 
@@ -44,7 +43,7 @@ def journal(
     slot, and nothing else would tell the log (at most one such mind a slot); so is a deleted
     mind's departure (the first `DEPARTED_KEPT`), which nothing would decide again."""
 
-    def text(line: Mapping[str, Any]) -> dict[str, Any]:
+    def text(line: Mapping[str, object]) -> dict[str, object]:
         return {
             k: rfc3339_exact(v) if k in _JOURNAL_TIMES and isinstance(v, int | float) else v
             for k, v in line.items()
@@ -76,13 +75,13 @@ def journal(
             # omitted lines may be: the next leader decides every mind the log is behind on
             # from the log as it stands.
             shown = every[:1]
-    doc: dict[str, Any] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
+    doc: dict[str, object] = {"seq": seq, "t": rfc3339_exact(t), "lines": [text(x) for x in shown]}
     if len(shown) < len(every):
         doc["omitted"] = len(every) - len(shown)
     return doc
 
 
-def read_journal(doc: Any) -> dict[str, Any] | None:
+def read_journal(doc: object) -> dict[str, object] | None:
     """The journaled step with the log's Unix seconds again, or None when it cannot be read."""
     if not isinstance(doc, Mapping) or not isinstance(doc.get("lines"), list):
         return None

@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from continuum_operator.core import rfc3339
 from continuum_operator.core.grants import MindDemand
+from continuum_operator.model.grant import GrantEntry
+from continuum_operator.model.json_body import integer, object_at
 from continuum_operator.model.mind import HOLDING_STATES
 
 __all__ = [
@@ -56,23 +57,24 @@ class ClassFacts:
     allowed_namespaces: frozenset[str] | None = None
 
 
-def _namespaces(value: Any) -> frozenset[str] | None:
+def _namespaces(value: object) -> frozenset[str] | None:
     if not isinstance(value, list):
         return None
     return frozenset(str(n) for n in value)
 
 
-def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, ClassFacts], str]:
+def classes_of(mindclasses: Iterable[Mapping[str, object]]) -> tuple[dict[str, ClassFacts], str]:
     """MindClasses by name, and the name of the default class ('' when none is marked)."""
     out: dict[str, ClassFacts] = {}
     default = ""
-    for mc in sorted(mindclasses, key=lambda m: str(m["metadata"]["name"])):
-        spec = mc.get("spec") or {}
-        name = str(mc["metadata"]["name"])
+    for mc in sorted(mindclasses, key=lambda m: str(object_at(m, "metadata")["name"])):
+        spec = object_at(mc, "spec")
+        name = str(object_at(mc, "metadata")["name"])
         max_tokens = spec.get("maxTokens")
+        window = spec.get("protectionWindowSeconds", 300)
         out[name] = ClassFacts(
-            int(spec.get("priority") or 0),
-            float(spec.get("protectionWindowSeconds", 300)),
+            integer(spec, "priority") or 0,
+            float(window) if isinstance(window, int | float) else 300.0,
             int(max_tokens) if isinstance(max_tokens, int) and max_tokens > 0 else None,
             _namespaces(spec.get("allowedNamespaces")),
         )
@@ -81,24 +83,26 @@ def classes_of(mindclasses: Iterable[Mapping[str, Any]]) -> tuple[dict[str, Clas
     return out, default
 
 
-def mind_key(mind: Mapping[str, Any]) -> str:
-    return f"{mind['metadata']['namespace']}/{mind['metadata']['name']}"
+def mind_key(mind: Mapping[str, object]) -> str:
+    """ "namespace/name" of a namespaced object (a Mind, a TokenQuota)."""
+    meta = object_at(mind, "metadata")
+    return f"{meta['namespace']}/{meta['name']}"
 
 
-def engine_key_of(mind: Mapping[str, Any]) -> tuple[str, str]:
+def engine_key_of(mind: Mapping[str, object]) -> tuple[str, str]:
     """(namespace, name) of the Engine a Mind names: `spec.engineNamespace`, else her own."""
-    spec = mind.get("spec") or {}
-    ns = spec.get("engineNamespace") or mind["metadata"]["namespace"]
+    spec = object_at(mind, "spec")
+    ns = spec.get("engineNamespace") or object_at(mind, "metadata")["namespace"]
     return str(ns), str(spec.get("engine"))
 
 
-def engine_serves(engine: Mapping[str, Any], namespace: str) -> bool:
+def engine_serves(engine: Mapping[str, object], namespace: str) -> bool:
     """Whether an Engine serves Minds of `namespace`: its own always, others it lists in
     `spec.allowedNamespaces` ('*': every namespace)."""
-    if engine["metadata"].get("namespace") == namespace:
+    if object_at(engine, "metadata").get("namespace") == namespace:
         return True
-    allowed = (engine.get("spec") or {}).get("allowedNamespaces") or []
-    return "*" in allowed or namespace in allowed
+    allowed = object_at(engine, "spec").get("allowedNamespaces")
+    return isinstance(allowed, list) and ("*" in allowed or namespace in allowed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,24 +114,24 @@ class Refused:
 
 
 def route_minds(
-    minds: Iterable[Mapping[str, Any]],
-    engines: Mapping[tuple[str, str], Mapping[str, Any]],
+    minds: Iterable[Mapping[str, object]],
+    engines: Mapping[tuple[str, str], Mapping[str, object]],
     classes: Mapping[str, ClassFacts],
     default_class: str,
-) -> tuple[dict[tuple[str, str], list[dict[str, Any]]], dict[str, Refused]]:
+) -> tuple[dict[tuple[str, str], list[Mapping[str, object]]], dict[str, Refused]]:
     """Minds by the Engine they name, and those of them refused before the allocator.
 
     A Mind naming a class that does not exist, or an Engine that does not serve her namespace,
     is listed under her Engine (her finalizer and projection are written from there) but wants
     no grant. A Mind of an Engine nobody serves is listed and not refused: nothing holds her.
     """
-    by_engine: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    by_engine: dict[tuple[str, str], list[Mapping[str, object]]] = {}
     refused: dict[str, Refused] = {}
     for body in minds:
         key = engine_key_of(body)
         by_engine.setdefault(key, []).append(dict(body))
-        ns = str(body["metadata"]["namespace"])
-        named = (body.get("spec") or {}).get("className")
+        ns = str(object_at(body, "metadata")["namespace"])
+        named = object_at(body, "spec").get("className")
         engine = engines.get(key)
         if named and named not in classes:
             refused[mind_key(body)] = Refused(
@@ -145,7 +149,7 @@ def route_minds(
 
 
 def demands_of(
-    minds: Iterable[Mapping[str, Any]],
+    minds: Iterable[Mapping[str, object]],
     classes: Mapping[str, ClassFacts],
     default_class: str,
     refused: Collection[str] = (),
@@ -154,19 +158,19 @@ def demands_of(
     line by creation."""
     out: dict[str, MindDemand] = {}
     for m in minds:
-        meta = m["metadata"]
+        meta = object_at(m, "metadata")
         if meta.get("deletionTimestamp"):
             continue
         name = mind_key(m)
         if name in refused:
             continue
-        spec = m.get("spec") or {}
-        cls = classes.get(spec.get("className") or default_class) or ClassFacts()
+        spec = object_at(m, "spec")
+        cls = classes.get(str(spec.get("className") or default_class)) or ClassFacts()
         out[name] = MindDemand(
             name=name,
             priority=cls.priority,
             arrival=rfc3339.parse(meta.get("creationTimestamp")) or 0.0,
-            context_tokens=int(spec.get("contextTokens") or 1),
+            context_tokens=integer(spec, "contextTokens") or 1,
             protection_window=cls.protection_window,
             max_tokens=cls.max_tokens,
             class_namespaces=cls.allowed_namespaces,
@@ -185,25 +189,25 @@ class QuotaLimit:
     quota: str  # "namespace/name"
 
 
-def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> dict[str, QuotaLimit]:
+def quota_limits(quotas: Iterable[Mapping[str, object]]) -> dict[str, QuotaLimit]:
     """Namespaces' token limits: of several TokenQuotas in a namespace, the smallest applies."""
     out: dict[str, QuotaLimit] = {}
     for q in sorted(quotas, key=mind_key):
-        value = (q.get("spec") or {}).get("maxTokens")
+        value = object_at(q, "spec").get("maxTokens")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             continue
-        ns = str(q["metadata"]["namespace"])
+        ns = str(object_at(q, "metadata")["namespace"])
         if ns not in out or value < out[ns].max_tokens:
             out[ns] = QuotaLimit(value, mind_key(q))
     return out
 
 
-def tokens_held(entries: Iterable[Mapping[str, Any]] | None) -> dict[str, int]:
+def tokens_held(entries: Iterable[GrantEntry]) -> dict[str, int]:
     """Tokens each namespace holds in one ledger (`status.grants`): Granted and Reclaiming."""
     out: dict[str, int] = {}
-    for e in entries or ():
-        if e.get("state") not in HOLDING_STATES:
+    for e in entries:
+        if e.state not in HOLDING_STATES:
             continue
-        ns = str(e.get("mind") or "").partition("/")[0]
-        out[ns] = out.get(ns, 0) + int(e.get("tokens") or 0)
+        ns = e.mind.partition("/")[0]
+        out[ns] = out.get(ns, 0) + e.tokens
     return out

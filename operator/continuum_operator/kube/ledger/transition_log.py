@@ -32,7 +32,9 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from continuum_operator.kube.client.body import number
 
 __all__ = ["Place", "TransitionLog"]
 
@@ -86,7 +88,7 @@ class TransitionLog:
                     self.seqs[engine] = max(self.seqs.get(engine, 0), seq)
                 self._place(line)
 
-    def _begin(self, engine: str, ledger: Any) -> None:
+    def _begin(self, engine: str, ledger: object) -> None:
         """A line naming another GrantLedger than the engine's last lines did: an Engine made
         again under its name, whose ledger counts its steps from 1 and holds nothing of the
         old one's. What the log knew of the engine is forgotten."""
@@ -97,7 +99,7 @@ class TransitionLog:
             self.places.pop(engine, None)
         self.ledgers[engine] = ledger
 
-    def _place(self, line: Mapping[str, Any]) -> None:
+    def _place(self, line: Mapping[str, object]) -> None:
         """Keep a transition's mind in `places` while it leaves her waiting."""
         engine, mind = line.get("engine"), line.get("mind")
         if line.get("event") != "transition" or not isinstance(engine, str):
@@ -131,15 +133,17 @@ class TransitionLog:
             return False
         return self.seqs.get(engine, 0) >= seq
 
-    def append(self, engine: str, seq: int, lines: Sequence[Mapping[str, Any]]) -> None:
+    def append(self, engine: str, seq: int, lines: Sequence[Mapping[str, object]]) -> None:
         if not lines:
             return
         with self.lock:
             self._append(engine, seq, lines)
 
-    def _append(self, engine: str, seq: int, lines: Sequence[Mapping[str, Any]]) -> None:
-        t = max(self.last_t, *(float(line["t"]) for line in lines))
-        written = [{**line, "t": max(float(line["t"]), self.last_t), "seq": seq} for line in lines]
+    def _append(self, engine: str, seq: int, lines: Sequence[Mapping[str, object]]) -> None:
+        t = max(self.last_t, *(number(line.get("t")) for line in lines))
+        written = [
+            {**line, "t": max(number(line.get("t")), self.last_t), "seq": seq} for line in lines
+        ]
         text = "".join(json.dumps(line) + "\n" for line in written)
         if self.path is not None:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -169,7 +173,7 @@ class TransitionLog:
         finally:
             os.close(fd)
 
-    def recover(self, engine: str, journal: Mapping[str, Any] | None) -> bool:
+    def recover(self, engine: str, journal: Mapping[str, object] | None) -> bool:
         """Append the journaled step of an Engine if the log lacks it; True if it did."""
         if not journal:
             return False

@@ -40,7 +40,7 @@ from continuum_operator.kube.workloads.engine_objects import ENGINE_LABEL
 from continuum_operator.kube.workloads.lane_objects import LANE_LABEL
 from continuum_operator.model.base import GROUP, VERSION
 from continuum_operator.model.board import NodeBoard
-from continuum_operator.model.json_body import labels_at, text
+from continuum_operator.model.json_body import items_at, labels_at, text
 
 __all__ = ["PlacedPods", "PodSeen", "placed_by_node"]
 
@@ -143,7 +143,7 @@ class PlacedPods(PassHooks[str]):
         version = ""
         async for page in pages(self.api, PODS, [("labelSelector", label)]):
             version = text(page, "metadata", "resourceVersion") or version
-            for pod in page.get("items") or []:
+            for pod in items_at(page, "items"):
                 seen = PodSeen.of(pod)
                 found[seen.uid] = (label, kind, seen)
         for uid in [u for u, (lab, _, _) in self.pods.items() if lab == label and u not in found]:

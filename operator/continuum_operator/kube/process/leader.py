@@ -38,7 +38,6 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from urllib3.exceptions import HTTPError as TransportError
 
@@ -46,6 +45,7 @@ from continuum_operator.core import rfc3339
 from continuum_operator.kube.base import crash
 from continuum_operator.kube.base.grant_settings import LeaderSettings
 from continuum_operator.kube.client.api import ApiError, KubeApi
+from continuum_operator.model.json_body import integer, object_at
 
 __all__ = ["Elector", "lead"]
 
@@ -96,7 +96,7 @@ class Elector:
     def is_leader(self) -> bool:
         return not self.settings.enabled or self.monotonic() < self.valid_until
 
-    def _spec(self, now: float, acquired: float | None, transitions: int) -> dict[str, Any]:
+    def _spec(self, now: float, acquired: float | None, transitions: int) -> dict[str, object]:
         return {
             "holderIdentity": self.identity,
             "leaseDurationSeconds": max(1, round(self.settings.duration_seconds)),
@@ -141,21 +141,21 @@ class Elector:
                 return False
             self._held(started)
             return True
-        spec = lease.get("spec") or {}
-        holder = spec.get("holderIdentity") or ""
-        record = (str((lease.get("metadata") or {}).get("resourceVersion", "")), repr(spec))
+        spec = object_at(lease, "spec")
+        holder = str(spec.get("holderIdentity") or "")
+        record = (str(object_at(lease, "metadata").get("resourceVersion", "")), repr(spec))
         if record != self.observed:
             # Any write is the holder's word that it still holds: counted from now, on our clock.
             self.observed, self.observed_at = record, self.monotonic()
-        duration = float(spec.get("leaseDurationSeconds") or self.settings.duration_seconds)
+        duration = float(integer(spec, "leaseDurationSeconds") or self.settings.duration_seconds)
         mine = holder == self.identity
         if not mine and holder and self.monotonic() < self.observed_at + duration:
             return False  # held, and renewed within its duration as we saw it: stand by
-        transitions = int(spec.get("leaseTransitions") or 0) + (0 if mine else 1)
+        transitions = (integer(spec, "leaseTransitions") or 0) + (0 if mine else 1)
         acquired = _parse(spec.get("acquireTime")) if mine else None
-        lease["spec"] = self._spec(now, acquired, transitions)
         try:
-            self.api.request("PUT", self.path, lease)  # carries metadata.resourceVersion
+            renewed = {**lease, "spec": self._spec(now, acquired, transitions)}
+            self.api.request("PUT", self.path, renewed)  # carries metadata.resourceVersion
         except ApiError as err:
             if err.status != 409:
                 log.warning("writing the leader Lease failed: %s", err)
@@ -177,10 +177,10 @@ class Elector:
             return
         try:
             lease = self.api.request("GET", self.path)
-            if (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+            spec = object_at(lease, "spec")
+            if spec.get("holderIdentity") != self.identity:
                 return
-            lease["spec"]["holderIdentity"] = ""
-            self.api.request("PUT", self.path, lease)
+            self.api.request("PUT", self.path, {**lease, "spec": {**spec, "holderIdentity": ""}})
         except (ApiError, OSError, TransportError) as err:
             log.warning("releasing the leader Lease failed: %s", err)
         self.valid_until = -math.inf
@@ -190,7 +190,7 @@ class Elector:
 async def lead(
     elector: Elector,
     stop: asyncio.Event,
-    work: list[Callable[[asyncio.Event], Coroutine[Any, Any, None]]],
+    work: list[Callable[[asyncio.Event], Coroutine[object, None, None]]],
 ) -> int:
     """Stand by until this replica leads, then run `work` until `stop` or the Lease is lost.
 
@@ -210,7 +210,7 @@ async def lead(
 async def _lead(
     elector: Elector,
     stop: asyncio.Event,
-    work: list[Callable[[asyncio.Event], Coroutine[Any, Any, None]]],
+    work: list[Callable[[asyncio.Event], Coroutine[object, None, None]]],
     renewals: ThreadPoolExecutor,
 ) -> int:
     s = elector.settings

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import quote
 
 from continuum_operator.kube.client.api import (
@@ -34,7 +34,9 @@ from continuum_operator.kube.client.api import (
     crd_path,
     page_query,
 )
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.model.base import label_selector
+from continuum_operator.model.json_body import object_at, text
 
 __all__ = [
     "FINALIZED",
@@ -62,13 +64,13 @@ class Api(Protocol):
         self,
         method: str,
         path: str,
-        body: Any = None,
+        body: object = None,
         *,
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
-    ) -> dict[str, Any]: ...
+    ) -> dict[str, object]: ...
 
-    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
+    def merge_patch(self, path: str, patch: Mapping[str, object]) -> dict[str, object]: ...
 
 
 @dataclass
@@ -101,7 +103,9 @@ def stop_operator(
         if err.status == 404:
             return 0
         raise
-    labels = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    labels = {
+        k: str(v) for k, v in object_at(deployment, "spec", "selector", "matchLabels").items()
+    }
     if not labels:
         raise ApiError(422, "Invalid", f"Deployment {namespace}/{name} has no matchLabels")
     selector = label_selector(labels)
@@ -110,7 +114,7 @@ def stop_operator(
     waited = 0
     while True:
         pods = api.request("GET", pods_path, query=[("labelSelector", selector)]).get("items")
-        left = len(pods or [])
+        left = len(pods) if isinstance(pods, list) else 0
         waited = max(waited, left)
         if left == 0:
             return waited
@@ -122,23 +126,24 @@ def stop_operator(
         sleep(1.0)
 
 
-def _items(api: Api, path: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
+def _items(api: Api, path: str) -> list[Mapping[str, object]]:
+    items: list[Mapping[str, object]] = []
     token = ""
     while True:
         page = api.request("GET", path, query=page_query((), PAGE, token))
-        items += page.get("items") or []
+        items += bodies(page.get("items"))
         token = continue_token(page)
         if not token:
             return items
 
 
-def _release_one(api: Api, plural: str, finalizer: str, obj: Mapping[str, Any]) -> bool:
+def _release_one(api: Api, plural: str, finalizer: str, obj: Mapping[str, object]) -> bool:
     """Take `finalizer` off one object; False when it is gone or no longer has it."""
-    meta = obj["metadata"]
-    path = crd_path(plural, meta.get("namespace"), meta["name"])
+    meta = object_at(obj, "metadata")
+    path = crd_path(plural, text(meta.get("namespace")), str(meta["name"]))
     for _ in range(CONFLICT_RETRIES):
-        finalizers = list(meta.get("finalizers") or [])
+        listed = meta.get("finalizers")
+        finalizers = [str(f) for f in listed] if isinstance(listed, list) else []
         if finalizer not in finalizers:
             return False
         patch = {
@@ -156,7 +161,9 @@ def _release_one(api: Api, plural: str, finalizer: str, obj: Mapping[str, Any]) 
             if err.status != 409:
                 raise
         try:
-            meta = api.request("GET", path)["metadata"]  # changed meanwhile: read it again
+            meta = object_at(
+                api.request("GET", path), "metadata"
+            )  # changed meanwhile: read it again
         except ApiError as err:
             if err.status == 404:
                 return False
@@ -171,6 +178,6 @@ def release_finalizers(api: Api) -> Released:
         for obj in _items(api, crd_path(plural, None)):
             done.seen += 1
             if _release_one(api, plural, finalizer, obj):
-                meta = obj["metadata"]
-                done.released.append(f"{plural} {meta.get('namespace')}/{meta['name']}")
+                meta = object_at(obj, "metadata")
+                done.released.append(f"{plural} {meta.get('namespace')}/{meta.get('name')}")
     return done

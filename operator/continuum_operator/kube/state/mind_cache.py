@@ -14,11 +14,12 @@ import kopf
 from continuum_operator.kube.base.kernel import WorkQueue
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.client.async_api import AsyncKubeApi, pages, relist
+from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.client.kept import kept, newer, resource_version
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.model.base import GROUP, VERSION
-from continuum_operator.model.json_body import at, text
+from continuum_operator.model.json_body import at, items_at, name_of, text
 
 __all__ = ["MindCache", "list_minds", "register", "seed"]
 
@@ -130,11 +131,11 @@ async def seed(api: AsyncKubeApi, cache: MindCache) -> None:
     a few hundred MB parsed at once, at each leader's start."""
     base = f"/apis/{GROUP}/{VERSION}"
     async for page in pages(api, f"{base}/mindclasses"):
-        for obj in page.get("items") or []:
-            cache.classes[str(obj["metadata"]["name"])] = kept(obj)
+        for obj in bodies(items_at(page, "items")):
+            cache.classes[name_of(obj)] = kept(obj)
     try:
         async for page in pages(api, f"{base}/tokenquotas"):
-            for obj in page.get("items") or []:
+            for obj in bodies(items_at(page, "items")):
                 cache.observe_quota(obj, deleted=False, nudge=False)
     except ApiError as err:
         if err.status != 404:  # 404: the TokenQuota CRD is not installed; no quotas

@@ -20,6 +20,7 @@ from continuum_operator.kube.engines.loop import Loop
 from continuum_operator.kube.lanes.loop import LaneLoop
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.base import API_VERSION
+from tests.support.builders import tree
 from tests.support.fakes import FakeKubeApi
 
 NOW = 1_800_000_000.0
@@ -144,7 +145,7 @@ def test_the_webhooks_event_on_an_unmutated_pod_is_as_it_always_was() -> None:
                      "labels": {"continuum.dev/mind": "ada"}},
         "spec": {"priority": 7, "priorityClassName": "c" * 900},
     }  # fmt: skip
-    body = webhook.unmutated_event(pod, PodSettings(), "op-1", STAMP)
+    body = tree(webhook.unmutated_event(pod, PodSettings(), "op-1", STAMP))
     assert body == {
         "apiVersion": "v1",
         "kind": "Event",

@@ -9,8 +9,9 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, cast
 
+import kopf
 from prometheus_client import CollectorRegistry, Counter
 
 from continuum_operator.kube.base.readiness import (
@@ -71,7 +72,7 @@ def test_the_webhook_is_ready_only_once_its_configuration_is_installed() -> None
     ready = Readiness((WEBHOOK_SERVING,))
     seen: list[tuple[str, tuple[str, ...]]] = []
 
-    async def server(fn: Any) -> AsyncIterator[Mapping[str, Any]]:
+    async def server(fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
         seen.append(("listening", ready.waiting()))
         yield {"url": "https://127.0.0.1:9443"}
 
@@ -79,7 +80,7 @@ def test_the_webhook_is_ready_only_once_its_configuration_is_installed() -> None
         seen.append(("installing", ready.waiting()))
 
     async def run() -> None:
-        async for _ in _Installing(server, install, ready)(None):
+        async for _ in _Installing(server, install, ready)(cast("kopf.WebhookFn", None)):
             seen.append(("yielded", ready.waiting()))
 
     asyncio.run(run())

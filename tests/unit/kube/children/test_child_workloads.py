@@ -18,6 +18,7 @@ from continuum_operator.kube.children.membership import (
     MIND_LABEL,
 )
 from continuum_operator.kube.children.workloads import WORKLOADS, mutate_workload
+from tests.support.builders import tree
 
 PODS = PodSettings(children_priority_class="kids", children_priority=-5)
 CHILDREN = ChildrenSettings(cpu_request="1m")
@@ -60,7 +61,7 @@ def test_a_workload_a_mind_creates_gets_her_childs_template(resource: tuple[str,
     assert t["metadata"]["labels"] == {"app": "web", MIND_LABEL: "ada"}  # the pod handler sees it
     assert t["metadata"]["annotations"][CLASS_ANNOTATION] == BACKGROUND
     assert "pod template: priorityClassName continuum-engine replaced by kids" in m.notes
-    assert m.pod["metadata"] == body["metadata"]  # the workload's own metadata is hers
+    assert tree(m.pod)["metadata"] == body["metadata"]  # the workload's own metadata is hers
     again = mutate_workload(resource, m.pod, None, PODS, CHILDREN, "ada")
     assert again is not None and again.pod == m.pod and not again.notes  # idempotent
 
@@ -82,12 +83,15 @@ def test_an_update_is_mutated_only_when_it_writes_the_template() -> None:
     rewritten["spec"]["template"]["spec"]["containers"][0]["image"] = "gcc"
     m = mutate_workload(jobs, rewritten, old, PODS, CHILDREN, "ada")
     assert m is not None
-    assert m.pod["spec"]["template"]["spec"]["priorityClassName"] == "kids"
+    assert tree(m.pod)["spec"]["template"]["spec"]["priorityClassName"] == "kids"
 
 
 def test_the_configuration_sends_the_workloads_a_service_account_writes() -> None:
-    cfg = webhook.webhook_configuration(
-        {"url": "https://127.0.0.1:9443", "caBundle": "Q0E="}, ChildrenSettings(timeout_seconds=3)
+    cfg = tree(
+        webhook.webhook_configuration(
+            {"url": "https://127.0.0.1:9443", "caBundle": "Q0E="},
+            ChildrenSettings(timeout_seconds=3),
+        )
     )
     _, hook = cfg["webhooks"]
     assert hook["clientConfig"] == {"url": "https://127.0.0.1:9443/mind-workloads",

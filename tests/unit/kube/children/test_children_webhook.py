@@ -23,6 +23,7 @@ from continuum_operator.kube.children.membership import (
 )
 from continuum_operator.kube.children.webhook import Unmarked
 from continuum_operator.kube.process.run import settings_from
+from tests.support.builders import tree
 
 PODS = PodSettings(children_priority_class="kids", children_priority=-5)
 CHILDREN = ChildrenSettings(cpu_request="1m")
@@ -79,8 +80,8 @@ def test_an_owned_child_of_a_mind_whose_name_is_no_label_value_is_admitted_witho
     owner = {"apiVersion": "continuum.dev/v1alpha1", "kind": "Mind", "name": long, "uid": "m"}
     m = mutate(pod(owners=[owner]), PODS, CHILDREN)
     assert m is not None
-    assert MIND_LABEL not in m.pod["metadata"]["labels"]
-    assert m.pod["spec"]["priorityClassName"] == "kids"
+    assert MIND_LABEL not in tree(m.pod)["metadata"]["labels"]
+    assert tree(m.pod)["spec"]["priorityClassName"] == "kids"
     assert any("no label value" in n for n in m.notes)
 
 
@@ -100,8 +101,8 @@ def test_a_pod_her_service_account_creates_is_her_child_without_the_label() -> N
     assert creator == "ada"
     m = mutate(pod(labels={"app": "build"}), PODS, CHILDREN, creator)
     assert m is not None
-    assert m.pod["metadata"]["labels"] == {"app": "build", MIND_LABEL: "ada"}  # now counted
-    assert m.pod["spec"]["priorityClassName"] == "kids"
+    assert tree(m.pod)["metadata"]["labels"] == {"app": "build", MIND_LABEL: "ada"}  # now counted
+    assert tree(m.pod)["spec"]["priorityClassName"] == "kids"
 
 
 def test_only_the_service_account_of_an_existing_mind_makes_children() -> None:
@@ -138,7 +139,7 @@ def test_a_child_requests_the_least_cpu_and_has_no_cpu_limit_but_keeps_its_memor
     init = {"name": "fetch", "resources": {"limits": {"cpu": "500m"}}}
     m = mutate(child(containers=[box], initContainers=[init]), PODS, CHILDREN)
     assert m is not None
-    spec = m.pod["spec"]
+    spec = tree(m.pod)["spec"]
     assert spec["containers"][0]["resources"] == {
         "requests": {"cpu": "1m", "memory": "1Gi"},
         "limits": {"memory": "2Gi"},
@@ -168,7 +169,7 @@ def test_a_child_is_marked_for_the_runner_inside_it() -> None:
 def test_a_class_the_child_asked_for_is_replaced_and_the_client_is_told() -> None:
     m = mutate(child(priorityClassName="high"), PODS, CHILDREN)
     assert m is not None
-    assert m.pod["spec"]["priorityClassName"] == "kids"
+    assert tree(m.pod)["spec"]["priorityClassName"] == "kids"
     assert any("high replaced by kids" in n for n in m.notes)
 
 
@@ -178,7 +179,9 @@ def test_a_cpu_request_the_child_asked_for_is_replaced_and_the_client_is_told() 
     box = {"name": "make", "resources": {"requests": {"cpu": "2"}}}
     m = mutate(child(containers=[box]), PODS, CHILDREN)
     assert m is not None
-    assert m.pod["spec"]["containers"][0]["resources"]["requests"]["cpu"] == CHILDREN.cpu_request
+    assert (
+        tree(m.pod)["spec"]["containers"][0]["resources"]["requests"]["cpu"] == CHILDREN.cpu_request
+    )
     assert any(f"make: CPU request 2 replaced by {CHILDREN.cpu_request}" in n for n in m.notes)
 
 
@@ -209,9 +212,11 @@ def test_the_kept_fields_of_a_child_are_unchanged() -> None:
 
 
 def test_the_configuration_ignores_failures_and_sends_only_a_minds_new_pods() -> None:
-    cfg = webhook.webhook_configuration(
-        {"url": "https://127.0.0.1:9443", "caBundle": "Q0E="},
-        ChildrenSettings(webhook_name="wh", timeout_seconds=3),
+    cfg = tree(
+        webhook.webhook_configuration(
+            {"url": "https://127.0.0.1:9443", "caBundle": "Q0E="},
+            ChildrenSettings(webhook_name="wh", timeout_seconds=3),
+        )
     )
     assert cfg["kind"] == "MutatingWebhookConfiguration"
     assert cfg["metadata"]["name"] == "wh"
@@ -238,8 +243,10 @@ def test_the_configuration_ignores_failures_and_sends_only_a_minds_new_pods() ->
 def test_with_a_service_the_configuration_names_it_and_no_url() -> None:
     """A managed API server may not resolve cluster DNS: a Service reference it resolves itself."""
     kopf_config = {"url": "https://op.ns.svc:9443", "caBundle": "Q0E="}
-    cfg = webhook.webhook_configuration(
-        kopf_config, ChildrenSettings(port=9443, service=("continuum-system", "ctm-webhook"))
+    cfg = tree(
+        webhook.webhook_configuration(
+            kopf_config, ChildrenSettings(port=9443, service=("continuum-system", "ctm-webhook"))
+        )
     )
     assert cfg["webhooks"][0]["clientConfig"] == {
         "service": {
@@ -251,7 +258,9 @@ def test_with_a_service_the_configuration_names_it_and_no_url() -> None:
         "caBundle": "Q0E=",
     }
     other_port = ChildrenSettings(service=("ns", "svc"), service_port=443)
-    client = webhook.webhook_configuration(kopf_config, other_port)["webhooks"][0]["clientConfig"]
+    client = tree(webhook.webhook_configuration(kopf_config, other_port))["webhooks"][0][
+        "clientConfig"
+    ]
     assert client["service"]["port"] == 443
 
 
@@ -278,8 +287,8 @@ def test_marked_children_and_pods_of_no_mind_are_not_counted() -> None:
 
 def test_the_event_on_an_unmutated_child_has_one_name_per_pod() -> None:
     p = child()
-    a = webhook.unmutated_event(p, PODS, "op-1", "2026-01-01T00:00:00Z")
-    b = webhook.unmutated_event(p, PODS, "op-2", "2026-01-02T00:00:00Z")
+    a = tree(webhook.unmutated_event(p, PODS, "op-1", "2026-01-01T00:00:00Z"))
+    b = tree(webhook.unmutated_event(p, PODS, "op-2", "2026-01-02T00:00:00Z"))
     assert a["metadata"]["name"] == b["metadata"]["name"]
     assert a["type"] == "Warning"
     assert a["involvedObject"]["kind"] == "Pod"

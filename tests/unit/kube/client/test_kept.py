@@ -11,6 +11,7 @@ from continuum_operator.core.replan import ACCEPT_ANNOTATION
 from continuum_operator.kube.client.kept import LAST_APPLIED, kept
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.state.mind_cache import MindCache
+from tests.support.builders import tree
 
 
 def applied(kind: str, spec: dict[str, Any], **meta: Any) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def applied(kind: str, spec: dict[str, Any], **meta: Any) -> dict[str, Any]:
 
 def test_kept_drops_managed_fields_and_annotations_only() -> None:
     obj = applied("Mind", {"engine": "coder", "contextTokens": 512}, finalizers=["x"])
-    body = kept(obj)
+    body = tree(kept(obj))
     assert "managedFields" not in body["metadata"]
     assert "annotations" not in body["metadata"]  # no decision reads one (KEPT_ANNOTATIONS)
     obj["metadata"].pop("managedFields")

@@ -14,6 +14,7 @@ from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.client.merge_patch import merge_patch
 from continuum_operator.kube.engines.loop import Loop
 from continuum_operator.kube.state.cache import Cache
+from tests.support.builders import tree
 from tests.support.engine_loop import NOW, FakeApi, agent_lease, engine_on, node_board
 from tests.support.fakes import Awaited
 
@@ -124,8 +125,8 @@ def test_a_watch_event_while_a_patch_is_in_flight_keeps_the_patch() -> None:
     assert cache.engines_on == {"n0": frozenset({("ns", "a")})}
     # Meanwhile the runtime wrote the Engine (a newer body, without the placement) and the grants
     # loop its GrantLedger.
-    other = merge_patch(body, {"metadata": {"resourceVersion": "7"},
-                               "status": {"runtime": {"slotReleases": []}}})  # fmt: skip
+    other = tree(merge_patch(body, {"metadata": {"resourceVersion": "7"},
+                                    "status": {"runtime": {"slotReleases": []}}}))  # fmt: skip
     cache.observe_engine(other, deleted=False)
     ledger = {"metadata": {"namespace": "ns", "name": "a", "resourceVersion": "8"},
               "status": {"grants": []}}  # fmt: skip

@@ -97,17 +97,17 @@ def test_a_file_verified_before_is_not_hashed_again_but_a_rewritten_one_is(
     model = tmp_path / "m.gguf"
     model.write_bytes(BYTES)
     first = digest.verify(model, sha(BYTES), None, node="a")
-    assert first.verdict is digest.Verdict.HASHED and first.matches(sha(BYTES))
+    assert first.verdict is digest.DigestOutcome.HASHED and first.matches(sha(BYTES))
     record = digest.VerifiedModel.from_status(json.loads(json.dumps(first.record.to_status())))
     assert record == first.record
     again = digest.verify(model, sha(BYTES), record, node="a")
-    assert again.verdict is digest.Verdict.SKIPPED
+    assert again.verdict is digest.DigestOutcome.SKIPPED
     # Another node's file of the same path, a record of another digest, --rehash: hashed.
-    assert digest.verify(model, sha(BYTES), record, node="b").verdict is digest.Verdict.HASHED
-    assert digest.verify(model, "0" * 64, record, node="a").verdict is digest.Verdict.HASHED
+    assert digest.verify(model, sha(BYTES), record, node="b").verdict is digest.DigestOutcome.HASHED
+    assert digest.verify(model, "0" * 64, record, node="a").verdict is digest.DigestOutcome.HASHED
     assert (
         digest.verify(model, sha(BYTES), record, node="a", rehash=True).verdict
-        is digest.Verdict.HASHED
+        is digest.DigestOutcome.HASHED
     )
     # Replaced with other bytes, its times set back to the old ones: ctime still moved.
     st = os.stat(model)
@@ -115,7 +115,7 @@ def test_a_file_verified_before_is_not_hashed_again_but_a_rewritten_one_is(
     model.write_bytes(b"GGUF" + b"\1" * 1000)
     os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
     replaced = digest.verify(model, sha(BYTES), record, node="a")
-    assert replaced.verdict is digest.Verdict.HASHED
+    assert replaced.verdict is digest.DigestOutcome.HASHED
     assert not replaced.matches(sha(BYTES))
 
 

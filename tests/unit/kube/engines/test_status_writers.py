@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -111,7 +111,7 @@ def engine_runtime_documents(tmp_path: Path) -> list[dict[str, Any]]:
             releases=[release.to_status(), unknown.to_status()],
             threads=4,
             last_exit={"code": -9, "at": "2026-01-01T00:00:00Z", "line": "killed"},
-            model_file={**record.to_status(), "verdict": str(digest.Verdict.HASHED)},
+            model_file={**record.to_status(), "verdict": str(digest.DigestOutcome.HASHED)},
             launch="launch-1",
         ),
     ]
@@ -207,7 +207,7 @@ def test_the_ledgers_write_is_kept_whole() -> None:
     }
     policy = PriorityPolicy(grace_seconds=30.0)
     minds = [mind("a")]
-    written = []
+    written: list[dict[str, Any]] = []
     for t, change in enumerate(["first", "preempt", "drain", "crowd"]):
         if change == "preempt":
             minds.append(mind("boss", "high", 1))
@@ -218,9 +218,10 @@ def test_the_ledgers_write_is_kept_whole() -> None:
             minds += [mind(f"m{i}", second=2 + i) for i in range(ledger.QUEUE_KEPT + 4)]
         wanted = routing.demands_of(minds, classes, default or "low")
         s = ledger.step(body, wanted, 100.0 + t, policy)
-        doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t, "uid-1")
-        written.append(doc["status"])
-        body = {**body, "status": {**body["status"], **doc["status"]}}
+        doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t, "uid-1", "1")
+        status = cast(dict[str, Any], doc["status"])
+        written.append(status)
+        body = {**body, "status": {**body["status"], **status}}
     step = [w[ledger.STEP_FIELD] for w in written]
     lines = [x for s in step for x in s["lines"]]
     assert {x["event"] for x in lines} == {"capacity", "transition"}

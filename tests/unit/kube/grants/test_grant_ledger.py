@@ -13,6 +13,7 @@ from continuum_operator.engine.admission import table_from_ledger
 from continuum_operator.kube.grants import mind_status
 from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger import routing
+from continuum_operator.model.grant import GrantEntry
 from continuum_operator.model.mind import GrantState
 
 NS = "minds"
@@ -71,7 +72,7 @@ class Run:
         s = ledger.step(self.body, demands(*minds), now, POLICY)
         status = self.body["status"]
         self.lines += ledger.log_lines(now, "minds/coder", status.get(ledger.CAPACITY_FIELD), s)
-        status["grants"] = s.entries
+        status["grants"] = [e.wire() for e in s.entries]
         status[ledger.CAPACITY_FIELD] = s.pool.to_status()
         return s
 
@@ -114,7 +115,7 @@ def test_minds_are_granted_in_priority_order_up_to_the_slots_and_the_gateway_rea
 def test_entries_read_back_into_the_same_ledger() -> None:
     run = Run(engine(slots=1))
     s = run.step(100.0, mind("a", "low"), mind("b", "high", created=5))
-    assert ledger.read_grants(run.body["status"]["grants"]) == s.grants
+    assert ledger.read_grants(ledger.read_entries(run.body["status"]["grants"])) == s.grants
 
 
 def test_a_preemption_goes_reclaiming_released_queued_once_the_gateway_reports_that_reclaim() -> (
@@ -186,9 +187,9 @@ def test_a_mind_asking_more_than_a_slot_is_refused_and_told_why() -> None:
         "ContextTooLarge",
         8192,
     )
-    projected = mind_status.projection(e, "minds/coder", 4096, 8192)
+    projected = mind_status.projection(GrantEntry.model_validate(e), "minds/coder", 4096, 8192)
     grant, conds = projected.grant, projected.conditions
-    assert grant is not None and grant["state"] == "Refused"  # never granted: not "Released"
+    assert grant is not None and grant.state == "Refused"  # never granted: not "Released"
     ok, reason, message = conds[mind_status.MindConditionType.CONTEXT_TOO_LARGE]
     assert ok and reason == "ContextTooLarge" and "8192" in message and "4096" in message
     table = table_from_ledger(run.body)

@@ -20,6 +20,7 @@ from continuum_operator.kube.ledger import journal as ledger_journal
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.model.board import NodeBoard, capacity_text, gib_text
+from continuum_operator.model.grant import GrantEntry
 from continuum_operator.model.mind import Mind
 from tests.support.builders import ROOT
 from tests.support.grants_world import BASE, World, mind
@@ -140,21 +141,21 @@ def test_after_a_drain_the_successor_not_yet_ready_is_a_relaunch_not_a_first_sta
     body = engine({**SERVING, "plan": {**SERVING["plan"], "engineArgs": ["-np", "1"]}})
     demands = routing.demands_of([mind(NS, "a", "coder")], {}, "")
     s = ledger.step(body, demands, 100.0, POLICY)
-    body["status"]["grants"] = s.entries
+    body["status"]["grants"] = [e.wire() for e in s.entries]
     body["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
     # A new launch while she holds a slot: the pod of the new plan is not ready yet.
     body["status"]["plan"] = {**body["status"]["plan"], "engineArgs": ["-np", "2"]}
     body["status"]["conditions"] = PLACED_NOT_READY["conditions"]
     s = ledger.step(body, demands, 101.0, POLICY)
     assert s.pool.capacity.phase is EnginePhase.DRAINING
-    entry = next(e for e in s.entries if e["mind"] == f"{NS}/a")
-    body["status"]["grants"] = s.entries
+    entry = next(e for e in s.entries if e.mind == f"{NS}/a")
+    body["status"]["grants"] = [e.wire() for e in s.entries]
     body["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
     body["status"]["runtime"] = {"slotReleases": [
-        {"mind": entry["mind"], "slot": entry["slot"], "grantSince": entry["since"]}]}  # fmt: skip
+        {"mind": entry.mind, "slot": entry.slot, "grantSince": entry.since}]}  # fmt: skip
     s = ledger.step(body, demands, 102.0, POLICY)
     assert s.pool.capacity.phase is EnginePhase.RELAUNCHING
-    assert [e["reason"] for e in s.entries] == ["EngineRelaunching"]
+    assert [e.reason for e in s.entries] == ["EngineRelaunching"]
 
 
 def test_a_mind_asking_more_than_a_slot_is_shown_refused_never_released(tmp_path: Path) -> None:
@@ -196,12 +197,14 @@ def test_every_ledger_entry_projects_to_a_state_a_reason_and_a_message(
 ) -> None:
     entry = {"mind": f"{NS}/a", "state": state, "reason": reason.value, "position": 1,
              "slot": 0, "tokens": 10, "since": "2026-12-03T06:00:00.000000Z"}  # fmt: skip
-    projected = mind_status.projection(entry, f"{NS}/coder", 1000, 10, engine_note="X: y")
+    projected = mind_status.projection(
+        GrantEntry.model_validate(entry), f"{NS}/coder", 1000, 10, engine_note="X: y"
+    )
     grant, conds = projected.grant, projected.conditions
-    assert grant is not None and grant["state"] and grant["reason"] and grant["message"]
+    assert grant is not None and grant.state and grant.reason and grant.message
     Mind.model_validate({"metadata": {"name": "a", "namespace": NS},
                          "spec": {"engine": "coder", "contextTokens": 10},
-                         "status": {"grant": grant}})  # fmt: skip
+                         "status": {"grant": grant.model_dump(by_alias=True)}})  # fmt: skip
     assert all(r for _, r, _ in conds.values())
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from continuum_operator.core.grants import MindDemand
 from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.grants.quota_use import QuotaUse, quota_status
+from continuum_operator.kube.ledger import grant_ledger as ledger
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import Cache
 from tests.support.builders import stored_ledger
@@ -195,7 +196,7 @@ def test_quota_limits_and_tokens_held_read_from_the_objects() -> None:
         {"mind": "a/o", "state": "Queued", "tokens": 0},
         {"mind": "b/p", "state": "Granted", "tokens": 9},
     ]
-    assert routing.tokens_held(entries) == {"a": 150, "b": 9}
+    assert routing.tokens_held(ledger.read_entries(entries)) == {"a": 150, "b": 9}
 
 
 def test_demands_carry_the_class_token_limit() -> None:
@@ -245,7 +246,9 @@ def test_passes_over_several_engines_never_take_a_namespace_past_its_quota(
         held: dict[str, int] = {}
         for name in ("one", "two", "three"):
             status = stored_ledger(w.api.objects, "shared", name)
-            for ns, tokens in routing.tokens_held(status.get("grants")).items():
+            for ns, tokens in routing.tokens_held(
+                ledger.read_entries(status.get("grants"))
+            ).items():
                 held[ns] = held.get(ns, 0) + tokens
         for ns, limit in quotas.items():
             assert held.get(ns, 0) <= limit, (ns, held, quotas)
@@ -263,7 +266,7 @@ def test_a_quota_condition_without_a_transition_time_gets_one() -> None:
     }
     use = QuotaUse(routing.quota_limits([quota]), {})
     new = quota_status(quota, use, 1_800_000_000.0)
-    assert new is not None
+    assert new is not None and isinstance(new["conditions"], list)
     assert new["conditions"][0]["lastTransitionTime"] == format_seconds(1_800_000_000.0)
 
 
