@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,11 @@ def start_operator(
         return subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**cluster.env, **(env or {})}
         )
+
+
+def leading(proc: subprocess.Popen[bytes], log: Path) -> Callable[[], bool]:
+    """True once `proc` leads, or has exited (a crash point at the Lease itself)."""
+    return lambda: proc.poll() is not None or "leading as" in log.read_text()
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -496,22 +501,26 @@ def test_the_operator_killed_at_a_crash_point_and_restarted_loses_or_doubles_no_
 ) -> None:
     tag = f"k{uuid.uuid4().hex[:8]}"
     label = ("continuum.dev/e2e-grants", tag)
-    gpu_node(cluster, tag)
-    cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
-    # The engine placed and serving first, so the crash falls on a step of the minds' ledger.
-    with operator(cluster, tmp_path, label, *SHORT_GRACE, name="zero"):
-        wait_for("the engine serving", serving(cluster, namespace, 2), log=tmp_path / "zero.log")
-    first = start_operator(
-        cluster, tmp_path, label, *SHORT_GRACE, env={"CONTINUUM_CRASH_AT": point}, name="first"
-    )
-    try:
+    crash_at = {"CONTINUUM_CRASH_AT": point}
+    zero_log, first_log = tmp_path / "zero.log", tmp_path / "first.log"
+    with ExitStack() as crashing:
+        # The engine placed and serving first, so the crash falls on a step of the minds'
+        # ledger. The crashing operator starts as zero's standby: it leads once zero hands the
+        # Lease over (a clean stop), its start (seconds of imports on a busy machine) overlapping
+        # zero's work.
+        with operator(cluster, tmp_path, label, *SHORT_GRACE, name="zero") as zero:
+            gpu_node(cluster, tag)
+            cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
+            wait_for("zero leading", leading(zero, zero_log), log=zero_log)
+            first = crashing.enter_context(
+                operator(cluster, tmp_path, label, *SHORT_GRACE, env=crash_at, name="first")
+            )
+            wait_for("the engine serving", serving(cluster, namespace, 2), log=zero_log)
         scenario(cluster, namespace, classes, lambda: first.poll() is not None)
-        code = wait_for("the crash", first.poll, timeout=60, log=tmp_path / "first.log")
+        code = wait_for("the crash", first.poll, timeout=60, log=first_log)
         assert code == 137
         name = point.partition("@")[0]
-        assert f"crash point {name} reached" in (tmp_path / "first.log").read_text()
-    finally:
-        stop(first)
+        assert f"crash point {name} reached" in first_log.read_text()
     # Restarted: it waits out the dead leader's Lease, then finishes what was left.
     with operator(cluster, tmp_path, label, *SHORT_GRACE, name="second"):
         wait_for(
