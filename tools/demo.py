@@ -213,7 +213,7 @@ def wait_for(engines: list[tuple[str, str]], timeout: float = 90) -> list[dict[s
         if time.monotonic() > deadline:
             print("demo: some engines have not settled yet; showing them as they are")
             return mine
-        time.sleep(1)
+        time.sleep(0.5)
 
 
 def gib(n: int) -> str:
@@ -373,7 +373,7 @@ def wait(what: str, probe: Any, timeout: float) -> Any:
         found = probe()
         if found:
             return found
-        time.sleep(1)
+        time.sleep(0.5)
     sys.exit(f"demo: timed out waiting for {what} (operator log: {LOG_FILE})")
 
 

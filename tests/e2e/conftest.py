@@ -190,9 +190,14 @@ def _dns_name(prefix: str, node_name: str) -> str:
 @pytest.fixture
 def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     name = _dns_name("e2e", request.node.name)
-    cluster.kubectl("create", "namespace", name)
-    # Pods are admitted only once the namespace's default ServiceAccount exists.
-    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    # Pods are admitted only once the namespace's default ServiceAccount exists: applied here
+    # with the namespace, in one kubectl, rather than waited for from kube-controller-manager
+    # (two kubectl runs a test). Server-side: whichever of the two makes it first, the other's
+    # write is a no-op, not AlreadyExists.
+    default_account = {"apiVersion": "v1", "kind": "ServiceAccount",
+                       "metadata": {"name": "default", "namespace": name}}  # fmt: skip
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    cluster.apply([namespace, default_account], "--server-side")
     try:
         yield name
     finally:

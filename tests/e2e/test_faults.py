@@ -38,6 +38,7 @@ from tests.e2e.test_grants import (
     assert_no_grant_doubled,
     check_log,
     grant_of,
+    leading,
     ledger,
     mind,
     serving,
@@ -159,11 +160,6 @@ def assert_invariants(cluster: Cluster, ns: str, log: Path, engine: str = "coder
 
 # --------------------------------------------------------------------------------------------
 # 1. the operator killed at random, many times
-
-
-def leading(proc: subprocess.Popen[bytes], log: Path) -> Callable[[], bool]:
-    """True once `proc` leads, or has exited (a crash point at the Lease itself)."""
-    return lambda: proc.poll() is not None or "leading as" in log.read_text()
 
 
 def test_the_operator_killed_at_random_points_many_times_loses_or_doubles_no_grant(

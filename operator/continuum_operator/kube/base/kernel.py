@@ -204,6 +204,17 @@ async def drain(
     return len(keys)
 
 
+async def _first(*events: asyncio.Event) -> None:
+    """Until one of `events` is set (a mark, or the stop: a shutdown does not wait out the
+    resync)."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 async def run(
     reconciler: Reconciler[K, W],
     queue: WorkQueue[K],
@@ -227,7 +238,7 @@ async def run(
         if retry is not None:
             wake = min(wake, retry)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(queue.changed.wait(), max(0.0, wake - now))
+            await asyncio.wait_for(_first(queue.changed, stop), max(0.0, wake - now))
         if stop.is_set():
             return
         await asyncio.sleep(settings.debounce_seconds)

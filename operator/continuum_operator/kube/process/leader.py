@@ -245,7 +245,20 @@ async def _lead(
                 break
     finally:
         working.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
+        cut = [_name(w) for w, e in zip(work, ended, strict=True) if _cancelled(e)]
+        if cut:
+            # A loop stops at `working`, between passes; one cancelled was cut mid-pass (kopf
+            # cancels the tasks it still waits for 5 s into its shutdown: kube.process.run).
+            log.warning("stopping: %s cancelled, not stopped between passes", ", ".join(cut))
         if not lost:
             await loop.run_in_executor(renewals, elector.release)
     return 1 if lost else 0
+
+
+def _cancelled(ended: object) -> bool:
+    return isinstance(ended, asyncio.CancelledError)
+
+
+def _name(work: Callable[..., object]) -> str:
+    return str(getattr(work, "__qualname__", work))

@@ -369,6 +369,14 @@ async def _operate(
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     registry = registry_for(cache, engine_labels)
+
+    # Once kopf runs it answers SIGTERM and SIGINT itself (its handlers replace the ones above).
+    # Its cleanup stops the loops: else it waits 5 s for them as hung tasks, then cancels them
+    # mid-pass, and the Lease is handed over only after.
+    @kopf.on.cleanup(registry=registry)
+    def stop_the_loops(**_: object) -> None:
+        stop.set()
+
     # Minds through their engine's ledger; only the leader decides and writes.
     mind_cache = MindCache()
     join_caches(cache, mind_cache)

@@ -121,6 +121,24 @@ def test_the_loop_decides_on_a_mark_made_while_it_waits_and_stops() -> None:
     assert [w.split("@")[0] for w in written] == ["a", "b", "b"]
 
 
+def test_the_loop_waiting_for_its_resync_stops_at_the_stop_alone() -> None:
+    """No mark and an hour to the resync: the stop ends the wait (the operator's shutdown
+    waits for its loops, and kopf cancels those still running 5 s into it: kube.process.run)."""
+    r, q = Recorder(["a"]), WorkQueue[str]()
+    idle = KernelSettings(resync_seconds=3600, debounce_seconds=0)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(kernel.run(r, q, idle, stop))
+        while not r.written:  # the first pass, then it waits
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert [w.split("@")[0] for w in r.written] == ["a"]  # no pass at the stop
+
+
 def test_the_loop_decides_every_key_again_at_each_resync() -> None:
     r, q = Recorder(["a"]), WorkQueue[str]()
     quick = KernelSettings(resync_seconds=0.05, debounce_seconds=0)

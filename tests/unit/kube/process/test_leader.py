@@ -188,6 +188,38 @@ def test_the_lease_is_taken_while_every_shared_thread_is_busy() -> None:
     assert asyncio.run(scenario()) == 0
 
 
+def test_a_loop_cancelled_instead_of_stopped_is_named_and_the_lease_still_handed_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Loops stop at `working`, between passes; one cancelled from outside (as kopf cancels
+    the tasks it still waits for 5 s into its shutdown) was cut mid-pass: said, by name."""
+    api, _, one, _ = electors()
+
+    async def scenario() -> int:
+        stop, started = asyncio.Event(), asyncio.Event()
+
+        async def stops(working: asyncio.Event) -> None:
+            await working.wait()
+
+        async def hangs(_: asyncio.Event) -> None:
+            started.set()
+            await asyncio.Event().wait()  # never looks at `working`
+
+        leading = asyncio.create_task(lead(one, stop, [stops, hangs]))
+        await asyncio.wait_for(started.wait(), 2.0)
+        hung = next(t for t in asyncio.all_tasks() if "hangs" in repr(t.get_coro()))
+        hung.cancel()
+        stop.set()
+        return await leading
+
+    with caplog.at_level("WARNING", logger="continuum.leader"):
+        assert asyncio.run(scenario()) == 0
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("hangs cancelled, not stopped" in m for m in warned), warned
+    assert not any(".stops" in m for m in warned), warned  # it stopped
+    assert api.objects[one.path]["spec"]["holderIdentity"] == ""  # handed over all the same
+
+
 def _flags(duration: str, renew: str, *more: str) -> LeaderSettings:
     args = build_parser().parse_args(
         ["operator", "--leader-lease-duration", duration, "--leader-renew", renew, *more]
