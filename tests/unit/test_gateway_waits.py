@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, _CutNow, _Flight
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
+from continuum_operator.engine.gateway_state import _CutNow, _Flight
 
 MIRA = "minds/mira"
 

@@ -1,6 +1,6 @@
 """The house's sizes, checked so they stay true (docs/architecture.md): no module of the shell's
-`kube/` package over 500 lines and no function of the product over 80, so that each module has
-one job a reader can hold and each function one step of it."""
+`kube/` package or of the engine's `engine/` over 500 lines and no function of the product over
+80, so that each module has one job a reader can hold and each function one step of it."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ def test_no_module_of_the_kube_package_is_over_500_lines() -> None:
     assert len(modules) > 20  # the package as it is, not an empty glob
     over = {str(p.relative_to(PACKAGE)): _lines(p) for p in modules}
     assert {k: n for k, n in over.items() if n > KUBE_MODULE_LINES} == {}
+
+
+#: Modules of `engine/` over the bound when it was extended to the engine (issue 39), each to be
+#: split as the gateway was: none other may join them, and one split leaves the list.
+ENGINE_OVER_BOUND = {"engine/admission.py", "engine/request_cost.py", "engine/runtime.py"}
+
+
+def test_no_module_of_the_engine_package_is_over_500_lines() -> None:
+    modules = sorted((PACKAGE / "engine").rglob("*.py"))
+    assert len(modules) > 20  # the package and its dialects, not an empty glob
+    lines = {str(p.relative_to(PACKAGE)): _lines(p) for p in modules}
+    over = {k for k, n in lines.items() if n > KUBE_MODULE_LINES}
+    assert over - ENGINE_OVER_BOUND == set()  # a new module over the bound
+    assert ENGINE_OVER_BOUND - over == set()  # split already: off the list
 
 
 def long_functions(source: str) -> dict[str, int]:
