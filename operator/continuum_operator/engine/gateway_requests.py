@@ -104,29 +104,21 @@ class GatewayRequests(GatewayCuts):
         slot's erase, a stream's headers), so a reclaim never waits on one.
         """
         task = asyncio.ensure_future(work)
-        if flight.cut.is_set():
-            task.cancel()
-        # The cut cancels `work` itself (`_Flight.end`): no second task waits on the cut, so a
-        # request pays one task per wait (a task and a wait of two cost it 0.1 ms a request).
-        flight.waits.add(task)
+        cut = asyncio.ensure_future(flight.cut.wait())
         try:
-            result = await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if flight.cut.is_set() and (current is None or not current.cancelling()):
-                raise _CutNow from None  # cut, not her hanging up
-            raise
-        except Exception:
-            if flight.cut.is_set():
-                raise _CutNow from None
-            raise
+            await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            flight.waits.discard(task)
+            cut.cancel()
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, cut, return_exceptions=True)
         if flight.cut.is_set():
-            if isinstance(result, aiohttp.ClientResponse):
-                result.close()  # a stream opened as the cut came: llama-server drops it
+            if task.done() and not task.cancelled() and task.exception() is None:
+                result = task.result()
+                if isinstance(result, aiohttp.ClientResponse):
+                    result.close()  # a stream opened as the cut came: llama-server drops it
             raise _CutNow
-        return result
+        return task.result()
 
     def door(self, dialect: Dialect) -> Handler:
         """The handler of a generating route spoken in `dialect`."""

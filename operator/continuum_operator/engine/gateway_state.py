@@ -144,15 +144,11 @@ class _Flight:
     cut: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
     by: str | None = None
-    #: What it waits on llama-server for now (`Gateway._until_cut`): cancelled by `end`.
-    waits: set[asyncio.Future[Any]] = field(default_factory=set)
 
     def end(self, reason: str, by: str | None) -> None:
         if not self.cut.is_set():
             self.reason, self.by = reason, by
             self.cut.set()
-            for wait in self.waits:
-                wait.cancel()
 
 
 @dataclass(frozen=True, slots=True)
