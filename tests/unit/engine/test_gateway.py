@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.core.grants import EnginePhase
-from continuum_operator.engine import gateway as gateway_module
+from continuum_operator.engine import gateway_requests
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.grants_source import watch_file
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER, TurnCut, turn
@@ -379,7 +379,7 @@ class TestFindingTheLongLastEvent:
     def test_an_event_past_the_gateways_limit_ends_the_stream_with_an_error_event(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setattr(gateway_module, "STREAM_LINE_BYTES", 4096)
+        monkeypatch.setattr(gateway_requests, "STREAM_LINE_BYTES", 4096)
         got: list[bytes] = []
 
         async def body(rig: Rig) -> None:

@@ -18,13 +18,9 @@ from aiohttp import web
 
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.dialects import CHAT, MESSAGES, NATIVE, RESPONSES
-from continuum_operator.engine.gateway import (
-    Gateway,
-    GatewaySettings,
-    _cut_event,
-    _Flight,
-    serve_app,
-)
+from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway_requests import _cut_event
+from continuum_operator.engine.gateway_state import _Flight
 from continuum_operator.engine.park import NotParked
 from continuum_operator.engine.parking import ParkSettings, ParkStore
 from continuum_operator.engine.request_cost import DEFAULT_BOUNDS
