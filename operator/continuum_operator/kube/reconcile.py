@@ -47,7 +47,7 @@ from continuum_operator.kube.gpu_env import gpu_sharing_refusal
 from continuum_operator.kube.ledger_object import engine_only
 from continuum_operator.kube.occupancy import is_fresh, other_leases
 from continuum_operator.kube.placed_engine import placed
-from continuum_operator.kube.settings import OperatorSettings
+from continuum_operator.kube.settings import GpuSharing, OperatorSettings, resolve_sharing
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.engine import Engine, ModelFacts
 
@@ -192,6 +192,9 @@ def _place(p: EnginePass) -> Writes:
             labels=snap.nodes[name].labels if name in snap.nodes else {},
             node_exists=name in snap.nodes,
             backing_off=name in p.backoff,
+            # `auto` resolves per node: MPS on this one refuses a pod several GPUs.
+            mps_shared=resolve_sharing(p.settings.pods.gpu_sharing, entry.cap_mechanisms)
+            is GpuSharing.MPS,
         )
         for name, entry in snap.boards.items()
         if entry.board is not None
