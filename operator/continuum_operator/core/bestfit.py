@@ -45,6 +45,7 @@ class Exclusion(StrEnum):
     NO_NODE = "NoNode"
     BOARD_STALE = "BoardStale"
     BACKING_OFF = "BackingOff"
+    MPS_ONE_GPU = "MpsOneGpu"
     UNSCHEDULABLE = "Unschedulable"
 
 
@@ -57,6 +58,10 @@ class NodeView:
     labels: Mapping[str, str] = field(default_factory=dict)
     node_exists: bool = True
     backing_off: bool = False  # a pod never started here recently
+    mps_shared: bool = False
+    """The node's GPUs are shared by NVIDIA MPS (`--gpu-sharing auto` on a board offering MPS
+    and not HAMi): the device plugin gives an MPS client one GPU, so an engine of several
+    GPUs cannot run here (`kube.workloads.gpu_env.gpu_sharing_refusal` says the same of `mps`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +253,7 @@ class Fleet:
             for view, late in zip(self.views, self.late, strict=True)
         ]
         self._unplannable = np.array([x is None for x in self.ledgers], dtype=np.bool_)
+        self._mps_shared = np.array([v.mps_shared for v in self.views], dtype=np.bool_)
         self._labelled: dict[tuple[tuple[str, str], ...], list[int]] | None = None
         self._rows: _Rows | None = None
         self._open_rows: npt.NDArray[np.bool_] | None = None
@@ -267,6 +273,8 @@ class Fleet:
                 else (f"spec.placement.nodePool (label {NODE_POOL_LABEL})")
             )
             return mismatch, f"does not match {what}"
+        if view.mps_shared and spec.placement.gpus > 1:
+            return Exclusion.MPS_ONE_GPU, _MPS_ONE_GPU_MESSAGE
         late = self.late[i]
         if late is not None:
             return late, _LATE_MESSAGES[late]
@@ -275,13 +283,16 @@ class Fleet:
     def excluded(self, spec: EngineSpec) -> npt.NDArray[np.bool_]:
         """Which nodes are no candidates for this Engine (`exclusion` is not None), at once:
         the selectors are matched once per distinct set of labels."""
+        excluded = self._unplannable
+        if spec.placement.gpus > 1:
+            excluded = excluded | self._mps_shared
         if not spec.placement.node_selector and spec.placement.node_pool is None:
-            return self._unplannable
+            return excluded
         if self._labelled is None:
             self._labelled = {}
             for i, view in enumerate(self.views):
                 self._labelled.setdefault(tuple(sorted(view.labels.items())), []).append(i)
-        excluded = self._unplannable.copy()
+        excluded = excluded.copy()
         for labels, nodes in self._labelled.items():
             if matches(spec, dict(labels)) is not None:
                 excluded[nodes] = True
@@ -381,6 +392,14 @@ _LATE_MESSAGES: Mapping[Exclusion, str] = {
     Exclusion.BOARD_STALE: "board is stale (its node Lease expired)",
     Exclusion.BACKING_OFF: "an engine pod never started here recently",
 }
+
+
+_MPS_ONE_GPU_MESSAGE = (
+    "shares its GPUs by MPS (--gpu-sharing auto): NVIDIA's device plugin gives an MPS client "
+    "one GPU (it refuses a request above 1 unless its MPS config sets "
+    "failRequestsGreaterThanOne: false); set spec.placement.gpus to 1, or place this engine "
+    "where GPUs are not shared by MPS (spec.placement.nodeSelector)"
+)
 
 
 def _late(view: NodeView) -> Exclusion | None:

@@ -41,6 +41,7 @@ _PHRASES: Mapping[str, str] = {
     Exclusion.NODE_POOL_MISMATCH: "not in spec.placement.nodePool",
     Exclusion.BOARD_STALE: "with a stale board, its node Lease expired",
     Exclusion.BACKING_OFF: "backed off, an engine pod never started there",
+    Exclusion.MPS_ONE_GPU: "sharing their GPUs by MPS, one GPU to a pod, not spec.placement.gpus",
     ReasonCode.INSUFFICIENT_MEMORY: "with too little memory",
     ReasonCode.OFFLOAD_DOES_NOT_FIT: "with too little device memory for spec.offload",
     ReasonCode.NOT_ENOUGH_GPUS: "with too few GPUs for spec.placement.gpus",
@@ -96,7 +97,12 @@ def _fit(text: str, limit: int) -> str:
 
 
 def _lead(kinds: set[Exclusion | None]) -> tuple[cond.Reason, str]:
-    if kinds <= {Exclusion.SELECTOR_MISMATCH, Exclusion.NODE_POOL_MISMATCH, Exclusion.NO_NODE}:
+    if kinds <= {
+        Exclusion.SELECTOR_MISMATCH,
+        Exclusion.NODE_POOL_MISMATCH,
+        Exclusion.NO_NODE,
+        Exclusion.MPS_ONE_GPU,
+    }:
         return cond.Reason.NO_MATCHING_NODE, "no node with a board matches spec.placement"
     if Exclusion.UNSCHEDULABLE in kinds:
         return cond.Reason.INSUFFICIENT_MEMORY, "no node has room"

@@ -101,7 +101,10 @@ def views(draw: st.DrawFn) -> tuple[list[NodeView], list[Lease]]:
         # The first of each choice is the common case (hypothesis draws it most).
         usually = st.sampled_from([True] * 9 + [False])
         fresh, exists, backing_off = draw(usually), draw(usually), not draw(usually)
-        out.append(NodeView(b, fresh, labels, node_exists=exists, backing_off=backing_off))
+        mps = not draw(usually)  # GPUs shared by MPS: no candidate for several GPUs
+        out.append(
+            NodeView(b, fresh, labels, node_exists=exists, backing_off=backing_off, mps_shared=mps)
+        )
         for j in range(draw(st.integers(min_value=0, max_value=2))):
             pool = draw(st.sampled_from(sorted(b.pools)))
             leases.append(

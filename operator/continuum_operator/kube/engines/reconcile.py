@@ -30,7 +30,7 @@ from continuum_operator.core import unfit
 from continuum_operator.core.bestfit import Decision, NodeView, choose, with_unmeasured
 from continuum_operator.core.pools import Lease
 from continuum_operator.core.replan import engine_reading
-from continuum_operator.kube.base.settings import OperatorSettings
+from continuum_operator.kube.base.settings import GpuSharing, OperatorSettings, resolve_sharing
 from continuum_operator.kube.engines.engine_pass import (
     EnginePass,
     Event,
@@ -194,6 +194,9 @@ def _place(p: EnginePass) -> Writes:
             labels=snap.nodes[name].labels if name in snap.nodes else {},
             node_exists=name in snap.nodes,
             backing_off=name in p.backoff,
+            # `auto` resolves per node: MPS on this one refuses a pod several GPUs.
+            mps_shared=resolve_sharing(p.settings.pods.gpu_sharing, entry.cap_mechanisms)
+            is GpuSharing.MPS,
         )
         for name, entry in snap.boards.items()
         if entry.board is not None

@@ -16,11 +16,12 @@ from continuum_operator.cli import main
 from continuum_operator.kube.base.settings import GpuSharing, PodSettings
 from continuum_operator.kube.engines.engine_pass import Memory
 from continuum_operator.kube.engines.reconcile import reconcile
+from continuum_operator.kube.state.cache import BoardEntry
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads import lane_objects
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
-from tests.support.builders import ROOT
+from tests.support.builders import ROOT, GiB
 from tests.support.helm import documents, find_helm, one, template
 from tests.support.reconcile import NOW, SETTINGS, after, discrete, engine_obj, snapshot
 
@@ -144,3 +145,41 @@ def test_a_facts_job_reads_its_file_seeing_no_gpu() -> None:
     [container] = job["spec"]["template"]["spec"]["containers"]
     seen = env(container)
     assert (seen["NVIDIA_VISIBLE_DEVICES"], seen["CUDA_VISIBLE_DEVICES"]) == ("void", "")
+
+
+def two_gpus(name: str, offered: tuple[str, ...] = ()) -> BoardEntry:
+    """A node of two 80 GiB GPUs whose agent saw the per-process caps `offered`."""
+    body = builders.board_body(
+        "discrete",
+        [
+            {"kind": "host", "capacityBytes": 256 * GiB, "usedBytes": 4 * GiB},
+            {"kind": "device", "device": 0, "capacityBytes": 80 * GiB, "usedBytes": 0},
+            {"kind": "device", "device": 1, "capacityBytes": 80 * GiB, "usedBytes": 0},
+        ],
+        name=name,
+    )
+    return BoardEntry(builders.board(body), f"rv-{name}", cap_mechanisms=offered)
+
+
+def test_an_engine_of_two_gpus_under_auto_is_not_placed_where_auto_resolves_to_mps() -> None:
+    # `auto` resolves per node: on a node offering MPS (and not HAMi) it is MPS, where the device
+    # plugin refuses the pod two GPUs as it does under `mps`. Such a node is no candidate.
+    auto = replace(SETTINGS, pods=replace(SETTINGS.pods, gpu_sharing=GpuSharing.AUTO))
+    body = engine_obj(placement={"gpus": 2})
+    w = reconcile(body, snapshot([two_gpus("mps-node", ("mps",))]), Memory(), NOW, auto)
+    assert w.deployment is None
+    got = after(body, w)
+    [placed] = [c for c in got["status"]["conditions"] if c["type"] == "Unschedulable"]
+    assert placed["status"] == "True" and placed["reason"] == "NoMatchingNode"
+    assert "MPS" in placed["message"] and "spec.placement.gpus" in placed["message"]
+    assert "mpsPinnedDeviceMemLimit" not in str(got["status"].get("enforcement"))
+    # Beside a node that shares by HAMi (offered with MPS: HAMi first) or not at all, the engine
+    # goes there; one GPU goes to the MPS node as before.
+    for other in (two_gpus("hami-node", ("hami", "mps")), two_gpus("plain-node")):
+        snap = snapshot([two_gpus("mps-node", ("mps",)), other])
+        w = reconcile(body, snap, Memory(), NOW, auto)
+        assert after(body, w)["status"]["plan"]["node"] == other.board.node  # type: ignore[union-attr]
+        assert w.deployment is not None
+    one = engine_obj()
+    w = reconcile(one, snapshot([two_gpus("mps-node", ("mps",))]), Memory(), NOW, auto)
+    assert after(one, w)["status"]["enforcement"]["gpuSharing"] == "mps"
