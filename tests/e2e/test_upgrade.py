@@ -49,6 +49,7 @@ LABEL = ("continuum.dev/e2e-upgrade", uuid.uuid4().hex[:10])
 NEW_PLANNER = """
 import sys
 import continuum_operator.cli as cli
+import continuum_operator.cli.command  # every subcommand's module, so each `plan` is patched
 import continuum_operator.kube.process.run
 from continuum_operator.core import plan as core_plan
 
