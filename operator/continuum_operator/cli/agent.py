@@ -26,7 +26,7 @@ from continuum_operator.agent import attribution, probe
 from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
 from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
-from continuum_operator.cli.errors import fail
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, fail
 from continuum_operator.cli.output import add_output_argument, render
 from continuum_operator.core.board_change import Thresholds
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
@@ -34,9 +34,7 @@ from continuum_operator.core.nodeboard import board_status
 
 __all__ = ["add_arguments", "cmd_agent"]
 
-EXIT_OK = 0
 EXIT_API = 1
-EXIT_INVALID = 2
 MiB = 2**20
 
 

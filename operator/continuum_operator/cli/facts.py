@@ -14,15 +14,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from continuum_operator.cli.errors import fail
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, fail
 from continuum_operator.cli.output import add_output_argument, render
 from continuum_operator.engine.digest import hash_file, mismatch_message
 from continuum_operator.gguf import FactsError, GgufReadError, read_facts
 
 __all__ = ["add_arguments", "cmd_facts"]
-
-EXIT_OK = 0
-EXIT_INVALID = 2
 
 
 def cmd_facts(args: argparse.Namespace) -> int:

@@ -13,13 +13,11 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from continuum_operator.cli.errors import fail
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, fail
 from continuum_operator.testing.tiny_gguf import TinyModelShape, write_tiny_gguf
 
 __all__ = ["TINY_SHAPE", "add_arguments", "cmd_model_tiny", "sha256_of"]
 
-EXIT_OK = 0
-EXIT_INVALID = 2
 
 #: The shape `continuum model tiny` writes: 4 layers, 2,048 tokens of context, about 1.4 MiB.
 TINY_SHAPE = TinyModelShape()

@@ -16,7 +16,6 @@ KUBE = ROOT / "operator" / "continuum_operator" / "kube"
 #: The rooms whose every plan is the typed `PlanStatus` (the ledger's `launch_of` and the plan
 #: metrics still read a stored plan's fields by name).
 TYPED_ROOMS = ("engines", "workloads", "state", "lanes", "nodes")
-_ANY = re.compile(r"\bAny\b")
 
 
 def _any_aliases(path: Path) -> list[str]:
