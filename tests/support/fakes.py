@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from continuum_operator.kube.client.api import ApiError, path_of
+from continuum_operator.kube.client.async_api import NotLeading
 from continuum_operator.model.base import API_VERSION
 
 __all__ = ["Awaited", "Call", "FakeKubeApi", "collection_path", "object_path"]
@@ -130,6 +131,17 @@ class Awaited:
 
     def __init__(self, api: FakeKubeApi) -> None:
         self.api = api  # or any object with its calls (the benches' server in memory)
+        self._may_write: Callable[[], bool] | None = None
+
+    def writing_while(self, may_write: Callable[[], bool]) -> Awaited:
+        """As `AsyncKubeApi.writing_while`: each write refused (`NotLeading`) once not leading."""
+        gated = Awaited(self.api)
+        gated._may_write = may_write
+        return gated
+
+    def _gate(self, method: str, path: str) -> None:
+        if method != "GET" and self._may_write is not None and not self._may_write():
+            raise NotLeading(f"{method} {path} not sent: this replica no longer leads")
 
     async def request(
         self,
@@ -140,18 +152,23 @@ class Awaited:
         query: Sequence[tuple[str, str]] = (),
         content_type: str = "application/json",
     ) -> dict[str, Any]:
+        self._gate(method, path)
         return self.api.request(method, path, body, query=query, content_type=content_type)
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        self._gate("PATCH", path)
         return self.api.merge_patch(path, patch)
 
     async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        self._gate("PATCH", path_of(obj))
         return self.api.apply(obj)
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        self._gate("POST", path_of(obj, collection=True))
         return self.api.create(obj)
 
     async def delete(self, path: str) -> None:
+        self._gate("DELETE", path)
         self.api.delete(path)
 
     async def text(self, path: str, query: Sequence[tuple[str, str]] = ()) -> str:

@@ -7,9 +7,10 @@ The kernel does the rest, once for every reconciler on it: it waits for a mark o
 period, waits the debounce so a burst of events is one pass, decides only the keys marked
 (every key at a resync: the safety net for a missed event), sends each key's writes only if
 `may_write` says this replica still leads (asked at each key's write, not once a pass: a Lease
-lost mid-pass stops the writes not sent yet), and takes a key whose write failed again after a
-backoff that doubles from `retry_seconds` up to `max_retry_seconds` (a conflict, the API server
-away) without holding up the others.
+lost mid-pass stops the writes not sent yet; the process's API adapter asks it again at each
+call, `AsyncKubeApi.writing_while`, so a key whose writes had begun sends none after), and takes
+a key whose write failed again after a backoff that doubles from `retry_seconds` up to
+`max_retry_seconds` (a conflict, the API server away) without holding up the others.
 
 Keys are decided one at a time, in the reconciler's `order`, so a decision sees every decision
 before it: a reconciler whose writes others must see records them in the cache as it decides
@@ -32,6 +33,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+from continuum_operator.kube.client.async_api import NotLeading
 
 __all__ = ["KernelSettings", "PassHooks", "Reconciler", "WorkQueue", "drain", "run"]
 
@@ -176,6 +179,8 @@ async def drain(
                 queue.mark(key, wake=False)
                 return
             await reconciler.write(key, writes)
+        except NotLeading:
+            queue.mark(key, wake=False)  # the Lease was lost between two of the key's writes
         except Exception:
             failed(key)
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import ssl
@@ -53,7 +54,7 @@ from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.client.kept import resource_version
 from continuum_operator.model.json_body import integer, items_at, object_at, text
 
-__all__ = ["LIST_PAGE", "AsyncKubeApi", "follow", "login", "pages", "relist"]
+__all__ = ["LIST_PAGE", "AsyncKubeApi", "NotLeading", "follow", "login", "pages", "relist"]
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,16 @@ def tls_of(configuration: client.Configuration) -> ssl.SSLContext:
     return context
 
 
+class NotLeading(Exception):
+    """A write refused before it was sent: this replica no longer leads (`writing_while`)."""
+
+
 class AsyncKubeApi:
     """`meter` records each request (the operator's metrics). Made by `connect` (on the running
     loop, where its session lives); `close` ends it."""
+
+    #: Asked before each write where set (`writing_while`); reads are never gated.
+    _may_write: Callable[[], bool] | None = None
 
     def __init__(
         self,
@@ -116,6 +124,14 @@ class AsyncKubeApi:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def writing_while(self, may_write: Callable[[], bool]) -> AsyncKubeApi:
+        """The same connection, whose writes go out only while `may_write()`: asked at each API
+        call, so a Lease lost in the middle of a key's writes stops the ones after it (another
+        replica may lead by then). A refused write raises `NotLeading`."""
+        gated = copy.copy(self)
+        gated._may_write = may_write
+        return gated
+
     def _credentials(self) -> dict[str, str]:
         # Asked for at each request: `auth_settings` runs the configuration's refresh hook.
         token = self._config.auth_settings().get("BearerToken")
@@ -147,6 +163,8 @@ class AsyncKubeApi:
 
     async def send(self, r: Request, seconds: float | None = None) -> object:
         """`r`'s answer; within `seconds` where given, else the session's deadline."""
+        if r.method != "GET" and self._may_write is not None and not self._may_write():
+            raise NotLeading(f"{r.method} {r.path} not sent: this replica no longer leads")
         resource = resource_of(r.path)
         if self.meter is not None:
             self.meter.record_api_request(r.method, resource)

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from continuum_operator.kube.client.api import ApiError
+from continuum_operator.kube.client.async_api import NotLeading
 
 __all__ = ["FINALIZER_WRITE", "PROJECTION_WRITE", "MindWriter", "Write"]
 
@@ -85,6 +86,8 @@ class MindWriter:
     async def _run(self, key: str, write: Write) -> None:
         try:
             await write()
+        except NotLeading:
+            log.info("writing %s: not sent, this replica no longer leads", key)
         except Exception as err:  # one failed write must not stop the others; it is redone
             if isinstance(err, ApiError):
                 log.warning("writing %s failed: %s", key, err)

@@ -420,6 +420,9 @@ def _reconcilers(
     from continuum_operator.kube.nodes.placed_pods import PlacedPods
 
     clock = cache.clock
+    # Every write the loops send, refused at the call once this replica no longer leads (the
+    # kernel also asks before each key's writes; the webhook's writes are every replica's).
+    api = api.writing_while(may_write)
     engines = Loop(api, settings, cache, clock=clock, metrics=metrics, may_write=may_write)
     kernels = settings.kernels
     grants_loop = GrantsLoop(

@@ -3,7 +3,8 @@ middle of a pass sends no write after (another replica may lead by then, and bot
 One test per reconciler that writes only while leading (docs/design.md, "Who writes what"):
 the kernel itself, the Engines', the lanes' and the grants' loops, and the placed pods. The
 kernel asks before each key's writes: a key whose writes had begun sends the rest of them (its
-status, then its event), the keys after it none."""
+status, then its event), the keys after it none; the process's adapter (`writing_while`, as
+`kube.process.run` wires it) asks again at each call, so that key sends none after either."""
 
 from __future__ import annotations
 
@@ -97,6 +98,26 @@ def test_the_engines_loop_sends_no_write_after_the_lease_is_lost_mid_pass() -> N
     asyncio.run(loop.pass_once())
     # Engine a's writes (its status, Unschedulable: no node; its event), none of engine b's.
     assert written == [f"{ENGINES}/a/status", "/api/v1/namespaces/ns/events"]
+
+
+def test_with_the_processs_gated_adapter_a_key_sends_no_write_after_the_lease_is_lost() -> None:
+    # As `kube.process.run` wires it: the adapter asks at each call, so engine a's event,
+    # after its status lost the Lease, is not sent either; the key waits, marked, not failed.
+    lease = Lease()
+    api = FakeKubeApi()
+    written = loses_the_lease_at_its_first_write(api, lease)
+    cache = Cache(clock=lambda: NOW)
+    for name in ("a", "b"):
+        body = engine_body()
+        body["metadata"]["name"] = name
+        api.add(body, "engines")
+        observe_with_ledger(cache, body)
+    fake: Any = api.aio.writing_while(lease)
+    loop = Loop(fake, OperatorSettings(), cache, clock=lambda: NOW, may_write=lease)
+    asyncio.run(loop.pass_once())
+    assert written == [f"{ENGINES}/a/status"]
+    assert loop.queue.next_retry() is None  # no backoff: not a failure
+    assert ("ns", "a") in loop.queue.take([("ns", "a"), ("ns", "b")], NOW)
 
 
 def test_the_lanes_loop_sends_no_write_after_the_lease_is_lost_mid_pass() -> None:

@@ -14,6 +14,7 @@ from continuum_operator.kube.base.metrics import OperatorMetrics
 from continuum_operator.kube.process.run import _reconcilers, add_arguments, settings_from
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.state.mind_cache import MindCache
+from tests.support.fakes import FakeKubeApi
 
 
 def _settings(argv: list[str]) -> Any:
@@ -37,9 +38,13 @@ def test_the_flags_set_every_reconcilers_kernel_through_one_settings_object() ->
 
 def test_run_wires_each_reconciler_with_its_own_kernel_from_the_settings() -> None:
     settings = _settings(["--full-resync", "30", "--write-workers", "4"])
-    api: Any = object()
+    api: Any = FakeKubeApi().aio
     cache = Cache()
-    built = _reconcilers(api, settings, cache, MindCache(), lambda: True, OperatorMetrics(), None)
+
+    def leading() -> bool:
+        return True
+
+    built = _reconcilers(api, settings, cache, MindCache(), leading, OperatorMetrics(), None)
     kernels: dict[str, KernelSettings] = {type(r).__name__: r.kernel for r in built}  # type: ignore[attr-defined]
     assert kernels == {
         "Loop": settings.kernels.engines,
@@ -49,3 +54,5 @@ def test_run_wires_each_reconciler_with_its_own_kernel_from_the_settings() -> No
     }
     # One clock, the cache's, for every reconciler.
     assert all(r.clock is cache.clock for r in built)  # type: ignore[attr-defined]
+    # Each one's writes through the adapter that asks the leader's gate at each call.
+    assert all(r.api._may_write is leading for r in built)  # type: ignore[attr-defined]

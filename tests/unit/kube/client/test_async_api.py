@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from continuum_operator.kube.client.api import ApiError
-from continuum_operator.kube.client.async_api import AsyncKubeApi, login
+from continuum_operator.kube.client.async_api import AsyncKubeApi, NotLeading, login
 
 TOKEN = "the-token"
 
@@ -162,6 +162,41 @@ def test_each_verb_sends_what_the_blocking_adapter_sends(tmp_path: Path) -> None
         sent = ["PATCH deployments", "PATCH engines/status", "POST deployments", "GET pods",
                 "DELETE deployments", "GET pods/log"]  # fmt: skip
         assert counted == [x for each in sent for x in (each, f"answered {each}")]
+
+    run(tmp_path, body)
+
+
+def test_a_gated_adapter_sends_no_write_once_the_replica_no_longer_leads(
+    tmp_path: Path,
+) -> None:
+    leading = [True]
+    path = "/apis/continuum.dev/v1alpha1/namespaces/ns/engines/e/status"
+
+    async def body(api: AsyncKubeApi, seen: Seen, counted: list[str]) -> None:
+        gated = api.writing_while(lambda: leading[0])
+        await gated.merge_patch(path, {"status": {"x": 1}})
+        leading[0] = False
+        for write in (
+            gated.merge_patch(path, {"status": {"x": 2}}),
+            gated.apply(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "metadata": {"name": "s", "namespace": "ns"},
+                }
+            ),
+            gated.delete("/apis/apps/v1/namespaces/ns/deployments/d"),
+            gated.request("PUT", path, {}),
+        ):
+            with pytest.raises(NotLeading, match="no longer leads"):
+                await write
+        await gated.request("GET", "/api/v1/pods")  # reads are every replica's
+        await api.merge_patch(path, {"status": {"x": 3}})  # the ungated one (the webhook's)
+        assert [(m, p) for m, p, *_ in seen] == [
+            ("PATCH", path),
+            ("GET", "/api/v1/pods"),
+            ("PATCH", path),
+        ]
 
     run(tmp_path, body)
 
