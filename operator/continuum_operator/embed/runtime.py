@@ -59,10 +59,10 @@ from continuum_operator.door.accounts import (
     review_unavailable_message,
 )
 from continuum_operator.door.openai_errors import error_body, error_type
+from continuum_operator.door.serving import admin_application, serve_app
 from continuum_operator.door.token_review import Caller, TokenReviewer, caller_of
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
 from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
-from continuum_operator.engine.gateway import admin_application, serve_app
 from continuum_operator.kube.client.api import crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi, follow
 from continuum_operator.manifests import ManifestError, yaml_documents

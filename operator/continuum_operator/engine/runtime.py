@@ -56,10 +56,11 @@ from continuum_operator.core.receipts import (
     parse_llama_log,
     read_for_receipt,
 )
+from continuum_operator.door.serving import serve_app
 from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine import digest
 from continuum_operator.engine.admission import GrantTableError, engine_audience
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
     read_engine_status,

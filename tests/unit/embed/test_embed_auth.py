@@ -25,11 +25,11 @@ import pytest
 import yaml
 
 from continuum_operator.cli import build_parser, main
+from continuum_operator.door.serving import serve_app
 from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.embed import runtime as lane_runtime
 from continuum_operator.embed.runtime import Door, LaneRuntime, LaneState, _door
 from continuum_operator.engine.admission import engine_audience, lane_audience
-from continuum_operator.engine.gateway import serve_app
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.client.api import path_of
 from continuum_operator.kube.workloads import engine_identity, lane_objects
