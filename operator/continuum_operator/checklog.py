@@ -24,10 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-EXIT_OK = 0
-EXIT_VIOLATIONS = 1
-EXIT_INVALID = 2
-
 INVARIANTS: Mapping[int, str] = {
     1: "granted-within-pool",
     2: "one-state-per-mind",

@@ -36,7 +36,6 @@ __all__ = ["ENV", "ProcessClass", "lower", "lowest_priority", "run"]
 
 ENV = "CONTINUUM_PROCESS_CLASS"
 UNIX_LOWEST = 19
-EXIT_USAGE = 2
 
 
 class ProcessClass(StrEnum):

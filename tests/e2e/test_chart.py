@@ -637,8 +637,8 @@ def test_the_webhooks_certificate_is_made_once_and_kept_across_upgrades(
         # (no cluster DNS needed) with the chart's CA: the API server takes it (a server-side
         # dry run, which validates it as a create would).
         from continuum_operator.cli import build_parser
+        from continuum_operator.cli.operator import settings_from
         from continuum_operator.kube.children import webhook
-        from continuum_operator.kube.process.run import settings_from
 
         deployment = cluster.get_json("deployment", f"{name}-continuum-operator", "-n", ns)
         args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]

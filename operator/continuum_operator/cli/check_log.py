@@ -1,20 +1,18 @@
 """`continuum check-log`: judge a grant transition log (`checklog`) and print the violations;
-its exit code says whether any invariant broke."""
+its exit code says whether any invariant broke: 0 none, 1 some (`EXIT_VIOLATIONS`), 2 a log that
+cannot be read (as in `cli`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from continuum_operator.checklog import (
-    EXIT_INVALID,
-    EXIT_OK,
-    EXIT_VIOLATIONS,
-    LogFormatError,
-    check_file,
-)
-from continuum_operator.cli.errors import fail
+from continuum_operator.checklog import LogFormatError, check_file
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, fail
 from continuum_operator.cli.output import add_output_argument, render
+
+#: Exit code of a log in which an invariant broke.
+EXIT_VIOLATIONS = 1
 
 
 def cmd_check_log(args: argparse.Namespace) -> int:

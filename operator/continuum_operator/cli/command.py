@@ -9,8 +9,11 @@ from importlib.metadata import version as package_version
 
 from continuum_operator.cli import agent as cli_agent
 from continuum_operator.cli import check_log as cli_check_log
+from continuum_operator.cli import embed as cli_embed
+from continuum_operator.cli import engine as cli_engine
 from continuum_operator.cli import facts as cli_facts
 from continuum_operator.cli import model as cli_model
+from continuum_operator.cli import operator as cli_operator
 from continuum_operator.cli import place as cli_place
 from continuum_operator.cli import plan as cli_plan
 from continuum_operator.cli import release as cli_release
@@ -18,9 +21,6 @@ from continuum_operator.cli import run as cli_run
 from continuum_operator.cli import simulate as cli_simulate
 from continuum_operator.cli import turn as cli_turn
 from continuum_operator.cli.args import Subcommand
-from continuum_operator.embed import runtime as embed_runtime
-from continuum_operator.engine import runtime as engine_runtime
-from continuum_operator.kube.process import run as operator_cli
 
 
 def _version() -> str:
@@ -87,8 +87,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         description="Start llama-server with the plan's arguments, capture its load receipt, "
         "and serve the grant gateway of docs/gateway.md in front of it. Arguments after `--` "
         "go to llama-server instead of the plan's engineArgs.",
-        add_arguments=engine_runtime.add_arguments,
-        run=engine_runtime.cmd_engine,
+        add_arguments=cli_engine.add_arguments,
+        run=cli_engine.cmd_engine,
     ),
     Subcommand(
         "turn",
@@ -106,8 +106,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         description="llama-cpp-python in embedding mode (mean pooling): calibrates at the "
         "lane's largest context, admits requests against status.placement, and writes "
         "status.runtime (docs/embedlanes.md).",
-        add_arguments=embed_runtime.add_arguments,
-        run=embed_runtime.cmd_embed,
+        add_arguments=cli_embed.add_arguments,
+        run=cli_embed.cmd_embed,
     ),
     Subcommand(
         "agent",
@@ -121,8 +121,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         "operator",
         help="run the operator against a cluster",
         description="Place, plan and run Engines from NodeBoards (docs/design.md) until stopped.",
-        add_arguments=operator_cli.add_arguments,
-        run=operator_cli.cmd_operator,
+        add_arguments=cli_operator.add_arguments,
+        run=cli_operator.cmd_operator,
     ),
     Subcommand(
         "release-finalizers",

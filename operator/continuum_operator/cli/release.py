@@ -1,24 +1,27 @@
 """`continuum release-finalizers`: its arguments and exit codes; the release itself is
-`kube.process.release`."""
+`kube.process.release`. Exit codes: 0 released, 1 the API server refused or could not be reached
+(`EXIT_API`), or the operator did not stop in time, 2 bad flags or no cluster configuration (as
+in `cli`)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from continuum_operator.cli.errors import fail
+from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, fail
 from continuum_operator.kube.client.api import (
     ApiError,
     KubeApi,
 )
 from continuum_operator.kube.process.release import (
-    EXIT_API,
-    EXIT_INVALID,
-    EXIT_OK,
     StopTimeout,
     release_finalizers,
     stop_operator,
 )
+
+#: Exit code of a release the API server refused, could not be reached for, or an operator
+#: that did not stop within --timeout.
+EXIT_API = 1
 
 
 def cmd_release_finalizers(args: argparse.Namespace) -> int:

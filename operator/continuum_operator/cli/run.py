@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from continuum_operator.cli.errors import fail
+from continuum_operator.cli.errors import EXIT_INVALID, fail
 from continuum_operator.procclass import (
     ENV,
-    EXIT_USAGE,
     ProcessClass,
     default_class,
     run,
@@ -38,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        return fail("continuum run: no command given (continuum run -- CMD ...)", EXIT_USAGE)
+        return fail("continuum run: no command given (continuum run -- CMD ...)", EXIT_INVALID)
     if args.sweep <= 0:
-        return fail("continuum run: --sweep must be more than 0 seconds", EXIT_USAGE)
+        return fail("continuum run: --sweep must be more than 0 seconds", EXIT_INVALID)
     return run(cmd, ProcessClass(args.process_class), args.sweep)

@@ -1,4 +1,5 @@
 """A runtime's door, shared by the engine's gateway (`engine`) and an embed lane (`embed`),
 neither of which imports the other: who a bearer token speaks for (`accounts`, pure) and the
-TokenReview that says so, bounded against strangers (`token_review`).
+TokenReview that says so, bounded against strangers (`token_review`), and how the door is served,
+its connections bounded, with the admin app beside it (`serving`).
 """

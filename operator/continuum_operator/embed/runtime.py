@@ -30,7 +30,6 @@ Neighbours: `embed.lane` (llama-cpp-python), `core.embed` (admission), `kube.lan
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -48,39 +47,37 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from continuum_operator.cli.errors import fail
 from continuum_operator.core.embed import Verdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.door.accounts import (
     REVIEW_RETRY_SECONDS,
     ReviewUnavailable,
     ServiceAccount,
-    lane_audience,
     review_unavailable_message,
 )
 from continuum_operator.door.openai_errors import error_body, error_type
+from continuum_operator.door.serving import admin_application, serve_app
 from continuum_operator.door.token_review import Caller, TokenReviewer, caller_of
 from continuum_operator.embed.lane import LaneModel, gpu_offload_supported, llama_build
 from continuum_operator.embed.metrics import CONTENT_TYPE_LATEST, LaneMetrics
-from continuum_operator.engine.gateway import admin_application, serve_app
 from continuum_operator.kube.client.api import crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi, follow
 from continuum_operator.manifests import ManifestError, yaml_documents
 
 __all__ = [
+    "Callers",
     "Door",
     "LanePhase",
+    "LaneProcessSettings",
     "LaneRuntime",
     "LaneState",
-    "add_arguments",
     "lane_state_from",
     "refuse_caller",
+    "serve",
 ]
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_INVALID = 2
 #: Receipts kept in status: the largest contexts loaded (the operator scales from them).
 RECEIPTS_KEPT = 4
 
@@ -545,35 +542,64 @@ def _file_publisher(path: Path) -> Publish:
 # --- the command -------------------------------------------------------------------------------
 
 
-async def serve(args: argparse.Namespace) -> int:
+@dataclass(frozen=True, slots=True)
+class Callers:
+    """Who a lane serves: service accounts of `namespace` whose tokens the API server accepts
+    for `audience`."""
+
+    audience: str
+    namespace: str
+
+
+@dataclass(frozen=True, slots=True)
+class LaneProcessSettings:
+    """What one `continuum embed` process runs, read from its command line by `cli.embed`
+    (which says each flag's default): the model, where its lease comes from, where its runtime
+    document goes, who may call, and the addresses it serves."""
+
+    model: Path
+    model_sha256: str | None
+    """The model's digest; None: the file is hashed."""
+    lane: tuple[str, str] | None
+    """(namespace, name) of the EmbedLane, followed for its lease; None: `lane_file`."""
+    lane_file: Path | None
+    """An EmbedLane or placement file, watched; None: `lane`."""
+    max_context_tokens: int | None
+    """The lane's maximum when `lane_file` is a bare placement."""
+    listen: str
+    admin_listen: str
+    callers: Callers | None
+    """Whose tokens are served; None: anyone who reaches `listen` (`--unsafe-no-review`)."""
+    status_file: Path | None
+    threads: int
+
+
+async def serve(settings: LaneProcessSettings) -> None:
+    """Run the lane until SIGTERM or SIGINT. Raises ValueError or OSError for a lane file or
+    lane it cannot use, `ConnectionError` (an OSError) when there is no API server."""
     # One adapter for every API call of the process, on its loop (the lane's watch and status,
-    # the callers' TokenReviews); with --lane-file the reviewer connects its own at its first
+    # the callers' TokenReviews); with a lane file the reviewer connects its own at its first
     # review, so a machine with no cluster runs without one.
-    if args.lane is None:
-        return await _serve(args, None)
+    if settings.lane is None:
+        await _serve(settings, None)
+        return
     async with await AsyncKubeApi.connect() as api:
-        return await _serve(args, api)
+        await _serve(settings, api)
 
 
-async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
+async def _serve(settings: LaneProcessSettings, api: AsyncKubeApi | None) -> None:
     lane_obj: LaneObject | None = None
-    if args.lane is not None:
+    if settings.lane is not None:
         assert api is not None
-        ns, _, name = args.lane.partition("/")
-        lane_obj = LaneObject(ns, name, api=api)
-        state = lane_state_from(await lane_obj.read(), args.max_context_tokens)
+        lane_obj = LaneObject(*settings.lane, api=api)
+        state = lane_state_from(await lane_obj.read(), settings.max_context_tokens)
     else:
-        state = read_lane_file(args.lane_file, args.max_context_tokens)
-    sha = args.model_sha256
-    if sha is None:
-        from continuum_operator.gguf import file_sha256
-
-        sha = await asyncio.to_thread(file_sha256, args.model)
-    gpu_layers = 0 if state.residence in (None, "host") else -1
-    model = LaneModel(args.model, model_sha256=sha, n_gpu_layers=gpu_layers, n_threads=args.threads)
+        assert settings.lane_file is not None
+        state = read_lane_file(settings.lane_file, settings.max_context_tokens)
+    model = await _model(settings, state)
     sinks: list[Publish] = []
-    if args.status_file is not None:
-        sinks.append(_file_publisher(args.status_file))
+    if settings.status_file is not None:
+        sinks.append(_file_publisher(settings.status_file))
     if lane_obj is not None:
         sinks.append(lane_obj.write)
 
@@ -581,22 +607,20 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
         for sink in sinks:
             await sink(doc)
 
-    door = _door(args, api)
+    door = _door(settings, api)
     runtime = LaneRuntime(model, state, publish=publish, door=door)
     flusher = asyncio.create_task(runtime.flush_loop())
     if lane_obj is not None:
         source = asyncio.create_task(lane_obj.watch(runtime.set_state))
     else:
+        assert settings.lane_file is not None
         source = asyncio.create_task(
-            watch_lane_file(args.lane_file, args.max_context_tokens, runtime.set_state)
+            watch_lane_file(settings.lane_file, settings.max_context_tokens, runtime.set_state)
         )
-    admin_listen = args.admin_listen
-    if args.admin_port is not None:
-        admin_listen = f"0.0.0.0:{args.admin_port}"
     runners = []
     for served, address, what in (
-        (runtime.app(), args.listen, "embed lane"),
-        (runtime.admin_app(), admin_listen, "admin (/metrics, /v1/runtime)"),
+        (runtime.app(), settings.listen, "embed lane"),
+        (runtime.admin_app(), settings.admin_listen, "admin (/metrics, /v1/runtime)"),
     ):
         host, _, port = address.rpartition(":")
         runner, bound = await serve_app(served, host or "0.0.0.0", int(port))
@@ -620,87 +644,28 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
         model.close()
         if door is not None and isinstance(door.review, TokenReviewer):
             await door.review.close()
-    return EXIT_OK
 
 
-def _door(args: argparse.Namespace, api: AsyncKubeApi | None = None) -> Door | None:
-    """Token review, on unless the unsafe local flag opens the door (`cmd_embed` checked that
-    an audience and a namespace are known otherwise)."""
-    if args.unsafe_no_review:
+async def _model(settings: LaneProcessSettings, state: LaneState) -> LaneModel:
+    """The lane's model, on the device unless its lease is in host memory (or not placed)."""
+    sha = settings.model_sha256
+    if sha is None:
+        from continuum_operator.gguf import file_sha256
+
+        sha = await asyncio.to_thread(file_sha256, settings.model)
+    gpu_layers = 0 if state.residence in (None, "host") else -1
+    return LaneModel(
+        settings.model, model_sha256=sha, n_gpu_layers=gpu_layers, n_threads=settings.threads
+    )
+
+
+def _door(settings: LaneProcessSettings, api: AsyncKubeApi | None = None) -> Door | None:
+    """Token review, on unless the settings name no callers (`--unsafe-no-review`)."""
+    if settings.callers is None:
         log.warning(
             "--unsafe-no-review: anyone who reaches this port is served embeddings, with no "
             "token; for a machine of one's own only"
         )
         return None
-    audience, namespace = args.token_audience, args.callers_namespace
-    if args.lane is not None:
-        lane_ns, _, lane_name = args.lane.partition("/")
-        audience = audience or lane_audience(lane_ns, lane_name)
-        namespace = namespace or lane_ns
-    assert audience and namespace
+    audience, namespace = settings.callers.audience, settings.callers.namespace
     return Door(TokenReviewer(audience, api=api), audience, namespace)
-
-
-def cmd_embed(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if (args.lane is None) == (args.lane_file is None):
-        return fail("give --lane NAMESPACE/NAME or --lane-file FILE (one of them)", EXIT_INVALID)
-    if args.lane is not None and "/" not in args.lane:
-        return fail(f"--lane {args.lane}: expected NAMESPACE/NAME", EXIT_INVALID)
-    if not args.model.is_file():
-        return fail(f"--model {args.model}: no such file", EXIT_INVALID)
-    if args.unsafe_no_review and args.review_tokens:
-        return fail(
-            "--review-tokens and --unsafe-no-review contradict each other: give one", EXIT_INVALID
-        )
-    reviewed = not args.unsafe_no_review
-    if reviewed and args.lane is None and not (args.token_audience and args.callers_namespace):
-        return fail(
-            "--lane-file FILE: callers' tokens are reviewed with the API server; give "
-            "--token-audience AUDIENCE and --callers-namespace NAMESPACE (whose service "
-            "accounts are served), or, on a machine of your own, --unsafe-no-review",
-            EXIT_INVALID,
-        )
-    try:
-        return asyncio.run(serve(args))
-    except (ValueError, OSError) as err:
-        return fail(str(err), EXIT_INVALID)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of `continuum embed` (cli.py declares the command)."""
-    p.add_argument("--model", type=Path, required=True, help="the GGUF model file")
-    p.add_argument("--model-sha256", "--sha256", dest="model_sha256", help="the model's digest")
-    p.add_argument("--lane", help="NAMESPACE/NAME: read its lease, write its status.runtime")
-    p.add_argument("--lane-file", type=Path, help="an EmbedLane or placement file, watched")
-    p.add_argument("--max-context-tokens", type=int, help="when the file is a bare placement")
-    p.add_argument("--listen", default="0.0.0.0:8080", help="address of /v1/embeddings (host:port)")
-    p.add_argument(
-        "--admin-listen",
-        default="127.0.0.1:0",
-        help="address of /metrics and /v1/runtime (never served on --listen)",
-    )
-    p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
-    p.add_argument(
-        "--review-tokens",
-        action="store_true",
-        help="require each caller's service account token (Authorization: Bearer), reviewed "
-        "with the API server (a TokenReview with the lane's audience); the default, said "
-        "explicitly in the operator's pods",
-    )
-    p.add_argument(
-        "--token-audience",
-        help="the audience callers' tokens must carry (default with --lane NS/NAME: "
-        "continuum.dev/embedlane/NS/NAME)",
-    )
-    p.add_argument(
-        "--callers-namespace",
-        help="serve only service accounts of this namespace (default with --lane NS/NAME: NS)",
-    )
-    p.add_argument(
-        "--unsafe-no-review",
-        action="store_true",
-        help="serve anyone who reaches --listen, without a token (a machine of one's own only)",
-    )
-    p.add_argument("--status-file", type=Path, help="also write status.runtime here (JSON)")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")

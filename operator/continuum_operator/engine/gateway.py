@@ -25,25 +25,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Mapping
 
 import aiohttp
 from aiohttp import web
 
 from continuum_operator.core.grants import GrantReason
+from continuum_operator.door.serving import admin_application, serve_app
 from continuum_operator.engine.admission import (
     Admission,
     Answer,
     Refusal,
     admit_turn,
 )
-from continuum_operator.engine.body_limits import (
-    DEFAULT_CONNECTIONS,
-    LINGER_SECONDS,
-    BodyRefused,
-    ConnectionLimits,
-    LimitedSite,
-)
+from continuum_operator.engine.body_limits import BodyRefused
 from continuum_operator.engine.dialects import (
     CHAT,
     DOORS,
@@ -52,7 +46,6 @@ from continuum_operator.engine.gateway_requests import GatewayRequests
 from continuum_operator.engine.gateway_state import (
     OPEN_TURN_BYTES,
     GatewaySettings,
-    Handler,
     SlotRelease,
     _Turn,
 )
@@ -62,53 +55,6 @@ from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST
 __all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
 
 log = logging.getLogger(__name__)
-
-#: Seconds a connection may take to send a whole request head, and stay idle between requests:
-#: a client that opens a connection and never finishes its headers is dropped after it
-#: (aiohttp's keep-alive timer runs from the connection's start until a request is read).
-HEADERS_SECONDS = 10.0
-
-
-def admin_application(
-    metrics: Handler, healthz: Handler, readyz: Handler, reports: Mapping[str, Handler]
-) -> web.Application:
-    """The admin port's application of a runtime (the engine's gateway, an embed lane): what is
-    served to the cluster's operators and never to the runtime's callers. `/metrics`, the
-    runtime's own `reports` (a path each), and the probes `/healthz` and `/readyz`."""
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    for path, handler in reports.items():
-        app.router.add_get(path, handler)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    return app
-
-
-async def serve_app(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    headers_seconds: float = HEADERS_SECONDS,
-    connections: ConnectionLimits = DEFAULT_CONNECTIONS,
-) -> tuple[web.AppRunner, str]:
-    """Serve `app` as the gateway must be served: a mind hanging up cancels her request in
-    llama-server (`handler_cancellation`), a connection that sends no whole request head
-    within `headers_seconds` is closed, and connections are bounded per source address and in
-    all (`connections`). Returns the runner and the bound address."""
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        keepalive_timeout=headers_seconds,
-        lingering_time=LINGER_SECONDS,  # a body left unread is drained this long, no longer
-    )
-    await runner.setup()
-    site = LimitedSite(runner, host, port, connections)
-    await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    bound = sockets[0].getsockname() if sockets else (host, port)
-    return runner, f"{bound[0]}:{bound[1]}"
 
 
 class Gateway(GatewayRequests):

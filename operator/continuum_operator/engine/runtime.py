@@ -24,7 +24,6 @@ metric).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -47,8 +46,6 @@ from typing import Any
 from aiohttp import web
 
 from continuum_operator import manifests
-from continuum_operator.cli.args import at_least_one
-from continuum_operator.cli.errors import fail
 from continuum_operator.core import receipts, rfc3339
 from continuum_operator.core.receipts import (
     Receipt,
@@ -56,10 +53,10 @@ from continuum_operator.core.receipts import (
     parse_llama_log,
     read_for_receipt,
 )
+from continuum_operator.door.serving import serve_app
 from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine import digest
-from continuum_operator.engine.admission import GrantTableError, engine_audience
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.grants_source import (
     EngineStatusWriter,
     read_engine_status,
@@ -68,24 +65,23 @@ from continuum_operator.engine.grants_source import (
 )
 from continuum_operator.engine.parking import ParkSettings, ParkStore
 from continuum_operator.kube.client.async_api import AsyncKubeApi
-from continuum_operator.kube.workloads.engine_objects import LAUNCH_ENV
 
 __all__ = [
+    "EngineProcessSettings",
     "EngineRuntime",
     "LaunchSettings",
     "PlanFileError",
     "RuntimePhase",
-    "add_arguments",
     "estimate_errors",
     "gateway_args",
+    "launch_settings",
     "load_plan",
     "runtime_status",
+    "serve",
 ]
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_INVALID = 2
 #: Lines of llama-server's log kept for the receipt: the load is logged long before this.
 LOAD_LOG_LINES = 4000
 #: Bytes kept of one line of llama-server's output; the rest of a longer line is read and
@@ -653,6 +649,46 @@ def _with_upstream(settings: GatewaySettings, upstream: str) -> GatewaySettings:
 # --- the command -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class EngineProcessSettings:
+    """What one `continuum engine` process runs, read from its command line by `cli.engine`
+    (which says each flag's default): the model, where its grants come from, where its runtime
+    document goes, who may call, and the addresses it serves."""
+
+    model: Path
+    grants: Path | None
+    """A grant table file, watched for changes; None: the Engine's GrantLedger (`engine`)."""
+    engine: tuple[str, str] | None
+    """(namespace, name) of the Engine whose GrantLedger it enforces and whose status.runtime
+    it writes; None: a machine of one's own, with `grants`."""
+    plan: Path | None
+    status_file: Path | None
+    model_sha256: str | None
+    verify_model: bool
+    """Hash the file before the first launch (off: no receipt, with no digest named)."""
+    rehash: bool
+    threads: int | None
+    max_restarts: int
+    restart_window_seconds: float
+    llama_server: str
+    upstream_port: int
+    llama_build: str | None
+    llama_args: tuple[str, ...]
+    """llama-server's arguments given after `--`; empty: the plan's engineArgs."""
+    park_dir: Path | None
+    park_budget_bytes: int
+    grace_seconds: float
+    token_audience: str | None
+    """The audience minds' tokens are reviewed for; None: the X-Continuum-Mind header is
+    believed (`--unsafe-trust-mind-header`, a machine of one's own only)."""
+    listen: str
+    """The gateway's address, host:port."""
+    admin_listen: str
+    """The admin address (/metrics, /v1/releases, /v1/runtime), host:port."""
+    launch: str | None
+    """The pod's launch (`kube.workloads.engine_objects.LAUNCH_ENV`)."""
+
+
 class PlanFileError(ValueError):
     """A `--plan` file that cannot be read, with the file named."""
 
@@ -697,28 +733,31 @@ def _previous_runtime(path: Path | None) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(settings: EngineProcessSettings) -> None:
+    """Run the engine until SIGTERM or SIGINT. Raises `GrantTableError` or `PlanFileError` for a
+    file it cannot use, `ConnectionError` when there is no API server to log in to."""
     # One adapter for every API call of the process, on its loop (the ledger's watch, the
-    # Engine's status, the minds' TokenReviews); with --grants FILE the reviewer connects
-    # its own at its first review, so a machine with no cluster runs without one.
-    if args.engine is None:
-        return await _serve(args, None)
+    # Engine's status, the minds' TokenReviews); with a grants file the reviewer connects its
+    # own at its first review, so a machine with no cluster runs without one.
+    if settings.engine is None:
+        await _serve(settings, None)
+        return
     async with await AsyncKubeApi.connect() as api:
-        return await _serve(args, api)
+        await _serve(settings, api)
 
 
-async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
-    plan, previous = await _plan_and_previous_runtime(args, api)
-    launch = _launch_settings(args, plan, previous)
+async def _serve(settings: EngineProcessSettings, api: AsyncKubeApi | None) -> None:
+    plan, previous = await _plan_and_previous_runtime(settings, api)
+    launch = launch_settings(settings, plan, previous)
     gateway = Gateway(
         GatewaySettings(
             upstream="http://127.0.0.1:0",
-            grace_seconds=args.grace,
-            review_token=(reviewer := _reviewer(args, api)),
+            grace_seconds=settings.grace_seconds,
+            review_token=(reviewer := _reviewer(settings, api)),
             context_shift="--context-shift" in launch.args,
         )
     )
-    runtime = EngineRuntime(launch, gateway, publish=_publisher(args, api))
+    runtime = EngineRuntime(launch, gateway, publish=_publisher(settings, api))
     # Minds' door and the cluster's: /metrics, /v1/releases and /v1/runtime are served on the
     # admin address only (docs/gateway.md, "Endpoints besides the protocol").
     admin = gateway.admin_app()
@@ -728,13 +767,14 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
 
     admin.router.add_get("/v1/runtime", runtime_doc)
     await gateway.start()
-    runners = await _serve_gateway_and_admin(args, gateway, admin)
+    runners = await _serve_gateway_and_admin(settings, gateway, admin)
 
-    if args.grants is not None:
-        source = asyncio.create_task(watch_file(args.grants, gateway.set_table))
+    if settings.engine is None:
+        assert settings.grants is not None
+        source = asyncio.create_task(watch_file(settings.grants, gateway.set_table))
     else:
-        assert args.engine is not None and api is not None
-        engine_ns, _, engine_name = args.engine.partition("/")
+        assert api is not None
+        engine_ns, engine_name = settings.engine
         source = asyncio.create_task(
             watch_ledger(engine_ns, engine_name, gateway.set_table, api=api)
         )
@@ -751,22 +791,21 @@ async def _serve(args: argparse.Namespace, api: AsyncKubeApi | None) -> int:
         await gateway.close()
         if reviewer is not None:
             await reviewer.close()
-    return EXIT_OK
 
 
 async def _plan_and_previous_runtime(
-    args: argparse.Namespace, api: AsyncKubeApi | None
+    settings: EngineProcessSettings, api: AsyncKubeApi | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan to launch and the runtime document of the run before: from the files named,
     else from the Engine's status."""
-    plan = load_plan(args.plan)
-    previous = _previous_runtime(args.status_file)
-    if args.engine is not None and api is not None:
-        namespace, _, name = args.engine.partition("/")
+    plan = load_plan(settings.plan)
+    previous = _previous_runtime(settings.status_file)
+    if settings.engine is not None and api is not None:
+        namespace, name = settings.engine
         try:
             status = await read_engine_status(namespace, name, api=api)
         except Exception as err:  # the receipt is still made; only the error is not
-            log.warning("could not read Engine %s's status: %s", args.engine, err)
+            log.warning("could not read Engine %s/%s's status: %s", namespace, name, err)
         else:
             if not plan and isinstance(status.get("plan"), dict):
                 plan = status["plan"]
@@ -775,41 +814,43 @@ async def _plan_and_previous_runtime(
     return plan, previous
 
 
-def _launch_settings(
-    args: argparse.Namespace, plan: dict[str, Any], previous: dict[str, Any]
+def launch_settings(
+    settings: EngineProcessSettings, plan: dict[str, Any], previous: dict[str, Any]
 ) -> LaunchSettings:
-    engine_args = parse_llama_args(args.llama_args) or tuple(plan.get("engineArgs") or ())
+    """What llama-server is started with: the command line's, the plan's arguments (unless
+    the command line gave its own after `--`), the previous runtime's record of the file."""
+    engine_args = settings.llama_args or tuple(plan.get("engineArgs") or ())
     return LaunchSettings(
-        llama_server=args.llama_server,
-        model=args.model,
+        llama_server=settings.llama_server,
+        model=settings.model,
         args=engine_args,
-        model_sha256=args.model_sha256,
-        llama_build=args.llama_build,
+        model_sha256=settings.model_sha256,
+        llama_build=settings.llama_build,
         gpus=len(plan.get("gpus") or []),
-        port=args.upstream_port,
+        port=settings.upstream_port,
         plan=plan,
-        verify_model=args.model_sha256 is not None or not args.no_receipt,
+        verify_model=settings.verify_model,
         verified=digest.VerifiedModel.from_status(previous.get("modelFile")),
-        rehash=args.rehash,
+        rehash=settings.rehash,
         node=str(plan["node"]) if plan.get("node") else None,
-        threads=args.threads,
-        max_restarts=args.max_restarts,
-        restart_window_seconds=args.restart_window,
-        launch=os.environ.get(LAUNCH_ENV) or None,
-        park_dir=args.park_dir,
-        park_budget_bytes=max(0, args.park_budget),
+        threads=settings.threads,
+        max_restarts=settings.max_restarts,
+        restart_window_seconds=settings.restart_window_seconds,
+        launch=settings.launch,
+        park_dir=settings.park_dir,
+        park_budget_bytes=settings.park_budget_bytes,
     )
 
 
 def _publisher(
-    args: argparse.Namespace, api: AsyncKubeApi | None
+    settings: EngineProcessSettings, api: AsyncKubeApi | None
 ) -> Callable[[dict[str, Any]], Awaitable[None]]:
-    """Where the runtime document goes: `--status-file`, the Engine's status, or both."""
+    """Where the runtime document goes: the status file, the Engine's status, or both."""
     sinks: list[Callable[[dict[str, Any]], Awaitable[None]]] = []
-    if args.status_file is not None:
-        sinks.append(_file_publisher(args.status_file))
-    if args.engine is not None and api is not None:
-        engine_ns, _, engine_name = args.engine.partition("/")
+    if settings.status_file is not None:
+        sinks.append(_file_publisher(settings.status_file))
+    if settings.engine is not None and api is not None:
+        engine_ns, engine_name = settings.engine
         sinks.append(EngineStatusWriter(engine_ns, engine_name, api=api).write)
 
     async def publish(doc: dict[str, Any]) -> None:
@@ -820,14 +861,10 @@ def _publisher(
 
 
 async def _serve_gateway_and_admin(
-    args: argparse.Namespace, gateway: Gateway, admin: web.Application
+    settings: EngineProcessSettings, gateway: Gateway, admin: web.Application
 ) -> list[web.AppRunner]:
-    listen = f"0.0.0.0:{args.port}" if args.port is not None else args.listen
-    admin_listen = args.admin_listen
-    if args.admin_port is not None:
-        admin_listen = f"0.0.0.0:{args.admin_port}"
     runners = []
-    for served, address in ((gateway.app(), listen), (admin, admin_listen)):
+    for served, address in ((gateway.app(), settings.listen), (admin, settings.admin_listen)):
         host, _, port = address.rpartition(":")
         runner, bound = await serve_app(served, host or "0.0.0.0", int(port))
         runners.append(runner)
@@ -835,147 +872,12 @@ async def _serve_gateway_and_admin(
     return runners
 
 
-def _reviewer(args: argparse.Namespace, api: AsyncKubeApi | None) -> TokenReviewer | None:
-    """Token review, on unless the unsafe local flag says to believe the mind header."""
-    if args.unsafe_trust_mind_header:
+def _reviewer(settings: EngineProcessSettings, api: AsyncKubeApi | None) -> TokenReviewer | None:
+    """Token review, on unless the settings name no audience: the mind header is believed."""
+    if settings.token_audience is None:
         log.warning(
             "--unsafe-trust-mind-header: any client that reaches this port can spend any "
             "mind's grant by naming her; for a machine of one's own only"
         )
         return None
-    audience = args.token_audience
-    if audience is None and args.engine is not None:
-        namespace, _, name = args.engine.partition("/")
-        audience = engine_audience(namespace, name)
-    assert audience is not None  # cmd_engine checked
-    return TokenReviewer(audience, api=api)
-
-
-def cmd_engine(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if (args.grants is None) == (args.engine is None):
-        return fail("give --grants FILE or --engine NAMESPACE/NAME (one of them)", EXIT_INVALID)
-    if args.engine is not None and "/" not in args.engine:
-        return fail(f"--engine {args.engine}: expected NAMESPACE/NAME", EXIT_INVALID)
-    if not args.model.is_file():
-        return fail(f"--model {args.model}: no such file", EXIT_INVALID)
-    if args.park_budget < 0 or (args.park_budget > 0 and args.park_dir is None):
-        return fail(
-            f"--park-budget {args.park_budget}: a count of bytes, 0 or more, with --park-dir "
-            "naming the store's directory",
-            EXIT_INVALID,
-        )
-    if not args.unsafe_trust_mind_header and args.engine is None and not args.token_audience:
-        return fail(
-            "--grants FILE: give --token-audience AUDIENCE (minds' tokens are reviewed "
-            "with the API server) or, on a machine of your own, --unsafe-trust-mind-header",
-            EXIT_INVALID,
-        )
-    try:
-        return asyncio.run(serve(args))
-    except (GrantTableError, PlanFileError) as err:
-        return fail(str(err), EXIT_INVALID)
-    except ConnectionError as err:  # no API server to log in to
-        return fail(str(err), EXIT_INVALID)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments of `continuum engine` (cli.py declares the command)."""
-    p.add_argument("--model", type=Path, required=True, help="the GGUF model file")
-    p.add_argument(
-        "--model-sha256",
-        "--sha256",
-        dest="model_sha256",
-        help="the digest the Engine names: the file is hashed and must match before "
-        "llama-server starts (without it, the file's own digest keys the receipts)",
-    )
-    p.add_argument(
-        "--no-receipt",
-        action="store_true",
-        help="without --sha256: do not hash the model, make no receipt",
-    )
-    p.add_argument(
-        "--rehash",
-        action="store_true",
-        help="hash the model even where status.runtime.modelFile says this file was verified",
-    )
-    p.add_argument(
-        "--threads",
-        type=_positive_int,
-        help="llama-server's --threads and --threads-batch (the pod's CPUs)",
-    )
-    p.add_argument(
-        "--max-restarts",
-        type=_positive_int,
-        default=5,
-        help="restarts of llama-server allowed in --restart-window; the next exit stops it",
-    )
-    p.add_argument(
-        "--restart-window",
-        type=float,
-        default=600.0,
-        help="seconds over which --max-restarts are counted",
-    )
-    p.add_argument("--plan", type=Path, help="the serving plan (plan -o json, or an Engine)")
-    p.add_argument("--grants", type=Path, help="a grant table file, watched for changes")
-    p.add_argument(
-        "--engine",
-        help="NAMESPACE/NAME: enforce its GrantLedger's grants, write its status.runtime",
-    )
-    p.add_argument("--listen", default="0.0.0.0:8080", help="the gateway's address (host:port)")
-    p.add_argument("--port", type=int, help="the gateway's port on all addresses (for --listen)")
-    p.add_argument("--llama-server", default="llama-server", help="the llama-server binary")
-    p.add_argument("--upstream-port", type=int, default=0, help="llama-server's loopback port")
-    p.add_argument("--llama-build", help="llama.cpp's build, when its log does not name it")
-    p.add_argument("--status-file", type=Path, help="also write status.runtime here (JSON)")
-    p.add_argument("--grace", type=float, default=30.0, help="reclaim grace without a deadline")
-    p.add_argument(
-        "--review-tokens",
-        action="store_true",
-        help="require each mind's service account token (Authorization: Bearer), reviewed "
-        "with the API server (a TokenReview with the engine's audience); the default, said "
-        "explicitly in the operator's pods",
-    )
-    p.add_argument(
-        "--token-audience",
-        help="the audience minds' tokens must carry (default with --engine NS/NAME: "
-        "continuum.dev/engine/NS/NAME)",
-    )
-    p.add_argument(
-        "--unsafe-trust-mind-header",
-        action="store_true",
-        help="believe the X-Continuum-Mind header without a token: anyone who reaches the "
-        "port can spend any mind's grant (a machine of one's own only)",
-    )
-    p.add_argument(
-        "--admin-listen",
-        default="127.0.0.1:0",
-        help="address of /metrics, /v1/releases, /v1/runtime (not served to minds)",
-    )
-    p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
-    _add_park_arguments(p)
-    p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
-
-
-def _add_park_arguments(p: argparse.ArgumentParser) -> None:
-    """The park store's arguments (docs/gateway.md, "A turn cut off")."""
-    p.add_argument(
-        "--park-dir",
-        type=Path,
-        help="the park store (llama-server's --slot-save-path): reclaimed minds' contexts "
-        "are saved here and restored at their next grant",
-    )
-    p.add_argument(
-        "--park-budget",
-        type=int,
-        default=0,
-        help="bytes the park store may hold (the Engine's park budget); 0: never park",
-    )
-
-
-#: llama-server's counts (threads, restarts): 1 or more.
-_positive_int = at_least_one("a positive count")
-
-
-def parse_llama_args(values: Sequence[str]) -> tuple[str, ...]:
-    return tuple(values[1:] if values and values[0] == "--" else values)
+    return TokenReviewer(settings.token_audience, api=api)

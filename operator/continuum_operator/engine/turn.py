@@ -11,10 +11,8 @@ on the turn it blocks (docs/design.md rule 7). Every wait is recorded on the tur
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -253,55 +251,3 @@ async def _open(
             )
         hint = float(retry_after) if retry_after and retry_after.isdigit() else poll_seconds
         await asyncio.sleep(max(0.0, min(hint, poll_seconds, deadline - now)))
-
-
-# --- `continuum turn` --------------------------------------------------------------------------
-
-EXIT_OK, EXIT_REFUSED, EXIT_INVALID, EXIT_CUT = 0, 1, 2, 3
-
-
-def read_mind(namespace: str, name: str) -> dict[str, Any]:
-    """The Mind object (her endpoint and turn deadline), with the kubeconfig or in-cluster:
-    one GET before any turn, on the CLI's blocking adapter (`kube.client.api.KubeApi`)."""
-    # Imported here: the turn client itself needs no Kubernetes, only this command does.
-    from continuum_operator.kube.client.api import KubeApi, crd_path
-
-    return KubeApi().request("GET", crd_path("minds", namespace, name))
-
-
-async def take_turn(
-    args: argparse.Namespace, gateway: str, deadline: float, token: str | None
-) -> int:
-    err = sys.stderr
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": args.prompt}]}
-    if args.max_tokens is not None:
-        body["max_tokens"] = args.max_tokens
-    try:
-        async with turn(
-            gateway, args.mind, deadline_seconds=deadline, token=token, poll_seconds=1.0
-        ) as t:
-            for w in t.waits:
-                print(f"waited {w.seconds:.1f} s: {w.reason}", file=err)
-            print(f"turn {t.turn_id}: slot {t.slot}, grant {t.tokens} tokens", file=err)
-            async for text in t.stream_chat(body):
-                sys.stdout.write(text)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            note = t.note
-            summary = f"slot {note.get('slot')}, {note.get('nPredict')} tokens allowed"
-            print(f"done: {summary} of a grant of {note.get('grantTokens')}", file=err)
-            if note.get("cutOff"):
-                print(f"cut off ({note['cutOff']}): {note.get('message')}", file=err)
-    except TurnCut as cut:
-        print(f"\n{cut}", file=err)
-        return EXIT_CUT
-    except TurnError as refused:
-        print(f"error: {refused}", file=err)
-        return EXIT_REFUSED
-    except aiohttp.ClientError as down:
-        print(f"error: {gateway}: {down}", file=err)
-        return EXIT_REFUSED
-    except TimeoutError:
-        print(f"error: {gateway}: no answer within 30 s of connecting", file=err)
-        return EXIT_REFUSED
-    return EXIT_OK

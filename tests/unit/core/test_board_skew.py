@@ -83,7 +83,7 @@ def test_a_lease_claiming_a_duration_of_years_is_stale_past_the_operators_longes
 
 
 def test_the_longest_a_lease_vouches_for_is_an_operator_setting() -> None:
-    from continuum_operator.kube.process.run import settings_from
+    from continuum_operator.cli.operator import settings_from
 
     args = _parse(["--board-max-ttl", "120"])
     assert settings_from(args).freshness.max_ttl_seconds == 120.0
@@ -91,7 +91,7 @@ def test_the_longest_a_lease_vouches_for_is_an_operator_setting() -> None:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from continuum_operator.kube.process.run import add_arguments
+    from continuum_operator.cli.operator import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

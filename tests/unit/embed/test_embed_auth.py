@@ -15,21 +15,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-import yaml
 
-from continuum_operator.cli import build_parser, main
+from continuum_operator.cli import build_parser
+from continuum_operator.cli.embed import settings_from
+from continuum_operator.door.serving import serve_app
 from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.embed import runtime as lane_runtime
 from continuum_operator.embed.runtime import Door, LaneRuntime, LaneState, _door
 from continuum_operator.engine.admission import engine_audience, lane_audience
-from continuum_operator.engine.gateway import serve_app
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.client.api import path_of
 from continuum_operator.kube.workloads import engine_identity, lane_objects
@@ -254,7 +253,8 @@ class TestTheAdminPort:
 
 
 def embed_args(*extra: str) -> Any:
-    return build_parser().parse_args(["embed", "--model", "m.gguf", *extra])
+    """`continuum embed`'s settings from its command line."""
+    return settings_from(build_parser().parse_args(["embed", "--model", "m.gguf", *extra]))
 
 
 class TestTheCommand:
@@ -270,30 +270,6 @@ class TestTheCommand:
 
     def test_only_the_unsafe_flag_opens_the_door(self) -> None:
         assert _door(embed_args("--lane", f"{NS}/{LANE}", "--unsafe-no-review")) is None
-
-    def test_a_lane_file_run_names_an_audience_and_a_namespace_or_the_unsafe_flag(
-        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-    ) -> None:
-        model = tmp_path / "m.gguf"
-        model.write_bytes(b"GGUF")
-        lane = tmp_path / "lane.yaml"
-        lane.write_text(yaml.safe_dump({"contextTokens": 256, "verdict": "Fits"}))
-        base = ["embed", "--model", str(model), "--lane-file", str(lane)]
-        assert main(base) == 2
-        err = capsys.readouterr().err
-        for flag in ("--token-audience", "--callers-namespace", "--unsafe-no-review"):
-            assert flag in err, err
-        assert main([*base, "--token-audience", "a"]) == 2  # and a namespace
-        capsys.readouterr()
-        both = ["--review-tokens", "--unsafe-no-review"]
-        assert main([*base, *both]) == 2
-        assert "contradict" in capsys.readouterr().err
-        door = _door(
-            embed_args(
-                "--lane-file", "l.yaml", "--token-audience", "aud", "--callers-namespace", NS
-            )
-        )
-        assert door is not None and (door.audience, door.namespace) == ("aud", NS)
 
 
 def lane(name: str = LANE, namespace: str = NS) -> EmbedLane:
@@ -329,7 +305,7 @@ class TestTheOperatorsPod:
         # The pod's command through `continuum`'s own parser: review on, the lane's audience.
         args = build_parser().parse_args(command[1:])
         assert args.review_tokens and args.admin_port == objects.ADMIN_PORT
-        door = _door(args)
+        door = _door(settings_from(args))
         assert door is not None and (door.audience, door.namespace) == (AUDIENCE, NS)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports == {"http": PodSettings().port, "admin": objects.ADMIN_PORT}

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser, main
+from continuum_operator.cli.engine import settings_from
 from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine.admission import ReviewUnavailable
 from continuum_operator.engine.runtime import _reviewer
@@ -40,13 +41,13 @@ class TestEveryEngineReviewsTokens:
         assert flags[flags.index("--admin-port") + 1] == str(objects.ADMIN_PORT)
 
     def test_an_engine_of_the_cluster_reviews_with_its_own_audience_by_default(self) -> None:
-        reviewer = _reviewer(engine_args("--engine", "ml/coder"), None)
+        reviewer = _reviewer(settings_from(engine_args("--engine", "ml/coder")), None)
         assert isinstance(reviewer, TokenReviewer)
         assert reviewer.audience == "continuum.dev/engine/ml/coder"
 
     def test_only_the_unsafe_flag_believes_the_header(self) -> None:
         unsafe = engine_args("--engine", "ml/coder", "--unsafe-trust-mind-header")
-        assert _reviewer(unsafe, None) is None
+        assert _reviewer(settings_from(unsafe), None) is None
 
     def test_a_review_the_api_server_never_answers_is_bounded_and_unavailable(self) -> None:
         import asyncio

@@ -305,16 +305,6 @@ def test_continuum_engine_serves_the_grant_file_and_writes_the_releases(tmp_path
     assert proc.returncode == 0
 
 
-def test_continuum_engine_refuses_a_bad_command_line_with_what_to_fix(tmp_path: Path) -> None:
-    from continuum_operator.cli import main
-
-    model = tmp_path / "m.gguf"
-    model.write_bytes(MODEL_BYTES)
-    assert main(["engine", "--model", str(model)]) == 2  # neither --grants nor --engine
-    assert main(["engine", "--model", str(model), "--engine", "no-namespace"]) == 2
-    assert main(["engine", "--model", str(tmp_path / "none.gguf"), "--grants", "g.yaml"]) == 2
-
-
 def test_a_plan_comes_from_plan_output_or_an_engines_status_and_bad_files_are_named(
     tmp_path: Path,
 ) -> None:

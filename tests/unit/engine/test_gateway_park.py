@@ -460,24 +460,3 @@ def test_the_park_store_status_is_what_the_engine_status_schema_keeps(tmp_path: 
     assert status.park is not None and status.park.parked_bytes == 1100
     assert [m.mind for m in status.park.minds] == [MIRA]
     assert status.slot_releases is not None and status.slot_releases[0].parked_tokens == 11
-
-
-def test_continuum_engine_takes_the_park_store_from_its_command_line(tmp_path: Path) -> None:
-    import argparse
-
-    from continuum_operator.cli import main
-    from continuum_operator.engine import runtime
-
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
-    grants = ["--grants", "g.yaml", "--unsafe-trust-mind-header"]
-    base = ["engine", "--model", str(model), *grants]
-    assert main([*base, "--park-budget", "1000"]) == 2  # a budget needs its directory
-    assert main([*base, "--park-dir", str(tmp_path), "--park-budget", "-1"]) == 2
-    p = argparse.ArgumentParser()
-    runtime.add_arguments(p)
-    args = p.parse_args(["--model", str(model), "--park-dir", "/park", "--park-budget", "4096"])
-    launch = runtime._launch_settings(args, {}, {})
-    assert (launch.park_dir, launch.park_budget_bytes) == (Path("/park"), 4096)
-    argv = launch.argv(8081, Path("/park"))
-    assert argv[argv.index("--slot-save-path") + 1] == "/park"  # llama-server saves there

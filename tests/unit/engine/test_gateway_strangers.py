@@ -20,8 +20,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from continuum_operator.door.serving import LINGER_SECONDS, ConnectionLimits
 from continuum_operator.door.token_review import TokenReviewer
-from continuum_operator.engine.body_limits import LINGER_SECONDS, BodyLimits, ConnectionLimits
+from continuum_operator.engine.body_limits import BodyLimits
 from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 from tests.support.fake_llama import FakeLlama, serve
 from tests.support.gateway_openai import MIRA, granted, table

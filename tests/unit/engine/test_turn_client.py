@@ -332,12 +332,12 @@ def test_a_reply_streamed_past_aiohttps_default_timeout_is_read_to_its_end(
 ) -> None:
     # aiohttp's default session ends a request at 300 s, the whole stream included: a long
     # reply from a slow engine died with a traceback. The default scaled to 1 s here.
-    import argparse
     import json
 
     import aiohttp
 
-    from continuum_operator.engine import turn as turn_module
+    from continuum_operator.cli import turn as turn_module
+    from continuum_operator.cli.errors import EXIT_OK
 
     monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=1))
 
@@ -365,12 +365,11 @@ def test_a_reply_streamed_past_aiohttps_default_timeout_is_read_to_its_end(
         app.router.add_post("/v1/chat/completions", chat)
         runner, base = await _serve_app(app)
         try:
-            args = argparse.Namespace(mind="minds/mira", prompt="hi", max_tokens=None)
-            return await turn_module.take_turn(args, base, 30.0, None)
+            return await turn_module.take_turn("minds/mira", "hi", None, base, 30.0, None)
         finally:
             await runner.cleanup()
 
-    assert asyncio.run(main()) == turn_module.EXIT_OK
+    assert asyncio.run(main()) == EXIT_OK
 
 
 def test_a_token_file_that_cannot_be_read_is_a_bad_argument_named(
@@ -379,7 +378,7 @@ def test_a_token_file_that_cannot_be_read_is_a_bad_argument_named(
     import argparse
 
     from continuum_operator.cli import turn as turn_module
-    from continuum_operator.engine.turn import EXIT_INVALID
+    from continuum_operator.cli.errors import EXIT_INVALID
 
     args = argparse.Namespace(
         mind="minds/mira", prompt="hi", gateway="http://127.0.0.1:9", deadline=1.0,

@@ -252,8 +252,8 @@ def test_the_webhook_configuration_names_the_charts_service_unless_a_url_is_aske
 ) -> None:
     """Managed API servers may not resolve cluster DNS: by default the operator installs a
     clientConfig.service reference to the Service the chart made (its namespace, name, port)."""
+    from continuum_operator.cli.operator import settings_from
     from continuum_operator.kube.children import webhook
-    from continuum_operator.kube.process.run import settings_from
 
     args = _parse(_container(one(custom_docs, "Deployment", "-operator"))["args"])
     children = settings_from(args).children

@@ -154,7 +154,7 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
     """docs/install.md promised that imagePullSecrets reach the engine pods; the operator has no
     such flag and its pods run in each Engine's namespace, where the Secret does not exist."""
     from continuum_operator.cli import build_parser
-    from continuum_operator.kube.process.run import settings_from
+    from continuum_operator.cli.operator import settings_from
     from continuum_operator.kube.workloads import engine_objects as objects
     from continuum_operator.kube.workloads import facts_job, lane_objects
     from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement

@@ -52,9 +52,6 @@ log = logging.getLogger("continuum.release")
 #: operator finalizes (a test greps the operator for finalizers to keep this list whole).
 FINALIZED: tuple[tuple[str, str], ...] = (("minds", "continuum.dev/grant"),)
 
-EXIT_OK = 0
-EXIT_API = 1
-EXIT_INVALID = 2
 CONFLICT_RETRIES = 5
 PAGE = 500
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from continuum_operator.cli.operator import add_arguments, settings_from
 from continuum_operator.kube.base.kernel import KernelSettings
 from continuum_operator.kube.base.metrics import OperatorMetrics
-from continuum_operator.kube.process.run import _reconcilers, add_arguments, settings_from
+from continuum_operator.kube.process.run import _reconcilers
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.state.mind_cache import MindCache
 from tests.support.fakes import FakeKubeApi

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser
+from continuum_operator.cli.operator import settings_from
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.children import membership as children
 from continuum_operator.kube.children import webhook
@@ -22,7 +23,6 @@ from continuum_operator.kube.children.membership import (
     mutate,
 )
 from continuum_operator.kube.children.webhook import Unmarked
-from continuum_operator.kube.process.run import settings_from
 from tests.support.builders import tree
 
 PODS = PodSettings(children_priority_class="kids", children_priority=-5)

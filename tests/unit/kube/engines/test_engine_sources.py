@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from continuum_operator.cli import build_parser
+from continuum_operator.cli.operator import settings_from
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.engines.engine_pass import Memory
 from continuum_operator.kube.engines.reconcile import facts_disagreements, reconcile
-from continuum_operator.kube.process.run import settings_from
 from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads import facts_job, lane_objects
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement

@@ -512,26 +512,6 @@ def test_the_operator_reads_a_nodes_cpus_from_its_allocatable() -> None:
     assert pods_on(snap, "a", SETTINGS).node_cpus == 48
 
 
-@pytest.mark.parametrize(
-    ("flag", "value", "said"),
-    [
-        ("--engine-cpu-min", "0", "0 is not 1 or more"),
-        ("--engine-cpu-share", "1.5", "1.5 is not a fraction"),
-        ("--engine-cpu-max", "two", "'two' is not a whole number"),
-        ("--lane-cpu", "0", "'0' is not a CPU quantity above 0"),
-        ("--lane-cpu", "two", "'two' is not a CPU quantity above 0 (write 2, 1.5 or 500m)"),
-    ],
-)
-def test_engine_cpu_settings_that_cannot_make_a_guaranteed_pod_are_refused_by_name(
-    flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(["operator", flag, value])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert flag in err and said in err
-
-
 # --- the GPU charged is the GPU the pod gets (DRA) ---------------------------------------------
 
 

@@ -150,19 +150,3 @@ def test_the_list_covers_every_finalizer_the_operator_writes() -> None:
         "operator/continuum_operator/kube/grants/mind_writes.py",
         "operator/continuum_operator/kube/process/release.py",
     ]
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--stop-operator", "op"], "expected NAMESPACE/NAME"),
-        (["--timeout", "0"], "--timeout 0.0: must be > 0"),
-    ],
-)
-def test_bad_flags_are_refused_with_the_flag_named(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from continuum_operator.cli import main
-
-    assert main(["release-finalizers", *argv]) == release.EXIT_INVALID
-    assert message in capsys.readouterr().err
