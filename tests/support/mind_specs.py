@@ -1,5 +1,6 @@
-"""What the grants tests apply: a small Engine of two slots of SLOT_TOKENS on the nodes of a tag
-(`engine`), MindClasses (`mind_class`, three a test from `classes`) and Minds (`mind`)."""
+"""What the grants tests apply: a small Engine of up to `minds` slots of SLOT_TOKENS, labelled for
+one operator and placed on the nodes of a tag (`engine`), MindClasses (`mind_class`, three a test
+from the `classes` fixture) and Minds (`mind`)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def mind(name: str, cls: str, tokens: int = 256, engine: str = "coder") -> dict[
 
 @pytest.fixture
 def classes(cluster: Cluster, crds: None) -> Iterator[dict[str, str]]:
+    """Three MindClasses of this test (low 0, mid 5, high 10), deleted after it."""
     tag = uuid.uuid4().hex[:6]
     names = {"low": f"low-{tag}", "mid": f"mid-{tag}", "high": f"high-{tag}"}
     cluster.apply(
