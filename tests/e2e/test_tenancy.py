@@ -11,14 +11,19 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.admission_policies import install_checked, installed
+from tests.support.admission_policies import (
+    SCOPE,
+    install_checked,
+    installed,
+    scoped_namespace,
+    tag,
+)
 from tests.support.cluster import Cluster
 from tests.support.crds import crds
 from tests.support.grant_ledger import grant_of, ledger, serving, states
@@ -30,32 +35,7 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
-__all__ = ["crds", "installed"]  # fixtures, used by name
-
-SCOPE = "continuum.dev/e2e-tenancy"
-
-
-def scoped_namespace(cluster: Cluster, tag: str, **labels: str) -> str:
-    name = f"tn-{uuid.uuid4().hex[:8]}"
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {"name": name, "labels": {SCOPE: tag, **labels}},
-        }
-    )
-    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
-    return name
-
-
-@pytest.fixture
-def tag(cluster: Cluster) -> Iterator[str]:
-    """This test's label value; its namespaces are deleted when it ends."""
-    value = uuid.uuid4().hex[:8]
-    yield value
-    cluster.kubectl(
-        "delete", "namespace", "-l", f"{SCOPE}={value}", "--wait=false", check=False
-    )  # fmt: skip
+__all__ = ["crds", "installed", "tag"]  # fixtures, used by name
 
 
 def policies(values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -18,7 +18,8 @@ from tests.support.cluster import Cluster
 from tests.support.helm import by_kind, documents, find_helm, template
 from tests.support.waiting import wait_for
 
-SCOPE = "continuum.dev/e2e-boundaries"
+#: The label of a test's namespaces: `tag` deletes those of its value when the test ends.
+SCOPE = "continuum.dev/e2e-scope"
 EDITOR = "alice@example.com"  # a namespace editor: `edit`, and Engines, in her namespace only
 
 
@@ -31,7 +32,8 @@ def tag(cluster: Cluster) -> Iterator[str]:
 
 
 def scoped_namespace(cluster: Cluster, tag: str, **labels: str) -> str:
-    name = f"tb-{uuid.uuid4().hex[:8]}"
+    """A namespace of this test's `tag` (and `labels`), once its default ServiceAccount exists."""
+    name = f"sc-{uuid.uuid4().hex[:8]}"
     cluster.apply(
         {
             "apiVersion": "v1",
