@@ -29,7 +29,8 @@ from continuum_operator.kube.nodes.placed_pods import PlacedPods
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.board import NodeBoard, NodeBoardStatus
 from continuum_operator.testing.fake_nvml import FakeNvml
-from tests.e2e.conftest import ROOT, Cluster
+from tests.support.builders import ROOT
+from tests.support.cluster import Cluster
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e

@@ -22,23 +22,24 @@ from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import ServiceAccount, TableEntry
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState
-from tests.e2e.llama_fixtures import TinyModel
-from tests.e2e.test_openai import (
+from tests.support.gateway_llama_openai import (
     ENDLESS,
     MIRA,
     SLOT_TOKENS,
     VIP,
     Engine,
     granted,
+    model,
     run_engine,
     table,
 )
-from tests.e2e.test_openai import model as _model
+from tests.support.llama_server import TinyModel
 
 pytestmark = pytest.mark.e2e
 
-#: The generated model of tests/e2e/test_openai.py (8k context, two slots of 4k), a fixture.
-model = _model
+# A fixture, used by name: the generated model of tests/support/gateway_llama_openai.py (8k
+# context, two slots of 4k).
+__all__ = ["model"]
 
 ANN = "minds/ann"
 #: A grant less than her slot: the gateway counts her prompt (after the template) to cap her.

@@ -32,114 +32,47 @@ from continuum_operator.kube.workloads import engine_objects as objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine
-from tests.e2e.conftest import Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_children import WEBHOOK, wait_ready
-from tests.e2e.test_children import operator as webhook_operator
-from tests.e2e.test_children import pod as child_pod
-from tests.e2e.test_grants import (
-    assert_no_grant_doubled,
-    crds,
-    mind_class,
-    scenario,
-    serving,
-    settled,
-    start_operator,
-    stop,
-)
-from tests.e2e.test_grants import engine as grants_engine
-from tests.e2e.test_grants import gpu_node as grants_gpu_node
-from tests.e2e.test_operator import wait_for
 from tests.support import builders
-from tests.support.helm import by_kind, documents, find_helm, one, template
+from tests.support.admission_policies import (
+    EDITOR,
+    SCOPE,
+    install_checked,
+    installed,
+    kubectl_as,
+    namespace_editor,
+    policies,
+    refused_once_active,
+    scoped_namespace,
+    tag,
+    type_checked,
+)
+from tests.support.cluster import Cluster
+from tests.support.crash_scenario import scenario, settled
+from tests.support.crds import crds
+from tests.support.grant_ledger import assert_no_grant_doubled, serving
+from tests.support.grants_operator import start_operator
+from tests.support.helm import documents, find_helm, one, template
+from tests.support.kwok_nodes import fresh_gpu_node as grants_gpu_node
+from tests.support.local_http import free_port
+from tests.support.mind_specs import engine as grants_engine
+from tests.support.mind_specs import mind_class
+from tests.support.operator_process import stop
+from tests.support.waiting import wait_for
+from tests.support.webhook_operator import WEBHOOK, wait_ready
+from tests.support.webhook_operator import operator as webhook_operator
+from tests.support.webhook_operator import pod as child_pod
 
 pytestmark = pytest.mark.e2e
 
-__all__ = ["crds"]  # a fixture, used by name
+__all__ = ["crds", "installed", "tag"]  # fixtures, used by name
 
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
-SCOPE = "continuum.dev/e2e-boundaries"
-EDITOR = "alice@example.com"  # a namespace editor: `edit`, and Engines, in her namespace only
 
 
 def refused(proc: subprocess.CompletedProcess[str]) -> str:
     """The API server's refusal of a kubectl call that must fail."""
     assert proc.returncode != 0, f"expected a refusal, got: {proc.stdout}"
     return proc.stderr
-
-
-@pytest.fixture
-def tag(cluster: Cluster) -> Iterator[str]:
-    """This test's label value; its namespaces are deleted when it ends."""
-    value = uuid.uuid4().hex[:8]
-    yield value
-    cluster.kubectl("delete", "namespace", "-l", f"{SCOPE}={value}", "--wait=false", check=False)
-
-
-def scoped_namespace(cluster: Cluster, tag: str, **labels: str) -> str:
-    name = f"tb-{uuid.uuid4().hex[:8]}"
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {"name": name, "labels": {SCOPE: tag, **labels}},
-        }
-    )
-    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
-    return name
-
-
-def policies(values: dict[str, Any], suffix: str) -> list[dict[str, Any]]:
-    """The chart's policy and binding named `*-<suffix>`, as `helm template` renders them."""
-    docs = documents(template(find_helm(), values, release="e2e").stdout)
-    kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-    return [d for k in kinds for d in by_kind(docs, k) if d["metadata"]["name"].endswith(suffix)]
-
-
-@pytest.fixture
-def installed(cluster: Cluster) -> Iterator[Callable[[list[dict[str, Any]]], None]]:
-    """Applies policies; deletes them at the end whatever happened."""
-    made: list[dict[str, Any]] = []
-
-    def install(docs: list[dict[str, Any]]) -> None:
-        made.extend(docs)
-        cluster.apply(docs)
-
-    yield install
-    for d in reversed(made):
-        kind = d["kind"].lower() + ".admissionregistration.k8s.io"
-        cluster.kubectl("delete", kind, d["metadata"]["name"], "--ignore-not-found", check=False)
-
-
-def type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
-    """The policy's status once the API server has type-checked its CEL."""
-
-    def probe() -> dict[str, Any] | None:
-        body = cluster.get_json("validatingadmissionpolicy", name)
-        status = body.get("status") or {}
-        done = status.get("observedGeneration") == body["metadata"]["generation"]
-        return status if done else None
-
-    return dict(wait_for(f"policy {name} type-checked", probe, timeout=60))
-
-
-def install_checked(
-    cluster: Cluster, installed: Callable[[list[dict[str, Any]]], None], docs: list[dict[str, Any]]
-) -> None:
-    """A chart policy and its binding installed, once the API server has type-checked its CEL
-    with no warning."""
-    assert [d["kind"] for d in docs] == [
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
-    ]  # fmt: skip
-    installed(docs)
-    status = type_checked(cluster, docs[0]["metadata"]["name"])
-    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
-
-
-def kubectl_as(
-    cluster: Cluster, user: str, *args: str, input: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return cluster.kubectl("--as", user, *args, input=input, check=False)
 
 
 def can(cluster: Cluster, user: str, verb: str, resource: str, ns: str, *more: str) -> bool:
@@ -163,66 +96,8 @@ def engine_body(name: str, source: dict[str, Any] | None = None) -> dict[str, An
     }
 
 
-def refused_once_active(
-    create: Callable[[], subprocess.CompletedProcess[str]], what: str
-) -> subprocess.CompletedProcess[str]:
-    """`create` repeated until a policy refuses it (a new policy takes a moment to reach the
-    API server's admission chain: seen past 60 s once in a full run on this machine, so the
-    wait is longer, and the last answer is printed when it runs out)."""
-    tries: list[subprocess.CompletedProcess[str]] = []
-
-    def refused() -> subprocess.CompletedProcess[str] | None:
-        tries.append(p := create())
-        return p if p.returncode != 0 and "denied request" in p.stderr else None
-
-    try:
-        answer: subprocess.CompletedProcess[str] = wait_for(what, refused, timeout=180)
-    except BaseException:
-        last = tries[-1] if tries else None
-        print(f"last try: {last and (last.returncode, last.stdout, last.stderr)}")
-        raise
-    return answer
-
-
 # ============================================================================================
 # Engine model sources (docs/security.md "Engine model sources")
-
-
-def namespace_editor(cluster: Cluster, ns: str) -> None:
-    """EDITOR gets the built-in `edit` role in `ns`, and Engines and EmbedLanes (not their
-    status), as a cluster admin would give a team."""
-    cluster.apply(
-        [
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "Role",
-                "metadata": {"name": "continuum-editor", "namespace": ns},
-                "rules": [
-                    {
-                        "apiGroups": ["continuum.dev"],
-                        "resources": ["engines", "embedlanes", "minds"],
-                        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
-                    }
-                ],
-            },
-            *(
-                {
-                    "apiVersion": "rbac.authorization.k8s.io/v1",
-                    "kind": "RoleBinding",
-                    "metadata": {"name": f"alice-{role.lower()}", "namespace": ns},
-                    "roleRef": {
-                        "apiGroup": "rbac.authorization.k8s.io",
-                        "kind": kind,
-                        "name": role,
-                    },
-                    "subjects": [
-                        {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": EDITOR}
-                    ],
-                }
-                for kind, role in (("ClusterRole", "edit"), ("Role", "continuum-editor"))
-            ),
-        ]
-    )
 
 
 def test_a_namespace_editors_engine_with_a_host_path_of_root_is_refused_by_the_api_server(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import ROOT
+from tests.support.builders import ROOT
 
 pytestmark = pytest.mark.e2e
 

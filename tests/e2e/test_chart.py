@@ -12,7 +12,6 @@ upgrades here show that the two never contend for them.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -27,18 +26,14 @@ import yaml
 
 from continuum_operator import yaml_text
 from continuum_operator.core.heartbeat import lease_name
-from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_operator import (
-    discrete_status,
-    renew,
-    scrape_metric,
-    wait_for,
-    write_board,
-)
-from tests.e2e.test_operator import engine as operator_e2e_engine
-from tests.support.builders import tree
+from tests.support.builders import ROOT, tree
+from tests.support.cluster import Cluster
 from tests.support.helm import CHART, documents, find_helm, helm
+from tests.support.kwok_nodes import discrete_status, renew, write_board
+from tests.support.local_http import free_port
+from tests.support.operator_process import engine as operator_e2e_engine
+from tests.support.operator_process import scrape_metric, stop
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -461,12 +456,7 @@ def test_the_operator_with_the_charts_arguments_and_service_account_reconciles_a
             -3000:
         ]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, timeout=30)
         cluster.kubectl("delete", "engine", "chart-engine", "-n", ns, "--wait=false", check=False)
         cluster.kubectl("delete", "node", node, stale, "--wait=false", check=False)
 

@@ -7,15 +7,7 @@ unmutated, and counted (metric and event) once the operator is back."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,125 +20,15 @@ from continuum_operator.kube.children.membership import (
     CLASS_ENV,
     MIND_LABEL,
 )
-from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_operator import scrape_metric
+from tests.support.cluster import Cluster
+from tests.support.local_http import free_port
+from tests.support.webhook_operator import WEBHOOK, crds, operator, pod, wait_while_up
 
 pytestmark = pytest.mark.e2e
 
+__all__ = ["crds"]  # a fixture, used by name
+
 PODS = PodSettings()
-WEBHOOK = f"e2e-children-{int(time.time())}"
-
-
-@pytest.fixture(scope="module")
-def crds(cluster: Cluster) -> Iterator[None]:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=established", "--timeout=60s", "-f", str(ROOT / "crds")
-    )
-    yield
-    cluster.kubectl("delete", "mutatingwebhookconfiguration", WEBHOOK, "--ignore-not-found",
-                    check=False)  # fmt: skip
-
-
-@dataclass
-class Operator:
-    proc: subprocess.Popen[bytes]
-    log: Path
-    metrics_url: str
-
-    def metric(self, name: str, **labels: str) -> float:
-        value = scrape_metric(self.metrics_url, name, **labels)
-        return 0.0 if value is None else value
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@contextmanager
-def operator(cluster: Cluster, tmp: Path, webhook_port: int) -> Iterator[Operator]:
-    """`continuum operator --webhook` on loopback, until the block ends."""
-    log = tmp / f"operator-{time.monotonic_ns()}.log"
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "continuum_operator.cli", "operator",
-        "--kubeconfig", str(cluster.kubeconfig),
-        "--engine-image", "continuum-engine:e2e",
-        "--metrics-port", str(port),
-        "--webhook", "--webhook-name", WEBHOOK,
-        "--webhook-listen", "127.0.0.1", "--webhook-host", "127.0.0.1",
-        "--webhook-port", str(webhook_port),
-    ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
-    op = Operator(proc, log, f"http://127.0.0.1:{port}/metrics")
-    try:
-        yield op
-    finally:
-        op.stop()
-
-
-def wait_for(probe: Callable[[], Any], what: str, op: Operator, timeout: float = 90) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if op.proc.poll() is not None:
-            pytest.fail(f"the operator exited while waiting for {what}:\n{op.log.read_text()}")
-        try:
-            found = probe()
-        except Exception:  # not ready yet (metrics port, API)
-            found = None
-        if found:
-            return found
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}; operator log:\n{op.log.read_text()[-4000:]}")
-
-
-def wait_ready(op: Operator, timeout: float = 90) -> list[int]:
-    """Poll the operator's `/readyz` closely until it answers 200: the answers before it (a
-    refused connection is no answer)."""
-    url = op.metrics_url.removesuffix("/metrics") + "/readyz"
-    seen: list[int] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if op.proc.poll() is not None:
-            pytest.fail(f"the operator exited while waiting for /readyz:\n{op.log.read_text()}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as answer:
-                if answer.status == 200:
-                    return seen
-                seen.append(answer.status)
-        except urllib.error.HTTPError as err:
-            seen.append(err.code)
-        except OSError:  # not listening yet
-            pass
-        time.sleep(0.05)
-    pytest.fail(f"/readyz not 200 in {timeout} s: {seen[-3:]}; log:\n{op.log.read_text()[-4000:]}")
-
-
-def pod(name: str, ns: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": ns, "labels": labels or {}},
-        "spec": {
-            "containers": [
-                {
-                    "name": "work",
-                    "image": "busybox",
-                    "resources": {
-                        "requests": {"cpu": "2", "memory": "64Mi"},
-                        "limits": {"cpu": "2", "memory": "64Mi"},
-                    },
-                }
-            ]
-        },
-    }
 
 
 def webhook_serving(cluster: Cluster, ns: str) -> bool:
@@ -166,7 +48,7 @@ def test_a_minds_child_arrives_with_the_lowest_class_and_cpu_weight_and_others_a
     cluster: Cluster, crds: None, namespace: str, tmp_path: Path
 ) -> None:
     with operator(cluster, tmp_path, free_port()) as op:
-        wait_for(lambda: webhook_serving(cluster, namespace), "the webhook", op)
+        wait_while_up(lambda: webhook_serving(cluster, namespace), "the webhook", op)
         applied = cluster.kubectl(
             "apply", "-f", "-", input=json.dumps(pod("build", namespace, {MIND_LABEL: "ada"}))
         )
@@ -186,7 +68,7 @@ def test_a_minds_child_arrives_with_the_lowest_class_and_cpu_weight_and_others_a
             {"apiVersion": "continuum.dev/v1alpha1", "kind": "Mind", "name": "bo", "uid": uid}
         ]
         cluster.apply(owned)
-        mutated = wait_for(
+        mutated = wait_while_up(
             lambda: op.metric("continuum_mind_children_mutated_total", namespace=namespace),
             "the mutation metric",
             op,
@@ -227,7 +109,7 @@ def test_with_the_webhook_stopped_children_are_created_unmutated_and_counted(
 ) -> None:
     webhook_port = free_port()
     with operator(cluster, tmp_path, webhook_port) as op:
-        wait_for(lambda: webhook_serving(cluster, namespace), "the webhook", op)
+        wait_while_up(lambda: webhook_serving(cluster, namespace), "the webhook", op)
         cluster.apply(pod("reached", namespace, {MIND_LABEL: "ada"}))
     # The operator is stopped; its configuration stays (failure policy Ignore) and calls a
     # closed port: pod creation does not block on it.
@@ -243,7 +125,7 @@ def test_with_the_webhook_stopped_children_are_created_unmutated_and_counted(
     assert took < ChildrenSettings().timeout_seconds + 15, f"creation took {took:.1f} s"
 
     with operator(cluster, tmp_path, webhook_port) as op:
-        live = wait_for(
+        live = wait_while_up(
             lambda: op.metric("continuum_mind_children_unmutated_live", namespace=namespace),
             "the count of unmutated children",
             op,
@@ -257,11 +139,11 @@ def test_with_the_webhook_stopped_children_are_created_unmutated_and_counted(
             )["items"]
             return next((e for e in items if e["reason"] == "ChildNotMutated"), None)
 
-        found = wait_for(event, "the ChildNotMutated event", op)
+        found = wait_while_up(event, "the ChildNotMutated event", op)
         assert found["type"] == "Warning"
         assert "ada" in found["message"]
         cluster.kubectl("delete", "pod", "missed", "-n", namespace, "--wait=false")
-        gone = wait_for(
+        gone = wait_while_up(
             lambda: (
                 op.metric("continuum_mind_children_unmutated_live", namespace=namespace) == 0
                 and "gone"

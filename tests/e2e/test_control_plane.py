@@ -9,19 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from continuum_operator import yaml_text
-from tests.e2e.conftest import ROOT, Cluster, read_versions
+from tests.support.builders import ROOT
+from tests.support.cluster import Cluster, read_versions
+from tests.support.crds import install_repo_crds, wait_established, yaml_docs
 
 pytestmark = pytest.mark.e2e
 
-CRDS = ROOT / "crds"
 ENGINE_EXAMPLES = ROOT / "examples" / "engines"
-
-
-def yaml_docs(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def is_subset(expected: Any, actual: Any) -> bool:
@@ -37,12 +33,6 @@ def is_subset(expected: Any, actual: Any) -> bool:
             and all(is_subset(e, a) for e, a in zip(expected, actual, strict=True))
         )
     return bool(expected == actual)
-
-
-def wait_established(cluster: Cluster, crd_names: list[str]) -> None:
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in crd_names]
-    )
 
 
 def test_version_is_pinned(cluster: Cluster) -> None:
@@ -96,25 +86,6 @@ def test_custom_resource_roundtrip(cluster: Cluster, namespace: str, tmp_path: P
     cluster.apply(widget, "-n", namespace)
     stored = cluster.get_json("-n", namespace, "widget", "w")
     assert stored["spec"] == {"size": "7Gi", "replicas": 1}  # structural defaulting ran
-
-
-def repo_crds() -> list[Path]:
-    return sorted(p for p in CRDS.glob("*.yaml") if yaml_docs(p))
-
-
-def install_repo_crds(cluster: Cluster) -> list[str]:
-    files = repo_crds()
-    assert files, f"no CRD manifests in {CRDS} (make crds)"
-    cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
-    names = [
-        d["metadata"]["name"]
-        for p in files
-        for d in yaml_docs(p)
-        if d.get("kind") == "CustomResourceDefinition"
-    ]
-    assert names
-    wait_established(cluster, names)
-    return names
 
 
 def test_repo_crds_install(cluster: Cluster) -> None:

@@ -17,34 +17,18 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from continuum_operator import yaml_text
 from continuum_operator.engine.admission import engine_audience, lane_audience
-from tests.e2e.conftest import ROOT, Cluster
+from tests.support.builders import ROOT
+from tests.support.cluster import Cluster
+from tests.support.local_http import post_embeddings
 
 pytestmark = pytest.mark.e2e
 
 LANE = "notes"
-
-
-def post_embeddings(url: str, body: dict[str, Any], token: str | None) -> tuple[int, Any]:
-    """POST /v1/embeddings with `token` as the bearer token (the OpenAI client's API key);
-    (status, decoded JSON), never raising on an HTTP error status."""
-    req = urllib.request.Request(
-        f"{url}/v1/embeddings", data=json.dumps(body).encode(), method="POST"
-    )
-    req.add_header("Content-Type", "application/json")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        with err:
-            return err.code, json.loads(err.read())
 
 
 def status_of(url: str) -> int:
@@ -74,7 +58,8 @@ def test_the_lane_serves_its_namespaces_accounts_by_token_and_refuses_the_rest(
     import openai
 
     from continuum_operator.testing import TinyModelShape, write_tiny_gguf
-    from tests.e2e.llama_fixtures import free_port, http_json, import_llama_cpp
+    from tests.support.llama_server import import_llama_cpp
+    from tests.support.local_http import free_port, http_json
 
     import_llama_cpp()
     shape = TinyModelShape(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,

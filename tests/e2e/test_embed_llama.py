@@ -37,9 +37,10 @@ from continuum_operator.embed.runtime import LaneRuntime, LaneState, lane_state_
 from continuum_operator.gguf import file_sha256, read_facts
 from continuum_operator.model.engine import EngineSpec, ModelFacts
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
-from tests.e2e.llama_fixtures import free_port, http_json, import_llama_cpp
-from tests.e2e.test_operator import scrape_metric
 from tests.support.builders import GiB, MiB, board, board_body
+from tests.support.llama_server import import_llama_cpp
+from tests.support.local_http import free_port, http_json
+from tests.support.operator_process import scrape_metric
 
 pytestmark = pytest.mark.e2e
 

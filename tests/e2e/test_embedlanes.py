@@ -6,7 +6,6 @@ the node's ledger, so an engine planned on that node afterwards accounts for the
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -18,8 +17,12 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.test_operator import facts_read_from_file, renew, write_board
+from tests.support import waiting
+from tests.support.builders import ROOT
+from tests.support.cluster import Cluster
+from tests.support.engine_status import facts_read_from_file
+from tests.support.kwok_nodes import renew, write_board
+from tests.support.operator_process import stop
 
 pytestmark = pytest.mark.e2e
 
@@ -61,12 +64,7 @@ def running_operator(
             pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
         yield proc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def node_with_board(cluster: Cluster) -> str:
@@ -105,15 +103,8 @@ def engine(name: str, node: str, **spec: Any) -> dict[str, Any]:
 
 
 def wait_for(what: str, probe: Callable[[], Any], log: Path, timeout: float = 90) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    tail = "\n".join(log.read_text().splitlines()[-40:])
-    pytest.fail(f"timed out waiting for {what}; last: {last!r}\noperator log:\n{tail}")
+    """tests/support/waiting.py's poll, its operator log a must and its time a minute and a half."""
+    return waiting.wait_for(what, probe, timeout, log)
 
 
 def get(cluster: Cluster, kind: str, ns: str, name: str) -> dict[str, Any]:
@@ -256,8 +247,8 @@ def test_the_lane_runtime_reports_receipts_that_the_operator_charges_instead_of_
     from continuum_operator.engine.admission import lane_audience
     from continuum_operator.gguf import file_sha256, read_facts
     from continuum_operator.testing import TinyModelShape, write_tiny_gguf
-    from tests.e2e.llama_fixtures import free_port, http_json, import_llama_cpp
-    from tests.e2e.test_embed_door import post_embeddings
+    from tests.support.llama_server import import_llama_cpp
+    from tests.support.local_http import free_port, http_json, post_embeddings
 
     import_llama_cpp()
     shape = TinyModelShape(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,

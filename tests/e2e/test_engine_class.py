@@ -23,9 +23,7 @@ from continuum_operator import yaml_text
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.children.membership import MIND_LABEL
 from continuum_operator.kube.workloads.priority_classes import priority_classes
-from tests.e2e.conftest import Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_boundaries import (
+from tests.support.admission_policies import (
     EDITOR,
     install_checked,
     installed,
@@ -36,8 +34,10 @@ from tests.e2e.test_boundaries import (
     scoped_namespace,
     tag,
 )
-from tests.e2e.test_children import crds, operator, wait_for, wait_ready
+from tests.support.cluster import Cluster
 from tests.support.helm import documents, find_helm, one, template
+from tests.support.local_http import free_port
+from tests.support.webhook_operator import crds, operator, wait_ready, wait_while_up
 
 pytestmark = pytest.mark.e2e
 
@@ -191,8 +191,8 @@ def test_a_minds_deployment_job_and_cronjob_run_their_pods_in_the_childrens_clas
         for name, proc in made.items():
             assert proc.returncode == 0, f"{name}: {proc.stderr}"
         assert f"priorityClassName {ENGINE_CLASS} replaced by" in made["web"].stderr  # warned
-        web = wait_for(lambda: pods_of(cluster, ns, "web"), "the Deployment's pod", op)
-        build = wait_for(lambda: pods_of(cluster, ns, "build"), "the Job's pod", op)
+        web = wait_while_up(lambda: pods_of(cluster, ns, "web"), "the Deployment's pod", op)
+        build = wait_while_up(lambda: pods_of(cluster, ns, "build"), "the Job's pod", op)
     # Made by the ReplicaSet and Job controllers, not by her account.
     assert web[0]["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet"
     assert build[0]["metadata"]["ownerReferences"][0]["kind"] == "Job"
@@ -261,7 +261,7 @@ def test_the_engines_class_is_refused_to_every_pod_and_template_the_operator_did
 
 
 def wait_for_pods(cluster: Cluster, ns: str, app: str) -> list[dict[str, Any]]:
-    from tests.e2e.test_operator import wait_for as wait
+    from tests.support.waiting import wait_for as wait
 
     found: list[dict[str, Any]] = wait(
         f"pods of {app} in {ns}", lambda: pods_of(cluster, ns, app), timeout=60

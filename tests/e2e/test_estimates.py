@@ -16,8 +16,8 @@ from continuum_operator.core.receipts import BufferKind, parse_llama_log
 from continuum_operator.gguf import file_sha256, read_facts
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 from continuum_operator.testing.llama_load import llama_build, load_and_log
-from tests.e2e.llama_fixtures import import_llama_cpp
 from tests.support.builders import GiB, MiB, board, board_body, engine, engine_body
+from tests.support.llama_server import import_llama_cpp
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from continuum_operator.model import crdgen
-from tests.e2e.conftest import Cluster
-from tests.e2e.test_control_plane import install_repo_crds
+from tests.support.cluster import Cluster
+from tests.support.crds import install_repo_crds
 
 pytestmark = pytest.mark.e2e
 

@@ -7,9 +7,9 @@ stale: nothing is relaunched there); a node deleted under an engine; an engine p
 agrees with her Engine's ledger, held tokens fit the pool, each mind is in one state, and every
 mind that wants a grant has one or waits in the queue with a reason.
 
-The pieces are the other e2e modules' (`test_grants`: the operator as a process, the ledger
-readers; `test_operator`: boards and Leases as the node agent writes them). The random kill loop
-prints its seed; `CONTINUUM_FAULT_SEED=<seed>` replays the same choices.
+The pieces are in tests/support/ (`grants_operator`: the operator as a process; `grant_ledger`:
+the ledger readers; `kwok_nodes`: boards and Leases as the node agent writes them). The random
+kill loop prints its seed; `CONTINUUM_FAULT_SEED=<seed>` replays the same choices.
 """
 
 from __future__ import annotations
@@ -30,43 +30,25 @@ from typing import Any
 
 import pytest
 
-from tests.e2e import test_grants
-from tests.e2e.conftest import CLUSTER_SCRIPT, Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_grants import (
-    CRASH_POINTS,
-    assert_no_grant_doubled,
-    check_log,
-    grant_of,
-    leading,
-    ledger,
-    mind,
-    serving,
-    start_operator,
-    states,
-    stop,
-)
-from tests.e2e.test_grants import engine as small_engine
-from tests.e2e.test_grants import gpu_node as fresh_gpu_node
-from tests.e2e.test_operator import (
-    condition,
-    discrete_status,
-    facts_read_from_file,
-    get_engine,
-    is_condition,
-    renew,
-    scrape_metric,
-    wait_for,
-    write_board,
-)
-from tests.e2e.test_operator import engine as big_engine
-from tests.e2e.test_operator import gpu_node as board_node
+from tests.support.cluster import CLUSTER_SCRIPT, Cluster
+from tests.support.crash_scenario import CRASH_POINTS
+from tests.support.crds import crds
+from tests.support.engine_status import condition, facts_read_from_file, get_engine, is_condition
+from tests.support.grant_ledger import assert_no_grant_doubled, grant_of, ledger, serving, states
+from tests.support.grants_operator import check_log, leading, start_operator
+from tests.support.kwok_nodes import discrete_status, fresh_gpu_node, renew, write_board
+from tests.support.kwok_nodes import gpu_node as board_node
+from tests.support.local_http import free_port
+from tests.support.mind_specs import classes, mind
+from tests.support.mind_specs import engine as small_engine
+from tests.support.operator_process import engine as big_engine
+from tests.support.operator_process import scrape_metric, stop
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
-# test_grants' fixtures: the CRDs applied once per module, and three MindClasses per test.
-crds = test_grants.crds
-classes = test_grants.classes
+# Fixtures, used by name: the CRDs applied once per module, and three MindClasses per test.
+__all__ = ["classes", "crds"]
 
 KILL_LOOP_SECONDS = float(os.environ.get("CONTINUUM_FAULT_SECONDS", "80"))
 # Short leader Leases: a killed leader's successor waits this long before it may lead.
@@ -78,7 +60,8 @@ def label_of(tag: str) -> tuple[str, str]:
 
 
 def engine_for(name: str, tag: str, **spec: Any) -> dict[str, Any]:
-    """test_operator's engine (a 32-layer model), served by this module's operators only."""
+    """The placing operator's engine (tests/support/operator_process.py, a 32-layer model),
+    served by this module's operators only."""
     body = big_engine(name, tag, **spec)
     body["metadata"]["labels"] = dict([label_of(tag)])
     return body
@@ -317,7 +300,7 @@ def test_an_operator_keeps_reconciling_across_an_api_server_restart(
 
 
 # --------------------------------------------------------------------------------------------
-# engines on boards: an operator with test_operator's timings
+# engines on boards: an operator with the placing operator's timings (operator_process)
 
 
 @contextmanager

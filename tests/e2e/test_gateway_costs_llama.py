@@ -30,32 +30,18 @@ import pytest
 from continuum_operator.engine.request_cost import CostBounds
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.engine.watchdog import STALL_REASON
-from continuum_operator.testing import write_tiny_gguf
-from tests.e2e.llama_fixtures import TinyModel
-from tests.e2e.test_gateway_llama import (
-    MIRA,
-    SHAPE,
-    Engine,
-    granted,
-    reclaiming,
-    run_engine,
-    table,
-)
+from tests.support.gateway_llama import MIRA, Engine, granted, model, reclaiming, run_engine, table
+from tests.support.llama_server import TinyModel
 
 pytestmark = pytest.mark.e2e
+
+# A fixture, used by name: the tiny model of tests/support/gateway_llama.py (a vocabulary of 512).
+__all__ = ["model"]
 
 ANN = "minds/ann"
 #: Her neighbour's measured request: 64 tokens, whatever the model would say.
 NEIGHBOUR = {"prompt": "Once upon a time", "n_predict": 64, "ignore_eos": True, "temperature": 0}
 ORDINARY = {"prompt": "The story goes", "n_predict": 6000, "ignore_eos": True, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    """The tiny model of tests/e2e/test_gateway_llama.py (a vocabulary of 512)."""
-    path = tmp_path_factory.mktemp("models") / "tiny-16k.gguf"
-    write_tiny_gguf(path, SHAPE, seed=0)
-    return TinyModel(path=path, shape=SHAPE)
 
 
 def alternatives(k: int) -> str:

@@ -22,7 +22,7 @@ from continuum_operator.engine.grants_source import EngineStatusWriter, watch_le
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.ledger import cached as ledger_object
 from continuum_operator.model.mind import GrantState
-from tests.e2e.conftest import Cluster
+from tests.support.cluster import Cluster
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e
@@ -251,7 +251,7 @@ def test_an_engine_runtime_serves_the_engines_grants_and_reports_into_its_status
     import subprocess
     import sys
 
-    from tests.e2e.llama_fixtures import free_port, http_json
+    from tests.support.local_http import free_port, http_json
 
     _install_crds(cluster)
     cluster.apply(_engine(namespace))

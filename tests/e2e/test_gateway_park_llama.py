@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from continuum_operator.engine.admission import GrantTable
-from tests.e2e.llama_fixtures import TinyModel
-from tests.e2e.test_gateway_llama import (
+from tests.support.gateway_llama import (
     ANN,
     MIRA,
     VIP,
@@ -27,6 +26,7 @@ from tests.e2e.test_gateway_llama import (
     run_engine,
     table,
 )
+from tests.support.llama_server import TinyModel
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,8 @@ async def reclaim(e: Engine, mind: str, slot: int, others: GrantTable, grace: fl
 def run_parking(
     llama_server_bin: Path, model: TinyModel, tmp_path: Path, initial: GrantTable, body: Any
 ) -> dict[str, Any]:
-    """The engine of test_gateway_llama with a park store of BUDGET under tmp_path/park."""
+    """The engine of tests/support/gateway_llama.py with a park store of BUDGET under
+    tmp_path/park."""
     return run_engine(
         llama_server_bin,
         model,

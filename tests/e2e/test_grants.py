@@ -7,7 +7,6 @@ run's transition log is judged by `continuum check-log`."""
 
 from __future__ import annotations
 
-import io
 import json
 import signal
 import subprocess
@@ -16,216 +15,30 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdout
-from datetime import UTC, datetime
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from continuum_operator import cli
-from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_operator import discrete_status, renew, wait_for, write_board
+from tests.support.builders import ROOT
+from tests.support.cluster import Cluster
+from tests.support.crash_scenario import CRASH_POINTS, scenario, settled
+from tests.support.crds import crds
+from tests.support.grant_ledger import assert_no_grant_doubled, grant_of, ledger, serving, states
+from tests.support.grants_operator import check_log, leading, operator, start_operator
+from tests.support.kwok_nodes import fresh_gpu_node
+from tests.support.local_http import free_port
+from tests.support.mind_specs import SLOT_TOKENS, classes, engine, mind
+from tests.support.operator_process import stop
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
+__all__ = ["classes", "crds"]  # fixtures, used by name
+
 GiB = 2**30
-SLOT_TOKENS = 512
-GRACE = 20
-
-
-# --------------------------------------------------------------------------------------------
-# cluster pieces
-
-
-@pytest.fixture(scope="module")
-def crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=established", "--timeout=60s", "-f", str(ROOT / "crds")
-    )
-
-
-def now_micro() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def gpu_node(cluster: Cluster, tag: str) -> str:
-    """A KWOK node with a fresh one-GPU board, as the node agent would keep it."""
-    name = f"{tag}-{uuid.uuid4().hex[:4]}"
-    cluster.create_fake_node(name, capacity={"nvidia.com/gpu": "1"}, labels={"e2e-tag": tag})
-    write_board(cluster, name, discrete_status(80, 0.5))
-    renew(cluster, name, ttl=3600)
-    return name
-
-
-def engine(name: str, tag: str, label: tuple[str, str], minds: int = 2) -> dict[str, Any]:
-    return {
-        "apiVersion": "continuum.dev/v1alpha1",
-        "kind": "Engine",
-        "metadata": {"name": name, "labels": dict([label])},
-        "spec": {
-            "model": {
-                "facts": {
-                    "layers": 4,
-                    "layerBytes": 4 * 2**20,
-                    "inputBytes": 2**20,
-                    "outputBytes": 2**20,
-                    "kvBytesPerTokenPerLayer": 1024,
-                    "computeBytes": 64 * 2**20,
-                }
-            },
-            "contextTokensPerMind": SLOT_TOKENS,
-            "minds": {"min": 1, "max": minds},
-            "placement": {"nodeSelector": {"e2e-tag": tag}},
-        },
-    }
-
-
-def mind_class(name: str, priority: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "continuum.dev/v1alpha1",
-        "kind": "MindClass",
-        "metadata": {"name": name},
-        "spec": {"priority": priority, "protectionWindowSeconds": 0},
-    }
-
-
-def mind(name: str, cls: str, tokens: int = 256, engine: str = "coder") -> dict[str, Any]:
-    return {
-        "apiVersion": "continuum.dev/v1alpha1",
-        "kind": "Mind",
-        "metadata": {"name": name},
-        "spec": {"engine": engine, "className": cls, "contextTokens": tokens},
-    }
-
-
-@pytest.fixture
-def classes(cluster: Cluster, crds: None) -> Iterator[dict[str, str]]:
-    tag = uuid.uuid4().hex[:6]
-    names = {"low": f"low-{tag}", "mid": f"mid-{tag}", "high": f"high-{tag}"}
-    cluster.apply(
-        [mind_class(names["low"], 0), mind_class(names["mid"], 5), mind_class(names["high"], 10)]
-    )
-    yield names
-    cluster.kubectl("delete", "mindclass", *names.values(), "--wait=false", check=False)
-
-
-# --------------------------------------------------------------------------------------------
-# the operator, started and killed as a process
-
-
-@contextmanager
-def operator(
-    cluster: Cluster,
-    workdir: Path,
-    label: tuple[str, str],
-    *extra: str,
-    env: dict[str, str] | None = None,
-    name: str = "operator",
-) -> Iterator[subprocess.Popen[bytes]]:
-    proc = start_operator(cluster, workdir, label, *extra, env=env, name=name)
-    try:
-        yield proc
-    finally:
-        stop(proc)
-
-
-def start_operator(
-    cluster: Cluster,
-    workdir: Path,
-    label: tuple[str, str],
-    *extra: str,
-    env: dict[str, str] | None = None,
-    name: str = "operator",
-) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "continuum_operator.cli", "operator",
-        "--kubeconfig", str(cluster.kubeconfig),
-        "--resync", "1",
-        "--engine-image", "continuum-engine:e2e",
-        "--engine-selector", "=".join(label),
-        "--grace", str(GRACE),
-        "--transition-log", str(workdir / "transitions.jsonl"),
-        "--leader-lease-duration", "6",
-        "--leader-renew", "1",
-        *extra,
-    ]  # fmt: skip
-    with (workdir / f"{name}.log").open("ab") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**cluster.env, **(env or {})}
-        )
-
-
-def leading(proc: subprocess.Popen[bytes], log: Path) -> Callable[[], bool]:
-    """True once `proc` leads, or has exited (a crash point at the Lease itself)."""
-    return lambda: proc.poll() is not None or "leading as" in log.read_text()
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def check_log(path: Path) -> subprocess.CompletedProcess[str]:
-    """`continuum check-log FILE`, its exit code and output as the command gives them, run in
-    this process (a Python start per call took 1-4 s of a loaded machine)."""
-    argv = ["check-log", str(path)]
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = cli.main(argv)
-    return subprocess.CompletedProcess(["continuum", *argv], code, out.getvalue(), err.getvalue())
-
-
-# --------------------------------------------------------------------------------------------
-# reading the ledger
-
-
-def ledger(cluster: Cluster, ns: str, name: str = "coder") -> dict[str, dict[str, Any]]:
-    status = cluster.ledger_status(ns, name)
-    return {e["mind"].split("/", 1)[1]: e for e in status.get("grants") or []}
-
-
-def states(cluster: Cluster, ns: str, name: str = "coder") -> dict[str, str]:
-    return {m: e["state"] for m, e in ledger(cluster, ns, name).items()}
-
-
-def grant_of(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
-    body = cluster.get_json("mind", name, "-n", ns)
-    return dict((body.get("status") or {}).get("grant") or {})
-
-
-def serving(cluster: Cluster, ns: str, slots: int, name: str = "coder") -> Callable[[], bool]:
-    def probe() -> bool:
-        pool = cluster.ledger_status(ns, name).get("grantCapacity") or {}
-        return pool.get("phase") == "Serving" and pool.get("slots") == slots
-
-    return probe
-
-
-def assert_no_grant_doubled(cluster: Cluster, ns: str, name: str = "coder") -> None:
-    """The live ledger: each held slot held once, within the pool; each Mind's projection
-    agrees with her entry."""
-    status = cluster.ledger_status(ns, name)
-    pool = status["grantCapacity"]
-    held = [e for e in status["grants"] if e["state"] in ("Granted", "Reclaiming")]
-    slots = [e["slot"] for e in held]
-    assert len(slots) == len(set(slots)), held
-    assert all(0 <= s < pool["slots"] for s in slots), (pool, held)
-    minds = {m["mind"] for m in status["grants"]}
-    assert len(minds) == len(status["grants"])
-    for e in status["grants"]:
-        projected = grant_of(cluster, ns, e["mind"].split("/", 1)[1])
-        # A refusal is Released in the ledger and Refused in her projection (never granted).
-        state = "Refused" if e["state"] == "Released" else e["state"]
-        assert (projected.get("state"), projected.get("slot")) == (state, e.get("slot"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,7 +103,7 @@ def test_minds_are_granted_preempted_shrunk_and_freed_through_the_ledger_and_a_r
 ) -> None:
     tag = f"g{uuid.uuid4().hex[:8]}"
     label = ("continuum.dev/e2e-grants", tag)
-    gpu_node(cluster, tag)
+    fresh_gpu_node(cluster, tag)
     cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
     port = free_port()
     ns = namespace
@@ -443,14 +256,6 @@ def metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 # crashes and leaders: no gateway here, so reclaims end at the grace deadline (GraceExpired)
 
 SHORT_GRACE = ("--grace", "3")
-CRASH_POINTS = [
-    "leader-acquired",
-    "before-ledger-write",
-    "after-ledger-write",
-    "after-log",
-    "mid-projections",
-    "before-finalizer-removal",
-]
 
 
 def crash_points_documented() -> set[str]:
@@ -463,32 +268,6 @@ def test_every_crash_point_is_documented() -> None:
 
     assert {p.value for p in CrashPoint} == set(CRASH_POINTS)
     assert crash_points_documented() == set(CRASH_POINTS)
-
-
-def scenario(
-    cluster: Cluster, ns: str, classes: dict[str, str], crashed: Callable[[], bool]
-) -> None:
-    """Three low minds on two slots, a high one preempting, a granted one deleted. Each step
-    waits until the ledger shows the one before (or the operator has crashed): with fixed
-    sleeps a loaded machine started the operator leading after the whole scenario was applied,
-    in fewer steps than the crash point counts on."""
-    low, high = classes["low"], classes["high"]
-    cluster.apply([mind("a", low), mind("b", low), mind("c", low)], "-n", ns)
-    wait_for("a, b and c in the ledger", lambda: crashed() or len(states(cluster, ns)) == 3)
-    cluster.apply(mind("vip", high), "-n", ns)
-    wait_for("vip in the ledger", lambda: crashed() or "vip" in states(cluster, ns))
-    cluster.kubectl("delete", "mind", "a", "-n", ns, "--wait=false")
-
-
-def settled(cluster: Cluster, ns: str) -> Callable[[], bool]:
-    def probe() -> bool:
-        gone = cluster.kubectl("get", "mind", "a", "-n", ns, check=False).returncode != 0
-        want = {"b": "Granted", "c": "Queued", "vip": "Granted"}
-        if not gone or states(cluster, ns) != want:
-            return False
-        return all(grant_of(cluster, ns, m).get("state") == s for m, s in want.items())
-
-    return probe
 
 
 # Each point at its first passage, and two at a later one (`@3`: the third ledger write of the
@@ -512,7 +291,7 @@ def test_the_operator_killed_at_a_crash_point_and_restarted_loses_or_doubles_no_
         # Lease over (a clean stop), its start (seconds of imports on a busy machine) overlapping
         # zero's work.
         with operator(cluster, tmp_path, label, *SHORT_GRACE, name="zero") as zero:
-            gpu_node(cluster, tag)
+            fresh_gpu_node(cluster, tag)
             cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
             wait_for("zero leading", leading(zero, zero_log), log=zero_log)
             first = crashing.enter_context(
@@ -563,7 +342,7 @@ def test_a_restarted_operator_takes_no_mind_it_has_not_listed_yet_for_deleted(
     (kopf cancels what it still waits for 5 s into its shutdown)."""
     tag = f"r{uuid.uuid4().hex[:8]}"
     label = ("continuum.dev/e2e-grants", tag)
-    gpu_node(cluster, tag)
+    fresh_gpu_node(cluster, tag)
     cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
     low = classes["low"]
     with operator(cluster, tmp_path, label, name="one"):
@@ -588,7 +367,7 @@ def test_a_standby_replica_takes_over_when_the_leader_dies(
 ) -> None:
     tag = f"l{uuid.uuid4().hex[:8]}"
     label = ("continuum.dev/e2e-grants", tag)
-    gpu_node(cluster, tag)
+    fresh_gpu_node(cluster, tag)
     cluster.apply(engine("coder", tag, label, minds=2), "-n", namespace)
     one = start_operator(cluster, tmp_path, label, *SHORT_GRACE, name="one")
     time.sleep(2)  # one leads; two stands by
@@ -641,7 +420,7 @@ def test_two_operators_keep_to_their_engines_and_a_relabelled_engine_changes_han
     tag = f"s{uuid.uuid4().hex[:7]}"
     key = "continuum.dev/e2e-grants"
     a, b = (key, f"{tag}a"), (key, f"{tag}b")
-    gpu_node(cluster, tag)
+    fresh_gpu_node(cluster, tag)
     cluster.apply(engine("coder", tag, b, minds=2), "-n", namespace)
     low = classes["low"]
     (tmp_path / "a").mkdir()

@@ -8,8 +8,9 @@ status what is wrong and what to do (a condition with a reason and a message). M
 operator never crashes: its process lives, its log holds no traceback and no write the API server
 refused, and a good Engine and Mind applied after all of it are planned and granted.
 
-The operator is launched as tests/e2e/test_grants.py launches it (the grants loop writes the
-Minds' projections); its Engines are those labelled with this module's run label.
+The operator is launched as the grants tests launch it (tests/support/grants_operator.py: the
+grants loop writes the Minds' projections); its Engines are those labelled with this module's run
+label.
 """
 
 from __future__ import annotations
@@ -26,21 +27,19 @@ from typing import Any
 import pytest
 
 from continuum_operator import yaml_text
-from tests.e2e.conftest import Cluster
-from tests.e2e.test_grants import (
-    check_log,
-    crds,  # noqa: F401 (a fixture)
-    engine,
-    gpu_node,
-    grant_of,
-    mind,
-    mind_class,
-    start_operator,
-    stop,
-)
-from tests.e2e.test_operator import condition, wait_for
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.engine_status import condition
+from tests.support.grant_ledger import grant_of
+from tests.support.grants_operator import check_log, start_operator
+from tests.support.kwok_nodes import fresh_gpu_node
+from tests.support.mind_specs import engine, mind, mind_class
+from tests.support.operator_process import stop
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
+
+__all__ = ["crds"]  # a fixture, used by name
 
 RUN = uuid.uuid4().hex[:8]
 LABEL = ("continuum.dev/e2e-hostile", RUN)
@@ -626,13 +625,13 @@ def ns(cluster: Cluster) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def running(
     cluster: Cluster,
-    crds: None,  # noqa: F811 (test_grants' fixture, by name)
+    crds: None,
     ns: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Running]:
     """The node the cases' engines fit, the MindClass their Minds name, and the operator."""
     workdir = tmp_path_factory.mktemp("hostile")
-    gpu_node(cluster, TAG)
+    fresh_gpu_node(cluster, TAG)
     cluster.apply(mind_class("standard", 0))
     # The cluster admin's model directory: a hostPath source elsewhere is refused before a Job.
     proc = start_operator(cluster, workdir, LABEL, "--allowed-host-path-prefix", "/models")
@@ -732,7 +731,7 @@ def test_after_all_of_it_the_operator_lives_and_a_good_engine_and_mind_are_serve
     cluster: Cluster, running: Running, ns: str
 ) -> None:
     # A node of its own: the hostile cases may hold the first node's one GPU.
-    gpu_node(cluster, f"{TAG}g")
+    fresh_gpu_node(cluster, f"{TAG}g")
     good = labelled(engine("coder", f"{TAG}g", LABEL))
     cluster.apply([good, mind("good", "standard")], "-n", ns)
 

@@ -18,7 +18,8 @@ import pytest
 
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 from continuum_operator.testing.tiny_gguf import BOS_ID, MAX_VOCAB, vocabulary
-from tests.e2e.llama_fixtures import LlamaLog, TinyModel, http_json, import_llama_cpp
+from tests.support.llama_server import LlamaLog, TinyModel, import_llama_cpp
+from tests.support.local_http import http_json
 
 pytestmark = pytest.mark.e2e
 

@@ -8,274 +8,42 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from continuum_operator.core.heartbeat import (
-    agent_lease_metadata,
+from tests.support.builders import ROOT
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.engine_status import (
+    condition,
+    events,
+    get_engine,
+    is_condition,
+    own_device_bytes,
 )
-from continuum_operator.kube.workloads.facts_job import source_key
-from continuum_operator.manifests import parse
-from continuum_operator.model.engine import Engine
-from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.llama_fixtures import free_port
+from tests.support.kwok_nodes import discrete_status, gpu_node, renew, write_board
+from tests.support.operator_process import (
+    POD_START_TIMEOUT,
+    READINGS,
+    Operator,
+    engine,
+    operator,
+    scrape_metric,
+    tag,
+)
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
+__all__ = ["crds", "operator", "tag"]  # fixtures, used by name
+
 GiB = 2**30
-POD_START_TIMEOUT = 12
-COOLDOWN = 900
-READINGS = 3
 INVALID = ROOT / "examples" / "invalid"
-# This module's operator serves only this module's Engines: Engines other tests leave behind
-# (their namespaces are deleted without waiting) never land on these tests' nodes.
-RUN_LABEL = ("continuum.dev/e2e-run", uuid.uuid4().hex[:10])
-
-
-# --------------------------------------------------------------------------------------------
-# fixtures
-
-
-@pytest.fixture(scope="module")
-def crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=established", "--timeout=60s", "-f", str(ROOT / "crds")
-    )
-
-
-@dataclass(frozen=True)
-class Operator:
-    log: Path
-    metrics_url: str
-
-    def metric(self, name: str, **labels: str) -> float:
-        """One sample of the operator's /metrics (0 when the series is absent)."""
-        value = scrape_metric(self.metrics_url, name, **labels)
-        return 0.0 if value is None else value
-
-
-def scrape_metric(url: str, name: str, **labels: str) -> float | None:
-    """One sample of a Prometheus endpoint, or None when the series is absent."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return None
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Operator]:
-    """`continuum operator` with short timings. Stopped (SIGTERM) at teardown."""
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "continuum_operator.cli", "operator",
-        "--kubeconfig", str(cluster.kubeconfig),
-        "--resync", "1",
-        "--pod-start-timeout", str(POD_START_TIMEOUT),
-        "--backoff", "600",
-        "--damping-readings", str(READINGS),
-        "--damping-min-gain", "0.1",
-        "--relaunch-cooldown", str(COOLDOWN),
-        "--engine-image", "continuum-engine:e2e",
-        "--metrics-port", str(port),
-        "--engine-selector", "=".join(RUN_LABEL),
-    ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
-    try:
-        time.sleep(3)  # a bad flag exits within the imports' time
-        if proc.poll() is not None:
-            pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
-        yield Operator(log, f"http://127.0.0.1:{port}/metrics")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture
-def tag(request: pytest.FixtureRequest) -> str:
-    """A label value that keeps this test's engines on this test's nodes."""
-    return f"t{uuid.uuid4().hex[:8]}"
-
-
-# --------------------------------------------------------------------------------------------
-# helpers: nodes, boards and Leases as the node agent would write them
-
-
-def now_micro() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def renew(
-    cluster: Cluster,
-    node: str,
-    *,
-    renew_time: str | None = None,
-    ttl: int = 600,
-    namespace: str | None = None,  # the operator's --agent-lease-namespace (default: default)
-) -> None:
-    meta = (
-        agent_lease_metadata(node) if namespace is None else agent_lease_metadata(node, namespace)
-    )
-    cluster.apply(
-        {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": meta,
-            "spec": {
-                "holderIdentity": "continuum-agent-e2e",
-                "leaseDurationSeconds": ttl,
-                "renewTime": renew_time or now_micro(),
-            },
-        }
-    )
-
-
-def write_board(cluster: Cluster, node: str, status: dict[str, Any]) -> None:
-    cluster.apply(
-        {"apiVersion": "continuum.dev/v1alpha1", "kind": "NodeBoard", "metadata": {"name": node}}
-    )
-    cluster.kubectl(
-        "patch", "nodeboard", node, "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": status}),
-    )  # fmt: skip
-
-
-def discrete_status(
-    device_gib: int, device_used_gib: float, host_gib: int = 256, own: int = 0
-) -> dict[str, Any]:
-    """A one-GPU board; `own` adds what an engine running there allocated, as the agent sees it."""
-    return {
-        "memoryMode": "discrete",
-        "memoryModeReason": "e2e",
-        "pools": [
-            {"kind": "host", "capacityBytes": host_gib * GiB, "usedBytes": 8 * GiB},
-            {"kind": "device", "device": 0, "capacityBytes": device_gib * GiB,
-             "usedBytes": int(device_used_gib * GiB) + own},
-        ],
-        "gpus": [{"index": 0, "name": "e2e GPU"}],
-    }  # fmt: skip
-
-
-def gpu_node(
-    cluster: Cluster,
-    tag: str,
-    status: dict[str, Any],
-    *,
-    fresh: bool = True,
-    memory: str = "256Gi",
-) -> str:
-    name = f"{tag}-{uuid.uuid4().hex[:4]}"
-    cluster.create_fake_node(
-        name, capacity={"nvidia.com/gpu": "1", "memory": memory}, labels={"e2e-tag": tag}
-    )
-    write_board(cluster, name, status)
-    if fresh:
-        renew(cluster, name)
-    else:
-        renew(cluster, name, renew_time="2020-01-01T00:00:00.000000Z", ttl=40)
-    return name
-
-
-def engine(name: str, tag: str, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": {
-            "facts": {
-                "layers": 32,
-                "layerBytes": 232783872,
-                "inputBytes": 532676608,
-                "outputBytes": 532676608,
-                "kvBytesPerTokenPerLayer": 4096,
-                "computeBytes": 268435456,
-            }
-        },
-        "contextTokensPerMind": 16384,
-        "minds": {"min": 1, "max": 8},
-        "placement": {"nodeSelector": {"e2e-tag": tag}},
-    }
-    body.update(spec)
-    return {"apiVersion": "continuum.dev/v1alpha1", "kind": "Engine",
-            "metadata": {"name": name, "labels": dict([RUN_LABEL])}, "spec": body}  # fmt: skip
-
-
-def wait_for(
-    what: str, probe: Callable[[], Any], timeout: float = 60, log: Path | None = None
-) -> Any:
-    """Poll until `probe` returns something truthy; fail with the operator's log tail."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    tail = "\n".join(log.read_text().splitlines()[-40:]) if log and log.exists() else ""
-    pytest.fail(f"timed out waiting for {what}; last: {last!r}\noperator log:\n{tail}")
-
-
-def facts_read_from_file(cluster: Cluster, ns: str, name: str) -> None:
-    """The Engine's status as its facts Job leaves it: KWOK runs no container, so a test on
-    KWOK nodes writes what the Job would have read (the Engine's inline facts, which such a
-    test takes from the file or stands in for it). With a source, only the file's facts are
-    planned from (docs/security.md)."""
-    body = cluster.get_json("engine", name, "-n", ns)
-    key = source_key(parse(Engine, body, f"Engine {ns}/{name}"))
-    read = {"source": key, "facts": body["spec"]["model"]["facts"]}
-    patch = json.dumps({"status": {"modelFacts": read}})
-    cluster.kubectl(
-        "patch", "engine", name, "-n", ns, "--subresource=status", "--type=merge", "-p", patch
-    )
-
-
-def get_engine(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = cluster.get_json("engine", name, "-n", ns)
-    return found
-
-
-def condition(body: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    for c in (body.get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return None
-
-
-def is_condition(
-    cluster: Cluster, ns: str, name: str, type_: str, status: str
-) -> Callable[[], Any]:
-    def probe() -> Any:
-        body = get_engine(cluster, ns, name)
-        c = condition(body, type_)
-        return body if c is not None and c["status"] == status else None
-
-    return probe
-
-
-def events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = cluster.get_json(
-        "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
-    )["items"]
-    return items
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,11 +120,6 @@ def test_an_engine_is_planned_placed_and_run_as_its_plan_says(
         ),
         log=operator.log,
     )
-
-
-def own_device_bytes(body: dict[str, Any]) -> int:
-    device = body["status"]["plan"]["bytes"]["device"]
-    return int(device["weights"] + device["kv"] + device["compute"])
 
 
 def test_a_board_update_that_changes_the_plan_relaunches_once_not_in_a_storm(

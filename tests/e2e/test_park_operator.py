@@ -8,24 +8,17 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Cluster
-from tests.e2e.test_operator import (
-    GiB,
-    Operator,
-    condition,
-    crds,
-    discrete_status,
-    engine,
-    gpu_node,
-    is_condition,
-    operator,
-    tag,
-    wait_for,
-)
+from tests.support.builders import GiB
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.engine_status import condition, is_condition
+from tests.support.kwok_nodes import discrete_status, gpu_node
+from tests.support.operator_process import Operator, engine, operator, tag
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
-__all__ = ["crds", "operator", "tag"]  # fixtures of test_operator, used here by name
+__all__ = ["crds", "operator", "tag"]  # fixtures, used by name
 
 PARK = 4 * GiB
 

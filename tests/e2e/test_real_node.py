@@ -33,7 +33,8 @@ from continuum_operator import yaml_text
 from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
 from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from continuum_operator.testing.mind_pod import mind_pod, service_account
-from tests.e2e.conftest import CLUSTER_SCRIPT, ROOT, Cluster
+from tests.support.builders import ROOT
+from tests.support.cluster import CLUSTER_SCRIPT, Cluster
 from tests.support.helm import CHART, find_helm, helm
 
 pytestmark = pytest.mark.e2e

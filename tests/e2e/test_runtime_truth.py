@@ -20,25 +20,24 @@ import pytest
 
 from continuum_operator.core.receipts import LOG_RESOLUTION_BYTES
 from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
-from tests.e2e import test_operator as base
-from tests.e2e.conftest import Cluster
-from tests.e2e.test_operator import (
-    Operator,
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.engine_status import (
     condition,
-    discrete_status,
-    engine,
+    events,
     get_engine,
-    gpu_node,
     is_condition,
-    wait_for,
+    own_device_bytes,
 )
+from tests.support.kwok_nodes import discrete_status, gpu_node, renew, write_board
+from tests.support.operator_process import Operator, engine, operator, tag
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
-# test_operator's fixtures: its CRDs, its operator (short timings), a tag per test.
-crds = base.crds
-operator = base.operator
-tag = base.tag
+# Fixtures, used by name: the CRDs, the operator that places engines (short timings), a tag
+# per test.
+__all__ = ["crds", "operator", "tag"]
 
 SHA = "ab" * 32
 BUILD = "6869 (e2e)"
@@ -225,8 +224,8 @@ def test_a_gpu_the_agent_finds_the_engine_on_recharges_its_lease_without_a_relau
     to device/1 and the pod stays as it is."""
     node = f"{tag}-{uuid.uuid4().hex[:4]}"
     cluster.create_fake_node(node, capacity={"nvidia.com/gpu": "2"}, labels={"e2e-tag": tag})
-    base.write_board(cluster, node, two_gpu_status((GiB // 2, GiB // 2)))
-    base.renew(cluster, node)
+    write_board(cluster, node, two_gpu_status((GiB // 2, GiB // 2)))
+    renew(cluster, node)
     cluster.apply(engine("coder", tag), "-n", namespace)
     body = wait_for(
         "Ready", is_condition(cluster, namespace, "coder", "Ready", "True"), log=operator.log
@@ -235,14 +234,14 @@ def test_a_gpu_the_agent_finds_the_engine_on_recharges_its_lease_without_a_relau
     pools = {p["pool"]: p["bytes"] for p in body["status"]["placement"]["pools"]}
     assert set(pools) == {"host", "device/0"}
     launch = launch_of(cluster, namespace, "coder")
-    own = base.own_device_bytes(body)
+    own = own_device_bytes(body)
     seen = two_gpu_status((GiB // 2, GiB // 2 + own))
     seen["consumers"] = [{"kind": "Engine", "namespace": namespace, "name": "coder",
                           "pool": "device", "device": 1, "usedBytes": own}]  # fmt: skip
     seen["consumerGpus"] = [{"kind": "Engine", "namespace": namespace, "name": "coder",
                              "gpus": [1]}]  # fmt: skip
-    base.write_board(cluster, node, seen)
-    base.renew(cluster, node)
+    write_board(cluster, node, seen)
+    renew(cluster, node)
 
     def moved() -> dict[str, Any] | None:
         got = get_engine(cluster, namespace, "coder")
@@ -260,6 +259,6 @@ def test_a_gpu_the_agent_finds_the_engine_on_recharges_its_lease_without_a_relau
     assert condition(body, "Ready")["status"] == "True"  # type: ignore[index]
     wait_for(
         "the GpuMismatch event",
-        lambda: "GpuMismatch" in {e["reason"] for e in base.events(cluster, namespace, "coder")},
+        lambda: "GpuMismatch" in {e["reason"] for e in events(cluster, namespace, "coder")},
         log=operator.log,
     )

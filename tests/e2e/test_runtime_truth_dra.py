@@ -11,7 +11,6 @@ for it), not the other.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -21,18 +20,13 @@ from typing import Any
 
 import pytest
 
-from tests.e2e import test_operator as base
-from tests.e2e.conftest import Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_operator import (
-    RUN_LABEL,
-    Operator,
-    engine,
-    is_condition,
-    renew,
-    wait_for,
-    write_board,
-)
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.engine_status import is_condition
+from tests.support.kwok_nodes import renew, write_board
+from tests.support.local_http import free_port
+from tests.support.operator_process import RUN_LABEL, Operator, engine, stop, tag
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -40,15 +34,15 @@ GiB = 2**30
 DRIVER = "gpu.nvidia.com"
 #: The GPUs' UUIDs, as NVML gives them to the agent (its board) and to the driver (its slice).
 GPU_UUIDS = [f"GPU-{uuid.uuid4()}" for _ in range(2)]
-crds = base.crds
-tag = base.tag
+__all__ = ["crds", "tag"]  # fixtures, used by name
 
 
 @pytest.fixture(scope="module")
 def dra_operator(
     cluster: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    """`continuum operator --gpu-claims dra`, as test_operator's with short timings."""
+    """`continuum operator --gpu-claims dra`, as tests/support/operator_process.py's `operator`
+    fixture, with short timings."""
     log = tmp_path_factory.mktemp("operator-dra") / "operator.log"
     port = free_port()
     cmd = [
@@ -63,14 +57,9 @@ def dra_operator(
         time.sleep(3)
         if proc.poll() is not None:
             pytest.fail(f"continuum operator exited at once:\n{log.read_text()}", pytrace=False)
-        yield Operator(log, f"http://127.0.0.1:{port}/metrics")
+        yield Operator(proc, log, f"http://127.0.0.1:{port}/metrics")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def two_gpu_board(used_gib: tuple[float, float]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.llama_fixtures import TinyModel, free_port
+from tests.support.llama_server import TinyModel
+from tests.support.local_http import free_port
 
 pytestmark = pytest.mark.e2e
 

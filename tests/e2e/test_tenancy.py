@@ -11,59 +11,31 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Cluster
-from tests.e2e.test_boundaries import install_checked
-from tests.e2e.test_grants import (  # the grants e2e's own helpers, reused
-    SLOT_TOKENS,
-    crds,
-    engine,
-    gpu_node,
-    grant_of,
-    ledger,
-    mind,
-    mind_class,
-    operator,
-    serving,
-    states,
+from tests.support.admission_policies import (
+    SCOPE,
+    install_checked,
+    installed,
+    scoped_namespace,
+    tag,
 )
-from tests.e2e.test_operator import wait_for
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.grant_ledger import grant_of, ledger, serving, states
+from tests.support.grants_operator import operator
 from tests.support.helm import by_kind, documents, find_helm, template
+from tests.support.kwok_nodes import fresh_gpu_node
+from tests.support.mind_specs import SLOT_TOKENS, engine, mind, mind_class
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
-__all__ = ["crds"]  # a fixture, used by name
-
-SCOPE = "continuum.dev/e2e-tenancy"
-
-
-def scoped_namespace(cluster: Cluster, tag: str, **labels: str) -> str:
-    name = f"tn-{uuid.uuid4().hex[:8]}"
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {"name": name, "labels": {SCOPE: tag, **labels}},
-        }
-    )
-    cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
-    return name
-
-
-@pytest.fixture
-def tag(cluster: Cluster) -> Iterator[str]:
-    """This test's label value; its namespaces are deleted when it ends."""
-    value = uuid.uuid4().hex[:8]
-    yield value
-    cluster.kubectl(
-        "delete", "namespace", "-l", f"{SCOPE}={value}", "--wait=false", check=False
-    )  # fmt: skip
+__all__ = ["crds", "installed", "tag"]  # fixtures, used by name
 
 
 def policies(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,21 +49,6 @@ def policies(values: dict[str, Any]) -> list[dict[str, Any]]:
         d for k in kinds for d in by_kind(docs, k)
         if any(part in d["metadata"]["name"] for part in tenancy)
     ]  # fmt: skip
-
-
-@pytest.fixture
-def installed(cluster: Cluster) -> Iterator[Callable[[list[dict[str, Any]]], None]]:
-    """Applies policies; deletes them at the end whatever happened."""
-    made: list[dict[str, Any]] = []
-
-    def install(docs: list[dict[str, Any]]) -> None:
-        made.extend(docs)
-        cluster.apply(docs)
-
-    yield install
-    for d in reversed(made):
-        kind = d["kind"].lower() + ".admissionregistration.k8s.io"
-        cluster.kubectl("delete", kind, d["metadata"]["name"], "--ignore-not-found", check=False)
 
 
 def create(
@@ -185,7 +142,7 @@ def test_a_mind_naming_an_engine_that_does_not_serve_her_namespace_gets_a_condit
     home = scoped_namespace(cluster, tag)
     guest = scoped_namespace(cluster, tag)
     label = ("continuum.dev/e2e-grants", f"t{tag}")
-    gpu_node(cluster, f"t{tag}")
+    fresh_gpu_node(cluster, f"t{tag}")
     cls = mind_class(f"std-{tag}", 0)
     cluster.apply(cls)
     try:
@@ -232,7 +189,7 @@ def test_a_namespace_over_its_token_quota_queues_its_minds_with_the_reason(
 ) -> None:
     ns = scoped_namespace(cluster, tag)
     label = ("continuum.dev/e2e-grants", f"q{tag}")
-    gpu_node(cluster, f"q{tag}")
+    fresh_gpu_node(cluster, f"q{tag}")
     cls = mind_class(f"std-{tag}", 0)
     cluster.apply(cls)
     quota = {
@@ -300,7 +257,7 @@ def test_a_class_squatted_before_it_exists_and_a_default_made_later_give_no_prio
     dev = scoped_namespace(cluster, tag)
     ops = scoped_namespace(cluster, tag)
     label = ("continuum.dev/e2e-grants", f"s{tag}")
-    gpu_node(cluster, f"s{tag}")
+    fresh_gpu_node(cluster, f"s{tag}")
     std = {**mind_class(f"std-{tag}", 0)}
     urgent = {**mind_class(f"urgent-{tag}", 100)}
     urgent["spec"] = {**urgent["spec"], "allowedNamespaces": [ops]}

@@ -15,7 +15,7 @@ import pytest
 
 from continuum_operator.door.token_review import TokenReviewer, caller_of
 from continuum_operator.engine.admission import ServiceAccount, engine_audience
-from tests.e2e.conftest import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 

@@ -12,19 +12,15 @@ from collections.abc import Iterator
 import pytest
 
 from continuum_operator.kube.grants.mind_writes import FINALIZER
-from tests.e2e.conftest import ROOT, Cluster
-from tests.e2e.test_operator import wait_for
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
+
+__all__ = ["crds"]  # a fixture, used by name
+
 KEEP = "example.com/keep"
-
-
-@pytest.fixture(scope="module")
-def crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=established", "--timeout=60s", "-f", str(ROOT / "crds")
-    )
 
 
 def mind(name: str, *finalizers: str) -> dict[str, object]:

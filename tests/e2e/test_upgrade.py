@@ -22,19 +22,14 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Cluster
-from tests.e2e.llama_fixtures import free_port
-from tests.e2e.test_grants import stop
-from tests.e2e.test_operator import (
-    condition,
-    crds,
-    discrete_status,
-    get_engine,
-    gpu_node,
-    renew,
-    wait_for,
-)
-from tests.e2e.test_operator import engine as operator_engine
+from tests.support.cluster import Cluster
+from tests.support.crds import crds
+from tests.support.engine_status import condition, get_engine
+from tests.support.kwok_nodes import discrete_status, gpu_node, renew
+from tests.support.local_http import free_port
+from tests.support.operator_process import engine as operator_engine
+from tests.support.operator_process import stop
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +63,8 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def engine(name: str, tag: str) -> dict[str, Any]:
-    """test_operator's Engine (up to 8 minds of 16,384 tokens), served by this module's operator."""
+    """The placing operator's Engine (tests/support/operator_process.py: up to 8 minds of 16,384
+    tokens), served by this module's operator."""
     body = operator_engine(name, tag)
     body["metadata"]["labels"] = dict([LABEL])
     return body

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from continuum_operator import yaml_text
-from tests.e2e.conftest import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 

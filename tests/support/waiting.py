@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 
 async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -14,3 +18,18 @@ async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def wait_for(
+    what: str, probe: Callable[[], Any], timeout: float = 60, log: Path | None = None
+) -> Any:
+    """Poll until `probe` returns something truthy; fail with the operator's log tail."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    tail = "\n".join(log.read_text().splitlines()[-40:]) if log and log.exists() else ""
+    pytest.fail(f"timed out waiting for {what}; last: {last!r}\noperator log:\n{tail}")

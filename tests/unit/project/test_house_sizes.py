@@ -152,19 +152,28 @@ def test_no_two_modules_of_the_product_import_each_other() -> None:
 def test_the_import_check_finds_a_test_module_imported_by_another() -> None:
     source = "from tests.unit.kube.test_x import helper\nfrom tests.support import builders\n"
     assert imported_test_modules(source) == ["tests.unit.kube.test_x"]
+    # A test module imported whole, or named relative to the importing one.
+    source = "from tests.e2e import test_a, conftest\nfrom .test_b import c\nfrom . import test_d\n"
+    assert imported_test_modules(source) == [".test_b", ".test_d", "tests.e2e.test_a"]
+    assert imported_test_modules("from .conftest import Cluster\nimport tests.support\n") == []
 
 
 def imported_test_modules(source: str) -> list[str]:
-    """The test modules (`test_*`) a module's source imports from, at any depth of `tests`."""
+    """The test modules (`test_*`) a module's source imports from, at any depth of `tests` or
+    relative to the module (a leading dot a level)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         names = []
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        if isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            module = "." * node.level + (node.module or "")
+            joined = module if module.endswith(".") else f"{module}."
+            names = [module, *(joined + a.name for a in node.names)]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         found += [
-            n for n in names if n.startswith("tests.") and n.split(".")[-1].startswith("test_")
+            n
+            for n in names
+            if n.startswith(("tests.", ".")) and n.split(".")[-1].startswith("test_")
         ]
     return sorted(set(found))
 
@@ -181,3 +190,12 @@ def test_no_unit_test_module_imports_another_and_the_tests_mirror_the_rooms() ->
     assert {p.name for p in (unit / "kube").iterdir() if p.is_dir()} <= rooms_of_the_shell | {
         "__pycache__"
     }
+
+
+def test_no_e2e_test_module_imports_another() -> None:
+    # What several e2e modules share lives in tests/support/, each module named for what it
+    # holds; the fixtures of every e2e test, in conftest.py and llama_fixtures.py.
+    e2e = ROOT / "tests" / "e2e"
+    importing = {p.name: imported_test_modules(p.read_text()) for p in sorted(e2e.glob("*.py"))}
+    assert len([name for name in importing if name.startswith("test_")]) > 30  # not an empty glob
+    assert {k: v for k, v in importing.items() if v} == {}
