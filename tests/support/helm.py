@@ -19,9 +19,9 @@ import yaml
 
 from continuum_operator import yaml_text
 from tests.support.builders import ROOT
+from tests.support.cluster import CLUSTER_SCRIPT
 
 CHART = ROOT / "charts" / "continuum"
-CLUSTER_SCRIPT = ROOT / "tools" / "cluster"
 
 
 def find_helm() -> Path:

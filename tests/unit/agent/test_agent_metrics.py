@@ -3,7 +3,6 @@ against the board that cycle made (a recorded H100 machine, replayed)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import urllib.request
 from datetime import UTC, datetime
@@ -15,12 +14,7 @@ from continuum_operator.agent.metrics import AgentMetrics
 from continuum_operator.agent.run import run_forever
 from continuum_operator.core.pools import pool_key
 from tests.support.agent import FakeApi, agent_on
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.local_http import free_port
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -5,7 +5,6 @@ that answered before listing the Minds admitted her service account's pods as or
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
@@ -23,13 +22,7 @@ from continuum_operator.kube.base.readiness import (
 from continuum_operator.kube.children.webhook import _Installing
 from continuum_operator.kube.state.mind_cache import MindCache, list_minds
 from tests.support.fakes import FakeKubeApi
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from tests.support.local_http import free_port
 
 
 def get(url: str) -> tuple[int, str]:
