@@ -20,9 +20,9 @@ import aiohttp
 from aiohttp import web
 
 from continuum_operator.door.body_limits import BodyLimits
-from continuum_operator.door.serving import LINGER_SECONDS, ConnectionLimits
+from continuum_operator.door.serving import LINGER_SECONDS, ConnectionLimits, serve_app
 from continuum_operator.door.token_review import TokenReviewer
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from tests.support.fake_llama import FakeLlama, serve
 from tests.support.gateway_openai import MIRA, granted, table
 from tests.support.slow_client import trickle
