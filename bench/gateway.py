@@ -85,7 +85,8 @@ def minds(slots: int) -> list[str]:
 
 async def serve_gateway(upstream: str, port: int, slots: int) -> None:
     """The gateway process: every bench mind granted its own slot."""
-    from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+    from continuum_operator.door.serving import serve_app
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings
 
     gateway = Gateway(GatewaySettings(upstream=upstream))
     await gateway.start()

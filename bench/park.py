@@ -41,8 +41,9 @@ from typing import Any
 
 import aiohttp
 
+from continuum_operator.door.serving import serve_app
 from continuum_operator.engine.admission import GrantTable, TableEntry
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.parking import ParkSettings, ParkStore
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState

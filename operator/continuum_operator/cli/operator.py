@@ -2,9 +2,9 @@
 process itself (kopf's watches, the loops, the webhook, metrics) is `kube.process.run`.
 
 Every setting of `kube.base.settings` that an operator of a cluster would tune has a flag, one
-`SettingFlag` row each (the grants' and the leader's rows are `kube.base.grant_settings`', the
-children's webhook's `kube.children.webhook`'s). Exit codes as in `cli`: 0 stopped, 2 a bad flag
-(argparse's message names it and what it takes).
+`SettingFlag` row each (the grants', the leader's and the children's webhook's rows are
+`cli.operator_sections`'). Exit codes as in `cli`: 0 stopped, 2 a bad flag (argparse's message
+names it and what it takes) or two flags that disagree (`operator_sections.refusal` says how).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import os
 import re
 from dataclasses import replace
 
+from continuum_operator.cli import operator_sections
 from continuum_operator.cli.args import SettingFlag, add_flags, at_least_one, settings_from_flags
+from continuum_operator.cli.errors import EXIT_INVALID, fail
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
-from continuum_operator.kube.base import grant_settings
 from continuum_operator.kube.base.settings import GpuClaims, GpuSharing, OperatorSettings
-from continuum_operator.kube.children import webhook
 from continuum_operator.kube.process.run import serve
 from continuum_operator.kube.workloads import lane_objects
 
@@ -28,6 +28,9 @@ __all__ = ["add_arguments", "cmd_operator", "selector_labels", "settings_from"]
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
+    refusal = operator_sections.refusal(args)
+    if refusal is not None:
+        return fail(refusal, EXIT_INVALID)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -116,8 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `continuum operator`."""
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     add_flags(p, _flags(), OperatorSettings())
-    webhook.add_arguments(p)
-    grant_settings.add_arguments(p)
+    operator_sections.add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -302,17 +304,17 @@ _LOOP_FLAGS = (
 
 
 def settings_from(args: argparse.Namespace) -> OperatorSettings:
-    """Every setting of the operator, in one object, from its flags."""
+    """Every setting of the operator, in one object, from its flags (`cmd_operator` asked
+    `operator_sections.refusal` first)."""
     settings = settings_from_flags(OperatorSettings(), _flags(), args)
-    # The children's priority class is a flag of the webhook's (`webhook.add_arguments`).
+    # The children's priority class is a flag of the webhook's (`operator_sections`).
     pods = replace(settings.pods, children_priority_class=args.children_priority_class)
-    # The grants' and the leader's flags are `grant_settings`'s (the Lease's name takes the
-    # selector's digest).
-    leader = grant_settings.leader_settings(args, selector_labels(args.engine_selector))
+    # The Lease's name takes the selector's digest.
+    leader = operator_sections.leader_settings(args, selector_labels(args.engine_selector))
     return replace(
         settings,
         pods=pods,
-        children=webhook.settings_from(args),
-        grants=grant_settings.grant_settings(args),
+        children=operator_sections.children_settings(args),
+        grants=operator_sections.grant_settings(args),
         leader=leader,
     )

@@ -13,8 +13,8 @@ connection may hold"):
   at most 10 s (`HEADERS_SECONDS`) without a whole head.
 - a body left unread is drained `LINGER_SECONDS`, no longer, before its connection is closed.
 
-How a body is read once a request is admitted (time, size, budget) is the gateway's
-(`engine.body_limits`). Neighbours: `engine.gateway` and `embed.runtime`, which serve through
+How a body is read once a request is admitted (time, size, budget) is `door.body_limits`'s, for
+both doors. Neighbours: `engine.gateway` and `embed.runtime`, which serve through
 `serve_app`.
 """
 

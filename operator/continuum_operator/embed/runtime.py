@@ -14,7 +14,9 @@ The door (docs/embedlanes.md, "The door"): each `POST /v1/embeddings` carries a 
 engine's gateway reviews minds' tokens; a service account of the lane's namespace is served,
 one of another namespace refused (403), no
 token or one not issued for that audience refused (401), all in OpenAI's error shape. On with
-`--lane NS/NAME`; `--unsafe-no-review` opens the port to anyone (a machine of one's own).
+`--lane NS/NAME`; `--unsafe-no-review` opens the port to anyone (a machine of one's own). A
+caller let in has her body read under `LANE_BODY_LIMITS` (`door.body_limits`, as the gateway reads
+its bodies): 408 past its time, 413 past its size, 503 past the budget of bodies read at once.
 
 It is the one writer of the lane's `status.runtime` (docs/design.md "One writer per status field"):
 the largest context embedded, the context held, whether llama.cpp can offload to a GPU, the
@@ -55,6 +57,7 @@ from continuum_operator.door.accounts import (
     ServiceAccount,
     review_unavailable_message,
 )
+from continuum_operator.door.body_limits import BodyLimits, BodyReader, BodyRefused
 from continuum_operator.door.openai_errors import error_body, error_type
 from continuum_operator.door.serving import admin_application, serve_app
 from continuum_operator.door.token_review import Caller, TokenReviewer, caller_of
@@ -65,6 +68,7 @@ from continuum_operator.kube.client.async_api import AsyncKubeApi, follow
 from continuum_operator.manifests import ManifestError, yaml_documents
 
 __all__ = [
+    "LANE_BODY_LIMITS",
     "Callers",
     "Door",
     "LanePhase",
@@ -80,6 +84,14 @@ log = logging.getLogger(__name__)
 
 #: Receipts kept in status: the largest contexts loaded (the operator scales from them).
 RECEIPTS_KEPT = 4
+
+#: How a caller's body is read (`door.body_limits`): whole within 10 s, as the gateway's; at most
+#: 1 MiB, what aiohttp's `request.json()` read before (about 250,000 tokens of text, above any
+#: lane's batch of inputs); 16 MiB of bodies at once, a lane embedding one request at a time.
+LANE_BODY_LIMITS = BodyLimits(seconds=10.0, max_bytes=2**20, budget_bytes=16 * 2**20)
+
+#: The lane's reason for a body it would not read, by status (its error shape's `reason`).
+_BODY_REASONS = {400: "BadRequest", 408: "BodyTimeout", 413: "BodyTooLarge", 503: "BodiesBusy"}
 
 Publish = Callable[[dict[str, Any]], Awaitable[None]]
 #: Reviews a bearer token: the service account it belongs to, or None (`TokenReviewer`).
@@ -201,6 +213,7 @@ class LaneRuntime:
     receipts: dict[int, Receipt] = field(default_factory=dict)
     counts: Counts = field(default_factory=Counts)
     metrics: LaneMetrics = field(default_factory=LaneMetrics)
+    bodies: BodyReader = field(default_factory=lambda: BodyReader(LANE_BODY_LIMITS))
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _lease_changed: asyncio.Event = field(default_factory=asyncio.Event)
     _last_published: dict[str, Any] | None = None
@@ -397,10 +410,9 @@ class LaneRuntime:
         refused = await self._refused(request)  # before the body is read
         if refused is not None:
             return refused
-        try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return web.json_response(_error(400, "BadRequest", "the body is not JSON"), status=400)
+        body = await self.bodies.read_json(request)
+        if isinstance(body, BodyRefused):
+            return _body_refused(body)
         raw = body.get("input") if isinstance(body, dict) else None
         texts = [raw] if isinstance(raw, str) else raw
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
@@ -429,6 +441,19 @@ class LaneRuntime:
     async def _readyz(self, request: web.Request) -> web.Response:
         ready = self.phase is LanePhase.SERVING
         return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
+def _body_refused(refused: BodyRefused) -> web.Response:
+    """A body the lane would not read, in its error shape; the connection is closed where the
+    body was left unread (past its time or size)."""
+    reason = _BODY_REASONS.get(refused.status, "BadRequest")
+    headers = {} if refused.retry_after is None else {"Retry-After": str(refused.retry_after)}
+    answer = web.json_response(
+        _error(refused.status, reason, refused.message), status=refused.status, headers=headers
+    )
+    if refused.close:
+        answer.force_close()
+    return answer
 
 
 def _without_counts(doc: dict[str, Any]) -> dict[str, Any]:

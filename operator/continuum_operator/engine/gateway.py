@@ -30,6 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from continuum_operator.core.grants import GrantReason
+from continuum_operator.door.body_limits import BodyRefused
 from continuum_operator.door.serving import admin_application, serve_app
 from continuum_operator.engine.admission import (
     Admission,
@@ -37,7 +38,6 @@ from continuum_operator.engine.admission import (
     Refusal,
     admit_turn,
 )
-from continuum_operator.engine.body_limits import BodyRefused
 from continuum_operator.engine.dialects import (
     CHAT,
     DOORS,

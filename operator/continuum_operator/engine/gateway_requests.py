@@ -20,6 +20,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
 from continuum_operator.core.grants import GrantReason
+from continuum_operator.door.body_limits import (
+    BodyRefused,
+)
 from continuum_operator.engine.admission import (
     Admission,
     Answer,
@@ -29,9 +32,6 @@ from continuum_operator.engine.admission import (
     admit_request,
     prompt_token_bound,
     token_cap,
-)
-from continuum_operator.engine.body_limits import (
-    BodyRefused,
 )
 from continuum_operator.engine.dialects import (
     Annotate,

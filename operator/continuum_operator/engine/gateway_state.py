@@ -19,6 +19,11 @@ import aiohttp
 from aiohttp import web
 
 from continuum_operator.core import rfc3339
+from continuum_operator.door.body_limits import (
+    BodyLimits,
+    BodyReader,
+    BodyRefused,
+)
 from continuum_operator.door.token_review import Caller, caller_of
 from continuum_operator.engine.admission import (
     Admission,
@@ -30,11 +35,6 @@ from continuum_operator.engine.admission import (
     admit_turn,
     identify,
     review_unavailable,
-)
-from continuum_operator.engine.body_limits import (
-    BodyLimits,
-    BodyReader,
-    BodyRefused,
 )
 from continuum_operator.engine.dialects import (
     NATIVE,

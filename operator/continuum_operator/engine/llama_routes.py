@@ -15,8 +15,8 @@ import aiohttp
 from aiohttp import web
 
 from continuum_operator.core.grants import GrantReason
+from continuum_operator.door.body_limits import BodyRefused
 from continuum_operator.engine.admission import Admission, Refusal
-from continuum_operator.engine.body_limits import BodyRefused
 from continuum_operator.engine.dialects import MESSAGES, NATIVE, RESPONSES, Bad, Dialect
 from continuum_operator.engine.dialects.anthropic import check_count as messages_count
 from continuum_operator.engine.dialects.responses import check_count as responses_count

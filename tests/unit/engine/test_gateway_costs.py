@@ -16,9 +16,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from continuum_operator.door.serving import serve_app
 from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.dialects import CHAT, MESSAGES, NATIVE, RESPONSES
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.gateway_requests import _cut_event
 from continuum_operator.engine.gateway_state import _Flight
 from continuum_operator.engine.park import NotParked

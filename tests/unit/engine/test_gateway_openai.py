@@ -15,13 +15,14 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from continuum_operator.door.serving import serve_app
 from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import (
     ReviewUnavailable,
     ServiceAccount,
     TableEntry,
 )
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
 from tests.support import gateway_openai

@@ -11,7 +11,6 @@ with no time limit (a byte every 3 s, still open after 40 s; 200 bodies of 1 MiB
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,12 +19,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from continuum_operator.door.serving import LINGER_SECONDS, ConnectionLimits
+from continuum_operator.door.body_limits import BodyLimits
+from continuum_operator.door.serving import LINGER_SECONDS, ConnectionLimits, serve_app
 from continuum_operator.door.token_review import TokenReviewer
-from continuum_operator.engine.body_limits import BodyLimits
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from tests.support.fake_llama import FakeLlama, serve
 from tests.support.gateway_openai import MIRA, granted, table
+from tests.support.slow_client import trickle
 from tests.support.token_review import AUDIENCE, MIRA_SUB, Api, jwt
 from tests.support.waiting import until
 
@@ -153,14 +153,7 @@ def test_a_slow_body_is_answered_408_and_closed_at_the_limit() -> None:
         reader, writer = await send_head(door, mira, 1000, path, auth)
         started = time.monotonic()
 
-        async def trickle() -> None:
-            with contextlib.suppress(ConnectionError):
-                for _ in range(100):
-                    writer.write(b" ")
-                    await writer.drain()
-                    await asyncio.sleep(0.3)
-
-        dripping = asyncio.create_task(trickle())
+        dripping = trickle(writer)
         assert await status_of(reader, 5.0) == 408, path
         assert time.monotonic() - started < limits.seconds + 1.0
         await asyncio.wait_for(reader.read(), 5.0)  # closed: read to its end

@@ -180,8 +180,9 @@ def _cli(
 
     from continuum_operator.cli import build_parser
     from continuum_operator.cli import turn as turn_module
+    from continuum_operator.door.serving import serve_app
     from continuum_operator.engine.admission import GrantTable
-    from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings
     from tests.support.fake_llama import FakeLlama, serve
 
     ready = threading.Event()

@@ -859,9 +859,9 @@ def test_values_the_schema_cannot_judge_alone_fail_with_a_sentence(
 
 
 def test_the_chart_and_the_operator_refuse_the_same_leader_timings(helm_bin: Path) -> None:
-    """The chart's check and the operator's (kube/base/grant_settings.py) agree at the edge: a
+    """The chart's check and the operator's (cli/operator_sections.py) agree at the edge: a
     release the chart renders starts, one it refuses would not."""
-    from continuum_operator.kube.base.grant_settings import leader_settings
+    from continuum_operator.cli.operator_sections import refusal
 
     for duration, renew in [(15, 12.9), (15, 13), (6, 4.79), (6, 4.8), (1, 0.79), (1, 0.8)]:
         values = {
@@ -873,11 +873,7 @@ def test_the_chart_and_the_operator_refuse_the_same_leader_timings(helm_bin: Pat
         args = _parse(
             ["operator", f"--leader-lease-duration={duration}", f"--leader-renew={renew}"]
         )
-        try:
-            leader_settings(args, {})
-            operator_refuses = False
-        except SystemExit:
-            operator_refuses = True
+        operator_refuses = refusal(args) is not None
         assert (proc.returncode != 0) == operator_refuses, (duration, renew, proc.stderr)
 
 

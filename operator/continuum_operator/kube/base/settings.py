@@ -1,9 +1,9 @@
 """The operator's settings: one object of documented topic sections (STYLE.md habit 6).
 
-Every field says its unit, its default and why. `continuum operator` fills them from flags;
-tests build them directly with short timings. The grants' and the leader election's sections live
-in `kube.base.grant_settings` beside their flags; every reconciler's kernel settings are read from
-this one object (`OperatorSettings.kernels`).
+Every field says its unit, its default and why. `continuum operator` fills them from flags
+(`cli.operator`, `cli.operator_sections`); tests build them directly with short timings. The
+grants' and the leader election's sections live in `kube.base.grant_settings`; every reconciler's
+kernel settings are read from this one object (`OperatorSettings.kernels`).
 """
 
 from __future__ import annotations

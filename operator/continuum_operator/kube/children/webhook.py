@@ -20,12 +20,12 @@ mutated pod and notes out), `webhook_configuration` (the MutatingWebhookConfigur
 client config) and `Unmarked` (which children lack the mark). `register` wires them into
 kopf. Neighbours: `kube.children.membership` (what a child is), `kube.base.settings`
 (`ChildrenSettings`, the class in `PodSettings`), `kube.workloads.priority_classes` (the class),
-`kube.base.metrics`, `kube.process.run` (`--webhook`).
+`kube.base.metrics`, `kube.process.run` (registers it), `cli.operator_sections` (`--webhook` and
+the other flags that fill `ChildrenSettings`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ipaddress
 import logging
@@ -34,11 +34,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from continuum_operator.cli.args import SettingFlag, add_flags, settings_from_flags
 from continuum_operator.core import rfc3339
 from continuum_operator.kube.base import events
 from continuum_operator.kube.base.readiness import MINDS_LISTED, WEBHOOK_SERVING, Readiness
@@ -46,7 +45,6 @@ from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.children import workloads as child_workloads
 from continuum_operator.kube.children.membership import (
     CLASS_ANNOTATION,
-    DNS_LABEL,
     MIND_LABEL,
     SERVICE_ACCOUNT_PREFIX,
     SYSTEM_ACCOUNTS,
@@ -69,9 +67,7 @@ if TYPE_CHECKING:  # imported when the operator starts: `continuum plan` loads n
 __all__ = [
     "HANDLER_ID",
     "Unmarked",
-    "add_arguments",
     "register",
-    "settings_from",
     "webhook_configuration",
 ]
 
@@ -253,80 +249,6 @@ def _is_ip(name: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-# --------------------------------------------------------------------------------------------
-# `continuum operator` flags
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The children's flags of `continuum operator` (`kube.process.run`)."""
-    add_flags(p, _FLAGS, ChildrenSettings())
-
-
-#: The flags that set ChildrenSettings, in the order `--help` shows them.
-_FLAGS = (
-    SettingFlag(
-        "--children-priority-class",
-        None,  # a field of PodSettings: `kube.process.run.settings_from` sets it
-        "PriorityClass of a mind's child pods (installed by the operator)",
-        default=PodSettings().children_priority_class,
-    ),
-    SettingFlag(
-        "--webhook",
-        "webhook",
-        "serve the children's mutating webhook and install its configuration",
-        action="store_true",
-    ),
-    SettingFlag("--webhook-name", "webhook_name", "its configuration's name"),
-    SettingFlag("--webhook-listen", "listen", "address the webhook listens on"),
-    SettingFlag("--webhook-port", "port", "port the webhook listens on", type=int),
-    SettingFlag("--webhook-host", "host", "host or IP the API server calls the webhook at"),
-    SettingFlag(
-        "--webhook-service",
-        None,  # settings_from checks it and sets `service`
-        "the Service in front of the webhook: the configuration names it instead of a URL "
-        "(the API server then needs no cluster DNS); its certificate must name "
-        "NAME.NAMESPACE.svc (give that as --webhook-host for a self-signed one)",
-        default=None,
-        metavar="NAMESPACE/NAME",
-    ),
-    SettingFlag(
-        "--webhook-service-port",
-        "service_port",
-        "the Service's port for the webhook (default: --webhook-port)",
-        type=int,
-    ),
-    SettingFlag("--webhook-certfile", "certfile", "serving certificate (default: self-signed)"),
-    SettingFlag("--webhook-keyfile", "keyfile", "its private key"),
-    SettingFlag("--webhook-cafile", "cafile", "CA bundle for the API server (cert-manager ca.crt)"),
-    SettingFlag(
-        "--webhook-timeout",
-        "timeout_seconds",
-        "seconds the API server waits before admitting a child unmutated (1-30)",
-        type=int,
-    ),
-)
-
-
-def settings_from(args: argparse.Namespace) -> ChildrenSettings:
-    if not 1 <= args.webhook_timeout <= 30:
-        raise SystemExit("error: --webhook-timeout: the API server takes 1 to 30 seconds")
-    if (args.webhook_certfile is None) != (args.webhook_keyfile is None):
-        raise SystemExit("error: --webhook-certfile and --webhook-keyfile go together")
-    service = None
-    if args.webhook_service is not None:
-        namespace, slash, name = str(args.webhook_service).partition("/")
-        if not slash or not DNS_LABEL.fullmatch(namespace) or not DNS_LABEL.fullmatch(name):
-            raise SystemExit(
-                f"error: --webhook-service {args.webhook_service!r}: expected NAMESPACE/NAME "
-                "of the webhook's Service (lowercase DNS labels), e.g. continuum-system/"
-                "continuum-webhook"
-            )
-        service = (namespace, name)
-    if args.webhook_service_port is not None and not 1 <= args.webhook_service_port <= 65535:
-        raise SystemExit("error: --webhook-service-port: a port is 1 to 65535")
-    return replace(settings_from_flags(ChildrenSettings(), _FLAGS, args), service=service)
 
 
 # --------------------------------------------------------------------------------------------

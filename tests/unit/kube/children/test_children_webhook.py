@@ -7,10 +7,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import pytest
-
-from continuum_operator.cli import build_parser
-from continuum_operator.cli.operator import settings_from
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.children import membership as children
 from continuum_operator.kube.children import webhook
@@ -307,47 +303,3 @@ def test_a_self_signed_certificate_names_the_address_the_api_server_calls(tmp_pa
     sans = set(decoded["subjectAltName"])
     assert ("IP Address", "127.0.0.1") in sans
     assert ("DNS", "op.svc") in sans
-
-
-# --------------------------------------------------------------------------------------------
-# `continuum operator` flags
-
-
-def operator_args(*argv: str) -> Any:
-    return build_parser().parse_args(["operator", *argv])
-
-
-def test_the_webhook_is_off_unless_asked_for_and_its_flags_reach_the_settings() -> None:
-    assert settings_from(operator_args()).children.webhook is False
-    s = settings_from(
-        operator_args(
-            "--webhook", "--webhook-host", "op.ns.svc", "--webhook-port", "8443",
-            "--webhook-timeout", "3", "--children-priority-class", "kids",
-        )
-    )  # fmt: skip
-    assert (s.children.webhook, s.children.host, s.children.port) == (True, "op.ns.svc", 8443)
-    assert s.children.timeout_seconds == 3
-    assert s.pods.children_priority_class == "kids"
-
-
-def test_the_webhook_service_flag_reaches_the_settings() -> None:
-    s = settings_from(
-        operator_args("--webhook", "--webhook-service", "continuum-system/ctm-webhook",
-                      "--webhook-service-port", "443")
-    )  # fmt: skip
-    assert s.children.service == ("continuum-system", "ctm-webhook")
-    assert s.children.service_port == 443
-    assert settings_from(operator_args("--webhook")).children.service is None
-
-
-def test_bad_webhook_flags_are_refused_with_the_flag_named() -> None:
-    with pytest.raises(SystemExit, match="'ctm-webhook': expected NAMESPACE/NAME"):
-        settings_from(operator_args("--webhook", "--webhook-service", "ctm-webhook"))
-    with pytest.raises(SystemExit, match="--webhook-service-port"):
-        settings_from(
-            operator_args("--webhook", "--webhook-service", "a/b", "--webhook-service-port", "0")
-        )
-    with pytest.raises(SystemExit, match="--webhook-timeout"):
-        settings_from(operator_args("--webhook", "--webhook-timeout", "31"))
-    with pytest.raises(SystemExit, match="--webhook-keyfile"):
-        settings_from(operator_args("--webhook", "--webhook-certfile", "tls.crt"))

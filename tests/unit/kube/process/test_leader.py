@@ -13,7 +13,8 @@ import pytest
 from urllib3.exceptions import MaxRetryError
 
 from continuum_operator.cli import build_parser
-from continuum_operator.kube.base.grant_settings import LeaderSettings, leader_settings
+from continuum_operator.cli.operator_sections import leader_settings, refusal
+from continuum_operator.kube.base.grant_settings import LeaderSettings
 from continuum_operator.kube.process.leader import Elector, lead
 from tests.support.fakes import FakeKubeApi
 
@@ -221,9 +222,14 @@ def test_a_loop_cancelled_instead_of_stopped_is_named_and_the_lease_still_handed
 
 
 def _flags(duration: str, renew: str, *more: str) -> LeaderSettings:
+    """The leader's settings from these flags; ValueError with `refusal`'s message where the
+    operator would not start (exit 2, tests/unit/cli/test_operator_cli.py)."""
     args = build_parser().parse_args(
         ["operator", "--leader-lease-duration", duration, "--leader-renew", renew, *more]
     )
+    refused = refusal(args)
+    if refused is not None:
+        raise ValueError(refused)
     return leader_settings(args, {})
 
 
@@ -234,7 +240,7 @@ def test_a_renewal_interval_the_leaders_own_deadline_cannot_outlast_is_refused(
     """Renewing every 20 s a Lease of 15 s: the sole leader's deadline (15 s less its 2 s
     margin) passes before its next renewal, so it stops writing for 7 s of every 20 and a
     standby may take the Lease meanwhile."""
-    with pytest.raises(SystemExit) as refused:
+    with pytest.raises(ValueError) as refused:
         _flags(duration, renew)
     message = str(refused.value)
     assert "--leader-renew" in message and "--leader-lease-duration" in message, message

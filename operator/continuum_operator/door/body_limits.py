@@ -1,24 +1,29 @@
-"""How the gateway reads a request's body: under a time limit, a size bound and a budget of
-all the bodies it reads at once.
+"""How a runtime's door reads a request's body (the engine's gateway, an embed lane): under a
+time limit, a size bound and a budget of all the bodies it reads at once.
 
-Found by an attacker: any token of the engine's audience, even an account's with no grant, had
-its body read with no time limit (a byte every 3 s was still read after 40 s), and 200 bodies
-of about 1 MiB pinned 226 MiB of the engine pod, whose limit is its host bytes plus 512 MiB.
+Found by an attacker on the gateway: any token of the engine's audience, even an account's with
+no grant, had its body read with no time limit (a byte every 3 s was still read after 40 s), and
+200 bodies of about 1 MiB pinned 226 MiB of the engine pod, whose limit is its host bytes plus
+512 MiB. The embed lane read its bodies with aiohttp's `request.json()`: 1 MiB at most, but with
+no time limit, so a caller of the lane's namespace that trickled a body held a connection (and
+one of `door.serving`'s connection slots) as long as she liked.
 
-What holds, together with the gateway's order (docs/gateway.md, "What a connection may hold"):
+What holds, together with each door's order (docs/gateway.md, "What a connection may hold";
+docs/embedlanes.md, "The door"):
 
-- a body is read only once its token is reviewed and its mind admitted (the gateway reads no
-  body for a stranger or a mind without a grant); then within `BodyLimits.seconds` (10 s) from
-  the first byte asked for, at most `max_bytes` (1 MiB), and only while the bodies being read
-  together fit `budget_bytes` (64 MiB: each reserves its `Content-Length`, or `max_bytes` when
-  it sends none). Past the time: `408`; past the size: `413`; past the budget: `503` with
-  `Retry-After`.
+- a body is read only once its caller's token is reviewed (and, at the gateway, her mind
+  admitted: it reads no body for a stranger or a mind without a grant); then within
+  `BodyLimits.seconds` (10 s) from the first byte asked for, at most `max_bytes` (1 MiB), and only
+  while the bodies being read together fit `budget_bytes` (64 MiB at the gateway, 16 MiB at a
+  lane: each reserves its `Content-Length`, or `max_bytes` when it sends none). Past the time:
+  `408`; past the size: `413`; past the budget: `503` with `Retry-After`; each door answers in
+  its own error shape.
 - connections are bounded per source address and in all, and a whole request head must come
   within 10 s (`door.serving`, which both runtimes' doors are served through).
 
 So what connections hold is bounded by design: `total` x (head + 128 KiB) + `budget_bytes`,
-about 200 MiB at the defaults, whatever the clients do.
-Neighbours: `engine.gateway` (calls `BodyReader.read_json`), `door.serving`.
+about 200 MiB at the gateway's defaults, whatever the clients do.
+Neighbours: `engine.gateway` and `embed.runtime` (call `BodyReader.read_json`), `door.serving`.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ class BodyReader:
         except ValueError:
             return BodyRefused(400, "the body is not JSON")
         except RecursionError:
-            return BodyRefused(400, "the body nests deeper than the gateway reads")
+            return BodyRefused(400, "the body nests deeper than this server reads")
 
     async def read(self, request: web.Request, most: int | None = None) -> bytes | BodyRefused:
         """The body's bytes, or a `BodyRefused`. `most`: a smaller size bound than the limits'."""
@@ -93,7 +98,7 @@ class BodyReader:
         if self.reserved + share > self.limits.budget_bytes:
             return BodyRefused(
                 503,
-                "the gateway is reading as many bodies as it holds at once; send it again",
+                "this server is reading as many bodies as it holds at once; send it again",
                 self.limits.retry_after,
             )
         self.reserved += share
