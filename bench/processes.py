@@ -49,7 +49,7 @@ from bench.kube_bench import ROOT, cluster_down, cluster_up
 
 from continuum_operator.kube.client.api import crd_path, resource_of
 from continuum_operator.kube.client.async_api import AsyncKubeApi, login, tls_of
-from continuum_operator.kube.ledger import cached as ledger_object
+from continuum_operator.kube.ledger import cached
 from continuum_operator.model.json_body import at
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 
@@ -191,7 +191,7 @@ async def objects(api: AsyncKubeApi, kubectl: list[str], names: list[str]) -> No
     for name in names:
         engine = {**example, "metadata": {"name": name, "namespace": NS}}
         engine = await api.request("POST", crd_path("engines", NS), engine)
-        await api.create(ledger_object.new_ledger(engine))
+        await api.create(cached.new_ledger(engine))
         await grant(api, name, 0)
         lane = {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
                 "metadata": {"name": name, "namespace": NS},
