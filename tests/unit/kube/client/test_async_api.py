@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from continuum_operator.kube.client.api import ApiError
-from continuum_operator.kube.client.async_api import AsyncKubeApi, login
+from continuum_operator.kube.client.async_api import AsyncKubeApi
 
 TOKEN = "the-token"
 
@@ -208,33 +208,3 @@ def test_a_server_that_cannot_be_reached_is_an_os_error(tmp_path: Path) -> None:
             await api.close()
 
     asyncio.run(main())
-
-
-def test_in_a_pod_without_a_kubeconfig_the_service_account_is_used(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sa = tmp_path / "sa"
-    sa.mkdir()
-    (sa / "token").write_text(TOKEN)
-    (sa / "ca.crt").write_text("not a real certificate")
-    monkeypatch.delenv("KUBECONFIG", raising=False)
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    module = "kubernetes.config.incluster_config"
-    monkeypatch.setattr(f"{module}.SERVICE_TOKEN_FILENAME", str(sa / "token"))
-    monkeypatch.setattr(f"{module}.SERVICE_CERT_FILENAME", str(sa / "ca.crt"))
-
-    configuration = login(None)
-    assert configuration.host == "https://10.0.0.1:443"
-    # The token as each request reads it (through the refresh hook that rereads the file as
-    # the kubelet rotates it).
-    assert configuration.refresh_api_key_hook is not None
-    assert configuration.auth_settings()["BearerToken"]["value"].lower() == f"bearer {TOKEN}"
-
-
-def test_outside_a_pod_a_missing_kubeconfig_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    with pytest.raises(Exception, match="kube-config"):
-        login(str(tmp_path / "missing"))
