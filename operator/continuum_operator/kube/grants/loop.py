@@ -115,9 +115,10 @@ class GrantsLoop:
         self.policy = PriorityPolicy(grace_seconds=settings.grace_seconds)
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
-        # The Minds' watches mark this queue; the Engines' wake it (`before_pass` compares).
+        # The Minds' watches mark this queue; the Engines' wake it (`before_pass` compares). Not
+        # reset here: a new loop's first pass takes every engine by itself (nothing seen yet),
+        # and a leader's first pass is a resync (`kernel.run`).
         self.queue: WorkQueue[EngineKey] = minds.queue
-        self.queue.resynced_at = None  # a new loop's first pass takes every engine
         # Its kernel settings, from the one settings object (`OperatorSettings.kernels`).
         self.kernel = kernel or OperatorSettings(grants=settings).kernels.grants
         self.writer = MindWriter(settings.write_workers, lambda: self.may_write(), self._failed)

@@ -223,6 +223,18 @@ def test_a_new_leader_recovers_every_engines_journal_at_its_first_pass(tmp_path:
     assert logged == {(f"team-a/e{e}", 1) for e in range(N)}
 
 
+def test_a_second_loop_built_over_the_minds_cache_leaves_the_first_ones_queue_alone(
+    tmp_path: Path, steps: list[str]
+) -> None:
+    # A loop rewired the Minds' cache's queue as it was built (its resync time reset): the loop
+    # already draining that queue then stepped every engine at its next pass, nothing changed.
+    w, _ = world(tmp_path)
+    steps.clear()
+    GrantsLoop(w.api.aio, w.loop.settings, w.engines, w.cache, clock=w.loop.clock)  # type: ignore[arg-type]
+    w.loop.pass_once()
+    assert steps == []
+
+
 def marked(cache: MindCache) -> set[EngineKey]:
     """The engines marked on the grants loop's queue since the last call; the marks cleared."""
     return set(cache.queue.take((), 0.0))
