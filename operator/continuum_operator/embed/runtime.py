@@ -39,7 +39,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -511,9 +511,9 @@ class LaneObject:
             except ValueError as err:
                 log.warning("%s: %s; keeping the last lease", lane, err)
 
-        async def listed(items: list[dict[str, Any]]) -> None:
-            if items:
-                seen(items[0])
+        async def listed(items: AsyncIterator[dict[str, Any]]) -> None:
+            if (obj := await anext(items, None)) is not None:
+                seen(obj)
             else:
                 log.warning("%s not found; keeping the last lease", lane)
 

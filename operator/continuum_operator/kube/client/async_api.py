@@ -23,7 +23,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Mapping,
+    Sequence,
+)
 from typing import TypeVar
 
 import aiohttp
@@ -253,7 +261,7 @@ async def follow(
     api: AsyncKubeApi,
     path: str,
     query: Sequence[tuple[str, str]],
-    listed: Callable[[list[dict[str, object]]], Awaitable[None]],
+    listed: Callable[[AsyncIterator[dict[str, object]]], Awaitable[None]],
     changed: Callable[[dict[str, object]], None],
     *,
     what: str,
@@ -261,9 +269,10 @@ async def follow(
     seconds: int = 300,
 ) -> None:
     """A collection followed until cancelled, as an informer does: listed (`listed` with its
-    items), then watched from the list's resourceVersion, `changed` with each ADDED, MODIFIED
-    or DELETED event. A stream the server ends (at `seconds`) or that drops is watched again
-    from the last resourceVersion seen, a bookmark's included, so nothing is listed again; a
+    items, read a page at a time, so that what a caller keeps of each item is all that stays of
+    a long list), then watched from the list's resourceVersion, `changed` with each ADDED,
+    MODIFIED or DELETED event. A stream the server ends (at `seconds`) or that drops is watched
+    again from the last resourceVersion seen, a bookmark's included, so nothing is listed again; a
     version the server no longer has (410 Gone) is listed again at once (after `retry_seconds`
     where the version was a list's own, so a server in that state is not listed in a loop).
     Any other failure (`listed`'s too) is logged, naming `what`, and listed again after
@@ -294,13 +303,25 @@ async def _listed(
     api: AsyncKubeApi,
     path: str,
     query: Sequence[tuple[str, str]],
-    listed: Callable[[list[dict[str, object]]], Awaitable[None]],
+    listed: Callable[[AsyncIterator[dict[str, object]]], Awaitable[None]],
 ) -> str:
-    """The collection listed (every page) and handed to `listed`; the list's resourceVersion."""
-    items: list[dict[str, object]] = []
+    """The collection listed and handed to `listed`, a page at a time; the list's
+    resourceVersion (the pages `listed` left unread are read through for it)."""
     version = ""
-    async for page in pages(api, path, query):
-        version = text(page, "metadata", "resourceVersion") or version
-        items += [item for item in items_at(page, "items") if isinstance(item, dict)]
-    await listed(items)
+
+    async def items() -> AsyncGenerator[dict[str, object], None]:
+        nonlocal version
+        async for page in pages(api, path, query):
+            version = text(page, "metadata", "resourceVersion") or version
+            for item in items_at(page, "items"):
+                if isinstance(item, dict):
+                    yield item
+
+    each = items()
+    try:
+        await listed(each)
+        async for _ in each:
+            pass
+    finally:
+        await each.aclose()
     return version
