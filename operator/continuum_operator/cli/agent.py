@@ -88,9 +88,17 @@ def _print_board(agent: Agent, output: str, capture: Path | None) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from continuum_operator.agent.run import Agent, run_forever
-    from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
-
+    try:
+        from continuum_operator.agent.run import Agent, run_forever
+        from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
+    except ModuleNotFoundError as err:  # the agent alone needs it: an extra (pyproject.toml)
+        if err.name != "kubernetes":
+            raise
+        return fail(
+            "continuum agent needs the Kubernetes client package: install "
+            "'continuum-operator[agent]' (the agent's image has it)",
+            EXIT_INVALID,
+        )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
