@@ -215,6 +215,12 @@ def from_kubeconfig(path: Path) -> Login:
     server = (text(cluster, "server") or "").rstrip("/")
     if not server.startswith(("https://", "http://")):
         raise LoginError(f"{where}: cluster {cluster_name!r} has no https:// server")
+    proxy = text(cluster, "proxy-url") or None
+    if proxy is not None and not proxy.startswith(("http://", "https://")):
+        raise LoginError(
+            f"{where}: cluster {cluster_name!r} has proxy-url {proxy!r}; continuum goes "
+            "through an http:// or https:// proxy only: name one, or reach the server directly"
+        )
     base = path.parent
     tls = None
     if server.startswith("https://"):
@@ -225,7 +231,7 @@ def from_kubeconfig(path: Path) -> Login:
         server=server,
         tls=tls,
         tls_server_name=text(cluster, "tls-server-name") or None,
-        proxy=text(cluster, "proxy-url") or None,
+        proxy=proxy,
         token=_kubeconfig_token(user, base),
     )
 

@@ -18,24 +18,10 @@ from aiohttp import web
 
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.client.async_api import AsyncKubeApi
-
-TOKEN = "the-token"
+from tests.support.kube_login import TOKEN, Meter, kubeconfig
 
 # Each request the server saw: method, path, query, headers, body.
 Seen = list[tuple[str, str, dict[str, str], Mapping[str, str], str]]
-
-
-def kubeconfig(path: Path, port: int) -> str:
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-        "users": [{"name": "u", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-        "current-context": "x",
-    }
-    path.write_text(json.dumps(doc))
-    return str(path)
 
 
 BIG = "x" * 100_000  # an object larger than aiohttp's readline takes
@@ -74,21 +60,6 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
     await response.write(json.dumps(gone).encode() + b"\n")
     await response.write_eof()
     return response
-
-
-class Meter:
-    """Records "VERB resource" as each request goes, and "answered VERB resource" once its
-    answer is read (any status)."""
-
-    def __init__(self, counted: list[str]) -> None:
-        self.counted = counted
-
-    def record_api_request(self, verb: str, resource: str) -> None:
-        self.counted.append(f"{verb} {resource}")
-
-    def record_api_answer(self, verb: str, resource: str, seconds: float) -> None:
-        assert 0 <= seconds < 30
-        self.counted.append(f"answered {verb} {resource}")
 
 
 @asynccontextmanager

@@ -18,8 +18,8 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 
 from continuum_operator.kube.client.api import ApiError, KubeApi
+from tests.support.kube_login import TOKEN, Meter, kubeconfig
 
-TOKEN = "the-token"
 LOG = "/api/v1/namespaces/ns/pods/p/log"
 
 # Each request the server saw: method, path, query, headers, body.
@@ -62,31 +62,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *_: object) -> None:
         pass
-
-
-def kubeconfig(path: Path, port: int) -> str:
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-        "users": [{"name": "u", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-        "current-context": "x",
-    }
-    path.write_text(json.dumps(doc))
-    return str(path)
-
-
-class Meter:
-    def __init__(self) -> None:
-        self.counted: list[str] = []
-
-    def record_api_request(self, verb: str, resource: str) -> None:
-        self.counted.append(f"{verb} {resource}")
-
-    def record_api_answer(self, verb: str, resource: str, seconds: float) -> None:
-        assert 0 <= seconds < 30
-        self.counted.append(f"answered {verb} {resource}")
 
 
 @contextmanager

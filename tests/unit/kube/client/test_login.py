@@ -237,6 +237,16 @@ def test_inline_data_that_is_not_base64_is_named(tmp_path: Path) -> None:
         from_kubeconfig(Path(write_kubeconfig(tmp_path / "k", cluster, {})))
 
 
+def test_a_proxy_other_than_http_is_refused_and_an_http_one_is_taken(tmp_path: Path) -> None:
+    cluster = {"server": "https://h:1", "proxy-url": "socks5://127.0.0.1:1080"}
+    with pytest.raises(LoginError, match="http:// or https:// proxy only"):
+        from_kubeconfig(Path(write_kubeconfig(tmp_path / "k", cluster, {})))
+    cluster["proxy-url"] = "http://127.0.0.1:3128"
+    assert from_kubeconfig(Path(write_kubeconfig(tmp_path / "k", cluster, {}))).proxy == (
+        "http://127.0.0.1:3128"
+    )
+
+
 def test_a_token_given_inline_is_not_read_again() -> None:
     token = BearerToken(" abc \n")
     assert token.value() == "abc"
