@@ -48,8 +48,9 @@ from aiohttp import web
 from bench.kube_bench import ROOT, cluster_down, cluster_up
 
 from continuum_operator.kube.client.api import crd_path, resource_of
-from continuum_operator.kube.client.async_api import AsyncKubeApi, login, tls_of
-from continuum_operator.kube.ledger import cached as ledger_object
+from continuum_operator.kube.client.async_api import AsyncKubeApi
+from continuum_operator.kube.client.login import login
+from continuum_operator.kube.ledger import cached
 from continuum_operator.model.json_body import at
 from continuum_operator.testing import TinyModelShape, write_tiny_gguf
 
@@ -68,14 +69,14 @@ class CountingProxy:
     streamed back as it comes (a watch stays open)."""
 
     def __init__(self, kubeconfig: str) -> None:
-        self.config = login(kubeconfig)
+        self.login = login(kubeconfig)
         self.counts: Counter[str] = Counter()
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
         self.port = 0
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(ssl=tls_of(self.config))
+        connector = aiohttp.TCPConnector(ssl=self.login.tls or False)
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout())
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.forward)
@@ -96,13 +97,11 @@ class CountingProxy:
         watching = request.query.get("watch") in ("1", "true")
         self.counts[f"{'WATCH' if watching else request.method} {resource_of(request.path)}"] += 1
         headers = {k: v for k, v in request.headers.items() if k.lower() not in DROPPED}
-        token = self.config.auth_settings().get("BearerToken")
-        if token and token.get("value"):
-            headers["Authorization"] = str(token["value"])
-        host = str(self.config.host).rstrip("/")
+        headers.update(self.login.headers())
         async with self.session.request(
-            request.method, host + request.path_qs, data=await request.read() or None,
-            headers=headers, server_hostname=self.config.tls_server_name or None,
+            request.method, self.login.server + request.path_qs,
+            data=await request.read() or None, headers=headers,
+            server_hostname=self.login.tls_server_name,
             # As sent: the kubernetes client sends a body with no Content-Type, which the API
             # server takes as JSON, where aiohttp's default (octet-stream) is a 415.
             skip_auto_headers=["Content-Type"],
@@ -191,7 +190,7 @@ async def objects(api: AsyncKubeApi, kubectl: list[str], names: list[str]) -> No
     for name in names:
         engine = {**example, "metadata": {"name": name, "namespace": NS}}
         engine = await api.request("POST", crd_path("engines", NS), engine)
-        await api.create(ledger_object.new_ledger(engine))
+        await api.create(cached.new_ledger(engine))
         await grant(api, name, 0)
         lane = {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
                 "metadata": {"name": name, "namespace": NS},

@@ -27,8 +27,12 @@ from continuum_operator.core.heartbeat import NODE_ANNOTATION, lease_name, node_
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.children.membership import BACKGROUND, CLASS_ANNOTATION, MIND_LABEL
 from continuum_operator.kube.process.leader import WALL_CLOCK_OFFSET_ENV
-from continuum_operator.kube.workloads import engine_identity, facts_job, lane_objects
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import (
+    engine_identity,
+    engine_objects,
+    facts_job,
+    lane_objects,
+)
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine
@@ -236,7 +240,7 @@ def test_engine_facts_and_lane_pods_are_admitted_where_the_restricted_profile_is
     )  # fmt: skip
     pods = PodSettings()
     plan = builders.plan_on_a_gpu(node="n1", gpus=(0,), engine_args=("--ctx-size", "1024"))
-    deployment = objects.deployment(engine, "uid", plan, pods, node_has_gpus=True)
+    deployment = engine_objects.deployment(engine, "uid", plan, pods, node_has_gpus=True)
     job = facts_job.facts_job(engine, "uid", pods)
     lane = EmbedLane.model_validate(
         {"apiVersion": "continuum.dev/v1alpha1", "kind": "EmbedLane",
@@ -286,7 +290,7 @@ def test_an_engine_service_account_reads_its_ledger_and_writing_it_is_refused_by
             "-p", json.dumps({"status": ledger}),
         )  # fmt: skip
 
-    sa = f"system:serviceaccount:{ns}:{objects.service_account_name(engine)}"
+    sa = f"system:serviceaccount:{ns}:{engine_objects.service_account_name(engine)}"
     # Its gateway reads its own ledger (a watch, by name), no other, and writes none.
     mine = kubectl_as(cluster, sa, "get", "grantledger", "coder", "-n", ns, "-o", "json")
     assert mine.returncode == 0 and json.loads(mine.stdout)["status"]["grants"] == ledger["grants"]
@@ -350,7 +354,7 @@ def test_an_engine_service_account_changing_its_engines_plan_is_refused_naming_t
         "-p", json.dumps({"status": {"relaunches": relaunches}}),
     )  # fmt: skip
 
-    sa = f"system:serviceaccount:{ns}:{objects.service_account_name(engine)}"
+    sa = f"system:serviceaccount:{ns}:{engine_objects.service_account_name(engine)}"
     # RBAC lets the engine patch its own Engine's status and nothing else: the fields within
     # status are the policy's to limit.
     assert can(cluster, sa, "patch", "engines.continuum.dev/coder", ns) is False

@@ -24,8 +24,8 @@ from continuum_operator.core.embed import (
     LanePlacement,
     LaneReason,
     LaneSizer,
+    LaneVerdict,
     Residence,
-    Verdict,
     place_lane,
     residence,
 )
@@ -234,7 +234,7 @@ def test_a_host_only_backend_is_charged_to_the_host_and_never_to_the_device(
     # The engine beside it offloads every layer; the lane still lives on the host.
     p = placed_lane(discrete_board(), status, facts, offloads=status["gpuOffload"],
                     layers=facts.layers + 1, total=facts.layers + 1)  # fmt: skip
-    assert p.verdict is Verdict.FITS and p.residence is Residence.HOST
+    assert p.verdict is LaneVerdict.FITS and p.residence is Residence.HOST
     assert p.residence_reason is LaneReason.HOST_BACKEND
     assert p.source is LaneReason.RECEIPT_USED
     assert set(p.charges) == {"host"} and p.charges["host"] > 0
@@ -253,7 +253,7 @@ def test_a_split_lane_is_charged_in_both_pools(embed_model: Path, facts: ModelFa
     # on the device, so the lane's context may land on either side.
     p = placed_lane(discrete_board(), status, facts, offloads=True, layers=2,
                     total=facts.layers + 1, max_ctx=1024)  # fmt: skip
-    assert p.residence is Residence.SPLIT and p.verdict is Verdict.FITS
+    assert p.residence is Residence.SPLIT and p.verdict is LaneVerdict.FITS
     measured = LaneSizer(facts, receipts_of(status)).bytes_at(1024)[0].total
     assert p.charges == {"host": measured, "device/0": measured}
     assert {lease.pool for lease in p.leases()} == {"host", "device/0"}
@@ -312,7 +312,7 @@ def test_a_request_too_large_for_the_pool_is_refused_without_disturbing_the_engi
         eng = [Lease("Engine/ns/eng", ConsumerKind.ENGINE, b.node, "host", engine_bytes)]
         p = placed_lane(b, calibrated, facts, offloads=False, layers=0, total=5,
                         leases=eng, max_ctx=4096)  # fmt: skip
-        assert p.verdict is Verdict.FITS and p.reason is LaneReason.LIMITED_BY_POOL
+        assert p.verdict is LaneVerdict.FITS and p.reason is LaneReason.LIMITED_BY_POOL
         assert p.context_tokens == 256
         rt.set_state(lane_state_from({"spec": {"maxContextTokens": 4096},
                                       "status": {"placement": p.to_dict()}}))  # fmt: skip

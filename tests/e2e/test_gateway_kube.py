@@ -20,7 +20,7 @@ from continuum_operator.engine.admission import GrantTable
 from continuum_operator.engine.gateway import SlotRelease
 from continuum_operator.engine.grants_source import EngineStatusWriter, watch_ledger
 from continuum_operator.kube.client.async_api import AsyncKubeApi
-from continuum_operator.kube.ledger import cached as ledger_object
+from continuum_operator.kube.ledger import cached
 from continuum_operator.model.mind import GrantState
 from tests.support.cluster import Cluster
 from tests.support.waiting import until
@@ -48,7 +48,7 @@ def _make_ledger(cluster: Cluster, namespace: str) -> None:
     """The Engine's GrantLedger as the operator makes it at its first grant step: named as the
     Engine, owned by it, no status yet."""
     engine = cluster.get_json("engine", "coder-8b", "-n", namespace)
-    cluster.apply(ledger_object.new_ledger(engine))
+    cluster.apply(cached.new_ledger(engine))
 
 
 def _write_ledger(
@@ -349,14 +349,13 @@ def test_the_engines_identity_and_network_policy_are_accepted_and_let_it_review_
     guard: the operator writes it alone); the NetworkPolicy is a valid one admitting the
     namespaces it names."""
     from continuum_operator.kube.base.settings import PodSettings
-    from continuum_operator.kube.workloads import engine_identity
-    from continuum_operator.kube.workloads import engine_objects as objects
+    from continuum_operator.kube.workloads import engine_identity, engine_objects
     from continuum_operator.model.engine import Engine
 
     doc = _engine(namespace)
     doc["spec"]["allowedNamespaces"] = ["team-b"]
     engine = Engine.model_validate(doc)
-    account = objects.service_account_name(engine)
+    account = engine_objects.service_account_name(engine)
     who = f"--as=system:serviceaccount:{namespace}:{account}"
 
     def can_review() -> str:

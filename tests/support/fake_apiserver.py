@@ -18,7 +18,7 @@ from aiohttp import web
 
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.model.base import GROUP, VERSION
-from tests.unit.kube.client.test_async_api import kubeconfig
+from tests.support.kube_login import kubeconfig
 
 NS = "minds"
 BASE = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}"

@@ -20,17 +20,18 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from continuum_operator.agent import attribution, probe
 from continuum_operator.agent.metrics import AgentMetrics
-from continuum_operator.agent.run import Agent, AgentSettings, board_resource, run_forever
-from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
 from continuum_operator.cli.errors import EXIT_INVALID, EXIT_OK, fail
 from continuum_operator.cli.output import add_output_argument, render
 from continuum_operator.core.board_change import Thresholds
 from continuum_operator.core.heartbeat import LEASE_NAMESPACE
 from continuum_operator.core.nodeboard import board_status
+
+if TYPE_CHECKING:
+    from continuum_operator.agent.run import Agent, AgentSettings
 
 __all__ = ["add_arguments", "cmd_agent"]
 
@@ -39,6 +40,10 @@ MiB = 2**20
 
 
 def _settings(args: argparse.Namespace) -> AgentSettings:
+    # Imported here, as below: the agent's writer imports the `kubernetes` package, and every
+    # process's command table imports this module (`cli.command`).
+    from continuum_operator.agent.run import AgentSettings
+
     return AgentSettings(
         node_name=args.node_name,
         interval_seconds=args.interval,
@@ -57,6 +62,8 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
 
 
 def _print_board(agent: Agent, output: str, capture: Path | None) -> int:
+    from continuum_operator.agent.run import board_resource
+
     if capture is not None:
         try:
             recorded = json.loads(capture.read_text())
@@ -81,6 +88,17 @@ def _print_board(agent: Agent, output: str, capture: Path | None) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    try:
+        from continuum_operator.agent.run import Agent, run_forever
+        from continuum_operator.agent.writer import AgentApi, AgentApiError, connect
+    except ModuleNotFoundError as err:  # the agent alone needs it: an extra (pyproject.toml)
+        if err.name != "kubernetes":
+            raise
+        return fail(
+            "continuum agent needs the Kubernetes client package: install "
+            "'continuum-operator[agent]' (the agent's image has it)",
+            EXIT_INVALID,
+        )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -13,6 +13,7 @@ from continuum_operator.kube.client.api import (
     ApiError,
     KubeApi,
 )
+from continuum_operator.kube.client.login import LoginError
 from continuum_operator.kube.process.release import (
     StopTimeout,
     release_finalizers,
@@ -40,8 +41,8 @@ def cmd_release_finalizers(args: argparse.Namespace) -> int:
         return fail(f"--timeout {args.timeout}: must be > 0 seconds", EXIT_INVALID)
     try:
         api = KubeApi(args.kubeconfig)
-    except Exception as err:  # the config loaders raise several unrelated types
-        return fail(f"no cluster configuration: {err}", EXIT_INVALID)
+    except LoginError as err:  # it says what was wrong and what to do
+        return fail(str(err), EXIT_INVALID)
     try:
         if stop is not None:
             pods = stop_operator(api, *stop, timeout=args.timeout)

@@ -65,7 +65,10 @@ class NodeView:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class NodeVerdict:
+    """One node's outcome in an Engine's best fit: excluded (and why) or planned, with its plan.
+    Not `core.embed.LaneVerdict`, the ordered outcome of a lane's placement or a request."""
+
     node: str
     excluded: Exclusion | None
     message: str
@@ -85,14 +88,14 @@ FITS = "Fits"
 
 Why = tuple[str, Exclusion | None, str]
 """One node's line in the summary of an Engine that fits nowhere (`core.unfit`): the node, its
-exclusion, and its group (`Verdict.why`). A plain tuple: a summary makes one per node."""
+exclusion, and its group (`NodeVerdict.why`). A plain tuple: a summary makes one per node."""
 
 
-def closest_of(verdicts: Iterable[Verdict]) -> Verdict | None:
+def closest_of(verdicts: Iterable[NodeVerdict]) -> NodeVerdict | None:
     """The node planned and found unschedulable with the smallest shortfall (those without
     one last), by name among equals; None when no node was planned."""
 
-    def key(v: Verdict) -> tuple[int, int, str]:
+    def key(v: NodeVerdict) -> tuple[int, int, str]:
         short = v.plan.shortfall_bytes if v.plan is not None else None
         return (1 if short is None else 0, short or 0, v.node)
 
@@ -115,11 +118,11 @@ class Decision:
     def __init__(
         self,
         chosen: ServingPlan | None,
-        verdicts: tuple[Verdict, ...] | Callable[[], tuple[Verdict, ...]],
+        verdicts: tuple[NodeVerdict, ...] | Callable[[], tuple[NodeVerdict, ...]],
         *,
         plans: int = 0,
         whys: Callable[[], tuple[Why, ...]] | None = None,
-        closest: Callable[[], Verdict | None] | None = None,
+        closest: Callable[[], NodeVerdict | None] | None = None,
     ) -> None:
         self.chosen = chosen
         self.plans = plans
@@ -128,7 +131,7 @@ class Decision:
         self._closest = closest
 
     @property
-    def verdicts(self) -> tuple[Verdict, ...]:
+    def verdicts(self) -> tuple[NodeVerdict, ...]:
         if callable(self._verdicts):
             self._verdicts = self._verdicts()
         return self._verdicts
@@ -139,7 +142,7 @@ class Decision:
             return self._whys()
         return tuple((v.node, v.excluded, v.why) for v in self.verdicts)
 
-    def closest(self) -> Verdict | None:
+    def closest(self) -> NodeVerdict | None:
         """The verdict of the closest node (`closest_of` of the verdicts)."""
         if self._closest is not None:
             return self._closest()
@@ -316,7 +319,7 @@ class Fleet:
 
     def exact(self, spec: EngineSpec, facts: ModelFacts, receipts: Sequence[Receipt]) -> Decision:
         """Every candidate node planned exactly: the choice without the pre-filter."""
-        verdicts: list[Verdict] = []
+        verdicts: list[NodeVerdict] = []
         ranked: list[tuple[tuple[int, int, int, str], ServingPlan]] = []
         # Nodes alike (the same pools, usage and leased bytes) get the same plan but for its
         # node: planned once. A cluster of many nodes of a few kinds has few distinct ones.
@@ -326,7 +329,7 @@ class Fleet:
             node = view.board.node
             excluded = self.exclusion(spec, i)
             if excluded is not None:
-                verdicts.append(Verdict(node, *excluded))
+                verdicts.append(NodeVerdict(node, *excluded))
                 continue
             ledger = self.ledgers[i]
             assert ledger is not None
@@ -411,12 +414,12 @@ def _late(view: NodeView) -> Exclusion | None:
     return None
 
 
-def _verdict(p: ServingPlan) -> Verdict:
+def _verdict(p: ServingPlan) -> NodeVerdict:
     """A candidate node's verdict from its plan."""
     if not p.schedulable:
         why = p.reasons[-1].message if p.reasons else "unschedulable"
-        return Verdict(p.node, Exclusion.UNSCHEDULABLE, why, p)
-    return Verdict(
+        return NodeVerdict(p.node, Exclusion.UNSCHEDULABLE, why, p)
+    return NodeVerdict(
         p.node,
         None,
         f"fits {p.layers_on_device}/{p.total_layers} layers on device, {p.minds_grantable} minds",
@@ -529,7 +532,7 @@ class _Prefiltered:
                 out.append((node, Exclusion.UNSCHEDULABLE, codes[row]))
         return tuple(out)
 
-    def closest(self) -> Verdict | None:
+    def closest(self) -> NodeVerdict | None:
         """`closest_of` the verdicts, from the pre-filter's shortfalls.
 
         The summary of an Engine that fits nowhere names the closest node (the smallest

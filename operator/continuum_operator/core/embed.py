@@ -53,8 +53,8 @@ __all__ = [
     "LanePlacement",
     "LaneReason",
     "LaneSizer",
+    "LaneVerdict",
     "Residence",
-    "Verdict",
     "admit",
     "lane_charges",
     "lane_leases",
@@ -74,8 +74,10 @@ class Residence(StrEnum):
     SPLIT = "split"
 
 
-class Verdict(StrEnum):
-    """Ordered as Kueue orders its modes: a later one is a better outcome."""
+class LaneVerdict(StrEnum):
+    """The outcome of a lane's placement (`place_lane`) or of a request's admission to its lease
+    (`admit`), written as EmbedLane `status.placement.verdict`. Ordered as Kueue orders its modes:
+    a later one is a better outcome. Not `core.bestfit.NodeVerdict`, a node's for an Engine."""
 
     FAILS = "Fails"
     WAITS = "Waits"
@@ -291,7 +293,7 @@ class LanePlacement:
 
     consumer: str
     node: str
-    verdict: Verdict
+    verdict: LaneVerdict
     reason: LaneReason
     message: str
     residence: Residence
@@ -381,7 +383,7 @@ _Sized = tuple[int, ContextBytes, dict[str, int], LaneReason]
 class _Outcome:
     """What `place_lane` decided, before it is dressed as a `LanePlacement`."""
 
-    verdict: Verdict
+    verdict: LaneVerdict
     reason: LaneReason
     message: str
     tokens: int = 0
@@ -460,7 +462,9 @@ def place_lane(
         floors = raise_floors(floors, lane.charges(lane.sized(floor_tokens)[0]))
     if board.host_view() is None:
         outcome = _Outcome(
-            Verdict.WAITS, LaneReason.NO_POOL, f"node {board.node}'s board reports no host pool yet"
+            LaneVerdict.WAITS,
+            LaneReason.NO_POOL,
+            f"node {board.node}'s board reports no host pool yet",
         )
     else:
         contexts = _Contexts.of(floor_tokens, ask.max_context_tokens)
@@ -495,13 +499,15 @@ def _largest_context(lane: _LaneFit, contexts: _Contexts) -> _Outcome:
     if tokens >= most:
         message = f"{tokens} tokens ({where}): the lane's whole spec.maxContextTokens"
         reason = LaneReason.AT_MAX_CONTEXT
-        return _Outcome(Verdict.FITS, reason, message, tokens, cb, charges, source)
+        return _Outcome(LaneVerdict.FITS, reason, message, tokens, cb, charges, source)
     blocked = lane.attempt(contexts[last + 1])[0] if last + 1 < len(contexts) else None
     message = (
         f"{tokens} of up to {most} tokens ({where}): pool {blocked} holds no more beside the "
         "other leases; larger requests wait"
     )
-    return _Outcome(Verdict.FITS, LaneReason.LIMITED_BY_POOL, message, tokens, cb, charges, source)
+    return _Outcome(
+        LaneVerdict.FITS, LaneReason.LIMITED_BY_POOL, message, tokens, cb, charges, source
+    )
 
 
 def _not_placed(lane: _LaneFit, tokens: int, blocked: str) -> _Outcome:
@@ -511,7 +517,7 @@ def _not_placed(lane: _LaneFit, tokens: int, blocked: str) -> _Outcome:
     blocked_pool = board.pools.get(blocked)
     if blocked_pool is None:
         message = f"node {board.node} has no pool {blocked} for a lane residing on the {lane.where}"
-        return _Outcome(Verdict.FAILS, LaneReason.NO_POOL, message, 0, cb, {}, source)
+        return _Outcome(LaneVerdict.FAILS, LaneReason.NO_POOL, message, 0, cb, {}, source)
     others_floor = sum(
         lease.floor_bytes
         for lease in lane.ledger.leases
@@ -525,24 +531,26 @@ def _not_placed(lane: _LaneFit, tokens: int, blocked: str) -> _Outcome:
             f"({_mib(others_floor)}) can never hold it; lower spec.maxContextTokens or place "
             "the lane beside another engine"
         )
-        return _Outcome(Verdict.FAILS, LaneReason.INSUFFICIENT_MEMORY, message, 0, cb, {}, source)
+        return _Outcome(
+            LaneVerdict.FAILS, LaneReason.INSUFFICIENT_MEMORY, message, 0, cb, {}, source
+        )
     have = lane.ledger.available_bytes(blocked, crediting=consumer)
     if have is None:
         message = (
             f"pool {blocked} on {board.node} has not been measured yet; the lane waits for "
             "the node agent's first reading"
         )
-        return _Outcome(Verdict.WAITS, LaneReason.POOL_UNSAMPLED, message, 0, cb, {}, source)
+        return _Outcome(LaneVerdict.WAITS, LaneReason.POOL_UNSAMPLED, message, 0, cb, {}, source)
     message = (
         f"a context of {tokens} tokens needs {_mib(need)} in pool {blocked}, which has "
         f"{_mib(have)} available beside the other leases; the lane waits for room"
     )
-    return _Outcome(Verdict.WAITS, LaneReason.POOL_BUSY, message, 0, cb, {}, source)
+    return _Outcome(LaneVerdict.WAITS, LaneReason.POOL_BUSY, message, 0, cb, {}, source)
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    verdict: Verdict
+    verdict: LaneVerdict
     reason: LaneReason
     message: str
     tokens: int
@@ -560,7 +568,7 @@ def admit(
     tokens = max(request_tokens, default=0)
     if tokens > max_context_tokens:
         return Admission(
-            Verdict.FAILS,
+            LaneVerdict.FAILS,
             LaneReason.CONTEXT_TOO_LARGE,
             f"an input of {tokens} tokens is larger than the lane's spec.maxContextTokens "
             f"({max_context_tokens}); split it, or raise maxContextTokens",
@@ -568,20 +576,20 @@ def admit(
         )
     if leased_context_tokens <= 0:
         return Admission(
-            Verdict.WAITS,
+            LaneVerdict.WAITS,
             LaneReason.NOT_PLACED,
             "the lane holds no lease yet (status.placement); waiting for the operator to place it",
             tokens,
         )
     if tokens > leased_context_tokens:
         return Admission(
-            Verdict.WAITS,
+            LaneVerdict.WAITS,
             LaneReason.POOL_BUSY,
             f"an input of {tokens} tokens needs more than the {leased_context_tokens} tokens "
             "the pool holds for the lane now; waiting for room",
             tokens,
         )
-    return Admission(Verdict.FITS, LaneReason.FITS, f"{tokens} tokens fit the lease", tokens)
+    return Admission(LaneVerdict.FITS, LaneReason.FITS, f"{tokens} tokens fit the lease", tokens)
 
 
 def _mib(n: int) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from continuum_operator.core import conditions as cond
-from continuum_operator.core.bestfit import Decision, Exclusion, Verdict
+from continuum_operator.core.bestfit import Decision, Exclusion, NodeVerdict
 from continuum_operator.core.plan import ReasonCode
 
 __all__ = ["MAX_MESSAGE_BYTES", "Group", "Unfit", "explain", "summarise", "why_of"]
@@ -71,14 +71,14 @@ class Unfit:
     reason: cond.Reason
     message: str
     groups: tuple[Group, ...]
-    closest: Verdict | None
+    closest: NodeVerdict | None
 
     @property
     def problem(self) -> cond.Problem:
         return cond.Problem(self.reason, self.message)
 
 
-def why_of(v: Verdict) -> str:
+def why_of(v: NodeVerdict) -> str:
     """A verdict's group: its exclusion, or for a node planned and found unschedulable the
     plan's last reason (the one that decided)."""
     return v.why

@@ -40,7 +40,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -49,7 +49,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from continuum_operator.core.embed import Verdict, admit
+from continuum_operator.core.embed import LaneVerdict, admit
 from continuum_operator.core.receipts import Receipt
 from continuum_operator.door.accounts import (
     REVIEW_RETRY_SECONDS,
@@ -139,7 +139,7 @@ def _lane_state(doc: dict[str, Any], max_context_tokens: int | None) -> LaneStat
         placement, max_ctx, largest = doc, int(max_context_tokens or 0), 0
     if max_ctx <= 0:
         raise ValueError("no maxContextTokens: give an EmbedLane, or --max-context-tokens")
-    fits = placement.get("verdict") == str(Verdict.FITS)
+    fits = placement.get("verdict") == str(LaneVerdict.FITS)
     leased = int(placement.get("contextTokens") or 0) if fits else 0
     return LaneState(
         max_context_tokens=max_ctx,
@@ -321,10 +321,10 @@ class LaneRuntime:
                 max_context_tokens=self.state.max_context_tokens,
                 leased_context_tokens=self.state.leased_context_tokens,
             )
-            if a.verdict is Verdict.FITS:
+            if a.verdict is LaneVerdict.FITS:
                 break
             left = deadline - self.clock()
-            if a.verdict is Verdict.FAILS or left <= 0:
+            if a.verdict is LaneVerdict.FAILS or left <= 0:
                 self.counts.refused += 1
                 self.metrics.refused(str(a.reason))
                 self.counts.last_refusal = {
@@ -333,7 +333,7 @@ class LaneRuntime:
                     "tokens": a.tokens,
                 }
                 await self.publish_status()
-                status = 413 if a.verdict is Verdict.FAILS else 503
+                status = 413 if a.verdict is LaneVerdict.FAILS else 503
                 return status, _error(status, str(a.reason), a.message, a.tokens)
             if not waited:
                 waited = True
@@ -533,9 +533,9 @@ class LaneObject:
             except ValueError as err:
                 log.warning("%s: %s; keeping the last lease", lane, err)
 
-        async def listed(items: list[dict[str, Any]]) -> None:
-            if items:
-                seen(items[0])
+        async def listed(items: AsyncIterator[dict[str, Any]]) -> None:
+            if (obj := await anext(items, None)) is not None:
+                seen(obj)
             else:
                 log.warning("%s not found; keeping the last lease", lane)
 

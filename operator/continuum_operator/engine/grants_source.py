@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +102,12 @@ async def watch_ledger(
     ledger = f"GrantLedger {namespace}/{name}"
     tables = _Handover(ledger, on_table)
 
-    async def listed(items: list[dict[str, Any]]) -> None:
+    async def listed(items: AsyncIterator[dict[str, Any]]) -> None:
         # The Engine's uid at each list: a ledger owned by another is not its grants.
         engine = await api.request("GET", crd_path("engines", namespace, name))
         tables.owner = text(engine, "metadata", "uid") or ""
-        if items:
-            tables.deliver(items[0])
+        if (ledger_body := await anext(items, None)) is not None:
+            tables.deliver(ledger_body)
         else:
             tables.wait(f"no {ledger} yet; refusing turns until the operator writes one")
 

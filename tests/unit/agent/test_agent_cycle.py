@@ -212,6 +212,16 @@ class TestCommand:
         assert board.status.pools and board.status.pools[-1].capacity_bytes > 0
         assert "# probe: nvml" in proc.stderr
 
+    def test_without_the_kubernetes_package_the_agent_says_which_extra_to_install(self) -> None:
+        # The operator's and the engine's images go without it (pyproject.toml's `agent` extra).
+        code = ("import sys; sys.modules['kubernetes'] = None\n"
+                "from continuum_operator.cli import main\n"
+                "sys.exit(main(['agent', '--print', '--node-name', 'bare-1']))\n")  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
+        assert proc.returncode == 2
+        assert "install 'continuum-operator[agent]'" in proc.stderr
+
     def test_print_from_a_capture_shows_the_recorded_machines_board(
         self, capsys: pytest.CaptureFixture[str]
     ) -> None:

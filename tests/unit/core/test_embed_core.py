@@ -14,8 +14,8 @@ from continuum_operator.core.embed import (
     LanePlacement,
     LaneReason,
     LaneSizer,
+    LaneVerdict,
     Residence,
-    Verdict,
     admit,
     lane_charges,
     place_lane,
@@ -158,7 +158,7 @@ def place(b: Board, leases: list[Lease], ask: LaneAsk, where: Residence = Reside
 
 def test_a_lane_with_room_leases_its_whole_maximum_context() -> None:
     p = place(discrete(), [], LaneAsk(LANE, max_context_tokens=8192))
-    assert p.verdict is Verdict.FITS and p.reason is LaneReason.AT_MAX_CONTEXT
+    assert p.verdict is LaneVerdict.FITS and p.reason is LaneReason.AT_MAX_CONTEXT
     assert p.context_tokens == 8192
     assert set(p.charges) == {"host"}
     assert p.charges["host"] == LaneSizer(FACTS).estimate(8192).total
@@ -168,7 +168,7 @@ def test_a_lane_in_a_tight_pool_leases_what_fits_and_says_why() -> None:
     b = discrete(host_gib=4)
     engine_lease = Lease("Engine/ns/eng", ConsumerKind.ENGINE, b.node, "host", 3 * GiB)
     p = place(b, [engine_lease], LaneAsk(LANE, max_context_tokens=32768))
-    assert p.verdict is Verdict.FITS and p.reason is LaneReason.LIMITED_BY_POOL
+    assert p.verdict is LaneVerdict.FITS and p.reason is LaneReason.LIMITED_BY_POOL
     assert 0 < p.context_tokens < 32768
     assert p.charges["host"] <= GiB
     assert "host" in p.message
@@ -201,7 +201,7 @@ def test_a_lane_of_the_largest_maximum_context_is_placed_by_trying_a_few_context
 
     monkeypatch.setattr(LaneSizer, "bytes_at", counted)
     p = place(discrete(host_gib=64), [], LaneAsk(LANE, max_context_tokens=16_777_216))
-    assert p.verdict is Verdict.FITS and p.reason is LaneReason.LIMITED_BY_POOL
+    assert p.verdict is LaneVerdict.FITS and p.reason is LaneReason.LIMITED_BY_POOL
     assert len(tried) < 40
 
 
@@ -209,7 +209,7 @@ def test_a_lane_that_never_fits_fails_with_the_pool_named() -> None:
     b = discrete(host_gib=1)
     engine_lease = Lease("Engine/ns/eng", ConsumerKind.ENGINE, b.node, "host", GiB, GiB)
     p = place(b, [engine_lease], LaneAsk(LANE, max_context_tokens=8192))
-    assert p.verdict is Verdict.FAILS and p.reason is LaneReason.INSUFFICIENT_MEMORY
+    assert p.verdict is LaneVerdict.FAILS and p.reason is LaneReason.INSUFFICIENT_MEMORY
     assert "host" in p.message and p.charges == {}
 
 
@@ -217,14 +217,14 @@ def test_a_lane_waits_while_its_pool_is_busy_above_the_others_floors() -> None:
     b = discrete(host_gib=1)
     engine_lease = Lease("Engine/ns/eng", ConsumerKind.ENGINE, b.node, "host", GiB, 0)
     p = place(b, [engine_lease], LaneAsk(LANE, max_context_tokens=8192))
-    assert p.verdict is Verdict.WAITS and p.reason is LaneReason.POOL_BUSY
+    assert p.verdict is LaneVerdict.WAITS and p.reason is LaneReason.POOL_BUSY
     assert p.leases() == []
 
 
 def test_a_lane_waits_for_an_unmeasured_pool() -> None:
     b = board(board_body("unified", [{"kind": "unified", "capacityBytes": 64 * GiB}]))
     p = place(b, [], LaneAsk(LANE, max_context_tokens=1024))
-    assert p.verdict is Verdict.WAITS and p.reason is LaneReason.POOL_UNSAMPLED
+    assert p.verdict is LaneVerdict.WAITS and p.reason is LaneReason.POOL_UNSAMPLED
 
 
 def test_floors_rise_with_the_largest_context_embedded_and_never_fall() -> None:
@@ -265,23 +265,23 @@ def test_a_placed_lane_shows_in_the_node_ledger_and_in_the_engine_plan() -> None
 
 def test_a_request_within_the_lease_fits() -> None:
     a = admit([10, 500], max_context_tokens=2048, leased_context_tokens=512)
-    assert a.verdict is Verdict.FITS and a.tokens == 500
+    assert a.verdict is LaneVerdict.FITS and a.tokens == 500
 
 
 def test_a_request_above_the_lease_waits_with_its_reason() -> None:
     a = admit([900], max_context_tokens=2048, leased_context_tokens=512)
-    assert a.verdict is Verdict.WAITS and a.reason is LaneReason.POOL_BUSY
+    assert a.verdict is LaneVerdict.WAITS and a.reason is LaneReason.POOL_BUSY
     assert "512" in a.message
 
 
 def test_a_request_above_the_lanes_maximum_fails() -> None:
     a = admit([4096], max_context_tokens=2048, leased_context_tokens=2048)
-    assert a.verdict is Verdict.FAILS and a.reason is LaneReason.CONTEXT_TOO_LARGE
+    assert a.verdict is LaneVerdict.FAILS and a.reason is LaneReason.CONTEXT_TOO_LARGE
 
 
 def test_a_lane_not_yet_placed_admits_nothing() -> None:
     a = admit([1], max_context_tokens=2048, leased_context_tokens=0)
-    assert a.verdict is Verdict.WAITS and a.reason is LaneReason.NOT_PLACED
+    assert a.verdict is LaneVerdict.WAITS and a.reason is LaneReason.NOT_PLACED
 
 
 # --- properties --------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_a_lane_never_over_commits_a_pool(scene: dict[str, Any]) -> None:
     b, others = scene["board"], scene["others"]
     ledger = BoardLeases.of(b, others)
     p = place(b, others, LaneAsk(LANE, scene["max"]), scene["where"], scene["sizer"])
-    if p.verdict is not Verdict.FITS:
+    if p.verdict is not LaneVerdict.FITS:
         assert p.leases() == []
         return
     assert p.context_tokens <= scene["max"]
@@ -390,9 +390,9 @@ def test_a_request_fits_only_within_the_lease_and_the_maximum(
 ) -> None:
     a = admit(tokens, max_context_tokens=max_ctx, leased_context_tokens=leased)
     biggest = max(tokens)
-    if a.verdict is Verdict.FITS:
+    if a.verdict is LaneVerdict.FITS:
         assert biggest <= leased and biggest <= max_ctx
-    elif a.verdict is Verdict.FAILS:
+    elif a.verdict is LaneVerdict.FAILS:
         assert biggest > max_ctx
     else:
         assert biggest > leased or leased == 0

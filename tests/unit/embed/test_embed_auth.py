@@ -31,8 +31,7 @@ from continuum_operator.embed.runtime import Door, LaneRuntime, LaneState, _door
 from continuum_operator.engine.admission import engine_audience, lane_audience
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.client.api import path_of
-from continuum_operator.kube.workloads import engine_identity, lane_objects
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_identity, engine_objects, lane_objects
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
 from tests.support.embed import WordModel
@@ -304,18 +303,18 @@ class TestTheOperatorsPod:
         assert command[:2] == ["continuum", "embed"] and "--unsafe-no-review" not in command
         # The pod's command through `continuum`'s own parser: review on, the lane's audience.
         args = build_parser().parse_args(command[1:])
-        assert args.review_tokens and args.admin_port == objects.ADMIN_PORT
+        assert args.review_tokens and args.admin_port == engine_objects.ADMIN_PORT
         door = _door(settings_from(args))
         assert door is not None and (door.audience, door.namespace) == (AUDIENCE, NS)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"http": PodSettings().port, "admin": objects.ADMIN_PORT}
+        assert ports == {"http": PodSettings().port, "admin": engine_objects.ADMIN_PORT}
         assert container["readinessProbe"]["httpGet"]["port"] == "http"  # /readyz stays there
 
     def test_its_identity_may_review_tokens(self) -> None:
         *namespaced, binding = lane_objects.lane_identity(lane(), "u")
         assert [o["kind"] for o in namespaced] == ["ServiceAccount", "Role", "RoleBinding"]
         assert binding["kind"] == "ClusterRoleBinding"
-        assert binding["roleRef"]["name"] == objects.AUTH_DELEGATOR
+        assert binding["roleRef"]["name"] == engine_objects.AUTH_DELEGATOR
         [subject] = binding["subjects"]
         assert (subject["name"], subject["namespace"]) == (f"embedlane-{LANE}", NS)
         assert "ownerReferences" not in binding["metadata"]  # cluster-scoped: no namespaced owner
@@ -352,9 +351,9 @@ class TestTheOperatorsPod:
         [expr] = callers["from"][0]["namespaceSelector"]["matchExpressions"]
         assert (expr["key"], expr["values"]) == ("kubernetes.io/metadata.name", [NS])
         assert callers["ports"] == [{"protocol": "TCP", "port": PodSettings().port}]
-        assert admin["ports"] == [{"protocol": "TCP", "port": objects.ADMIN_PORT}]
+        assert admin["ports"] == [{"protocol": "TCP", "port": engine_objects.ADMIN_PORT}]
         assert admin["from"] == [
-            {"namespaceSelector": {"matchLabels": {objects.SCRAPE_LABEL: "true"}}}
+            {"namespaceSelector": {"matchLabels": {engine_objects.SCRAPE_LABEL: "true"}}}
         ]
 
     def test_the_operator_applies_the_binding_and_policy_before_the_pod(self) -> None:
@@ -393,5 +392,5 @@ def test_the_charts_pod_monitor_scrapes_lanes_on_the_admin_port() -> None:
     [endpoint] = monitor["spec"]["podMetricsEndpoints"]
     [container] = pod_of()["spec"]["containers"]
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert endpoint["port"] == "admin" and named["admin"] == objects.ADMIN_PORT
+    assert endpoint["port"] == "admin" and named["admin"] == engine_objects.ADMIN_PORT
     assert endpoint["path"] == "/metrics"

@@ -19,8 +19,7 @@ from continuum_operator.engine.admission import ReviewUnavailable
 from continuum_operator.engine.runtime import _reviewer
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.client.api import path_of
-from continuum_operator.kube.workloads import engine_identity
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_identity, engine_objects
 from tests.support import builders
 
 
@@ -35,10 +34,10 @@ def engine_args(*extra: str) -> Any:
 class TestEveryEngineReviewsTokens:
     def test_the_operator_runs_each_engine_with_review_and_an_admin_port(self) -> None:
         plan = builders.plan_on_a_gpu(engine_args=("-c", "1024"))
-        cmd = objects.command(engine(), plan, PodSettings())
+        cmd = engine_objects.command(engine(), plan, PodSettings())
         flags = cmd[: cmd.index("--")]
         assert "--review-tokens" in flags and "--unsafe-trust-mind-header" not in flags
-        assert flags[flags.index("--admin-port") + 1] == str(objects.ADMIN_PORT)
+        assert flags[flags.index("--admin-port") + 1] == str(engine_objects.ADMIN_PORT)
 
     def test_an_engine_of_the_cluster_reviews_with_its_own_audience_by_default(self) -> None:
         reviewer = _reviewer(settings_from(engine_args("--engine", "ml/coder")), None)
@@ -90,7 +89,10 @@ class TestTheEnginesIdentityMayReviewTokens:
         assert binding["kind"] == "ClusterRoleBinding"
         assert binding["roleRef"]["name"] == "system:auth-delegator"
         [subject] = binding["subjects"]
-        assert (subject["name"], subject["namespace"]) == (objects.service_account_name(e), "ns")
+        assert (subject["name"], subject["namespace"]) == (
+            engine_objects.service_account_name(e),
+            "ns",
+        )
         assert "ownerReferences" not in binding["metadata"]  # cluster-scoped: no namespaced owner
         assert path_of(binding) == (
             "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/"
@@ -116,7 +118,7 @@ class TestTheNetworkPolicy:
         )
         assert path_of(policy) == "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/eng"
         spec = policy["spec"]
-        assert spec["podSelector"]["matchLabels"] == objects.selector(engine())
+        assert spec["podSelector"]["matchLabels"] == engine_objects.selector(engine())
         minds, admin = spec["ingress"]
         [expr] = minds["from"][0]["namespaceSelector"]["matchExpressions"]
         assert (expr["key"], expr["operator"], expr["values"]) == (
@@ -126,9 +128,9 @@ class TestTheNetworkPolicy:
         )
         assert minds["ports"] == [{"protocol": "TCP", "port": PodSettings().port}]
         # The admin port (metrics, releases, runtime) is for labelled namespaces, not minds'.
-        assert admin["ports"] == [{"protocol": "TCP", "port": objects.ADMIN_PORT}]
+        assert admin["ports"] == [{"protocol": "TCP", "port": engine_objects.ADMIN_PORT}]
         assert admin["from"] == [
-            {"namespaceSelector": {"matchLabels": {objects.SCRAPE_LABEL: "true"}}}
+            {"namespaceSelector": {"matchLabels": {engine_objects.SCRAPE_LABEL: "true"}}}
         ]
 
     def test_an_engine_open_to_every_namespace_admits_every_namespace(self) -> None:

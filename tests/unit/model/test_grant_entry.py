@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from continuum_operator.core.grants import Grant, GrantReason
 from continuum_operator.engine.admission import GrantTableError, Refusal, admit_turn, parse_table
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.engine import Engine
 from continuum_operator.model.grant import GrantEntry, grant_entries, parse_entries
@@ -120,7 +120,7 @@ class TestTheCrdSchema:
         with pytest.raises(ValidationError):
             GrantLedger.model_validate({**body, "status": {"grants": bad}})
         # One bad entry does not make the whole ledger unreadable: the operator skips it.
-        assert [e.wire() for e in ledger.read_entries(bad)] == written()
+        assert [e.wire() for e in grant_ledger.read_entries(bad)] == written()
 
     def test_an_engine_names_no_ledger_field(self) -> None:
         # The ledger is a GrantLedger's: an Engine's status that carries one is refused.
@@ -204,7 +204,7 @@ class TestEachReadersPolicy:
             {"mind": "ns/bad", "state": "Held", "reason": "PoolFull"},
             {"mind": "ns/noreason", "state": "Queued"},
         ]
-        assert ledger.read_grants(ledger.read_entries(raw)) == every_kind_of_grant()
+        assert grant_ledger.read_grants(grant_ledger.read_entries(raw)) == every_kind_of_grant()
 
     def test_the_gateway_refuses_the_whole_table_for_one_entry_it_cannot_read(self) -> None:
         doc = {

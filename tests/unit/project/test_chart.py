@@ -21,8 +21,7 @@ import yaml
 from continuum_operator.cli import build_parser
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.grants import mind_writes
-from continuum_operator.kube.workloads import engine_identity, lane_objects
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_identity, engine_objects, lane_objects
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
 from tests.support.builders import ROOT, tree
@@ -482,7 +481,7 @@ def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
 
     engine, p = builders.engine_planned_on_a_gpu()
     pods = PodSettings()
-    claim = objects.gpu_claim_template(
+    claim = engine_objects.gpu_claim_template(
         engine, "uid-1", builders.plan_on_a_gpu(gpus=(0,)), PodSettings(gpu_claims=GpuClaims.DRA)
     )
     assert claim is not None
@@ -493,8 +492,8 @@ def _made_for_an_engine_and_a_lane() -> list[dict[str, Any]]:
         {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
     )
     return [
-        objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
-        objects.service(engine, "uid-1", pods),
+        engine_objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
+        engine_objects.service(engine, "uid-1", pods),
         claim,
         facts_job.facts_job(engine, "uid-1", pods),
         engine_identity.network_policy(engine, "uid-1", pods),
@@ -574,7 +573,7 @@ def test_the_operator_may_write_the_gpu_claim_templates_it_makes_with_dra_and_no
 
     rules = one(default_docs, "ClusterRole", "-operator")["rules"]
     engine = builders.engine(builders.engine_body())
-    claim = objects.gpu_claim_template(
+    claim = engine_objects.gpu_claim_template(
         engine, "uid-1", builders.plan_on_a_gpu(gpus=(1,)), PodSettings(gpu_claims=GpuClaims.DRA)
     )
     assert claim is not None
@@ -726,11 +725,18 @@ def test_monitoring_objects_scrape_the_operator_and_every_engine(
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
     engines = monitors["ctm-engines"]["spec"]
     assert engines["namespaceSelector"] == {"any": True}
-    assert engines["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == objects.MANAGED_BY
+    assert (
+        engines["selector"]["matchLabels"]["app.kubernetes.io/managed-by"]
+        == engine_objects.MANAGED_BY
+    )
     # The engine Service's admin port (metrics are not served to minds on http).
-    engine_service = objects.service(builders.engine(builders.engine_body()), "u", PodSettings())
+    engine_service = engine_objects.service(
+        builders.engine(builders.engine_body()), "u", PodSettings()
+    )
     admin = {p["name"]: p["port"] for p in engine_service["spec"]["ports"]}
-    assert engines["endpoints"][0]["port"] == "admin" and admin["admin"] == objects.ADMIN_PORT
+    assert (
+        engines["endpoints"][0]["port"] == "admin" and admin["admin"] == engine_objects.ADMIN_PORT
+    )
 
     pods = {d["metadata"]["name"]: d for d in by_kind(custom_docs, "PodMonitor")}
     assert set(pods) == {"ctm-agents", "ctm-embedlanes"}

@@ -155,8 +155,7 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
     such flag and its pods run in each Engine's namespace, where the Secret does not exist."""
     from continuum_operator.cli import build_parser
     from continuum_operator.cli.operator import settings_from
-    from continuum_operator.kube.workloads import engine_objects as objects
-    from continuum_operator.kube.workloads import facts_job, lane_objects
+    from continuum_operator.kube.workloads import engine_objects, facts_job, lane_objects
     from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
     from tests.support import builders
 
@@ -178,7 +177,7 @@ def test_pull_secrets_reach_the_charts_own_pods_and_the_docs_say_the_engines_get
         {"node": "n", "verdict": "Fits", "residence": "host", "pools": []}
     )
     made = [
-        objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
+        engine_objects.deployment(engine, "uid-1", p, pods, node_has_gpus=True),
         facts_job.facts_job(engine, "uid-1", pods),
         lane_objects.lane_deployment(lane, "uid-2", placement, engine, pods),
     ]

@@ -16,8 +16,7 @@ from continuum_operator.cli.model import TINY_SHAPE, sha256_of
 from continuum_operator.core.grants import PriorityPolicy
 from continuum_operator.gguf import read_facts
 from continuum_operator.kube.grants import mind_status
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger import grant_ledger, routing
 from continuum_operator.manifests import load_all, load_one, parse
 from continuum_operator.model import Engine, Mind, MindClass
 from continuum_operator.model.grant import GrantEntry
@@ -119,9 +118,9 @@ def test_the_minds_examples_do_what_their_comment_says_then_queue_moves_on_a_del
 
     def step(now: float, present: list[dict[str, Any]]) -> dict[str, GrantEntry]:
         demands = routing.demands_of(present, classes, default)
-        s = ledger.step(engine, demands, now, policy)
+        s = grant_ledger.step(engine, demands, now, policy)
         engine["status"]["grants"] = [e.wire() for e in s.entries]
-        engine["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
+        engine["status"][grant_ledger.CAPACITY_FIELD] = s.pool.to_status()
         return {e.mind.split("/")[1]: e for e in s.entries}
 
     entries = step(100.0, minds)

@@ -42,7 +42,7 @@ from continuum_operator.core import rfc3339
 from continuum_operator.kube.base import events
 from continuum_operator.kube.base.readiness import MINDS_LISTED, WEBHOOK_SERVING, Readiness
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
-from continuum_operator.kube.children import workloads as child_workloads
+from continuum_operator.kube.children import workloads
 from continuum_operator.kube.children.membership import (
     CLASS_ANNOTATION,
     MIND_LABEL,
@@ -96,7 +96,7 @@ def webhook_configuration(
     client_config: Mapping[str, object], children: ChildrenSettings
 ) -> dict[str, object]:
     """The MutatingWebhookConfiguration that sends a mind's new child pods to this operator,
-    and the workloads a service account writes (`child_workloads.workloads_webhook`).
+    and the workloads a service account writes (`workloads.workloads_webhook`).
 
     `client_config` is what kopf's server yields (its URL and CA bundle); the handler's id is
     the URL's last part, as kopf routes it (kopf's server has no root path, so a Service
@@ -152,9 +152,7 @@ def webhook_configuration(
                 "reinvocationPolicy": "IfNeeded",
                 "matchPolicy": "Equivalent",
             },
-            child_workloads.workloads_webhook(
-                client(child_workloads.HANDLER_ID), children.timeout_seconds
-            ),
+            workloads.workloads_webhook(client(workloads.HANDLER_ID), children.timeout_seconds),
         ],
     }
 
@@ -365,18 +363,18 @@ def register(
         userinfo: kopf.UserInfo | None = None,
         **_: object,
     ) -> None:
-        creator = child_workloads.creator_mind(userinfo, minds)
+        creator = workloads.creator_mind(userinfo, minds)
         mutation = mutate(dict(body), pods, children, creator)
         if mutation is None:
             return
-        child_workloads.answer(patch, warnings, mutation)
+        workloads.answer(patch, warnings, mutation)
         if not dryrun:
             metrics.record_child_mutated(
                 str(object_at(mutation.pod, "metadata").get("namespace", ""))
             )
 
     # The pods her Deployments, Jobs... make: their templates, where she writes them.
-    child_workloads.register(registry, pods, children, minds)
+    workloads.register(registry, pods, children, minds)
 
 
 def _register_count(

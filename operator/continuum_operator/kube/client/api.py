@@ -2,28 +2,29 @@
 means), and the blocking adapter (`KubeApi`), for the CLI and anything outside the event loop.
 
 Raw paths and plain dicts, so objects built by `kube.workloads.engine_objects` go out as they are:
-no generated model classes in between. `KubeApi` runs on the `kubernetes` client's transport (its
-configuration, TLS and credentials from the kubeconfig); the operator's loops use
+no generated model classes in between. `KubeApi` runs on urllib3 (a pool of connections, with the
+TLS and credentials of `kube.client.login`); the operator's loops use
 `kube.client.async_api.AsyncKubeApi`, the same verbs awaited on the event loop. Each verb is built
 once here (`Request`) and each answer read once (`answer`), whichever transport carried it.
 
 Errors: `ApiError` carries the HTTP status and the server's message; 404 and 409 are told apart
-by `status` where a caller cares.
+by `status` where a caller cares. A transport failure (refused, reset, timed out) is an `OSError`
+in both adapters, and so is a failed login (`kube.client.login.LoginError`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-from kubernetes import client, config
+import urllib3
 
+from continuum_operator.kube.client.login import Login, login
 from continuum_operator.model.json_body import object_at, text
 
 __all__ = [
@@ -34,8 +35,6 @@ __all__ = [
     "continue_token",
     "crd_path",
     "document",
-    "in_cluster",
-    "login",
     "page_query",
     "path_of",
     "resource_of",
@@ -44,9 +43,6 @@ __all__ = [
 FIELD_MANAGER = "continuum-operator"
 #: Seconds a request may take, answer read included.
 TIMEOUT_SECONDS = 30
-#: The one credential the adapters send: the kubeconfig's or the ServiceAccount's token (a
-#: client certificate, when the kubeconfig has one, is the transport's).
-AUTH_SETTINGS = ["BearerToken"]
 
 
 class ApiError(Exception):
@@ -205,32 +201,6 @@ def document(answer: object) -> dict[str, object]:
     return answer
 
 
-def in_cluster(kubeconfig: str | None) -> bool:
-    """Whether to log in as the pod's ServiceAccount: in a pod, with no kubeconfig named (the
-    chart runs the operator so); else the kubeconfig (`--kubeconfig`, $KUBECONFIG, ~/.kube)."""
-    in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-    return kubeconfig is None and not os.environ.get("KUBECONFIG") and in_pod
-
-
-def login(kubeconfig: str | None) -> client.Configuration:
-    """Where the API server is and how to show who we are, for both adapters: as the pod's
-    ServiceAccount (its token read again as the kubelet rotates it, through the configuration's
-    refresh hook) or from the kubeconfig (its certificates written to files, an exec plugin
-    run). Blocking: it may read files and run a plugin."""
-    configuration = client.Configuration()
-    try:
-        if in_cluster(kubeconfig):
-            config.load_incluster_config(client_configuration=configuration)
-        else:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    except config.ConfigException as err:  # an OSError, as an unreachable server is
-        raise ConnectionError(
-            f"no API server to log in to: {err}; name a kubeconfig (--kubeconfig or "
-            "$KUBECONFIG) or run in a pod"
-        ) from err
-    return configuration
-
-
 class RequestMeter(Protocol):
     """What records the requests an adapter sends (the operator's metrics): each counted as it
     goes, and timed to its answer (an answer refused with a status too; not a transport
@@ -241,28 +211,43 @@ class RequestMeter(Protocol):
     def record_api_answer(self, verb: str, resource: str, seconds: float) -> None: ...
 
 
+def pool_for(credentials: Login) -> urllib3.PoolManager:
+    """Connections to the API server with `credentials`' TLS, through its proxy where it names
+    one."""
+    tls, name = credentials.tls, credentials.tls_server_name
+    if credentials.proxy:
+        return urllib3.ProxyManager(
+            credentials.proxy, ssl_context=tls, server_hostname=name, retries=False
+        )
+    return urllib3.PoolManager(ssl_context=tls, server_hostname=name, retries=False)
+
+
 class KubeApi:
-    """Blocking. `meter` records each request (the operator's metrics)."""
+    """Blocking. `meter` records each request (the operator's metrics). Logs in as it is made
+    (`kube.client.login.login`: a `LoginError` where it cannot)."""
 
     def __init__(self, kubeconfig: str | None = None, meter: RequestMeter | None = None) -> None:
         self.meter = meter
-        self._client = client.ApiClient(login(kubeconfig))
+        self.login = login(kubeconfig)
+        self._pool = pool_for(self.login)
 
     def send(self, r: Request) -> object:
         resource = resource_of(r.path)
         if self.meter is not None:
             self.meter.record_api_request(r.method, resource)
         started = time.monotonic()
-        prepared = self._client.param_serialize(
-            r.method,
-            r.path,
-            query_params=list(r.query),
-            header_params=r.headers,
-            body=r.body,
-            auth_settings=AUTH_SETTINGS,
-        )
-        response = self._client.call_api(*prepared, _request_timeout=TIMEOUT_SECONDS)
-        response.read()
+        url = self.login.server + r.path + (f"?{urlencode(r.query)}" if r.query else "")
+        try:
+            response = self._pool.request(
+                r.method,
+                url,
+                body=None if r.body is None else json.dumps(r.body).encode(),
+                headers={**r.headers, **self.login.headers()},
+                timeout=urllib3.Timeout(total=TIMEOUT_SECONDS),
+                redirect=False,
+            )
+        except urllib3.exceptions.HTTPError as err:  # as the async adapter's: an OSError
+            raise ConnectionError(f"{r.method} {r.path}: {err!r}") from err
         if self.meter is not None:
             self.meter.record_api_answer(r.method, resource, time.monotonic() - started)
         return answer(r, response.status, response.data)

@@ -3,12 +3,11 @@ of `kube.client.api.KubeApi` (request, apply, merge_patch, delete, text, create)
 engine's and the lane's processes talk through it too, one each, and keep their one object with
 `follow` (a list, then a watch resumed from the last version seen).
 
-The transport is an aiohttp session (kopf's HTTP stack, so no second one) over the `kubernetes`
-client's configuration, loaded as the blocking adapter loads it (`kube.client.api.login`): the host,
-the TLS files and server name, the proxy, and the token, read from the configuration at each
-request so that its refresh hook runs (the pod's ServiceAccount token is read again as the
+The transport is an aiohttp session (kopf's HTTP stack, so no second one) with the login the
+blocking adapter has too (`kube.client.login.login`): the server, its TLS and server name, the
+proxy, and the token, read at each request (the pod's ServiceAccount token is read again as the
 kubelet rotates it). The request each verb sends and what an answer means are `kube.client.api`'s,
-shared with the blocking adapter.
+shared with the blocking adapter. Neither imports the `kubernetes` package.
 
 Not `kubernetes_asyncio`: kopf imports its generated client whenever it is installed, and that
 was 32 MiB of the operator's memory for a transport that sends plain dicts (docs/architecture.md).
@@ -24,13 +23,19 @@ import contextlib
 import copy
 import json
 import logging
-import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Mapping,
+    Sequence,
+)
 from typing import TypeVar
 
 import aiohttp
-from kubernetes import client
 
 from continuum_operator.kube.client.api import (
     TIMEOUT_SECONDS,
@@ -44,7 +49,6 @@ from continuum_operator.kube.client.api import (
     create_request,
     delete_request,
     document,
-    login,
     merge_patch_request,
     page_query,
     resource_of,
@@ -52,9 +56,10 @@ from continuum_operator.kube.client.api import (
 )
 from continuum_operator.kube.client.body import bodies
 from continuum_operator.kube.client.kept import resource_version
+from continuum_operator.kube.client.login import Login, login
 from continuum_operator.model.json_body import integer, items_at, object_at, text
 
-__all__ = ["LIST_PAGE", "AsyncKubeApi", "NotLeading", "follow", "login", "pages", "relist"]
+__all__ = ["LIST_PAGE", "AsyncKubeApi", "NotLeading", "follow", "pages", "relist"]
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +75,6 @@ CONNECTIONS = 64
 LIST_PAGE = 250
 
 
-def tls_of(configuration: client.Configuration) -> ssl.SSLContext:
-    """The TLS the configuration asks for: its CA (else the system's), its client certificate,
-    and no verification only where the kubeconfig says `insecure-skip-tls-verify`."""
-    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
-    if configuration.cert_file:
-        context.load_cert_chain(configuration.cert_file, configuration.key_file or None)
-    if not configuration.verify_ssl:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
-
-
 class NotLeading(Exception):
     """A write refused before it was sent: this replica no longer leads (`writing_while`)."""
 
@@ -94,26 +87,22 @@ class AsyncKubeApi:
     _may_write: Callable[[], bool] | None = None
 
     def __init__(
-        self,
-        configuration: client.Configuration,
-        session: aiohttp.ClientSession,
-        meter: RequestMeter | None = None,
+        self, credentials: Login, session: aiohttp.ClientSession, meter: RequestMeter | None = None
     ) -> None:
-        self._config = configuration
+        self.login = credentials
         self._session = session
-        self._host = str(configuration.host).rstrip("/")
         self.meter = meter
 
     @classmethod
     async def connect(
         cls, kubeconfig: str | None = None, meter: RequestMeter | None = None
     ) -> AsyncKubeApi:
-        # In a thread: the loader reads files and may run a kubeconfig's exec plugin.
-        configuration = await asyncio.to_thread(login, kubeconfig)
-        connector = aiohttp.TCPConnector(limit=CONNECTIONS, ssl=tls_of(configuration))
+        # In a thread: the loader reads files.
+        credentials = await asyncio.to_thread(login, kubeconfig)
+        connector = aiohttp.TCPConnector(limit=CONNECTIONS, ssl=credentials.tls or False)
         timeout = aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)
         session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        return cls(configuration, session, meter)
+        return cls(credentials, session, meter)
 
     async def close(self) -> None:
         await self._session.close()
@@ -132,11 +121,6 @@ class AsyncKubeApi:
         gated._may_write = may_write
         return gated
 
-    def _credentials(self) -> dict[str, str]:
-        # Asked for at each request: `auth_settings` runs the configuration's refresh hook.
-        token = self._config.auth_settings().get("BearerToken")
-        return {"Authorization": str(token["value"])} if token and token.get("value") else {}
-
     @contextlib.asynccontextmanager
     async def _opened(
         self, r: Request, timeout: aiohttp.ClientTimeout | None = None
@@ -147,12 +131,12 @@ class AsyncKubeApi:
         try:
             async with self._session.request(
                 r.method,
-                self._host + r.path,
+                self.login.server + r.path,
                 params=list(r.query),
                 data=body,
-                headers={**r.headers, **self._credentials()},
-                proxy=self._config.proxy or None,
-                server_hostname=self._config.tls_server_name or None,
+                headers={**r.headers, **self.login.headers()},
+                proxy=self.login.proxy,
+                server_hostname=self.login.tls_server_name,
                 timeout=timeout or self._session.timeout,
             ) as response:
                 yield response
@@ -295,7 +279,7 @@ async def follow(
     api: AsyncKubeApi,
     path: str,
     query: Sequence[tuple[str, str]],
-    listed: Callable[[list[dict[str, object]]], Awaitable[None]],
+    listed: Callable[[AsyncIterator[dict[str, object]]], Awaitable[None]],
     changed: Callable[[dict[str, object]], None],
     *,
     what: str,
@@ -303,9 +287,10 @@ async def follow(
     seconds: int = 300,
 ) -> None:
     """A collection followed until cancelled, as an informer does: listed (`listed` with its
-    items), then watched from the list's resourceVersion, `changed` with each ADDED, MODIFIED
-    or DELETED event. A stream the server ends (at `seconds`) or that drops is watched again
-    from the last resourceVersion seen, a bookmark's included, so nothing is listed again; a
+    items, read a page at a time, so that what a caller keeps of each item is all that stays of
+    a long list), then watched from the list's resourceVersion, `changed` with each ADDED,
+    MODIFIED or DELETED event. A stream the server ends (at `seconds`) or that drops is watched
+    again from the last resourceVersion seen, a bookmark's included, so nothing is listed again; a
     version the server no longer has (410 Gone) is listed again at once (after `retry_seconds`
     where the version was a list's own, so a server in that state is not listed in a loop).
     Any other failure (`listed`'s too) is logged, naming `what`, and listed again after
@@ -336,13 +321,25 @@ async def _listed(
     api: AsyncKubeApi,
     path: str,
     query: Sequence[tuple[str, str]],
-    listed: Callable[[list[dict[str, object]]], Awaitable[None]],
+    listed: Callable[[AsyncIterator[dict[str, object]]], Awaitable[None]],
 ) -> str:
-    """The collection listed (every page) and handed to `listed`; the list's resourceVersion."""
-    items: list[dict[str, object]] = []
+    """The collection listed and handed to `listed`, a page at a time; the list's
+    resourceVersion (the pages `listed` left unread are read through for it)."""
     version = ""
-    async for page in pages(api, path, query):
-        version = text(page, "metadata", "resourceVersion") or version
-        items += [item for item in items_at(page, "items") if isinstance(item, dict)]
-    await listed(items)
+
+    async def items() -> AsyncGenerator[dict[str, object], None]:
+        nonlocal version
+        async for page in pages(api, path, query):
+            version = text(page, "metadata", "resourceVersion") or version
+            for item in items_at(page, "items"):
+                if isinstance(item, dict):
+                    yield item
+
+    each = items()
+    try:
+        await listed(each)
+        async for _ in each:
+            pass
+    finally:
+        await each.aclose()
     return version

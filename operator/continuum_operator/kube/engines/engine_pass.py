@@ -26,8 +26,7 @@ from continuum_operator.kube.base.settings import OperatorSettings, PodSettings,
 from continuum_operator.kube.client.merge_patch import status_patch
 from continuum_operator.kube.engines import runtime_report
 from continuum_operator.kube.state.cache import EngineKey, Snapshot
-from continuum_operator.kube.workloads import engine_identity
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_identity, engine_objects
 from continuum_operator.model.base import Condition
 from continuum_operator.model.board import MemoryMode
 from continuum_operator.model.engine import Engine, EnginePlacement, ModelFacts
@@ -82,7 +81,7 @@ class Writes:
 
 def pods_on(snap: Snapshot, node: str, settings: OperatorSettings) -> PodSettings:
     """The pod settings on one node: GPU sharing resolved against what its board offers, and
-    the node's allocatable CPUs (the engine's CPUs follow them, `objects.engine_cpus`)."""
+    the node's allocatable CPUs (the engine's CPUs follow them, `engine_objects.engine_cpus`)."""
     board = snap.boards.get(node)
     offered = board.cap_mechanisms if board is not None else ()
     sharing = resolve_sharing(settings.pods.gpu_sharing, offered)
@@ -206,18 +205,18 @@ class EnginePass:
         deployment = service = None
         identity: tuple[dict[str, Any], ...] = ()
         if engine is not None and plan is not None:
-            deployment = objects.deployment(
+            deployment = engine_objects.deployment(
                 engine, self.uid, plan, pods, node_has_gpus=node_has_gpus
             )
-            service = objects.service(engine, self.uid, pods)
+            service = engine_objects.service(engine, self.uid, pods)
             identity = (
                 *engine_identity.engine_rbac(engine, self.uid),
                 engine_identity.network_policy(engine, self.uid, pods),
             )
-            claim = objects.gpu_claim_template(engine, self.uid, plan, pods)
+            claim = engine_objects.gpu_claim_template(engine, self.uid, plan, pods)
             if claim is not None:  # before the Deployment, as its pods name it
                 identity = (*identity, claim)
-            new["enforcement"] = objects.enforcement(plan, pods, node_has_gpus=node_has_gpus)
+            new["enforcement"] = engine_objects.enforcement(plan, pods, node_has_gpus=node_has_gpus)
         patch = status_patch(self.status, new)
         return Writes(
             status_patch={"status": patch} if patch else None,

@@ -43,10 +43,10 @@ from continuum_operator.kube.engines.engine_pass import Event, Memory, Writes
 from continuum_operator.kube.engines.facts_read import read_job_facts, read_job_failure
 from continuum_operator.kube.engines.pool_metrics import PoolMetrics
 from continuum_operator.kube.engines.reconcile import reconcile
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from continuum_operator.kube.state.cache import Cache, EngineKey, JobEntry
 from continuum_operator.kube.state.occupancy import is_fresh, lease_is_fresh
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.json_body import at, text
@@ -209,7 +209,7 @@ class Loop:
         """The Deployment this decision wants is not the one running (or there is none)."""
         if writes.deployment is None:
             return False
-        desired = writes.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION]
+        desired = writes.deployment["metadata"]["annotations"][engine_objects.LAUNCH_ANNOTATION]
         current = self.cache.deployments.get(key)
         return current is None or current.launch != desired
 
@@ -388,7 +388,7 @@ class Loop:
         The grants loop ends every drain by the grace deadline; past DRAIN_HOLD_SECONDS the
         Deployment goes out anyway, so a stuck ledger never pins an engine to its old plan."""
         engine = self.cache.engines.get(key) or body  # with this pass's status patch
-        if not ledger.holds_another_launch(engine.get("status") or {}):
+        if not grant_ledger.holds_another_launch(engine.get("status") or {}):
             return False
         now = self.clock()
         if key not in self.drain_held:

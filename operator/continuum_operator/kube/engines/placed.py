@@ -40,7 +40,7 @@ from continuum_operator.kube.engines.engine_pass import (
 )
 from continuum_operator.kube.state.cache import Snapshot
 from continuum_operator.kube.state.occupancy import is_fresh, other_leases
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_objects
 from continuum_operator.model.engine import EnginePlacement
 from continuum_operator.model.plan_status import EnginePoolBytes, PlanStatus
 
@@ -61,7 +61,7 @@ def placed(p: EnginePass, placement: EnginePlacement, plan: PlanStatus) -> Write
         return None
     has_gpus = bool(node_entry and node_entry.gpus_allocatable > 0)
     pods = pods_on(snap, node, settings)
-    launch = p.launch = objects.launch_hash(engine, plan, pods)
+    launch = p.launch = engine_objects.launch_hash(engine, plan, pods)
     dep = snap.deployments.get(p.key)
     running = dep is not None and dep.running(launch)
     assumed_at = parse_rfc3339(placement.assumed_at)
@@ -111,7 +111,9 @@ def placed(p: EnginePass, placement: EnginePlacement, plan: PlanStatus) -> Write
         else cond.PodPhase.PENDING
     )
     # What the runtime of the launch in force reports (a refused model, a crash loop).
-    current = runtime_report.current_runtime(p.status, objects.launch_hash(engine, plan, pods))
+    current = runtime_report.current_runtime(
+        p.status, engine_objects.launch_hash(engine, plan, pods)
+    )
     f = cond.EngineFacts(
         generation=p.generation,
         planned=planned_engine(plan, engine),

@@ -46,8 +46,7 @@ from continuum_operator.kube.engines.placed import placed
 from continuum_operator.kube.ledger.cached import engine_only
 from continuum_operator.kube.state.cache import EngineKey, Snapshot
 from continuum_operator.kube.state.occupancy import is_fresh, other_leases
-from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.kube.workloads import facts_job
+from continuum_operator.kube.workloads import engine_objects, facts_job
 from continuum_operator.kube.workloads.gpu_env import gpu_sharing_refusal
 from continuum_operator.manifests import ManifestError, parse
 from continuum_operator.model.engine import Engine, ModelFacts
@@ -143,7 +142,7 @@ def reconcile(
     except ManifestError as err:
         problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
         return p.finish(replace(p.facts_in, problem=problem), None, None)
-    refused = objects.host_path_refusal(engine.spec.model, settings.pods)
+    refused = engine_objects.host_path_refusal(engine.spec.model, settings.pods)
     if refused is not None:
         problem = cond.Problem(cond.Reason.INVALID_SPEC, f"spec.model.source.path: {refused}")
         return p.finish(replace(p.facts_in, problem=problem), None, None)

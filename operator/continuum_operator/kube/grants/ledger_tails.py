@@ -1,6 +1,6 @@
 """Each engine's whole ledger as this leader last decided it. The Engine object keeps the
-holders and the head of a long queue (`ledger.bounded`); the entries it leaves out are kept here,
-for the next step and for the Minds' projections, and for a new leader (nothing kept yet) they
+holders and the head of a long queue (`grant_ledger.bounded`); the entries it leaves out are kept
+here, for the next step and for the Minds' projections, and for a new leader (nothing kept yet) they
 are read from the transition log or, with no log, from the Minds' own status. No API calls.
 Neighbours: `kube.grants.loop` (the loop that steps), `kube.grants.ledger_write` (remembers each
 write), `kube.ledger.grant_ledger` (the entries).
@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from continuum_operator.core.grants import Grant, MindDemand
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
@@ -53,7 +53,7 @@ class LedgerTails:
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return tail.entries
-        return stored if stored is not None else ledger.read_entries(status.get("grants"))
+        return stored if stored is not None else grant_ledger.read_entries(status.get("grants"))
 
     def tail_of(
         self, key: EngineKey, body: Mapping[str, object], demands: Mapping[str, MindDemand]
@@ -63,18 +63,22 @@ class LedgerTails:
         next lines then follow from the log's, whatever a crash left unwritten); else, with no
         log, from the Minds' own status."""
         status = object_at(body, "status")
-        stored = {e.mind for e in ledger.read_entries(status.get("grants"))}
+        stored = {e.mind for e in grant_ledger.read_entries(status.get("grants"))}
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return {m: g for m, g in tail.grants.items() if m not in stored}
         waiting = self._log().waiting(f"{key[0]}/{key[1]}")
         if waiting is not None:
-            return ledger.tail_from_log(waiting, stored)
-        if status.get(ledger.QUEUE_FIELD) is None:
+            return grant_ledger.tail_from_log(waiting, stored)
+        if status.get(grant_ledger.QUEUE_FIELD) is None:
             return {}  # nothing was left out
-        return ledger.tail_from_minds(self._minds.minds_of([key]).get(key, []), stored, demands)
+        return grant_ledger.tail_from_minds(
+            self._minds.minds_of([key]).get(key, []), stored, demands
+        )
 
-    def remember(self, key: EngineKey, body: Mapping[str, object], s: ledger.LedgerStep) -> None:
+    def remember(
+        self, key: EngineKey, body: Mapping[str, object], s: grant_ledger.LedgerStep
+    ) -> None:
         """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
         kept = {e.mind for e in s.kept}
         left_out = {m: g for m, g in s.grants.items() if m not in kept}
@@ -87,4 +91,4 @@ class LedgerTails:
 
 def _seq(status: Mapping[str, object]) -> int:
     """The journal's seq of the ledger an Engine's GrantLedger holds (0: never written)."""
-    return integer(status, ledger.STEP_FIELD, "seq") or 0
+    return integer(status, grant_ledger.STEP_FIELD, "seq") or 0

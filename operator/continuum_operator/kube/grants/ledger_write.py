@@ -23,9 +23,7 @@ from continuum_operator.kube.client.api import ApiError, crd_path
 from continuum_operator.kube.client.async_api import AsyncKubeApi, relist
 from continuum_operator.kube.grants.ledger_tails import LedgerTails
 from continuum_operator.kube.grants.quota_use import QuotaUse
-from continuum_operator.kube.ledger import cached as ledger_object
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import journal as ledger_journal
+from continuum_operator.kube.ledger import cached, grant_ledger, journal
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.model.base import API_VERSION
@@ -73,7 +71,7 @@ class LedgerWriter:
         self,
         key: EngineKey,
         body: Mapping[str, object],
-        s: ledger.LedgerStep,
+        s: grant_ledger.LedgerStep,
         now: float,
         quotas: QuotaUse | None = None,
     ) -> Mapping[str, object] | None:
@@ -83,18 +81,18 @@ class LedgerWriter:
         decision have assumed their grants), and that decision assumed in it."""
         ns, name = key
         engine = f"{ns}/{name}"
-        path = crd_path(ledger_object.PLURAL, ns, name, "status")
+        path = crd_path(cached.PLURAL, ns, name, "status")
         for _attempt in range(self.settings.conflict_retries):
             # The journal this write replaces is logged first: a step a dead leader wrote and
             # did not log reaches a new leader here when its cache had not yet seen that write
             # (the pass's recovery found nothing missing; the write was refused, 409, and the
             # ledger read back carries it).
-            replaced = object_at(body, "status").get(ledger.STEP_FIELD)
-            self._log().recover(engine, ledger_journal.read_journal(replaced))
+            replaced = object_at(body, "status").get(grant_ledger.STEP_FIELD)
+            self._log().recover(engine, journal.read_journal(replaced))
             crash.reached(crash.CrashPoint.BEFORE_LEDGER_WRITE)
-            version = ledger_object.version_of(body)
+            version = cached.version_of(body)
             try:
-                uid = ledger_object.uid_of(body)
+                uid = cached.uid_of(body)
                 if version is None:
                     version, uid = await self._create(body)
                 doc, seq, lines = _ledger_doc(key, body, s, now, uid, version)
@@ -118,7 +116,7 @@ class LedgerWriter:
                 wanted = self._demands_of(key)
                 tail = self.tails.tail_of(key, body, wanted)
                 left = quotas.left(key) if quotas is not None else None
-                s = ledger.step(body, wanted, now, self.policy, left, tail)
+                s = grant_ledger.step(body, wanted, now, self.policy, left, tail)
                 if not s.changed:
                     self.tails.remember(key, body, s)
                     return body
@@ -126,7 +124,7 @@ class LedgerWriter:
                     quotas.assume(key, s.entries)
                 continue
             self.engines.observe_ledger(answer, deleted=False, nudge=False)
-            written = ledger_object.merged(self.engines.engines.get(key) or body, answer)
+            written = cached.merged(self.engines.engines.get(key) or body, answer)
             self._written(key, body, written, s, seq, lines)
             return written
         log.warning("Engine %s: the ledger kept changing under %d tries", engine, _attempt + 1)
@@ -137,9 +135,7 @@ class LedgerWriter:
         409 if it exists (this cache has not seen it, or it is an earlier Engine's:
         `_read_again`)."""
         ns = str(object_at(body, "metadata")["namespace"])
-        made = await self.api.request(
-            "POST", crd_path(ledger_object.PLURAL, ns), ledger_object.new_ledger(body)
-        )
+        made = await self.api.request("POST", crd_path(cached.PLURAL, ns), cached.new_ledger(body))
         self.engines.observe_ledger(made, deleted=False, nudge=False)
         meta = object_at(made, "metadata")
         return str(meta["resourceVersion"]), text(meta.get("uid"))
@@ -150,7 +146,7 @@ class LedgerWriter:
         the next try makes this one's. None: the Engine is gone, or the read failed."""
         ns, name = key
         try:
-            fresh = await self.api.request("GET", crd_path(ledger_object.PLURAL, ns, name))
+            fresh = await self.api.request("GET", crd_path(cached.PLURAL, ns, name))
         except ApiError as err:
             if err.status != 404:
                 log.warning("re-reading the ledger of Engine %s/%s failed: %s", ns, name, err)
@@ -159,13 +155,13 @@ class LedgerWriter:
         engine = self.engines.engines.get(key)
         if engine is None:
             return None
-        if fresh is not None and not ledger_object.owned_by(fresh, engine):
+        if fresh is not None and not cached.owned_by(fresh, engine):
             uid = object_at(fresh, "metadata").get("uid")
             log.info("Engine %s/%s: replacing the GrantLedger of an earlier Engine", ns, name)
             try:
                 await self.api.request(
                     "DELETE",
-                    crd_path(ledger_object.PLURAL, ns, name),
+                    crd_path(cached.PLURAL, ns, name),
                     {"preconditions": {"uid": uid}},
                 )
             except ApiError as err:
@@ -182,7 +178,7 @@ class LedgerWriter:
         key: EngineKey,
         body: Mapping[str, object],
         answer: Mapping[str, object],
-        s: ledger.LedgerStep,
+        s: grant_ledger.LedgerStep,
         seq: int,
         lines: list[dict[str, object]],
     ) -> None:
@@ -190,8 +186,8 @@ class LedgerWriter:
         ns, name = key
         engine = f"{ns}/{name}"
         crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
-        stored = ledger.read_entries(object_at(body, "status").get("grants"))
-        before = {**self.tails.tail_of(key, body, {}), **ledger.read_grants(stored)}
+        stored = grant_ledger.read_entries(object_at(body, "status").get("grants"))
+        before = {**self.tails.tail_of(key, body, {}), **grant_ledger.read_grants(stored)}
         self.tails.remember(key, answer, s)
         self._log().append(engine, seq, lines)
         crash.reached(crash.CrashPoint.AFTER_LOG)
@@ -220,7 +216,7 @@ class LedgerWriter:
 def _ledger_doc(
     key: EngineKey,
     body: Mapping[str, object],
-    s: ledger.LedgerStep,
+    s: grant_ledger.LedgerStep,
     now: float,
     uid: str | None,
     version: str,
@@ -231,23 +227,25 @@ def _ledger_doc(
     its name starts a ledger of its own, whose `seq` counts from 1 again."""
     ns, name = key
     engine = f"{ns}/{name}"
-    status = {k: v for k, v in object_at(body, "status").items() if k in ledger.LEDGER_FIELDS}
-    seq = (integer(status, ledger.STEP_FIELD, "seq") or 0) + 1
-    recorded = status.get(ledger.CAPACITY_FIELD)
-    lines = ledger.log_lines(now, engine, object_at(recorded) if recorded is not None else None, s)
+    status = {k: v for k, v in object_at(body, "status").items() if k in grant_ledger.LEDGER_FIELDS}
+    seq = (integer(status, grant_ledger.STEP_FIELD, "seq") or 0) + 1
+    recorded = status.get(grant_ledger.CAPACITY_FIELD)
+    lines = grant_ledger.log_lines(
+        now, engine, object_at(recorded) if recorded is not None else None, s
+    )
     if uid is not None:
         lines = [{**line, "ledger": uid} for line in lines]
     status["grants"] = wire_entries(s.kept)
-    status[ledger.CAPACITY_FIELD] = s.pool.to_status()
+    status[grant_ledger.CAPACITY_FIELD] = s.pool.to_status()
     kept = {e.mind for e in s.kept}
-    status[ledger.STEP_FIELD] = ledger_journal.journal(seq, now, lines, kept)
+    status[grant_ledger.STEP_FIELD] = journal.journal(seq, now, lines, kept)
     if s.queue is not None:
-        status[ledger.QUEUE_FIELD] = ledger.queue_doc(s.queue)
+        status[grant_ledger.QUEUE_FIELD] = grant_ledger.queue_doc(s.queue)
     else:
-        status.pop(ledger.QUEUE_FIELD, None)
+        status.pop(grant_ledger.QUEUE_FIELD, None)
     doc: dict[str, object] = {
         "apiVersion": API_VERSION,
-        "kind": ledger_object.KIND,
+        "kind": cached.KIND,
         "metadata": {"name": name, "namespace": ns, "resourceVersion": version},
         "status": status,
     }
@@ -262,7 +260,7 @@ async def seed_ledgers(api: AsyncKubeApi, engines: Cache) -> None:
     try:
         await relist(
             api,
-            f"/apis/{API_VERSION}/{ledger_object.PLURAL}",
+            f"/apis/{API_VERSION}/{cached.PLURAL}",
             lambda obj: engines.observe_ledger(obj, deleted=False, nudge=False),
             lambda obj: (
                 str(object_at(obj, "metadata")["namespace"]),

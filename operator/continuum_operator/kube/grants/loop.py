@@ -15,8 +15,8 @@ minds
    resourceVersion (never a blind merge): the ledger, the pool it was made for and the step's
    journal in one write; on 409 the ledger is read again and the step decided again
    (`kube.grants.ledger_write`). The object keeps the holders and the head of a long queue
-   (`ledger.bounded`); the rest is kept by `kube.grants.ledger_tails` (for a new leader, read from
-   the log or the Minds' status);
+   (`grant_ledger.bounded`); the rest is kept by `kube.grants.ledger_tails` (for a new leader, read
+   from the log or the Minds' status);
 3. the step's lines appended to the transition log (`kube.ledger.transition_log`);
 4. each Mind's `status.grant` and conditions, a projection of her entry, written if changed;
 5. finalizers: a Mind of a served Engine carries `continuum.dev/grant` until her entry has left
@@ -80,9 +80,7 @@ from continuum_operator.kube.grants.pass_inputs import (
 )
 from continuum_operator.kube.grants.quota_use import ClassNotes, QuotaUse, quota_status
 from continuum_operator.kube.grants.write_queue import PROJECTION_WRITE, MindWriter
-from continuum_operator.kube.ledger import cached as ledger_object
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger import cached, grant_ledger, routing
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache, seed
@@ -117,9 +115,10 @@ class GrantsLoop:
         self.policy = PriorityPolicy(grace_seconds=settings.grace_seconds)
         self.log = TransitionLog(settings.transition_log)
         self.review_at: dict[EngineKey, float] = {}
-        # The Minds' watches mark this queue; the Engines' wake it (`before_pass` compares).
+        # The Minds' watches mark this queue; the Engines' wake it (`before_pass` compares). Not
+        # reset here: a new loop's first pass takes every engine by itself (nothing seen yet),
+        # and a leader's first pass is a resync (`kernel.run`).
         self.queue: WorkQueue[EngineKey] = minds.queue
-        self.queue.resynced_at = None  # a new loop's first pass takes every engine
         # Its kernel settings, from the one settings object (`OperatorSettings.kernels`).
         self.kernel = kernel or OperatorSettings(grants=settings).kernels.grants
         self.writer = MindWriter(settings.write_workers, lambda: self.may_write(), self._failed)
@@ -142,7 +141,7 @@ class GrantsLoop:
         self._wake: asyncio.TimerHandle | None = None  # the next review or deadline
         self._running = False  # under `kernel.run` (not one pass of a test)
         self._syncs: set[asyncio.Task[None]] = set()  # the log's fsyncs in flight
-        # Each engine's whole ledger as this leader last decided it (`ledger.bounded` leaves
+        # Each engine's whole ledger as this leader last decided it (`grant_ledger.bounded` leaves
         # some out of the object); the loop's log as it is now (`run` opens it again).
         self.tails = LedgerTails(lambda: self.log, minds)
         self.ledger_writer = LedgerWriter(
@@ -234,7 +233,7 @@ class GrantsLoop:
         # operator serves (`--engine-selector`): a namespace's quota spans them all.
         held = {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
         if limits:
-            held = {**ledger_object.others_entries(self.engines.ledgers, engines), **held}
+            held = {**cached.others_entries(self.engines.ledgers, engines), **held}
         quotas = QuotaUse(limits, held)
         self.view = PassView(classes, default, limits, facts, quotas, self.log.time(self.clock()))
         self.view.due_done.set()
@@ -358,10 +357,10 @@ class GrantsLoop:
         demands: Mapping[str, MindDemand],
         now: float,
         quota_left: Mapping[str, int] | None,
-    ) -> ledger.LedgerStep:
+    ) -> grant_ledger.LedgerStep:
         """One allocation step (pure); its review time kept; an unchanged ledger remembered."""
         tail = self.tails.tail_of(key, body, demands)
-        s = ledger.step(body, demands, now, self.policy, quota_left, tail)
+        s = grant_ledger.step(body, demands, now, self.policy, quota_left, tail)
         if s.review_at is not None:
             self.review_at[key] = s.review_at
         else:
@@ -407,7 +406,7 @@ class GrantsLoop:
         self,
         key: EngineKey,
         body: Mapping[str, object],
-        s: ledger.LedgerStep,
+        s: grant_ledger.LedgerStep,
         now: float,
     ) -> Mapping[str, object] | None:
         """The ledger's write; the Engine as written (None: this replica no longer leads)."""
@@ -455,7 +454,7 @@ class GrantsLoop:
             self._wake = asyncio.get_running_loop().call_later(delay, self.queue.wake)
 
     def _due(self, body: Mapping[str, object]) -> float | None:
-        return grace_deadline(ledger.read_entries(object_at(body, "status").get("grants")))
+        return grace_deadline(grant_ledger.read_entries(object_at(body, "status").get("grants")))
 
     def _demands_of(self, key: EngineKey) -> dict[str, MindDemand]:
         """The minds that want a grant of this Engine, from the caches as they are now (only

@@ -23,9 +23,7 @@ from continuum_operator.kube.grants import mind_status
 from continuum_operator.kube.grants.mind_status import Projection
 from continuum_operator.kube.grants.quota_use import ClassNotes
 from continuum_operator.kube.grants.write_queue import FINALIZER_WRITE, PROJECTION_WRITE, Write
-from continuum_operator.kube.ledger import cached as ledger_object
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger import cached, grant_ledger, routing
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
 from continuum_operator.model.grant import GrantEntry
@@ -62,7 +60,7 @@ class MindWrites:
         clock: Callable[[], float],
         pod_port: int,
         ledgers: Mapping[EngineKey, Mapping[str, object]] | None = None,
-        holders: ledger_object.HolderIndex | None = None,
+        holders: cached.HolderIndex | None = None,
     ) -> None:
         self.api = api
         self.minds = minds
@@ -74,7 +72,7 @@ class MindWrites:
             ledgers if ledgers is not None else {}
         )
         #: Who those ledgers hold a slot for (`Cache.holders`, kept with them).
-        self.holders = holders if holders is not None else ledger_object.HolderIndex()
+        self.holders = holders if holders is not None else cached.HolderIndex()
         self.projections_written = 0
 
     async def write_quota(self, quota: Mapping[str, object], status: Mapping[str, object]) -> None:
@@ -108,7 +106,7 @@ class MindWrites:
         finalizers (on a Mind holding a slot, whose deletion must release it first; off a
         deleted Mind once the ledger no longer holds her)."""
         entries = {e.mind: e for e in ledger_entries}
-        pool = object_at(engine, "status", ledger.CAPACITY_FIELD)
+        pool = object_at(engine, "status", grant_ledger.CAPACITY_FIELD)
         slot_tokens = integer(pool, "tokensPerSlot") or 0
         name = f"{key[0]}/{key[1]}"
         parked = mind_status.parked_of(engine)
@@ -135,7 +133,7 @@ class MindWrites:
                     class_note=notes.class_note(m) if notes else "",
                     namespace_note=notes.namespace_note(m) if notes else "",
                     quota_note=notes.quota_note(str(meta.get("namespace"))) if notes else "",
-                    engine_note=ledger.engine_note(engine),
+                    engine_note=grant_ledger.engine_note(engine),
                 )
             projected = projected.at(self.endpoint(key), parked.get(mkey))
             if self._projection(m, projected) is not None:

@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 
 from continuum_operator.kube.grants.ledger_facts import LedgerFacts
 from continuum_operator.kube.grants.quota_use import QuotaUse
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import journal as ledger_journal
-from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger import grant_ledger, journal, routing
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
@@ -47,7 +45,7 @@ class GrantWrites:
     whose projections and finalizers follow from it. `body` None: the Engine is gone."""
 
     body: Mapping[str, object] | None
-    step: ledger.LedgerStep | None
+    step: grant_ledger.LedgerStep | None
     now: float
     due: bool
     minds: Sequence[Mapping[str, object]]
@@ -61,7 +59,7 @@ def recover_journals(
     for key in keys:
         log.recover(
             f"{key[0]}/{key[1]}",
-            ledger_journal.read_journal(object_at(engines[key], "status").get(ledger.STEP_FIELD)),
+            journal.read_journal(object_at(engines[key], "status").get(grant_ledger.STEP_FIELD)),
         )
 
 

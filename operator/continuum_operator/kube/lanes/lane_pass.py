@@ -34,8 +34,8 @@ from continuum_operator.core.embed import (
     LanePlacement,
     LaneReason,
     LaneSizer,
+    LaneVerdict,
     Residence,
-    Verdict,
     place_lane,
     residence,
 )
@@ -223,7 +223,7 @@ class _LanePass:
 
     @staticmethod
     def _fits(held: Mapping[str, object]) -> bool:
-        return held.get("verdict") == str(Verdict.FITS)
+        return held.get("verdict") == str(LaneVerdict.FITS)
 
     def ask(self, lane: EmbedLane, node: str) -> LaneAsk:
         # What it has embedded holds only where it holds a lease, and only within that lease:
@@ -273,7 +273,7 @@ class _LanePass:
             **p.to_dict(),
             "gpus": list(gpus) if p.residence is not Residence.HOST else [],
         }
-        if p.verdict is Verdict.FITS:
+        if p.verdict is LaneVerdict.FITS:
             return self.finish(doc, True, str(p.reason), p.message)
         # Waiting or failing: what the lane already holds (its floors) stays leased.
         if p.floors and doc is not None:
@@ -360,7 +360,7 @@ class _LanePass:
         return self.written(best, [])
 
 
-_VERDICT_ORDER = {Verdict.FAILS: 0, Verdict.WAITS: 1, Verdict.FITS: 2}
+_VERDICT_ORDER = {LaneVerdict.FAILS: 0, LaneVerdict.WAITS: 1, LaneVerdict.FITS: 2}
 
 
 def reconcile_lane(

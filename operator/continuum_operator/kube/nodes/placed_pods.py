@@ -14,33 +14,35 @@ when one of its pods changes (the watches here) or its board does (the cache's `
 agent has not started) is skipped: the agent creates it, and its watch event marks the node.
 
 The pods are listed once (a page at a time) and then watched, each kept only as far as
-placement reads it. They were listed whole every round: at 2,000 engines, megabytes of pods
-parsed every 5 s, the largest allocation the operator made (docs/performance.md). Not a kopf
-watch: kopf takes one label selector per resource, and pods already have one (the Minds'
-children, `kube.children.webhook`); a watch without one would carry every pod of the cluster.
+placement reads it, by `kube.client.async_api.follow` (a stream that ends resumed from the last
+resourceVersion or bookmark, a 410 listed again at once), as the engine and the lane follow
+their objects. They were listed whole every round: at 2,000 engines, megabytes of pods parsed
+every 5 s, the largest allocation the operator made (docs/performance.md). Not a kopf watch:
+kopf takes one label selector per resource, and pods already have one (the Minds' children,
+`kube.children.webhook`); a watch without one would carry every pod of the cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from urllib.parse import quote
 
 from continuum_operator.kube.base import kernel
 from continuum_operator.kube.base.kernel import KernelSettings, PassHooks, WorkQueue
 from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.api import ApiError
-from continuum_operator.kube.client.async_api import AsyncKubeApi, pages
+from continuum_operator.kube.client.async_api import AsyncKubeApi, follow
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.workloads.engine_objects import ENGINE_LABEL
 from continuum_operator.kube.workloads.lane_objects import LANE_LABEL
 from continuum_operator.model.base import GROUP, VERSION
 from continuum_operator.model.board import NodeBoard
-from continuum_operator.model.json_body import items_at, labels_at, text
+from continuum_operator.model.json_body import labels_at, text
 
 __all__ = ["PlacedPods", "PodSeen", "placed_by_node"]
 
@@ -136,16 +138,15 @@ class PlacedPods(PassHooks[str]):
                 self.on_node.setdefault(node, set()).add(uid)
                 self.queue.mark(node)
 
-    async def relist(self, label: str, kind: str) -> str:
-        """The label's pods, listed into `pods` (those gone since dropped); the list's
-        resourceVersion, to watch from."""
+    async def keep_list(
+        self, label: str, kind: str, items: AsyncIterator[Mapping[str, object]]
+    ) -> None:
+        """The label's pods as a list has them (`follow` hands them a page at a time), kept in
+        `pods`; those gone since dropped."""
         found: dict[str, tuple[str, str, PodSeen]] = {}
-        version = ""
-        async for page in pages(self.api, PODS, [("labelSelector", label)]):
-            version = text(page, "metadata", "resourceVersion") or version
-            for pod in items_at(page, "items"):
-                seen = PodSeen.of(pod)
-                found[seen.uid] = (label, kind, seen)
+        async for pod in items:
+            seen = PodSeen.of(pod)
+            found[seen.uid] = (label, kind, seen)
         for uid in [u for u, (lab, _, _) in self.pods.items() if lab == label and u not in found]:
             self._keep(uid, None)
         for uid, entry in found.items():
@@ -155,7 +156,6 @@ class PlacedPods(PassHooks[str]):
             self.listed.add(label)
             if len(self.listed) == len(CONSUMER_LABELS):
                 self.queue.mark_all()  # every kind listed: each node's list is news now
-        return version
 
     def observe(self, label: str, kind: str, event: Mapping[str, object]) -> None:
         """A watch event: the pod kept (what placement reads of it) or dropped."""
@@ -164,27 +164,17 @@ class PlacedPods(PassHooks[str]):
             return
         self._keep(seen.uid, None if event.get("type") == "DELETED" else (label, kind, seen))
 
-    async def follow(self, label: str, kind: str, stop: asyncio.Event) -> None:
-        """List, then watch from the list's version for as long as this replica leads; a
-        version too old (410) lists again, a lost stream watches again from the last seen."""
-        since = ""
-        while not stop.is_set():
-            try:
-                if not since:
-                    since = await self.relist(label, kind)
-                async for event in self.api.watch(PODS, [("labelSelector", label)], since):
-                    self.observe(label, kind, event)
-                    since = text(event, "object", "metadata", "resourceVersion") or since
-            except ApiError as err:
-                if err.status != 410:
-                    log.warning("watching the %s pods failed, listing again: %s", kind, err)
-                since = ""
-            except OSError as err:
-                log.warning("watching the %s pods failed, retrying: %s", kind, err)
-            else:
-                continue  # the server ended the stream (its timeout): watch on
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+    async def follow(self, label: str, kind: str) -> None:
+        """The label's pods listed, then watched (`kube.client.async_api.follow`), until
+        cancelled."""
+        await follow(
+            self.api,
+            PODS,
+            [("labelSelector", label)],
+            partial(self.keep_list, label, kind),
+            partial(self.observe, label, kind),
+            what=f"the {kind} pods",
+        )
 
     # -- the kernel's hooks ---------------------------------------------------------------------
 
@@ -222,7 +212,7 @@ class PlacedPods(PassHooks[str]):
         return self.written - before
 
     async def run(self, stop: asyncio.Event) -> None:
-        watches = [asyncio.create_task(self.follow(label, kind, stop))
+        watches = [asyncio.create_task(self.follow(label, kind))
                    for label, kind in CONSUMER_LABELS]  # fmt: skip
         try:
             await kernel.run(self, self.queue, self.kernel, stop, may_write=self.may_write,

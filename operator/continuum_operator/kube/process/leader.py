@@ -39,8 +39,6 @@ import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 
-from urllib3.exceptions import HTTPError as TransportError
-
 from continuum_operator.core import rfc3339
 from continuum_operator.kube.base import crash
 from continuum_operator.kube.base.grant_settings import LeaderSettings
@@ -109,7 +107,7 @@ class Elector:
         """One round (blocking): True if this replica holds the Lease afterwards."""
         try:
             return self._round()
-        except (OSError, TransportError) as err:
+        except OSError as err:
             # The API server unreachable (restarting, a network cut) is a round without a
             # renewal, not a crash: the leader writes on until its own deadline (`is_leader`)
             # and steps down only if the outage outlasts it.
@@ -181,7 +179,7 @@ class Elector:
             if spec.get("holderIdentity") != self.identity:
                 return
             self.api.request("PUT", self.path, {**lease, "spec": {**spec, "holderIdentity": ""}})
-        except (ApiError, OSError, TransportError) as err:
+        except (ApiError, OSError) as err:
             log.warning("releasing the leader Lease failed: %s", err)
         self.valid_until = -math.inf
         self.on_change(False)

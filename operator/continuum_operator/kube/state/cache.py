@@ -25,8 +25,7 @@ from continuum_operator.core.pools import Board, ConsumerKind, Lease
 from continuum_operator.kube.base.kernel import WorkQueue
 from continuum_operator.kube.client.kept import kept, newer, resource_version
 from continuum_operator.kube.client.merge_patch import merge_patch
-from continuum_operator.kube.ledger import cached as ledger_object
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import cached, grant_ledger
 from continuum_operator.kube.state.lane_index import lane_hold, lane_nodes, lanes_of, lanes_on
 from continuum_operator.kube.state.lease_renewal import (
     LeaseEntry,
@@ -146,7 +145,7 @@ class Cache:
     # GrantLedgers themselves by their Engine's key.
     engines: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
     ledgers: dict[EngineKey, Mapping[str, object]] = field(default_factory=dict)
-    holders: ledger_object.HolderIndex = field(default_factory=ledger_object.HolderIndex)
+    holders: cached.HolderIndex = field(default_factory=cached.HolderIndex)
     deployments: dict[EngineKey, DeploymentEntry] = field(default_factory=dict)
     jobs: dict[EngineKey, JobEntry] = field(default_factory=dict)
     services: set[EngineKey] = field(default_factory=set)  # engines whose Service exists
@@ -352,7 +351,7 @@ class Cache:
             # A watch event older than the answer of our own write must not undo it. (An
             # assumed body keeps the version it was assumed over.)
             if newer(obj, known):
-                body = ledger_object.merged(kept(obj), self.ledgers.get(key))
+                body = cached.merged(kept(obj), self.ledgers.get(key))
                 if pending is not None:
                     # Another write landed while ours is in flight: ours still holds.
                     self._pending[key] = (pending[0], body)
@@ -399,16 +398,16 @@ class Cache:
             elif (
                 nudge
                 and self.quotas_read()
-                and ledger_object.held_tokens(known) != ledger_object.held_tokens(current)
+                and cached.held_tokens(known) != cached.held_tokens(current)
             ):
                 self.grants_queue.wake()
             return
-        after = ledger_object.merged(before, current)
+        after = cached.merged(before, current)
         pending = self._pending.get(key)
         if pending is not None:
-            self._pending[key] = (pending[0], ledger_object.merged(pending[1], current))
+            self._pending[key] = (pending[0], cached.merged(pending[1], current))
         self.engines[key] = after
-        if any(ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)):
+        if any(grant_ledger.holds_another_launch(b.get("status") or {}) for b in (before, after)):
             self.engine_queue.mark(key, wake=nudge)
         if nudge and self.grants_queue is not None:
             self.grants_queue.wake()

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import kopf
 
 from continuum_operator.core.heartbeat import AGENT_LEASE_SELECTOR
-from continuum_operator.kube.ledger import cached as ledger_object
+from continuum_operator.kube.ledger import cached
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.kube.workloads.engine_objects import MANAGED_BY
 from continuum_operator.model.base import GROUP, VERSION, label_selector
@@ -79,7 +79,7 @@ def registry_for(
     async def engine(event: kopf.RawEvent, **_: object) -> None:
         cache.observe_engine(event["object"], _deleted(event))
 
-    @kopf.on.event(group=GROUP, version=VERSION, plural=ledger_object.PLURAL, registry=registry)
+    @kopf.on.event(group=GROUP, version=VERSION, plural=cached.PLURAL, registry=registry)
     async def grantledger(event: kopf.RawEvent, **_: object) -> None:
         cache.observe_ledger(event["object"], _deleted(event))
 

@@ -7,12 +7,14 @@ API calls.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from continuum_operator.model.json_body import at, labels_at, text
 
-__all__ = ["decided_here", "lane_hold", "lane_nodes", "lanes_of", "lanes_on"]
+if TYPE_CHECKING:  # the cache imports this module: the key's one definition is the cache's
+    from continuum_operator.kube.state.cache import EngineKey
 
-EngineKey = tuple[str, str]
+__all__ = ["decided_here", "lane_hold", "lane_nodes", "lanes_of", "lanes_on"]
 
 
 def lane_hold(body: Mapping[str, object] | None) -> tuple[object, object]:

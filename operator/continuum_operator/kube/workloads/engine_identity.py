@@ -13,13 +13,13 @@ Neighbours: `kube.workloads.engine_objects` (labels, owner, ports).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.workloads.engine_objects import (
     ADMIN_PORT,
     AUTH_DELEGATOR,
     SCRAPE_LABEL,
+    Manifest,
     labels,
     owner_reference,
     selector,
@@ -38,12 +38,10 @@ __all__ = [
     "token_review_binding_name",
 ]
 
-Obj = dict[str, Any]
-
 
 def own_account(
-    meta: Obj, plural: str, name: str, read_verbs: list[str], *, also_reads: Sequence[str] = ()
-) -> list[Obj]:
+    meta: Manifest, plural: str, name: str, read_verbs: list[str], *, also_reads: Sequence[str] = ()
+) -> list[Manifest]:
     """A pod's ServiceAccount, a Role that reads one object of `plural` by name and gets and
     patches its status (a Role restricted by resourceNames: RBAC allows a watch with a field
     selector on that name), and their binding, all with `meta` (name, namespace, labels,
@@ -79,7 +77,7 @@ def own_account(
     ]  # fmt: skip
 
 
-def engine_rbac(engine: Engine, uid: str) -> list[Obj]:
+def engine_rbac(engine: Engine, uid: str) -> list[Manifest]:
     """The engine pod's identity: it reads its own Engine (plan) and GrantLedger (grants) and
     writes the Engine's status.runtime.
 
@@ -122,7 +120,7 @@ def token_review_binding_name(engine: Engine) -> str:
 
 def token_review_binding(
     name: str, binding_labels: Mapping[str, str | None], account: str, namespace: str | None
-) -> Obj:
+) -> Manifest:
     """A ClusterRoleBinding of one ServiceAccount to `system:auth-delegator`, so its pod may
     review callers' tokens (TokenReviews are cluster-scoped): an engine's, an embed lane's.
     Cluster-scoped, it cannot be owned by the namespaced object it serves: its labels name that
@@ -141,13 +139,13 @@ def token_review_binding(
     }
 
 
-def network_policy(engine: Engine, uid: str, pods: PodSettings) -> Obj:
+def network_policy(engine: Engine, uid: str, pods: PodSettings) -> Manifest:
     """Who reaches the engine's pod: its own and its allowed namespaces, on the gateway's port
     only (llama-server listens on loopback inside the pod); the admin port only from namespaces
     labelled `continuum.dev/scrape-engines=true`. Enforced where the cluster's network plugin
     enforces NetworkPolicies (docs/gateway.md)."""
     allowed = [n for n in engine.spec.allowed_namespaces if n != "*"]
-    minds: Obj = (
+    minds: Manifest = (
         {"namespaceSelector": {}}
         if "*" in engine.spec.allowed_namespaces
         else namespaces_named([engine.metadata.namespace, *allowed])
@@ -161,7 +159,9 @@ def network_policy(engine: Engine, uid: str, pods: PodSettings) -> Obj:
     return door_policy(metadata, selector(engine), minds, pods.port)
 
 
-def door_policy(metadata: Obj, pod_selector: Mapping[str, str], callers: Obj, port: int) -> Obj:
+def door_policy(
+    metadata: Manifest, pod_selector: Mapping[str, str], callers: Manifest, port: int
+) -> Manifest:
     """A NetworkPolicy of a serving pod (an engine's, an embed lane's): `callers` (a `from`
     peer) on the serving `port`, namespaces labelled `continuum.dev/scrape-engines=true` on
     ADMIN_PORT, nothing else."""
@@ -183,7 +183,7 @@ def door_policy(metadata: Obj, pod_selector: Mapping[str, str], callers: Obj, po
     }
 
 
-def namespaces_named(names: Iterable[str | None]) -> Obj:
+def namespaces_named(names: Iterable[str | None]) -> Manifest:
     """A NetworkPolicy peer: the pods of these namespaces, by their name label."""
     return {
         "namespaceSelector": {

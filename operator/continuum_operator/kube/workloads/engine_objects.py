@@ -47,7 +47,10 @@ AUTH_DELEGATOR = "system:auth-delegator"
 ENGINE_LABEL = "continuum.dev/engine"
 MANAGED_BY = "continuum-operator"
 
-Obj = dict[str, Any]
+Manifest = dict[str, Any]
+"""A Kubernetes object this room builds to send, or a part of one (a container, a volume, an env
+entry): plain JSON. `Any` inside, not `object`: the builders and the tests that read what was
+built index into nested parts."""
 
 
 def app_labels(app: str, key: str, name: str) -> dict[str, str]:
@@ -65,7 +68,7 @@ def app_selector(app: str, key: str, name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": app, key: name}
 
 
-def controller_reference(kind: str, name: str, uid: str) -> Obj:
+def controller_reference(kind: str, name: str, uid: str) -> Manifest:
     """An ownerReference to one of continuum.dev's resources as the controller of the object."""
     return {
         "apiVersion": API_VERSION,
@@ -85,7 +88,7 @@ def selector(engine: Engine) -> dict[str, str]:
     return app_selector("continuum-engine", ENGINE_LABEL, engine.metadata.name)
 
 
-def owner_reference(engine: Engine, uid: str) -> Obj:
+def owner_reference(engine: Engine, uid: str) -> Manifest:
     return controller_reference("Engine", engine.metadata.name, uid)
 
 
@@ -99,11 +102,11 @@ def memory_limit_bytes(plan: PlanStatus, pods: PodSettings) -> int:
     return _ceil_mib(plan.bytes.host.in_use() + pods.memory_overhead_bytes) * MiB
 
 
-def enforcement(plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool) -> Obj:
+def enforcement(plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool) -> Manifest:
     """Which per-process caps apply to this engine, and their numbers (`status.enforcement`)."""
     gpus = plan.gpus
     per_gpu = _ceil_mib(plan.bytes.device.in_use() // max(len(gpus), 1)) if gpus else 0
-    out: Obj = {
+    out: Manifest = {
         "engineArgs": True,
         "memoryLimitBytes": memory_limit_bytes(plan, pods),
         "qosClass": "Guaranteed",
@@ -120,9 +123,9 @@ def enforcement(plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool) -> 
 class ModelVolume(NamedTuple):
     """The model's volume, the file's path inside the container, and the volume's mount."""
 
-    volume: Obj
+    volume: Manifest
     path: str
-    mount: Obj
+    mount: Manifest
 
 
 def model_volume(engine: Engine) -> ModelVolume | None:
@@ -138,7 +141,7 @@ def model_volume(engine: Engine) -> ModelVolume | None:
     rel = source.path.lstrip("/")
     whole = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
     if source.kind is ModelSourceKind.PVC:
-        volume: Obj = {
+        volume: Manifest = {
             "name": "model",
             "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True},
         }
@@ -182,12 +185,12 @@ def under_allowed_prefix(path: str, prefixes: Sequence[str]) -> bool:
     return any(path.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
-def pod_security_context() -> Obj:
+def pod_security_context() -> Manifest:
     """The pod's part of the `restricted` Pod Security profile (the images run as UID 65532)."""
     return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def container_security_context() -> Obj:
+def container_security_context() -> Manifest:
     """The container's part of `restricted`, and a read-only root: /tmp is an emptyDir."""
     return {
         "allowPrivilegeEscalation": False,
@@ -197,8 +200,8 @@ def container_security_context() -> Obj:
     }
 
 
-TMP_VOLUME: Obj = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
-TMP_MOUNT: Obj = {"name": "tmp", "mountPath": "/tmp"}
+TMP_VOLUME: Manifest = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+TMP_MOUNT: Manifest = {"name": "tmp", "mountPath": "/tmp"}
 
 
 def command(engine: Engine, plan: PlanStatus, pods: PodSettings) -> list[str]:
@@ -255,7 +258,9 @@ GPU_CLAIM = "gpus"
 DRA_API_VERSION = "resource.k8s.io/v1"
 
 
-def gpu_claim_template(engine: Engine, uid: str, plan: PlanStatus, pods: PodSettings) -> Obj | None:
+def gpu_claim_template(
+    engine: Engine, uid: str, plan: PlanStatus, pods: PodSettings
+) -> Manifest | None:
     """The ResourceClaimTemplate of the GPUs the plan charged (`device/N`), with DRA only.
 
     The claim selects devices of `pods.dra_device_class` whose `uuid` attribute is the UUID
@@ -323,10 +328,10 @@ def launch_hash(engine: Engine, plan: PlanStatus, pods: PodSettings) -> str:
 
 def deployment(
     engine: Engine, uid: str, plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool
-) -> Obj:
+) -> Manifest:
     resources, env, claim = _engine_resources(engine, uid, plan, pods, node_has_gpus=node_has_gpus)
     container = _engine_container(engine, plan, pods, resources, env)
-    volumes: list[Obj] = [dict(TMP_VOLUME)]
+    volumes: list[Manifest] = [dict(TMP_VOLUME)]
     model = model_volume(engine)
     if model is not None:
         volumes.append(model.volume)
@@ -368,7 +373,7 @@ def deployment(
 
 def _engine_resources(
     engine: Engine, uid: str, plan: PlanStatus, pods: PodSettings, *, node_has_gpus: bool
-) -> tuple[dict[str, str], list[Obj], Obj | None]:
+) -> tuple[dict[str, str], list[Manifest], Manifest | None]:
     """The engine container's resources and environment, and the ResourceClaimTemplate its
     GPUs come from where they come from DRA."""
     gpus = len(plan.gpus) if node_has_gpus else 0
@@ -376,7 +381,7 @@ def _engine_resources(
     resources: dict[str, str] = {"cpu": str(engine_cpus(plan, pods)), "memory": memory}
     # The runtime names its launch in status.runtime, so the operator reads only the report
     # of the pod it is deciding for (`kube.engines.runtime_report`).
-    env: list[Obj] = [
+    env: list[Manifest] = [
         {
             "name": LAUNCH_ENV,
             "valueFrom": {
@@ -403,9 +408,9 @@ def _engine_container(
     plan: PlanStatus,
     pods: PodSettings,
     resources: dict[str, str],
-    env: list[Obj],
-) -> Obj:
-    container: Obj = {
+    env: list[Manifest],
+) -> Manifest:
+    container: Manifest = {
         "name": "engine",
         "image": pods.image,
         "imagePullPolicy": pods.image_pull_policy,
@@ -429,7 +434,9 @@ def _engine_container(
     return container
 
 
-def _engine_pod_spec(engine: Engine, plan: PlanStatus, pods: PodSettings, container: Obj) -> Obj:
+def _engine_pod_spec(
+    engine: Engine, plan: PlanStatus, pods: PodSettings, container: Manifest
+) -> Manifest:
     """The engine's pod, pinned to the plan's node (its volumes and claims are added after)."""
     return {
         "priorityClassName": pods.engine_priority_class,
@@ -458,7 +465,7 @@ def service_account_name(engine: Engine) -> str:
     return f"continuum-engine-{engine.metadata.name}"[:253]
 
 
-def service(engine: Engine, uid: str, pods: PodSettings) -> Obj:
+def service(engine: Engine, uid: str, pods: PodSettings) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",

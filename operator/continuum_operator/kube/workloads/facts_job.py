@@ -7,12 +7,12 @@ volume, security contexts), `kube.engines.reconcile` (when to run it).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.workloads.engine_objects import (
     GPU_RESOURCE,
     MANAGED_BY,
+    Manifest,
     container_security_context,
     model_volume,
     owner_reference,
@@ -22,8 +22,6 @@ from continuum_operator.kube.workloads.gpu_env import NO_GPU_ENV
 from continuum_operator.model.engine import Engine, ModelSourceKind
 
 __all__ = ["FACTS_FOR_LABEL", "facts_command", "facts_job", "facts_job_name", "source_key"]
-
-Obj = dict[str, Any]
 
 
 FACTS_FOR_LABEL = "continuum.dev/facts-for"
@@ -56,7 +54,7 @@ def facts_command(engine: Engine, path: str) -> list[str]:
     return cmd
 
 
-def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
+def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Manifest:
     """A short Job that reads the model's GGUF header where the file is and prints its facts.
 
     It runs on a node the engine may be placed on (its nodeSelector), with the model's volume;
@@ -69,7 +67,7 @@ def facts_job(engine: Engine, uid: str, pods: PodSettings) -> Obj:
     selector = dict(engine.spec.placement.node_selector)
     if engine.spec.placement.node_pool:
         selector["continuum.dev/node-pool"] = engine.spec.placement.node_pool
-    pod_spec: Obj = {
+    pod_spec: Manifest = {
         "restartPolicy": "Never",
         "priorityClassName": pods.engine_priority_class,
         # It reads one file and prints; it has no business with the API server.

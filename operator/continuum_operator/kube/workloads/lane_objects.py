@@ -24,12 +24,11 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from continuum_operator.core.embed import LaneSizer
 from continuum_operator.kube.base.settings import PodSettings
-from continuum_operator.kube.workloads import engine_identity
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_identity, engine_objects
+from continuum_operator.kube.workloads.engine_objects import Manifest
 from continuum_operator.kube.workloads.gpu_env import lane_gpu_env, runtime_class
 from continuum_operator.model.base import API_VERSION
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
@@ -48,7 +47,6 @@ __all__ = [
     "why_no_pod",
 ]
 
-Obj = dict[str, Any]
 LANE_LABEL = "continuum.dev/embedlane"
 #: The process's own heap beside its context and the mapped weights (bytes).
 RUNTIME_OVERHEAD_BYTES = 256 * 2**20
@@ -66,15 +64,15 @@ def deployment_name(lane: EmbedLane) -> str:
 
 
 def _labels(lane: EmbedLane) -> dict[str, str]:
-    return objects.app_labels("continuum-embedlane", LANE_LABEL, lane.metadata.name)
+    return engine_objects.app_labels("continuum-embedlane", LANE_LABEL, lane.metadata.name)
 
 
 def _selector(lane: EmbedLane) -> dict[str, str]:
-    return objects.app_selector("continuum-embedlane", LANE_LABEL, lane.metadata.name)
+    return engine_objects.app_selector("continuum-embedlane", LANE_LABEL, lane.metadata.name)
 
 
-def _owner(lane: EmbedLane, uid: str) -> Obj:
-    return objects.controller_reference("EmbedLane", lane.metadata.name, uid)
+def _owner(lane: EmbedLane, uid: str) -> Manifest:
+    return engine_objects.controller_reference("EmbedLane", lane.metadata.name, uid)
 
 
 def _model(lane: EmbedLane, engine: Engine | None) -> ModelRef | None:
@@ -90,7 +88,7 @@ def why_no_pod(
     pods: PodSettings | None = None,
 ) -> str | None:
     """Why the lane gets no pod (None: it gets one); with `pods`, a hostPath model outside
-    the allowed directories is one reason (`objects.host_path_refusal`)."""
+    the allowed directories is one reason (`engine_objects.host_path_refusal`)."""
     if placement is None or placement.verdict != "Fits":
         return "the lane is not placed"
     if placement.residence != "host":
@@ -102,7 +100,7 @@ def why_no_pod(
     if model is None or model.source is None:
         return "the model is known only by inline facts: there is no file for a pod to load"
     if pods is not None:
-        return objects.host_path_refusal(model, pods)
+        return engine_objects.host_path_refusal(model, pods)
     return None
 
 
@@ -111,7 +109,7 @@ def why_no_pod(
 LANE_READ_VERBS = ["get", "list", "watch"]
 
 
-def lane_identity(lane: EmbedLane, uid: str) -> list[Obj]:
+def lane_identity(lane: EmbedLane, uid: str) -> list[Manifest]:
     """The pod's identity: it reads and watches its own EmbedLane and patches its
     status.runtime, and it may review its callers' tokens (TokenReviews, through
     `system:auth-delegator`)."""
@@ -140,7 +138,7 @@ def token_review_binding_name(lane: EmbedLane) -> str:
     return f"continuum-embedlane-tokenreview:{lane.metadata.namespace}:{lane.metadata.name}"
 
 
-def lane_network_policy(lane: EmbedLane, uid: str, pods: PodSettings) -> Obj:
+def lane_network_policy(lane: EmbedLane, uid: str, pods: PodSettings) -> Manifest:
     """Who reaches the lane's pod: its own namespace on the serving port (the namespace whose
     service accounts it serves: no one else could be served), namespaces labelled
     `continuum.dev/scrape-engines=true` on the admin port (/metrics, /v1/runtime). Enforced
@@ -195,7 +193,7 @@ def lane_deployment(
     engine: Engine | None,
     pods: PodSettings,
     facts: ModelFacts | None = None,
-) -> Obj:
+) -> Manifest:
     """The lane's Deployment on its node (call only when `why_no_pod` is None). `facts` are
     the model's when they are known beyond its spec (an engine's facts Job read them).
 
@@ -222,7 +220,7 @@ def lane_deployment(
             "name": deployment_name(lane),
             "namespace": ns,
             "labels": labels,
-            "annotations": {objects.LAUNCH_ANNOTATION: launch},
+            "annotations": {engine_objects.LAUNCH_ANNOTATION: launch},
             "ownerReferences": [_owner(lane, uid)],
         },
         "spec": {
@@ -230,7 +228,10 @@ def lane_deployment(
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": {LANE_LABEL: name}},
             "template": {
-                "metadata": {"labels": labels, "annotations": {objects.LAUNCH_ANNOTATION: launch}},
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {engine_objects.LAUNCH_ANNOTATION: launch},
+                },
                 "spec": _pod_spec(lane, node, container, volume, pods),
             },
         },
@@ -239,7 +240,7 @@ def lane_deployment(
 
 def _model_and_volume(
     lane: EmbedLane, engine: Engine | None
-) -> tuple[ModelRef, objects.ModelVolume]:
+) -> tuple[ModelRef, engine_objects.ModelVolume]:
     """The lane's model and the volume that mounts its file, the one the engine mounts."""
     model = _model(lane, engine)
     assert model is not None and model.source is not None
@@ -254,7 +255,7 @@ def _model_and_volume(
             },
         }
     )
-    volume = objects.model_volume(probe)  # the same volume the engine mounts
+    volume = engine_objects.model_volume(probe)  # the same volume the engine mounts
     assert volume is not None
     return model, volume
 
@@ -278,7 +279,7 @@ def _memory_bytes(lane: EmbedLane, placement: EmbedLanePlacement, facts: ModelFa
 
 
 def _command(
-    lane: EmbedLane, model: ModelRef, volume: objects.ModelVolume, pods: PodSettings
+    lane: EmbedLane, model: ModelRef, volume: engine_objects.ModelVolume, pods: PodSettings
 ) -> list[str]:
     ns, name = lane.metadata.namespace, lane.metadata.name
     command = [
@@ -294,7 +295,7 @@ def _command(
         # /metrics and /v1/runtime on the admin port only.
         "--review-tokens",
         "--admin-port",
-        str(objects.ADMIN_PORT),
+        str(engine_objects.ADMIN_PORT),
     ]
     if model.sha256:
         command += ["--sha256", model.sha256]
@@ -305,10 +306,10 @@ def _command(
 def _container(
     command: list[str],
     memory: str,
-    volume: objects.ModelVolume,
+    volume: engine_objects.ModelVolume,
     pods: PodSettings,
     gpus: Sequence[int],
-) -> Obj:
+) -> Manifest:
     resources = {"cpu": pods.cpu, "memory": memory}
     return {
         "name": "embed",
@@ -317,12 +318,12 @@ def _container(
         "command": command,
         "ports": [
             {"name": "http", "containerPort": pods.port},
-            {"name": "admin", "containerPort": objects.ADMIN_PORT},
+            {"name": "admin", "containerPort": engine_objects.ADMIN_PORT},
         ],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
-        "securityContext": objects.container_security_context(),
-        "volumeMounts": [volume.mount, dict(objects.TMP_MOUNT)],
+        "securityContext": engine_objects.container_security_context(),
+        "volumeMounts": [volume.mount, dict(engine_objects.TMP_MOUNT)],
         # The GPUs its placement names, or none: the engine image's CUDA base sets
         # NVIDIA_VISIBLE_DEVICES=all, so where NVIDIA's runtime is the default a lane on the
         # host would see every GPU and llama.cpp would open a context on GPU 0 that no lease
@@ -332,12 +333,16 @@ def _container(
 
 
 def _pod_spec(
-    lane: EmbedLane, node: str, container: Obj, volume: objects.ModelVolume, pods: PodSettings
-) -> Obj:
+    lane: EmbedLane,
+    node: str,
+    container: Manifest,
+    volume: engine_objects.ModelVolume,
+    pods: PodSettings,
+) -> Manifest:
     return {
         "priorityClassName": pods.engine_priority_class,
         "serviceAccountName": deployment_name(lane),
-        "securityContext": objects.pod_security_context(),
+        "securityContext": engine_objects.pod_security_context(),
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -352,9 +357,9 @@ def _pod_spec(
             }
         },
         "tolerations": [
-            {"key": objects.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+            {"key": engine_objects.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
         ],
         "containers": [container],
-        "volumes": [volume.volume, dict(objects.TMP_VOLUME)],
+        "volumes": [volume.volume, dict(engine_objects.TMP_VOLUME)],
         "terminationGracePeriodSeconds": 30,
     } | runtime_class(pods)

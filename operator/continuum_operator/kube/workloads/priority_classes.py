@@ -8,12 +8,12 @@ children's webhook).
 from __future__ import annotations
 
 from continuum_operator.kube.base.settings import PodSettings
-from continuum_operator.kube.workloads.engine_objects import MANAGED_BY, Obj
+from continuum_operator.kube.workloads.engine_objects import MANAGED_BY, Manifest
 
 __all__ = ["priority_classes"]
 
 
-def priority_classes(pods: PodSettings) -> list[Obj]:
+def priority_classes(pods: PodSettings) -> list[Manifest]:
     """The engines' class, the minds' and their children's, installed by the operator at startup."""
     return [
         {

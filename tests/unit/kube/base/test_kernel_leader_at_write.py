@@ -23,7 +23,7 @@ from tests.support.builders import engine_body, observe_with_ledger
 from tests.support.fakes import FakeKubeApi
 from tests.support.grants_world import World, engine, mind
 from tests.support.lanes import lane
-from tests.support.placed_pods import pod
+from tests.support.placed_pods import list_pods, pod
 
 NOW = 1_000.0
 ENGINES = "/apis/continuum.dev/v1alpha1/namespaces/ns/engines"
@@ -168,7 +168,7 @@ def test_the_placed_pods_send_no_write_after_the_lease_is_lost_mid_pass() -> Non
 
     async def listed_then_published() -> int:
         for label, kind in CONSUMER_LABELS:
-            await publisher.relist(label, kind)
+            await list_pods(publisher, label, kind)
         return await publisher.publish_once()
 
     assert asyncio.run(listed_then_published()) == 1

@@ -17,25 +17,11 @@ import pytest
 from aiohttp import web
 
 from continuum_operator.kube.client.api import ApiError
-from continuum_operator.kube.client.async_api import AsyncKubeApi, NotLeading, login
-
-TOKEN = "the-token"
+from continuum_operator.kube.client.async_api import AsyncKubeApi, NotLeading
+from tests.support.kube_login import TOKEN, Meter, kubeconfig
 
 # Each request the server saw: method, path, query, headers, body.
 Seen = list[tuple[str, str, dict[str, str], Mapping[str, str], str]]
-
-
-def kubeconfig(path: Path, port: int) -> str:
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-        "users": [{"name": "u", "user": {"token": TOKEN}}],
-        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-        "current-context": "x",
-    }
-    path.write_text(json.dumps(doc))
-    return str(path)
 
 
 BIG = "x" * 100_000  # an object larger than aiohttp's readline takes
@@ -74,21 +60,6 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
     await response.write(json.dumps(gone).encode() + b"\n")
     await response.write_eof()
     return response
-
-
-class Meter:
-    """Records "VERB resource" as each request goes, and "answered VERB resource" once its
-    answer is read (any status)."""
-
-    def __init__(self, counted: list[str]) -> None:
-        self.counted = counted
-
-    def record_api_request(self, verb: str, resource: str) -> None:
-        self.counted.append(f"{verb} {resource}")
-
-    def record_api_answer(self, verb: str, resource: str, seconds: float) -> None:
-        assert 0 <= seconds < 30
-        self.counted.append(f"answered {verb} {resource}")
 
 
 @asynccontextmanager
@@ -243,33 +214,3 @@ def test_a_server_that_cannot_be_reached_is_an_os_error(tmp_path: Path) -> None:
             await api.close()
 
     asyncio.run(main())
-
-
-def test_in_a_pod_without_a_kubeconfig_the_service_account_is_used(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sa = tmp_path / "sa"
-    sa.mkdir()
-    (sa / "token").write_text(TOKEN)
-    (sa / "ca.crt").write_text("not a real certificate")
-    monkeypatch.delenv("KUBECONFIG", raising=False)
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    module = "kubernetes.config.incluster_config"
-    monkeypatch.setattr(f"{module}.SERVICE_TOKEN_FILENAME", str(sa / "token"))
-    monkeypatch.setattr(f"{module}.SERVICE_CERT_FILENAME", str(sa / "ca.crt"))
-
-    configuration = login(None)
-    assert configuration.host == "https://10.0.0.1:443"
-    # The token as each request reads it (through the refresh hook that rereads the file as
-    # the kubelet rotates it).
-    assert configuration.refresh_api_key_hook is not None
-    assert configuration.auth_settings()["BearerToken"]["value"].lower() == f"bearer {TOKEN}"
-
-
-def test_outside_a_pod_a_missing_kubeconfig_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    with pytest.raises(Exception, match="kube-config"):
-        login(str(tmp_path / "missing"))

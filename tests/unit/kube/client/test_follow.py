@@ -6,7 +6,7 @@ included, never listed again; a version compacted away (410 Gone) is listed agai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,8 @@ class Followed:
         self.lists: list[list[str]] = []
         self.events: list[tuple[str, str]] = []
 
-    async def listed(self, items: list[dict[str, Any]]) -> None:
-        self.lists.append([i["status"]["note"] for i in items])
+    async def listed(self, items: AsyncIterator[dict[str, Any]]) -> None:
+        self.lists.append([i["status"]["note"] async for i in items])
 
     def changed(self, event: dict[str, Any]) -> None:
         self.events.append((event["type"], event["object"]["status"]["note"]))

@@ -15,8 +15,7 @@ from continuum_operator.cli.operator import settings_from
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.engines.engine_pass import Memory
 from continuum_operator.kube.engines.reconcile import facts_disagreements, reconcile
-from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.kube.workloads import facts_job, lane_objects
+from continuum_operator.kube.workloads import engine_objects, facts_job, lane_objects
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from continuum_operator.model.engine import Engine, ModelFacts
 from tests.support.reconcile import (
@@ -73,7 +72,7 @@ def test_a_host_path_is_allowed_only_strictly_inside_an_allowed_directory(
 ) -> None:
     pods = PodSettings(allowed_host_path_prefixes=("/srv/models/",))
     model = Engine.model_validate(host_path_engine(path)).spec.model
-    assert (objects.host_path_refusal(model, pods) is None) is allowed
+    assert (engine_objects.host_path_refusal(model, pods) is None) is allowed
 
 
 def test_an_allowed_host_path_is_read_by_a_job_mounting_only_the_file_read_only() -> None:

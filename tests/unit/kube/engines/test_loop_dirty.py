@@ -13,7 +13,7 @@ import pytest
 from continuum_operator.kube.engines import loop as loop_module
 from continuum_operator.kube.engines.engine_pass import Memory, Writes
 from continuum_operator.kube.engines.reconcile import reconcile
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.model.base import API_VERSION
 from tests.support.engine_loop import NOW, GiB, World, agent_lease, engine_on, node_board
@@ -100,7 +100,7 @@ def test_a_ledger_write_alone_decides_no_plan(world: World) -> None:
     world.settle()
     key = sorted(world.on["n2"])[0]
     body = world.cache.engines[key]
-    launch = ledger.launch_of(body["status"].get("plan") or {})
+    launch = grant_ledger.launch_of(body["status"].get("plan") or {})
     assert launch is not None
     world.cache.observe_ledger(_ledger(body, launch, "Granted", 1), deleted=False)
     assert world.cache.engines[key]["status"]["grants"][0]["state"] == "Granted"  # merged

@@ -1,5 +1,5 @@
 """A relaunch's Deployment waits for the drain of the grants of the engine it replaces
-(`Loop.held_for_drain`, `ledger.holds_another_launch`): strategy Recreate would stop the old
+(`Loop.held_for_drain`, `grant_ledger.holds_another_launch`): strategy Recreate would stop the old
 pod before its gateway reports the releases, and they would only be forced at grace."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from continuum_operator.kube.base.settings import OperatorSettings
 from continuum_operator.kube.client.async_api import AsyncKubeApi
 from continuum_operator.kube.engines.engine_pass import Memory, Writes
 from continuum_operator.kube.engines.loop import DRAIN_HOLD_SECONDS, Loop
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from continuum_operator.kube.state.cache import Cache, DeploymentEntry
 from continuum_operator.kube.workloads.engine_objects import LAUNCH_ANNOTATION
 from tests.support.builders import observe_with_ledger
@@ -27,7 +27,7 @@ def engine(plan: dict[str, Any], recorded: dict[str, Any], states: list[str]) ->
         "spec": {},
         "status": {
             "plan": plan,
-            ledger.CAPACITY_FIELD: {"launch": ledger.launch_of(recorded), "slots": 2},
+            grant_ledger.CAPACITY_FIELD: {"launch": grant_ledger.launch_of(recorded), "slots": 2},
             "grants": [{"mind": f"ns/m{i}", "state": s} for i, s in enumerate(states)],
         },
     }
@@ -72,11 +72,11 @@ class World:
 
 def test_the_ledger_holds_another_launch_only_while_it_has_holders_of_it() -> None:
     draining = engine(NEW_PLAN, OLD_PLAN, ["Granted", "Reclaiming", "Queued"])
-    assert ledger.holds_another_launch(draining["status"])
+    assert grant_ledger.holds_another_launch(draining["status"])
     drained = engine(NEW_PLAN, OLD_PLAN, ["Queued", "Queued"])
-    assert not ledger.holds_another_launch(drained["status"])
+    assert not grant_ledger.holds_another_launch(drained["status"])
     same = engine(OLD_PLAN, OLD_PLAN, ["Granted"])
-    assert not ledger.holds_another_launch(same["status"])
+    assert not grant_ledger.holds_another_launch(same["status"])
 
 
 def test_a_relaunch_waits_for_the_drain_then_goes_out() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from continuum_operator.core.plan import ReasonCode, SizeTable, plan
 from continuum_operator.kube.base.settings import PodSettings
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_objects
 from continuum_operator.model.plan_status import PlanStatus
 from tests.support.builders import GiB, board, board_body, engine, engine_body
 
@@ -84,7 +84,7 @@ def test_the_engine_pod_mounts_its_park_store_and_counts_a_host_one_in_its_memor
         e = engine(engine_body(**spec))
         assert e.spec.model.facts is not None
         p = PlanStatus.model_validate(plan(board(discrete()), e.spec, e.spec.model.facts).to_dict())
-        d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
+        d = engine_objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
         return d["spec"]["template"]["spec"], p
 
     spec, _ = pod(park={"tier": "host", "bytes": PARK})

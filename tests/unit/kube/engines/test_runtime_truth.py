@@ -40,8 +40,7 @@ from continuum_operator.kube.base.metrics import OperatorMetrics
 from continuum_operator.kube.base.settings import PodSettings
 from continuum_operator.kube.engines.engine_pass import pods_on
 from continuum_operator.kube.engines.reconcile import reconcile
-from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.kube.workloads import facts_job
+from continuum_operator.kube.workloads import engine_objects, facts_job
 from continuum_operator.kube.workloads.lane_objects import whole_cpus
 from continuum_operator.model.engine import Engine
 from continuum_operator.model.plan_status import PlanStatus
@@ -345,7 +344,7 @@ def test_a_receipt_in_status_runtime_recharges_the_running_launch_without_a_rela
     }
     assert body2["status"]["placement"]["assumed"] is False
     assert w.deployment is not None
-    assert w.deployment["metadata"]["annotations"][objects.LAUNCH_ANNOTATION] == launch
+    assert w.deployment["metadata"]["annotations"][engine_objects.LAUNCH_ANNOTATION] == launch
     assert [e.reason for e in w.events] == ["Recharged"]
     # llama-server restarts and reports no receipt for a while: the plan keeps the one it used.
     w = reconcile(_with_runtime(body2, {"receipts": []}), snap, w.memory, NOW + 3, SETTINGS)
@@ -484,9 +483,9 @@ def test_an_engines_cpus_follow_the_layers_kept_on_the_host_and_the_nodes_cores(
     on_device: int, node_cpus: int | None, cpu_max: int | None, want: int
 ) -> None:
     pods = PodSettings(node_cpus=node_cpus, cpu_max=cpu_max)
-    assert objects.engine_cpus(_plan(on_device), pods) == want
+    assert engine_objects.engine_cpus(_plan(on_device), pods) == want
     e = Engine.model_validate(engine_obj())
-    dep = objects.deployment(e, "uid", _plan(on_device), pods, node_has_gpus=True)
+    dep = engine_objects.deployment(e, "uid", _plan(on_device), pods, node_has_gpus=True)
     container = dep["spec"]["template"]["spec"]["containers"][0]
     res = container["resources"]
     assert res["requests"] == res["limits"] and res["limits"]["cpu"] == str(want)  # Guaranteed
@@ -496,11 +495,11 @@ def test_an_engines_cpus_follow_the_layers_kept_on_the_host_and_the_nodes_cores(
 
 def test_the_engine_container_has_a_liveness_probe_and_names_its_launch() -> None:
     e = Engine.model_validate(engine_obj())
-    dep = objects.deployment(e, "uid", _plan(33), PodSettings(), node_has_gpus=True)
+    dep = engine_objects.deployment(e, "uid", _plan(33), PodSettings(), node_has_gpus=True)
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    [env] = [x for x in container["env"] if x["name"] == objects.LAUNCH_ENV]
-    assert objects.LAUNCH_ANNOTATION in env["valueFrom"]["fieldRef"]["fieldPath"]
+    [env] = [x for x in container["env"] if x["name"] == engine_objects.LAUNCH_ENV]
+    assert engine_objects.LAUNCH_ANNOTATION in env["valueFrom"]["fieldRef"]["fieldPath"]
     cmd = container["command"]
     assert cmd[cmd.index("--max-restarts") + 1] == "5"
 
@@ -522,7 +521,7 @@ def test_with_dra_the_pod_claims_the_planned_gpus_by_uuid_instead_of_a_count() -
     plan_doc = _plan(33).model_copy(update={"gpus": (1, 3)})
     uuids = tuple((i, f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd") for i in range(4))
     dra = PodSettings(gpu_claims=GpuClaims.DRA, node_gpu_uuids=uuids)
-    template = objects.gpu_claim_template(e, "uid", plan_doc, dra)
+    template = engine_objects.gpu_claim_template(e, "uid", plan_doc, dra)
     assert template is not None and template["metadata"]["name"] == "coder-gpu-1-3"
     [request] = template["spec"]["spec"]["devices"]["requests"]
     exactly = request["exactly"]
@@ -534,23 +533,23 @@ def test_with_dra_the_pod_claims_the_planned_gpus_by_uuid_instead_of_a_count() -
     )
     # A GPU the board gave no UUID for is selected by a value no device has: pending, never
     # another GPU.
-    unknown = objects.gpu_claim_template(e, "uid", plan_doc, replace(dra, node_gpu_uuids=()))
+    unknown = engine_objects.gpu_claim_template(e, "uid", plan_doc, replace(dra, node_gpu_uuids=()))
     assert unknown is not None
     [request] = unknown["spec"]["spec"]["devices"]["requests"]
     assert "GPU-" not in request["exactly"]["selectors"][0]["cel"]["expression"]
-    dep = objects.deployment(e, "uid", plan_doc, dra, node_has_gpus=True)
+    dep = engine_objects.deployment(e, "uid", plan_doc, dra, node_has_gpus=True)
     pod = dep["spec"]["template"]["spec"]
     assert pod["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "coder-gpu-1-3"}]
     resources = pod["containers"][0]["resources"]
     assert "nvidia.com/gpu" not in resources["limits"] and resources["claims"] == [{"name": "gpus"}]
     # Other GPUs: another pod. With the device plugin, nothing of this.
-    moved = objects.launch_hash(e, plan_doc.model_copy(update={"gpus": (0, 3)}), dra)
-    assert moved != objects.launch_hash(e, plan_doc, dra)
+    moved = engine_objects.launch_hash(e, plan_doc.model_copy(update={"gpus": (0, 3)}), dra)
+    assert moved != engine_objects.launch_hash(e, plan_doc, dra)
     plugin = PodSettings()
-    assert objects.gpu_claim_template(e, "uid", plan_doc, plugin) is None
-    dep = objects.deployment(e, "uid", plan_doc, plugin, node_has_gpus=True)
+    assert engine_objects.gpu_claim_template(e, "uid", plan_doc, plugin) is None
+    dep = engine_objects.deployment(e, "uid", plan_doc, plugin, node_has_gpus=True)
     assert "resourceClaims" not in dep["spec"]["template"]["spec"]
     limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "2"
     no_gpus = plan_doc.model_copy(update={"gpus": ()})
-    assert objects.gpu_claim_template(e, "uid", no_gpus, dra) is None
+    assert engine_objects.gpu_claim_template(e, "uid", no_gpus, dra) is None

@@ -33,9 +33,8 @@ from continuum_operator.engine.runtime import (
 from continuum_operator.kube.base.settings import GpuSharing, PodSettings
 from continuum_operator.kube.grants import ledger_write
 from continuum_operator.kube.lanes.lane_pass import reconcile_lane
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import routing
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.ledger import grant_ledger, routing
+from continuum_operator.kube.workloads import engine_objects
 from continuum_operator.model.embedlane import EmbedLaneStatus
 from continuum_operator.model.engine import EngineStatus
 from continuum_operator.model.grant_ledger import GrantLedgerStatus
@@ -161,7 +160,9 @@ def test_the_enforcement_is_kept_whole(sharing: GpuSharing, gpus: list[int]) -> 
             host=part.model_copy(update={"weights": 2**28}),
         ),
     )
-    doc = objects.enforcement(plan, PodSettings(gpu_sharing=sharing), node_has_gpus=bool(gpus))
+    doc = engine_objects.enforcement(
+        plan, PodSettings(gpu_sharing=sharing), node_has_gpus=bool(gpus)
+    )
     strictly(EngineStatus, {"enforcement": doc})
     kept_whole("engines", {"enforcement": doc})
 
@@ -215,22 +216,24 @@ def test_the_ledgers_write_is_kept_whole() -> None:
             body["status"]["plan"] = {**body["status"]["plan"], "engineArgs": ["-np", "2"]}
             body["status"]["plan"]["mindsGrantable"] = 2
         if change == "crowd":
-            minds += [mind(f"m{i}", second=2 + i) for i in range(ledger.QUEUE_KEPT + 4)]
+            minds += [mind(f"m{i}", second=2 + i) for i in range(grant_ledger.QUEUE_KEPT + 4)]
         wanted = routing.demands_of(minds, classes, default or "low")
-        s = ledger.step(body, wanted, 100.0 + t, policy)
+        s = grant_ledger.step(body, wanted, 100.0 + t, policy)
         doc, _, _ = ledger_write._ledger_doc((ns, "coder"), body, s, 100.0 + t, "uid-1", "1")
         status = cast(dict[str, Any], doc["status"])
         written.append(status)
         body = {**body, "status": {**body["status"], **status}}
-    step = [w[ledger.STEP_FIELD] for w in written]
+    step = [w[grant_ledger.STEP_FIELD] for w in written]
     lines = [x for s in step for x in s["lines"]]
     assert {x["event"] for x in lines} == {"capacity", "transition"}
     assert any(x.get("by") and x.get("deadline") for x in lines), "a reclaim with its deadline"
     assert any(x.get("from") is None for x in lines if x["event"] == "transition")
-    assert any("targetSlots" in w[ledger.CAPACITY_FIELD] for w in written), "a drain"
-    assert ledger.QUEUE_FIELD in written[-1]
+    assert any("targetSlots" in w[grant_ledger.CAPACITY_FIELD] for w in written), "a drain"
+    assert grant_ledger.QUEUE_FIELD in written[-1]
     for status in written:
-        assert set(status) <= ledger.LEDGER_FIELDS  # the ledger alone: the Engine's is not sent
+        assert (
+            set(status) <= grant_ledger.LEDGER_FIELDS
+        )  # the ledger alone: the Engine's is not sent
         strictly(GrantLedgerStatus, status)
         kept_whole("grantledgers", status)
 

@@ -11,8 +11,7 @@ from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
 from continuum_operator.engine.admission import table_from_ledger
 from continuum_operator.kube.grants import mind_status
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger import grant_ledger, routing
 from continuum_operator.model.grant import GrantEntry
 from continuum_operator.model.mind import GrantState
 
@@ -68,12 +67,14 @@ class Run:
         self.body = body
         self.lines: list[dict[str, Any]] = []
 
-    def step(self, now: float, *minds: dict[str, Any]) -> ledger.LedgerStep:
-        s = ledger.step(self.body, demands(*minds), now, POLICY)
+    def step(self, now: float, *minds: dict[str, Any]) -> grant_ledger.LedgerStep:
+        s = grant_ledger.step(self.body, demands(*minds), now, POLICY)
         status = self.body["status"]
-        self.lines += ledger.log_lines(now, "minds/coder", status.get(ledger.CAPACITY_FIELD), s)
+        self.lines += grant_ledger.log_lines(
+            now, "minds/coder", status.get(grant_ledger.CAPACITY_FIELD), s
+        )
         status["grants"] = [e.wire() for e in s.entries]
-        status[ledger.CAPACITY_FIELD] = s.pool.to_status()
+        status[grant_ledger.CAPACITY_FIELD] = s.pool.to_status()
         return s
 
     def entry(self, name: str) -> dict[str, Any] | None:
@@ -115,7 +116,10 @@ def test_minds_are_granted_in_priority_order_up_to_the_slots_and_the_gateway_rea
 def test_entries_read_back_into_the_same_ledger() -> None:
     run = Run(engine(slots=1))
     s = run.step(100.0, mind("a", "low"), mind("b", "high", created=5))
-    assert ledger.read_grants(ledger.read_entries(run.body["status"]["grants"])) == s.grants
+    assert (
+        grant_ledger.read_grants(grant_ledger.read_entries(run.body["status"]["grants"]))
+        == s.grants
+    )
 
 
 def test_a_preemption_goes_reclaiming_released_queued_once_the_gateway_reports_that_reclaim() -> (

@@ -2,8 +2,8 @@
 created, changed or deleted marks the engine she names (and the one she named before); an Engine
 whose body changed, whose review time or grace deadline came, or whose ledger write failed is
 stepped again; every engine when the classes or quotas change, at a leader's first pass and every
-`loop.full_resync_seconds` (the kernel's resync). Each test counts the `ledger.step` calls of a
-pass, by engine."""
+`loop.full_resync_seconds` (the kernel's resync). Each test counts the `grant_ledger.step` calls of
+a pass, by engine."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.grants.loop import GrantsLoop
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache
 from tests.support.grants_world import BASE, World, engine, mind
@@ -34,15 +34,15 @@ class Clock:
 
 @pytest.fixture
 def steps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The engines `ledger.step` was called for, in order."""
+    """The engines `grant_ledger.step` was called for, in order."""
     calls: list[str] = []
-    real = ledger.step
+    real = grant_ledger.step
 
-    def counting(body: Any, *args: Any, **kwargs: Any) -> ledger.LedgerStep:
+    def counting(body: Any, *args: Any, **kwargs: Any) -> grant_ledger.LedgerStep:
         calls.append(str(body["metadata"]["name"]))
         return real(body, *args, **kwargs)
 
-    monkeypatch.setattr(ledger, "step", counting)
+    monkeypatch.setattr(grant_ledger, "step", counting)
     return calls
 
 
@@ -221,6 +221,18 @@ def test_a_new_leader_recovers_every_engines_journal_at_its_first_pass(tmp_path:
     successor.pass_once()
     logged = {(x["engine"], x["seq"]) for x in map(json.loads, path.read_text().splitlines())}
     assert logged == {(f"team-a/e{e}", 1) for e in range(N)}
+
+
+def test_a_second_loop_built_over_the_minds_cache_leaves_the_first_ones_queue_alone(
+    tmp_path: Path, steps: list[str]
+) -> None:
+    # A loop rewired the Minds' cache's queue as it was built (its resync time reset): the loop
+    # already draining that queue then stepped every engine at its next pass, nothing changed.
+    w, _ = world(tmp_path)
+    steps.clear()
+    GrantsLoop(w.api.aio, w.loop.settings, w.engines, w.cache, clock=w.loop.clock)  # type: ignore[arg-type]
+    w.loop.pass_once()
+    assert steps == []
 
 
 def marked(cache: MindCache) -> set[EngineKey]:

@@ -17,7 +17,7 @@ from continuum_operator.engine.admission import BEYOND_TABLE, Refusal, admit_tur
 from continuum_operator.kube.base.grant_settings import GrantSettings
 from continuum_operator.kube.grants.loop import GrantsLoop
 from continuum_operator.kube.grants.write_queue import Write
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from tests.support.builders import ledger_path
 from tests.support.grants_world import BASE, World, engine
 
@@ -87,9 +87,9 @@ def test_a_ledger_of_20000_minds_on_one_engine_stays_under_1_mib_per_object(
     assert len(json.dumps(obj).encode()) < MiB
     status = obj["status"]
     states = [e["state"] for e in status["grants"]]
-    assert states.count("Granted") == 20 and states.count("Queued") == ledger.QUEUE_KEPT
-    assert status[ledger.QUEUE_FIELD] == {
-        "queued": 19_980, "refused": 0, "keptQueued": ledger.QUEUE_KEPT, "keptRefused": 0
+    assert states.count("Granted") == 20 and states.count("Queued") == grant_ledger.QUEUE_KEPT
+    assert status[grant_ledger.QUEUE_FIELD] == {
+        "queued": 19_980, "refused": 0, "keptQueued": grant_ledger.QUEUE_KEPT, "keptRefused": 0
     }  # fmt: skip
     # Every mind's place is hers, in her own status (to 1, 2 or 5 of a power of ten, so that
     # a move of the queue rewrites few of them): the first 20 granted, the last one last.
@@ -102,8 +102,8 @@ def test_a_ledger_of_20000_minds_on_one_engine_stays_under_1_mib_per_object(
 @pytest.fixture
 def small(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bounds at a size a test can read: 5 queued and 2 refused entries kept."""
-    monkeypatch.setattr(ledger, "QUEUE_KEPT", 5)
-    monkeypatch.setattr(ledger, "REFUSED_KEPT", 2)
+    monkeypatch.setattr(grant_ledger, "QUEUE_KEPT", 5)
+    monkeypatch.setattr(grant_ledger, "REFUSED_KEPT", 2)
 
 
 def new_leader(w: World, tmp_path: Path, log: bool = True) -> None:
@@ -231,7 +231,7 @@ def test_a_leader_killed_before_its_log_append_leaves_a_log_the_next_one_keeps_w
         w.mind(mind(i))
     delete_mind(w, 10)
     w.loop.pass_once()
-    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
+    step = w.api.objects[LEDGER]["status"][grant_ledger.STEP_FIELD]
     assert step["omitted"] == 6 * 2
     assert [(x["mind"], x["reason"]) for x in step["lines"]] == [
         ("team-a/mind-00010", "MindDeleted")
@@ -254,7 +254,7 @@ def test_a_queued_mind_deleted_in_a_step_the_log_missed_leaves_the_log_in_that_s
     w = queue_past_the_head_then_kill_the_log(tmp_path)
     delete_mind(w, 11)
     w.loop.pass_once()
-    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
+    step = w.api.objects[LEDGER]["status"][grant_ledger.STEP_FIELD]
     assert [(x["mind"], x["to"], x["reason"]) for x in step["lines"]] == [
         ("team-a/mind-00011", "Released", "MindDeleted")
     ]
@@ -276,7 +276,7 @@ def test_a_step_of_arrivals_beyond_the_head_only_leaves_its_seq_in_the_log_after
     for i in range(12, 15):
         w.mind(mind(i))
     w.loop.pass_once()
-    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
+    step = w.api.objects[LEDGER]["status"][grant_ledger.STEP_FIELD]
     assert step["omitted"] == 3 * 2 - 1 and len(step["lines"]) == 1
     new_leader(w, tmp_path)
     w.loop.pass_once()
@@ -303,7 +303,7 @@ def test_a_steps_journal_keeps_the_lines_of_the_minds_the_object_keeps_and_count
     body["metadata"]["resourceVersion"] = "999"
     w.engines.observe_engine(body, deleted=False, nudge=False)
     w.loop.pass_once()  # not ready: eighteen queued minds told why they wait
-    step = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]
+    step = w.api.objects[LEDGER]["status"][grant_ledger.STEP_FIELD]
     kept = {e["mind"] for e in w.api.objects[LEDGER]["status"]["grants"]}
     journaled = [x for x in step["lines"] if x["event"] == "transition"]
     in_log = [x for x in log_lines(tmp_path) if x.get("seq") == step["seq"]]
@@ -319,10 +319,14 @@ def test_a_mind_the_table_does_not_list_is_queued_behind_its_head_when_it_lists_
     body = engine("team-a", "coder", slots=1)
     body["status"]["grants"] = [{"mind": "team-a/a", "state": "Granted", "reason": "SlotFree",
                                  "slot": 0, "tokens": 1000}]  # fmt: skip
-    body["status"][ledger.CAPACITY_FIELD] = {"phase": "Serving", "slots": 1, "tokensPerSlot": 1000}
+    body["status"][grant_ledger.CAPACITY_FIELD] = {
+        "phase": "Serving",
+        "slots": 1,
+        "tokensPerSlot": 1000,
+    }
     answer = admit_turn(table_from_ledger(body), "team-a/z")
     assert (answer.status, answer.refusal) == (403, Refusal.FORBIDDEN)
-    body["status"][ledger.QUEUE_FIELD] = {"queued": 300, "refused": 0, "keptQueued": 256,
+    body["status"][grant_ledger.QUEUE_FIELD] = {"queued": 300, "refused": 0, "keptQueued": 256,
                                           "keptRefused": 0}  # fmt: skip
     answer = admit_turn(table_from_ledger(body), "team-a/z")
     assert (answer.status, answer.refusal) == (429, Refusal.QUEUED)
@@ -379,7 +383,7 @@ def test_a_step_the_log_missed_is_logged_when_a_new_leader_writes_over_it_from_a
     w.mind(mind(1))
     w.loop.log.append = lambda engine, seq, lines: None  # type: ignore[method-assign]
     w.loop.pass_once()
-    lost = w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]["seq"]
+    lost = w.api.objects[LEDGER]["status"][grant_ledger.STEP_FIELD]["seq"]
     new_leader(w, tmp_path)
     # The new leader's cache still holds the Engine from before that write (its watch event
     # not yet seen).
@@ -389,5 +393,7 @@ def test_a_step_the_log_missed_is_logged_when_a_new_leader_writes_over_it_from_a
     seqs = [x["seq"] for x in log_lines(tmp_path)]
     assert lost in seqs
     blocks = [q for i, q in enumerate(seqs) if i == 0 or seqs[i - 1] != q]
-    assert blocks == list(range(1, w.api.objects[LEDGER]["status"][ledger.STEP_FIELD]["seq"] + 1))
+    assert blocks == list(
+        range(1, w.api.objects[LEDGER]["status"][grant_ledger.STEP_FIELD]["seq"] + 1)
+    )
     assert checklog.check(log_lines(tmp_path)) == []

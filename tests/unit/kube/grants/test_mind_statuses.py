@@ -15,9 +15,7 @@ from hypothesis import strategies as st
 from continuum_operator import checklog
 from continuum_operator.core.grants import EnginePhase, GrantReason, PriorityPolicy
 from continuum_operator.kube.grants import mind_status
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import journal as ledger_journal
-from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger import grant_ledger, journal, routing
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.model.board import NodeBoard, capacity_text, gib_text
 from continuum_operator.model.grant import GrantEntry
@@ -76,14 +74,14 @@ def test_a_mind_of_an_unschedulable_engine_says_so_not_that_it_relaunches(tmp_pa
     state, reason, message = shown(w, "ann")
     assert (state, reason) == ("Queued", "EngineUnschedulable")
     assert "Engine team-a/coder is not serving: InsufficientMemory: node a100-01" in message
-    pool = w.status("grantledgers", NS, "coder")[ledger.CAPACITY_FIELD]
+    pool = w.status("grantledgers", NS, "coder")[grant_ledger.CAPACITY_FIELD]
     assert pool["phase"] == "Unschedulable"
 
 
 def test_an_engine_refused_as_an_invalid_spec_is_unschedulable_for_its_minds() -> None:
     body = engine({"conditions": conditions(("False", "InvalidSpec", "spec.model: ..."),
                                             Planned=("False", "InvalidSpec"))})  # fmt: skip
-    assert ledger.capacity_of(body, {}).capacity.phase is EnginePhase.UNSCHEDULABLE
+    assert grant_ledger.capacity_of(body, {}).capacity.phase is EnginePhase.UNSCHEDULABLE
 
 
 def test_an_engine_never_launched_is_starting_then_serving_then_relaunching(tmp_path: Path) -> None:
@@ -91,7 +89,7 @@ def test_an_engine_never_launched_is_starting_then_serving_then_relaunching(tmp_
     w.engine(engine(PLACED_NOT_READY))
     w.mind(mind(NS, "ann", "coder"))
     w.loop.pass_once()
-    assert w.status("grantledgers", NS, "coder")[ledger.CAPACITY_FIELD]["phase"] == "Starting"
+    assert w.status("grantledgers", NS, "coder")[grant_ledger.CAPACITY_FIELD]["phase"] == "Starting"
     state, reason, message = shown(w, "ann")
     assert (state, reason) == ("Queued", "EngineStarting")
     assert "PodPending: the engine pod has not started yet" in message
@@ -106,7 +104,9 @@ def test_an_engine_never_launched_is_starting_then_serving_then_relaunching(tmp_
     w.engine({**body, "status": {**body["status"], **PLACED_NOT_READY}})
     w.mind(mind(NS, "bob", "coder", second=2))
     w.loop.pass_once()
-    assert w.status("grantledgers", NS, "coder")[ledger.CAPACITY_FIELD]["phase"] == "Relaunching"
+    assert (
+        w.status("grantledgers", NS, "coder")[grant_ledger.CAPACITY_FIELD]["phase"] == "Relaunching"
+    )
     assert shown(w, "bob")[:2] == ("Queued", "EngineRelaunching")
 
 
@@ -140,20 +140,20 @@ def test_a_mind_parked_on_her_engine_says_her_context_and_its_bytes(tmp_path: Pa
 def test_after_a_drain_the_successor_not_yet_ready_is_a_relaunch_not_a_first_start() -> None:
     body = engine({**SERVING, "plan": {**SERVING["plan"], "engineArgs": ["-np", "1"]}})
     demands = routing.demands_of([mind(NS, "a", "coder")], {}, "")
-    s = ledger.step(body, demands, 100.0, POLICY)
+    s = grant_ledger.step(body, demands, 100.0, POLICY)
     body["status"]["grants"] = [e.wire() for e in s.entries]
-    body["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
+    body["status"][grant_ledger.CAPACITY_FIELD] = s.pool.to_status()
     # A new launch while she holds a slot: the pod of the new plan is not ready yet.
     body["status"]["plan"] = {**body["status"]["plan"], "engineArgs": ["-np", "2"]}
     body["status"]["conditions"] = PLACED_NOT_READY["conditions"]
-    s = ledger.step(body, demands, 101.0, POLICY)
+    s = grant_ledger.step(body, demands, 101.0, POLICY)
     assert s.pool.capacity.phase is EnginePhase.DRAINING
     entry = next(e for e in s.entries if e.mind == f"{NS}/a")
     body["status"]["grants"] = [e.wire() for e in s.entries]
-    body["status"][ledger.CAPACITY_FIELD] = s.pool.to_status()
+    body["status"][grant_ledger.CAPACITY_FIELD] = s.pool.to_status()
     body["status"]["runtime"] = {"slotReleases": [
         {"mind": entry.mind, "slot": entry.slot, "grantSince": entry.since}]}  # fmt: skip
-    s = ledger.step(body, demands, 102.0, POLICY)
+    s = grant_ledger.step(body, demands, 102.0, POLICY)
     assert s.pool.capacity.phase is EnginePhase.RELAUNCHING
     assert [e.reason for e in s.entries] == ["EngineRelaunching"]
 
@@ -220,9 +220,9 @@ def test_the_minds_reason_column_shows_without_wide_and_the_message_with_it() ->
 
 @given(st.floats(min_value=0, max_value=4e9, allow_nan=False, allow_infinity=False))
 def test_rfc3339_times_read_back_as_the_same_float(t: float) -> None:
-    text = ledger_journal.rfc3339_exact(t)
+    text = journal.rfc3339_exact(t)
     assert text.endswith("Z") and "T" in text
-    assert ledger_journal.unix_of(text) == t
+    assert journal.unix_of(text) == t
 
 
 def test_the_journal_in_the_ledgers_status_has_no_float_times_and_recovers_exactly(
@@ -232,16 +232,16 @@ def test_the_journal_in_the_ledgers_status_has_no_float_times_and_recovers_exact
     w.engine(engine(SERVING))
     w.mind(mind(NS, "ann", "coder"))
     w.loop.pass_once()
-    journal = w.status("grantledgers", NS, "coder")[ledger.STEP_FIELD]
+    step_doc = w.status("grantledgers", NS, "coder")[grant_ledger.STEP_FIELD]
     floats = [
-        (k, v) for line in [journal, *journal["lines"]] for k, v in line.items()
+        (k, v) for line in [step_doc, *step_doc["lines"]] for k, v in line.items()
         if k in ("t", "deadline") and isinstance(v, float)
     ]  # fmt: skip
-    assert floats == [] and journal["t"].endswith("Z")
+    assert floats == [] and step_doc["t"].endswith("Z")
     # A new leader whose log lacks the step appends the same lines the old one would have.
     written = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     other = TransitionLog(tmp_path / "other.jsonl")
-    assert other.recover(f"{NS}/coder", ledger_journal.read_journal(journal)) is True
+    assert other.recover(f"{NS}/coder", journal.read_journal(step_doc)) is True
     recovered = [json.loads(x) for x in (tmp_path / "other.jsonl").read_text().splitlines()]
     assert recovered == written
     assert checklog.check(recovered) == []
@@ -249,8 +249,8 @@ def test_the_journal_in_the_ledgers_status_has_no_float_times_and_recovers_exact
 
 def test_a_journal_written_with_unix_seconds_still_recovers() -> None:
     old = {"seq": 3, "t": 11.5, "lines": [{"t": 11.5, "engine": "a/b", "deadline": None}]}
-    assert ledger_journal.read_journal(old) == old
-    assert ledger_journal.read_journal({"seq": 3, "lines": [{"t": "yesterday"}]}) is None
+    assert journal.read_journal(old) == old
+    assert journal.read_journal({"seq": 3, "lines": [{"t": "yesterday"}]}) is None
 
 
 def test_check_log_accepts_the_phases_of_an_engine_not_serving_yet() -> None:

@@ -18,7 +18,7 @@ from continuum_operator.core.grants import (
     MindDemand,
     allocate,
 )
-from continuum_operator.kube.ledger import grant_ledger as ledger
+from continuum_operator.kube.ledger import grant_ledger
 from continuum_operator.model.mind import GrantState
 
 G, Q, R, X = GrantState.GRANTED, GrantState.QUEUED, GrantState.RECLAIMING, GrantState.RELEASED
@@ -178,9 +178,9 @@ def test_quota_held_waits_pass_the_transition_log_checker() -> None:
     minds = [mind("t/a"), mind("t/b", arrival=1), mind("u/c", arrival=2)]
     a = run({}, minds, cap(3), 0.0, {"t": 1000})
     assert a.grants["t/b"].reason is GrantReason.QUOTA_EXCEEDED
-    pool = ledger.GrantPool(cap(3), "launch")
-    s = ledger.LedgerStep(a.grants, ((pool, a.transitions),), [], True, None)
-    lines = ledger.log_lines(0.0, "ns/e", None, s)
+    pool = grant_ledger.GrantPool(cap(3), "launch")
+    s = grant_ledger.LedgerStep(a.grants, ((pool, a.transitions),), [], True, None)
+    lines = grant_ledger.log_lines(0.0, "ns/e", None, s)
     # A free slot stays while t/b is queued: the checker does not call that a violation, since
     # the quota holds her.
     assert check(lines) == []

@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from continuum_operator.core.grants import MindDemand
 from continuum_operator.core.rfc3339 import format_seconds
 from continuum_operator.kube.grants.quota_use import QuotaUse, quota_status
-from continuum_operator.kube.ledger import grant_ledger as ledger
-from continuum_operator.kube.ledger import routing
+from continuum_operator.kube.ledger import grant_ledger, routing
 from continuum_operator.kube.state.cache import Cache
 from tests.support.builders import stored_ledger
 from tests.support.grants_world import BASE, World, engine, mind, quota
@@ -196,7 +195,7 @@ def test_quota_limits_and_tokens_held_read_from_the_objects() -> None:
         {"mind": "a/o", "state": "Queued", "tokens": 0},
         {"mind": "b/p", "state": "Granted", "tokens": 9},
     ]
-    assert routing.tokens_held(ledger.read_entries(entries)) == {"a": 150, "b": 9}
+    assert routing.tokens_held(grant_ledger.read_entries(entries)) == {"a": 150, "b": 9}
 
 
 def test_demands_carry_the_class_token_limit() -> None:
@@ -247,7 +246,7 @@ def test_passes_over_several_engines_never_take_a_namespace_past_its_quota(
         for name in ("one", "two", "three"):
             status = stored_ledger(w.api.objects, "shared", name)
             for ns, tokens in routing.tokens_held(
-                ledger.read_entries(status.get("grants"))
+                grant_ledger.read_entries(status.get("grants"))
             ).items():
                 held[ns] = held.get(ns, 0) + tokens
         for ns, limit in quotas.items():

@@ -5,8 +5,10 @@ itself."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
+from continuum_operator.kube.client.api import ApiError
 from continuum_operator.kube.client.async_api import LIST_PAGE
 from continuum_operator.kube.nodes.placed_pods import (
     CONSUMER_LABELS,
@@ -16,8 +18,9 @@ from continuum_operator.kube.nodes.placed_pods import (
 )
 from continuum_operator.kube.state.cache import Cache
 from continuum_operator.model.board import NodeBoardSpec
-from tests.support.fakes import FakeKubeApi
-from tests.support.placed_pods import pod
+from tests.support.fakes import Awaited, FakeKubeApi
+from tests.support.placed_pods import list_pods, pod
+from tests.support.waiting import until
 
 ENGINE = "continuum.dev/engine"
 LANE = "continuum.dev/embedlane"
@@ -49,7 +52,7 @@ def round_of(publisher: PlacedPods) -> int:
 
     async def listed_then_published() -> int:
         for label, kind in CONSUMER_LABELS:
-            await publisher.relist(label, kind)
+            await list_pods(publisher, label, kind)
         return await publisher.publish_once()
 
     return asyncio.run(listed_then_published())
@@ -101,7 +104,7 @@ def test_pods_are_listed_a_page_at_a_time_and_kept_only_as_far_as_placement_read
     api = FakeKubeApi(pods)
     publisher = PlacedPods(api.aio, Cache())  # type: ignore[arg-type]
 
-    asyncio.run(publisher.relist(ENGINE, "Engine"))
+    asyncio.run(list_pods(publisher, ENGINE, "Engine"))
 
     asked = [dict(c.query) for c in api.calls if c.method == "GET"]
     assert [q.get("continue", "") for q in asked] == ["", str(LIST_PAGE)]
@@ -121,10 +124,10 @@ def test_watch_events_keep_the_pods_current_and_nothing_is_written_before_both_l
     publisher = PlacedPods(api.aio, cache)  # type: ignore[arg-type]
 
     async def scenario() -> None:
-        await publisher.relist(ENGINE, "Engine")
+        await list_pods(publisher, ENGINE, "Engine")
         # The lanes' pods not listed yet: an empty list of them is not news.
         assert await publisher.publish_once() == 0
-        await publisher.relist(LANE, "EmbedLane")
+        await list_pods(publisher, LANE, "EmbedLane")
         assert await publisher.publish_once() == 1  # gpu-1 gets u1
         moved = pod("team-a", "u2", "gpu-2", {ENGINE: "coder"})
         publisher.observe(ENGINE, "Engine", {"type": "ADDED", "object": moved})
@@ -163,3 +166,58 @@ def test_a_pod_or_a_board_that_changed_marks_its_node_alone_and_a_new_board_is_f
         {"spec": {"placed": [{"uid": "u3", "kind": "Engine", "namespace": "team-a",
                               "name": "coder"}]}},
     )  # fmt: skip
+
+
+class Watching(Awaited):
+    """The fake API server's pods listed, and each watch of the engines' pods as `streams`
+    says, in order: each step an event sent, a change to the store (a callable), or an error
+    raised; with no stream left, a watch stays open and silent. The lanes' watch is silent."""
+
+    def __init__(self, api: FakeKubeApi, streams: list[list[Any]]) -> None:
+        super().__init__(api)
+        self.streams = streams
+        self.watched: list[tuple[str, float]] = []  # each engine watch's `since`, and when
+
+    async def watch(
+        self, path: str, query: Any, since: str, seconds: int = 300
+    ) -> AsyncIterator[dict[str, Any]]:
+        if dict(query)["labelSelector"] == ENGINE:
+            self.watched.append((since, asyncio.get_running_loop().time()))
+            for step in self.streams.pop(0) if self.streams else []:
+                if isinstance(step, Exception):
+                    raise step
+                if callable(step):
+                    step()
+                else:
+                    yield step
+        await asyncio.Event().wait()
+
+
+def test_after_a_410_the_pods_are_listed_again_at_once_and_those_gone_meanwhile_dropped() -> None:
+    # The watch resumes as every follower's does (`kube.client.async_api.follow`): a version
+    # compacted away lists again at once, not after a second's pause, and the list drops the
+    # pod deleted while no watch told of it.
+    gone = pod("team-a", "u1", "gpu-1", {ENGINE: "coder"})
+    api = FakeKubeApi([gone])
+    came = pod("team-a", "u2", "gpu-2", {ENGINE: "coder"})
+    compacted = ApiError(410, "Expired", "too old resource version")
+    bookmark = {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}}
+    watching = Watching(api, [[
+        lambda: api.add(came), {"type": "ADDED", "object": came}, bookmark,
+        lambda: api.objects.pop("/api/v1/namespaces/team-a/pods/p-u1"), compacted,
+    ]])  # fmt: skip
+    publisher = PlacedPods(watching, Cache())  # type: ignore[arg-type]
+
+    async def scenario() -> float:
+        stop = asyncio.Event()
+        running = asyncio.create_task(publisher.run(stop))
+        await until(lambda: len(watching.watched) == 2)
+        stop.set()
+        await running
+        return watching.watched[1][1] - watching.watched[0][1]
+
+    took = asyncio.run(scenario())
+    assert sorted(publisher.pods) == ["u2"]
+    lists = [c for c in api.calls if c.method == "GET" and dict(c.query)["labelSelector"] == ENGINE]
+    assert len(lists) == 2  # the first list, and the one after the 410
+    assert took < 0.5

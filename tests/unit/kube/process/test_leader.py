@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from urllib3.exceptions import MaxRetryError
 
 from continuum_operator.cli import build_parser
 from continuum_operator.cli.operator_sections import leader_settings, refusal
@@ -98,13 +97,14 @@ def test_a_clean_stop_hands_the_lease_over_at_once() -> None:
 
 
 class Unreachable(FakeKubeApi):
-    """The API server restarting: every request refused at the socket, as urllib3 reports it."""
+    """The API server restarting: every request refused at the socket, as `KubeApi` raises it
+    (an `OSError`; `tests/unit/kube/client/test_kube_api.py` has the real socket's)."""
 
     def __init__(self, leases: FakeKubeApi) -> None:
         self.__dict__.update(leases.__dict__)
 
     def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
-        raise MaxRetryError(None, path, reason=ConnectionRefusedError(111, "Connection refused"))  # type: ignore[arg-type]
+        raise ConnectionError(f"{method} {path}: connection refused")
 
 
 def test_a_leader_that_cannot_reach_the_api_server_leads_on_until_its_own_deadline() -> None:

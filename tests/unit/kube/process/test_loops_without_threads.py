@@ -20,6 +20,7 @@ from continuum_operator.kube.workloads.engine_objects import ENGINE_LABEL
 from tests.support.engine_loop import NOW, World, node_board
 from tests.support.fakes import FakeKubeApi
 from tests.support.lanes import lane
+from tests.support.placed_pods import list_pods
 from tests.support.threads import NoThreads, T
 
 
@@ -84,7 +85,7 @@ def test_the_placed_pods_reach_their_board_without_a_thread() -> None:
 
     async def listed_then_published() -> int:
         for label, kind in CONSUMER_LABELS:
-            await publisher.relist(label, kind)
+            await list_pods(publisher, label, kind)
         return await publisher.publish_once()
 
     written, asked = without_threads(listed_then_published)

@@ -8,8 +8,7 @@ import pytest
 
 from continuum_operator.core.plan import plan
 from continuum_operator.kube.base.settings import GpuSharing, PodSettings
-from continuum_operator.kube.workloads import engine_identity
-from continuum_operator.kube.workloads import engine_objects as objects
+from continuum_operator.kube.workloads import engine_identity, engine_objects
 from continuum_operator.kube.workloads.priority_classes import priority_classes
 from continuum_operator.model.engine import Engine
 from continuum_operator.model.plan_status import PlanStatus
@@ -41,7 +40,7 @@ def container(d: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_deployment_recreates_and_runs_the_plans_arguments_on_the_placed_node() -> None:
     e, p = planned()
-    d = objects.deployment(e, "uid-1", p, PodSettings(), node_has_gpus=True)
+    d = engine_objects.deployment(e, "uid-1", p, PodSettings(), node_has_gpus=True)
     assert d["spec"]["strategy"] == {"type": "Recreate"}
     assert d["spec"]["replicas"] == 1
     cmd = container(d)["command"]
@@ -59,7 +58,7 @@ def test_the_deployment_recreates_and_runs_the_plans_arguments_on_the_placed_nod
 def test_requests_equal_limits_sized_from_the_plans_host_bytes() -> None:
     e, p = planned()
     pods = PodSettings(memory_overhead_bytes=256 * MiB)
-    r = container(objects.deployment(e, "u", p, pods, node_has_gpus=True))["resources"]
+    r = container(engine_objects.deployment(e, "u", p, pods, node_has_gpus=True))["resources"]
     assert r["requests"] == r["limits"]  # Guaranteed QoS
     host = p.bytes.host
     in_use = host.weights + host.kv + host.compute
@@ -70,7 +69,9 @@ def test_requests_equal_limits_sized_from_the_plans_host_bytes() -> None:
 
 def test_no_gpu_is_requested_on_a_node_without_gpus() -> None:
     e, p = planned()
-    r = container(objects.deployment(e, "u", p, PodSettings(), node_has_gpus=False))["resources"]
+    r = container(engine_objects.deployment(e, "u", p, PodSettings(), node_has_gpus=False))[
+        "resources"
+    ]
     assert "nvidia.com/gpu" not in r["limits"]
 
 
@@ -83,18 +84,20 @@ def test_an_engine_planned_with_nothing_on_a_gpu_sees_none() -> None:
     --n-gpu-layers 0 (562 MiB on an H200, tests/fixtures/h200): the pod hides the GPUs."""
     e, p = planned(offload="none")
     assert p.layers_on_device == 0 and p.gpus == ()
-    d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
+    d = engine_objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
     assert "nvidia.com/gpu" not in container(d)["resources"]["limits"]
     env = env_of(d)
     assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and env["CUDA_VISIBLE_DEVICES"] == ""
     e, p = planned()  # layers on a GPU: that GPU, from the device plugin, and no hiding
-    env = env_of(objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True))
+    env = env_of(engine_objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True))
     assert "NVIDIA_VISIBLE_DEVICES" not in env and "CUDA_VISIBLE_DEVICES" not in env
 
 
 def test_several_gpus_are_requested_when_the_plan_splits_the_model() -> None:
     e, p = planned(placement={"gpus": 2})
-    r = container(objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True))["resources"]
+    r = container(engine_objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True))[
+        "resources"
+    ]
     assert r["limits"]["nvidia.com/gpu"] == "2"
     assert "--tensor-split" in p.engine_args
 
@@ -102,25 +105,25 @@ def test_several_gpus_are_requested_when_the_plan_splits_the_model() -> None:
 def test_hami_caps_each_gpu_at_the_plans_device_bytes() -> None:
     e, p = planned(placement={"gpus": 2})
     pods = PodSettings(gpu_sharing=GpuSharing.HAMI)
-    r = container(objects.deployment(e, "u", p, pods, node_has_gpus=True))["resources"]
+    r = container(engine_objects.deployment(e, "u", p, pods, node_has_gpus=True))["resources"]
     device = p.bytes.device
     per_gpu_mib = -(-(device.weights + device.kv + device.compute) // 2 // MiB)
     assert r["limits"]["nvidia.com/gpumem"] == str(per_gpu_mib)
-    rules = objects.enforcement(p, pods, node_has_gpus=True)
+    rules = engine_objects.enforcement(p, pods, node_has_gpus=True)
     assert rules["gpuSharing"] == "hami" and rules["hamiGpumemMiB"] == per_gpu_mib
 
 
 def test_mps_pins_each_visible_device_in_the_environment() -> None:
     e, p = planned(placement={"gpus": 2})
     pods = PodSettings(gpu_sharing=GpuSharing.MPS)
-    env = container(objects.deployment(e, "u", p, pods, node_has_gpus=True))["env"]
+    env = container(engine_objects.deployment(e, "u", p, pods, node_has_gpus=True))["env"]
     (limit,) = [v["value"] for v in env if v["name"] == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     assert limit.startswith("0=") and ",1=" in limit and limit.endswith("M")
 
 
 def test_engine_arguments_are_always_enforced_and_nothing_else_by_default() -> None:
     _, p = planned()
-    rules = objects.enforcement(p, PodSettings(), node_has_gpus=True)
+    rules = engine_objects.enforcement(p, PodSettings(), node_has_gpus=True)
     assert rules["engineArgs"] is True and rules["gpuSharing"] == "none"
     assert "hamiGpumemMiB" not in rules and "mpsPinnedDeviceMemLimit" not in rules
 
@@ -140,7 +143,7 @@ def test_the_model_source_becomes_a_read_only_volume_and_its_digest_is_passed(
 ) -> None:
     facts = engine_body()["spec"]["model"]["facts"]
     e, p = planned(model={"source": source, "sha256": SHA, "facts": facts})
-    d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
+    d = engine_objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
     (volume,) = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "model"]
     assert volume_key in volume
     c = container(d)
@@ -159,19 +162,19 @@ def test_the_model_source_becomes_a_read_only_volume_and_its_digest_is_passed(
 def test_the_launch_changes_with_the_arguments_and_only_with_them() -> None:
     e, p = planned()
     pods = PodSettings()
-    same = objects.launch_hash(e, p.model_copy(), pods)
-    assert objects.launch_hash(e, p, pods) == same
+    same = engine_objects.launch_hash(e, p.model_copy(), pods)
+    assert engine_objects.launch_hash(e, p, pods) == same
     moved = p.model_copy(update={"engine_args": (*p.engine_args[:-1], "off")})
-    assert objects.launch_hash(e, moved, pods) != same
-    d = objects.deployment(e, "u", p, pods, node_has_gpus=True)
+    assert engine_objects.launch_hash(e, moved, pods) != same
+    d = engine_objects.deployment(e, "u", p, pods, node_has_gpus=True)
     template = d["spec"]["template"]["metadata"]["annotations"]
-    assert template[objects.LAUNCH_ANNOTATION] == same
+    assert template[engine_objects.LAUNCH_ANNOTATION] == same
 
 
 def test_the_service_selects_the_engines_pod() -> None:
     e, _ = planned()
-    s = objects.service(e, "u", PodSettings(port=9000))
-    assert s["spec"]["selector"] == objects.selector(e)
+    s = engine_objects.service(e, "u", PodSettings(port=9000))
+    assert s["spec"]["selector"] == engine_objects.selector(e)
     assert s["spec"]["ports"][0]["port"] == 9000
 
 
@@ -206,5 +209,5 @@ def test_the_engine_pod_may_read_its_own_engine_and_ledger_and_write_its_status_
     }
     assert all(len(r["resources"]) == 1 for r in role["rules"])
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
-    d = objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
+    d = engine_objects.deployment(e, "u", p, PodSettings(), node_has_gpus=True)
     assert d["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]

@@ -15,8 +15,7 @@ from continuum_operator.kube.base.settings import GpuSharing, PodSettings
 from continuum_operator.kube.engines.engine_pass import Memory
 from continuum_operator.kube.engines.reconcile import reconcile
 from continuum_operator.kube.state.cache import BoardEntry
-from continuum_operator.kube.workloads import engine_objects as objects
-from continuum_operator.kube.workloads import lane_objects
+from continuum_operator.kube.workloads import engine_objects, lane_objects
 from continuum_operator.model.embedlane import EmbedLane, EmbedLanePlacement
 from tests.support import builders
 from tests.support.builders import ROOT, GiB
@@ -59,7 +58,7 @@ def test_engine_and_lane_pods_run_with_the_configured_runtime_class_and_none_by_
     on_cpu = plan_doc.model_copy(update={"gpus": (), "layers_on_device": 0})
     for pods, expected in ((PodSettings(), None), (PodSettings(runtime_class="nvidia"), "nvidia")):
         for p in (plan_doc, on_cpu):
-            dep = objects.deployment(engine, "u", p, pods, node_has_gpus=True)
+            dep = engine_objects.deployment(engine, "u", p, pods, node_has_gpus=True)
             assert dep["spec"]["template"]["spec"].get("runtimeClassName") == expected
         assert lane_pod(pods).get("runtimeClassName") == expected
 
