@@ -199,3 +199,12 @@ def test_no_e2e_test_module_imports_another() -> None:
     importing = {p.name: imported_test_modules(p.read_text()) for p in sorted(e2e.glob("*.py"))}
     assert len([name for name in importing if name.startswith("test_")]) > 30  # not an empty glob
     assert {k: v for k, v in importing.items() if v} == {}
+
+
+def test_the_shared_test_helpers_import_no_test_module() -> None:
+    # tests/support/ is what test modules share: a helper that reached back into one made that
+    # test module a helper too (fake_apiserver once took its kubeconfig from test_async_api).
+    support = ROOT / "tests" / "support"
+    importing = {p.name: imported_test_modules(p.read_text()) for p in sorted(support.glob("*.py"))}
+    assert len(importing) > 20  # not an empty glob
+    assert {k: v for k, v in importing.items() if v} == {}
