@@ -34,8 +34,9 @@ LLAMA_CPP_PYTHON_VERSION="$(sed -n 's/^LLAMA_CPP_PYTHON_VERSION=//p' tools/versi
 # --- prepare (here, with network) ---------------------------------------------------------
 # Wheels the device image lacks (it has numpy, pyyaml, psutil, nvidia-ml-py, prometheus-client,
 # aiohttp, requests, six, python-dateutil, click, certifi, urllib3): what `continuum`'s import
-# chain needs beyond it (the CLI imports kubernetes through agent/writer.py; kopf only inside
-# `continuum operator`, so it stays behind), and setuptools for the editable install's build.
+# chain needs beyond it (kopf only inside `continuum operator`, so it stays behind; kubernetes,
+# the agent's extra, no command of the check imports since the login is our own: kept for the
+# version line below), and setuptools for the editable install's build.
 WHEELS=(
   "pydantic>=2.7,<3" pydantic-core annotated-types typing-inspection "typing-extensions>=4.16"
   "gguf>=0.10"
