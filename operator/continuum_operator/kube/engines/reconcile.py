@@ -187,6 +187,9 @@ def _place(p: EnginePass) -> Writes:
     assumed: dict[str, list[Lease]] = defaultdict(list)
     for lease in other_leases(snap, p.key, assumed_only=True):
         assumed[lease.node].append(lease)  # by node: each board reads its own
+    sharing = p.settings.pods.gpu_sharing
+    # `auto` resolves per node: MPS on this one refuses a pod several GPUs.
+    mps_everywhere = sharing is GpuSharing.MPS if sharing is not GpuSharing.AUTO else None
     views = [
         NodeView(
             board=with_unmeasured(entry.board, assumed.get(name, ())),
@@ -194,9 +197,9 @@ def _place(p: EnginePass) -> Writes:
             labels=snap.nodes[name].labels if name in snap.nodes else {},
             node_exists=name in snap.nodes,
             backing_off=name in p.backoff,
-            # `auto` resolves per node: MPS on this one refuses a pod several GPUs.
-            mps_shared=resolve_sharing(p.settings.pods.gpu_sharing, entry.cap_mechanisms)
-            is GpuSharing.MPS,
+            mps_shared=mps_everywhere
+            if mps_everywhere is not None
+            else resolve_sharing(sharing, entry.cap_mechanisms) is GpuSharing.MPS,
         )
         for name, entry in snap.boards.items()
         if entry.board is not None

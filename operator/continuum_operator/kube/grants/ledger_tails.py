@@ -56,14 +56,20 @@ class LedgerTails:
         return stored if stored is not None else ledger.read_entries(status.get("grants"))
 
     def tail_of(
-        self, key: EngineKey, body: Mapping[str, object], demands: Mapping[str, MindDemand]
+        self,
+        key: EngineKey,
+        body: Mapping[str, object],
+        demands: Mapping[str, MindDemand],
+        entries: list[GrantEntry] | None = None,
     ) -> dict[str, Grant]:
         """The entries the Engine object left out (`status.grantQueue`): from this leader's
         memory of the step it last decided there; else as the transition log leaves them (its
         next lines then follow from the log's, whatever a crash left unwritten); else, with no
-        log, from the Minds' own status."""
+        log, from the Minds' own status. `entries`: the object's, where the caller read them."""
         status = object_at(body, "status")
-        stored = {e.mind for e in ledger.read_entries(status.get("grants"))}
+        if entries is None:
+            entries = ledger.read_entries(status.get("grants"))
+        stored = {e.mind for e in entries}
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return {m: g for m, g in tail.grants.items() if m not in stored}
