@@ -25,11 +25,13 @@ __all__ = ["LedgerTails"]
 @dataclass(frozen=True)
 class _Tail:
     """An engine's ledger as this leader last decided it, for the step whose journal has `seq`:
-    the grants its object leaves out, and every entry (the projections read them)."""
+    the grants its object leaves out, and every entry (the projections read them) where it
+    leaves any out (None: the object holds them all, and they are read from it: typed entries
+    kept for every engine were thousands more objects for each garbage collection to walk)."""
 
     seq: int
     grants: dict[str, Grant]
-    entries: list[GrantEntry]
+    entries: list[GrantEntry] | None
 
 
 class LedgerTails:
@@ -51,7 +53,7 @@ class LedgerTails:
         the entries its object holds."""
         status = object_at(body, "status")
         tail = self._tails.get(key)
-        if tail is not None and tail.seq == _seq(status):
+        if tail is not None and tail.entries is not None and tail.seq == _seq(status):
             return tail.entries
         return stored if stored is not None else ledger.read_entries(status.get("grants"))
 
@@ -84,7 +86,8 @@ class LedgerTails:
         """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
         kept = {e.mind for e in s.kept}
         left_out = {m: g for m, g in s.grants.items() if m not in kept}
-        self._tails[key] = _Tail(_seq(object_at(body, "status")), left_out, s.entries)
+        entries = s.entries if left_out else None
+        self._tails[key] = _Tail(_seq(object_at(body, "status")), left_out, entries)
 
     def forget(self, key: EngineKey) -> None:
         """The engine is gone: nothing of its ledger is kept."""
