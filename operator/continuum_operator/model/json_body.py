@@ -38,8 +38,11 @@ def at(value: object, *path: str) -> object:
 
 def object_at(value: object, *path: str) -> Mapping[str, object]:
     """The object at `path`; an empty one where there is none."""
-    found = at(value, *path)
-    return found if isinstance(found, (dict, Mapping)) else _EMPTY
+    for key in path:  # `at`'s walk, inlined: the readers' most frequent call
+        if not isinstance(value, (dict, Mapping)):
+            return _EMPTY
+        value = value.get(key)
+    return value if isinstance(value, (dict, Mapping)) else _EMPTY
 
 
 def items_at(value: object, *path: str) -> list[object]:

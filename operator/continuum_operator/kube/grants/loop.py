@@ -232,11 +232,17 @@ class GrantsLoop:
         queue.mark(*marked, wake=False)
         # Held over every engine's ledger, not only those stepped (from `facts`: read once per
         # body); and, where a quota reads them, over the GrantLedgers of Engines another
-        # operator serves (`--engine-selector`): a namespace's quota spans them all.
-        held = {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
+        # operator serves (`--engine-selector`): a namespace's quota spans them all. Only
+        # where a TokenQuota reads them: nothing else does.
+        counted = bool(limits) or bool(self.minds.quotas)
+        held = (
+            {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
+            if counted
+            else {}
+        )
         if limits:
             held = {**ledger_object.others_entries(self.engines.ledgers, engines), **held}
-        quotas = QuotaUse(limits, held)
+        quotas = QuotaUse(limits, held, quotas=counted)
         self.view = PassView(classes, default, limits, facts, quotas, self.log.time(self.clock()))
         self.view.due_done.set()
 
