@@ -133,6 +133,15 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _validated(p: EnginePass, body: Mapping[str, object]) -> Engine:
+    """The Engine of this body: validated, unless the last pass validated this same object."""
+    if p.parsed is not None and p.parsed[0] is body:
+        return p.parsed[1]
+    engine = parse(Engine, engine_only(body), f"Engine {p.key[0]}/{p.key[1]}")
+    p.parsed = (body, engine)
+    return engine
+
+
 def reconcile(
     body: Mapping[str, object],
     snap: Snapshot,
@@ -143,7 +152,7 @@ def reconcile(
     """The writes one pass over one Engine needs (`Writes.status_patch` None: nothing changed)."""
     p = EnginePass(body, snap, memory, now, settings)
     try:
-        engine = parse(Engine, engine_only(body), f"Engine {p.key[0]}/{p.key[1]}")
+        engine = _validated(p, body)
     except ManifestError as err:
         problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
         return p.finish(replace(p.facts_in, problem=problem), None, None)
