@@ -1,7 +1,8 @@
 """What the operator has seen of the cluster, fed by watch events; decisions read only this.
 
 As in Kueue, controllers feed a cache and the decision never reads the API: kopf's watch
-handlers (`kube.state.handlers`) call `Cache.observe_*`, the reconcile loop takes a `snapshot()`.
+handlers (`kube.state.handlers`) call `Cache.observe_*`, the reconcile loop decides from a
+`view()` (a `snapshot()` where a reader awaits before it is done).
 After the operator writes an Engine's status it records the answer here at once ("assume"), so
 the next engine's placement sees the bytes just leased before the watch event arrives.
 Neighbours: `kube.engines.reconcile` (decides from a Snapshot), `kube.state.handlers` (feeds this),
