@@ -16,7 +16,7 @@ from continuum_operator.core.pools import Board, BoardLeases, ConsumerKind, Leas
 from continuum_operator.core.rfc3339 import parse as parse_rfc3339
 from continuum_operator.kube.client.api import resource_of
 from continuum_operator.kube.state.cache import Cache, EngineKey
-from continuum_operator.kube.state.occupancy import other_leases
+from continuum_operator.kube.state.occupancy import other_leases, other_leases_and_assumed
 from tests.support.builders import board, board_body, engine_body
 from tests.support.builders import engine as parsed_engine
 
@@ -81,6 +81,11 @@ def test_the_cache_index_gives_the_leases_a_parse_of_every_engine_gives() -> Non
                 got = other_leases(indexed, me, assumed_only=assumed_only, node=on)
                 want = other_leases(parsed, me, assumed_only=assumed_only, node=on)
                 assert Counter(got) == Counter(want), (me, assumed_only, on)
+        for snap in (indexed, parsed):  # both at once, in one walk (the placement reads both)
+            assert other_leases_and_assumed(snap, me) == (
+                other_leases(snap, me),
+                other_leases(snap, me, assumed_only=True),
+            )
     everyone = other_leases(indexed, ("", ""))
     assert {(x.consumer.split("/")[-1], x.node) for x in everyone} == {
         ("a", "n1"),

@@ -62,6 +62,10 @@ class Memory:
     backoff_until: Mapping[str, float] = field(default_factory=dict)
     facts_error: str | None = None  # why the facts Job's answer could not be used
     node_gone_since: float | None = None  # when the placed engine's Node was first seen missing
+    #: The body last validated and its Engine: while the cache holds that same body object (it
+    #: replaces a body, never changes one), the next pass takes the Engine, not a validation
+    #: of the whole object again (a full pass validated every Engine at each pass).
+    parsed: tuple[Mapping[str, object], Engine] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,7 @@ class EnginePass:
         self.damper = damper
         self.backoff = {n: t for n, t in memory.backoff_until.items() if t > now}
         self.memory = memory
+        self.parsed = memory.parsed
         self.node_gone_since: float | None = None
         self.launch: str | None = None  # the launch in force, once `placed` knows it
         self.annotations: Mapping[str, str] = labels_at(body, "metadata", "annotations")
@@ -224,7 +229,13 @@ class EnginePass:
             service=service,
             delete_workload=plan is None,
             events=tuple(self.events),
-            memory=Memory(self.damper, self.backoff, self.memory.facts_error, self.node_gone_since),
+            memory=Memory(
+                self.damper,
+                self.backoff,
+                self.memory.facts_error,
+                self.node_gone_since,
+                self.parsed,
+            ),
             damping=f.damping,
             unschedulable=f.unschedulable is not None and f.planned is None,
             memory_mode_unknown=(

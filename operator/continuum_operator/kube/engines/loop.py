@@ -254,7 +254,8 @@ class Loop:
             self.facts_unread.discard(key)
         elif job is not None and job.failed and memory.facts_error is None:
             return FactsToRead(job)
-        writes = reconcile(body, self.cache.snapshot(), memory, now, self.settings)
+        # The cache's own maps: `reconcile` is pure and awaits nothing.
+        writes = reconcile(body, self.cache.view(), memory, now, self.settings)
         self.memory[uid] = writes.memory
         self.record(key, writes)
         self.unschedulable[key] = writes.unschedulable

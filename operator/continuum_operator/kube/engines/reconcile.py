@@ -45,7 +45,11 @@ from continuum_operator.kube.engines.engine_pass import (
 from continuum_operator.kube.engines.placed import placed
 from continuum_operator.kube.ledger.cached import engine_only
 from continuum_operator.kube.state.cache import EngineKey, Snapshot
-from continuum_operator.kube.state.occupancy import is_fresh, other_leases
+from continuum_operator.kube.state.occupancy import (
+    lease_is_fresh,
+    other_leases,
+    other_leases_and_assumed,
+)
 from continuum_operator.kube.workloads import engine_objects, facts_job
 from continuum_operator.kube.workloads.gpu_env import gpu_sharing_refusal
 from continuum_operator.manifests import ManifestError, parse
@@ -128,6 +132,15 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _validated(p: EnginePass, body: Mapping[str, object]) -> Engine:
+    """The Engine of this body: validated, unless the last pass validated this same object."""
+    if p.parsed is not None and p.parsed[0] is body:
+        return p.parsed[1]
+    engine = parse(Engine, engine_only(body), f"Engine {p.key[0]}/{p.key[1]}")
+    p.parsed = (body, engine)
+    return engine
+
+
 def reconcile(
     body: Mapping[str, object],
     snap: Snapshot,
@@ -138,7 +151,7 @@ def reconcile(
     """The writes one pass over one Engine needs (`Writes.status_patch` None: nothing changed)."""
     p = EnginePass(body, snap, memory, now, settings)
     try:
-        engine = parse(Engine, engine_only(body), f"Engine {p.key[0]}/{p.key[1]}")
+        engine = _validated(p, body)
     except ManifestError as err:
         problem = cond.Problem(cond.Reason.INVALID_SPEC, f"{err.field}: {err.problem}")
         return p.finish(replace(p.facts_in, problem=problem), None, None)
@@ -180,27 +193,46 @@ def reconcile(
     return _place(p)
 
 
+def _views(p: EnginePass, assumed: Mapping[str, list[Lease]]) -> list[NodeView]:
+    """Every node with a board, as this engine's placement weighs it. Built for each board at
+    each engine placed (hundreds of thousands at scale): what is the same for every board is
+    read once, and a board with no assumed lease on it is taken as it is."""
+    snap, now, ttl, backoff = p.snap, p.now, p.ttl, p.backoff
+    nodes, leases = snap.nodes, snap.leases
+    sharing = p.settings.pods.gpu_sharing
+    # `auto` resolves per node: MPS on this one refuses a pod several GPUs.
+    mps_everywhere = sharing is GpuSharing.MPS if sharing is not GpuSharing.AUTO else None
+    views: list[NodeView] = []
+    for name, entry in snap.boards.items():
+        board = entry.board
+        if board is None:
+            continue
+        node = nodes.get(name)
+        on_it = assumed.get(name)
+        views.append(
+            NodeView(
+                board=with_unmeasured(board, on_it) if on_it else board,
+                fresh=lease_is_fresh(leases.get(name), now, ttl),
+                labels=node.labels if node is not None else {},
+                node_exists=node is not None,
+                backing_off=name in backoff,
+                mps_shared=mps_everywhere
+                if mps_everywhere is not None
+                else resolve_sharing(sharing, entry.cap_mechanisms) is GpuSharing.MPS,
+            )
+        )
+    return views
+
+
 def _place(p: EnginePass) -> Writes:
     """Best fit among the nodes with fresh boards, as an assumed lease; or why none."""
     snap, engine = p.snap, p.engine
+    others, not_started = other_leases_and_assumed(snap, p.key)
     assumed: dict[str, list[Lease]] = defaultdict(list)
-    for lease in other_leases(snap, p.key, assumed_only=True):
+    for lease in not_started:
         assumed[lease.node].append(lease)  # by node: each board reads its own
-    views = [
-        NodeView(
-            board=with_unmeasured(entry.board, assumed.get(name, ())),
-            fresh=is_fresh(snap, name, p.now, p.ttl),
-            labels=snap.nodes[name].labels if name in snap.nodes else {},
-            node_exists=name in snap.nodes,
-            backing_off=name in p.backoff,
-            # `auto` resolves per node: MPS on this one refuses a pod several GPUs.
-            mps_shared=resolve_sharing(p.settings.pods.gpu_sharing, entry.cap_mechanisms)
-            is GpuSharing.MPS,
-        )
-        for name, entry in snap.boards.items()
-        if entry.board is not None
-    ]
-    decision = choose(views, engine.spec, p.facts, other_leases(snap, p.key), receipts=p.receipts())
+    views = _views(p, assumed)
+    decision = choose(views, engine.spec, p.facts, others, receipts=p.receipts())
     if decision.chosen is None:
         f = cond.EngineFacts(generation=p.generation, unschedulable=_unschedulable(decision))
         for part in ("plan", "placement"):

@@ -25,11 +25,13 @@ __all__ = ["LedgerTails"]
 @dataclass(frozen=True)
 class _Tail:
     """An engine's ledger as this leader last decided it, for the step whose journal has `seq`:
-    the grants its object leaves out, and every entry (the projections read them)."""
+    the grants its object leaves out, and every entry (the projections read them) where it
+    leaves any out (None: the object holds them all, and they are read from it: typed entries
+    kept for every engine were thousands more objects for each garbage collection to walk)."""
 
     seq: int
     grants: dict[str, Grant]
-    entries: list[GrantEntry]
+    entries: list[GrantEntry] | None
 
 
 class LedgerTails:
@@ -51,19 +53,25 @@ class LedgerTails:
         the entries its object holds."""
         status = object_at(body, "status")
         tail = self._tails.get(key)
-        if tail is not None and tail.seq == _seq(status):
+        if tail is not None and tail.entries is not None and tail.seq == _seq(status):
             return tail.entries
         return stored if stored is not None else grant_ledger.read_entries(status.get("grants"))
 
     def tail_of(
-        self, key: EngineKey, body: Mapping[str, object], demands: Mapping[str, MindDemand]
+        self,
+        key: EngineKey,
+        body: Mapping[str, object],
+        demands: Mapping[str, MindDemand],
+        entries: list[GrantEntry] | None = None,
     ) -> dict[str, Grant]:
         """The entries the Engine object left out (`status.grantQueue`): from this leader's
         memory of the step it last decided there; else as the transition log leaves them (its
         next lines then follow from the log's, whatever a crash left unwritten); else, with no
-        log, from the Minds' own status."""
+        log, from the Minds' own status. `entries`: the object's, where the caller read them."""
         status = object_at(body, "status")
-        stored = {e.mind for e in grant_ledger.read_entries(status.get("grants"))}
+        if entries is None:
+            entries = grant_ledger.read_entries(status.get("grants"))
+        stored = {e.mind for e in entries}
         tail = self._tails.get(key)
         if tail is not None and tail.seq == _seq(status):
             return {m: g for m, g in tail.grants.items() if m not in stored}
@@ -82,7 +90,8 @@ class LedgerTails:
         """What `body`'s object leaves out of the ledger `s` decided, kept for the next step."""
         kept = {e.mind for e in s.kept}
         left_out = {m: g for m, g in s.grants.items() if m not in kept}
-        self._tails[key] = _Tail(_seq(object_at(body, "status")), left_out, s.entries)
+        entries = s.entries if left_out else None
+        self._tails[key] = _Tail(_seq(object_at(body, "status")), left_out, entries)
 
     def forget(self, key: EngineKey) -> None:
         """The engine is gone: nothing of its ledger is kept."""

@@ -187,7 +187,7 @@ class LedgerWriter:
         engine = f"{ns}/{name}"
         crash.reached(crash.CrashPoint.AFTER_LEDGER_WRITE)
         stored = grant_ledger.read_entries(object_at(body, "status").get("grants"))
-        before = {**self.tails.tail_of(key, body, {}), **grant_ledger.read_grants(stored)}
+        before = {**self.tails.tail_of(key, body, {}, stored), **grant_ledger.read_grants(stored)}
         self.tails.remember(key, answer, s)
         self._log().append(engine, seq, lines)
         crash.reached(crash.CrashPoint.AFTER_LOG)

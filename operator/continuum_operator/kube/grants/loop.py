@@ -84,6 +84,7 @@ from continuum_operator.kube.ledger import cached, grant_ledger, routing
 from continuum_operator.kube.ledger.transition_log import TransitionLog
 from continuum_operator.kube.state.cache import Cache, EngineKey
 from continuum_operator.kube.state.mind_cache import MindCache, seed
+from continuum_operator.model.grant import GrantEntry
 from continuum_operator.model.json_body import object_at
 
 __all__ = ["GrantsLoop"]
@@ -230,11 +231,17 @@ class GrantsLoop:
         queue.mark(*marked, wake=False)
         # Held over every engine's ledger, not only those stepped (from `facts`: read once per
         # body); and, where a quota reads them, over the GrantLedgers of Engines another
-        # operator serves (`--engine-selector`): a namespace's quota spans them all.
-        held = {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
+        # operator serves (`--engine-selector`): a namespace's quota spans them all. Only
+        # where a TokenQuota reads them: nothing else does.
+        counted = bool(limits) or bool(self.minds.quotas)
+        held = (
+            {k: self.tails.entries_of(k, f.body, f.entries) for k, f in facts.items()}
+            if counted
+            else {}
+        )
         if limits:
             held = {**cached.others_entries(self.engines.ledgers, engines), **held}
-        quotas = QuotaUse(limits, held)
+        quotas = QuotaUse(limits, held, quotas=counted)
         self.view = PassView(classes, default, limits, facts, quotas, self.log.time(self.clock()))
         self.view.due_done.set()
 
@@ -284,15 +291,21 @@ class GrantsLoop:
             self.tails.forget(key)
             return GrantWrites(None, None, now, False, minds, {}) if minds else None
         routed, refused, demands = _wanted(key, body, minds, view.classes, view.default)
-        due = self._due(body)
+        # The entries as the pass read them (`LedgerFacts`, while the body is the same object),
+        # for the whole step: each read validates every entry, and four a step were a fifth of
+        # a full pass.
+        facts = view.facts.get(key)
+        if facts is None or facts.body is not body:
+            facts = LedgerFacts.of(body)
+        stored, due = facts.entries, facts.due
         # Due by the pass's time (`view.at`, when the rest are stepped), so its `t` comes first.
         is_due = due is not None and due <= view.at and not view.rest_started
         view.rest_started |= not is_due
         at = self.log.time(due) if is_due and due is not None else view.at
         left = view.quotas.left(key)
-        s = self._step(key, body, demands, at, left)
+        s = self._step(key, body, demands, at, left, stored)
         if not s.changed:
-            view.quotas.stepped(key, self.tails.entries_of(key, body))
+            view.quotas.stepped(key, self.tails.entries_of(key, body, stored))
             return GrantWrites(body, None, at, False, routed, refused)
         view.quotas.assume(key, s.entries)
         if is_due:
@@ -357,10 +370,14 @@ class GrantsLoop:
         demands: Mapping[str, MindDemand],
         now: float,
         quota_left: Mapping[str, int] | None,
+        stored: list[GrantEntry] | None = None,
     ) -> grant_ledger.LedgerStep:
-        """One allocation step (pure); its review time kept; an unchanged ledger remembered."""
-        tail = self.tails.tail_of(key, body, demands)
-        s = grant_ledger.step(body, demands, now, self.policy, quota_left, tail)
+        """One allocation step (pure); its review time kept; an unchanged ledger remembered.
+        `stored`: the body's entries, where the caller read them."""
+        if stored is None:
+            stored = grant_ledger.read_entries(object_at(body, "status").get("grants"))
+        tail = self.tails.tail_of(key, body, demands, stored)
+        s = grant_ledger.step(body, demands, now, self.policy, quota_left, tail, stored)
         if s.review_at is not None:
             self.review_at[key] = s.review_at
         else:

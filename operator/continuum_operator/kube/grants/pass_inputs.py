@@ -55,12 +55,13 @@ class GrantWrites:
 def recover_journals(
     log: TransitionLog, keys: Iterable[EngineKey], engines: Mapping[EngineKey, Mapping[str, object]]
 ) -> None:
-    """Append the steps a dead leader wrote but did not log (each engine's journal)."""
+    """Append the steps a dead leader wrote but did not log (each engine's journal). A journal
+    is read (every line's times parsed) only where the log lacks its step."""
     for key in keys:
-        log.recover(
-            f"{key[0]}/{key[1]}",
-            journal.read_journal(object_at(engines[key], "status").get(grant_ledger.STEP_FIELD)),
-        )
+        engine = f"{key[0]}/{key[1]}"
+        stored_journal = object_at(engines[key], "status").get(grant_ledger.STEP_FIELD)
+        if not log.nothing_to_recover(engine, stored_journal):
+            log.recover(engine, journal.read_journal(stored_journal))
 
 
 def engine_of_write(key: str, minds: MindCache) -> EngineKey | None:

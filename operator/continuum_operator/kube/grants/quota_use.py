@@ -30,9 +30,17 @@ class QuotaUse:
         self,
         limits: Mapping[str, routing.QuotaLimit],
         entries: Mapping[EngineKey, list[GrantEntry]],
+        *,
+        quotas: bool = True,
     ) -> None:
+        """`quotas`: whether any TokenQuota exists (one whose limit is unreadable too: its
+        status still counts its namespace's minds, `minds`)."""
         self.limits = dict(limits)
-        self.entries = dict(entries)
+        # The entries are kept only where a TokenQuota reads them (`held_back`, `minds`):
+        # every engine's typed entries held through a pass were tens of thousands of objects
+        # for the garbage collector to promote and walk, for nothing without one.
+        self.keeps_entries = quotas or bool(self.limits)
+        self.entries = dict(entries) if self.keeps_entries else {}
         # Summed only where a quota reads them (without quotas, nothing does).
         self.by_engine = (
             {k: routing.tokens_held(e) for k, e in entries.items() if e} if self.limits else {}
@@ -68,7 +76,8 @@ class QuotaUse:
         held = routing.tokens_held(entries) if self.limits else {}
         before = self.by_engine.get(key, {})
         self._put(key, {ns: max(n, before.get(ns, 0)) for ns, n in {**before, **held}.items()})
-        self.entries[key] = entries
+        if self.keeps_entries:
+            self.entries[key] = entries
 
     def stepped(self, key: EngineKey, entries: list[GrantEntry]) -> None:
         """The engine's whole ledger as written (not only what its object keeps)."""
@@ -76,7 +85,8 @@ class QuotaUse:
         before = self.by_engine.get(key, {})
         self.freed.update(ns for ns, n in before.items() if held.get(ns, 0) < n)
         self._put(key, held)
-        self.entries[key] = entries
+        if self.keeps_entries:
+            self.entries[key] = entries
 
     def _put(self, key: EngineKey, held: dict[str, int]) -> None:
         for ns, n in self.by_engine.get(key, {}).items():

@@ -111,6 +111,11 @@ def _grants(ledger: Mapping[str, object] | None) -> list[GrantEntry]:
     return read_entries(object_at(ledger, "status").get("grants"))
 
 
+def _stored(ledger: Mapping[str, object]) -> object:
+    """A GrantLedger's entries as stored (`status.grants`), unread."""
+    return object_at(ledger, "status").get("grants")
+
+
 def holders(ledger: Mapping[str, object] | None) -> frozenset[str]:
     """The Minds ("namespace/name") a GrantLedger holds a slot for (Granted or Reclaiming)."""
     return frozenset(e.mind for e in _grants(ledger) if e.state in HOLDING_STATES)
@@ -123,6 +128,9 @@ class HolderIndex:
 
     def __init__(self) -> None:
         self._by_mind: dict[str, set[tuple[str, str]]] = {}
+        #: What each Engine's GrantLedger holds as indexed: the old ledger's holders are not
+        #: read again at its next change (each read validates every entry).
+        self._held: dict[tuple[str, str], frozenset[str]] = {}
 
     def replace(
         self,
@@ -131,7 +139,17 @@ class HolderIndex:
         new: Mapping[str, object] | None,
     ) -> None:
         """The GrantLedger of Engine `key` went from `old` to `new` (None: none)."""
-        before, after = holders(old), holders(new)
+        before = self._held.pop(key, None)
+        if before is None:
+            before = holders(old)
+        if new is None:
+            after: frozenset[str] = frozenset()
+        elif old is not None and _stored(old) == _stored(new):
+            after = before  # the same entries (the echo of a write, a change elsewhere)
+        else:
+            after = holders(new)
+        if new is not None:
+            self._held[key] = after
         for mind in before - after:
             engines = self._by_mind.get(mind)
             if engines is not None:

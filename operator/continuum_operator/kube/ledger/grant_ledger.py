@@ -404,14 +404,18 @@ def step(
     policy: GrantPolicy,
     quota_left: Mapping[str, int] | None = None,
     tail: Mapping[str, Grant] | None = None,
+    stored: list[GrantEntry] | None = None,
 ) -> LedgerStep:
     """One allocation of an engine's ledger at `now` (no API calls). `quota_left`: by
     namespace, the tokens its minds may hold on this engine (`core.grants.allocate`). `tail`:
     the entries the Engine object left out (`status.grantQueue`), from the leader's memory of
-    its last write or from the Minds' own status (`tail_from_minds`)."""
+    its last write or from the Minds' own status (`tail_from_minds`). `stored`: the object's
+    entries as `read_entries` reads them, where the caller read them already (each read
+    validates every entry)."""
     status = object_at(engine, "status")
     stored_raw = status.get("grants")
-    stored = read_entries(stored_raw)
+    if stored is None:
+        stored = read_entries(stored_raw)
     grants = read_grants(stored)
     for name, g in (tail or {}).items():
         grants.setdefault(name, g)

@@ -175,14 +175,23 @@ class TransitionLog:
 
     def recover(self, engine: str, journal: Mapping[str, object] | None) -> bool:
         """Append the journaled step of an Engine if the log lacks it; True if it did."""
-        if not journal:
+        if self.nothing_to_recover(engine, journal):
             return False
-        seq = journal.get("seq")
-        lines = journal.get("lines")
-        if not isinstance(seq, int) or not isinstance(lines, list) or not lines:
-            return False
-        ledger = lines[0].get("ledger") if isinstance(lines[0], Mapping) else None
-        if self.logged(engine, seq, ledger if isinstance(ledger, str) else None):
-            return False
+        assert journal is not None
+        seq, lines = journal.get("seq"), journal.get("lines")
+        assert isinstance(seq, int) and isinstance(lines, list)  # (as nothing_to_recover read)
         self.append(engine, seq, lines)
         return True
+
+    def nothing_to_recover(self, engine: str, journal: object) -> bool:
+        """Whether `recover` would append nothing for this journal: none, one without a step
+        (seq and lines), or a step the log has. Read from the journal as stored (its times as
+        text), so a pass asks before it reads every line's times (`journal.read_journal`),
+        which it did for every engine each full pass while the log had every step."""
+        if not journal or not isinstance(journal, Mapping):
+            return True
+        seq, lines = journal.get("seq"), journal.get("lines")
+        if not isinstance(seq, int) or not isinstance(lines, list) or not lines:
+            return True
+        ledger = lines[0].get("ledger") if isinstance(lines[0], Mapping) else None
+        return self.logged(engine, seq, ledger if isinstance(ledger, str) else None)

@@ -19,7 +19,7 @@ from continuum_operator.kube.client.kept import kept, newer, resource_version
 from continuum_operator.kube.ledger import routing
 from continuum_operator.kube.state.cache import EngineKey
 from continuum_operator.model.base import GROUP, VERSION
-from continuum_operator.model.json_body import at, items_at, name_of, text
+from continuum_operator.model.json_body import items_at, name_of, object_at, text
 
 __all__ = ["MindCache", "list_minds", "register", "seed"]
 
@@ -159,13 +159,14 @@ def _demand_facts(mind: Mapping[str, object]) -> tuple[object, ...]:
     """What the ledger reads of a Mind (`routing.route_minds`, `routing.demands_of`) and what
     her projection and finalizer follow from: her engine, her deletion, class and size
     (compared as written, for a change)."""
+    meta, spec = object_at(mind, "metadata"), object_at(mind, "spec")
     return (
         routing.engine_key_of(mind),
-        bool(at(mind, "metadata", "deletionTimestamp")),
-        at(mind, "spec", "className"),
-        at(mind, "spec", "contextTokens"),
-        at(mind, "metadata", "creationTimestamp"),
-        at(mind, "metadata", "generation"),
+        bool(meta.get("deletionTimestamp")),
+        spec.get("className"),
+        spec.get("contextTokens"),
+        meta.get("creationTimestamp"),
+        meta.get("generation"),
     )
 
 

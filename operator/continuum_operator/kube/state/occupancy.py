@@ -18,7 +18,14 @@ from continuum_operator.kube.state.lease_renewal import LeaseEntry
 from continuum_operator.model.embedlane import EmbedLanePlacement
 from continuum_operator.model.json_body import at
 
-__all__ = ["LaneKey", "is_fresh", "lane_leases_in", "lease_is_fresh", "other_leases"]
+__all__ = [
+    "LaneKey",
+    "is_fresh",
+    "lane_leases_in",
+    "lease_is_fresh",
+    "other_leases",
+    "other_leases_and_assumed",
+]
 
 LaneKey = tuple[str, str]  # (namespace, name)
 
@@ -66,6 +73,25 @@ def other_leases(
     lanes = lane_leases_in(snap.lanes, assumed_only=assumed_only)
     leases.extend(x for x in lanes if node is None or x.node == node)
     return leases
+
+
+def other_leases_and_assumed(snap: Snapshot, me: EngineKey) -> tuple[list[Lease], list[Lease]]:
+    """`other_leases(snap, me)` and `other_leases(snap, me, assumed_only=True)`, in one walk
+    over every engine's placement (a placement read both; each walk is over every engine)."""
+    every: list[Lease] = []
+    assumed: list[Lease] = []
+    index = snap.engine_leases
+    if index is None or snap.engines_on is None:  # as `other_leases` reads it
+        index = {k: x for k, b in snap.engines.items() if (x := placed_leases(k, b)) is not None}
+    for key, placed in index.items():
+        if key == me or placed is None:
+            continue
+        every.extend(placed.leases)
+        if placed.assumed:
+            assumed.extend(placed.leases)
+    every.extend(lane_leases_in(snap.lanes))
+    assumed.extend(lane_leases_in(snap.lanes, assumed_only=True))
+    return every, assumed
 
 
 def lane_leases_in(

@@ -63,6 +63,24 @@ def test_a_journaled_step_the_log_lacks_is_appended_once(tmp_path: Path) -> None
     assert [x["seq"] for x in read(path)] == [1, 2]
 
 
+def test_a_pass_reads_a_journal_only_where_the_log_lacks_its_step(tmp_path: Path) -> None:
+    # Asked from the journal as stored (its times as text, unread), before `read_journal`.
+    path = tmp_path / "log.jsonl"
+    log = TransitionLog(path)
+    log.append("ns/e", 2, [{**queued(10.0, "ns/a"), "ledger": "l1"}])
+    at = "1970-01-01T00:00:10.0Z"
+    line = {**queued(10.0, "ns/a"), "t": at, "ledger": "l1"}
+    stored = {"seq": 2, "t": at, "lines": [line]}
+    assert log.nothing_to_recover("ns/e", stored)
+    assert not log.nothing_to_recover("ns/e", {**stored, "seq": 3})
+    assert not log.nothing_to_recover("ns/f", stored)  # another engine's log has no step
+    # A ledger made again under the name: its seq counts from 1, not after the old one's.
+    remade = {**stored, "lines": [{**line, "ledger": "l2"}]}
+    assert not log.nothing_to_recover("ns/e", remade)
+    for nothing in (None, {}, {"seq": 3}, {"seq": 3, "lines": []}, {"seq": "3", "lines": [{}]}):
+        assert log.nothing_to_recover("ns/e", nothing)
+
+
 def test_a_crash_point_exits_at_once_with_the_status_of_a_kill() -> None:
     code = (
         "from continuum_operator.kube.base import crash\n"

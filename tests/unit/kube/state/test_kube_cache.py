@@ -28,6 +28,18 @@ def test_the_answer_of_an_apply_does_not_undo_a_newer_watch_event() -> None:
     assert cache.deployments[("minds", "e")].ready_replicas == 1
 
 
+def test_the_view_a_decision_reads_is_the_cache_as_a_snapshot_copies_it() -> None:
+    # The plan loop decides from `view()` (no copy); the lanes' loop from `snapshot()`.
+    cache = Cache()
+    cache.observe_deployment(deployment(rv=10, ready=0), deleted=False)
+    cache.observe_node({"metadata": {"name": "n1"}, "status": {}}, deleted=False)
+    view, copied = cache.view(), cache.snapshot()
+    assert view == copied and view.deployments[("minds", "e")].ready_replicas == 0
+    cache.observe_deployment(deployment(rv=11, ready=1), deleted=False)
+    assert cache.view().deployments[("minds", "e")].ready_replicas == 1  # as it is now
+    assert copied.deployments[("minds", "e")].ready_replicas == 0  # a copy keeps its time
+
+
 def test_a_newer_deployment_replaces_an_older_one() -> None:
     cache = Cache()
     cache.observe_deployment(deployment(rv=10, ready=0), deleted=False)
