@@ -22,13 +22,20 @@ The throughput ratio printed is the median of the per-round ratios (each round r
 back), with their range: on a machine shared with other work, single figures swing widely.
 
 Run: `.venv/bin/python bench/gateway.py` (add `--slots 4 --seconds 10` to change the load).
+
+`--calls N` measures instead what does not swing with the machine's load: the Python calls the
+gateway's process makes per one-token request of each endpoint (cProfile's count over `N`
+requests in a row, after a warm-up; the gateway's process profiles itself between two SIGUSR1).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import os
+import pstats
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,8 +90,10 @@ def minds(slots: int) -> list[str]:
     return [f"bench/mind-{i}" for i in range(slots)]
 
 
-async def serve_gateway(upstream: str, port: int, slots: int) -> None:
-    """The gateway process: every bench mind granted its own slot."""
+async def serve_gateway(upstream: str, port: int, slots: int, calls_out: str | None) -> None:
+    """The gateway process: every bench mind granted its own slot. With `calls_out`, each
+    SIGUSR1 starts or stops a profile of the process, and the calls it counted are written
+    there at each stop."""
     from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 
     gateway = Gateway(GatewaySettings(upstream=upstream))
@@ -96,8 +105,44 @@ async def serve_gateway(upstream: str, port: int, slots: int) -> None:
     }
     gateway.set_table(GrantTable(SLOT_TOKENS, EnginePhase.SERVING, entries))
     await serve_app(gateway.app(), "127.0.0.1", port)
+    if calls_out is not None:
+        _profile_on_signal(Path(calls_out))
     print("ready", flush=True)
     await asyncio.Event().wait()
+
+
+def _profile_on_signal(out: Path) -> None:
+    profile: list[cProfile.Profile] = []
+
+    def toggle() -> None:
+        if not profile:
+            profile.append(cProfile.Profile())
+            profile[0].enable()
+            return
+        profile[0].disable()
+        out.write_text(str(pstats.Stats(profile.pop()).total_calls))  # type: ignore[attr-defined]
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, toggle)
+
+
+async def calls_per_request(
+    gated: str, gateway: subprocess.Popen[bytes], out: Path, n: int, endpoints: tuple[str, ...]
+) -> None:
+    """The gateway's Python calls per one-token request of each endpoint, `n` in a row."""
+    async with aiohttp.ClientSession() as http:
+        client = Client(http, gated, 0, minds(1)[0])
+        await client.open()
+        for endpoint in endpoints:
+            await latency(client, 20, endpoint)  # warm: first calls import and cache
+            gateway.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(0.2)
+            await latency(client, n, endpoint)
+            out.unlink(missing_ok=True)
+            gateway.send_signal(signal.SIGUSR1)
+            while not out.exists() or not out.read_text():
+                await asyncio.sleep(0.05)
+            calls = int(out.read_text()) / n
+            print(f"{endpoint}: {calls:,.0f} Python calls per one-token request ({n} requests)")
 
 
 async def wait_http(url: str, timeout: float = 120) -> None:
@@ -265,11 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-predict", type=int, default=32, help="tokens per throughput request")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--endpoints", nargs="+", default=list(ENDPOINTS), choices=ENDPOINTS)
+    p.add_argument(
+        "--calls", type=int, metavar="N", help="count the gateway's calls per request instead"
+    )
     p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
+    p.add_argument("--calls-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_gateway:
         upstream, port, slots = args.serve_gateway
-        asyncio.run(serve_gateway(upstream, int(port), int(slots)))
+        asyncio.run(serve_gateway(upstream, int(port), int(slots), args.calls_out))
         return 0
 
     found = subprocess.run([str(ROOT / "tools" / "llama"), "path"], capture_output=True, text=True)
@@ -287,17 +336,24 @@ def main(argv: list[str] | None = None) -> int:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         upstream = f"http://127.0.0.1:{up_port}"
+        calls_out = Path(tmp) / "calls"
         gateway = subprocess.Popen(
-            [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots)],
+            [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots),
+             *(["--calls-out", str(calls_out)] if args.calls else [])],
             stdout=subprocess.DEVNULL,
-        )
+        )  # fmt: skip
+        gated = f"http://127.0.0.1:{gw_port}"
         try:
             asyncio.run(wait_http(f"{upstream}/health"))
-            asyncio.run(wait_http(f"http://127.0.0.1:{gw_port}/readyz"))
+            asyncio.run(wait_http(f"{gated}/readyz"))
+            if args.calls:
+                endpoints = tuple(args.endpoints)
+                asyncio.run(calls_per_request(gated, gateway, calls_out, args.calls, endpoints))
+                return 0
             asyncio.run(
                 measure(
                     upstream,
-                    f"http://127.0.0.1:{gw_port}",
+                    gated,
                     args.slots,
                     args.requests,
                     args.seconds,
