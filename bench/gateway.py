@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import logging
 import os
 import pstats
 import signal
@@ -96,6 +97,8 @@ async def serve_gateway(upstream: str, port: int, slots: int, calls_out: str | N
     there at each stop."""
     from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
 
+    # Logged as the engine logs (INFO), to nowhere: what the logging costs is counted.
+    logging.basicConfig(level=logging.INFO, filename=os.devnull)
     gateway = Gateway(GatewaySettings(upstream=upstream))
     await gateway.start()
     gateway.slot_ctx = SLOT_TOKENS  # as the runtime reads it from /slots

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -67,6 +68,9 @@ log = logging.getLogger(__name__)
 #: a client that opens a connection and never finishes its headers is dropped after it
 #: (aiohttp's keep-alive timer runs from the connection's start until a request is read).
 HEADERS_SECONDS = 10.0
+
+#: aiohttp's request handler without its access log (`web.Application`'s `handler_args`).
+NO_ACCESS_LOG: Mapping[str, Any] = {"access_log": None}
 
 
 def admin_application(
@@ -138,8 +142,9 @@ class Gateway(GatewayRequests):
 
     def app(self) -> web.Application:
         """The gateway's routes. Serve them with `handler_cancellation=True` (aiohttp's
-        `AppRunner` option), so that a mind hanging up cancels her request in llama-server."""
-        app = web.Application()
+        `AppRunner` option), so that a mind hanging up cancels her request in llama-server.
+        aiohttp's access log only where the settings ask for it (`access_log`)."""
+        app = web.Application(handler_args=None if self.settings.access_log else NO_ACCESS_LOG)
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)
         app.router.add_post("/v1/park", self.park_now)

@@ -103,6 +103,10 @@ class GatewaySettings:
     cost_bounds: CostBounds = DEFAULT_BOUNDS
     #: The decode watchdog (engine.watchdog); None: off.
     watchdog: WatchdogSettings | None = field(default_factory=WatchdogSettings)
+    #: A line per request on aiohttp's access log (`aiohttp.access`, at INFO). Off: the
+    #: metrics count every request and refusal; the line cost each request a tenth of its
+    #: Python calls.
+    access_log: bool = False
 
 
 @dataclass(frozen=True, slots=True)
