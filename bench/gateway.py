@@ -91,8 +91,11 @@ def minds(slots: int) -> list[str]:
     return [f"bench/mind-{i}" for i in range(slots)]
 
 
-async def serve_gateway(upstream: str, port: int, slots: int, calls_out: str | None) -> None:
-    """The gateway process: every bench mind granted its own slot. With `calls_out`, each
+async def serve_gateway(
+    upstream: str, port: int, slots: int, grant: int, calls_out: str | None
+) -> None:
+    """The gateway process: every bench mind granted its own slot, `grant` tokens of it (the
+    whole slot unless `--grant-tokens` says less). With `calls_out`, each
     SIGUSR1 starts or stops a profile of the process, and the calls it counted are written
     there at each stop."""
     from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
@@ -103,7 +106,7 @@ async def serve_gateway(upstream: str, port: int, slots: int, calls_out: str | N
     await gateway.start()
     gateway.slot_ctx = SLOT_TOKENS  # as the runtime reads it from /slots
     entries = {
-        m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=SLOT_TOKENS)
+        m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=grant)
         for i, m in enumerate(minds(slots))
     }
     gateway.set_table(GrantTable(SLOT_TOKENS, EnginePhase.SERVING, entries))
@@ -316,12 +319,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--calls", type=int, metavar="N", help="count the gateway's calls per request instead"
     )
+    p.add_argument(
+        "--grant-tokens",
+        type=int,
+        default=SLOT_TOKENS,
+        help="each mind's grant (less than the slot's tokens: the gateway counts each chat's "
+        "templated prompt with /apply-template, where its size alone does not show it fits)",
+    )
     p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
     p.add_argument("--calls-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_gateway:
         upstream, port, slots = args.serve_gateway
-        asyncio.run(serve_gateway(upstream, int(port), int(slots), args.calls_out))
+        grant = min(args.grant_tokens, SLOT_TOKENS)
+        asyncio.run(serve_gateway(upstream, int(port), int(slots), grant, args.calls_out))
         return 0
 
     found = subprocess.run([str(ROOT / "tools" / "llama"), "path"], capture_output=True, text=True)
@@ -342,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         calls_out = Path(tmp) / "calls"
         gateway = subprocess.Popen(
             [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots),
+             "--grant-tokens", str(args.grant_tokens),
              *(["--calls-out", str(calls_out)] if args.calls else [])],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip

@@ -231,10 +231,12 @@ class GatewayRequests(GatewayCuts):
         self.watchdog.forget(flight)
         self.metrics.slot_busy(flight.slot, -1)
         flights.discard(flight)
-        if not flights:
-            del self.flights[flight.mind]
-        async with self._flights_done:
-            self._flights_done.notify_all()
+        if flights:
+            return  # her release, if any, waits for her last flight
+        del self.flights[flight.mind]
+        if self._releasing:  # a release may wait for this (none waits outside `_releasing`)
+            async with self._flights_done:
+                self._flights_done.notify_all()
 
     async def _prompt_cap(
         self, fwd: Forward, flight: _Flight, grant_tokens: int
