@@ -23,9 +23,10 @@ back), with their range: on a machine shared with other work, single figures swi
 
 Run: `.venv/bin/python bench/gateway.py` (add `--slots 4 --seconds 10` to change the load).
 
-`--calls N` measures instead what does not swing with the machine's load: the Python calls the
+`--calls N` measures instead what swings least with the machine's load: the Python calls the
 gateway's process makes per one-token request of each endpoint (cProfile's count over `N`
-requests in a row, after a warm-up; the gateway's process profiles itself between two SIGUSR1).
+requests in a row, after a warm-up; the gateway's process profiles itself between two SIGUSR1),
+and the CPU time it spends per request, unprofiled (from /proc, over another `N`).
 """
 
 from __future__ import annotations
@@ -131,10 +132,18 @@ def _profile_on_signal(out: Path) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, toggle)
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) a process has used so far (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def calls_per_request(
     gated: str, gateway: subprocess.Popen[bytes], out: Path, n: int, endpoints: tuple[str, ...]
 ) -> None:
-    """The gateway's Python calls per one-token request of each endpoint, `n` in a row."""
+    """The gateway's Python calls per one-token request of each endpoint, `n` in a row, and
+    the CPU time its process spends per request (unprofiled, another `n`): its own work,
+    which the machine's load delays but does not add to, as it does to wall-clock latency."""
     async with aiohttp.ClientSession() as http:
         client = Client(http, gated, 0, minds(1)[0])
         await client.open()
@@ -148,7 +157,13 @@ async def calls_per_request(
             while not out.exists() or not out.read_text():
                 await asyncio.sleep(0.05)
             calls = int(out.read_text()) / n
-            print(f"{endpoint}: {calls:,.0f} Python calls per one-token request ({n} requests)")
+            before = cpu_seconds(gateway.pid)
+            await latency(client, n, endpoint)
+            cpu = (cpu_seconds(gateway.pid) - before) / n
+            print(
+                f"{endpoint}: {calls:,.0f} Python calls per one-token request, "
+                f"{cpu * 1e6:,.0f} us of the gateway's CPU ({n} requests each)"
+            )
 
 
 async def wait_http(url: str, timeout: float = 120) -> None:
