@@ -27,6 +27,10 @@ Run: `.venv/bin/python bench/gateway.py` (add `--slots 4 --seconds 10` to change
 gateway's process makes per one-token request of each endpoint (cProfile's count over `N`
 requests in a row, after a warm-up; the gateway's process profiles itself between two SIGUSR1),
 and the CPU time it spends per request, unprofiled (from /proc, over another `N`).
+
+`--bare` puts a bare aiohttp proxy where the gateway was (read the JSON body, post it to the same
+endpoint of llama-server, answer its JSON; the client names the slot): the floor of any gateway
+written with aiohttp, measured as the gateway is.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from continuum_operator.core.grants import EnginePhase
 from continuum_operator.engine.admission import GrantTable, TableEntry
@@ -118,6 +123,30 @@ async def serve_gateway(
     await asyncio.Event().wait()
 
 
+async def serve_bare(upstream: str, port: int, calls_out: str | None) -> None:
+    """A bare aiohttp proxy in the gateway's place: no grant, no count, no note."""
+    logging.basicConfig(level=logging.INFO, filename=os.devnull)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def proxy(request: web.Request) -> web.Response:
+        body = await request.json()
+        async with session.post(f"{upstream}{request.path}", json=body) as resp:
+            return web.json_response(await resp.json(), status=resp.status)
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response({"ready": True})
+
+    app = web.Application(handler_args={"access_log": None})
+    app.router.add_get("/readyz", ready)
+    app.router.add_post("/{path:.*}", proxy)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    if calls_out is not None:
+        _profile_on_signal(Path(calls_out))
+    await asyncio.Event().wait()
+
+
 def _profile_on_signal(out: Path) -> None:
     profile: list[cProfile.Profile] = []
 
@@ -139,13 +168,18 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def calls_per_request(
-    gated: str, gateway: subprocess.Popen[bytes], out: Path, n: int, endpoints: tuple[str, ...]
+    gated: str,
+    gateway: subprocess.Popen[bytes],
+    out: Path,
+    n: int,
+    endpoints: tuple[str, ...],
+    bare: bool = False,
 ) -> None:
     """The gateway's Python calls per one-token request of each endpoint, `n` in a row, and
     the CPU time its process spends per request (unprofiled, another `n`): its own work,
     which the machine's load delays but does not add to, as it does to wall-clock latency."""
     async with aiohttp.ClientSession() as http:
-        client = Client(http, gated, 0, minds(1)[0])
+        client = Client(http, gated, 0, None if bare else minds(1)[0])
         await client.open()
         for endpoint in endpoints:
             await latency(client, 20, endpoint)  # warm: first calls import and cache
@@ -269,10 +303,11 @@ async def measure(
     rounds: int,
     n_predict: int,
     endpoints: tuple[str, ...] = ENDPOINTS,
+    bare: bool = False,
 ) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         straight = [Client(http, direct, i, None) for i in range(slots)]
-        through = [Client(http, gated, i, m) for i, m in enumerate(minds(slots))]
+        through = [Client(http, gated, i, None if bare else m) for i, m in enumerate(minds(slots))]
         for c in through:
             await c.open()
         for endpoint in endpoints:
@@ -341,12 +376,18 @@ def main(argv: list[str] | None = None) -> int:
         help="each mind's grant (less than the slot's tokens: the gateway counts each chat's "
         "templated prompt with /apply-template, where its size alone does not show it fits)",
     )
+    p.add_argument(
+        "--bare", action="store_true", help="a bare aiohttp proxy in the gateway's place"
+    )
     p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
     p.add_argument("--calls-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_gateway:
         upstream, port, slots = args.serve_gateway
         grant = min(args.grant_tokens, SLOT_TOKENS)
+        if args.bare:
+            asyncio.run(serve_bare(upstream, int(port), args.calls_out))
+            return 0
         asyncio.run(serve_gateway(upstream, int(port), int(slots), grant, args.calls_out))
         return 0
 
@@ -368,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         calls_out = Path(tmp) / "calls"
         gateway = subprocess.Popen(
             [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots),
-             "--grant-tokens", str(args.grant_tokens),
+             "--grant-tokens", str(args.grant_tokens), *(["--bare"] if args.bare else []),
              *(["--calls-out", str(calls_out)] if args.calls else [])],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
@@ -376,9 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(wait_http(f"{upstream}/health"))
             asyncio.run(wait_http(f"{gated}/readyz"))
+            if args.bare:
+                print("--bare: what is called the gateway below is a bare aiohttp proxy")
             if args.calls:
                 endpoints = tuple(args.endpoints)
-                asyncio.run(calls_per_request(gated, gateway, calls_out, args.calls, endpoints))
+                asyncio.run(
+                    calls_per_request(gated, gateway, calls_out, args.calls, endpoints, args.bare)
+                )
                 return 0
             asyncio.run(
                 measure(
@@ -390,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.rounds,
                     args.n_predict,
                     tuple(args.endpoints),
+                    args.bare,
                 )
             )
         finally:
