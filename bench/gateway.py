@@ -22,13 +22,26 @@ The throughput ratio printed is the median of the per-round ratios (each round r
 back), with their range: on a machine shared with other work, single figures swing widely.
 
 Run: `.venv/bin/python bench/gateway.py` (add `--slots 4 --seconds 10` to change the load).
+
+`--calls N` measures instead what swings least with the machine's load: the Python calls the
+gateway's process makes per one-token request of each endpoint (cProfile's count over `N`
+requests in a row, after a warm-up; the gateway's process profiles itself between two SIGUSR1),
+and the CPU time it spends per request, unprofiled (from /proc, over another `N`).
+
+`--bare` puts a bare aiohttp proxy where the gateway was (read the JSON body, post it to the same
+endpoint of llama-server, answer its JSON; the client names the slot): the floor of any gateway
+written with aiohttp, measured as the gateway is.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import logging
 import os
+import pstats
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from continuum_operator.core.grants import EnginePhase
 from continuum_operator.engine.admission import GrantTable, TableEntry
@@ -83,22 +97,108 @@ def minds(slots: int) -> list[str]:
     return [f"bench/mind-{i}" for i in range(slots)]
 
 
-async def serve_gateway(upstream: str, port: int, slots: int) -> None:
-    """The gateway process: every bench mind granted its own slot."""
+async def serve_gateway(
+    upstream: str, port: int, slots: int, grant: int, calls_out: str | None
+) -> None:
+    """The gateway process: every bench mind granted its own slot, `grant` tokens of it (the
+    whole slot unless `--grant-tokens` says less). With `calls_out`, each
+    SIGUSR1 starts or stops a profile of the process, and the calls it counted are written
+    there at each stop."""
     from continuum_operator.door.serving import serve_app
     from continuum_operator.engine.gateway import Gateway, GatewaySettings
 
+    # Logged as the engine logs (INFO), to nowhere: what the logging costs is counted.
+    logging.basicConfig(level=logging.INFO, filename=os.devnull)
     gateway = Gateway(GatewaySettings(upstream=upstream))
     await gateway.start()
     gateway.slot_ctx = SLOT_TOKENS  # as the runtime reads it from /slots
     entries = {
-        m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=SLOT_TOKENS)
+        m: TableEntry(m, GrantState.GRANTED, "SlotFree", slot=i, tokens=grant)
         for i, m in enumerate(minds(slots))
     }
     gateway.set_table(GrantTable(SLOT_TOKENS, EnginePhase.SERVING, entries))
     await serve_app(gateway.app(), "127.0.0.1", port)
+    if calls_out is not None:
+        _profile_on_signal(Path(calls_out))
     print("ready", flush=True)
     await asyncio.Event().wait()
+
+
+async def serve_bare(upstream: str, port: int, calls_out: str | None) -> None:
+    """A bare aiohttp proxy in the gateway's place: no grant, no count, no note."""
+    logging.basicConfig(level=logging.INFO, filename=os.devnull)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def proxy(request: web.Request) -> web.Response:
+        body = await request.json()
+        async with session.post(f"{upstream}{request.path}", json=body) as resp:
+            return web.json_response(await resp.json(), status=resp.status)
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response({"ready": True})
+
+    app = web.Application(handler_args={"access_log": None})
+    app.router.add_get("/readyz", ready)
+    app.router.add_post("/{path:.*}", proxy)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    if calls_out is not None:
+        _profile_on_signal(Path(calls_out))
+    await asyncio.Event().wait()
+
+
+def _profile_on_signal(out: Path) -> None:
+    profile: list[cProfile.Profile] = []
+
+    def toggle() -> None:
+        if not profile:
+            profile.append(cProfile.Profile())
+            profile[0].enable()
+            return
+        profile[0].disable()
+        out.write_text(str(pstats.Stats(profile.pop()).total_calls))  # type: ignore[attr-defined]
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, toggle)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) a process has used so far (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def calls_per_request(
+    gated: str,
+    gateway: subprocess.Popen[bytes],
+    out: Path,
+    n: int,
+    endpoints: tuple[str, ...],
+    bare: bool = False,
+) -> None:
+    """The gateway's Python calls per one-token request of each endpoint, `n` in a row, and
+    the CPU time its process spends per request (unprofiled, another `n`): its own work,
+    which the machine's load delays but does not add to, as it does to wall-clock latency."""
+    async with aiohttp.ClientSession() as http:
+        client = Client(http, gated, 0, None if bare else minds(1)[0])
+        await client.open()
+        for endpoint in endpoints:
+            await latency(client, 20, endpoint)  # warm: first calls import and cache
+            gateway.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(0.2)
+            await latency(client, n, endpoint)
+            out.unlink(missing_ok=True)
+            gateway.send_signal(signal.SIGUSR1)
+            while not out.exists() or not out.read_text():
+                await asyncio.sleep(0.05)
+            calls = int(out.read_text()) / n
+            before = cpu_seconds(gateway.pid)
+            await latency(client, n, endpoint)
+            cpu = (cpu_seconds(gateway.pid) - before) / n
+            print(
+                f"{endpoint}: {calls:,.0f} Python calls per one-token request, "
+                f"{cpu * 1e6:,.0f} us of the gateway's CPU ({n} requests each)"
+            )
 
 
 async def wait_http(url: str, timeout: float = 120) -> None:
@@ -204,10 +304,11 @@ async def measure(
     rounds: int,
     n_predict: int,
     endpoints: tuple[str, ...] = ENDPOINTS,
+    bare: bool = False,
 ) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         straight = [Client(http, direct, i, None) for i in range(slots)]
-        through = [Client(http, gated, i, m) for i, m in enumerate(minds(slots))]
+        through = [Client(http, gated, i, None if bare else m) for i, m in enumerate(minds(slots))]
         for c in through:
             await c.open()
         for endpoint in endpoints:
@@ -266,11 +367,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-predict", type=int, default=32, help="tokens per throughput request")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--endpoints", nargs="+", default=list(ENDPOINTS), choices=ENDPOINTS)
+    p.add_argument(
+        "--calls", type=int, metavar="N", help="count the gateway's calls per request instead"
+    )
+    p.add_argument(
+        "--grant-tokens",
+        type=int,
+        default=SLOT_TOKENS,
+        help="each mind's grant (less than the slot's tokens: the gateway counts each chat's "
+        "templated prompt with /apply-template, where its size alone does not show it fits)",
+    )
+    p.add_argument(
+        "--bare", action="store_true", help="a bare aiohttp proxy in the gateway's place"
+    )
     p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
+    p.add_argument("--calls-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_gateway:
         upstream, port, slots = args.serve_gateway
-        asyncio.run(serve_gateway(upstream, int(port), int(slots)))
+        grant = min(args.grant_tokens, SLOT_TOKENS)
+        if args.bare:
+            asyncio.run(serve_bare(upstream, int(port), args.calls_out))
+            return 0
+        asyncio.run(serve_gateway(upstream, int(port), int(slots), grant, args.calls_out))
         return 0
 
     found = subprocess.run([str(ROOT / "tools" / "llama"), "path"], capture_output=True, text=True)
@@ -288,23 +407,36 @@ def main(argv: list[str] | None = None) -> int:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         upstream = f"http://127.0.0.1:{up_port}"
+        calls_out = Path(tmp) / "calls"
         gateway = subprocess.Popen(
-            [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots)],
+            [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots),
+             "--grant-tokens", str(args.grant_tokens), *(["--bare"] if args.bare else []),
+             *(["--calls-out", str(calls_out)] if args.calls else [])],
             stdout=subprocess.DEVNULL,
-        )
+        )  # fmt: skip
+        gated = f"http://127.0.0.1:{gw_port}"
         try:
             asyncio.run(wait_http(f"{upstream}/health"))
-            asyncio.run(wait_http(f"http://127.0.0.1:{gw_port}/readyz"))
+            asyncio.run(wait_http(f"{gated}/readyz"))
+            if args.bare:
+                print("--bare: what is called the gateway below is a bare aiohttp proxy")
+            if args.calls:
+                endpoints = tuple(args.endpoints)
+                asyncio.run(
+                    calls_per_request(gated, gateway, calls_out, args.calls, endpoints, args.bare)
+                )
+                return 0
             asyncio.run(
                 measure(
                     upstream,
-                    f"http://127.0.0.1:{gw_port}",
+                    gated,
                     args.slots,
                     args.requests,
                     args.seconds,
                     args.rounds,
                     args.n_predict,
                     tuple(args.endpoints),
+                    args.bare,
                 )
             )
         finally:

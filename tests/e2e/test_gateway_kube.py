@@ -155,9 +155,10 @@ def test_a_minds_token_is_reviewed_with_the_engines_audience_and_speaks_for_her_
     from aiohttp import ClientSession
 
     from continuum_operator.core.grants import EnginePhase
+    from continuum_operator.door.serving import serve_app
     from continuum_operator.door.token_review import TokenReviewer
     from continuum_operator.engine.admission import ServiceAccount, TableEntry, engine_audience
-    from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+    from continuum_operator.engine.gateway import Gateway, GatewaySettings
     from continuum_operator.engine.turn import MIND_HEADER, turn
     from tests.support.fake_llama import FakeLlama, serve
 

@@ -1,7 +1,7 @@
 """The gateway and the engine runtime in front of the real llama-server, on a generated model
 of 8k context in two slots, for the official clients (openai, anthropic): the rig (`run_engine`,
 `Engine.agent`) and the grant table it serves (`granted`, `table`). Its stand-in counterpart, on
-the fake llama-server, is tests/support/gateway_openai.py."""
+the fake llama-server, is tests/support/gateway.py."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import aiohttp
 import openai
 import pytest
 
+from continuum_operator.door.serving import serve_app
 from continuum_operator.door.token_review import Caller
 from continuum_operator.engine.admission import GrantTable, ServiceAccount, TableEntry
-from continuum_operator.engine.gateway import Gateway, GatewaySettings, serve_app
+from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.runtime import EngineRuntime, LaunchSettings
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.model.mind import GrantState

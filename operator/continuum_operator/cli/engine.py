@@ -79,6 +79,7 @@ def settings_from(args: argparse.Namespace) -> EngineProcessSettings:
         token_audience=audience,
         listen=on_all_addresses(args.port, args.listen),
         admin_listen=on_all_addresses(args.admin_port, args.admin_listen),
+        access_log=args.access_log,
         launch=os.environ.get(LAUNCH_ENV) or None,
     )
 
@@ -156,14 +157,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="believe the X-Continuum-Mind header without a token: anyone who reaches the "
         "port can spend any mind's grant (a machine of one's own only)",
     )
+    _add_admin_arguments(p)
+    _add_park_arguments(p)
+    p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
+
+
+def _add_admin_arguments(p: argparse.ArgumentParser) -> None:
+    """The admin address (never served to minds) and the access log."""
     p.add_argument(
         "--admin-listen",
         default="127.0.0.1:0",
         help="address of /metrics, /v1/releases, /v1/runtime (not served to minds)",
     )
     p.add_argument("--admin-port", type=int, help="the admin port on all addresses")
-    _add_park_arguments(p)
-    p.add_argument("llama_args", nargs=argparse.REMAINDER, help="-- then llama-server arguments")
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log a line per request served to minds (off: the metrics count every request "
+        "and refusal, and a line costs about a tenth of a request's CPU)",
+    )
 
 
 def _add_park_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,13 +25,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from continuum_operator.core.grants import GrantReason
 from continuum_operator.door.body_limits import BodyRefused
-from continuum_operator.door.serving import admin_application, serve_app
+from continuum_operator.door.serving import admin_application
 from continuum_operator.engine.admission import (
     Admission,
     Answer,
@@ -52,9 +54,12 @@ from continuum_operator.engine.gateway_state import (
 from continuum_operator.engine.llama_routes import LlamaRoutes
 from continuum_operator.engine.metrics import CONTENT_TYPE_LATEST
 
-__all__ = ["Gateway", "GatewaySettings", "SlotRelease", "admin_application", "serve_app"]
+__all__ = ["Gateway", "GatewaySettings", "SlotRelease"]
 
 log = logging.getLogger(__name__)
+
+#: aiohttp's request handler without its access log (`web.Application`'s `handler_args`).
+NO_ACCESS_LOG: Mapping[str, Any] = {"access_log": None}
 
 
 class Gateway(GatewayRequests):
@@ -84,8 +89,9 @@ class Gateway(GatewayRequests):
 
     def app(self) -> web.Application:
         """The gateway's routes. Serve them with `handler_cancellation=True` (aiohttp's
-        `AppRunner` option), so that a mind hanging up cancels her request in llama-server."""
-        app = web.Application()
+        `AppRunner` option), so that a mind hanging up cancels her request in llama-server.
+        aiohttp's access log only where the settings ask for it (`access_log`)."""
+        app = web.Application(handler_args=None if self.settings.access_log else NO_ACCESS_LOG)
         app.router.add_post("/v1/turns", self.open_turn)
         app.router.add_delete("/v1/turns/{turn}", self.end_turn)
         app.router.add_post("/v1/park", self.park_now)

@@ -103,6 +103,10 @@ class GatewaySettings:
     cost_bounds: CostBounds = DEFAULT_BOUNDS
     #: The decode watchdog (engine.watchdog); None: off.
     watchdog: WatchdogSettings | None = field(default_factory=WatchdogSettings)
+    #: A line per request on aiohttp's access log (`aiohttp.access`, at INFO). Off: the
+    #: metrics count every request and refusal; the line cost each request a tenth of its
+    #: Python calls.
+    access_log: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +157,29 @@ class _Flight:
     cut: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
     by: str | None = None
+    #: The request's task while it waits on llama-server (`Gateway._until_cut`): `end`
+    #: cancels it there, and `let_go` takes that cancel back once the wait is over.
+    waiting: asyncio.Task[Any] | None = None
+    cancelled_wait: bool = False
 
     def end(self, reason: str, by: str | None) -> None:
         if not self.cut.is_set():
             self.reason, self.by = reason, by
             self.cut.set()
+            waiting = self.waiting
+            # Cut from inside its own wait (the wait's work called this): it sees the cut as
+            # the work returns; a task cancelling itself would carry the cancel past the wait.
+            if waiting is not None and waiting is not asyncio.current_task():
+                self.cancelled_wait = waiting.cancel()
+
+    def let_go(self, task: asyncio.Task[Any]) -> int:
+        """The wait of `task` is over: the cut's cancel of it, if any, taken back. The
+        cancels of the task still requested (her hanging up, the server's shutdown)."""
+        self.waiting = None
+        if self.cancelled_wait:
+            self.cancelled_wait = False
+            return task.uncancel()
+        return task.cancelling()
 
 
 @dataclass(frozen=True, slots=True)

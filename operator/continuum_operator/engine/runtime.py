@@ -687,6 +687,8 @@ class EngineProcessSettings:
     """The admin address (/metrics, /v1/releases, /v1/runtime), host:port."""
     launch: str | None
     """The pod's launch (`kube.workloads.engine_objects.LAUNCH_ENV`)."""
+    access_log: bool = False
+    """A line per request served to minds (`--access-log`)."""
 
 
 class PlanFileError(ValueError):
@@ -755,6 +757,7 @@ async def _serve(settings: EngineProcessSettings, api: AsyncKubeApi | None) -> N
             grace_seconds=settings.grace_seconds,
             review_token=(reviewer := _reviewer(settings, api)),
             context_shift="--context-shift" in launch.args,
+            access_log=settings.access_log,
         )
     )
     runtime = EngineRuntime(launch, gateway, publish=_publisher(settings, api))

@@ -95,3 +95,8 @@ def test_llama_servers_arguments_after_the_dashes_replace_the_plans(
     plan = {"engineArgs": ["-c", "1024"]}
     assert launch_settings(given, plan, {}).args == ("-c", "2048", "--parallel", "2")
     assert launch_settings(settings("--grants", "g"), plan, {}).args == ("-c", "1024")
+
+
+def test_the_access_log_is_off_unless_asked_for() -> None:
+    assert not settings().access_log
+    assert settings("--access-log").access_log

@@ -14,7 +14,7 @@ import pytest
 from continuum_operator.engine.admission import TableEntry
 from continuum_operator.model.mind import GrantState
 from tests.support.fake_llama import FakeLlama
-from tests.support.gateway_openai import BOB, MIRA, Rig, claude, granted, reclaiming, run, table
+from tests.support.gateway import BOB, MIRA, Rig, claude, granted, reclaiming, run, table
 from tests.support.waiting import until
 
 HELLO: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hello there"}]

@@ -28,7 +28,7 @@ from continuum_operator.engine.request_cost import DEFAULT_BOUNDS
 from continuum_operator.engine.turn import MIND_HEADER
 from continuum_operator.engine.watchdog import STALL_REASON, WatchdogSettings
 from tests.support.fake_llama import FakeLlama, serve
-from tests.support.gateway_openai import MIRA, VIP, Rig, granted, reclaiming, run, table
+from tests.support.gateway import MIRA, VIP, Rig, granted, reclaiming, run, table
 from tests.support.waiting import until
 
 STALL = "root ::= (" + "|".join(['"a"'] * 50) + ")*"

@@ -25,9 +25,9 @@ from continuum_operator.engine.admission import (
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.turn import MIND_HEADER, TURN_HEADER
 from continuum_operator.model.mind import GrantState
-from tests.support import gateway_openai
+from tests.support import gateway as gateway_rig
 from tests.support.fake_llama import FakeLlama
-from tests.support.gateway_openai import BOB, MIRA, VIP, Rig, granted, reclaiming, run, table
+from tests.support.gateway import BOB, MIRA, VIP, Rig, granted, reclaiming, run, table
 from tests.support.waiting import until
 
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
@@ -275,7 +275,7 @@ class TestFindingAnOutageRefusedGoodTokens:
         async def unavailable(token: str, caller: Caller | None = None) -> ServiceAccount | None:
             raise ReviewUnavailable("the API server did not answer the review: refused")
 
-        monkeypatch.setattr(gateway_openai, "review", unavailable)
+        monkeypatch.setattr(gateway_rig, "review", unavailable)
         mira = {"Authorization": "Bearer mira-token"}
 
         async def body(rig: Rig) -> None:

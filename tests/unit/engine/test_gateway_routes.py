@@ -4,6 +4,8 @@ front of the stand-in llama-server (tests/support/fake_llama.py)."""
 
 from __future__ import annotations
 
+import logging
+
 import anthropic
 import openai
 import pytest
@@ -23,7 +25,7 @@ from continuum_operator.engine.dialects.routes import (
 )
 from continuum_operator.engine.turn import MIND_HEADER
 from tests.support.builders import ROOT
-from tests.support.gateway_openai import BOB, MIRA, Rig, claude, granted, run, table
+from tests.support.gateway import BOB, MIRA, Rig, claude, granted, run, table
 
 
 class TestTheDecisions:
@@ -206,3 +208,20 @@ def test_docs_say_every_route_as_the_table_decides_it() -> None:
     text = (ROOT / "docs" / "gateway.md").read_text()
     for r in ROUTES:
         assert f"| `{r.method} {r.path}` | {r.decision.value} | {r.why} |" in text, r
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_a_line_per_request_on_the_access_log_only_where_asked(
+    asked: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp's access log is off unless the settings ask for it: the metrics count every
+    request, and the line cost each one a tenth of the gateway's calls."""
+    caplog.set_level(logging.INFO, logger="aiohttp.access")
+
+    async def body(rig: Rig) -> None:
+        status, _, _ = await rig.open()  # a route of the gateway's own, not llama-server's
+        assert status == 201
+
+    run(table(granted()), body, access_log=asked)
+    logged = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
+    assert len([line for line in logged if "POST /v1/turns" in line]) == int(asked), logged

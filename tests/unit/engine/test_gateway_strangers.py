@@ -24,7 +24,7 @@ from continuum_operator.door.serving import LINGER_SECONDS, ConnectionLimits, se
 from continuum_operator.door.token_review import TokenReviewer
 from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from tests.support.fake_llama import FakeLlama, serve
-from tests.support.gateway_openai import MIRA, granted, table
+from tests.support.gateway import MIRA, granted, table
 from tests.support.slow_client import trickle
 from tests.support.token_review import AUDIENCE, MIRA_SUB, Api, jwt
 from tests.support.waiting import until

@@ -1,9 +1,13 @@
 """A request's waits on llama-server end at a cut (`Gateway._until_cut`): the work is
-cancelled and the request answered as cut; her own hanging up is never taken for a cut."""
+cancelled and the request answered as cut; her own hanging up is never taken for a cut; and the
+request's task, which the cut cancels while it waits, carries no cancel past the wait."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
@@ -41,6 +45,47 @@ def test_a_cut_while_waiting_cancels_the_work_and_answers_cut() -> None:
     asyncio.run(body())
 
 
+async def _cancels_left_after_a_cut(
+    work: Callable[[asyncio.Event], Coroutine[Any, Any, str]],
+) -> int:
+    """A request waits on `work`, cut once the work has started: the cancels its task still
+    carries after it was answered cut and went on (its answer, a stream's last event)."""
+    gw, flight = gateway(), _Flight(MIRA, 0)
+    started = asyncio.Event()
+
+    async def request() -> int:
+        with pytest.raises(_CutNow):
+            await gw._until_cut(flight, work(started))
+        await asyncio.sleep(0.01)  # the cut's last words: no cancel left to land here
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling()
+
+    waiting = asyncio.create_task(request())
+    await started.wait()
+    flight.end("Preempted", None)
+    return await waiting
+
+
+def test_after_a_cut_the_request_goes_on_uncancelled() -> None:
+    """The cut cancels the request's own task while it waits: once answered as cut, the task
+    is not cancelling (a later `asyncio.timeout` would misread a cancel left over)."""
+    assert asyncio.run(_cancels_left_after_a_cut(lambda started: _held(started, []))) == 0
+
+
+def test_a_cut_the_work_swallows_is_still_answered_cut_and_taken_back() -> None:
+    """A library that catches the cancel and returns (aiohttp's cleanup may): answered cut,
+    and the cancel taken back all the same."""
+
+    async def swallows(started: asyncio.Event) -> str:
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(60)
+        return "finished anyway"
+
+    assert asyncio.run(_cancels_left_after_a_cut(swallows)) == 0
+
+
 def test_a_flight_cut_before_its_wait_is_answered_cut_at_once() -> None:
     async def body() -> None:
         gw, flight = gateway(), _Flight(MIRA, 0)
@@ -49,6 +94,7 @@ def test_a_flight_cut_before_its_wait_is_answered_cut_at_once() -> None:
         async with asyncio.timeout(5):  # not the work's 60 s
             with pytest.raises(_CutNow):
                 await gw._until_cut(flight, _held(started, cancelled))
+        assert not started.is_set()  # nothing of it sent to llama-server
 
     asyncio.run(body())
 
@@ -85,5 +131,6 @@ def test_a_wait_that_ends_of_itself_returns_its_result_or_raises_its_error() -> 
             await gw._until_cut(flight, fails())
         with pytest.raises(_CutNow):  # failing because of the cut: answered as the cut
             await gw._until_cut(flight, fails_as_cut(flight))
+        await asyncio.sleep(0)  # cut from inside its own wait: no cancel carried past it
 
     asyncio.run(body())
