@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from continuum_operator.cli.args import SettingFlag, add_flags, settings_from_flags
+from continuum_operator.cli.args import SettingFlag, add_flags, at_least_one, settings_from_flags
 from continuum_operator.kube.base.grant_settings import GrantSettings, LeaderSettings
 from continuum_operator.kube.base.settings import ChildrenSettings, PodSettings
 from continuum_operator.kube.children.membership import DNS_LABEL
@@ -93,9 +93,9 @@ _GRANT_FLAGS = (
     ),
     SettingFlag(
         "--write-workers",
-        None,  # grant_settings takes at least 1
+        None,
         "writes in flight at once: Engines' ledgers (one engine each), Minds' projections",
-        type=int,
+        type=at_least_one("a count of writes in flight (1 or more)"),
         default=GrantSettings().write_workers,
     ),
     SettingFlag(
@@ -225,7 +225,7 @@ def grant_settings(args: argparse.Namespace) -> GrantSettings:
     return replace(
         settings_from_flags(GrantSettings(), _GRANT_FLAGS, args),
         engine_addresses=dict(args.engine_address),
-        write_workers=max(1, args.write_workers),
+        write_workers=args.write_workers,
     )
 
 

@@ -83,6 +83,10 @@ def _settings(*argv: str) -> OperatorSettings:
         ),
         (["--webhook-timeout", "31"], "argument --webhook-timeout: 31 is not 1 to 30"),
         (
+            ["--write-workers", "0"],
+            "argument --write-workers: 0 is not a count of writes in flight (1 or more)",
+        ),
+        (
             ["--webhook", "--webhook-service", "ctm-webhook"],
             "argument --webhook-service: 'ctm-webhook': expected NAMESPACE/NAME",
         ),
@@ -116,7 +120,7 @@ def test_the_grant_and_webhook_flags_reach_the_settings() -> None:
         "--webhook", "--webhook-host", "op.ns.svc", "--webhook-port", "8443",
         "--webhook-timeout", "3", "--children-priority-class", "kids",
         "--webhook-service", "continuum-system/ctm-webhook", "--webhook-service-port", "443",
-        "--engine-address", "ns/coder=http://127.0.0.1:9/", "--write-workers", "0",
+        "--engine-address", "ns/coder=http://127.0.0.1:9/", "--write-workers", "4",
     )  # fmt: skip
     assert (s.children.webhook, s.children.host, s.children.port) == (True, "op.ns.svc", 8443)
     assert s.children.timeout_seconds == 3
@@ -124,7 +128,7 @@ def test_the_grant_and_webhook_flags_reach_the_settings() -> None:
     assert s.children.service_port == 443
     assert s.pods.children_priority_class == "kids"
     assert s.grants.engine_addresses == {"ns/coder": "http://127.0.0.1:9"}
-    assert s.grants.write_workers == 1  # at least one
+    assert s.grants.write_workers == 4
     plain = _settings()
     assert (plain.children.webhook, plain.children.service) == (False, None)
     assert plain.grants.engine_addresses == {}
