@@ -28,9 +28,14 @@ gateway's process makes per one-token request of each endpoint (cProfile's count
 requests in a row, after a warm-up; the gateway's process profiles itself between two SIGUSR1),
 and the CPU time it spends per request, unprofiled (from /proc, over another `N`).
 
-`--bare` puts a bare aiohttp proxy where the gateway was (read the JSON body, post it to the same
-endpoint of llama-server, answer its JSON; the client names the slot): the floor of any gateway
-written with aiohttp, measured as the gateway is.
+`--fronts` names what stands in front of llama-server, each in its own process, all measured side
+by side in the same rounds: `gateway`, and `bare`, a bare aiohttp proxy (read the JSON body, post
+it to the same endpoint of llama-server, answer its JSON; the client names the slot), the floor
+of any gateway written with aiohttp. `--loops` names the event loops each front runs on:
+`asyncio` (the standard library's) and `uvloop` (libuv's, in C). `--fronts gateway bare --loops
+asyncio uvloop` runs four fronts beside llama-server alone. Within each round the order of the
+paths turns by one, so that none always follows another. `--json PATH` writes the figures, with
+the machine's load average at the start and the end.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import json
 import logging
 import os
 import pstats
@@ -47,6 +53,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +74,9 @@ PROMPT = "Once upon a time"
 NATIVE, CHAT = "/completion", "/v1/chat/completions"
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ENDPOINTS = (NATIVE, CHAT, MESSAGES, RESPONSES)
+FRONTS = ("gateway", "bare")
+LOOPS = ("asyncio", "uvloop")
+DIRECT = "llama-server"
 
 
 def generating(endpoint: str, n_predict: int) -> dict[str, Any]:
@@ -120,7 +131,7 @@ async def serve_gateway(
     await serve_app(gateway.app(), "127.0.0.1", port)
     if calls_out is not None:
         _profile_on_signal(Path(calls_out))
-    print("ready", flush=True)
+    _say_loop("gateway")
     await asyncio.Event().wait()
 
 
@@ -145,7 +156,42 @@ async def serve_bare(upstream: str, port: int, calls_out: str | None) -> None:
     await web.TCPSite(runner, "127.0.0.1", port).start()
     if calls_out is not None:
         _profile_on_signal(Path(calls_out))
+    _say_loop("bare")
     await asyncio.Event().wait()
+
+
+def _say_loop(front: str) -> None:
+    loop = type(asyncio.get_running_loop())
+    print(f"{front}: serving on {loop.__module__}.{loop.__qualname__}", file=sys.stderr)
+
+
+def run_on(loop: str, main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` on a new event loop of the kind `loop` names."""
+    factory = None
+    if loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
+@dataclass(frozen=True)
+class Front:
+    """A process in front of llama-server: `kind` (FRONTS) on the event loop `loop` (LOOPS)."""
+
+    kind: str
+    loop: str
+    url: str
+    process: subprocess.Popen[bytes]
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.loop}"
+
+    @property
+    def bare(self) -> bool:
+        return self.kind == "bare"
 
 
 def _profile_on_signal(out: Path) -> None:
@@ -168,19 +214,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def calls_per_request(
-    gated: str,
-    gateway: subprocess.Popen[bytes],
-    out: Path,
-    n: int,
-    endpoints: tuple[str, ...],
-    bare: bool = False,
-) -> None:
-    """The gateway's Python calls per one-token request of each endpoint, `n` in a row, and
+async def calls_per_request(front: Front, out: Path, n: int, endpoints: tuple[str, ...]) -> None:
+    """The front's Python calls per one-token request of each endpoint, `n` in a row, and
     the CPU time its process spends per request (unprofiled, another `n`): its own work,
-    which the machine's load delays but does not add to, as it does to wall-clock latency."""
+    which the machine's load delays but does not add to, as it does to wall-clock latency.
+    (On uvloop the loop's own work is C, which cProfile does not count: its CPU time does.)"""
+    gateway = front.process
     async with aiohttp.ClientSession() as http:
-        client = Client(http, gated, 0, None if bare else minds(1)[0])
+        client = Client(http, front.url, 0, None if front.bare else minds(1)[0])
         await client.open()
         for endpoint in endpoints:
             await latency(client, 20, endpoint)  # warm: first calls import and cache
@@ -196,8 +237,8 @@ async def calls_per_request(
             await latency(client, n, endpoint)
             cpu = (cpu_seconds(gateway.pid) - before) / n
             print(
-                f"{endpoint}: {calls:,.0f} Python calls per one-token request, "
-                f"{cpu * 1e6:,.0f} us of the gateway's CPU ({n} requests each)"
+                f"{front.name} {endpoint}: {calls:,.0f} Python calls per one-token request, "
+                f"{cpu * 1e6:,.0f} us of its CPU ({n} requests each)"
             )
 
 
@@ -295,70 +336,100 @@ def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
+Figures = dict[str, dict[str, Any]]
+
+
 async def measure(
     direct: str,
-    gated: str,
+    fronts: list[Front],
     slots: int,
     requests: int,
     seconds: float,
     rounds: int,
     n_predict: int,
     endpoints: tuple[str, ...] = ENDPOINTS,
-    bare: bool = False,
-) -> None:
+) -> dict[str, Figures]:
+    """Each endpoint straight to llama-server and through each front, in the same rounds: the
+    figures of each (`report`), by endpoint."""
+    figures: dict[str, Figures] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        straight = [Client(http, direct, i, None) for i in range(slots)]
-        through = [Client(http, gated, i, None if bare else m) for i, m in enumerate(minds(slots))]
-        for c in through:
-            await c.open()
+        paths = {DIRECT: [Client(http, direct, i, None) for i in range(slots)]}
+        for front in fronts:
+            paths[front.name] = [
+                Client(http, front.url, i, None if front.bare else m)
+                for i, m in enumerate(minds(slots))
+            ]
+            for c in paths[front.name]:
+                await c.open()
         for endpoint in endpoints:
-            await latency(straight[0], 5, endpoint)  # warm both paths
-            await latency(through[0], 5, endpoint)
-            lat: dict[str, list[float]] = {"llama-server": [], "gateway": []}
-            tput: dict[str, list[float]] = {"llama-server": [], "gateway": []}
-            for _ in range(rounds):
-                lat["llama-server"] += await latency(straight[0], requests, endpoint)
-                lat["gateway"] += await latency(through[0], requests, endpoint)
-                tput["llama-server"].append(
-                    await throughput(straight, seconds, n_predict, endpoint)
-                )
-                tput["gateway"].append(await throughput(through, seconds, n_predict, endpoint))
-            report(endpoint, slots, requests, seconds, rounds, n_predict, lat, tput)
+            lat: dict[str, list[float]] = {name: [] for name in paths}
+            tput: dict[str, list[float]] = {name: [] for name in paths}
+            for clients in paths.values():
+                await latency(clients[0], 5, endpoint)  # warm each path
+            names = list(paths)
+            for turn in range(rounds):
+                order = names[turn % len(names) :] + names[: turn % len(names)]
+                for name in order:
+                    lat[name] += await latency(paths[name][0], requests, endpoint)
+                for name in order:
+                    tput[name].append(await throughput(paths[name], seconds, n_predict, endpoint))
+            print(
+                f"{endpoint}: slots {slots}, {os.cpu_count()} CPUs shared by llama-server, the "
+                f"fronts and the client; latency: {rounds} x {requests} requests of 1 token on "
+                f"one slot; throughput: all {slots} slots busy, {n_predict} tokens, "
+                f"{rounds} x {seconds:g} s"
+            )
+            figures[endpoint] = report(lat, tput)
+    return figures
 
 
-def report(
-    endpoint: str,
-    slots: int,
-    requests: int,
-    seconds: float,
-    rounds: int,
-    n_predict: int,
-    lat: dict[str, list[float]],
-    tput: dict[str, list[float]],
-) -> None:
+def report(lat: dict[str, list[float]], tput: dict[str, list[float]]) -> Figures:
+    """Print and return each path's p50, p90 and throughput, and for each front what it adds
+    at p50 and its throughput over llama-server's, round by round."""
     ms = 1000.0
-    print(
-        f"{endpoint}: slots {slots}, {os.cpu_count()} CPUs shared by llama-server, the gateway "
-        f"and the client; latency: {rounds} x {requests} requests of 1 token on one slot"
-    )
+    figures: Figures = {}
     for name, xs in lat.items():
-        print(f"  {name:<13} p50 {pct(xs, 0.5) * ms:7.2f} ms   p90 {pct(xs, 0.9) * ms:7.2f} ms")
-    added = pct(lat["gateway"], 0.5) - pct(lat["llama-server"], 0.5)
-    ratio = pct(lat["gateway"], 0.5) / pct(lat["llama-server"], 0.5)
-    print(f"  gateway adds {added * ms:.2f} ms per request at p50 (ratio {ratio:.3f})")
-    print(f"  throughput: all {slots} slots busy, {n_predict} tokens, {rounds} x {seconds:.0f} s")
-    for name, xs in tput.items():
-        print(f"  {name:<13} {statistics.median(xs):8.1f} tokens/s (median of {len(xs)})")
-    # Each round measures both back to back: the ratio within a round is the least disturbed
-    # by load that comes and goes on a shared machine.
-    ratios = sorted(g / d for g, d in zip(tput["gateway"], tput["llama-server"], strict=True))
-    print(
-        f"  gateway / llama-server throughput ratio {statistics.median(ratios):.3f} "
-        f"(median of per-round ratios; range {ratios[0]:.3f}..{ratios[-1]:.3f})"
-    )
+        figures[name] = {
+            "p50_ms": pct(xs, 0.5) * ms,
+            "p90_ms": pct(xs, 0.9) * ms,
+            "tokens_per_s": statistics.median(tput[name]),
+        }
+        print(
+            f"  {name:<16} p50 {pct(xs, 0.5) * ms:7.2f} ms   p90 {pct(xs, 0.9) * ms:7.2f} ms"
+            f"   {statistics.median(tput[name]):8.1f} tokens/s (median of {len(tput[name])})"
+        )
+    base = figures[DIRECT]
+    for name, fig in figures.items():
+        if name == DIRECT:
+            continue
+        # Each round measures every path back to back: the ratio within a round is the least
+        # disturbed by load that comes and goes on a shared machine.
+        ratios = sorted(f / d for f, d in zip(tput[name], tput[DIRECT], strict=True))
+        fig["added_p50_ms"] = fig["p50_ms"] - base["p50_ms"]
+        fig["throughput_ratio"] = statistics.median(ratios)
+        fig["throughput_ratio_range"] = [ratios[0], ratios[-1]]
+        print(
+            f"  {name:<16} adds {fig['added_p50_ms']:.2f} ms at p50 (ratio "
+            f"{fig['p50_ms'] / base['p50_ms']:.3f}); throughput ratio "
+            f"{fig['throughput_ratio']:.3f} (median of per-round ratios; range "
+            f"{ratios[0]:.3f}..{ratios[-1]:.3f})"
+        )
+    return figures
 
 
-def main(argv: list[str] | None = None) -> int:
+def summary(figures: dict[str, Figures]) -> None:
+    """One line per endpoint and front: added p50 and throughput ratio."""
+    print("summary: endpoint, front, added p50, throughput ratio (per-round median)")
+    for endpoint, by_path in figures.items():
+        for name, fig in by_path.items():
+            if name != DIRECT:
+                print(
+                    f"  {endpoint:<22} {name:<16} {fig['added_p50_ms']:6.2f} ms  "
+                    f"{fig['throughput_ratio']:.3f}"
+                )
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--requests", type=int, default=50, help="latency requests per round")
@@ -368,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--endpoints", nargs="+", default=list(ENDPOINTS), choices=ENDPOINTS)
     p.add_argument(
-        "--calls", type=int, metavar="N", help="count the gateway's calls per request instead"
+        "--calls", type=int, metavar="N", help="count each front's calls per request instead"
     )
     p.add_argument(
         "--grant-tokens",
@@ -378,20 +449,89 @@ def main(argv: list[str] | None = None) -> int:
         "templated prompt with /apply-template, where its size alone does not show it fits)",
     )
     p.add_argument(
-        "--bare", action="store_true", help="a bare aiohttp proxy in the gateway's place"
+        "--fronts",
+        nargs="+",
+        default=["gateway"],
+        choices=FRONTS,
+        help="what stands in front of llama-server: the gateway, a bare aiohttp proxy, or both",
     )
-    p.add_argument("--serve-gateway", nargs=3, metavar=("UPSTREAM", "PORT", "SLOTS"))
+    p.add_argument(
+        "--loops", nargs="+", default=["asyncio"], choices=LOOPS, help="each front's event loop"
+    )
+    p.add_argument("--json", metavar="PATH", help="write the figures there too")
+    p.add_argument(
+        "--serve",
+        nargs=5,
+        metavar=("FRONT", "LOOP", "UPSTREAM", "PORT", "SLOTS"),
+        help=argparse.SUPPRESS,
+    )
     p.add_argument("--calls-out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.serve_gateway:
-        upstream, port, slots = args.serve_gateway
-        grant = min(args.grant_tokens, SLOT_TOKENS)
-        if args.bare:
-            asyncio.run(serve_bare(upstream, int(port), args.calls_out))
-            return 0
-        asyncio.run(serve_gateway(upstream, int(port), int(slots), grant, args.calls_out))
-        return 0
+    return p.parse_args(argv)
 
+
+def serve(args: argparse.Namespace) -> int:
+    """This process as one front (`--serve`), until it is stopped."""
+    front, loop, upstream, port, slots = args.serve
+    calls_out = args.calls_out
+    if front == "bare":
+        run_on(loop, serve_bare(upstream, int(port), calls_out))
+        return 0
+    grant = min(args.grant_tokens, SLOT_TOKENS)
+    run_on(loop, serve_gateway(upstream, int(port), int(slots), grant, calls_out))
+    return 0
+
+
+def start_fronts(args: argparse.Namespace, upstream: str, tmp: str) -> list[Front]:
+    fronts = []
+    for kind in args.fronts:
+        for loop in args.loops:
+            port = _free_port()
+            calls_out = Path(tmp) / f"calls-{kind}-{loop}"
+            process = subprocess.Popen(
+                [sys.executable, __file__, "--serve", kind, loop, upstream, str(port),
+                 str(args.slots), "--grant-tokens", str(args.grant_tokens),
+                 *(["--calls-out", str(calls_out)] if args.calls else [])],
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            fronts.append(Front(kind, loop, f"http://127.0.0.1:{port}", process))
+    return fronts
+
+
+def bench(args: argparse.Namespace, upstream: str, fronts: list[Front], tmp: str) -> None:
+    asyncio.run(wait_http(f"{upstream}/health"))
+    for front in fronts:
+        asyncio.run(wait_http(f"{front.url}/readyz"))
+    endpoints = tuple(args.endpoints)
+    if args.calls:
+        for front in fronts:
+            out = Path(tmp) / f"calls-{front.kind}-{front.loop}"
+            asyncio.run(calls_per_request(front, out, args.calls, endpoints))
+        return
+    load = [os.getloadavg()]
+    print(f"load average at the start: {load[0][0]:.2f} {load[0][1]:.2f} {load[0][2]:.2f}")
+    figures = asyncio.run(
+        measure(
+            upstream,
+            fronts,
+            args.slots,
+            args.requests,
+            args.seconds,
+            args.rounds,
+            args.n_predict,
+            endpoints,
+        )
+    )
+    load.append(os.getloadavg())
+    print(f"load average at the end: {load[1][0]:.2f} {load[1][1]:.2f} {load[1][2]:.2f}")
+    summary(figures)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load": load, "figures": figures}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.serve:
+        return serve(args)
     found = subprocess.run([str(ROOT / "tools" / "llama"), "path"], capture_output=True, text=True)
     if found.returncode != 0:
         print("llama-server is not built: run `make toolchain`", file=sys.stderr)
@@ -399,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     server = found.stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_gguf(Path(tmp) / "tiny.gguf", SHAPE, seed=0)
-        up_port, gw_port = _free_port(), _free_port()
+        up_port = _free_port()
         llama = subprocess.Popen(
             [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(up_port),
              "-c", str(SLOT_TOKENS * args.slots), "--parallel", str(args.slots),
@@ -407,40 +547,11 @@ def main(argv: list[str] | None = None) -> int:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         upstream = f"http://127.0.0.1:{up_port}"
-        calls_out = Path(tmp) / "calls"
-        gateway = subprocess.Popen(
-            [sys.executable, __file__, "--serve-gateway", upstream, str(gw_port), str(args.slots),
-             "--grant-tokens", str(args.grant_tokens), *(["--bare"] if args.bare else []),
-             *(["--calls-out", str(calls_out)] if args.calls else [])],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        gated = f"http://127.0.0.1:{gw_port}"
+        fronts = start_fronts(args, upstream, tmp)
         try:
-            asyncio.run(wait_http(f"{upstream}/health"))
-            asyncio.run(wait_http(f"{gated}/readyz"))
-            if args.bare:
-                print("--bare: what is called the gateway below is a bare aiohttp proxy")
-            if args.calls:
-                endpoints = tuple(args.endpoints)
-                asyncio.run(
-                    calls_per_request(gated, gateway, calls_out, args.calls, endpoints, args.bare)
-                )
-                return 0
-            asyncio.run(
-                measure(
-                    upstream,
-                    gated,
-                    args.slots,
-                    args.requests,
-                    args.seconds,
-                    args.rounds,
-                    args.n_predict,
-                    tuple(args.endpoints),
-                    args.bare,
-                )
-            )
+            bench(args, upstream, fronts, tmp)
         finally:
-            for proc in (gateway, llama):
+            for proc in [f.process for f in fronts] + [llama]:
                 proc.terminate()
                 proc.wait(timeout=20)
     return 0
