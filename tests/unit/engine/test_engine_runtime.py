@@ -33,7 +33,7 @@ from continuum_operator.engine.runtime import (
     runtime_status,
 )
 from tests.support import fake_llama
-from tests.support.engine_runtime import fake_server
+from tests.support.engine_runtime import fake_server, run_runtime
 from tests.support.waiting import until
 
 MODEL_BYTES = b"GGUF"
@@ -57,24 +57,7 @@ def with_runtime(
         plan=plan,
         restart_backoff=(backoff,),
     )
-    published: list[dict[str, Any]] = []
-
-    async def publish(doc: dict[str, Any]) -> None:
-        published.append(doc)
-
-    async def main() -> None:
-        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
-        await gateway.start()
-        runtime = EngineRuntime(launch, gateway, publish=publish, echo_log=False)
-        running = asyncio.create_task(runtime.run())
-        try:
-            await body(runtime, published)
-        finally:
-            await runtime.stop()
-            await asyncio.wait_for(running, 20)
-            await gateway.close()
-
-    asyncio.run(main())
+    run_runtime(launch, body)
 
 
 async def killed_serving(runtime: EngineRuntime) -> asyncio.subprocess.Process:

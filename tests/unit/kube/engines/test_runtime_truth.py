@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ from continuum_operator.core.receipts import (
     Receipt,
 )
 from continuum_operator.engine import digest
-from continuum_operator.engine.gateway import Gateway, GatewaySettings
 from continuum_operator.engine.runtime import (
     EngineRuntime,
     LaunchSettings,
@@ -46,7 +44,7 @@ from continuum_operator.model.engine import Engine
 from continuum_operator.model.plan_status import PlanStatus
 from tests.support import builders
 from tests.support.builders import engine, engine_body
-from tests.support.engine_runtime import fake_server
+from tests.support.engine_runtime import fake_server, run_runtime
 from tests.support.reconcile import (
     NOW,
     SETTINGS,
@@ -148,31 +146,6 @@ def test_the_facts_job_refuses_a_file_of_another_digest_naming_both(
 # --- the runtime -------------------------------------------------------------------------------
 
 
-def run_runtime(
-    tmp_path: Path,
-    launch: LaunchSettings,
-    body: Callable[[EngineRuntime, list[dict[str, Any]]], Awaitable[None]],
-) -> None:
-    published: list[dict[str, Any]] = []
-
-    async def publish(doc: dict[str, Any]) -> None:
-        published.append(doc)
-
-    async def go() -> None:
-        gateway = Gateway(GatewaySettings(upstream="http://127.0.0.1:1", health_seconds=0.1))
-        await gateway.start()
-        runtime = EngineRuntime(launch, gateway, publish=publish, echo_log=False)
-        running = asyncio.create_task(runtime.run())
-        try:
-            await body(runtime, published)
-        finally:
-            await runtime.stop()
-            await asyncio.wait_for(running, 20)
-            await gateway.close()
-
-    asyncio.run(go())
-
-
 def test_a_model_file_of_another_digest_is_never_served_nor_receipted(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(BYTES)
@@ -193,7 +166,7 @@ def test_a_model_file_of_another_digest_is_never_served_nor_receipted(tmp_path: 
         assert doc["modelFile"]["sha256"] == sha(BYTES)
         assert doc["modelFile"]["verdict"] == "Mismatch"
 
-    run_runtime(tmp_path, launch, body)
+    run_runtime(launch, body)
 
 
 def test_the_model_checked_is_receipted_under_its_digest_with_threads_set(
@@ -220,7 +193,7 @@ def test_the_model_checked_is_receipted_under_its_digest_with_threads_set(
         assert argv[argv.index("--threads") + 1] == "6"
         assert argv[argv.index("--threads-batch") + 1] == "6"
 
-    run_runtime(tmp_path, launch, body)
+    run_runtime(launch, body)
 
 
 def test_thread_arguments_given_to_llama_server_are_kept() -> None:
@@ -264,7 +237,7 @@ def test_a_llama_server_that_keeps_failing_is_stopped_after_n_restarts_saying_wh
         await asyncio.sleep(0.3)
         assert runtime.process is first  # not started again
 
-    run_runtime(tmp_path, launch, body)
+    run_runtime(launch, body)
 
 
 def test_the_line_kept_from_a_failed_load_is_its_cause_not_llama_cpps_goodbye() -> None:
