@@ -83,7 +83,10 @@ def test_the_kernel_sends_no_write_after_the_lease_is_lost_mid_pass() -> None:
     assert queue.take(writer.keys(), NOW) == ["c"]
 
 
-def test_the_engines_loop_sends_no_write_after_the_lease_is_lost_mid_pass() -> None:
+def engines_loop_losing_the_lease(*, gated: bool) -> tuple[Loop, list[str]]:
+    """The Engines' loop over engines a and b, whose first write costs the Lease; its API
+    adapter `gated` as `kube.process.run` wires it (asking the Lease at each call) or not.
+    The paths written, filled as they go."""
     lease = Lease()
     api = FakeKubeApi()
     written = loses_the_lease_at_its_first_write(api, lease)
@@ -93,8 +96,12 @@ def test_the_engines_loop_sends_no_write_after_the_lease_is_lost_mid_pass() -> N
         body["metadata"]["name"] = name
         api.add(body, "engines")
         observe_with_ledger(cache, body)
-    fake: Any = api.aio
-    loop = Loop(fake, OperatorSettings(), cache, clock=lambda: NOW, may_write=lease)
+    fake: Any = api.aio.writing_while(lease) if gated else api.aio
+    return Loop(fake, OperatorSettings(), cache, clock=lambda: NOW, may_write=lease), written
+
+
+def test_the_engines_loop_sends_no_write_after_the_lease_is_lost_mid_pass() -> None:
+    loop, written = engines_loop_losing_the_lease(gated=False)
     asyncio.run(loop.pass_once())
     # Engine a's writes (its status, Unschedulable: no node; its event), none of engine b's.
     assert written == [f"{ENGINES}/a/status", "/api/v1/namespaces/ns/events"]
@@ -103,17 +110,7 @@ def test_the_engines_loop_sends_no_write_after_the_lease_is_lost_mid_pass() -> N
 def test_with_the_processs_gated_adapter_a_key_sends_no_write_after_the_lease_is_lost() -> None:
     # As `kube.process.run` wires it: the adapter asks at each call, so engine a's event,
     # after its status lost the Lease, is not sent either; the key waits, marked, not failed.
-    lease = Lease()
-    api = FakeKubeApi()
-    written = loses_the_lease_at_its_first_write(api, lease)
-    cache = Cache(clock=lambda: NOW)
-    for name in ("a", "b"):
-        body = engine_body()
-        body["metadata"]["name"] = name
-        api.add(body, "engines")
-        observe_with_ledger(cache, body)
-    fake: Any = api.aio.writing_while(lease)
-    loop = Loop(fake, OperatorSettings(), cache, clock=lambda: NOW, may_write=lease)
+    loop, written = engines_loop_losing_the_lease(gated=True)
     asyncio.run(loop.pass_once())
     assert written == [f"{ENGINES}/a/status"]
     assert loop.queue.next_retry() is None  # no backoff: not a failure
