@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from continuum_operator.kube.client.api import ApiError, path_of
-from continuum_operator.kube.client.async_api import NotLeading
+from continuum_operator.kube.client.async_api import refuse_unless_leading
 from continuum_operator.model.base import API_VERSION
 
 __all__ = ["Awaited", "Call", "FakeKubeApi", "collection_path", "object_path"]
@@ -140,8 +140,7 @@ class Awaited:
         return gated
 
     def _gate(self, method: str, path: str) -> None:
-        if method != "GET" and self._may_write is not None and not self._may_write():
-            raise NotLeading(f"{method} {path} not sent: this replica no longer leads")
+        refuse_unless_leading(method, path, self._may_write)
 
     async def request(
         self,

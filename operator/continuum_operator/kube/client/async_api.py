@@ -59,7 +59,15 @@ from continuum_operator.kube.client.kept import resource_version
 from continuum_operator.kube.client.login import Login, login
 from continuum_operator.model.json_body import integer, items_at, object_at, text
 
-__all__ = ["LIST_PAGE", "AsyncKubeApi", "NotLeading", "follow", "pages", "relist"]
+__all__ = [
+    "LIST_PAGE",
+    "AsyncKubeApi",
+    "NotLeading",
+    "follow",
+    "pages",
+    "refuse_unless_leading",
+    "relist",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +85,13 @@ LIST_PAGE = 250
 
 class NotLeading(Exception):
     """A write refused before it was sent: this replica no longer leads (`writing_while`)."""
+
+
+def refuse_unless_leading(method: str, path: str, may_write: Callable[[], bool] | None) -> None:
+    """Raise `NotLeading` for a write (any method but GET) once `may_write()` says this replica
+    no longer leads; reads, and an adapter without a gate, pass."""
+    if method != "GET" and may_write is not None and not may_write():
+        raise NotLeading(f"{method} {path} not sent: this replica no longer leads")
 
 
 class AsyncKubeApi:
@@ -147,8 +162,7 @@ class AsyncKubeApi:
 
     async def send(self, r: Request, seconds: float | None = None) -> object:
         """`r`'s answer; within `seconds` where given, else the session's deadline."""
-        if r.method != "GET" and self._may_write is not None and not self._may_write():
-            raise NotLeading(f"{r.method} {r.path} not sent: this replica no longer leads")
+        refuse_unless_leading(r.method, r.path, self._may_write)
         resource = resource_of(r.path)
         if self.meter is not None:
             self.meter.record_api_request(r.method, resource)
